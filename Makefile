@@ -1,0 +1,37 @@
+# The two commands of the README: `make demo` and `make test`. Each creates .venv if needed.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench fuzz schema clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first: the CPU wheel these machines carry; a bare `torch` would pull a CUDA build
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/iobundle demo demo-output
+
+test: $(STAMP)
+	$(PY) -m ruff check iobundle tests benchmarks
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check iobundle tests benchmarks
+
+bench: $(STAMP)
+	$(PY) benchmarks/run.py
+
+fuzz: $(STAMP)
+	IOBUNDLE_FUZZ_EXAMPLES=5000 $(PY) -m pytest -q tests/replay/test_fuzz.py
+
+schema: $(STAMP)
+	$(PY) -c "from iobundle.schema import manifest_json_schema as s; open('iobundle/schema/manifest.schema.json','w').write(s())"
+
+clean:
+	rm -rf $(VENV) demo-output .pytest_cache .ruff_cache

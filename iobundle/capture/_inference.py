@@ -1,0 +1,409 @@
+"""Align recorded calls and infer ``torch.export`` arguments and ``dynamic_shapes`` from them.
+
+The rules follow the InputObserver API (see DESIGN.md), with its known defects fixed:
+
+- the "best" call is the first one with the most tensors; every call is aligned on it;
+- an argument absent from a call (not passed, or None) becomes None slots; an argument that
+  is present but holds no tensor where the best call has some (an empty cache) too;
+- an argument present in two calls must hold the same number of tensors;
+- some call must contain every keyword argument passed in any call;
+- a dimension is dynamic when its size differs across calls, or when batch forcing says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from iobundle.capture._calls import RecordedCalls, positional_names
+from iobundle.capture._tree import build_value, count_tensors, map_structure, replace_tensors, tensor_keys
+from iobundle.errors import AlignmentError, DynamicShapeError
+from iobundle.schema import CallEntry, Node, NoneNode, TensorNode
+
+__all__ = [
+    "Alignment",
+    "align_call",
+    "align_calls",
+    "aligned_tensors",
+    "infer_arguments",
+    "infer_dynamic_shapes",
+    "remove_inputs",
+]
+
+BatchSpec = Collection[int | str] | bool | None
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """Every ok call expressed as the best call's tensor slots.
+
+    Attributes:
+        calls: The ok calls, in recording order.
+        best: Index in ``calls`` of the call whose structure every call is aligned on.
+        slots: Per call, one tensor key or None per tensor of the best call.
+        owners: Per slot, the positional index or keyword name of the argument it belongs to.
+    """
+
+    calls: list[CallEntry]
+    best: int
+    slots: list[list[str | None]]
+    owners: list[int | str]
+
+    @property
+    def best_call(self) -> CallEntry:
+        return self.calls[self.best]
+
+
+def _n_tensors(call: CallEntry) -> int:
+    return sum(count_tensors(a) for a in call.args) + sum(count_tensors(v) for v in call.kwargs.values())
+
+
+def _is_absent(node: Node | None) -> bool:
+    return node is None or isinstance(node, NoneNode)
+
+
+def _bind_to_best(rc: RecordedCalls, call: CallEntry, best: CallEntry) -> tuple[list[Node], dict[str, Node]]:
+    """Return ``call``'s arguments laid out like ``best``'s: same positional count, keywords by name."""
+    args = list(call.args)
+    kwargs = dict(call.kwargs)
+    n_best = len(best.args)
+    pos_names = positional_names(rc.signature)
+    if len(args) > n_best:
+        for i in range(n_best, len(args)):
+            if i >= len(pos_names):
+                var = rc.var_positional
+                raise AlignmentError(
+                    f"Call {call.index} passes {len(args)} positional arguments but call {best.index} passes "
+                    f"{n_best}; the extra ones go to *{var[0] if var else 'args'} and cannot be moved to keywords. "
+                    "Record a call that passes every variadic argument, or remove them with remove_inputs()."
+                )
+            name = pos_names[i]
+            if name in kwargs:
+                raise AlignmentError(f"Call {call.index}: argument {name!r} is given both by position and by name.")
+            kwargs = {name: args[i], **kwargs}
+        args = args[:n_best]
+    elif len(args) < n_best:
+        for i in range(len(args), n_best):
+            name = pos_names[i] if i < len(pos_names) else None
+            args.append(kwargs.pop(name) if name is not None and name in kwargs else NoneNode())
+    return args, kwargs
+
+
+def align_calls(rc: RecordedCalls) -> Alignment:
+    """Align every ok call of ``rc`` on its best call.
+
+    Raises:
+        AlignmentError: No call was recorded, constants differ between calls, an argument holds a
+            different number of tensors in two calls, or no call holds every keyword argument.
+    """
+    calls = rc.ok_calls
+    if not calls:
+        raise AlignmentError(
+            "No successful call was recorded. Run the model inside `with observer(model):` "
+            "(failed calls are kept in the bundle but never used for inference)."
+        )
+    counts = [_n_tensors(c) for c in calls]
+    best_i = counts.index(max(counts))
+    best = calls[best_i]
+    owners: list[int | str] = [i for i, a in enumerate(best.args) for _ in range(count_tensors(a))]
+    owners += [k for k, v in best.kwargs.items() for _ in range(count_tensors(v))]
+    alignment = Alignment(calls=calls, best=best_i, slots=[], owners=owners)
+    alignment.slots.extend(align_call(rc, alignment, call) for call in calls)
+    return alignment
+
+
+def align_call(rc: RecordedCalls, alignment: Alignment, call: CallEntry) -> list[str | None]:
+    """Lay ``call`` out as the best call's tensor slots (None where absent)."""
+    best = alignment.best_call
+    if call.cst_kwargs != best.cst_kwargs:
+        raise AlignmentError(
+            f"Calls {best.index} and {call.index} pass different constants: {best.cst_kwargs} vs "
+            f"{call.cst_kwargs}. One exported program cannot serve both; record calls that agree, "
+            "or remove the argument with remove_inputs()."
+        )
+    args, kwargs = _bind_to_best(rc, call, best)
+    extra = [k for k in kwargs if k not in best.kwargs]
+    if extra:
+        raise AlignmentError(
+            f"Call {call.index} passes keyword argument(s) {extra} that call {best.index} (the call with the "
+            f"most tensors) does not. At least one call must contain every keyword argument: pass a "
+            "placeholder with InputObserver(value_if_missing={...}) or remove it with remove_inputs()."
+        )
+    slots: list[str | None] = []
+    pieces: list[tuple[int | str, Node | None, Node]] = [(i, args[i], a) for i, a in enumerate(best.args)]
+    pieces += [(k, kwargs.get(k), v) for k, v in best.kwargs.items()]
+    for owner, node, best_node in pieces:
+        n = count_tensors(best_node)
+        keys = [] if _is_absent(node) else tensor_keys(node)  # type: ignore[arg-type]
+        if not keys:
+            slots.extend([None] * n)
+            continue
+        if len(keys) != n:
+            what = f"positional argument {owner}" if isinstance(owner, int) else f"argument {owner!r}"
+            raise AlignmentError(
+                f"The {what} holds {len(keys)} tensors in call {call.index} but {n} in call {best.index}. "
+                "An argument present in two calls must flatten to the same number of tensors."
+            )
+        slots.extend(keys)
+    return slots
+
+
+def _batch_forced(rc: RecordedCalls, owner: int | str, spec: BatchSpec) -> bool:
+    if not spec:
+        return False
+    if spec is True:
+        return True
+    assert not isinstance(spec, bool)
+    if owner in spec:
+        return True
+    return isinstance(owner, int) and owner < len(rc.names) and rc.names[owner] in spec
+
+
+def flat_dynamic_dims(rc: RecordedCalls, alignment: Alignment, batch: BatchSpec = None) -> list[list[int]]:
+    """Per slot, the dimensions whose size differs across calls (plus dim 0 where batch is forced)."""
+    result = []
+    for index, owner in enumerate(alignment.owners):
+        shapes = [rc.store.shape(s[index]) for s in alignment.slots if s[index] is not None]
+        ranks = {len(s) for s in shapes}
+        if len(ranks) > 1:
+            raise DynamicShapeError(
+                f"Tensor {index} of argument {owner!r} has different ranks across calls: {sorted(ranks)}. "
+                "A dynamic shape cannot describe a change of rank; record calls of one rank."
+            )
+        rank = ranks.pop() if ranks else 0
+        dims = [d for d in range(rank) if len({s[d] for s in shapes}) > 1]
+        if rank and _batch_forced(rc, owner, batch) and 0 not in dims:
+            dims = [0, *dims]
+        result.append(dims)
+    return result
+
+
+def _post_process_var_keyword(rc: RecordedCalls, mapping: dict[str, Any]) -> dict[str, Any]:
+    """Group names that are not parameters under the ``**kwargs`` parameter, as torch.export expects."""
+    var_kw = rc.var_keyword
+    if not var_kw:
+        return mapping
+    names = set(rc.names)
+    extra = {k: v for k, v in mapping.items() if k not in names}
+    if not extra:
+        return mapping
+    if var_kw in mapping:
+        raise AlignmentError(
+            f"A keyword argument is named {var_kw!r}, like the **{var_kw} parameter that collects extra keywords; "
+            "torch.export cannot tell them apart. Rename it or remove it with remove_inputs()."
+        )
+    return {**{k: v for k, v in mapping.items() if k in names}, var_kw: extra}
+
+
+def _assemble(rc: RecordedCalls, args: list[Any], kwargs: dict[str, Any], cst: dict[str, Any]) -> Any:
+    """Shape ``args``/``kwargs`` (built from the best call) the way torch.export wants them."""
+    var = rc.var_positional
+    if not kwargs and not cst and not var:
+        return tuple(args)
+    if not args:
+        return _post_process_var_keyword(rc, {**kwargs, **cst})
+    if not var:
+        return _post_process_var_keyword(rc, {**dict(zip(rc.names, args)), **kwargs, **cst})
+    n_named = min(len(args), var[1])
+    return _post_process_var_keyword(
+        rc, {**dict(zip(rc.names[:n_named], args[:n_named])), var[0]: tuple(args[n_named:]), **kwargs, **cst}
+    )
+
+
+def infer_dynamic_shapes(
+    rc: RecordedCalls,
+    set_batch_dimension_for: BatchSpec = None,
+    *,
+    dim_names: bool = False,
+) -> tuple[Any, ...] | dict[str, Any]:
+    """Infer the ``dynamic_shapes`` argument of ``torch.export.export`` from the recorded calls.
+
+    Args:
+        rc: The recorded calls.
+        set_batch_dimension_for: Names or positions whose dim 0 is dynamic even if constant,
+            or True for every input.
+        dim_names: Use named ``torch.export.Dim`` objects (``argname_dimN``) instead of ``Dim.DYNAMIC``.
+
+    Returns:
+        A tuple when the best call passes positional tensors only, otherwise a dict by name;
+        nested like the inputs, registered classes as lists of their children.
+    """
+    alignment = align_calls(rc)
+    flat = flat_dynamic_dims(rc, alignment, set_batch_dimension_for)
+    best = alignment.best_call
+    it = iter(range(len(flat)))
+
+    def leaf(_: TensorNode) -> dict[int, Any]:
+        index = next(it)
+        if not dim_names:
+            return dict.fromkeys(flat[index], torch.export.Dim.DYNAMIC)
+        owner = alignment.owners[index]
+        base = rc.names[owner] if isinstance(owner, int) and owner < len(rc.names) else str(owner)
+        return {d: torch.export.Dim(f"{base}_{index}_dim{d}") for d in flat[index]}
+
+    ds_args = [map_structure(a, leaf) for a in best.args]
+    ds_kwargs = {k: map_structure(v, leaf) for k, v in best.kwargs.items()}
+    return _assemble(rc, ds_args, ds_kwargs, dict.fromkeys(best.cst_kwargs))
+
+
+def _fill_tensor(rc: RecordedCalls, alignment: Alignment, index: int, dims: list[int]) -> torch.Tensor:
+    """A stand-in for an absent tensor: the observed tensor with its dynamic dimension set to 0, or zeros."""
+    present = [s[index] for s in alignment.slots if s[index] is not None]
+    if not present:
+        raise AlignmentError(f"No call holds tensor {index} of argument {alignment.owners[index]!r}.")
+    key = present[-1]
+    shape, dtype = list(rc.store.shape(key)), rc.store.dtype(key)
+    if 0 in shape:
+        return rc.store.get(key)
+    device = rc.store.get(key).device
+    if not dims:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    shape[max(dims)] = 0
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def aligned_tensors(
+    rc: RecordedCalls, alignment: Alignment, slots: list[str | None], extra: dict[str, torch.Tensor] | None = None
+) -> list[torch.Tensor]:
+    """The tensors of one aligned call, absent ones replaced by stand-ins (see :func:`_fill_tensor`)."""
+    dims: list[list[int]] | None = None
+    result = []
+    for index, key in enumerate(slots):
+        if key is not None:
+            result.append(extra[key] if extra and key in extra else rc.store.get(key))
+            continue
+        if dims is None:
+            dims = flat_dynamic_dims(rc, alignment)
+        result.append(_fill_tensor(rc, alignment, index, dims[index]))
+    return result
+
+
+def _rebuild(rc: RecordedCalls, best: CallEntry, tensors: list[torch.Tensor]) -> tuple[list[Any], dict[str, Any]]:
+    local = {f"\x00{i}": t for i, t in enumerate(tensors)}
+    fresh: Iterator[Node] = (TensorNode(key=k) for k in local)
+    args_nodes = [replace_tensors(a, fresh) for a in best.args]
+    kwargs_nodes = {k: replace_tensors(v, fresh) for k, v in best.kwargs.items()}
+    get = local.__getitem__
+    args = [build_value(n, get, path=f"args[{i}]") for i, n in enumerate(args_nodes)]
+    kwargs = {k: build_value(n, get, path=k) for k, n in kwargs_nodes.items()}
+    return args, kwargs
+
+
+def select_call(alignment: Alignment) -> int:
+    """The call infer_arguments uses by default: the first laid out exactly like the best call."""
+    best = alignment.best_call
+    for i, call in enumerate(alignment.calls):
+        if len(call.args) == len(best.args) and len(call.kwargs) == len(best.kwargs):
+            return i
+    return alignment.best
+
+
+def infer_arguments(
+    rc: RecordedCalls,
+    index: int | None = None,
+    *,
+    flat: bool = False,
+    as_args_kwargs: bool = False,
+    alignment: Alignment | None = None,
+    slots: list[str | None] | None = None,
+    extra: dict[str, torch.Tensor] | None = None,
+) -> Any:
+    """Build arguments for ``torch.export.export`` from one recorded call (absent inputs filled).
+
+    Args:
+        rc: The recorded calls.
+        index: Which ok call to use; by default the first call laid out like the best call.
+        flat: Return the flat list of tensors instead of the nested structure.
+        as_args_kwargs: Always return ``(args, kwargs)``.
+        alignment: A precomputed alignment.
+        slots: Aligned tensor keys to use instead of a recorded call's.
+        extra: Tensors for keys of ``slots`` that ``rc.store`` does not hold.
+
+    Raises:
+        AlignmentError: ``index`` is out of range, or the arguments cannot be laid out as asked.
+    """
+    alignment = alignment or align_calls(rc)
+    if slots is None:
+        if index is None:
+            index = select_call(alignment)
+        if not -len(alignment.calls) <= index < len(alignment.calls):
+            raise AlignmentError(f"No recorded call {index}: there are {len(alignment.calls)} successful calls.")
+        slots = alignment.slots[index]
+    tensors = aligned_tensors(rc, alignment, slots, extra)
+    if flat:
+        return tensors
+    best = alignment.best_call
+    args, kwargs = _rebuild(rc, best, tensors)
+    kwargs = {**kwargs, **best.cst_kwargs}
+    if as_args_kwargs:
+        return tuple(args), kwargs
+    if not kwargs:
+        return tuple(args)
+    if not args:
+        return kwargs
+    if rc.var_positional:
+        raise AlignmentError(
+            f"The arguments cannot be returned as one tuple or one dict because of *{rc.var_positional[0]} in "
+            "the signature. Call infer_arguments(as_args_kwargs=True)."
+        )
+    return {**dict(zip(rc.names, args)), **kwargs}
+
+
+def remove_inputs(rc: RecordedCalls, names: Collection[str]) -> None:
+    """Remove the named inputs from every recorded call, as if they had never been passed.
+
+    A positional argument followed by others in a call moves those to keywords.
+
+    Raises:
+        AlignmentError: A name is not a parameter, or removing it would need to pass an argument
+            that follows ``*args`` by keyword (the message names the variadic).
+    """
+    names = set(names)
+    params = set(rc.names)
+    unknown = sorted(
+        n for n in names if n not in params and not any(n in c.kwargs or n in c.cst_kwargs for c in rc.calls)
+    )
+    if unknown:
+        raise AlignmentError(
+            f"remove_inputs: {unknown} are neither parameters of {rc.signature.method} nor recorded inputs."
+        )
+    pos_names = list(positional_names(rc.signature))
+    var = rc.var_positional
+    new_calls = []
+    for call in rc.calls:
+        args = list(call.args)
+        kwargs = {k: v for k, v in call.kwargs.items() if k not in names}
+        cst = {k: v for k, v in call.cst_kwargs.items() if k not in names}
+        if var is not None and var[0] in names:
+            args = args[: var[1]]
+        cut = [i for i, n in enumerate(pos_names[: len(args)]) if n in names]
+        if cut:
+            first = cut[0]
+            if len(args) > len(pos_names):
+                raise AlignmentError(
+                    f"remove_inputs({sorted(names)}): call {call.index} passes positional arguments after "
+                    f"{pos_names[first]!r} that belong to *{var[0] if var else 'args'}; they cannot become keywords. "
+                    f"Remove *{var[0] if var else 'args'} too, or record calls that pass {pos_names[first]!r} by name."
+                )
+            moved = {}
+            for i in range(first, len(args)):
+                param = rc.parameter(pos_names[i])
+                if pos_names[i] in names:
+                    continue
+                if param is not None and param.kind == "POSITIONAL_ONLY":
+                    raise AlignmentError(
+                        f"remove_inputs: {pos_names[i]!r} is positional-only and follows a removed argument."
+                    )
+                moved[pos_names[i]] = args[i]
+            args = args[:first]
+            kwargs = {**moved, **kwargs}
+            order = {n: i for i, n in enumerate(rc.names)}
+            kwargs = dict(sorted(kwargs.items(), key=lambda kv: order.get(kv[0], len(order))))
+        filled = [f for f in call.filled if f not in names]
+        new_calls.append(call.model_copy(update={"args": args, "kwargs": kwargs, "cst_kwargs": cst, "filled": filled}))
+    rc.calls = new_calls
+    rc.value_if_missing = [v for v in rc.value_if_missing if v.key not in names]
+    rc.touch()

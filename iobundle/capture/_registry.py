@@ -1,0 +1,92 @@
+"""The registry of node types: classes a recorded tree may hold besides containers.
+
+A node type turns an object into children (tensors, containers, other nodes) and a
+JSON-able context, and back. Bundles name node types by a stable string; replay
+resolves that string only through this registry, never by importing it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["NodeType", "find_node_type", "lookup_node_type", "register_node_type"]
+
+Flatten = Callable[[Any], tuple[list[Any], Any]]
+Unflatten = Callable[[list[Any], Any], Any]
+
+
+@dataclass(frozen=True)
+class NodeType:
+    """How one class is stored in a recorded tree.
+
+    Attributes:
+        name: Stable name written in manifests, e.g. ``"transformers.DynamicCache"``.
+        version: Version of the flattened layout; bumped when ``flatten`` changes.
+        cls: The class handled (exact type match).
+        flatten: ``obj -> (children, context)``; the context must be JSON-able and must not
+            change between calls of the same structure (torch.export compares structures).
+        unflatten: ``(children, context) -> obj``.
+    """
+
+    name: str
+    version: int
+    cls: type
+    flatten: Flatten
+    unflatten: Unflatten
+
+
+_LOCK = threading.Lock()
+_BY_NAME: dict[str, NodeType] = {}
+_BY_CLASS: dict[type, NodeType] = {}
+# Providers are called once, the first time a class from their module prefix is met,
+# or when a name they own is looked up. They register node types for a whole library.
+_PROVIDERS: dict[str, Callable[[], None]] = {}
+_PROVIDED: set[str] = set()
+
+
+def register_node_type(node_type: NodeType) -> None:
+    """Register ``node_type``; a later registration of the same name or class replaces it."""
+    with _LOCK:
+        old = _BY_NAME.pop(node_type.name, None)
+        if old is not None:
+            _BY_CLASS.pop(old.cls, None)
+        _BY_NAME[node_type.name] = node_type
+        _BY_CLASS[node_type.cls] = node_type
+
+
+def register_provider(prefix: str, provider: Callable[[], None]) -> None:
+    """Register a function that registers the node types of the library ``prefix`` on first use."""
+    _PROVIDERS[prefix] = provider
+
+
+def _run_provider(prefix: str) -> None:
+    if prefix in _PROVIDED or prefix not in _PROVIDERS:
+        return
+    _PROVIDED.add(prefix)
+    _PROVIDERS[prefix]()
+
+
+def find_node_type(obj: Any) -> NodeType | None:
+    """Return the node type for ``obj``'s exact class, or None."""
+    cls = type(obj)
+    node_type = _BY_CLASS.get(cls)
+    if node_type is None:
+        prefix = cls.__module__.split(".", 1)[0]
+        if prefix in _PROVIDERS and prefix not in _PROVIDED:
+            _run_provider(prefix)
+            node_type = _BY_CLASS.get(cls)
+    return node_type
+
+
+def lookup_node_type(name: str) -> NodeType | None:
+    """Return the node type registered under ``name``, or None. Never imports ``name``."""
+    node_type = _BY_NAME.get(name)
+    if node_type is None:
+        prefix = name.split(".", 1)[0]
+        if prefix in _PROVIDERS and prefix not in _PROVIDED:
+            _run_provider(prefix)
+            node_type = _BY_NAME.get(name)
+    return node_type

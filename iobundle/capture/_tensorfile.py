@@ -1,0 +1,78 @@
+"""Write standard safetensors files, hashing the bytes while they are written."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+from iobundle.capture._dtypes import dtype_name
+from iobundle.errors import BundleWriteError, UnsupportedInputError
+from iobundle.schema import FileEntry
+
+__all__ = ["tensor_bytes", "write_tensor_file"]
+
+_ALIGN = 8
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of ``tensor`` (copied to CPU and made contiguous if needed)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.contiguous().reshape(-1)
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def write_tensor_file(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor]) -> FileEntry:
+    """Write ``tensors`` to ``path`` as a safetensors file and return its size and sha256.
+
+    The file is written to a temporary name, fsynced and renamed, so a file with the
+    final name is always complete.
+
+    Raises:
+        UnsupportedInputError: A tensor has a dtype that safetensors cannot hold.
+        BundleWriteError: The file cannot be written.
+    """
+    path = Path(path)
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    payloads = []
+    offset = 0
+    # Largest items first: every tensor then starts at a multiple of its item size, with no gaps.
+    for name, tensor in sorted(tensors.items(), key=lambda kv: -kv[1].dtype.itemsize):
+        dname = dtype_name(tensor.dtype)
+        if dname is None:
+            raise UnsupportedInputError(f"Tensor {name!r} has dtype {tensor.dtype}, which a bundle cannot store.")
+        data = tensor_bytes(tensor)
+        header[name] = {"dtype": dname, "shape": list(tensor.shape), "data_offsets": [offset, offset + data.nbytes]}
+        payloads.append(data)
+        offset += data.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % _ALIGN)
+    prefix = struct.pack("<Q", len(text)) + text
+    digest = hashlib.sha256(prefix)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(prefix)
+            for data in payloads:
+                f.write(data)
+                digest.update(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise BundleWriteError(
+            f"Cannot write {path}: {exc.strerror or exc}. Check free space and permissions."
+        ) from exc
+    return FileEntry(size=len(prefix) + offset, sha256=digest.hexdigest())

@@ -1,0 +1,553 @@
+"""Node types for transformers 5.x objects: KV caches and ``ModelOutput`` classes.
+
+This module is imported only once a transformers object has been met, so it imports
+transformers at the top. Importing it registers nothing: :func:`register_all` fills the
+iobundle registry, and :func:`torch_pytree_nodes` lends the same layouts to
+``torch.utils._pytree`` for a ``with`` block.
+
+Flattened layouts (all version 1):
+
+``transformers.DynamicCache``
+    Children: ``[key_0, value_0, key_1, value_1, ...]``, two per layer, always, so that
+    child ``2 * i`` is layer ``i``'s keys and ``2 * i + 1`` its values. Context: one kind per
+    layer, ``"full"`` (``DynamicLayer``), ``{"sliding": window}`` (``DynamicSlidingWindowLayer``,
+    which also serves chunked attention; ``"record_past": true`` is added when the layer
+    records past states) or ``"dummy"`` (``DummyLayer``, a KV-sharing or attention-free layer,
+    whose two children are always None).
+
+    A layer that is not initialised yet (the cache generate() passes to the prefill call)
+    has no tensors, and nothing in it tells batch, heads or head size. Its key and value
+    children are ``None``: the number of children is the same as for an initialised layer,
+    and code that aligns several calls fills those slots with zero-length ``(B, H, 0, D)``
+    tensors built from the other calls. ``None`` children unflatten to an uninitialised
+    layer; zero-length tensors unflatten to an initialised, empty one.
+
+    A sliding layer also holds a Python int, ``cumulative_length`` (tokens seen so far),
+    which changes at every decode call and so cannot go in the context. It is rebuilt as the
+    cached length ``keys.shape[-2]``. That is exact until the window is full; afterwards the
+    rebuilt cache reports a shorter length. A model called with explicit ``position_ids``
+    computes the same logits with either cache; one that derives positions from
+    ``cache.get_seq_length()`` does not.
+
+    A ``DynamicCache()`` built without a config and not used yet has no layers at all: it
+    flattens to no children and an empty context, and unflattens to such a lazy cache.
+
+``transformers.StaticCache``
+    Children: ``[key_0, value_0, cumulative_length_0, key_1, ...]``, three per layer: the
+    preallocated ``(B, H, max_cache_len, D)`` tensors and the 0-d int64 tensor counting the
+    tokens written (tensors, not context, since they change from call to call). An
+    uninitialised layer gives ``None, None, cumulative_length``. Context: ``{"static":
+    max_cache_len}`` per layer, or ``"dummy"``. Sliding static layers are refused: their
+    token count is a Python int that the tensors cannot give back once the window is full.
+    A static cache is updated in place, so a recorder must copy its tensors at call time.
+
+``transformers.EncoderDecoderCache``
+    Children: ``[self_attention_cache, cross_attention_cache]`` (two registered caches).
+    Context: None. ``is_updated`` is recomputed from the cross-attention cache on rebuild,
+    as the transformers constructor does.
+
+``ModelOutput`` subclasses
+    Children: the values that are not None, in field order. Context: their keys. Classes
+    defined outside ``transformers.models`` (``transformers.modeling_outputs``,
+    ``transformers.generation``, ...) are named ``"transformers." + class name``, e.g.
+    ``transformers.CausalLMOutputWithPast``. Model-specific classes are named
+    ``"transformers.models.<model>." + class name``: a few class names are defined by
+    several models (``DetrDecoderOutput``, ``BaseModelOutputWithDeepstackFeatures``), and a
+    name must not depend on which models happen to be imported.
+
+Caches are rebuilt by assigning tensors to new layers, never through ``update()``: that
+would cut sliding caches again and create tensor constants that break
+``torch.onnx.export``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.utils._pytree as torch_pytree
+import transformers
+import transformers.generation.utils
+import transformers.modeling_outputs
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DummyLayer,
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    EncoderDecoderCache,
+    StaticCache,
+    StaticLayer,
+)
+from transformers.utils import ModelOutput
+
+from iobundle.capture._registry import NodeType, register_node_type
+from iobundle.errors import UnsupportedInputError
+
+__all__ = ["register_all", "torch_pytree_nodes"]
+
+logger = logging.getLogger(__name__)
+
+NODE_TYPE_VERSION = 1
+DYNAMIC_CACHE_NAME = "transformers.DynamicCache"
+STATIC_CACHE_NAME = "transformers.StaticCache"
+ENCODER_DECODER_CACHE_NAME = "transformers.EncoderDecoderCache"
+_MODELS_PREFIX = "transformers.models."
+
+
+# --------------------------------------------------------------------------- layers
+
+
+def _require_pair(key: Any, value: Any, index: int) -> bool:
+    """Return whether the layer ``index`` holds tensors; refuse a key without value or back."""
+    if (key is None) != (value is None):
+        raise ValueError(
+            f"Layer {index} of the cache has a {'key' if key is not None else 'value'} tensor but no "
+            f"{'value' if key is not None else 'key'} tensor. Give both, or None for both."
+        )
+    return key is not None
+
+
+def _dynamic_layer_kind(layer: Any, index: int) -> Any:
+    """Return the JSON kind of one ``DynamicCache`` layer, refusing layers with other state."""
+    layer_type = type(layer)
+    if layer_type is DynamicLayer:
+        return "full"
+    if layer_type is DynamicSlidingWindowLayer:
+        kind: dict[str, Any] = {"sliding": int(layer.sliding_window)}
+        if layer.record_past:
+            kind["record_past"] = True
+        return kind
+    if layer_type is DummyLayer:
+        return "dummy"
+    raise UnsupportedInputError(
+        f"Layer {index} of the DynamicCache is a {layer_type.__name__}, which iobundle cannot record: it "
+        "holds state besides keys and values. Supported layers are DynamicLayer, "
+        "DynamicSlidingWindowLayer and DummyLayer (full, sliding or chunked attention)."
+    )
+
+
+def _build_dynamic_layer(kind: Any, key: Any, value: Any, index: int) -> Any:
+    """Build one ``DynamicCache`` layer of ``kind`` holding ``key`` and ``value`` (or nothing)."""
+    filled = _require_pair(key, value, index)
+    if kind == "dummy":
+        if filled:
+            raise ValueError(f"Layer {index} of the cache is a dummy layer, which holds no tensors.")
+        return DummyLayer()
+    if kind == "full":
+        layer: Any = DynamicLayer()
+    elif isinstance(kind, dict) and "sliding" in kind:
+        layer = _new_sliding_layer(int(kind["sliding"]), None if key is None else key.device)
+        layer.record_past = bool(kind.get("record_past", False))
+    else:
+        raise ValueError(f"Layer {index} of the cache has an unknown kind {kind!r}.")
+    if filled:
+        layer.keys = key
+        layer.values = value
+        layer.device = key.device
+        layer.is_initialized = True
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            # Only the cached length is known; see the module docstring.
+            layer.cumulative_length = key.shape[-2]
+    return layer
+
+
+def _new_sliding_layer(window: int, device: Any) -> Any:
+    """Build an empty ``DynamicSlidingWindowLayer`` the way its ``__init__`` does, minus ``torch.tensor``.
+
+    ``__init__`` stores the window in a tensor made by ``torch.tensor(window)``. Made while
+    torch.export traces the unflattening, such a tensor becomes a lifted constant of the
+    program (``c_lifted_tensor_N``), which ``torch.onnx.export`` may later fail to find.
+    ``torch.full`` is an operator instead: traced, and dropped when unused.
+    """
+    layer = DynamicSlidingWindowLayer.__new__(DynamicSlidingWindowLayer)
+    DynamicLayer.__init__(layer)
+    layer.sliding_window = window
+    layer.cumulative_length = 0
+    layer._sliding_window_tensor = torch.full((), window, dtype=torch.long, device=device)
+    layer.record_past = False
+    return layer
+
+
+def _static_layer_kind(layer: Any, index: int) -> Any:
+    """Return the JSON kind of one ``StaticCache`` layer, refusing the ones we cannot rebuild."""
+    layer_type = type(layer)
+    if layer_type is StaticLayer:
+        return {"static": int(layer.max_cache_len)}
+    if layer_type is DummyLayer:
+        return "dummy"
+    raise UnsupportedInputError(
+        f"Layer {index} of the StaticCache is a {layer_type.__name__}, which iobundle cannot record. "
+        "Sliding static layers count tokens in a Python int that their tensors cannot give back once "
+        "the window is full. Use a DynamicCache (the generate() default) to record this model."
+    )
+
+
+def _build_static_layer(kind: Any, key: Any, value: Any, length: Any, index: int) -> Any:
+    """Build one ``StaticCache`` layer of ``kind`` holding the given tensors (or nothing)."""
+    filled = _require_pair(key, value, index)
+    if kind == "dummy":
+        if filled:
+            raise ValueError(f"Layer {index} of the cache is a dummy layer, which holds no tensors.")
+        return DummyLayer()
+    if not (isinstance(kind, dict) and "static" in kind):
+        raise ValueError(f"Layer {index} of the static cache has an unknown kind {kind!r}.")
+    # Built without StaticLayer.__init__, whose ``torch.tensor(0)`` would be a lifted constant
+    # under torch.export (see _new_sliding_layer); the token count comes as a child.
+    layer = StaticLayer.__new__(StaticLayer)
+    CacheLayerMixin.__init__(layer)
+    layer.max_cache_len = int(kind["static"])
+    if length is None:
+        length = torch.zeros((), dtype=torch.long, device=None if key is None else key.device)
+    layer.cumulative_length = length
+    if filled:
+        layer.keys = key
+        layer.values = value
+        layer.device = key.device
+        layer.batch_size, layer.num_heads = key.shape[:2]
+        layer.k_head_dim = key.shape[-1]
+        layer.v_head_dim = value.shape[-1]
+        layer.is_initialized = True
+    return layer
+
+
+# --------------------------------------------------------------------------- caches
+
+
+def _flatten_dynamic_cache(cache: Any) -> tuple[list[Any], list[Any]]:
+    children: list[Any] = []
+    kinds: list[Any] = []
+    for index, layer in enumerate(cache.layers):
+        kinds.append(_dynamic_layer_kind(layer, index))
+        filled = layer.is_initialized and layer.keys is not None
+        children.append(layer.keys if filled else None)
+        children.append(layer.values if filled else None)
+    return children, kinds
+
+
+def _unflatten_dynamic_cache(children: list[Any], context: Any) -> Any:
+    kinds = list(context)
+    children = list(children)
+    if len(children) != 2 * len(kinds):
+        raise ValueError(
+            f"A DynamicCache of {len(kinds)} layers flattens to {2 * len(kinds)} children, got {len(children)}."
+        )
+    cache = DynamicCache()
+    if kinds:
+        cache.layers = [
+            _build_dynamic_layer(kind, children[2 * i], children[2 * i + 1], i) for i, kind in enumerate(kinds)
+        ]
+        cache.layer_class_to_replicate = None
+    return cache
+
+
+def _flatten_static_cache(cache: Any) -> tuple[list[Any], list[Any]]:
+    children: list[Any] = []
+    kinds: list[Any] = []
+    for index, layer in enumerate(cache.layers):
+        kind = _static_layer_kind(layer, index)
+        kinds.append(kind)
+        if kind == "dummy":
+            children.extend([None, None, None])
+            continue
+        filled = layer.is_initialized and layer.keys is not None
+        children.append(layer.keys if filled else None)
+        children.append(layer.values if filled else None)
+        children.append(layer.cumulative_length)
+    return children, kinds
+
+
+def _unflatten_static_cache(children: list[Any], context: Any) -> Any:
+    kinds = list(context)
+    children = list(children)
+    if len(children) != 3 * len(kinds):
+        raise ValueError(
+            f"A StaticCache of {len(kinds)} layers flattens to {3 * len(kinds)} children, got {len(children)}."
+        )
+    layers = [_build_static_layer(kind, *children[3 * i : 3 * i + 3], i) for i, kind in enumerate(kinds)]
+    # StaticCache.__init__ wants a config to build its layers; the layers are already built.
+    cache = StaticCache.__new__(StaticCache)
+    Cache.__init__(cache, layers=layers)
+    return cache
+
+
+def _flatten_encoder_decoder_cache(cache: Any) -> tuple[list[Any], None]:
+    return [cache.self_attention_cache, cache.cross_attention_cache], None
+
+
+def _unflatten_encoder_decoder_cache(children: list[Any], context: Any) -> Any:
+    self_attention_cache, cross_attention_cache = children
+    return EncoderDecoderCache(self_attention_cache, cross_attention_cache)
+
+
+# --------------------------------------------------------------------------- model outputs
+
+
+def _flatten_model_output(output: Any) -> tuple[list[Any], list[str]]:
+    return list(output.values()), list(output.keys())
+
+
+def _model_output_unflattener(cls: type) -> Any:
+    def unflatten(children: list[Any], context: Any) -> Any:
+        return cls(**dict(zip(context, children, strict=True)))
+
+    return unflatten
+
+
+def _model_output_name(cls: type) -> str | None:
+    """Return the stable node type name of a ModelOutput class, or None if not from transformers."""
+    module = cls.__module__
+    if module.startswith(_MODELS_PREFIX):
+        model = module[len(_MODELS_PREFIX) :].split(".", 1)[0]
+        return f"{_MODELS_PREFIX}{model}.{cls.__name__}"
+    if module == "transformers" or module.startswith("transformers."):
+        return f"transformers.{cls.__name__}"
+    return None
+
+
+def _model_output_classes() -> list[type]:
+    """Return every concrete (dataclass) ModelOutput subclass loaded now, parents first."""
+    seen: set[type] = set()
+    found: list[type] = []
+    stack = list(reversed(ModelOutput.__subclasses__()))
+    while stack:
+        cls = stack.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        if dataclasses.is_dataclass(cls):
+            found.append(cls)
+        stack.extend(reversed(cls.__subclasses__()))
+    return found
+
+
+# --------------------------------------------------------------------------- registration
+
+
+_CACHE_NODE_TYPES: tuple[NodeType, ...] = (
+    NodeType(DYNAMIC_CACHE_NAME, NODE_TYPE_VERSION, DynamicCache, _flatten_dynamic_cache, _unflatten_dynamic_cache),
+    NodeType(STATIC_CACHE_NAME, NODE_TYPE_VERSION, StaticCache, _flatten_static_cache, _unflatten_static_cache),
+    NodeType(
+        ENCODER_DECODER_CACHE_NAME,
+        NODE_TYPE_VERSION,
+        EncoderDecoderCache,
+        _flatten_encoder_decoder_cache,
+        _unflatten_encoder_decoder_cache,
+    ),
+)
+
+
+def register_all() -> None:
+    """Register the node types of the transformers caches and of every loaded ``ModelOutput`` class.
+
+    ``ModelOutput`` classes are found by walking ``ModelOutput.__subclasses__()``, so only
+    classes whose module has been imported are registered (``transformers.modeling_outputs``
+    and ``transformers.generation.utils`` always are). Calling it again registers the classes
+    loaded since, which is how a model-specific output met later becomes known. Classes
+    defined outside transformers (remote code) are left out.
+
+    Example:
+        >>> register_all()
+        >>> find_node_type(DynamicCache()).name
+        'transformers.DynamicCache'
+    """
+    for node_type in _CACHE_NODE_TYPES:
+        register_node_type(node_type)
+    for cls in _model_output_classes():
+        name = _model_output_name(cls)
+        if name is None:
+            logger.debug("Not registering %s.%s: not defined by transformers", cls.__module__, cls.__qualname__)
+            continue
+        register_node_type(
+            NodeType(name, NODE_TYPE_VERSION, cls, _flatten_model_output, _model_output_unflattener(cls))
+        )
+    logger.debug("Registered transformers node types (transformers %s)", transformers.__version__)
+
+
+# --------------------------------------------------------------------------- torch pytree
+
+
+def _torch_context(context: Any) -> str:
+    """Turn a JSON context into the hashable, dumpable form the torch pytree specs hold."""
+    return json.dumps(context, sort_keys=True, separators=(",", ":"))
+
+
+def _keyed(names: list[str], children: list[Any]) -> list[tuple[Any, Any]]:
+    return [(torch_pytree.MappingKey(name), child) for name, child in zip(names, children, strict=True)]
+
+
+def _cache_child_names(per_layer: tuple[str, ...], layers: int) -> list[str]:
+    return [f"{name}_{i}" for i in range(layers) for name in per_layer]
+
+
+@dataclasses.dataclass(frozen=True)
+class _PytreeNode:
+    """One class lent to torch pytree: flatten, unflatten and key names of its children."""
+
+    cls: type
+    serialized_type_name: str
+    flatten: Any
+    unflatten: Any
+    child_names: Any
+
+    def torch_flatten(self, obj: Any) -> tuple[list[Any], str]:
+        children, context = self.flatten(obj)
+        return children, _torch_context(context)
+
+    def torch_unflatten(self, children: Any, context: str) -> Any:
+        return self.unflatten(list(children), json.loads(context))
+
+    def torch_flatten_with_keys(self, obj: Any) -> tuple[list[tuple[Any, Any]], str]:
+        children, context = self.flatten(obj)
+        return _keyed(self.child_names(obj, children), children), _torch_context(context)
+
+
+def _pytree_nodes() -> tuple[_PytreeNode, ...]:
+    return (
+        _PytreeNode(
+            DynamicCache,
+            DYNAMIC_CACHE_NAME,
+            _flatten_dynamic_cache,
+            _unflatten_dynamic_cache,
+            lambda obj, children: _cache_child_names(("key", "value"), len(children) // 2),
+        ),
+        _PytreeNode(
+            StaticCache,
+            STATIC_CACHE_NAME,
+            _flatten_static_cache,
+            _unflatten_static_cache,
+            lambda obj, children: _cache_child_names(("key", "value", "cumulative_length"), len(children) // 3),
+        ),
+        _PytreeNode(
+            EncoderDecoderCache,
+            ENCODER_DECODER_CACHE_NAME,
+            _flatten_encoder_decoder_cache,
+            _unflatten_encoder_decoder_cache,
+            lambda obj, children: ["self_attention_cache", "cross_attention_cache"],
+        ),
+    )
+
+
+@dataclasses.dataclass
+class _SavedRegistration:
+    """What torch pytree held for one class before we registered ours."""
+
+    node_def: Any
+    serialized_def: Any
+    serialized_names: dict[str, Any]
+    constant: bool
+    ours: Any = None
+
+
+_PYTREE_LOCK = threading.Lock()
+_pytree_depth = 0
+_pytree_saved: dict[type, _SavedRegistration] = {}
+
+_MISSING = object()
+
+
+def _install(node: _PytreeNode) -> _SavedRegistration:
+    """Replace torch pytree's registration of ``node.cls`` by ours; return what was there."""
+    with torch_pytree._NODE_REGISTRY_LOCK:
+        old_serialized = torch_pytree.SUPPORTED_SERIALIZED_TYPES.get(node.cls)
+        names = {node.serialized_type_name}
+        if old_serialized is not None:
+            names.add(old_serialized.serialized_type_name)
+        saved = _SavedRegistration(
+            node_def=torch_pytree.SUPPORTED_NODES.get(node.cls),
+            serialized_def=old_serialized,
+            serialized_names={name: torch_pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE.get(name, _MISSING) for name in names},
+            constant=node.cls in torch_pytree.CONSTANT_NODES,
+        )
+        if saved.node_def is not None:
+            torch_pytree._deregister_pytree_node(node.cls)
+        # The private registration skips the C++ pytree (optree), which torch.export does not use
+        # and from which nothing could be removed again.
+        torch_pytree._private_register_pytree_node(
+            node.cls,
+            node.torch_flatten,
+            node.torch_unflatten,
+            serialized_type_name=node.serialized_type_name,
+            to_dumpable_context=_identity,
+            from_dumpable_context=_identity,
+            flatten_with_keys_fn=node.torch_flatten_with_keys,
+        )
+        saved.ours = torch_pytree.SUPPORTED_NODES[node.cls]
+    return saved
+
+
+def _restore(cls: type, saved: _SavedRegistration) -> None:
+    """Remove our registration of ``cls`` and put back exactly what ``saved`` holds."""
+    with torch_pytree._NODE_REGISTRY_LOCK:
+        if torch_pytree.SUPPORTED_NODES.get(cls) is not saved.ours:
+            logger.warning(
+                "torch pytree registration of %s was changed inside torch_pytree_nodes(); leaving it as it is",
+                cls.__name__,
+            )
+            return
+        torch_pytree._deregister_pytree_node(cls)
+        if saved.node_def is not None:
+            torch_pytree.SUPPORTED_NODES[cls] = saved.node_def
+        if saved.serialized_def is not None:
+            torch_pytree.SUPPORTED_SERIALIZED_TYPES[cls] = saved.serialized_def
+        for name, value in saved.serialized_names.items():
+            if value is _MISSING:
+                torch_pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE.pop(name, None)
+            else:
+                torch_pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE[name] = value
+        if saved.constant:
+            torch_pytree.CONSTANT_NODES.add(cls)
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+@contextlib.contextmanager
+def torch_pytree_nodes() -> Iterator[None]:
+    """Register the transformers caches with ``torch.utils._pytree`` for the ``with`` block.
+
+    Inside the block ``DynamicCache``, ``StaticCache`` and ``EncoderDecoderCache`` flatten
+    the way the iobundle node types do (see the module docstring), with the context held as
+    a JSON string, so ``torch.export.export`` accepts them as inputs. ``dynamic_shapes`` for
+    a cache is then the list of its children's shapes (``[key_0, value_0, key_1, ...]``).
+    On leaving, whatever torch pytree held for these classes before is put back exactly,
+    or removed if there was nothing. Nested and concurrent blocks are fine: the last block
+    to leave restores. ``ModelOutput`` classes are left alone: transformers registers each
+    of them itself, at class creation, with the same layout (non-None values, keys as
+    context).
+
+    An uninitialised cache layer flattens to ``None`` children here too, and None is an
+    empty subtree for torch pytree, so a prefill cache and a decode cache are different
+    structures. Give ``torch.export`` initialised caches, with zero-length ``(B, H, 0, D)``
+    tensors for an empty one (``cache.early_initialization(...)`` makes them).
+
+    This relies on torch's private registration tables (checked against torch 2.13) and
+    only touches the Python pytree, not the optional C++ one.
+
+    Example:
+        >>> with torch_pytree_nodes():
+        ...     ep = torch.export.export(model, (input_ids,), {"cache": cache})
+    """
+    global _pytree_depth
+    with _PYTREE_LOCK:
+        if _pytree_depth == 0:
+            for node in _pytree_nodes():
+                _pytree_saved[node.cls] = _install(node)
+        _pytree_depth += 1
+    try:
+        yield
+    finally:
+        with _PYTREE_LOCK:
+            _pytree_depth -= 1
+            if _pytree_depth == 0:
+                for cls, saved in _pytree_saved.items():
+                    _restore(cls, saved)
+                _pytree_saved.clear()

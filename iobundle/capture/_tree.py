@@ -1,0 +1,275 @@
+"""Convert Python values to recorded trees (``iobundle.schema`` nodes) and back.
+
+A tree holds containers, None, scalars, tensor references (by key) and instances of
+registered classes. Only tensors are leaves for alignment and shape inference;
+scalars and None inside a tree are part of its structure.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.utils._pytree as torch_pytree
+
+from iobundle.capture._registry import find_node_type, lookup_node_type
+from iobundle.errors import AlignmentError, UnsafeBundleError
+from iobundle.schema import (
+    ConstNode,
+    DictNode,
+    ListNode,
+    Node,
+    NoneNode,
+    ObjectNode,
+    OpaqueNode,
+    TensorNode,
+    TupleNode,
+)
+
+__all__ = [
+    "NONE_NODE",
+    "PYTREE_PREFIX",
+    "TensorCollector",
+    "build_value",
+    "count_tensors",
+    "iter_tensor_nodes",
+    "map_structure",
+    "qualified_name",
+    "record_value",
+    "replace_tensors",
+    "tensor_keys",
+]
+
+NONE_NODE = NoneNode()
+PYTREE_PREFIX = "pytree:"
+_SCALARS = (bool, int, float, str)
+_CONTAINER_TYPES = frozenset({list, tuple, dict})
+
+
+def qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class TensorCollector:
+    """Gives each tensor met while recording a key, storing a snapshot once per distinct tensor.
+
+    Two references to the same tensor (same object, unchanged version counter) get the same
+    key, within a call and across calls, so a tensor passed to many calls is stored once.
+
+    Args:
+        snapshot: ``tensor -> stored copy``; called once per distinct tensor.
+        prefix: Prefix of the keys handed out.
+    """
+
+    def __init__(self, snapshot: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._snapshot = snapshot
+        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, tuple[int, ...], tuple[int, ...], str]] = {}
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._counter = 0
+
+    def _new_key(self) -> str:
+        key = f"t{self._counter}"
+        self._counter += 1
+        return key
+
+    def add(self, tensor: torch.Tensor) -> str:
+        """Return the key of ``tensor``, snapshotting it if it was not seen unchanged before."""
+        ident = id(tensor)
+        seen = self._seen.get(ident)
+        if seen is not None:
+            ref, version, shape, stride, key = seen
+            if (
+                ref() is tensor
+                and version == tensor._version
+                and shape == tuple(tensor.shape)
+                and stride == tuple(tensor.stride())
+                and key in self.tensors
+            ):
+                return key
+        key = self._new_key()
+        self.tensors[key] = self._snapshot(tensor)
+        try:
+            ref = weakref.ref(tensor)
+        except TypeError:
+            return key
+        self._seen[ident] = (ref, tensor._version, tuple(tensor.shape), tuple(tensor.stride()), key)
+        return key
+
+    def forget(self, keys: set[str]) -> None:
+        """Drop the stored snapshots of ``keys`` (after they were written to disk)."""
+        for key in keys:
+            self.tensors.pop(key, None)
+
+
+def _json_normalise(context: Any) -> tuple[Any, bool]:
+    try:
+        return json.loads(json.dumps(context)), True
+    except (TypeError, ValueError):
+        return None, False
+
+
+def record_value(
+    value: Any,
+    collector: TensorCollector,
+    *,
+    path: str,
+    on_opaque: Callable[[str, str, str], None],
+) -> Node:
+    """Convert ``value`` to a tree, registering its tensors with ``collector``.
+
+    Values that cannot be recorded become :class:`OpaqueNode` and ``on_opaque(path, type, reason)``
+    is called; recording never raises for an unsupported value.
+    """
+    if isinstance(value, torch.Tensor):
+        return TensorNode(key=collector.add(value))
+    if value is None:
+        return NONE_NODE
+    if isinstance(value, _SCALARS):
+        # bool before int: bool is an int subclass; int/str enums are stored as plain values
+        plain = next(t for t in _SCALARS if isinstance(value, t))
+        return ConstNode(value=plain(value))
+    cls = type(value)
+    if cls is list or cls is tuple or (isinstance(value, tuple) and hasattr(value, "_fields")):
+        items = [record_value(v, collector, path=f"{path}[{i}]", on_opaque=on_opaque) for i, v in enumerate(value)]
+        return ListNode(items=items) if cls is list else TupleNode(items=items)
+    if isinstance(value, dict) and (cls is dict or cls.__module__ == "collections"):
+        keys = list(value)
+        if all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in keys):
+            items = [record_value(value[k], collector, path=f"{path}[{k!r}]", on_opaque=on_opaque) for k in keys]
+            return DictNode(keys=keys, items=items)
+    node_type = find_node_type(value)
+    if node_type is not None:
+        children, context = node_type.flatten(value)
+        return ObjectNode(
+            type=node_type.name,
+            version=node_type.version,
+            context=_json_normalise(context)[0],
+            items=[record_value(c, collector, path=f"{path}.{i}", on_opaque=on_opaque) for i, c in enumerate(children)],
+        )
+    pytree_node = torch_pytree.SUPPORTED_NODES.get(cls)
+    if pytree_node is not None and cls not in _CONTAINER_TYPES:
+        children, context = pytree_node.flatten_fn(value)
+        context, ok = _json_normalise(context)
+        return ObjectNode(
+            type=PYTREE_PREFIX + qualified_name(cls),
+            version=0 if ok else -1,
+            context=context,
+            items=[record_value(c, collector, path=f"{path}.{i}", on_opaque=on_opaque) for i, c in enumerate(children)],
+        )
+    reason = "not a tensor, scalar, container or registered class"
+    on_opaque(path, qualified_name(cls), reason)
+    return OpaqueNode(type=qualified_name(cls), reason=reason)
+
+
+def iter_tensor_nodes(node: Node) -> Iterator[TensorNode]:
+    """Yield the tensor nodes of ``node`` in flattening order."""
+    stack: list[Node] = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, TensorNode):
+            yield item
+        elif isinstance(item, (ListNode, TupleNode, DictNode, ObjectNode)):
+            stack.extend(reversed(item.items))
+
+
+def tensor_keys(node: Node) -> list[str]:
+    return [t.key for t in iter_tensor_nodes(node)]
+
+
+def count_tensors(node: Node) -> int:
+    return sum(1 for _ in iter_tensor_nodes(node))
+
+
+def replace_tensors(node: Node, values: Iterator[Node]) -> Node:
+    """Return ``node`` with each tensor node replaced by the next node of ``values``."""
+    if isinstance(node, TensorNode):
+        return next(values)
+    if isinstance(node, ListNode):
+        return ListNode(items=[replace_tensors(n, values) for n in node.items])
+    if isinstance(node, TupleNode):
+        return TupleNode(items=[replace_tensors(n, values) for n in node.items])
+    if isinstance(node, DictNode):
+        return DictNode(keys=node.keys, items=[replace_tensors(n, values) for n in node.items])
+    if isinstance(node, ObjectNode):
+        return node.model_copy(update={"items": [replace_tensors(n, values) for n in node.items]})
+    return node
+
+
+def map_structure(node: Node, leaf: Callable[[TensorNode], Any]) -> Any:
+    """Rebuild ``node`` as plain containers: tensors through ``leaf``, registered classes as lists.
+
+    This is the structure ``torch.export`` expects for ``dynamic_shapes``: a custom class
+    appears as the list of its flattened children; None and constants become None.
+    """
+    if isinstance(node, TensorNode):
+        return leaf(node)
+    if isinstance(node, ListNode):
+        return [map_structure(n, leaf) for n in node.items]
+    if isinstance(node, TupleNode):
+        return tuple(map_structure(n, leaf) for n in node.items)
+    if isinstance(node, DictNode):
+        return {k: map_structure(n, leaf) for k, n in zip(node.keys, node.items)}
+    if isinstance(node, ObjectNode):
+        return [map_structure(n, leaf) for n in node.items]
+    return None
+
+
+def build_value(node: Node, tensor: Callable[[str], torch.Tensor], *, path: str = "") -> Any:
+    """Rebuild the Python value of ``node``; tensors come from ``tensor(key)``.
+
+    Registered classes are rebuilt only through iobundle's registry, or through a
+    torch pytree registration already present in this process; nothing is imported.
+
+    Raises:
+        UnsafeBundleError: The tree names a class that is not registered.
+        AlignmentError: The tree holds a value that was not recorded (opaque).
+    """
+    if isinstance(node, TensorNode):
+        return tensor(node.key)
+    if isinstance(node, NoneNode):
+        return None
+    if isinstance(node, ConstNode):
+        return node.value
+    if isinstance(node, ListNode):
+        return [build_value(n, tensor, path=f"{path}[{i}]") for i, n in enumerate(node.items)]
+    if isinstance(node, TupleNode):
+        return tuple(build_value(n, tensor, path=f"{path}[{i}]") for i, n in enumerate(node.items))
+    if isinstance(node, DictNode):
+        return {k: build_value(n, tensor, path=f"{path}[{k!r}]") for k, n in zip(node.keys, node.items)}
+    if isinstance(node, ObjectNode):
+        children = [build_value(n, tensor, path=f"{path}.{i}") for i, n in enumerate(node.items)]
+        return _build_object(node, children, path)
+    raise AlignmentError(
+        f"{path or 'value'}: a {node.type} was not recorded ({node.reason}), so it cannot be rebuilt. "
+        "Remove this input with remove_inputs() or register its class as a pytree node before capturing."
+    )
+
+
+def _build_object(node: ObjectNode, children: list[Any], path: str) -> Any:
+    if node.type.startswith(PYTREE_PREFIX):
+        name = node.type[len(PYTREE_PREFIX) :]
+        for cls, entry in list(torch_pytree.SUPPORTED_NODES.items()):
+            if qualified_name(cls) == name:
+                if node.version < 0:
+                    raise AlignmentError(
+                        f"{path}: the pytree context of {name} was not JSON-serialisable at capture, "
+                        "so it cannot be rebuilt."
+                    )
+                return entry.unflatten_fn(children, node.context)
+        raise UnsafeBundleError(
+            f"{path}: class {name!r} is not registered as a pytree node in this process. "
+            "Import the module that registers it before loading (iobundle never imports names found in a bundle)."
+        )
+    node_type = lookup_node_type(node.type)
+    if node_type is None:
+        raise UnsafeBundleError(
+            f"{path}: node type {node.type!r} is not in iobundle's registry; refusing to rebuild it."
+        )
+    if node.version != node_type.version:
+        raise UnsafeBundleError(
+            f"{path}: node type {node.type!r} has version {node.version}; this iobundle reads version {node_type.version}."
+        )
+    return node_type.unflatten(children, node.context)

@@ -1,0 +1,65 @@
+"""The bundle format: pydantic models of ``manifest.json`` and their JSON I/O. Never imports torch."""
+
+from __future__ import annotations
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST_FILENAME",
+    "SUPPORTED_FORMAT_VERSIONS",
+    "CallEntry",
+    "ConstNode",
+    "DictNode",
+    "FileEntry",
+    "ListNode",
+    "Manifest",
+    "MissingValueEntry",
+    "Node",
+    "NoneNode",
+    "ObjectNode",
+    "OpaqueNode",
+    "ParameterEntry",
+    "Producer",
+    "SignatureEntry",
+    "TensorEntry",
+    "TensorNode",
+    "TupleNode",
+    "dump_manifest",
+    "load_manifest",
+    "manifest_json_schema",
+    "parse_manifest",
+    "write_manifest",
+]
+
+import json
+
+from iobundle.schema._io import MANIFEST_FILENAME, dump_manifest, load_manifest, parse_manifest, write_manifest
+from iobundle.schema._manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    SUPPORTED_FORMAT_VERSIONS,
+    CallEntry,
+    ConstNode,
+    DictNode,
+    FileEntry,
+    ListNode,
+    Manifest,
+    MissingValueEntry,
+    Node,
+    NoneNode,
+    ObjectNode,
+    OpaqueNode,
+    ParameterEntry,
+    Producer,
+    SignatureEntry,
+    TensorEntry,
+    TensorNode,
+    TupleNode,
+)
+
+
+def manifest_json_schema() -> str:
+    """Return the JSON Schema of ``manifest.json``, as shipped in ``iobundle/schema/manifest.schema.json``."""
+    schema = Manifest.model_json_schema()
+    schema["title"] = f"iobundle manifest, format_version {FORMAT_VERSION}"
+    return json.dumps(schema, indent=1, sort_keys=True) + "\n"

@@ -1,0 +1,188 @@
+"""Pydantic models of ``manifest.json``, the bundle format. JSON only: no torch here.
+
+A tree is JSON a person can read: every node is an object with a ``kind``::
+
+    {"kind": "tensor", "key": "t0"}                      a tensor, stored under key t0
+    {"kind": "none"}                                     None
+    {"kind": "const", "value": 3}                        an int, float, bool or str
+    {"kind": "list", "items": [...]}                     also "tuple"
+    {"kind": "dict", "keys": ["a", 1], "items": [...]}
+    {"kind": "node", "type": "transformers.DynamicCache", "version": 1,
+     "context": ..., "items": [...]}                     a registered class, by stable name
+    {"kind": "opaque", "type": "mymodule.Thing"}         a value that could not be recorded
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictBool, StrictFloat, StrictInt, StrictStr
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "SUPPORTED_FORMAT_VERSIONS",
+    "CallEntry",
+    "ConstNode",
+    "DictNode",
+    "FileEntry",
+    "ListNode",
+    "Manifest",
+    "MissingValueEntry",
+    "Node",
+    "NoneNode",
+    "ObjectNode",
+    "OpaqueNode",
+    "ParameterEntry",
+    "Producer",
+    "SignatureEntry",
+    "TensorEntry",
+    "TensorNode",
+    "TupleNode",
+]
+
+FORMAT = "iobundle"
+FORMAT_VERSION = 1
+SUPPORTED_FORMAT_VERSIONS = (1,)
+
+Scalar = Union[StrictBool, StrictInt, StrictFloat, StrictStr]
+DTYPES = (
+    "BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64",
+    "F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0",
+    "C64", "C128",
+)  # fmt: skip
+DType = Literal[DTYPES]  # type: ignore[valid-type]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
+
+
+class TensorNode(_Model):
+    kind: Literal["tensor"] = "tensor"
+    key: str
+
+
+class NoneNode(_Model):
+    kind: Literal["none"] = "none"
+
+
+class ConstNode(_Model):
+    kind: Literal["const"] = "const"
+    value: Scalar
+
+
+class ListNode(_Model):
+    kind: Literal["list"] = "list"
+    items: list[Node]
+
+
+class TupleNode(_Model):
+    kind: Literal["tuple"] = "tuple"
+    items: list[Node]
+
+
+class DictNode(_Model):
+    kind: Literal["dict"] = "dict"
+    keys: list[Union[StrictStr, StrictInt]]
+    items: list[Node]
+
+
+class ObjectNode(_Model):
+    """An instance of a registered class (a transformers cache, a user pytree class)."""
+
+    kind: Literal["node"] = "node"
+    type: str
+    version: int
+    context: JsonValue = None
+    items: list[Node]
+
+
+class OpaqueNode(_Model):
+    """A value iobundle could not record (the observed program was not disturbed)."""
+
+    kind: Literal["opaque"] = "opaque"
+    type: str
+    reason: str = ""
+
+
+Node = Annotated[
+    Union[TensorNode, NoneNode, ConstNode, ListNode, TupleNode, DictNode, ObjectNode, OpaqueNode],
+    Field(discriminator="kind"),
+]
+for _model in (ListNode, TupleNode, DictNode, ObjectNode):
+    _model.model_rebuild()
+
+
+class TensorEntry(_Model):
+    """Where one tensor lives: its file, its key inside that file, dtype and shape."""
+
+    file: str
+    name: str
+    dtype: DType
+    shape: list[Annotated[int, Field(ge=0)]]
+    device: str = "cpu"
+
+
+class FileEntry(_Model):
+    """A tensor file of the bundle, with its size and hash checked before use."""
+
+    size: Annotated[int, Field(ge=0)]
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class CallEntry(_Model):
+    """One recorded call of the observed method."""
+
+    index: Annotated[int, Field(ge=0)]
+    status: Literal["ok", "failed", "incomplete"] = "ok"
+    error: str | None = None
+    args: list[Node]
+    kwargs: dict[str, Node]
+    cst_kwargs: dict[str, Scalar] = Field(default_factory=dict)
+    filled: list[Union[StrictStr, StrictInt]] = Field(default_factory=list)
+    outputs: Node | None = None
+    latency: float | None = None
+
+
+class ParameterEntry(_Model):
+    name: str
+    kind: Literal["POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD", "VAR_POSITIONAL", "KEYWORD_ONLY", "VAR_KEYWORD"]
+    has_default: bool = False
+    default: JsonValue = None
+
+
+class SignatureEntry(_Model):
+    """The observed method: its name and its parameters (defaults kept when JSON-able)."""
+
+    method: str
+    qualname: str = ""
+    parameters: list[ParameterEntry]
+
+
+class Producer(_Model):
+    iobundle: str
+    torch: str
+    python: str
+    transformers: str | None = None
+    devices: list[str] = Field(default_factory=list)
+
+
+class MissingValueEntry(_Model):
+    """A placeholder given by ``value_if_missing`` for an argument (by name or position)."""
+
+    key: Union[StrictStr, StrictInt]
+    value: Node
+
+
+class Manifest(_Model):
+    """The whole of ``manifest.json``."""
+
+    format: Literal["iobundle"] = FORMAT
+    format_version: Literal[1] = FORMAT_VERSION
+    producer: Producer
+    signature: SignatureEntry
+    value_if_missing: list[MissingValueEntry] = Field(default_factory=list)
+    calls: list[CallEntry]
+    tensors: dict[str, TensorEntry]
+    files: dict[str, FileEntry]
