@@ -20,7 +20,9 @@ Flattened layouts (all version 1):
     children are ``None``: the number of children is the same as for an initialised layer,
     and code that aligns several calls fills those slots with zero-length ``(B, H, 0, D)``
     tensors built from the other calls. ``None`` children unflatten to an uninitialised
-    layer; zero-length tensors unflatten to an initialised, empty one.
+    layer; zero-length tensors unflatten to an initialised, empty one. The 1-D empty
+    placeholders that ``Cache.early_initialization`` leaves in a ``DynamicLayer`` say no more
+    than nothing, and flatten to ``None`` as well.
 
     A sliding layer also holds a Python int, ``cumulative_length`` (tokens seen so far),
     which changes at every decode call and so cannot go in the context. It is rebuilt as the
@@ -57,13 +59,20 @@ Flattened layouts (all version 1):
 
 Caches are rebuilt by assigning tensors to new layers, never through ``update()``: that
 would cut sliding caches again and create tensor constants that break
-``torch.onnx.export``.
+``torch.onnx.export``. For the same reason no layer is built by a constructor that calls
+``torch.tensor`` (see ``_new_sliding_layer``). Subclasses of these caches (``MtpCache``,
+``DFlashCache``, quantized caches) and layers holding other state (indexed, linear-attention,
+quantized layers) are not registered or are refused with ``UnsupportedInputError``.
 """
+
+# transformers leaves its cache layer constructors unannotated.
+# mypy: disable-error-code="no-untyped-call"
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import threading
@@ -86,7 +95,7 @@ from transformers.cache_utils import (
     StaticCache,
     StaticLayer,
 )
-from transformers.utils import ModelOutput
+from transformers.utils.generic import ModelOutput
 
 from iobundle.capture._registry import NodeType, register_node_type
 from iobundle.errors import UnsupportedInputError
@@ -221,14 +230,27 @@ def _build_static_layer(kind: Any, key: Any, value: Any, length: Any, index: int
 # --------------------------------------------------------------------------- caches
 
 
+def _layer_tensors(layer: Any) -> tuple[Any, Any]:
+    """Return a layer's key and value tensors, or two Nones when it holds no shaped tensors.
+
+    ``DynamicLayer.lazy_initialization`` (hence ``Cache.early_initialization``) leaves 1-D
+    empty placeholders that say nothing of batch, heads or head size; they count as absent,
+    and an uninitialised layer behaves the same.
+    """
+    keys, values = layer.keys, layer.values
+    if not layer.is_initialized or keys is None or values is None:
+        return None, None
+    if keys.dim() == 1 and keys.numel() == 0:
+        return None, None
+    return keys, values
+
+
 def _flatten_dynamic_cache(cache: Any) -> tuple[list[Any], list[Any]]:
     children: list[Any] = []
     kinds: list[Any] = []
     for index, layer in enumerate(cache.layers):
         kinds.append(_dynamic_layer_kind(layer, index))
-        filled = layer.is_initialized and layer.keys is not None
-        children.append(layer.keys if filled else None)
-        children.append(layer.values if filled else None)
+        children.extend(_layer_tensors(layer))
     return children, kinds
 
 
@@ -257,9 +279,7 @@ def _flatten_static_cache(cache: Any) -> tuple[list[Any], list[Any]]:
         if kind == "dummy":
             children.extend([None, None, None])
             continue
-        filled = layer.is_initialized and layer.keys is not None
-        children.append(layer.keys if filled else None)
-        children.append(layer.values if filled else None)
+        children.extend(_layer_tensors(layer))
         children.append(layer.cumulative_length)
     return children, kinds
 
@@ -271,7 +291,10 @@ def _unflatten_static_cache(children: list[Any], context: Any) -> Any:
         raise ValueError(
             f"A StaticCache of {len(kinds)} layers flattens to {3 * len(kinds)} children, got {len(children)}."
         )
-    layers = [_build_static_layer(kind, *children[3 * i : 3 * i + 3], i) for i, kind in enumerate(kinds)]
+    layers = [
+        _build_static_layer(kind, children[3 * i], children[3 * i + 1], children[3 * i + 2], i)
+        for i, kind in enumerate(kinds)
+    ]
     # StaticCache.__init__ wants a config to build its layers; the layers are already built.
     cache = StaticCache.__new__(StaticCache)
     Cache.__init__(cache, layers=layers)
@@ -379,23 +402,28 @@ def _torch_context(context: Any) -> str:
     return json.dumps(context, sort_keys=True, separators=(",", ":"))
 
 
-def _keyed(names: list[str], children: list[Any]) -> list[tuple[Any, Any]]:
-    return [(torch_pytree.MappingKey(name), child) for name, child in zip(names, children, strict=True)]
+def _cache_child_keys(per_layer: tuple[str, ...], children: list[Any]) -> list[Any]:
+    """Name a cache's children ``key_0, value_0, ...``: torch.export names its inputs after them."""
+    layers = len(children) // len(per_layer)
+    return [torch_pytree.MappingKey(f"{name}_{i}") for i in range(layers) for name in per_layer]
 
 
-def _cache_child_names(per_layer: tuple[str, ...], layers: int) -> list[str]:
-    return [f"{name}_{i}" for i in range(layers) for name in per_layer]
+def _attribute_keys(*names: str) -> Any:
+    def keys(children: list[Any]) -> list[Any]:
+        return [torch_pytree.GetAttrKey(name) for name in names]
+
+    return keys
 
 
 @dataclasses.dataclass(frozen=True)
 class _PytreeNode:
-    """One class lent to torch pytree: flatten, unflatten and key names of its children."""
+    """One class lent to torch pytree: flatten, unflatten and the key entries of its children."""
 
     cls: type
     serialized_type_name: str
     flatten: Any
     unflatten: Any
-    child_names: Any
+    child_keys: Any
 
     def torch_flatten(self, obj: Any) -> tuple[list[Any], str]:
         children, context = self.flatten(obj)
@@ -406,7 +434,8 @@ class _PytreeNode:
 
     def torch_flatten_with_keys(self, obj: Any) -> tuple[list[tuple[Any, Any]], str]:
         children, context = self.flatten(obj)
-        return _keyed(self.child_names(obj, children), children), _torch_context(context)
+        keyed = list(zip(self.child_keys(children), children, strict=True))
+        return keyed, _torch_context(context)
 
 
 def _pytree_nodes() -> tuple[_PytreeNode, ...]:
@@ -416,21 +445,21 @@ def _pytree_nodes() -> tuple[_PytreeNode, ...]:
             DYNAMIC_CACHE_NAME,
             _flatten_dynamic_cache,
             _unflatten_dynamic_cache,
-            lambda obj, children: _cache_child_names(("key", "value"), len(children) // 2),
+            functools.partial(_cache_child_keys, ("key", "value")),
         ),
         _PytreeNode(
             StaticCache,
             STATIC_CACHE_NAME,
             _flatten_static_cache,
             _unflatten_static_cache,
-            lambda obj, children: _cache_child_names(("key", "value", "cumulative_length"), len(children) // 3),
+            functools.partial(_cache_child_keys, ("key", "value", "cumulative_length")),
         ),
         _PytreeNode(
             EncoderDecoderCache,
             ENCODER_DECODER_CACHE_NAME,
             _flatten_encoder_decoder_cache,
             _unflatten_encoder_decoder_cache,
-            lambda obj, children: ["self_attention_cache", "cross_attention_cache"],
+            _attribute_keys("self_attention_cache", "cross_attention_cache"),
         ),
     )
 
@@ -466,8 +495,7 @@ def _install(node: _PytreeNode) -> _SavedRegistration:
             serialized_names={name: torch_pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE.get(name, _MISSING) for name in names},
             constant=node.cls in torch_pytree.CONSTANT_NODES,
         )
-        if saved.node_def is not None:
-            torch_pytree._deregister_pytree_node(node.cls)
+        _remove(node.cls)
         # The private registration skips the C++ pytree (optree), which torch.export does not use
         # and from which nothing could be removed again.
         torch_pytree._private_register_pytree_node(
@@ -492,7 +520,7 @@ def _restore(cls: type, saved: _SavedRegistration) -> None:
                 cls.__name__,
             )
             return
-        torch_pytree._deregister_pytree_node(cls)
+        _remove(cls)
         if saved.node_def is not None:
             torch_pytree.SUPPORTED_NODES[cls] = saved.node_def
         if saved.serialized_def is not None:
@@ -504,6 +532,18 @@ def _restore(cls: type, saved: _SavedRegistration) -> None:
                 torch_pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE[name] = value
         if saved.constant:
             torch_pytree.CONSTANT_NODES.add(cls)
+
+
+def _remove(cls: type) -> None:
+    """Remove ``cls`` from the Python pytree tables (``_deregister_pytree_node``, tolerating gaps)."""
+    torch_pytree.SUPPORTED_NODES.pop(cls, None)
+    serialized = torch_pytree.SUPPORTED_SERIALIZED_TYPES.pop(cls, None)
+    if (
+        serialized is not None
+        and torch_pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE.get(serialized.serialized_type_name) is cls
+    ):
+        del torch_pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE[serialized.serialized_type_name]
+    torch_pytree.CONSTANT_NODES.discard(cls)
 
 
 def _identity(value: Any) -> Any:
@@ -526,8 +566,9 @@ def torch_pytree_nodes() -> Iterator[None]:
 
     An uninitialised cache layer flattens to ``None`` children here too, and None is an
     empty subtree for torch pytree, so a prefill cache and a decode cache are different
-    structures. Give ``torch.export`` initialised caches, with zero-length ``(B, H, 0, D)``
-    tensors for an empty one (``cache.early_initialization(...)`` makes them).
+    structures. Give ``torch.export`` caches whose layers all hold tensors, zero-length
+    ``(B, H, 0, D)`` ones for an empty cache: unflatten the cache from such tensors.
+    (``Cache.early_initialization`` does not do it: ``DynamicLayer`` gets 1-D placeholders.)
 
     This relies on torch's private registration tables (checked against torch 2.13) and
     only touches the Python pytree, not the optional C++ one.

@@ -2,6 +2,18 @@
 
 from __future__ import annotations
 
-__all__ = ["Bundle", "load_bundle"]
+__all__ = [
+    "Bundle",
+    "CallCheck",
+    "ExportReport",
+    "ValidationReport",
+    "check_discrepancies",
+    "export_onnx",
+    "export_program",
+    "load_bundle",
+    "validate_onnx",
+]
 
 from iobundle.replay._bundle import Bundle, load_bundle
+from iobundle.replay._export import CallCheck, ExportReport, export_onnx, export_program
+from iobundle.replay._validate import ValidationReport, check_discrepancies, validate_onnx

@@ -1,0 +1,332 @@
+"""Export a model from recorded calls with ``torch.export`` / ``torch.onnx``, checked on every call."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import logging
+import os
+import time
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from iobundle.capture._calls import RecordedCalls
+from iobundle.capture._inference import (
+    Alignment,
+    align_calls,
+    flat_dynamic_dims,
+    infer_arguments,
+    infer_dynamic_shapes,
+    select_call,
+)
+from iobundle.capture._tree import TensorCollector, record_value, tensor_keys
+from iobundle.errors import ExportError
+from iobundle.replay._compare import compare_outputs
+from iobundle.schema import ObjectNode
+
+__all__ = [
+    "INPUT_SLOTS_KEY",
+    "OUTPUT_NAMES_KEY",
+    "CallCheck",
+    "ExportReport",
+    "export_onnx",
+    "export_program",
+    "flatten_outputs",
+]
+
+logger = logging.getLogger(__name__)
+
+INPUT_SLOTS_KEY = "iobundle.input_slots"
+OUTPUT_NAMES_KEY = "iobundle.output_names"
+
+
+@dataclass
+class CallCheck:
+    """How the exported program did on one recorded call."""
+
+    index: int
+    success: bool | None
+    abs: float = 0.0
+    rel: float = 0.0
+    error: str | None = None
+    absent_inputs: list[str | int] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclass
+class ExportReport:
+    """What ``export`` did: the traced call, the options and patches, and one check per recorded call."""
+
+    traced_call: int
+    export_seconds: float = 0.0
+    check_seconds: float = 0.0
+    options: list[str] = field(default_factory=list)
+    patches: list[str] = field(default_factory=list)
+    calls: list[CallCheck] = field(default_factory=list)
+
+    @property
+    def failures(self) -> list[CallCheck]:
+        """Calls that failed or differ (calls whose inputs were absent at capture are not counted)."""
+        return [c for c in self.calls if c.success is False and not c.absent_inputs]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def summary(self) -> str:
+        n_ok = sum(1 for c in self.calls if c.success)
+        return f"{n_ok}/{len(self.calls)} recorded calls reproduced (traced call {self.traced_call})"
+
+
+def flatten_outputs(value: Any) -> list[torch.Tensor]:
+    """The tensors of an output value, in the order recorded outputs are stored."""
+    collector = TensorCollector(lambda t: t)
+    node = record_value(value, collector, path="output", on_opaque=lambda *_: None)
+    return [collector.tensors[k] for k in tensor_keys(node)]
+
+
+class _MethodAsModule(torch.nn.Module):
+    """Exposes ``model.<method>`` as ``forward`` with an explicit signature (no ``**kwargs``).
+
+    torch.export rejects ``dynamic_shapes`` for arguments collected by ``**kwargs``; listing
+    the recorded names as keyword parameters avoids that.
+    """
+
+    def __init__(self, model: torch.nn.Module, method_name: str, signature: inspect.Signature) -> None:
+        super().__init__()
+        self.model = model
+        self._method_name = method_name
+        self.forward.__func__.__signature__ = signature  # type: ignore[attr-defined]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.model, self._method_name)(*args, **kwargs)
+
+
+def _explicit_signature(rc: RecordedCalls, extra: list[str]) -> inspect.Signature:
+    params = []
+    for p in rc.signature.parameters:
+        if p.kind == "VAR_KEYWORD":
+            continue
+        kind = getattr(inspect.Parameter, p.kind)
+        default = p.default if p.has_default else (None if p.kind != "VAR_POSITIONAL" else inspect.Parameter.empty)
+        if kind in (inspect.Parameter.VAR_POSITIONAL,):
+            params.append(inspect.Parameter(p.name, kind))
+        elif p.has_default or kind == inspect.Parameter.KEYWORD_ONLY:
+            params.append(inspect.Parameter(p.name, kind, default=default))
+        else:
+            params.append(inspect.Parameter(p.name, kind))
+    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in extra]
+    return inspect.Signature(params)
+
+
+@dataclass
+class _Plan:
+    module: torch.nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    dynamic_shapes: Any
+    alignment: Alignment
+    traced: int
+    flatten_var_kw: bool
+    oblivious: bool
+
+
+def _uses_transformers(rc: RecordedCalls) -> bool:
+    def walk(node: Any) -> bool:
+        if isinstance(node, ObjectNode):
+            return node.type.startswith("transformers.") or any(walk(n) for n in node.items)
+        return any(walk(n) for n in getattr(node, "items", ()))
+
+    return any(walk(n) for c in rc.ok_calls for n in [*c.args, *c.kwargs.values()])
+
+
+def _plan(rc: RecordedCalls, model: torch.nn.Module, batch: Collection[int | str] | bool | None) -> _Plan:
+    alignment = align_calls(rc)
+    traced = select_call(alignment)
+    args, kwargs = infer_arguments(rc, traced, as_args_kwargs=True, alignment=alignment)
+    ds = infer_dynamic_shapes(rc, batch)
+    var_kw = rc.var_keyword
+    names = set(rc.names)
+    extra = [k for k in kwargs if k not in names]
+    flatten_var_kw = bool(var_kw and extra)
+    module: torch.nn.Module = model
+    if flatten_var_kw or rc.signature.method != "forward":
+        module = _MethodAsModule(model, rc.signature.method, _explicit_signature(rc, extra if flatten_var_kw else []))
+    if flatten_var_kw and isinstance(ds, dict):
+        ds = {**{k: v for k, v in ds.items() if k != var_kw}, **ds.get(var_kw, {})}
+    # A dynamic dimension seen as 0 or 1 is specialised by torch.export unless size-oblivious.
+    dims = flat_dynamic_dims(rc, alignment, batch)
+    oblivious = False
+    for index, dynamic in enumerate(dims):
+        sizes = [rc.store.shape(s[index]) for s in alignment.slots if s[index] is not None]
+        if any(shape[d] in (0, 1) for shape in sizes for d in dynamic) or any(
+            s[index] is None for s in alignment.slots
+        ):
+            oblivious = oblivious or bool(dynamic)
+    return _Plan(module, tuple(args), kwargs, ds, alignment, traced, flatten_var_kw, oblivious)
+
+
+@contextlib.contextmanager
+def export_context(rc: RecordedCalls, *, oblivious: bool, report: ExportReport) -> Iterator[None]:
+    """Everything export and the checks need, scoped: pytree registrations, size-oblivious mode."""
+    with contextlib.ExitStack() as stack:
+        if _uses_transformers(rc):
+            from iobundle.capture._transformers import torch_pytree_nodes
+
+            stack.enter_context(torch_pytree_nodes())
+            report.options.append("transformers pytree nodes registered")
+        if oblivious:
+            import torch.fx.experimental._config as fx_config
+
+            stack.enter_context(fx_config.patch(backed_size_oblivious=True))
+            report.options.append("backed_size_oblivious=True (a dynamic dimension was observed as 0 or 1)")
+        yield
+
+
+def _check_calls(rc: RecordedCalls, plan: _Plan, run: Any, *, atol: float, rtol: float, report: ExportReport) -> None:
+    begin = time.perf_counter()
+    for i, call in enumerate(plan.alignment.calls):
+        t0 = time.perf_counter()
+        check = CallCheck(index=call.index, success=None, absent_inputs=list(call.filled))
+        try:
+            args, kwargs = infer_arguments(rc, i, as_args_kwargs=True, alignment=plan.alignment)
+            if plan.flatten_var_kw and rc.var_keyword in kwargs:
+                kwargs = {**{k: v for k, v in kwargs.items() if k != rc.var_keyword}, **kwargs[rc.var_keyword]}
+            obtained = flatten_outputs(run(*args, **kwargs))
+            expected = [rc.store.get(k) for k in tensor_keys(call.outputs)] if call.outputs else []
+            cmp = compare_outputs(expected, obtained, atol=atol, rtol=rtol)
+            check.success, check.abs, check.rel, check.error = cmp.success, cmp.abs, cmp.rel, cmp.error
+        except Exception as exc:  # a call the program cannot run is a failed check, not a crash
+            check.success, check.error = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        check.seconds = time.perf_counter() - t0
+        report.calls.append(check)
+    report.check_seconds = time.perf_counter() - begin
+
+
+def _export(
+    rc: RecordedCalls, model: torch.nn.Module, *, batch: Any, strict: bool, report: ExportReport | None = None
+) -> tuple[torch.export.ExportedProgram, _Plan, ExportReport]:
+    plan = _plan(rc, model, batch)
+    report = report or ExportReport(traced_call=plan.alignment.calls[plan.traced].index)
+    begin = time.perf_counter()
+    with export_context(rc, oblivious=plan.oblivious, report=report):
+        try:
+            ep = torch.export.export(
+                plan.module, plan.args, plan.kwargs, dynamic_shapes=plan.dynamic_shapes, strict=strict
+            )
+        except Exception as exc:
+            raise ExportError(
+                f"torch.export failed on recorded call {report.traced_call}: {type(exc).__name__}: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}\nSet IOBUNDLE_DEBUG=1 for the full traceback.",
+                report=report,
+            ) from exc
+    report.export_seconds = time.perf_counter() - begin
+    return ep, plan, report
+
+
+def export_program(
+    rc: RecordedCalls,
+    model: torch.nn.Module,
+    *,
+    set_batch_dimension_for: Collection[int | str] | bool | None = None,
+    strict: bool = False,
+    check: bool = True,
+    atol: float = 1e-4,
+    rtol: float = 0.1,
+) -> torch.export.ExportedProgram:
+    """Export ``model`` with the inferred arguments and dynamic shapes, then run every recorded call through it.
+
+    The report (``ExportReport``: traced call, options, one check per call) is kept on
+    ``rc.last_export_report`` and, on failure, on the raised error's ``.report``.
+
+    Args:
+        rc: The recorded calls.
+        model: The model (its observed method is exported).
+        set_batch_dimension_for: Inputs whose dim 0 is dynamic even if constant; True for all.
+        strict: ``torch.export`` strict mode.
+        check: Raise :class:`ExportError` when a call fails or differs beyond ``atol``/``rtol``.
+        atol: Absolute tolerance of the check.
+        rtol: Relative tolerance of the check.
+
+    Raises:
+        ExportError: ``torch.export`` failed, or (with ``check``) a recorded call is not reproduced.
+    """
+    ep, plan, report = _export(rc, model, batch=set_batch_dimension_for, strict=strict)
+    with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
+        _check_calls(rc, plan, ep.module(), atol=atol, rtol=rtol, report=report)
+    rc.last_export_report = report  # type: ignore[attr-defined]
+    ep.iobundle_report = report  # type: ignore[attr-defined]
+    ep.iobundle_plan = plan  # type: ignore[attr-defined]
+    if check and not report.ok:
+        bad = ", ".join(f"call {c.index}: {c.error or f'max abs error {c.abs:.3g}'}" for c in report.failures[:5])
+        raise ExportError(
+            f"The exported program does not reproduce every recorded call ({report.summary()}): {bad}", report=report
+        )
+    return ep
+
+
+def export_onnx(
+    rc: RecordedCalls,
+    model: torch.nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    set_batch_dimension_for: Collection[int | str] | bool | None = None,
+    strict: bool = False,
+    check: bool = True,
+    atol: float = 1e-4,
+    rtol: float = 0.1,
+) -> str:
+    """Export ``model`` to ONNX at ``path`` through ``torch.export`` (checked on every call first).
+
+    The ONNX file carries, in its metadata, which recorded tensor feeds which graph input and
+    the order of the outputs, so validation maps them through the exported program's
+    signature rather than by guessing from names.
+
+    Raises:
+        ExportError: ``torch.export`` or ``torch.onnx.export`` failed, or (with ``check``) the
+            exported program does not reproduce a recorded call.
+    """
+    ep = export_program(
+        rc, model, set_batch_dimension_for=set_batch_dimension_for, strict=strict, check=check, atol=atol, rtol=rtol
+    )
+    report: ExportReport = ep.iobundle_report  # type: ignore[attr-defined]
+    sig = ep.graph_signature
+    from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
+
+    inputs = [
+        s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT and isinstance(s.arg, TensorArgument)
+    ]
+    outputs = [
+        s.arg.name for s in sig.output_specs if s.kind == OutputKind.USER_OUTPUT and isinstance(s.arg, TensorArgument)
+    ]
+    n_slots = len(ep.iobundle_plan.alignment.owners)  # type: ignore[attr-defined]
+    if len(inputs) != n_slots:
+        raise ExportError(
+            f"The exported program takes {len(inputs)} tensor inputs but the recorded calls hold {n_slots}.",
+            report=report,
+        )
+    begin = time.perf_counter()
+    try:
+        with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
+            program = torch.onnx.export(ep, (), dynamo=True, verbose=False)
+        assert program is not None
+        program.model.metadata_props[INPUT_SLOTS_KEY] = json.dumps(dict(zip(inputs, range(len(inputs)))))
+        program.model.metadata_props[OUTPUT_NAMES_KEY] = json.dumps([v.name for v in program.model.graph.outputs])
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        program.save(str(path))
+    except ExportError:
+        raise
+    except Exception as exc:
+        raise ExportError(
+            f"torch.onnx.export failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
+            report=report,
+        ) from exc
+    report.options.append(f"onnx export {time.perf_counter() - begin:.2f}s")
+    logger.info("exported %s (%d inputs, %d outputs)", path, len(inputs), len(outputs))
+    return str(path)

@@ -1,0 +1,576 @@
+"""Tests of the transformers node types: caches and ModelOutputs flatten, rebuild, and export."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import json
+from typing import Any
+
+import pytest
+import torch
+import torch.utils._pytree as torch_pytree
+from transformers import (
+    DynamicCache,
+    EncoderDecoderCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    StaticCache,
+    WhisperConfig,
+    WhisperForConditionalGeneration,
+)
+from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast, Seq2SeqLMOutput
+from transformers.utils import ModelOutput
+
+from iobundle.capture._registry import find_node_type, lookup_node_type
+from iobundle.capture._transformers import register_all, torch_pytree_nodes
+from iobundle.errors import UnsupportedInputError
+
+pytestmark = pytest.mark.slow
+
+WINDOW = 6
+PROMPT_LEN = 5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered() -> None:
+    register_all()
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def flatten(obj: Any) -> tuple[list[Any], Any]:
+    """Flatten ``obj`` one level with its registered node type."""
+    node_type = find_node_type(obj)
+    assert node_type is not None, f"{type(obj).__name__} is not registered"
+    return node_type.flatten(obj)
+
+
+def deep_round_trip(obj: Any) -> Any:
+    """Flatten registered objects recursively and rebuild them, the context going through JSON."""
+    node_type = find_node_type(obj)
+    if node_type is None:
+        return obj
+    children, context = node_type.flatten(obj)
+    context = json.loads(json.dumps(context))
+    assert lookup_node_type(node_type.name) is node_type
+    return node_type.unflatten([deep_round_trip(child) for child in children], context)
+
+
+def deep_structure(obj: Any) -> Any:
+    """Return ``obj``'s registered tree with tensors replaced by None: names, contexts, child slots."""
+    node_type = find_node_type(obj)
+    if node_type is None:
+        return None if obj is None or isinstance(obj, torch.Tensor) else obj
+    children, context = node_type.flatten(obj)
+    return (node_type.name, node_type.version, json.dumps(context), [deep_structure(c) for c in children])
+
+
+def record_generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int) -> list[dict[str, Any]]:
+    """Run ``generate`` and return a deep copy of the keyword arguments of every forward call."""
+    calls: list[dict[str, Any]] = []
+    forward = model.forward
+
+    def recording_forward(*args: Any, **kwargs: Any) -> Any:
+        assert not args
+        calls.append(copy.deepcopy(kwargs))
+        return forward(**kwargs)
+
+    model.forward = recording_forward
+    try:
+        model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+    finally:
+        del model.forward
+    return calls
+
+
+def logits_with(model: torch.nn.Module, call: dict[str, Any], cache: Any, **overrides: Any) -> torch.Tensor:
+    """Run ``model`` on a recorded call with ``cache`` in place of the recorded one."""
+    kwargs = {**call, "cache": cache, **overrides}
+    with torch.no_grad():
+        return model(**kwargs).logits
+
+
+# --------------------------------------------------------------------------- models
+
+
+def _causal_lm_kwargs() -> dict[str, Any]:
+    return {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+        "vocab_size": 100,
+        "max_position_embeddings": 128,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+
+
+@pytest.fixture(scope="module")
+def llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**_causal_lm_kwargs())).eval()
+
+
+@pytest.fixture(scope="module")
+def mistral() -> MistralForCausalLM:
+    torch.manual_seed(1)
+    return MistralForCausalLM(MistralConfig(**_causal_lm_kwargs(), sliding_window=WINDOW)).eval()
+
+
+@pytest.fixture(scope="module")
+def whisper() -> WhisperForConditionalGeneration:
+    torch.manual_seed(2)
+    config = WhisperConfig(
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        vocab_size=100,
+        num_mel_bins=80,
+        max_source_positions=30,
+        max_target_positions=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=3,
+    )
+    return WhisperForConditionalGeneration(config).eval()
+
+
+@pytest.fixture(scope="module")
+def prompt() -> torch.Tensor:
+    return torch.randint(3, 100, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def llama_calls(llama: LlamaForCausalLM, prompt: torch.Tensor) -> list[dict[str, Any]]:
+    return record_generate(llama, prompt, max_new_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def mistral_calls(mistral: MistralForCausalLM, prompt: torch.Tensor) -> list[dict[str, Any]]:
+    calls = record_generate(mistral, prompt, max_new_tokens=WINDOW + 2)
+    assert len(calls) == WINDOW + 2
+    return calls
+
+
+@pytest.fixture(scope="module")
+def whisper_calls(whisper: WhisperForConditionalGeneration) -> list[dict[str, Any]]:
+    """Three decoder calls as generate() makes them: the cache starts empty, then grows."""
+    features = torch.randn(1, whisper.config.num_mel_bins, 60, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        encoder_outputs = whisper.model.encoder(features)
+    cache = EncoderDecoderCache(DynamicCache(config=whisper.config), DynamicCache(config=whisper.config))
+    decoder_input_ids = torch.tensor([[3]])
+    calls = []
+    for _ in range(3):
+        call = {"encoder_outputs": encoder_outputs, "decoder_input_ids": decoder_input_ids, "use_cache": True}
+        calls.append(copy.deepcopy({**call, "cache": cache}))
+        with torch.no_grad():
+            out = whisper(**call, cache=cache)
+        cache = out.cache
+        decoder_input_ids = out.logits[:, -1:].argmax(-1)
+    return calls
+
+
+# --------------------------------------------------------------------------- DynamicCache
+
+
+class TestDynamicCache:
+    def test_layout_is_key_value_per_layer(self, llama_calls: list[dict[str, Any]]) -> None:
+        cache = llama_calls[1]["cache"]
+        children, context = flatten(cache)
+        assert find_node_type(cache).name == "transformers.DynamicCache"
+        assert find_node_type(cache).version == 1
+        assert context == ["full", "full"]
+        assert len(children) == 4
+        for i, layer in enumerate(cache.layers):
+            assert children[2 * i] is layer.keys
+            assert children[2 * i + 1] is layer.values
+            assert children[2 * i].shape == (1, 2, PROMPT_LEN, 8)
+
+    def test_decode_caches_rebuild_to_the_same_logits(
+        self, llama: LlamaForCausalLM, llama_calls: list[dict[str, Any]]
+    ) -> None:
+        for call in llama_calls[1:]:
+            cache = call["cache"]
+            rebuilt = deep_round_trip(cache)
+            assert type(rebuilt) is DynamicCache
+            assert [type(layer) for layer in rebuilt.layers] == [DynamicLayer, DynamicLayer]
+            assert rebuilt.get_seq_length() == cache.get_seq_length()
+            expected = logits_with(llama, call, copy.deepcopy(cache))
+            torch.testing.assert_close(logits_with(llama, call, rebuilt), expected, atol=1e-6, rtol=0)
+
+    def test_context_is_json_and_same_for_every_decode_call(self, llama_calls: list[dict[str, Any]]) -> None:
+        contexts = [json.dumps(flatten(call["cache"])[1]) for call in llama_calls]
+        assert len(set(contexts)) == 1  # the prefill call too
+
+    def test_prefill_cache_flattens_to_as_many_children_as_a_decode_cache(
+        self, llama_calls: list[dict[str, Any]]
+    ) -> None:
+        prefill, decode = (flatten(call["cache"])[0] for call in llama_calls[:2])
+        assert not any(layer.is_initialized for layer in llama_calls[0]["cache"].layers)
+        assert prefill == [None, None, None, None]
+        assert len(prefill) == len(decode)
+
+    def test_none_children_rebuild_an_uninitialised_cache(
+        self, llama: LlamaForCausalLM, llama_calls: list[dict[str, Any]]
+    ) -> None:
+        call = llama_calls[0]
+        rebuilt = deep_round_trip(call["cache"])
+        assert [layer.is_initialized for layer in rebuilt.layers] == [False, False]
+        expected = logits_with(llama, call, copy.deepcopy(call["cache"]))
+        torch.testing.assert_close(logits_with(llama, call, rebuilt), expected, atol=1e-6, rtol=0)
+
+    def test_zero_length_children_stand_for_an_empty_cache(
+        self, llama: LlamaForCausalLM, llama_calls: list[dict[str, Any]]
+    ) -> None:
+        call = llama_calls[0]
+        node_type = find_node_type(call["cache"])
+        _, context = node_type.flatten(call["cache"])
+        empty = [torch.zeros(1, 2, 0, 8) for _ in range(4)]
+        rebuilt = node_type.unflatten(empty, context)
+        assert rebuilt.get_seq_length() == 0
+        assert [layer.is_initialized for layer in rebuilt.layers] == [True, True]
+        expected = logits_with(llama, call, copy.deepcopy(call["cache"]))
+        torch.testing.assert_close(logits_with(llama, call, rebuilt), expected, atol=1e-6, rtol=0)
+
+    def test_early_initialised_placeholders_flatten_to_none(self, llama: LlamaForCausalLM) -> None:
+        cache = DynamicCache(config=llama.config)
+        cache.early_initialization(1, 2, 8, torch.float32, torch.device("cpu"))
+        assert [layer.keys.shape for layer in cache.layers] == [(0,), (0,)]
+        assert flatten(cache)[0] == [None, None, None, None]
+
+    def test_lazy_cache_without_layers_round_trips(self) -> None:
+        children, context = flatten(DynamicCache())
+        assert (children, context) == ([], [])
+        rebuilt = deep_round_trip(DynamicCache())
+        assert rebuilt.layers == []
+        assert rebuilt.layer_class_to_replicate is DynamicLayer
+
+    def test_unflatten_refuses_a_key_without_value(self) -> None:
+        node_type = lookup_node_type("transformers.DynamicCache")
+        with pytest.raises(ValueError, match=r"Layer 0 .* no value tensor"):
+            node_type.unflatten([torch.zeros(1, 2, 0, 8), None], ["full"])
+
+    def test_layer_with_more_state_is_refused(self) -> None:
+        cache = DynamicCache()
+        cache.layers = [DynamicLayer(), DynamicIndexedLayer()]
+        with pytest.raises(UnsupportedInputError, match=r"Layer 1 .* DynamicIndexedLayer"):
+            flatten(cache)
+
+
+class TestSlidingWindowCache:
+    def test_context_names_the_window_and_stays_the_same(self, mistral_calls: list[dict[str, Any]]) -> None:
+        contexts = {json.dumps(flatten(call["cache"])[1]) for call in mistral_calls}
+        assert contexts == {json.dumps([{"sliding": WINDOW}, {"sliding": WINDOW}])}
+
+    def test_decode_caches_are_cut_to_the_window(self, mistral_calls: list[dict[str, Any]]) -> None:
+        shapes = {tuple(t.shape) for call in mistral_calls[1:] for t in flatten(call["cache"])[0]}
+        assert shapes == {(1, 2, WINDOW - 1, 8)}
+
+    def test_full_window_rebuilds_to_the_same_logits_given_positions(
+        self, mistral: MistralForCausalLM, mistral_calls: list[dict[str, Any]]
+    ) -> None:
+        full = [call for call in mistral_calls[1:] if call["cache"].get_seq_length() >= WINDOW]
+        assert len(full) >= 2
+        for call in full:
+            cache = call["cache"]
+            seen = cache.get_seq_length()
+            positions = torch.tensor([[seen]])
+            rebuilt = deep_round_trip(cache)
+            assert [type(layer) for layer in rebuilt.layers] == [DynamicSlidingWindowLayer] * 2
+            # The token count is rebuilt as the cached length (documented).
+            assert rebuilt.get_seq_length() == WINDOW - 1 < seen
+            expected = logits_with(mistral, call, copy.deepcopy(cache), position_ids=positions)
+            actual = logits_with(mistral, call, rebuilt, position_ids=positions)
+            torch.testing.assert_close(actual, expected, atol=1e-6, rtol=0)
+
+    def test_window_not_yet_full_rebuilds_exactly(self, mistral: MistralForCausalLM, prompt: torch.Tensor) -> None:
+        cache = DynamicCache(config=mistral.config)
+        with torch.no_grad():
+            mistral(input_ids=prompt[:, :3], cache=cache, use_cache=True)
+        call = {"input_ids": prompt[:, 3:4], "use_cache": True}
+        rebuilt = deep_round_trip(cache)
+        assert rebuilt.get_seq_length() == cache.get_seq_length() == 3
+        expected = logits_with(mistral, call, copy.deepcopy(cache))
+        torch.testing.assert_close(logits_with(mistral, call, rebuilt), expected, atol=1e-6, rtol=0)
+
+    def test_rebuilt_layer_has_the_attributes_of_a_real_one(self, mistral_calls: list[dict[str, Any]]) -> None:
+        original = mistral_calls[2]["cache"].layers[0]
+        rebuilt = deep_round_trip(mistral_calls[2]["cache"]).layers[0]
+        assert set(vars(rebuilt)) == set(vars(original))
+        assert rebuilt.sliding_window == original.sliding_window
+        assert rebuilt._sliding_window_tensor.item() == WINDOW
+        assert rebuilt.record_past is False
+        fresh = deep_round_trip(mistral_calls[0]["cache"]).layers[0]
+        assert set(vars(fresh)) == set(vars(DynamicSlidingWindowLayer(sliding_window=WINDOW)))
+
+    def test_record_past_goes_into_the_context(self) -> None:
+        layer = DynamicSlidingWindowLayer(sliding_window=WINDOW)
+        layer.activate_past_recording()
+        cache = DynamicCache()
+        cache.layers = [layer]
+        assert flatten(cache)[1] == [{"sliding": WINDOW, "record_past": True}]
+        assert deep_round_trip(cache).layers[0].record_past is True
+
+
+# --------------------------------------------------------------------------- StaticCache
+
+
+class TestStaticCache:
+    def test_decode_cache_rebuilds_to_the_same_logits(self, llama: LlamaForCausalLM, prompt: torch.Tensor) -> None:
+        cache = StaticCache(config=llama.config, max_cache_len=16)
+        empty_children, context = flatten(cache)
+        assert context == [{"static": 16}, {"static": 16}]
+        assert empty_children[0::3] == [None, None]
+        with torch.no_grad():
+            llama(input_ids=prompt, cache=cache, use_cache=True)
+        children, _ = flatten(cache)
+        assert len(children) == len(empty_children) == 6
+        assert children[0].shape == (1, 2, 16, 8)
+        assert int(children[2]) == PROMPT_LEN
+        call = {"input_ids": prompt[:, :1], "use_cache": True}
+        rebuilt = deep_round_trip(copy.deepcopy(cache))
+        assert type(rebuilt) is StaticCache
+        assert [type(layer) for layer in rebuilt.layers] == [StaticLayer, StaticLayer]
+        expected = logits_with(llama, call, copy.deepcopy(cache))
+        torch.testing.assert_close(logits_with(llama, call, rebuilt), expected, atol=1e-6, rtol=0)
+
+    def test_sliding_static_layers_are_refused(self, mistral: MistralForCausalLM) -> None:
+        cache = StaticCache(config=mistral.config, max_cache_len=16)
+        with pytest.raises(UnsupportedInputError, match="StaticSlidingWindowLayer"):
+            flatten(cache)
+
+
+# --------------------------------------------------------------------------- EncoderDecoderCache
+
+
+class TestEncoderDecoderCache:
+    def test_children_are_the_two_caches(self, whisper_calls: list[dict[str, Any]]) -> None:
+        cache = whisper_calls[1]["cache"]
+        children, context = flatten(cache)
+        assert find_node_type(cache).name == "transformers.EncoderDecoderCache"
+        assert children == [cache.self_attention_cache, cache.cross_attention_cache]
+        assert context is None
+        cross = flatten(cache.cross_attention_cache)[0]
+        assert cross[0].shape == (1, 4, 30, 8)
+
+    def test_first_call_has_the_structure_of_the_later_ones(self, whisper_calls: list[dict[str, Any]]) -> None:
+        first, *later = (deep_structure(call["cache"]) for call in whisper_calls)
+        assert all(structure == first for structure in later)
+        children = flatten(whisper_calls[0]["cache"])[0]
+        assert all(flatten(sub)[0] == [None, None] for sub in children)
+
+    def test_caches_rebuild_to_the_same_logits(
+        self, whisper: WhisperForConditionalGeneration, whisper_calls: list[dict[str, Any]]
+    ) -> None:
+        for call in whisper_calls:
+            cache = call["cache"]
+            rebuilt = deep_round_trip(cache)
+            assert type(rebuilt) is EncoderDecoderCache
+            assert rebuilt.is_updated == cache.is_updated
+            expected = logits_with(whisper, call, copy.deepcopy(cache))
+            torch.testing.assert_close(logits_with(whisper, call, rebuilt), expected, atol=1e-6, rtol=0)
+
+
+# --------------------------------------------------------------------------- ModelOutput
+
+
+class TestModelOutput:
+    def test_causal_lm_output_round_trips(self, llama: LlamaForCausalLM, prompt: torch.Tensor) -> None:
+        with torch.no_grad():
+            output = llama(input_ids=prompt, use_cache=True)
+        assert type(output) is CausalLMOutputWithPast
+        node_type = find_node_type(output)
+        assert (node_type.name, node_type.version) == ("transformers.CausalLMOutputWithPast", 1)
+        children, context = node_type.flatten(output)
+        assert context == ["logits", "cache"]
+        assert children[0] is output.logits
+        assert children[1] is output.cache
+        rebuilt = deep_round_trip(output)
+        assert type(rebuilt) is CausalLMOutputWithPast
+        assert list(rebuilt.keys()) == ["logits", "cache"]
+        assert rebuilt.logits is output.logits
+        assert rebuilt.loss is None
+        torch.testing.assert_close(rebuilt.cache.layers[1].keys, output.cache.layers[1].keys, atol=0, rtol=0)
+
+    def test_seq2seq_output_nests_the_encoder_decoder_cache(
+        self, whisper: WhisperForConditionalGeneration, whisper_calls: list[dict[str, Any]]
+    ) -> None:
+        with torch.no_grad():
+            output = whisper(**{**whisper_calls[1], "cache": copy.deepcopy(whisper_calls[1]["cache"])})
+        assert find_node_type(output).name == "transformers.Seq2SeqLMOutput"
+        rebuilt = deep_round_trip(output)
+        assert type(rebuilt) is Seq2SeqLMOutput
+        assert type(rebuilt.cache) is EncoderDecoderCache
+        assert list(rebuilt.keys()) == list(output.keys())
+
+    def test_generic_outputs_are_registered(self) -> None:
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+        from transformers.modeling_outputs import BaseModelOutputWithPast, Seq2SeqModelOutput
+
+        for cls in (BaseModelOutputWithPast, Seq2SeqModelOutput, GenerateDecoderOnlyOutput):
+            assert lookup_node_type(f"transformers.{cls.__name__}").cls is cls
+
+    def test_model_specific_outputs_are_named_by_model(self) -> None:
+        # Both models define a class of this name; each keeps its own node type.
+        classes = [
+            importlib.import_module(
+                f"transformers.models.{model}.modeling_{model}"
+            ).BaseModelOutputWithDeepstackFeatures
+            for model in ("qwen3_vl", "qwen3_vl_moe")
+        ]
+        register_all()
+        for model, cls in zip(("qwen3_vl", "qwen3_vl_moe"), classes, strict=True):
+            node_type = lookup_node_type(f"transformers.models.{model}.BaseModelOutputWithDeepstackFeatures")
+            assert node_type is not None
+            assert node_type.cls is cls
+            assert find_node_type(cls(last_hidden_state=torch.zeros(1))) is node_type
+
+    def test_register_all_again_picks_up_classes_defined_since(self) -> None:
+        @dataclasses.dataclass
+        class LateOutput(ModelOutput):
+            logits: torch.Tensor | None = None
+
+        @dataclasses.dataclass
+        class UserOutput(ModelOutput):
+            logits: torch.Tensor | None = None
+
+        LateOutput.__module__ = "transformers.models.late_model.modeling_late_model"
+        UserOutput.__module__ = "my_project.outputs"
+        register_all()
+        node_type = find_node_type(LateOutput(logits=torch.zeros(1)))
+        assert node_type is not None
+        assert node_type.name == "transformers.models.late_model.LateOutput"
+        assert find_node_type(UserOutput(logits=torch.zeros(1))) is None
+
+
+# --------------------------------------------------------------------------- torch pytree
+
+
+class _AppendToCache(torch.nn.Module):
+    def forward(self, x: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        keys = torch.cat([cache.layers[0].keys, x], dim=-2)
+        return keys.sum(-1) + cache.layers[1].values.sum()
+
+
+def _small_cache(batch: int, length: int, config: Any = None) -> DynamicCache:
+    cache = DynamicCache(config=config)
+    for layer in range(2):
+        cache.update(torch.randn(batch, 2, length, 8), torch.randn(batch, 2, length, 8), layer)
+    return cache
+
+
+def _pytree_state(cls: type) -> tuple[Any, ...]:
+    serialized = torch_pytree.SUPPORTED_SERIALIZED_TYPES.get(cls)
+    names = {name: typ for name, typ in torch_pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE.items() if typ is cls}
+    return torch_pytree.SUPPORTED_NODES.get(cls), serialized, names
+
+
+class TestTorchPytreeNodes:
+    CLASSES = (DynamicCache, StaticCache, EncoderDecoderCache)
+
+    def test_transformers_does_not_register_caches_itself(self) -> None:
+        assert not any(cls in torch_pytree.SUPPORTED_NODES for cls in self.CLASSES)
+        assert CausalLMOutputWithPast in torch_pytree.SUPPORTED_NODES
+
+    def test_export_takes_a_dynamic_cache(self, mistral: MistralForCausalLM) -> None:
+        model = _AppendToCache()
+        x = torch.randn(2, 2, 1, 8)
+        cache = _small_cache(2, 5, config=mistral.config)
+        length = torch.export.Dim("length", max=64)
+        before = [_pytree_state(cls) for cls in self.CLASSES]
+        with torch_pytree_nodes():
+            ep = torch.export.export(model, (x, cache), dynamic_shapes=({}, [{2: length}] * 4))
+            assert [spec.arg.name for spec in ep.graph_signature.input_specs] == [
+                "x",
+                "cache_key_0",
+                "cache_value_0",
+                "cache_key_1",
+                "cache_value_1",
+            ]
+            other = _small_cache(2, 9, config=mistral.config)
+            torch.testing.assert_close(ep.module()(x, other), model(x, other), atol=1e-6, rtol=0)
+        assert [_pytree_state(cls) for cls in self.CLASSES] == before
+        assert DynamicCache not in torch_pytree.SUPPORTED_NODES
+
+    def test_tree_specs_of_two_decode_calls_are_equal(
+        self, llama_calls: list[dict[str, Any]], whisper_calls: list[dict[str, Any]]
+    ) -> None:
+        with torch_pytree_nodes():
+            for calls in (llama_calls, whisper_calls):
+                (leaves_a, spec_a), (leaves_b, spec_b) = (
+                    torch_pytree.tree_flatten(call["cache"]) for call in calls[1:3]
+                )
+                assert spec_a == spec_b
+                assert len(leaves_a) == len(leaves_b)
+                assert all(isinstance(leaf, torch.Tensor) for leaf in leaves_a)
+                rebuilt = torch_pytree.tree_unflatten(leaves_a, spec_a)
+                assert type(rebuilt) is type(calls[1]["cache"])
+                assert torch_pytree.treespec_loads(torch_pytree.treespec_dumps(spec_a)) == spec_a
+
+    def test_key_paths_name_the_layers(self, whisper_calls: list[dict[str, Any]]) -> None:
+        with torch_pytree_nodes():
+            paths, _ = torch_pytree.tree_flatten_with_path(whisper_calls[1]["cache"])
+        names = [torch_pytree.keystr(path) for path, _ in paths]
+        assert names == [
+            ".self_attention_cache['key_0']",
+            ".self_attention_cache['value_0']",
+            ".cross_attention_cache['key_0']",
+            ".cross_attention_cache['value_0']",
+        ]
+
+    def test_nested_blocks_keep_the_registration_until_the_last_one_leaves(self) -> None:
+        with torch_pytree_nodes():
+            ours = torch_pytree.SUPPORTED_NODES[DynamicCache]
+            with torch_pytree_nodes():
+                assert torch_pytree.SUPPORTED_NODES[DynamicCache] is ours
+            assert torch_pytree.SUPPORTED_NODES[DynamicCache] is ours
+        assert DynamicCache not in torch_pytree.SUPPORTED_NODES
+
+    def test_restores_a_registration_made_before(self) -> None:
+        def flatten_theirs(cache: DynamicCache) -> tuple[list[Any], Any]:
+            return [], "theirs"
+
+        def unflatten_theirs(children: Any, context: Any) -> DynamicCache:
+            return DynamicCache()
+
+        torch_pytree.register_pytree_node(
+            DynamicCache, flatten_theirs, unflatten_theirs, serialized_type_name="someone.DynamicCache"
+        )
+        try:
+            before = _pytree_state(DynamicCache)
+            cache = _small_cache(1, 3)
+            assert torch_pytree.tree_flatten(cache)[0] == []
+            with torch_pytree_nodes():
+                assert len(torch_pytree.tree_flatten(cache)[0]) == 4
+                assert torch_pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE.get("someone.DynamicCache") is None
+            assert _pytree_state(DynamicCache) == before
+            assert torch_pytree.SUPPORTED_NODES[DynamicCache] is before[0]
+            assert torch_pytree.tree_flatten(cache)[0] == []
+        finally:
+            torch_pytree._deregister_pytree_node(DynamicCache)
+
+    def test_registration_is_removed_when_the_block_raises(self) -> None:
+        with pytest.raises(RuntimeError, match="boom"), torch_pytree_nodes():
+            raise RuntimeError("boom")
+        assert DynamicCache not in torch_pytree.SUPPORTED_NODES
