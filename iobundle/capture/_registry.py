@@ -41,10 +41,12 @@ class NodeType:
 _LOCK = threading.Lock()
 _BY_NAME: dict[str, NodeType] = {}
 _BY_CLASS: dict[type, NodeType] = {}
-# Providers are called once, the first time a class from their module prefix is met,
-# or when a name they own is looked up. They register node types for a whole library.
+# Providers register the node types of a whole library. One runs the first time a class of its
+# module prefix is met (again for each new class: libraries define classes lazily), or when a
+# name it owns is looked up.
 _PROVIDERS: dict[str, Callable[[], None]] = {}
 _PROVIDED: set[str] = set()
+_MISSED: set[type] = set()
 
 
 def register_node_type(node_type: NodeType) -> None:
@@ -63,21 +65,22 @@ def register_provider(prefix: str, provider: Callable[[], None]) -> None:
 
 
 def _run_provider(prefix: str) -> None:
-    if prefix in _PROVIDED or prefix not in _PROVIDERS:
-        return
-    _PROVIDED.add(prefix)
-    _PROVIDERS[prefix]()
+    if prefix in _PROVIDERS:
+        _PROVIDED.add(prefix)
+        _PROVIDERS[prefix]()
 
 
 def find_node_type(obj: Any) -> NodeType | None:
     """Return the node type for ``obj``'s exact class, or None."""
     cls = type(obj)
     node_type = _BY_CLASS.get(cls)
-    if node_type is None:
+    if node_type is None and cls not in _MISSED:
         prefix = cls.__module__.split(".", 1)[0]
-        if prefix in _PROVIDERS and prefix not in _PROVIDED:
+        if prefix in _PROVIDERS:
             _run_provider(prefix)
             node_type = _BY_CLASS.get(cls)
+            if node_type is None:
+                _MISSED.add(cls)
     return node_type
 
 
