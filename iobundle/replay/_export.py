@@ -19,9 +19,11 @@ from iobundle.capture._calls import RecordedCalls
 from iobundle.capture._inference import (
     Alignment,
     align_calls,
+    aligned_tensors,
     flat_dynamic_dims,
     infer_arguments,
     infer_dynamic_shapes,
+    placeholder_inputs,
     select_call,
 )
 from iobundle.capture._tree import TensorCollector, record_value, tensor_keys
@@ -71,8 +73,8 @@ class ExportReport:
 
     @property
     def failures(self) -> list[CallCheck]:
-        """Calls that failed or differ (calls whose inputs were absent at capture are not counted)."""
-        return [c for c in self.calls if c.success is False and not c.absent_inputs]
+        """Calls that failed or differ (calls fed stand-ins for inputs absent at capture are not counted)."""
+        return [c for c in self.calls if c.success is False]
 
     @property
     def ok(self) -> bool:
@@ -97,14 +99,23 @@ class _MethodAsModule(torch.nn.Module):
     the recorded names as keyword parameters avoids that.
     """
 
+    def __new__(cls, model: torch.nn.Module, method_name: str, signature: inspect.Signature) -> _MethodAsModule:
+        # ``forward`` is looked up on the class, so each instance gets its own subclass whose
+        # ``forward`` carries the signature (with ``self`` first, as a bound method needs).
+        def forward(self: _MethodAsModule, *args: Any, **kwargs: Any) -> Any:
+            return getattr(self.model, self._method_name)(*args, **kwargs)
+
+        self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        forward.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=[self_param, *signature.parameters.values()]
+        )
+        subclass = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
+        return super().__new__(subclass)  # type: ignore[no-any-return]
+
     def __init__(self, model: torch.nn.Module, method_name: str, signature: inspect.Signature) -> None:
         super().__init__()
         self.model = model
         self._method_name = method_name
-        self.forward.__func__.__signature__ = signature  # type: ignore[attr-defined]
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.model, self._method_name)(*args, **kwargs)
 
 
 def _explicit_signature(rc: RecordedCalls, extra: list[str]) -> inspect.Signature:
@@ -134,6 +145,7 @@ class _Plan:
     traced: int
     flatten_var_kw: bool
     oblivious: bool
+    dynamic_batch: bool = False
 
 
 def _uses_transformers(rc: RecordedCalls) -> bool:
@@ -147,7 +159,7 @@ def _uses_transformers(rc: RecordedCalls) -> bool:
 
 def _plan(rc: RecordedCalls, model: torch.nn.Module, batch: Collection[int | str] | bool | None) -> _Plan:
     alignment = align_calls(rc)
-    traced = select_call(alignment)
+    traced = choose_traced_call(rc, alignment, batch)
     args, kwargs = infer_arguments(rc, traced, as_args_kwargs=True, alignment=alignment)
     ds = infer_dynamic_shapes(rc, batch)
     var_kw = rc.var_keyword
@@ -168,12 +180,52 @@ def _plan(rc: RecordedCalls, model: torch.nn.Module, batch: Collection[int | str
             s[index] is None for s in alignment.slots
         ):
             oblivious = oblivious or bool(dynamic)
-    return _Plan(module, tuple(args), kwargs, ds, alignment, traced, flatten_var_kw, oblivious)
+    dynamic_batch = any(0 in d for d in dims)
+    return _Plan(module, tuple(args), kwargs, ds, alignment, traced, flatten_var_kw, oblivious, dynamic_batch)
+
+
+def choose_traced_call(rc: RecordedCalls, alignment: Alignment, batch: Collection[int | str] | bool | None) -> int:
+    """The call to trace: the one that needs the fewest stand-ins and has the fewest dynamic sizes of 0 or 1.
+
+    A call with every input present follows the code path most calls take (a decode step
+    with a filled cache rather than the prefill with an empty one); a dynamic size above 1
+    gives torch.export nothing to specialise. Ties go to the earliest call, as
+    ``infer_arguments`` does by default.
+    """
+    dims = flat_dynamic_dims(rc, alignment, batch)
+    best = alignment.best_call
+    default = select_call(alignment)
+
+    def cost(i: int) -> tuple[int, int, int, int, int]:
+        call, slots = alignment.calls[i], alignment.slots[i]
+        absent = sum(1 for key in slots if key is None)
+        small = sum(
+            1
+            for key, dynamic in zip(slots, dims)
+            if key is not None
+            for d in dynamic
+            if rc.store.shape(key)[d] in (0, 1)
+        )
+        laid_out = len(call.args) == len(best.args) and len(call.kwargs) == len(best.kwargs)
+        return absent, len(call.filled), int(not laid_out), small, int(i != default)
+
+    return min(range(len(alignment.calls)), key=cost)
 
 
 @contextlib.contextmanager
-def export_context(rc: RecordedCalls, *, oblivious: bool, report: ExportReport) -> Iterator[None]:
-    """Everything export and the checks need, scoped: pytree registrations, size-oblivious mode."""
+def export_context(
+    rc: RecordedCalls,
+    *,
+    oblivious: bool,
+    report: ExportReport,
+    model: torch.nn.Module | None = None,
+    dynamic_batch: bool = False,
+) -> Iterator[None]:
+    """Everything export and the checks need, scoped: pytree registrations, size-oblivious mode.
+
+    With ``model`` (tracing only), the patches of :mod:`iobundle.replay._patches` that apply
+    to it are entered too and listed by name on ``report.patches``.
+    """
     with contextlib.ExitStack() as stack:
         if _uses_transformers(rc):
             from iobundle.capture._transformers import torch_pytree_nodes
@@ -185,6 +237,10 @@ def export_context(rc: RecordedCalls, *, oblivious: bool, report: ExportReport) 
 
             stack.enter_context(fx_config.patch(backed_size_oblivious=True))
             report.options.append("backed_size_oblivious=True (a dynamic dimension was observed as 0 or 1)")
+        if model is not None:
+            from iobundle.replay._patches import export_patches
+
+            stack.enter_context(export_patches(model, dynamic_batch=dynamic_batch, applied=report.patches))
         yield
 
 
@@ -192,8 +248,12 @@ def _check_calls(rc: RecordedCalls, plan: _Plan, run: Any, *, atol: float, rtol:
     begin = time.perf_counter()
     for i, call in enumerate(plan.alignment.calls):
         t0 = time.perf_counter()
-        check = CallCheck(index=call.index, success=None, absent_inputs=list(call.filled))
+        check = CallCheck(index=call.index, success=None)
         try:
+            slots = plan.alignment.slots[i]
+            check.absent_inputs = placeholder_inputs(
+                plan.alignment, call, slots, aligned_tensors(rc, plan.alignment, slots)
+            )
             args, kwargs = infer_arguments(rc, i, as_args_kwargs=True, alignment=plan.alignment)
             if plan.flatten_var_kw and rc.var_keyword in kwargs:
                 kwargs = {**{k: v for k, v in kwargs.items() if k != rc.var_keyword}, **kwargs[rc.var_keyword]}
@@ -201,6 +261,8 @@ def _check_calls(rc: RecordedCalls, plan: _Plan, run: Any, *, atol: float, rtol:
             expected = [rc.store.get(k) for k in tensor_keys(call.outputs)] if call.outputs else []
             cmp = compare_outputs(expected, obtained, atol=atol, rtol=rtol)
             check.success, check.abs, check.rel, check.error = cmp.success, cmp.abs, cmp.rel, cmp.error
+            if check.absent_inputs and not cmp.success:
+                check.success = None  # fed a stand-in the model never saw: not a numeric mismatch
         except Exception as exc:  # a call the program cannot run is a failed check, not a crash
             check.success, check.error = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         check.seconds = time.perf_counter() - t0
@@ -214,7 +276,9 @@ def _export(
     plan = _plan(rc, model, batch)
     report = report or ExportReport(traced_call=plan.alignment.calls[plan.traced].index)
     begin = time.perf_counter()
-    with export_context(rc, oblivious=plan.oblivious, report=report):
+    with export_context(
+        rc, oblivious=plan.oblivious, report=report, model=plan.module, dynamic_batch=plan.dynamic_batch
+    ):
         try:
             ep = torch.export.export(
                 plan.module, plan.args, plan.kwargs, dynamic_shapes=plan.dynamic_shapes, strict=strict

@@ -15,7 +15,7 @@ import onnx
 import torch
 
 from iobundle.capture._calls import RecordedCalls
-from iobundle.capture._inference import align_calls, aligned_tensors
+from iobundle.capture._inference import align_calls, aligned_tensors, placeholder_inputs
 from iobundle.capture._tree import tensor_keys
 from iobundle.errors import BundleNotFoundError, ReplayError
 from iobundle.replay._compare import compare_outputs
@@ -97,8 +97,10 @@ def check_discrepancies(
 
     Each row has ``SUCCESS, abs, rel, sum, n, dnan``, one ``>h`` count per threshold of ``hist``,
     ``index, duration_torch, ort_duration, n_inputs, n_none, n_empty``, ``absent_inputs`` (inputs
-    that were absent at capture and filled by placeholders: such a row is reported with
-    ``SUCCESS=None`` when it differs, never as a numeric mismatch), ``error`` when the run failed,
+    absent at capture and fed a non-empty stand-in, zeros or a ``value_if_missing`` placeholder:
+    such a row is reported with ``SUCCESS=None`` when it differs, never as a numeric mismatch;
+    zero-length stand-ins for absent caches mean the same as absence and are checked normally),
+    ``error`` when the run failed,
     and with ``include_io`` the ``inputs`` and ``outputs`` summaries.
 
     Raises:
@@ -138,7 +140,8 @@ def check_discrepancies(
             row.update(
                 compare_outputs(expected, obtained, atol=atol, rtol=rtol, hist=hist, skip_none=skip_none).as_row()
             )
-        if call.filled and row["SUCCESS"] is False:
+        absent = placeholder_inputs(alignment, call, slots, tensors)
+        if absent and row["SUCCESS"] is False:
             row["SUCCESS"] = None
         row.update(
             index=call.index,
@@ -147,7 +150,7 @@ def check_discrepancies(
             n_inputs=len(mapping),
             n_none=sum(1 for s in slots if s is None),
             n_empty=sum(1 for t in tensors if t.numel() == 0),
-            absent_inputs=",".join(map(str, call.filled)),
+            absent_inputs=",".join(map(str, absent)),
         )
         if include_io:
             row["inputs"] = _summary(tensors)

@@ -1,0 +1,129 @@
+"""check_discrepancies / validate_onnx: onnxruntime on every recorded call, rows ready for pandas."""
+
+from __future__ import annotations
+
+import onnx
+import onnxruntime
+import pandas
+import pytest
+import torch
+
+from iobundle import InputObserver, load_bundle
+from iobundle.replay import validate_onnx
+
+
+class Affine(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.lin(x)
+        return y if mask is None else y * mask
+
+
+class Flaky(Affine):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[0] == 3:
+            raise RuntimeError("this call fails")
+        return super().forward(x, mask)
+
+
+@pytest.fixture(scope="module")
+def affine_bundle(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("affine")
+    model = Affine().eval()
+    observer = InputObserver()
+    with torch.no_grad(), observer(model):
+        model(torch.randn(2, 4))
+        model(torch.randn(5, 4))
+    observer.save(tmp / "b")
+    path = load_bundle(tmp / "b").to_onnx(model, tmp / "affine.onnx")
+    return tmp / "b", path
+
+
+def test_rows_have_every_documented_column_and_load_in_pandas(affine_bundle):
+    bundle, path = affine_bundle
+    rows = load_bundle(bundle).check_discrepancies(path, hist=(0.1, 0.01, 1e-6))
+    frame = pandas.DataFrame(rows)
+    expected = {"abs", "rel", "sum", "n", "dnan", ">0.1", ">0.01", ">1e-06", "SUCCESS", "index", "duration_torch"}
+    expected |= {"ort_duration", "n_inputs", "n_none", "n_empty", "inputs", "outputs", "absent_inputs"}
+    assert expected <= set(frame.columns)
+    assert frame["SUCCESS"].tolist() == [True, True]
+    assert frame["n"].tolist() == [6, 15]
+    assert frame["inputs"].tolist() == ["2x4:float32", "5x4:float32"]
+
+
+def test_bit_exact_result_is_a_success_D1(tmp_path):
+    class Identity(torch.nn.Module):
+        def forward(self, x):
+            return x + 0
+
+    observer = InputObserver()
+    model = Identity()
+    with observer(model):
+        model(torch.arange(6.0).reshape(2, 3))
+        model(torch.arange(9.0).reshape(3, 3))
+    path = observer.to_onnx(model, tmp_path / "id.onnx")
+    rows = observer.check_discrepancies(path)
+    assert [r["abs"] for r in rows] == [0.0, 0.0]
+    assert all(isinstance(r["abs"], float) for r in rows)
+    assert [r["SUCCESS"] for r in rows] == [True, True]
+
+
+def test_failed_call_is_never_paired_with_another_calls_outputs_D3(tmp_path):
+    model = Flaky().eval()
+    observer = InputObserver()
+    with torch.no_grad(), observer(model, store_n_calls=4):
+        model(torch.randn(2, 4))
+        with pytest.raises(RuntimeError, match="this call fails"):
+            model(torch.randn(3, 4))
+        model(torch.randn(5, 4))
+    observer.save(tmp_path / "b")
+    bundle = load_bundle(tmp_path / "b")
+    assert [c.status for c in bundle.calls] == ["ok", "failed", "ok"]
+    assert bundle.calls[1].outputs is None and "this call fails" in bundle.calls[1].error
+    path = bundle.to_onnx(Affine().eval(), tmp_path / "m.onnx")
+    rows = bundle.check_discrepancies(path)
+    assert [r["index"] for r in rows] == [0, 2]
+    assert [r["inputs"] for r in rows] == ["2x4:float32", "5x4:float32"]
+    assert [r["outputs"] for r in rows] == ["2x3:float32", "5x3:float32"]
+    assert [r["SUCCESS"] for r in rows] == [True, True]
+
+
+def test_absent_input_fed_a_stand_in_is_not_a_numeric_mismatch_D7(tmp_path):
+    model = Affine().eval()
+    observer = InputObserver()
+    with torch.no_grad(), observer(model):
+        model(torch.randn(2, 4))  # no mask: the export feeds zeros, which the model never saw
+        model(torch.randn(2, 4), mask=torch.full((2, 3), 2.0))
+    path = observer.to_onnx(model, tmp_path / "m.onnx", check=False)
+    rows = observer.check_discrepancies(path)
+    assert rows[0]["absent_inputs"] == "mask"
+    assert rows[0]["n_none"] == 1
+    assert rows[0]["SUCCESS"] is None  # differs, but only because of the stand-in
+    assert rows[0]["abs"] > 0
+    assert rows[1]["absent_inputs"] == "" and rows[1]["SUCCESS"] is True
+    report = validate_onnx(observer._recorded(), path)
+    assert report.ok and report.n_failed == 0
+
+
+def test_works_with_the_pinned_onnxruntime_D11(affine_bundle):
+    bundle, path = affine_bundle
+    assert onnxruntime.__version__.startswith("1.32")
+    report = validate_onnx(load_bundle(bundle)._recorded(), onnx.load(path))
+    assert report.ok and "PASS: 2/2" in report.verdict()
+
+
+def test_wrong_onnx_model_is_reported_per_call(affine_bundle, tmp_path):
+    bundle, path = affine_bundle
+    proto = onnx.load(path)
+    for init in proto.graph.initializer:
+        if len(init.dims) == 1:  # the bias: shift it
+            arr = onnx.numpy_helper.to_array(init) + 1.0
+            init.CopyFrom(onnx.numpy_helper.from_array(arr, init.name))
+    rows = load_bundle(bundle).check_discrepancies(proto)
+    assert [r["SUCCESS"] for r in rows] == [False, False]
+    assert all(r["abs"] == pytest.approx(1.0, abs=1e-5) for r in rows)
+    assert all(r[">0.1"] == r["n"] for r in rows)
