@@ -1,0 +1,342 @@
+"""The ``iobundle`` command: an argparse parser, one thin handler per subcommand, one error funnel.
+
+Each handler parses, calls the public API, and hands the result to :mod:`iobundle.cli._render`
+(the only module that writes to the terminal). Handlers import the library inside their body,
+so ``import iobundle.cli`` and ``iobundle --help`` never load torch.
+
+To add a subcommand: write ``_cmd_<name>(args) -> int``, and in :func:`_build_parser` an
+``add_parser`` block with its arguments, an ``_EXAMPLES`` entry and ``set_defaults(handler=...)``.
+Raise :class:`~iobundle.errors.CLIError` for bad flag combinations; return :data:`EXIT_CHECK_FAILED`
+when a check the user asked for fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from iobundle.cli import _render
+from iobundle.errors import BundleError, CLIError, IobundleError, ReplayError
+
+if TYPE_CHECKING:
+    from iobundle.replay import Bundle
+
+__all__ = ["EXIT_CHECK_FAILED", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1
+"""A check the user asked for failed: a corrupt file (verify), outputs that differ (validate)."""
+EXIT_USAGE = 2
+"""Bad command line, or a path that is not a readable bundle (argparse also exits with 2)."""
+EXIT_FAILED = 3
+"""The bundle was read but the operation failed: calls that cannot be aligned, an export error, ..."""
+
+# The first class of an error's MRO found here gives the exit code; anything else is EXIT_FAILED.
+_EXIT_CODES: dict[type[IobundleError], int] = {CLIError: EXIT_USAGE, BundleError: EXIT_USAGE}
+
+DEBUG_ENV = "IOBUNDLE_DEBUG"
+
+_DESCRIPTION = """\
+Inspect, check and replay iobundle bundles: the calls a PyTorch model received,
+recorded with iobundle.InputObserver and saved with observer.save(PATH)."""
+
+_EXIT_HELP = """\
+exit codes:
+  0  success
+  1  a check failed (verify: a file is corrupt; validate: outputs differ)
+  2  usage error, or the path is not a readable bundle
+  3  the bundle was read but the operation failed (e.g. calls that cannot be aligned)
+
+environment:
+  IOBUNDLE_DEBUG=1  show the full traceback of an error"""
+
+_EXAMPLES = {
+    "iobundle": """\
+examples:
+  iobundle inspect run.iobundle
+  iobundle shapes run.iobundle --batch input_ids --json
+  iobundle verify run.iobundle && echo intact
+  iobundle COMMAND --help""",
+    "inspect": """\
+examples:
+  iobundle inspect run.iobundle
+  iobundle inspect run.iobundle | less -S
+
+Shapes and dtypes come from manifest.json: no tensor data is read, so this is fast on
+bundles of any size. The dynamic shapes are those `iobundle shapes` prints.""",
+    "shapes": """\
+examples:
+  iobundle shapes run.iobundle
+  iobundle shapes run.iobundle --batch input_ids --batch attention_mask
+  iobundle shapes run.iobundle --batch 0,1 --json
+  iobundle shapes run.iobundle --batch-all --dim-names
+
+A dimension is dynamic when its size differs across the recorded calls; --batch makes
+dimension 0 of the named inputs dynamic even if every call used the same batch size.""",
+    "verify": """\
+examples:
+  iobundle verify run.iobundle
+  iobundle verify run.iobundle -q || echo "bundle damaged"
+
+Reads every tensor file and compares its size and sha256 with the manifest.
+Exit code 0 when all match, 1 when a file is missing or differs, 2 when the bundle
+cannot be opened.""",
+}
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=32)
+
+
+def _add_logging_flags(parser: argparse.ArgumentParser, *, top_level: bool) -> None:
+    # Subcommands leave the value unset unless given, so `iobundle -v inspect B` keeps the top-level count.
+    default: Any = 0 if top_level else argparse.SUPPRESS
+    group = parser.add_argument_group("logging")
+    group.add_argument("-v", "--verbose", action="count", default=default, help="more log messages (-vv: debug)")
+    group.add_argument("-q", "--quiet", action="count", default=default, help="only errors")
+
+
+def _add_command(subparsers: Any, name: str, *, summary: str, description: str) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name,
+        help=summary,
+        description=description,
+        epilog=_EXAMPLES[name],
+        formatter_class=_Formatter,
+    )
+    _add_logging_flags(parser, top_level=False)
+    return parser
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="iobundle",
+        description=_DESCRIPTION,
+        epilog=_EXAMPLES["iobundle"] + "\n\n" + _EXIT_HELP,
+        formatter_class=_Formatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    _add_logging_flags(parser, top_level=True)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = _add_command(
+        subparsers,
+        "inspect",
+        summary="summarise a bundle: calls, input shapes, constants, latency, dynamic shapes",
+        description="Print a table of the recorded calls (inputs with shape and dtype, constants, latency), "
+        "the versions that produced the bundle, and the inferred dynamic shapes.",
+    )
+    p.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
+    p.set_defaults(handler=_cmd_inspect)
+
+    p = _add_command(
+        subparsers,
+        "shapes",
+        summary="print the dynamic_shapes to give torch.export.export",
+        description="Infer the dynamic_shapes argument of torch.export.export from the recorded calls.",
+    )
+    p.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
+    p.add_argument(
+        "--batch",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="make dimension 0 of this input dynamic (a name or a position; repeat or separate with commas)",
+    )
+    p.add_argument("--batch-all", action="store_true", help="make dimension 0 of every input dynamic")
+    p.add_argument(
+        "--dim-names", action="store_true", help="name each dynamic dimension (Dim('x_0_dim1')) instead of Dim.DYNAMIC"
+    )
+    p.add_argument("--json", action="store_true", help='print JSON: dims as "DYNAMIC" or the Dim\'s name')
+    p.set_defaults(handler=_cmd_shapes)
+
+    p = _add_command(
+        subparsers,
+        "verify",
+        summary="check every tensor file's size and sha256 against the manifest",
+        description="Check that every tensor file of the bundle is present and matches the size and sha256 "
+        "recorded in manifest.json.",
+    )
+    p.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
+    p.set_defaults(handler=_cmd_verify)
+
+    # export, validate and demo go here: one _add_command block and one _cmd_<name> handler each.
+
+    return parser
+
+
+def _version() -> str:
+    from iobundle import __version__
+
+    return __version__
+
+
+# --------------------------------------------------------------------------- handlers
+
+
+def _open_bundle(path: str) -> Bundle:
+    from iobundle import load_bundle
+
+    logger.debug("opening %s", path)
+    return load_bundle(path)
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    bundle = _open_bundle(args.bundle)
+    shapes: Any = None
+    shapes_error: str | None = None
+    try:
+        shapes = bundle.infer_dynamic_shapes()
+    except ReplayError as exc:  # the rest of the report is still worth printing
+        shapes_error = str(exc)
+    _render.out(
+        _render.format_inspect(args.bundle, bundle.manifest, dynamic_shapes=shapes, dynamic_shapes_error=shapes_error)
+    )
+    return EXIT_OK
+
+
+def _batch_spec(args: argparse.Namespace, bundle: Bundle) -> set[int | str] | bool | None:
+    """Turn --batch/--batch-all into ``set_batch_dimension_for``; positions of named parameters become names."""
+    if args.batch_all and args.batch:
+        raise CLIError("Cannot use both --batch and --batch-all. Use --batch-all for every input, or --batch NAME.")
+    if args.batch_all:
+        return True
+    if not args.batch:
+        return None
+    signature = bundle.manifest.signature.parameters
+    names = [p.name for p in signature]
+    positional = [p.name for p in signature if p.kind in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")]
+    has_varargs = any(p.kind == "VAR_POSITIONAL" for p in signature)
+    recorded = {k for c in bundle.manifest.calls for k in c.kwargs}
+    spec: set[int | str] = set()
+    for item in (part.strip() for value in args.batch for part in value.split(",")):
+        if not item:
+            continue
+        if item.lstrip("-").isdigit():
+            position = int(item)
+            if position < 0 or (position >= len(positional) and not has_varargs):
+                raise CLIError(
+                    f"--batch {item}: {bundle.manifest.signature.method}() has {len(positional)} positional "
+                    f"parameters ({', '.join(positional) or 'none'}); give a position below {len(positional)} or a name."
+                )
+            # A position of a named parameter becomes its name, so that it also applies when passed by keyword.
+            spec.add(positional[position] if position < len(positional) else position)
+        elif item in names or item in recorded:
+            spec.add(item)
+        else:
+            raise CLIError(
+                f"--batch {item}: not an input of {bundle.manifest.signature.method}(). "
+                f"Inputs: {', '.join(names + sorted(recorded - set(names)))}."
+            )
+    return spec
+
+
+def _cmd_shapes(args: argparse.Namespace) -> int:
+    bundle = _open_bundle(args.bundle)
+    spec = _batch_spec(args, bundle)
+    shapes = bundle.infer_dynamic_shapes(set_batch_dimension_for=spec, dim_names=args.dim_names)
+    if args.json:
+        _render.out(_render.format_dynamic_shapes_json(shapes))
+    else:
+        _render.out(_render.format_dynamic_shapes(shapes))
+    return EXIT_OK
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    bundle = _open_bundle(args.bundle)
+    problems = bundle.verify()
+    text = _render.format_verify(bundle.manifest, problems)
+    if problems or args.log_level <= logging.WARNING:
+        _render.out(text)
+    return EXIT_CHECK_FAILED if problems else EXIT_OK
+
+
+# --------------------------------------------------------------------------- main
+
+
+class _CLILogHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to the current ``sys.stderr`` (which tests replace) in ``LEVEL name: message`` form."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _logging(verbose: int, quiet: int) -> Iterator[int]:
+    """Send the ``iobundle`` loggers to stderr at the level -v/-q ask for; undo it on exit (main() may be called again)."""
+    level = min(max(logging.WARNING - 10 * verbose + 10 * quiet, logging.DEBUG), logging.CRITICAL)
+    package_logger = logging.getLogger("iobundle")
+    handler, previous = _CLILogHandler(), package_logger.level
+    package_logger.addHandler(handler)
+    package_logger.setLevel(level)
+    try:
+        yield level
+    finally:
+        package_logger.removeHandler(handler)
+        package_logger.setLevel(previous)
+
+
+def _debug() -> bool:
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def exit_code_for(exc: IobundleError) -> int:
+    """The exit code for an error: see ``_EXIT_CODES``."""
+    for cls in type(exc).__mro__:
+        if cls in _EXIT_CODES:
+            return _EXIT_CODES[cls]
+    return EXIT_FAILED
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``iobundle`` command with ``argv`` (default: ``sys.argv[1:]``) and return its exit code.
+
+    An :class:`~iobundle.errors.IobundleError` is printed as ``error: <message>`` and a hint on
+    stderr, without a traceback unless ``IOBUNDLE_DEBUG=1`` (then it is raised again).
+
+    Example:
+        >>> main(["verify", "run.iobundle"])
+        OK: 2 files, 536 B, sizes and sha256 match the manifest
+        0
+    """
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error argparse already printed
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    with _logging(args.verbose, args.quiet) as args.log_level:
+        try:
+            return int(args.handler(args))
+        except IobundleError as exc:
+            _render.err(f"error: {exc}")
+            if _debug():
+                raise
+            if isinstance(exc, CLIError):  # a usage error: the traceback would not help
+                _render.err(f"hint: see 'iobundle {args.command} --help'")
+            else:
+                _render.err(f"hint: set {DEBUG_ENV}=1 for the full traceback")
+            return exit_code_for(exc)
+        except KeyboardInterrupt:
+            _render.err("error: interrupted")
+            return 130
+        except BrokenPipeError:  # `iobundle inspect B | head`: the reader left, nothing left to say
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            return EXIT_OK

@@ -1,0 +1,326 @@
+"""Tests of the ``iobundle`` command: output, exit codes, the error funnel."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from iobundle import BundleNotFoundError, InputObserver, load_bundle
+from iobundle.cli import main
+
+
+class Model(torch.nn.Module):
+    def forward(self, x, cache=None, flag=False):
+        return x * 2
+
+
+def _save(tmp_path_factory: pytest.TempPathFactory, name: str, calls: list[tuple[tuple, dict]]) -> Path:
+    model, observer = Model(), InputObserver()
+    with observer(model):
+        for args, kwargs in calls:
+            model(*args, **kwargs)
+    path = tmp_path_factory.mktemp("bundles") / name
+    observer.save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def flag_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two calls whose constants differ: inference fails, inspect must not."""
+    calls = [((torch.randn(2, 3),), {}), ((torch.randn(2, 5),), {"cache": [torch.ones(2, 4)], "flag": True})]
+    return _save(tmp_path_factory, "flag.iobundle", calls)
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two aligned calls: x varies in dim 1, the cache (passed by keyword) never varies."""
+    calls = [
+        ((torch.randn(2, 3),), {"cache": [torch.ones(2, 4)]}),
+        ((torch.randn(2, 5),), {"cache": [torch.ones(2, 4)]}),
+    ]
+    return _save(tmp_path_factory, "ok.iobundle", calls)
+
+
+@pytest.fixture
+def fresh_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A bundle a test may damage."""
+    return _save(tmp_path_factory, "fresh.iobundle", [((torch.randn(2, 3),), {}), ((torch.randn(3, 3),), {})])
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+class TestInspect:
+    def test_lists_calls_shapes_constants_and_latency(self, capsys, flag_bundle):
+        code, out, err = run(capsys, "inspect", flag_bundle)
+        assert code == 0, err
+        rows = [line.split() for line in out.splitlines() if line[:1].isdigit()]
+        assert [r[:2] for r in rows] == [["0", "ok"], ["1", "ok"]]
+        assert rows[0][3] == "ms" and float(rows[0][2]) >= 0
+        call0, call1 = (line for line in out.splitlines() if line[:1].isdigit())
+        assert "x=2x3 f32" in call0 and "cache" not in call0 and call0.rstrip().endswith("-")
+        assert "x=2x5 f32, cache=[2x4 f32]" in call1 and "flag=True" in call1
+
+    def test_shows_producer_and_the_inference_error(self, capsys, flag_bundle):
+        code, out, _ = run(capsys, "inspect", flag_bundle)
+        assert code == 0
+        assert f"torch {torch.__version__}" in out
+        assert "Model.forward(x, cache=None, flag=False)" in out
+        shapes_section = out.split("dynamic shapes", 1)[1]
+        assert "error: Calls" in shapes_section and "different constants" in shapes_section
+
+    def test_shows_inferred_dynamic_shapes(self, capsys, bundle):
+        code, out, _ = run(capsys, "inspect", bundle)
+        assert code == 0
+        assert "{'x': {1: Dim.DYNAMIC}, 'cache': [{}]}" in out.split("dynamic shapes", 1)[1]
+
+    def test_nested_dict_is_summarised(self, capsys, tmp_path_factory):
+        path = _save(tmp_path_factory, "dict.iobundle", [((torch.randn(2, 3),), {"cache": {"w": torch.ones(2, 3)}})])
+        code, out, _ = run(capsys, "inspect", path)
+        assert code == 0
+        assert "cache={'w': 2x3 f32}" in out
+
+    def test_reads_no_tensor_data(self, capsys, fresh_bundle):
+        for file in (fresh_bundle / "calls").iterdir():
+            file.unlink()
+        code, out, err = run(capsys, "inspect", fresh_bundle)
+        assert code == 0, err
+        assert "{0: Dim.DYNAMIC}" in out
+
+    def test_failed_call_shows_its_error(self, capsys, tmp_path):
+        class Failing(torch.nn.Module):
+            def forward(self, x):
+                if x.shape[0] == 3:
+                    raise ValueError("no batch of 3")
+                return x + 1
+
+        model, observer = Failing(), InputObserver()
+        with observer(model):
+            model(torch.ones(2, 2))
+            with pytest.raises(ValueError, match="no batch of 3"):
+                model(torch.ones(3, 2))
+        observer.save(tmp_path / "b")
+        code, out, _ = run(capsys, "inspect", tmp_path / "b")
+        assert code == 0
+        assert "(1 ok, 1 failed)" in out
+        assert "call 1 failed: ValueError: no batch of 3" in out
+
+    def test_transformers_cache_is_summarised_by_layer(self, capsys, tmp_path):
+        transformers = pytest.importorskip("transformers")
+
+        class Decoder(torch.nn.Module):
+            def forward(self, input_ids, past_key_values=None):
+                return input_ids
+
+        def cache(length: int):
+            c = transformers.DynamicCache()
+            for layer in range(3):
+                c.update(torch.randn(1, 2, length, 8), torch.randn(1, 2, length, 8), layer)
+            return c
+
+        model, observer = Decoder(), InputObserver()
+        with observer(model):
+            model(torch.ones(1, 1, dtype=torch.int64), past_key_values=cache(5))
+        observer.save(tmp_path / "b")
+        code, out, _ = run(capsys, "inspect", tmp_path / "b")
+        assert code == 0
+        assert "past_key_values=DynamicCache[k:1x2x5x8 f32, v:1x2x5x8 f32, ... (3 layers)]" in out
+        assert "input_ids=1x1 i64" in out
+
+
+# --------------------------------------------------------------------------- shapes
+
+
+class TestShapes:
+    def test_text_is_python_that_evaluates_to_the_library_result(self, capsys, bundle):
+        code, out, _ = run(capsys, "shapes", bundle)
+        assert code == 0
+        assert out.strip() == "{'x': {1: Dim.DYNAMIC}, 'cache': [{}]}"
+        assert eval(out, {"Dim": torch.export.Dim}) == load_bundle(bundle).infer_dynamic_shapes()
+
+    def test_json(self, capsys, bundle):
+        code, out, _ = run(capsys, "shapes", bundle, "--json")
+        assert code == 0
+        assert json.loads(out) == {"x": {"1": "DYNAMIC"}, "cache": [{}]}
+
+    def test_json_with_dim_names(self, capsys, bundle):
+        code, out, _ = run(capsys, "shapes", bundle, "--json", "--dim-names")
+        assert code == 0
+        shapes = json.loads(out)
+        assert isinstance(shapes["x"]["1"], str) and shapes["x"]["1"].startswith("x_")
+
+    @pytest.mark.parametrize(
+        ("batch", "expected"),
+        [
+            (["--batch", "cache"], {"x": {"1": "DYNAMIC"}, "cache": [{"0": "DYNAMIC"}]}),
+            # cache was passed by keyword: its position still selects it
+            (["--batch", "1"], {"x": {"1": "DYNAMIC"}, "cache": [{"0": "DYNAMIC"}]}),
+            (["--batch", "0"], {"x": {"0": "DYNAMIC", "1": "DYNAMIC"}, "cache": [{}]}),
+            (
+                ["--batch", "x", "--batch", "cache"],
+                {"x": {"0": "DYNAMIC", "1": "DYNAMIC"}, "cache": [{"0": "DYNAMIC"}]},
+            ),
+            (["--batch", "0,cache"], {"x": {"0": "DYNAMIC", "1": "DYNAMIC"}, "cache": [{"0": "DYNAMIC"}]}),
+            (["--batch-all"], {"x": {"0": "DYNAMIC", "1": "DYNAMIC"}, "cache": [{"0": "DYNAMIC"}]}),
+        ],
+    )
+    def test_batch_by_name_or_position(self, capsys, bundle, batch, expected):
+        code, out, err = run(capsys, "shapes", bundle, "--json", *batch)
+        assert code == 0, err
+        assert json.loads(out) == expected
+
+    @pytest.mark.parametrize(
+        ("batch", "message"),
+        [
+            (["--batch", "nope"], "--batch nope: not an input of forward()"),
+            (["--batch", "7"], "--batch 7: forward() has 3 positional parameters"),
+            (["--batch", "x", "--batch-all"], "Cannot use both --batch and --batch-all"),
+        ],
+    )
+    def test_bad_batch_is_a_usage_error(self, capsys, bundle, batch, message):
+        code, out, err = run(capsys, "shapes", bundle, *batch)
+        assert code == 2
+        assert out == ""
+        assert err.splitlines()[0].startswith(f"error: {message}")
+        assert "Traceback" not in err
+
+    def test_calls_that_cannot_be_aligned_exit_3(self, capsys, flag_bundle):
+        code, out, err = run(capsys, "shapes", flag_bundle)
+        assert code == 3
+        assert out == ""
+        assert err.startswith("error: Calls") and "different constants" in err
+        assert "hint: set IOBUNDLE_DEBUG=1" in err
+
+
+# --------------------------------------------------------------------------- verify
+
+
+class TestVerify:
+    def test_good_bundle(self, capsys, fresh_bundle):
+        code, out, _ = run(capsys, "verify", fresh_bundle)
+        assert code == 0
+        assert out.startswith("OK: 2 files")
+
+    def test_quiet_good_bundle_prints_nothing(self, capsys, fresh_bundle):
+        code, out, err = run(capsys, "verify", "-q", fresh_bundle)
+        assert (code, out, err) == (0, "", "")
+
+    def test_flipped_byte_names_the_file(self, capsys, fresh_bundle):
+        target = fresh_bundle / "calls" / "000001.safetensors"
+        data = bytearray(target.read_bytes())
+        data[-1] ^= 0xFF
+        target.write_bytes(bytes(data))
+        code, out, _ = run(capsys, "verify", fresh_bundle)
+        assert code == 1
+        lines = out.splitlines()
+        assert len(lines) == 1
+        assert lines[0].startswith("calls/000001.safetensors: sha256")
+
+    def test_missing_file_is_a_failed_check(self, capsys, fresh_bundle):
+        (fresh_bundle / "calls" / "000000.safetensors").unlink()
+        code, out, _ = run(capsys, "verify", fresh_bundle)
+        assert code == 1
+        assert out.splitlines() == ["calls/000000.safetensors: missing from the bundle."]
+
+    def test_unreadable_manifest_exits_2(self, capsys, fresh_bundle):
+        (fresh_bundle / "manifest.json").write_text("{not json", encoding="utf-8")
+        code, out, err = run(capsys, "verify", fresh_bundle)
+        assert code == 2
+        assert out == ""
+        assert err.startswith("error: ") and "manifest.json" in err
+
+
+# --------------------------------------------------------------------------- errors, usage, help
+
+
+class TestErrors:
+    @pytest.mark.parametrize("command", ["inspect", "shapes", "verify"])
+    def test_missing_bundle_is_one_line_and_a_hint(self, capsys, tmp_path, command):
+        code, out, err = run(capsys, command, tmp_path / "nope")
+        assert code == 2
+        assert out == ""
+        lines = err.splitlines()
+        assert len(lines) == 2
+        assert lines[0].startswith("error: ") and "nope" in lines[0]
+        assert lines[1] == "hint: set IOBUNDLE_DEBUG=1 for the full traceback"
+
+    def test_directory_without_manifest(self, capsys, tmp_path):
+        code, _, err = run(capsys, "inspect", tmp_path)
+        assert code == 2
+        assert "No manifest.json" in err
+
+    def test_python_m_prints_no_traceback(self, tmp_path):
+        env = {k: v for k, v in os.environ.items() if k != "IOBUNDLE_DEBUG"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "iobundle", "inspect", "/nonexistent"],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=120,
+        )
+        assert proc.returncode == 2
+        assert "Traceback" not in proc.stderr
+        assert proc.stderr.startswith("error: '/nonexistent'")
+        assert proc.stdout == ""
+
+    def test_debug_env_reraises(self, capsys, monkeypatch, tmp_path):
+        monkeypatch.setenv("IOBUNDLE_DEBUG", "1")
+        with pytest.raises(BundleNotFoundError):
+            main(["inspect", str(tmp_path / "nope")])
+        assert capsys.readouterr().err.startswith("error: ")
+
+    def test_debug_env_zero_means_off(self, capsys, monkeypatch, tmp_path):
+        monkeypatch.setenv("IOBUNDLE_DEBUG", "0")
+        assert main(["inspect", str(tmp_path / "nope")]) == 2
+
+    @pytest.mark.parametrize("argv", [[], ["frobnicate"], ["inspect"], ["shapes", "b", "--no-such-flag"]])
+    def test_argparse_usage_errors_exit_2(self, capsys, argv):
+        assert main(argv) == 2
+        assert "usage: iobundle" in capsys.readouterr().err
+
+
+class TestHelp:
+    def test_top_level_help_documents_commands_and_exit_codes(self, capsys):
+        code, out, _ = run(capsys, "--help")
+        assert code == 0
+        for word in ("inspect", "shapes", "verify", "examples:", "exit codes:", "IOBUNDLE_DEBUG"):
+            assert word in out
+        assert "  1  a check failed" in out and "  2  usage error" in out
+
+    @pytest.mark.parametrize("command", ["inspect", "shapes", "verify"])
+    def test_each_command_has_examples(self, capsys, command):
+        code, out, _ = run(capsys, command, "--help")
+        assert code == 0
+        assert "examples:" in out and f"iobundle {command} run.iobundle" in out
+
+    def test_version(self, capsys):
+        from iobundle import __version__
+
+        code, out, _ = run(capsys, "--version")
+        assert code == 0 and out.strip() == f"iobundle {__version__}"
+
+    @pytest.mark.parametrize("argv", [["-v", "verify"], ["verify", "-vv"], ["-q", "verify"]])
+    def test_logging_flags_anywhere(self, capsys, fresh_bundle, argv):
+        package_logger = logging.getLogger("iobundle")
+        before = (package_logger.level, list(package_logger.handlers))
+        assert main([*argv, str(fresh_bundle)]) == 0
+        assert (package_logger.level, package_logger.handlers) == before  # main() leaves logging as it found it
+
+    def test_verbose_shows_debug_messages_on_stderr(self, capsys, fresh_bundle):
+        code, _, err = run(capsys, "-vv", "verify", fresh_bundle)
+        assert code == 0
+        assert f"DEBUG iobundle.cli._main: opening {fresh_bundle}" in err
