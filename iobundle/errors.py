@@ -20,7 +20,7 @@ Every error a user can trigger is a subclass of :class:`IobundleError`, so
     └── ReplayError
         ├── AlignmentError                     recorded calls do not line up
         ├── DynamicShapeError                  calls disagree on a tensor's rank
-        ├── ModelLoadError                     --model MODULE:FACTORY cannot be imported or called
+        ├── ModelLoadError                     a model (MODULE:FACTORY, an ONNX file) cannot be loaded
         ├── ExportError                        torch.export / torch.onnx failed, or .report says which calls differ
 """
 
@@ -130,7 +130,7 @@ class DynamicShapeError(ReplayError):
 
 
 class ModelLoadError(ReplayError):
-    """A ``MODULE:FACTORY`` model reference cannot be imported or called."""
+    """A model cannot be loaded: a ``MODULE:FACTORY`` reference, an ONNX file, a model stored in a bundle."""
 
 
 class ExportError(ReplayError):

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from iobundle.cli import _render
-from iobundle.errors import BundleError, CLIError, IobundleError, ReplayError
+from iobundle.errors import BundleError, CLIError, ExportError, IobundleError, ModelLoadError, ReplayError
 
 if TYPE_CHECKING:
     from iobundle.replay import Bundle
@@ -39,7 +39,12 @@ EXIT_FAILED = 3
 """The bundle was read but the operation failed: calls that cannot be aligned, an export error, ..."""
 
 # The first class of an error's MRO found here gives the exit code; anything else is EXIT_FAILED.
-_EXIT_CODES: dict[type[IobundleError], int] = {CLIError: EXIT_USAGE, BundleError: EXIT_USAGE}
+_EXIT_CODES: dict[type[IobundleError], int] = {
+    CLIError: EXIT_USAGE,
+    BundleError: EXIT_USAGE,
+    ModelLoadError: EXIT_USAGE,
+    ExportError: EXIT_CHECK_FAILED,
+}
 
 DEBUG_ENV = "IOBUNDLE_DEBUG"
 
@@ -50,8 +55,9 @@ recorded with iobundle.InputObserver and saved with observer.save(PATH)."""
 _EXIT_HELP = """\
 exit codes:
   0  success
-  1  a check failed (verify: a file is corrupt; validate: outputs differ)
-  2  usage error, or the path is not a readable bundle
+  0  success (validate, export: every recorded call reproduced)
+  1  a check failed (verify: a file is corrupt; validate, export: a call differs or fails to run)
+  2  usage error, or a bundle or model that cannot be read
   3  the bundle was read but the operation failed (e.g. calls that cannot be aligned)
 
 environment:
@@ -63,7 +69,41 @@ examples:
   iobundle inspect run.iobundle
   iobundle shapes run.iobundle --batch input_ids --json
   iobundle verify run.iobundle && echo intact
+  iobundle export run.iobundle --model mypkg.models:build -o model.onnx
+  iobundle validate run.iobundle model.onnx --report report.md
+  iobundle demo
   iobundle COMMAND --help""",
+    "export": """\
+examples:
+  iobundle export run.iobundle --model mypkg.models:build_model -o model.onnx
+  iobundle export run.iobundle --model mypkg.models:build_model --batch input_ids --batch cache
+  iobundle export run.iobundle --model ./mymodel.py-is-not-accepted  (use MODULE:FACTORY)
+
+MODULE:FACTORY names a callable that returns the model (a torch.nn.Module). It is imported
+from YOUR environment (installed packages and the current directory) and runs your code;
+nothing is ever imported from the bundle. The model is exported with torch.export using the
+recorded arguments and dynamic shapes, the exported program is run on every recorded call,
+then torch.onnx writes the ONNX file. Exit code 1 when a recorded call is not reproduced.""",
+    "validate": """\
+examples:
+  iobundle validate run.iobundle model.onnx
+  iobundle validate run.iobundle model.onnx --atol 1e-3 --report report.json
+  iobundle validate old.iobundle new_model.onnx --report regressions.md
+
+Runs the ONNX model with onnxruntime on every recorded call and compares with the recorded
+outputs. A call passes when every element is within --atol or within --rtol of the recorded
+value. A call whose input was absent at capture and had to be fed a stand-in is "not
+checked" when it differs. --report writes every column as JSON, CSV or Markdown (by extension).
+Exit code 0 when every call passes, 1 when one differs or fails to run, 2 when the bundle or
+the model cannot be read.""",
+    "demo": """\
+examples:
+  iobundle demo
+  iobundle demo /tmp/iobundle-demo
+
+Builds a tiny decoder (plain torch, part of iobundle), captures its generation loop (a prefill
+call, then decode calls with a growing key/value cache), saves the bundle, then in fresh
+processes runs `iobundle export` and `iobundle validate` on it.""",
     "inspect": """\
 examples:
   iobundle inspect run.iobundle
@@ -144,14 +184,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Infer the dynamic_shapes argument of torch.export.export from the recorded calls.",
     )
     p.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
-    p.add_argument(
-        "--batch",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="make dimension 0 of this input dynamic (a name or a position; repeat or separate with commas)",
-    )
-    p.add_argument("--batch-all", action="store_true", help="make dimension 0 of every input dynamic")
+    _add_batch_flags(p)
     p.add_argument(
         "--dim-names", action="store_true", help="name each dynamic dimension (Dim('x_0_dim1')) instead of Dim.DYNAMIC"
     )
@@ -168,9 +201,61 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
     p.set_defaults(handler=_cmd_verify)
 
-    # export, validate and demo go here: one _add_command block and one _cmd_<name> handler each.
+    p = _add_command(
+        subparsers,
+        "export",
+        summary="export a model with torch.export and ONNX from a bundle, checked on every call",
+        description="Export the model returned by MODULE:FACTORY with the bundle's inferred arguments and "
+        "dynamic shapes, check the exported program on every recorded call, and write an ONNX file.",
+    )
+    p.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
+    p.add_argument("--model", metavar="MODULE:FACTORY", required=True, help="a callable returning the model")
+    p.add_argument(
+        "-o", "--output", metavar="MODEL.onnx", default="model.onnx", help="the ONNX file (default: %(default)s)"
+    )
+    _add_batch_flags(p)
+    p.add_argument("--no-check", action="store_true", help="write the ONNX file even if a recorded call differs")
+    p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance of the check (default: %(default)s)")
+    p.add_argument("--rtol", type=float, default=0.1, help="relative tolerance of the check (default: %(default)s)")
+    p.set_defaults(handler=_cmd_export)
+
+    p = _add_command(
+        subparsers,
+        "validate",
+        summary="run an ONNX model on every recorded call and compare with the recorded outputs",
+        description="Run MODEL.onnx with onnxruntime on every recorded call of BUNDLE and compare its outputs "
+        "with the recorded ones: one row per call and a verdict.",
+    )
+    p.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
+    p.add_argument("model", metavar="MODEL.onnx", help="the ONNX model")
+    p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance (default: %(default)s)")
+    p.add_argument("--rtol", type=float, default=0.1, help="relative tolerance (default: %(default)s)")
+    p.add_argument("--report", metavar="FILE", help="also write every column to FILE (.json, .csv or .md)")
+    p.set_defaults(handler=_cmd_validate)
+
+    p = _add_command(
+        subparsers,
+        "demo",
+        summary="capture, export and validate a tiny built-in decoder, end to end",
+        description="Run the whole job on a tiny decoder that iobundle builds itself.",
+    )
+    p.add_argument(
+        "directory", metavar="DIR", nargs="?", default="iobundle-demo", help="where to write (default: %(default)s)"
+    )
+    p.set_defaults(handler=_cmd_demo)
 
     return parser
+
+
+def _add_batch_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--batch",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="make dimension 0 of this input dynamic (a name or a position; repeat or separate with commas)",
+    )
+    parser.add_argument("--batch-all", action="store_true", help="make dimension 0 of every input dynamic")
 
 
 def _version() -> str:
@@ -257,6 +342,103 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if problems or args.log_level <= logging.WARNING:
         _render.out(text)
     return EXIT_CHECK_FAILED if problems else EXIT_OK
+
+
+@contextlib.contextmanager
+def _quiet_exporters() -> Iterator[None]:
+    """Silence the exporters' own chatter (deprecation notices, skipped optional ops); errors still show."""
+    import warnings
+
+    noisy = [logging.getLogger(name) for name in ("torch.onnx", "torch.export", "torch._export", "onnxscript")]
+    levels = [lg.level for lg in noisy]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for lg in noisy:
+            lg.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for lg, level in zip(noisy, levels):
+                lg.setLevel(level)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from iobundle.replay import model_from_factory
+
+    bundle = _open_bundle(args.bundle)
+    spec = _batch_spec(args, bundle)
+    model = model_from_factory(args.model)
+    try:
+        with _quiet_exporters():
+            path = bundle.to_onnx(model, args.output, set_batch_dimension_for=spec, check=not args.no_check)
+    except ExportError as exc:
+        if exc.report is not None and exc.report.calls:
+            _render.out(_render.format_export(exc.report, None))
+        raise
+    report = bundle.export_report()
+    _render.out(_render.format_export(report, path))
+    return EXIT_OK if report is None or report.ok else EXIT_CHECK_FAILED
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from iobundle.replay import validate_onnx
+
+    fmt = None
+    if args.report:
+        fmt = _render.REPORT_FORMATS.get(os.path.splitext(args.report)[1].lower())
+        if fmt is None:
+            raise CLIError(f"--report {args.report}: use a .json, .csv or .md file name.")
+    bundle = _open_bundle(args.bundle)
+    report = validate_onnx(bundle._recorded(), args.model, atol=args.atol, rtol=args.rtol)
+    _render.out(_render.format_validation(report))
+    if args.report and fmt:
+        try:
+            with open(args.report, "w", encoding="utf-8") as f:
+                f.write(_render.format_report_file(report.rows, fmt))
+        except OSError as exc:
+            raise CLIError(f"--report {args.report}: cannot write it ({exc.strerror or exc}).") from exc
+        _render.out(f"report written to {args.report}")
+    return EXIT_OK if report.ok else EXIT_CHECK_FAILED
+
+
+def _run_step(argv: list[str]) -> int:
+    """Run ``iobundle ARGV`` in a fresh interpreter, its output passed through."""
+    import subprocess
+
+    _render.out(f"$ iobundle {' '.join(argv)}")
+    sys.stdout.flush()
+    return subprocess.run([sys.executable, "-m", "iobundle", *argv], check=False).returncode
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    import time
+
+    from iobundle.demo import DEMO_FACTORY, capture_demo
+
+    directory = os.path.abspath(args.directory)
+    os.makedirs(directory, exist_ok=True)
+    begin = time.perf_counter()
+    bundle, n_calls = capture_demo(directory)
+    _render.out(
+        f"captured {n_calls} calls of TinyDecoder.forward (1 prefill + {n_calls - 1} decode) "
+        f"in {time.perf_counter() - begin:.2f}s -> {bundle}"
+    )
+    onnx_path = os.path.join(directory, "model.onnx")
+    report = os.path.join(directory, "report.md")
+    steps = [
+        ["inspect", str(bundle)],
+        ["export", str(bundle), "--model", DEMO_FACTORY, "-o", onnx_path, "--batch-all"],
+        ["validate", str(bundle), onnx_path, "--report", report],
+    ]
+    for argv in steps:
+        begin = time.perf_counter()
+        code = _run_step(argv)
+        _render.out(f"({argv[0]}: {time.perf_counter() - begin:.2f}s, exit code {code})\n")
+        if code != EXIT_OK:
+            return code
+    _render.out(f"demo done: bundle {bundle}, ONNX model {onnx_path}, report {report}")
+    return EXIT_OK
 
 
 # --------------------------------------------------------------------------- main

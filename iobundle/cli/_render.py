@@ -367,3 +367,83 @@ def format_verify(manifest: Manifest, problems: Sequence[str]) -> str:
         return "\n".join(problems)
     total = sum(f.size for f in manifest.files.values())
     return f"OK: {len(manifest.files)} files, {_size(total)}, sizes and sha256 match the manifest"
+
+
+# --------------------------------------------------------------------------- export and validate
+
+
+def _error_cell(value: Any) -> str:
+    return "" if value is None or value != value else f"{value:.2e}"  # NaN (a failed run) shows empty
+
+
+def _status(success: Any, error: Any, absent: Any) -> str:
+    if success is True:
+        return "ok"
+    if success is None:
+        return f"not checked (absent at capture: {absent})"
+    return f"FAIL: {error}" if error else "FAIL: mismatch"
+
+
+def format_export(report: Any, onnx_path: str | None) -> str:
+    """The per-call check of an exported program, options, patches and timings."""
+    rows = [
+        [
+            str(c.index),
+            _status(c.success, c.error, ",".join(map(str, c.absent_inputs))),
+            _error_cell(c.abs),
+            _error_cell(c.rel),
+        ]
+        for c in report.calls
+    ]
+    lines = [f"torch.export: traced from call {report.traced_call} in {report.export_seconds:.2f}s"]
+    lines += [f"  option: {o}" for o in report.options]
+    lines += [f"  patch: {p}" for p in report.patches]
+    lines.append(f"exported program checked on {len(report.calls)} recorded calls in {report.check_seconds:.2f}s:")
+    lines.append(format_table(["call", "status", "max abs", "max rel"], rows, right=(0, 2, 3)))
+    if onnx_path:
+        seconds = f" in {report.onnx_seconds:.2f}s" if report.onnx_seconds is not None else ""
+        lines.append(f"torch.onnx.export: ONNX model written to {onnx_path}{seconds}")
+    return "\n".join(lines)
+
+
+def format_validation(report: Any) -> str:
+    """One row per call (status, max abs/rel error, durations) and the verdict."""
+    rows = [
+        [
+            str(r["index"]),
+            _status(r["SUCCESS"], r.get("error"), r.get("absent_inputs")),
+            _error_cell(r["abs"]),
+            _error_cell(r["rel"]),
+            format_latency(r["duration_torch"]),
+            format_latency(r["ort_duration"]),
+        ]
+        for r in report.rows
+    ]
+    table = format_table(["call", "status", "max abs", "max rel", "torch", "onnxruntime"], rows, right=(0, 2, 3, 4, 5))
+    return f"{table}\n{report.verdict()} ({report.seconds:.2f}s)"
+
+
+REPORT_FORMATS = {".json": "json", ".csv": "csv", ".md": "markdown", ".markdown": "markdown"}
+
+
+def format_report_file(rows: Sequence[dict[str, Any]], fmt: str) -> str:
+    """The rows of a validation as JSON, CSV or a Markdown table."""
+    if fmt == "json":
+        return json.dumps(list(rows), indent=1, default=str) + "\n"
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    if fmt == "csv":
+        import csv
+        import io
+
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        return buffer.getvalue()
+
+    def cell(value: Any) -> str:
+        return (f"{value:.3g}" if isinstance(value, float) else str(value)).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines) + "\n"

@@ -11,9 +11,11 @@ __all__ = [
     "export_onnx",
     "export_program",
     "load_bundle",
+    "model_from_factory",
     "validate_onnx",
 ]
 
 from iobundle.replay._bundle import Bundle, load_bundle
 from iobundle.replay._export import CallCheck, ExportReport, export_onnx, export_program
+from iobundle.replay._factory import model_from_factory
 from iobundle.replay._validate import ValidationReport, check_discrepancies, validate_onnx

@@ -17,7 +17,7 @@ import torch
 from iobundle.capture._calls import RecordedCalls
 from iobundle.capture._inference import align_calls, aligned_tensors, placeholder_inputs
 from iobundle.capture._tree import tensor_keys
-from iobundle.errors import BundleNotFoundError, ReplayError
+from iobundle.errors import ModelLoadError, ReplayError
 from iobundle.replay._compare import compare_outputs
 from iobundle.replay._export import INPUT_SLOTS_KEY, OUTPUT_NAMES_KEY
 
@@ -37,17 +37,14 @@ def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto) -> tuple[Any,
             ), meta
         path = Path(onnx_model)
         if not path.is_file():
-            raise BundleNotFoundError(f"ONNX model '{path}' does not exist.")
+            raise ModelLoadError(f"ONNX model '{path}' does not exist.")
         session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         return session, dict(session.get_modelmeta().custom_metadata_map)
-    except ReplayError:
-        raise
-    except BundleNotFoundError:
+    except ModelLoadError:
         raise
     except Exception as exc:
-        raise ReplayError(
-            f"onnxruntime cannot load the model '{onnx_model}': {str(exc).strip().splitlines()[0]}"
-        ) from exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"onnxruntime cannot load the model '{onnx_model}': {first}") from exc
 
 
 def _input_mapping(session: Any, meta: dict[str, str], n_slots: int) -> list[tuple[str, int]]:
@@ -140,7 +137,7 @@ def check_discrepancies(
             row.update(
                 compare_outputs(expected, obtained, atol=atol, rtol=rtol, hist=hist, skip_none=skip_none).as_row()
             )
-        absent = placeholder_inputs(alignment, call, slots, tensors)
+        absent = placeholder_inputs(alignment, call, slots)
         if absent and row["SUCCESS"] is False:
             row["SUCCESS"] = None
         row.update(

@@ -1,0 +1,147 @@
+"""`iobundle export`, `validate` and `demo`: exit codes, tables, reports, no tracebacks."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from iobundle import InputObserver
+from iobundle.cli import main
+
+pytest.importorskip("onnxruntime")
+
+FACTORIES = textwrap.dedent(
+    """
+    import torch
+
+    class Scale(torch.nn.Module):
+        def __init__(self, offset=0.0):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(4, 2)
+            self.offset = offset
+
+        def forward(self, x):
+            return self.lin(x) + self.offset
+
+    def good():
+        return Scale()
+
+    def wrong():
+        return Scale(offset=0.5)
+
+    def not_a_model():
+        return 42
+    """
+)
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """A directory holding `factories.py` and a bundle of Scale(); the CLI runs from there."""
+    (tmp_path / "factories.py").write_text(FACTORIES)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import factories
+
+    model = factories.good()
+    observer = InputObserver()
+    with torch.no_grad(), observer(model):
+        model(torch.randn(2, 4))
+        model(torch.randn(3, 4))
+    observer.save(tmp_path / "run.iobundle")
+    sys.modules.pop("factories", None)
+    return tmp_path
+
+
+def test_export_then_validate_pass(workdir, capsys):
+    assert main(["export", "run.iobundle", "--model", "factories:good", "-o", "good.onnx"]) == 0
+    out = capsys.readouterr().out
+    assert "checked on 2 recorded calls" in out and "good.onnx" in out
+    assert (workdir / "good.onnx").is_file()
+    assert main(["validate", "run.iobundle", "good.onnx"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS: 2/2 calls" in out
+
+
+def test_wrong_model_exits_1(workdir, capsys):
+    assert main(["export", "run.iobundle", "--model", "factories:wrong", "-o", "wrong.onnx"]) == 1
+    captured = capsys.readouterr()
+    assert "FAIL" in captured.out and "does not reproduce" in captured.err
+    assert "Traceback" not in captured.err
+    assert not (workdir / "wrong.onnx").exists()
+    # --no-check writes the file anyway; validating it fails on every call
+    assert main(["export", "run.iobundle", "--model", "factories:wrong", "-o", "wrong.onnx", "--no-check"]) == 1
+    assert (workdir / "wrong.onnx").is_file()
+    capsys.readouterr()
+    assert main(["validate", "run.iobundle", "wrong.onnx"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL: 0/2 calls" in out
+    assert out.count("FAIL: mismatch") == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["export", "missing.iobundle", "--model", "factories:good"], "not a directory"),
+        (["export", "run.iobundle", "--model", "factories"], "expected MODULE:FACTORY"),
+        (["export", "run.iobundle", "--model", "nosuchmodule:build"], "cannot import 'nosuchmodule'"),
+        (["export", "run.iobundle", "--model", "factories:missing"], "has no attribute"),
+        (["export", "run.iobundle", "--model", "factories:not_a_model"], "not a torch.nn.Module"),
+        (["validate", "missing.iobundle", "good.onnx"], "not a directory"),
+        (["validate", "run.iobundle", "missing.onnx"], "does not exist"),
+        (["validate", "run.iobundle", "factories.py"], "cannot load the model"),
+        (["validate", "run.iobundle", "x.onnx", "--report", "r.txt"], "--report r.txt"),
+    ],
+)
+def test_unreadable_inputs_exit_2_with_one_line(workdir, capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.startswith("error: ") and "Traceback" not in err
+
+
+def test_missing_bundle_in_a_real_process_has_no_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "iobundle", "validate", str(tmp_path / "nope"), str(tmp_path / "m.onnx")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and proc.stderr.startswith("error: ")
+
+
+@pytest.mark.parametrize("suffix", [".json", ".csv", ".md"])
+def test_validate_report_formats(workdir, capsys, suffix):
+    assert main(["export", "run.iobundle", "--model", "factories:good", "-o", "good.onnx"]) == 0
+    report = workdir / f"report{suffix}"
+    assert main(["validate", "run.iobundle", "good.onnx", "--report", str(report)]) == 0
+    text = report.read_text()
+    if suffix == ".json":
+        rows = json.loads(text)
+        assert [r["SUCCESS"] for r in rows] == [True, True]
+    elif suffix == ".csv":
+        rows = list(csv.DictReader(text.splitlines()))
+        assert [r["SUCCESS"] for r in rows] == ["True", "True"]
+    else:
+        lines = text.splitlines()
+        assert lines[0].startswith("| SUCCESS |") and len(lines) == 4
+
+
+@pytest.mark.slow
+def test_demo_end_to_end(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "iobundle", "demo", str(tmp_path / "demo")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "captured 6 calls" in proc.stdout
+    assert "PASS: 6/6 calls" in proc.stdout
+    assert (tmp_path / "demo" / "model.onnx").is_file()
+    assert (tmp_path / "demo" / "demo.iobundle" / "manifest.json").is_file()
+    assert "Traceback" not in proc.stderr
