@@ -12,39 +12,51 @@ from iobundle.errors import (
     BundleError,
     BundleExistsError,
     BundleNotFoundError,
+    BundleWriteError,
     CaptureError,
+    CLIError,
+    DynamicShapeError,
     ExportError,
     IntegrityError,
     IobundleError,
     ManifestError,
+    MissingDependencyError,
+    ModelLoadError,
     ReplayError,
     TensorFileError,
     UnsafeBundleError,
     UnsupportedFormatVersionError,
+    UnsupportedInputError,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
-    # Errors
-    "AlignmentError",
     # Capture and replay
     "Bundle",
+    "InputObserver",
+    "__version__",
+    "load_bundle",
+    # Errors
+    "AlignmentError",
     "BundleError",
     "BundleExistsError",
     "BundleNotFoundError",
+    "BundleWriteError",
+    "CLIError",
     "CaptureError",
+    "DynamicShapeError",
     "ExportError",
-    "InputObserver",
     "IntegrityError",
     "IobundleError",
     "ManifestError",
+    "MissingDependencyError",
+    "ModelLoadError",
     "ReplayError",
     "TensorFileError",
     "UnsafeBundleError",
     "UnsupportedFormatVersionError",
-    "__version__",
-    "load_bundle",
+    "UnsupportedInputError",
 ]
 
 if TYPE_CHECKING:
