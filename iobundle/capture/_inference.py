@@ -2,9 +2,12 @@
 
 The rules follow the InputObserver API (see DESIGN.md), with its known defects fixed:
 
-- the "best" call is the first one with the most tensors; every call is aligned on it;
+- the "best" call is the first one with the most leaves (tensors, None, constants), as
+  torch's pytree counts them; every call is aligned on it;
+- the layout is the best call's structure, where an argument it holds no tensor in (absent,
+  None, an empty container) takes its structure from the first call that has tensors there;
 - an argument absent from a call (not passed, or None) becomes None slots; an argument that
-  is present but holds no tensor where the best call has some (an empty cache) too;
+  is present but holds no tensor where the layout has some (an empty cache) too;
 - an argument present in two calls must hold the same number of tensors;
 - some call must contain every keyword argument passed in any call;
 - a dimension is dynamic when its size differs across calls, or when batch forcing says so.
@@ -19,9 +22,16 @@ from typing import Any
 import torch
 
 from iobundle.capture._calls import RecordedCalls, positional_names
-from iobundle.capture._tree import build_value, count_tensors, map_structure, replace_tensors, tensor_keys
+from iobundle.capture._tree import (
+    build_value,
+    count_leaves,
+    count_tensors,
+    map_structure,
+    replace_tensors,
+    tensor_keys,
+)
 from iobundle.errors import AlignmentError, DynamicShapeError
-from iobundle.schema import CallEntry, Node, NoneNode, TensorNode
+from iobundle.schema import CallEntry, DictNode, ListNode, Node, NoneNode, ObjectNode, TensorNode, TupleNode
 
 __all__ = [
     "Alignment",
@@ -43,22 +53,26 @@ class Alignment:
     Attributes:
         calls: The ok calls, in recording order.
         best: Index in ``calls`` of the call whose structure every call is aligned on.
-        slots: Per call, one tensor key or None per tensor of the best call.
+        slots: Per call, one tensor key or None per tensor of the layout.
         owners: Per slot, the positional index or keyword name of the argument it belongs to.
+        layout: The best call, where it holds no tensor in an argument that other calls fill,
+            with that argument's structure taken from the first call that has tensors there.
     """
 
     calls: list[CallEntry]
     best: int
     slots: list[list[str | None]]
     owners: list[int | str]
+    layout: CallEntry
 
     @property
     def best_call(self) -> CallEntry:
-        return self.calls[self.best]
+        """The layout every call is aligned on (the best call, completed)."""
+        return self.layout
 
 
-def _n_tensors(call: CallEntry) -> int:
-    return sum(count_tensors(a) for a in call.args) + sum(count_tensors(v) for v in call.kwargs.values())
+def _n_leaves(call: CallEntry) -> int:
+    return sum(count_leaves(a) for a in call.args) + sum(count_leaves(v) for v in call.kwargs.values())
 
 
 def _is_absent(node: Node | None) -> bool:
@@ -80,6 +94,8 @@ def _bind_to_best(rc: RecordedCalls, call: CallEntry, best: CallEntry) -> tuple[
                     f"{n_best}; the extra ones go to *{var[0] if var else 'args'} and cannot be moved to keywords. "
                     "Record a call that passes every variadic argument, or remove them with remove_inputs()."
                 )
+            if _is_absent(args[i]):
+                continue  # a positional None is an absent argument, not a keyword the best call lacks
             name = pos_names[i]
             if name in kwargs:
                 raise AlignmentError(f"Call {call.index}: argument {name!r} is given both by position and by name.")
@@ -105,14 +121,98 @@ def align_calls(rc: RecordedCalls) -> Alignment:
             "No successful call was recorded. Run the model inside `with observer(model):` "
             "(failed calls are kept in the bundle but never used for inference)."
         )
-    counts = [_n_tensors(c) for c in calls]
+    counts = [_n_leaves(c) for c in calls]
     best_i = counts.index(max(counts))
-    best = calls[best_i]
-    owners: list[int | str] = [i for i, a in enumerate(best.args) for _ in range(count_tensors(a))]
-    owners += [k for k, v in best.kwargs.items() for _ in range(count_tensors(v))]
-    alignment = Alignment(calls=calls, best=best_i, slots=[], owners=owners)
+    layout = _layout(rc, calls, calls[best_i])
+    owners: list[int | str] = [i for i, a in enumerate(layout.args) for _ in range(count_tensors(a))]
+    owners += [k for k, v in layout.kwargs.items() for _ in range(count_tensors(v))]
+    alignment = Alignment(calls=calls, best=best_i, slots=[], owners=owners, layout=layout)
     alignment.slots.extend(align_call(rc, alignment, call) for call in calls)
     return alignment
+
+
+def _layout(rc: RecordedCalls, calls: list[CallEntry], best: CallEntry) -> CallEntry:
+    """``best`` with the parts where it holds no tensor but another call does taken from that call."""
+    args, kwargs = list(best.args), dict(best.kwargs)
+    for call in calls:
+        if call is best:
+            continue
+        try:
+            call_args, call_kwargs = _bind_to_best(rc, call, best)
+        except AlignmentError:
+            continue  # align_call reports it
+        args = [_complete(a, c) for a, c in zip(args, call_args)]
+        kwargs = {k: _complete(v, call_kwargs[k]) if k in call_kwargs else v for k, v in kwargs.items()}
+    if args == best.args and kwargs == best.kwargs:
+        return best
+    return best.model_copy(update={"args": args, "kwargs": kwargs})
+
+
+def _complete(layout: Node, node: Node) -> Node:
+    """``layout`` where a part holding no tensor (None, an empty container) is replaced by ``node``'s."""
+    if count_tensors(node) == 0:
+        return layout
+    if count_tensors(layout) == 0:
+        if isinstance(layout, (NoneNode, ListNode, TupleNode, DictNode, ObjectNode)):
+            return node
+        return layout  # a constant where another call has tensors: align_call reports it
+    if isinstance(layout, DictNode) and isinstance(node, DictNode):
+        children = dict(zip(node.keys, node.items))
+        items = [_complete(item, children[k]) if k in children else item for k, item in zip(layout.keys, layout.items)]
+        return layout.model_copy(update={"items": items})
+    if (
+        isinstance(layout, (ListNode, TupleNode, ObjectNode))
+        and type(node) is type(layout)
+        and len(node.items) == len(layout.items)  # type: ignore[union-attr]
+        and (not isinstance(layout, ObjectNode) or layout.type == node.type)  # type: ignore[union-attr]
+    ):
+        items = [_complete(a, b) for a, b in zip(layout.items, node.items)]  # type: ignore[union-attr]
+        return layout.model_copy(update={"items": items})
+    return layout
+
+
+def _match_tensors(node: Node, best: Node) -> list[str | None]:
+    """The tensor keys of ``node`` laid out like ``best``'s tensors.
+
+    Dicts are matched by key (a call may build its dicts in another order), and a part
+    missing from ``node`` (an absent key, None where ``best`` has tensors) gives None slots.
+    When the two trees differ otherwise, the keys are returned in flattening order.
+    """
+    matched = _match(node, best)
+    return tensor_keys(node) if matched is None else matched
+
+
+def _match(node: Node, best: Node) -> list[str | None] | None:
+    if isinstance(best, TensorNode):
+        if isinstance(node, TensorNode):
+            return [node.key]
+        return [None] if isinstance(node, NoneNode) else None
+    if isinstance(node, NoneNode):
+        return [None] * count_tensors(best)
+    if isinstance(best, DictNode):
+        if not isinstance(node, DictNode) or not set(node.keys) <= set(best.keys):
+            return None
+        children = dict(zip(node.keys, node.items))
+        result: list[str | None] = []
+        for key, child in zip(best.keys, best.items):
+            part = _match(children[key], child) if key in children else [None] * count_tensors(child)
+            if part is None:
+                return None
+            result.extend(part)
+        return result
+    if isinstance(best, (ListNode, TupleNode, ObjectNode)):
+        if type(node) is not type(best) or len(node.items) != len(best.items):  # type: ignore[union-attr]
+            return None
+        if isinstance(best, ObjectNode) and node.type != best.type:  # type: ignore[union-attr]
+            return None
+        result = []
+        for child, best_child in zip(node.items, best.items):  # type: ignore[union-attr]
+            part = _match(child, best_child)
+            if part is None:
+                return None
+            result.extend(part)
+        return result
+    return [] if count_tensors(node) == 0 else None
 
 
 def align_call(rc: RecordedCalls, alignment: Alignment, call: CallEntry) -> list[str | None]:
@@ -137,8 +237,8 @@ def align_call(rc: RecordedCalls, alignment: Alignment, call: CallEntry) -> list
     pieces += [(k, kwargs.get(k), v) for k, v in best.kwargs.items()]
     for owner, node, best_node in pieces:
         n = count_tensors(best_node)
-        keys = [] if _is_absent(node) else tensor_keys(node)  # type: ignore[arg-type]
-        if not keys:
+        keys = [] if _is_absent(node) else _match_tensors(node, best_node)  # type: ignore[arg-type]
+        if not any(k is not None for k in keys):
             slots.extend([None] * n)
             continue
         if len(keys) != n:

@@ -34,6 +34,7 @@ __all__ = [
     "PYTREE_PREFIX",
     "TensorCollector",
     "build_value",
+    "count_leaves",
     "count_tensors",
     "iter_tensor_nodes",
     "map_structure",
@@ -181,6 +182,13 @@ def tensor_keys(node: Node) -> list[str]:
 
 def count_tensors(node: Node) -> int:
     return sum(1 for _ in iter_tensor_nodes(node))
+
+
+def count_leaves(node: Node) -> int:
+    """Count the leaves torch's pytree would see: tensors, None, constants and opaque values."""
+    if isinstance(node, (ListNode, TupleNode, DictNode, ObjectNode)):
+        return sum(count_leaves(n) for n in node.items)
+    return 1
 
 
 def replace_tensors(node: Node, values: Iterator[Node]) -> Node:
