@@ -102,7 +102,7 @@ class RecordedCallsAPI:
             )
         alignment = _inference.align_calls(rc)
         collector = TensorCollector(lambda t: t)
-        call = record_inputs(rc, collector, args, kwargs, index=-1, on_opaque=_refuse_opaque)
+        call = record_inputs(rc, collector, args, kwargs, index=len(rc.calls), on_opaque=_refuse_opaque)
         prefix = "\x01"  # recorded keys never start with it
         extra = {prefix + k: t for k, t in collector.tensors.items()}
         slots = _inference.align_call(rc, alignment, _prefix_keys(call, prefix))

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import pydantic
 import pytest
 import torch
 import torch.utils._pytree as torch_pytree
@@ -425,12 +424,6 @@ def test_reference_pairs_dict_entries_by_position() -> None:
 NEW_INPUT_CASES = [c for c in CASES if c.new_inputs is not None]
 
 
-@pytest.mark.xfail(
-    raises=pydantic.ValidationError,
-    strict=True,
-    reason="bug in iobundle/capture/_api.py: infer_arguments(new inputs) records them as call index -1, "
-    "which CallEntry refuses (index >= 0)",
-)
 @pytest.mark.parametrize("case", NEW_INPUT_CASES, ids=[c.id for c in NEW_INPUT_CASES])
 def test_infer_arguments_from_new_inputs(case: Case) -> None:
     ref = observe(ReferenceObserver(**case.observer_kwargs), case.model(), case.calls)
