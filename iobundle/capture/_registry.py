@@ -29,6 +29,10 @@ class NodeType:
         flatten: ``obj -> (children, context)``; the context must be JSON-able and must not
             change between calls of the same structure (torch.export compares structures).
         unflatten: ``(children, context) -> obj``.
+        empty_dim: For a container of growing tensors (a KV cache), the dimension along which a
+            child that is None (a layer not filled yet) stands for a zero-length tensor. Shape
+            inference then counts that dimension as seen with size 0, and fills the slot with
+            a tensor empty along it. None: a None child is simply absent.
     """
 
     name: str
@@ -36,6 +40,7 @@ class NodeType:
     cls: type
     flatten: Flatten
     unflatten: Unflatten
+    empty_dim: int | None = None
 
 
 _LOCK = threading.Lock()

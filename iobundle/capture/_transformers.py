@@ -22,14 +22,20 @@ Flattened layouts (all version 1):
     tensors built from the other calls. ``None`` children unflatten to an uninitialised
     layer; zero-length tensors unflatten to an initialised, empty one. The 1-D empty
     placeholders that ``Cache.early_initialization`` leaves in a ``DynamicLayer`` say no more
-    than nothing, and flatten to ``None`` as well.
+    than nothing, and flatten to ``None`` as well. The node type declares ``empty_dim=-2``:
+    shape inference counts such a slot as a sequence length of 0, so the cache length is
+    dynamic even when every decode call has the same one (a full sliding window), and the
+    slot is filled with a ``(B, H, 0, D)`` tensor.
 
     A sliding layer also holds a Python int, ``cumulative_length`` (tokens seen so far),
     which changes at every decode call and so cannot go in the context. It is rebuilt as the
     cached length ``keys.shape[-2]``. That is exact until the window is full; afterwards the
     rebuilt cache reports a shorter length. A model called with explicit ``position_ids``
-    computes the same logits with either cache; one that derives positions from
-    ``cache.get_seq_length()`` does not.
+    (generate() passes them) computes the same logits with either cache; one that derives
+    positions from ``cache.get_seq_length()`` does not. It is not made a tensor child (as
+    ``StaticCache`` does): transformers branches on it in Python (``get_mask_sizes``:
+    ``if cumulative_length >= sliding_window``, ``max(...)``), which a traced program cannot
+    do on a tensor, and a tensor would not change the logits when positions are passed.
 
     A ``DynamicCache()`` built without a config and not used yet has no layers at all: it
     flattens to no children and an empty context, and unflattens to such a lazy cache.
@@ -355,7 +361,14 @@ def _model_output_classes() -> list[type]:
 
 
 _CACHE_NODE_TYPES: tuple[NodeType, ...] = (
-    NodeType(DYNAMIC_CACHE_NAME, NODE_TYPE_VERSION, DynamicCache, _flatten_dynamic_cache, _unflatten_dynamic_cache),
+    NodeType(
+        DYNAMIC_CACHE_NAME,
+        NODE_TYPE_VERSION,
+        DynamicCache,
+        _flatten_dynamic_cache,
+        _unflatten_dynamic_cache,
+        empty_dim=-2,  # a layer not filled yet is (B, H, 0, D)
+    ),
     NodeType(STATIC_CACHE_NAME, NODE_TYPE_VERSION, StaticCache, _flatten_static_cache, _unflatten_static_cache),
     NodeType(
         ENCODER_DECODER_CACHE_NAME,

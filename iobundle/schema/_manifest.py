@@ -29,6 +29,7 @@ __all__ = [
     "ListNode",
     "Manifest",
     "MissingValueEntry",
+    "ModelEntry",
     "Node",
     "NoneNode",
     "ObjectNode",
@@ -175,6 +176,33 @@ class MissingValueEntry(_Model):
     value: Node
 
 
+class ModelEntry(_Model):
+    """The model stored in a self-contained bundle (``observer.save(path, include_model=...)``).
+
+    Only transformers classes are stored, by class name: a loader rebuilds them from
+    ``config_file`` (``config.to_dict()`` as JSON) through an allow-list of class names and
+    loads ``weights_file`` (safetensors). Nothing named here is ever imported.
+
+    Attributes:
+        library: The library that defines ``class_name``.
+        class_name: The model class, e.g. ``"LlamaForCausalLM"``.
+        config_file: Bundle member holding the config as JSON.
+        weights_file: Bundle member holding the weights (safetensors, tied weights stored once).
+        submodule: Dotted path of the observed module inside the model (``"model.layers.0.self_attn"``);
+            empty when the model itself was observed.
+        attn_implementation: The attention implementation the model ran with (``"sdpa"``, ``"eager"``).
+        files: Size and sha256 of ``config_file`` and ``weights_file``, checked before use.
+    """
+
+    library: Literal["transformers"] = "transformers"
+    class_name: Annotated[str, Field(min_length=1, max_length=200)]
+    config_file: str = "model/config.json"
+    weights_file: str = "model/weights.safetensors"
+    submodule: Annotated[str, Field(pattern=r"^([A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*)?$", max_length=1000)] = ""
+    attn_implementation: str | None = None
+    files: dict[str, FileEntry]
+
+
 class Manifest(_Model):
     """The whole of ``manifest.json``."""
 
@@ -186,3 +214,4 @@ class Manifest(_Model):
     calls: list[CallEntry]
     tensors: dict[str, TensorEntry]
     files: dict[str, FileEntry]
+    model: ModelEntry | None = None

@@ -574,3 +574,36 @@ class TestTorchPytreeNodes:
         with pytest.raises(RuntimeError, match="boom"), torch_pytree_nodes():
             raise RuntimeError("boom")
         assert DynamicCache not in torch_pytree.SUPPORTED_NODES
+
+
+# --------------------------------------------------------------------------- empty caches in inference
+
+
+class TestEmptyCacheInference:
+    """The prefill's empty cache is a zero-length cache: a dynamic dimension, zero-length stand-ins."""
+
+    def test_dynamic_cache_declares_its_sequence_dimension(self) -> None:
+        node_type = lookup_node_type("transformers.DynamicCache")
+        assert node_type is not None and node_type.empty_dim == -2
+        static = lookup_node_type("transformers.StaticCache")
+        assert static is not None and static.empty_dim is None
+
+    def test_full_window_cache_length_is_dynamic_because_of_the_prefill(
+        self, mistral: MistralForCausalLM, prompt: torch.Tensor
+    ) -> None:
+        from iobundle import InputObserver
+
+        observer = InputObserver()
+        with torch.no_grad(), observer(mistral, store_n_calls=WINDOW + 2):
+            mistral.generate(prompt, max_new_tokens=WINDOW + 2, min_new_tokens=WINDOW + 2, do_sample=False)
+        # Every decode call holds window - 1 cached positions; only the prefill's empty cache differs.
+        decode_lengths = {t.shape[2] for inputs in observer.info.inputs[1:] for t in flatten(inputs.kwargs["cache"])[0]}
+        assert decode_lengths == {WINDOW - 1}
+        shapes = observer.infer_dynamic_shapes()
+        assert shapes["cache"] == [{2: torch.export.Dim.DYNAMIC}] * 4
+        prefill = observer.infer_arguments(0)
+        prefill = {**{k: v for k, v in prefill.items() if k != "kwargs"}, **prefill.get("kwargs", {})}
+        assert [tuple(t.shape) for t in flatten(prefill["cache"])[0]] == [(1, 2, 0, 8)] * 4
+        expected = observer.info.flat_outputs[0][0]
+        with torch.no_grad():
+            torch.testing.assert_close(mistral(**prefill).logits, expected, atol=1e-6, rtol=0)

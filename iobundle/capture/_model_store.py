@@ -1,0 +1,139 @@
+"""Store the observed model in a bundle: a transformers config (JSON) and its weights (safetensors).
+
+A self-contained bundle replays without the model's code being importable by name: the
+loader (``iobundle.replay._model_load``) rebuilds the class from an allow-list of
+transformers classes and loads the weights with safetensors. Only transformers models
+are stored, since only they can be rebuilt from a config alone.
+
+Layout::
+
+    run.iobundle/
+      model/config.json           config.to_dict(), as JSON
+      model/weights.safetensors   the state dict, tied weights stored once
+
+The manifest's ``model`` field (:class:`iobundle.schema.ModelEntry`) names the class,
+the observed submodule and the two files with their size and sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from iobundle.errors import BundleWriteError, CaptureError, IobundleError
+from iobundle.schema import FileEntry, ModelEntry
+
+__all__ = ["MODEL_CONFIG_FILE", "MODEL_DIR", "MODEL_WEIGHTS_FILE", "find_submodule", "write_model"]
+
+logger = logging.getLogger(__name__)
+
+MODEL_DIR = "model"
+MODEL_CONFIG_FILE = f"{MODEL_DIR}/config.json"
+MODEL_WEIGHTS_FILE = f"{MODEL_DIR}/weights.safetensors"
+
+
+def _is_transformers_model(model: Any) -> bool:
+    if not type(model).__module__.startswith("transformers."):
+        return False
+    import transformers
+
+    return isinstance(model, transformers.PreTrainedModel)
+
+
+def find_submodule(root: torch.nn.Module, target: Any) -> str | None:
+    """The dotted path of ``target`` inside ``root`` ("" for ``root`` itself), or None if it is not in it."""
+    if target is root:
+        return ""
+    for name, module in root.named_modules(remove_duplicate=False):
+        if module is target:
+            return name
+    return None
+
+
+def _file_entry(path: Path) -> FileEntry:
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+            size += len(chunk)
+    return FileEntry(size=size, sha256=digest.hexdigest())
+
+
+def _config_json(model: Any) -> str:
+    config = model.config.to_dict()
+    # Settings the loader passes itself, and a remote-code hint that must never be followed.
+    for key in ("_attn_implementation_autoset", "auto_map"):
+        config.pop(key, None)
+    try:
+        return json.dumps(config, indent=1, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise CaptureError(
+            f"The config of {type(model).__name__} is not plain JSON ({exc}); it cannot be stored in the bundle. "
+            "Save without include_model and rebuild the model yourself when replaying."
+        ) from exc
+
+
+def write_model(bundle_dir: str | os.PathLike[str], model: torch.nn.Module, observed: Any | None = None) -> ModelEntry:
+    """Write ``model``'s config and weights under ``bundle_dir/model/``; return the manifest entry.
+
+    Args:
+        bundle_dir: The bundle directory (it exists already).
+        model: A transformers model (a ``PreTrainedModel`` subclass defined by transformers).
+        observed: The object whose method was observed, when it is a submodule of ``model``
+            (its path is recorded so that the loader hands it back); None for ``model`` itself.
+
+    Raises:
+        CaptureError: ``model`` is not a transformers model, ``observed`` is not inside it, or
+            its config is not JSON.
+        BundleWriteError: The files cannot be written.
+    """
+    if not _is_transformers_model(model):
+        raise CaptureError(
+            f"include_model stores transformers models only (a config rebuilds them); got a "
+            f"{type(model).__module__}.{type(model).__qualname__}. Pass the transformers model that holds the "
+            "observed module (include_model=model), or save without include_model."
+        )
+    submodule = "" if observed is None else find_submodule(model, observed)
+    if submodule is None:
+        raise CaptureError(
+            f"The observed {type(observed).__name__} is not a submodule of the {type(model).__name__} given "
+            "as include_model. Pass the model that holds it."
+        )
+    from safetensors.torch import save_model
+
+    root = Path(bundle_dir)
+    directory = root / MODEL_DIR
+    config_text = _config_json(model)
+    try:
+        if directory.exists():
+            shutil.rmtree(directory)
+        directory.mkdir(parents=True)
+        (root / MODEL_CONFIG_FILE).write_text(config_text + "\n", encoding="utf-8")
+        # save_model stores tied weights once (the loader ties them again) and copies
+        # non-contiguous tensors; the metadata says what wrote the file.
+        save_model(model, str(root / MODEL_WEIGHTS_FILE), metadata={"format": "pt", "producer": "iobundle"})
+        files = {name: _file_entry(root / name) for name in (MODEL_CONFIG_FILE, MODEL_WEIGHTS_FILE)}
+    except IobundleError:
+        raise
+    except OSError as exc:
+        raise BundleWriteError(
+            f"Cannot write the model into '{directory}': {exc.strerror or exc}. Check free space and permissions."
+        ) from exc
+    entry = ModelEntry(
+        class_name=type(model).__name__,
+        config_file=MODEL_CONFIG_FILE,
+        weights_file=MODEL_WEIGHTS_FILE,
+        submodule=submodule,
+        attn_implementation=getattr(model.config, "_attn_implementation", None),
+        files=files,
+    )
+    logger.info("stored %s (%s) in %s", entry.class_name, submodule or "observed itself", directory)
+    return entry

@@ -1,0 +1,289 @@
+"""Scoped, reversible patches that let ``torch.export`` trace transformers models captured from ``generate()``.
+
+A patch is a last resort: it changes how the model is traced, not what it computes on the
+recorded calls, and every call is checked against its recorded outputs afterwards. Each
+patch is a context manager function that puts back exactly what it replaced on exit, even
+when the export fails; :func:`export_patches` enters the ones that apply to a model and
+lists them by name on the export report (``ExportReport.patches``). Nothing here runs
+unless the model holds the modules or settings the patch is about, and transformers is
+only imported when the model comes from it.
+
+The patches (checked against torch 2.13 and transformers 5.24):
+
+``sdpa_without_is_causal``
+    transformers' SDPA attention computes ``is_causal = q_length > 1 and mask is None and
+    ...``. With a dynamic query length that is a ``SymBool``: tracing a decode call fails
+    ("is_causal must be bool, not SymBool"), tracing the prefill guards ``q_length != 1`` and
+    the program rejects every decode call. The replacement always passes an explicit boolean
+    mask (the model's, or a bottom-right causal one built from the shapes) with
+    ``is_causal=False``, and expands grouped key/value heads itself.
+
+``whisper_cross_attention_recompute``
+    Whisper's decoder computes the cross-attention keys and values from the encoder output
+    on its first call and stores them in the cache; later calls read them back. Python takes
+    one branch or the other from ``cache.is_updated``, so one traced graph serves only the
+    calls of its branch, and with an empty cross cache and size-oblivious shapes the trace
+    silently takes the wrong one. During export the cross-attention always recomputes them
+    from ``encoder_hidden_states`` (which every call passes) and returns them as the new
+    cross cache, so one program serves the first call and the later ones. The cost is the
+    two cross projections at every step of the exported model; the recorded cross cache
+    input is then unused. The alternative (two programs, first step and later steps) needs
+    two bundles' worth of checks and is not what a bundle describes.
+
+``contiguous_last_token``
+    ``logits_to_keep=1`` slices the last position before ``lm_head``; the slice is not
+    contiguous, and the matmul on it makes ``torch.export`` guard ``batch == 1``. A forward
+    pre-hook on the output embeddings makes the input contiguous, so the batch stays dynamic.
+    Applied only when the batch dimension is dynamic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "PATCHES",
+    "ExportPatch",
+    "export_patches",
+    "patch_contiguous_last_token",
+    "patch_sdpa_without_is_causal",
+    "patch_whisper_cross_attention_recompute",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def _transformers_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The submodules of ``model`` defined by transformers (empty when transformers is not loaded)."""
+    if "transformers" not in sys.modules:
+        return []
+    return [m for m in model.modules() if type(m).__module__.startswith("transformers.")]
+
+
+# --------------------------------------------------------------------------- sdpa_without_is_causal
+
+
+def _repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
+    """``(B, KV, L, D) -> (B, KV * groups, L, D)``, each key/value head repeated ``groups`` times."""
+    if groups == 1:
+        return states
+    batch, heads, length, dim = states.shape
+    return (
+        states[:, :, None, :, :].expand(batch, heads, groups, length, dim).reshape(batch, heads * groups, length, dim)
+    )
+
+
+def _export_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    position_bias: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, with an explicit mask and ``is_causal=False`` (traceable with dynamic shapes)."""
+    if kwargs.get("softcap") is not None:
+        raise ValueError("sdpa attention does not support softcap; export this model with attn_implementation='eager'.")
+    groups = int(getattr(module, "num_key_value_groups", 1) or 1)
+    key = _repeat_kv(key, groups)
+    value = _repeat_kv(value, groups)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if attention_mask is None and causal:
+        # What transformers does without a mask, without branching on the query length: one
+        # query sees every key (is_causal=False); several see keys 0..i (is_causal=True, upper-left).
+        q_length, kv_length = query.shape[2], key.shape[2]
+        rows = torch.arange(q_length, device=query.device)[:, None]
+        single = torch.full((), q_length, dtype=torch.long, device=query.device) == 1
+        attention_mask = (torch.arange(kv_length, device=query.device)[None, :] <= rows) | single
+    if position_bias is not None:
+        low = torch.finfo(query.dtype).min
+        if attention_mask is None:
+            attention_mask = position_bias
+        elif attention_mask.dtype == torch.bool:
+            attention_mask = torch.where(attention_mask, position_bias, low)
+        else:
+            attention_mask = position_bias + attention_mask
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=False
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _uses_sdpa(model: torch.nn.Module) -> bool:
+    for module in _transformers_modules(model):
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "_attn_implementation", None) == "sdpa":
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def patch_sdpa_without_is_causal(model: torch.nn.Module) -> Iterator[None]:
+    """Replace transformers' ``"sdpa"`` attention function by one that never passes ``is_causal``.
+
+    Why: ``is_causal`` is computed from the query length, a ``SymBool`` under dynamic shapes
+    (see the module docstring). The replacement computes the same attention with an explicit
+    mask. It is installed in ``AttentionInterface``'s global mapping, which is where every
+    model looks ``"sdpa"`` up unless it overrides it locally, and the previous function is
+    put back on exit.
+    """
+    from transformers.modeling_utils import AttentionInterface
+
+    mapping = AttentionInterface._global_mapping
+    previous = mapping.get("sdpa")
+    mapping["sdpa"] = _export_sdpa_attention
+    try:
+        yield
+    finally:
+        if previous is None:
+            mapping.pop("sdpa", None)
+        else:
+            mapping["sdpa"] = previous
+
+
+# --------------------------------------------------------------------------- whisper_cross_attention_recompute
+
+
+def _whisper_cross_attentions(model: torch.nn.Module) -> list[torch.nn.Module]:
+    if "transformers.models.whisper.modeling_whisper" not in sys.modules:
+        return []
+    from transformers.models.whisper.modeling_whisper import WhisperAttention
+
+    return [m for m in model.modules() if isinstance(m, WhisperAttention) and m.is_decoder]
+
+
+@contextlib.contextmanager
+def patch_whisper_cross_attention_recompute(model: torch.nn.Module) -> Iterator[None]:
+    """Make Whisper's decoder cross-attention recompute its keys and values at every call while tracing.
+
+    Why: the first decoder call and the later ones take different Python branches (see the
+    module docstring). Before each cross-attention call the cross cache layer is emptied
+    (a zero-length slice of its tensors) and marked not updated, so the layer takes the
+    "compute and store" branch whatever the cache held; its keys and values are then
+    exactly those computed from ``encoder_hidden_states``, as the recorded outputs hold.
+    The hook is a forward pre-hook on each decoder ``WhisperAttention``, removed on exit.
+    """
+    from transformers.cache_utils import EncoderDecoderCache
+
+    def empty_cross_cache(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        key_value_states = kwargs.get("key_value_states", args[1] if len(args) > 1 else None)
+        cache = kwargs.get("cache", kwargs.get("past_key_values", args[2] if len(args) > 2 else None))
+        if key_value_states is None or not isinstance(cache, EncoderDecoderCache):
+            return
+        index = module.layer_idx
+        cross = cache.cross_attention_cache
+        if index is not None and index < len(cross.layers):
+            layer = cross.layers[index]
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if layer.is_initialized and keys is not None and values is not None and keys.dim() == 4:
+                layer.keys = keys[:, :, :0, :]
+                layer.values = values[:, :, :0, :]
+        cache.is_updated[index] = False
+
+    handles = [
+        m.register_forward_pre_hook(empty_cross_cache, with_kwargs=True) for m in _whisper_cross_attentions(model)
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+# --------------------------------------------------------------------------- contiguous_last_token
+
+
+def _output_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:
+    for module in model.modules():
+        get = getattr(module, "get_output_embeddings", None)
+        if callable(get) and type(module).__module__.startswith("transformers."):
+            try:
+                head = get()
+            except (AttributeError, NotImplementedError):
+                continue
+            if isinstance(head, torch.nn.Module):
+                return head
+    return None
+
+
+@contextlib.contextmanager
+def patch_contiguous_last_token(model: torch.nn.Module) -> Iterator[None]:
+    """Make the input of the output embeddings (``lm_head``) contiguous while tracing.
+
+    Why: the non-contiguous last-token slice before ``lm_head`` makes ``torch.export`` add a
+    ``batch == 1`` guard (see the module docstring). A contiguous copy is the same values.
+    """
+    head = _output_embeddings(model)
+
+    def contiguous(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(a.clone(memory_format=torch.contiguous_format) if isinstance(a, torch.Tensor) else a for a in args)
+
+    handle = head.register_forward_pre_hook(contiguous) if head is not None else None
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+# --------------------------------------------------------------------------- selection
+
+
+@dataclass(frozen=True)
+class ExportPatch:
+    """One patch: its name (as the report lists it), when it applies, and the context manager."""
+
+    name: str
+    applies: Callable[[torch.nn.Module, bool], bool]
+    patch: Callable[[torch.nn.Module], contextlib.AbstractContextManager[None]]
+
+
+PATCHES: tuple[ExportPatch, ...] = (
+    ExportPatch("sdpa_without_is_causal", lambda m, _batch: _uses_sdpa(m), patch_sdpa_without_is_causal),
+    ExportPatch(
+        "whisper_cross_attention_recompute",
+        lambda m, _batch: bool(_whisper_cross_attentions(m)),
+        patch_whisper_cross_attention_recompute,
+    ),
+    ExportPatch(
+        "contiguous_last_token",
+        lambda m, batch: batch and _output_embeddings(m) is not None,
+        patch_contiguous_last_token,
+    ),
+)
+
+
+@contextlib.contextmanager
+def export_patches(model: torch.nn.Module, *, dynamic_batch: bool, applied: list[str]) -> Iterator[None]:
+    """Enter every patch of :data:`PATCHES` that applies to ``model``; append their names to ``applied``.
+
+    Args:
+        model: The module about to be exported (a wrapper around the model is fine).
+        dynamic_batch: Whether some input's dimension 0 is dynamic (``contiguous_last_token``).
+        applied: Receives the names of the patches entered, in order.
+
+    Example:
+        >>> names = []
+        >>> with export_patches(model, dynamic_batch=False, applied=names):
+        ...     ep = torch.export.export(model, args, kwargs, dynamic_shapes=ds)
+        >>> names
+        ['sdpa_without_is_causal']
+    """
+    with contextlib.ExitStack() as stack:
+        for entry in PATCHES:
+            if entry.applies(model, dynamic_batch):
+                stack.enter_context(entry.patch(model))
+                applied.append(entry.name)
+                logger.info("export patch %s applied", entry.name)
+        yield
