@@ -77,13 +77,17 @@ examples:
 examples:
   iobundle export run.iobundle --model mypkg.models:build_model -o model.onnx
   iobundle export run.iobundle --model mypkg.models:build_model --batch input_ids --batch cache
-  iobundle export run.iobundle --model ./mymodel.py-is-not-accepted  (use MODULE:FACTORY)
+  iobundle export bug-report.iobundle --from-bundle -o model.onnx
 
 MODULE:FACTORY names a callable that returns the model (a torch.nn.Module). It is imported
 from YOUR environment (installed packages and the current directory) and runs your code;
 nothing is ever imported from the bundle. The model is exported with torch.export using the
 recorded arguments and dynamic shapes, the exported program is run on every recorded call,
-then torch.onnx writes the ONNX file. Exit code 1 when a recorded call is not reproduced.""",
+then torch.onnx writes the ONNX file. Exit code 1 when a recorded call is not reproduced.
+
+--from-bundle rebuilds the model from the config and weights a self-contained bundle carries
+(observer.save(path, include_model=True)), for an allow-list of transformers classes only:
+no code of yours and none from the bundle runs.""",
     "validate": """\
 examples:
   iobundle validate run.iobundle model.onnx
@@ -209,7 +213,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "dynamic shapes, check the exported program on every recorded call, and write an ONNX file.",
     )
     p.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
-    p.add_argument("--model", metavar="MODULE:FACTORY", required=True, help="a callable returning the model")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", metavar="MODULE:FACTORY", help="a callable returning the model (your code)")
+    source.add_argument(
+        "--from-bundle",
+        action="store_true",
+        help="rebuild the model stored in the bundle (saved with include_model=True; transformers classes only)",
+    )
     p.add_argument(
         "-o", "--output", metavar="MODEL.onnx", default="model.onnx", help="the ONNX file (default: %(default)s)"
     )
@@ -241,6 +251,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "directory", metavar="DIR", nargs="?", default="iobundle-demo", help="where to write (default: %(default)s)"
+    )
+    p.add_argument(
+        "--llama",
+        action="store_true",
+        help="use a tiny transformers LlamaForCausalLM and its generate() instead (needs transformers)",
     )
     p.set_defaults(handler=_cmd_demo)
 
@@ -364,11 +379,11 @@ def _quiet_exporters() -> Iterator[None]:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from iobundle.replay import model_from_factory
+    from iobundle.replay import load_bundle_model, model_from_factory
 
     bundle = _open_bundle(args.bundle)
     spec = _batch_spec(args, bundle)
-    model = model_from_factory(args.model)
+    model = load_bundle_model(bundle) if args.from_bundle else model_from_factory(args.model)
     try:
         with _quiet_exporters():
             path = bundle.to_onnx(model, args.output, set_batch_dimension_for=spec, check=not args.no_check)
@@ -414,21 +429,31 @@ def _run_step(argv: list[str]) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     import time
 
-    from iobundle.demo import DEMO_FACTORY, capture_demo
+    from iobundle.demo import DEMO_FACTORY, capture_demo, capture_llama_demo
 
     directory = os.path.abspath(args.directory)
     os.makedirs(directory, exist_ok=True)
     begin = time.perf_counter()
-    bundle, n_calls = capture_demo(directory)
+    if args.llama:
+        try:
+            import transformers  # noqa: F401
+        except ImportError as exc:
+            raise CLIError("iobundle demo --llama needs transformers: pip install 'transformers>=5'.") from exc
+        bundle, n_calls = capture_llama_demo(directory)
+        what, source = "LlamaForCausalLM.forward during generate()", ["--from-bundle"]
+    else:
+        bundle, n_calls = capture_demo(directory)
+        what, source = "TinyDecoder.forward during a generation loop", ["--model", DEMO_FACTORY]
     _render.out(
-        f"captured {n_calls} calls of TinyDecoder.forward (1 prefill + {n_calls - 1} decode) "
+        f"captured {n_calls} calls of {what} (1 prefill + {n_calls - 1} decode) "
         f"in {time.perf_counter() - begin:.2f}s -> {bundle}"
     )
-    onnx_path = os.path.join(directory, "model.onnx")
-    report = os.path.join(directory, "report.md")
+    stem = "llama" if args.llama else "model"
+    onnx_path = os.path.join(directory, f"{stem}.onnx")
+    report = os.path.join(directory, f"{stem}-report.md")
     steps = [
         ["inspect", str(bundle)],
-        ["export", str(bundle), "--model", DEMO_FACTORY, "-o", onnx_path, "--batch-all"],
+        ["export", str(bundle), *source, "-o", onnx_path, "--batch-all"],
         ["validate", str(bundle), onnx_path, "--report", report],
     ]
     for argv in steps:

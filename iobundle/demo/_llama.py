@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LLAMA_CONFIG", "run_llama_demo", "tiny_llama"]
+__all__ = ["LLAMA_CONFIG", "capture_llama_demo", "run_llama_demo", "tiny_llama"]
 
 #: The demo model: 2 layers, hidden size 32, grouped-query attention (4 query heads, 2 key/value heads).
 LLAMA_CONFIG: dict[str, Any] = {
@@ -40,6 +40,32 @@ def tiny_llama(seed: int = 0) -> torch.nn.Module:
     return model.eval()
 
 
+def capture_llama_demo(
+    directory: str | os.PathLike[str], *, prompt_length: int = 5, new_tokens: int = 6
+) -> tuple[Path, int]:
+    """Record every ``forward`` call of a tiny Llama's greedy ``generate()`` into a self-contained bundle.
+
+    The bundle (``directory/llama.iobundle``, replaced if present) holds the model's config and
+    weights (``include_model=True``), so ``iobundle export BUNDLE --from-bundle`` rebuilds the
+    model from it, with no code of the user's.
+
+    Returns:
+        The bundle's path and the number of calls recorded (one prefill, then one per new token).
+    """
+    from iobundle.capture import InputObserver
+
+    model = tiny_llama()
+    prompt = torch.randint(
+        0, LLAMA_CONFIG["vocab_size"], (1, prompt_length), generator=torch.Generator().manual_seed(1)
+    )
+    observer = InputObserver()
+    with torch.no_grad(), observer(model, store_n_calls=new_tokens + 1):
+        model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    path = Path(directory) / "llama.iobundle"
+    observer.save(path, overwrite=True, include_model=True)
+    return path, observer.num_obs()
+
+
 def run_llama_demo(
     directory: str | os.PathLike[str],
     *,
@@ -47,26 +73,27 @@ def run_llama_demo(
     new_tokens: int = 6,
     atol: float = 1e-4,
 ) -> dict[str, Any]:
-    """Capture a tiny Llama's ``generate()``, write a self-contained bundle, export and validate it from the bundle.
+    """Capture a tiny Llama's ``generate()``, then export and validate it from the bundle alone.
 
-    Steps: build the model (:func:`tiny_llama`), record every ``forward`` call of a greedy
-    ``generate()`` (one prefill, then one call per new token), save ``directory/llama.iobundle``
-    with the model's config and weights, reopen the bundle, rebuild the model from it, export
-    it (``torch.export``, checked on every recorded call) and to ``directory/llama.onnx``, and
-    run the ONNX model with onnxruntime on every recorded call.
+    Steps: :func:`capture_llama_demo` (a self-contained ``directory/llama.iobundle``), then
+    reopen the bundle, rebuild the model from it (``load_bundle_model``: config and weights
+    from the bundle, class from an allow-list), export it with ``torch.export`` (checked on
+    every recorded call through ``ep.module()``) and to ``directory/llama.onnx``, and run the
+    ONNX model with onnxruntime on every recorded call. Everything runs in this process; the
+    command line's ``iobundle demo --llama`` does the export and validation in fresh ones.
 
     Args:
         directory: Where the bundle and the ONNX file go (created if missing; both are replaced).
         prompt_length: Tokens in the prompt.
-        new_tokens: Tokens to generate (one recorded call each, plus the prefill).
+        new_tokens: Tokens to generate (one recorded call each: the prefill, then the decode steps).
         atol: Absolute tolerance of both checks.
 
     Returns:
         A summary: ``bundle``, ``onnx`` (paths), ``calls`` (recorded), ``traced_call``,
-        ``patches`` and ``options`` of the export, ``export_seconds`` (torch.export),
-        ``onnx_seconds`` (``torch.onnx.export``), ``max_abs_program`` / ``max_abs_onnx`` (largest error
-        over the calls in ``ep.module()`` and onnxruntime), ``ok`` (every call within ``atol``
-        in both) and ``transformers`` (version).
+        ``patches`` and ``options`` of the export, ``export_seconds`` (``torch.export``),
+        ``onnx_seconds`` (``torch.onnx.export``), ``max_abs_program`` / ``max_abs_onnx`` (largest
+        error over the calls in ``ep.module()`` and onnxruntime), ``ok`` (every call within
+        ``atol`` in both) and ``transformers`` (version).
 
     Raises:
         ExportError: The export failed (the error's ``.report`` says which calls).
@@ -78,29 +105,19 @@ def run_llama_demo(
     """
     import transformers
 
-    from iobundle.capture import InputObserver
     from iobundle.replay import load_bundle
     from iobundle.replay._model_load import load_bundle_model
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    bundle_path = out / "llama.iobundle"
+    bundle_path, _ = capture_llama_demo(out, prompt_length=prompt_length, new_tokens=new_tokens)
     onnx_path = out / "llama.onnx"
 
-    model = tiny_llama()
-    prompt = torch.randint(
-        0, LLAMA_CONFIG["vocab_size"], (1, prompt_length), generator=torch.Generator().manual_seed(1)
-    )
-    observer = InputObserver()
-    with torch.no_grad(), observer(model, store_n_calls=new_tokens + 1):
-        model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    observer.save(bundle_path, overwrite=True, include_model=True)
-
     bundle = load_bundle(bundle_path)
-    rebuilt = load_bundle_model(bundle)
-    ep = bundle.export(rebuilt, atol=atol)
+    model = load_bundle_model(bundle)
+    ep = bundle.export(model, atol=atol)
     report = ep.iobundle_report  # type: ignore[attr-defined]
-    bundle.to_onnx(rebuilt, onnx_path)
+    bundle.to_onnx(model, onnx_path)
     onnx_report = bundle.export_report()
     rows = bundle.check_discrepancies(onnx_path, atol=atol, include_io=False)
     return {

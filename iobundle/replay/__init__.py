@@ -11,6 +11,7 @@ __all__ = [
     "export_onnx",
     "export_program",
     "load_bundle",
+    "load_bundle_model",
     "model_from_factory",
     "validate_onnx",
 ]
@@ -18,4 +19,5 @@ __all__ = [
 from iobundle.replay._bundle import Bundle, load_bundle
 from iobundle.replay._export import CallCheck, ExportReport, export_onnx, export_program
 from iobundle.replay._factory import model_from_factory
+from iobundle.replay._model_load import load_bundle_model
 from iobundle.replay._validate import ValidationReport, check_discrepancies, validate_onnx

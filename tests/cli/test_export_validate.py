@@ -145,3 +145,27 @@ def test_demo_end_to_end(tmp_path):
     assert (tmp_path / "demo" / "model.onnx").is_file()
     assert (tmp_path / "demo" / "demo.iobundle" / "manifest.json").is_file()
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_llama_demo_exports_from_the_bundle_alone(tmp_path):
+    pytest.importorskip("transformers")
+    proc = subprocess.run(
+        [sys.executable, "-m", "iobundle", "demo", "--llama", str(tmp_path / "demo")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "captured 6 calls of LlamaForCausalLM.forward" in proc.stdout
+    assert "--from-bundle" in proc.stdout
+    assert "PASS: 6/6 calls" in proc.stdout
+    manifest = json.loads((tmp_path / "demo" / "llama.iobundle" / "manifest.json").read_text())
+    assert manifest["model"]["class_name"] == "LlamaForCausalLM"
+
+
+def test_export_needs_exactly_one_model_source(workdir, capsys):
+    assert main(["export", "run.iobundle"]) == 2
+    assert "one of the arguments --model --from-bundle is required" in capsys.readouterr().err
+    assert main(["export", "run.iobundle", "--model", "factories:good", "--from-bundle"]) == 2
+    # a bundle saved without include_model cannot rebuild its model
+    assert main(["export", "run.iobundle", "--from-bundle"]) == 2
+    assert "include_model" in capsys.readouterr().err
