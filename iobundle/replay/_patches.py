@@ -242,34 +242,45 @@ def patch_contiguous_last_token(model: torch.nn.Module) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class ExportPatch:
-    """One patch: its name (as the report lists it), when it applies, and the context manager."""
+    """One patch: its name (as the report lists it), when it applies, and the context manager.
+
+    ``applies(model, dynamic, dynamic_batch)`` says whether the export needs it: ``dynamic``
+    is whether any dimension is dynamic, ``dynamic_batch`` whether some dimension 0 is.
+    """
 
     name: str
-    applies: Callable[[torch.nn.Module, bool], bool]
+    applies: Callable[[torch.nn.Module, bool, bool], bool]
     patch: Callable[[torch.nn.Module], contextlib.AbstractContextManager[None]]
 
 
 PATCHES: tuple[ExportPatch, ...] = (
-    ExportPatch("sdpa_without_is_causal", lambda m, _batch: _uses_sdpa(m), patch_sdpa_without_is_causal),
+    ExportPatch(
+        "sdpa_without_is_causal",
+        lambda m, dynamic, _batch: dynamic and _uses_sdpa(m),
+        patch_sdpa_without_is_causal,
+    ),
     ExportPatch(
         "whisper_cross_attention_recompute",
-        lambda m, _batch: bool(_whisper_cross_attentions(m)),
+        lambda m, _dynamic, _batch: bool(_whisper_cross_attentions(m)),
         patch_whisper_cross_attention_recompute,
     ),
     ExportPatch(
         "contiguous_last_token",
-        lambda m, batch: batch and _output_embeddings(m) is not None,
+        lambda m, _dynamic, batch: batch and _output_embeddings(m) is not None,
         patch_contiguous_last_token,
     ),
 )
 
 
 @contextlib.contextmanager
-def export_patches(model: torch.nn.Module, *, dynamic_batch: bool, applied: list[str]) -> Iterator[None]:
+def export_patches(
+    model: torch.nn.Module, *, dynamic: bool = True, dynamic_batch: bool, applied: list[str]
+) -> Iterator[None]:
     """Enter every patch of :data:`PATCHES` that applies to ``model``; append their names to ``applied``.
 
     Args:
         model: The module about to be exported (a wrapper around the model is fine).
+        dynamic: Whether any dimension is dynamic (``sdpa_without_is_causal`` is needed only then).
         dynamic_batch: Whether some input's dimension 0 is dynamic (``contiguous_last_token``).
         applied: Receives the names of the patches entered, in order.
 
@@ -282,7 +293,7 @@ def export_patches(model: torch.nn.Module, *, dynamic_batch: bool, applied: list
     """
     with contextlib.ExitStack() as stack:
         for entry in PATCHES:
-            if entry.applies(model, dynamic_batch):
+            if entry.applies(model, dynamic, dynamic_batch):
                 stack.enter_context(entry.patch(model))
                 applied.append(entry.name)
                 logger.info("export patch %s applied", entry.name)
