@@ -11,16 +11,18 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from iobundle.capture._api import RecordedCallsAPI
-from iobundle.capture._calls import DictTensorStore, RecordedCalls, signature_entry
+from iobundle.capture._calls import RecordedCalls, signature_entry
 from iobundle.capture._record import record_inputs
+from iobundle.capture._stream import CallStream, SnapshotTable
 from iobundle.capture._tree import TensorCollector, build_value, record_value, tensor_keys
-from iobundle.capture._writer import save_recorded_calls
-from iobundle.errors import CaptureError
+from iobundle.capture._writer import BundleWriter, save_recorded_calls
+from iobundle.errors import BundleExistsError, CaptureError, IobundleError
 from iobundle.schema import CallEntry, Manifest, MissingValueEntry, Node
 
 __all__ = ["InputObserver", "ObservationInfo", "ObservationWarning"]
@@ -32,9 +34,18 @@ class ObservationWarning(UserWarning):
     """Something could not be recorded; the observed program went on undisturbed."""
 
 
-def snapshot(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of ``tensor``, detached from autograd."""
-    return tensor.detach().clone(memory_format=torch.contiguous_format)
+def _failure(what: str, exc: Exception) -> str:
+    return (
+        f"iobundle could not record {what} of a call ({type(exc).__name__}: {exc}); the call is marked "
+        "incomplete and the observed program goes on."
+    )
+
+
+def _same_path(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except (OSError, RuntimeError):
+        return a == b
 
 
 class RecordedInputs:
@@ -118,24 +129,57 @@ class InputObserver(RecordedCallsAPI):
     def __init__(self, value_if_missing: dict[str | int, Any] | None = None) -> None:
         self.value_if_missing = dict(value_if_missing or {})
         self._rc: RecordedCalls | None = None
-        self._collector = TensorCollector(snapshot)
+        # Snapshots live in a table whose keys stay valid once streamed to disk and dropped from memory.
+        self._table = SnapshotTable()
+        self._collector = TensorCollector(self._table.snapshot)
+        self._collector.tensors = self._table  # type: ignore[assignment]
         self._lock = threading.Lock()
         self._warned: set[str] = set()
+        self._stream: CallStream | None = None
+        self._stream_writer: BundleWriter | None = None
+        self._streamed: list[CallEntry] = []
 
     # -- the observed method ------------------------------------------------------------------
 
     @contextlib.contextmanager
     def __call__(
-        self, model: torch.nn.Module | Any, store_n_calls: int = 3, method_name: str = "forward"
+        self,
+        model: torch.nn.Module | Any,
+        store_n_calls: int = 3,
+        method_name: str = "forward",
+        *,
+        stream_to: str | os.PathLike[str] | None = None,
+        overwrite: bool = False,
     ) -> Iterator[InputObserver]:
         """Replace ``model.<method_name>`` by a recording wrapper for the duration of the block.
 
         The first ``store_n_calls`` calls made inside the block are recorded (inputs copied before
         the call, outputs after, wall time measured); later ones run unrecorded. The method's
         signature stays visible to ``inspect``. The original method is restored on exit, even on error.
+        The method may be called from several threads at once; each call is recorded whole.
+
+        With ``stream_to``, each recorded call is written to that bundle directory as soon as it
+        returns, by a background thread, and the manifest is rewritten atomically after each call:
+        if the process dies, the bundle holds every finished call but the last at most. Written
+        snapshots leave memory (about two calls are held at a time); ``infer_*`` and ``save`` read
+        them back from the bundle. Leaving the block waits for the writer and writes the final
+        manifest. The bundle holds every call this observer recorded, earlier blocks included.
+
+        Recording never breaks the observed program: what cannot be recorded or written (a value
+        of an unknown class, a tensor that cannot be copied, a full disk, an unwritable
+        ``stream_to``) becomes an :class:`ObservationWarning` and a call marked ``incomplete``;
+        without a usable ``stream_to`` the calls are kept in memory.
+
+        Args:
+            model: The object whose method is observed.
+            store_n_calls: How many calls of this block to record.
+            method_name: The method to observe.
+            stream_to: A bundle directory to write each call to as it returns.
+            overwrite: Replace what ``stream_to`` holds.
 
         Raises:
             CaptureError: ``model`` has no such method, or it differs from the one observed before.
+            BundleExistsError: ``stream_to`` is not empty and ``overwrite`` is False.
         """
         method = getattr(model, method_name, None)
         if method is None or not callable(method):
@@ -144,7 +188,7 @@ class InputObserver(RecordedCallsAPI):
             raise CaptureError(f"store_n_calls must be >= 0, got {store_n_calls}.")
         sig = signature_entry(method, method_name)
         if self._rc is None:
-            self._rc = RecordedCalls(signature=sig, store=DictTensorStore(self._collector.tensors))
+            self._rc = RecordedCalls(signature=sig, store=self._table)
             self._rc.value_if_missing = self._record_missing_values(self._rc)
         elif [p.name for p in self._rc.signature.parameters] != [p.name for p in sig.parameters]:
             raise CaptureError(
@@ -159,6 +203,8 @@ class InputObserver(RecordedCallsAPI):
             return self._observe_call(method, budget, args, kwargs)
 
         recording_method.__signature__ = inspect.signature(method)  # type: ignore[attr-defined]
+        stream = None if stream_to is None else self._open_stream(Path(stream_to), overwrite=overwrite)
+        self._observed_model = model  # what save(include_model=True) stores
         setattr(model, method_name, recording_method)
         try:
             yield self
@@ -167,6 +213,79 @@ class InputObserver(RecordedCallsAPI):
                 setattr(model, method_name, method)
             else:
                 delattr(model, method_name)
+            if stream is not None:
+                self._close_stream(stream)
+
+    # -- streaming ------------------------------------------------------------------------------
+
+    def _open_stream(self, path: Path, *, overwrite: bool) -> CallStream | None:
+        """Start writing calls to ``path``; on an unusable directory, warn, keep recording in memory, return None."""
+        rc = self._rc
+        assert rc is not None
+        if self._stream is not None:
+            raise CaptureError(
+                f"This observer already streams to '{self._stream.path}' in an enclosing block; "
+                "a nested block cannot stream too. Drop stream_to= from the inner block."
+            )
+        writer, written = self._stream_writer, self._streamed
+        try:
+            if writer is None or not _same_path(writer.path, path):
+                writer, written = BundleWriter(path, overwrite=overwrite), []
+            stream = CallStream(writer, rc, self._table, written=written)
+        except BundleExistsError:
+            raise
+        except (IobundleError, OSError) as exc:
+            self._warn(
+                f"iobundle cannot stream calls to '{path}' ({type(exc).__name__}: {exc}); they are kept in "
+                "memory instead. Call observer.save() with a writable path to keep them.",
+                stacklevel=4,
+            )
+            return None
+        self._stream_writer, self._streamed, self._stream = writer, [], stream
+        done = {c.index for c in written}
+        with self._lock:
+            for call in rc.calls:
+                if call.index not in done:
+                    stream.submit(call)
+            messages = self._apply_stream_failures(stream)
+        for message in messages:
+            self._warn(message, stacklevel=4)
+        return stream
+
+    def _close_stream(self, stream: CallStream) -> None:
+        """Wait for the writer, write the final manifest; problems become warnings."""
+        messages = []
+        try:
+            stream.close()
+        except Exception as exc:
+            messages.append(f"iobundle could not write the final manifest of '{stream.path}' ({exc}).")
+        with self._lock:
+            self._stream = None
+            self._streamed = stream.manifest_calls
+            messages = self._apply_stream_failures(stream) + messages
+        for message in messages:
+            self._warn(message, stacklevel=4)
+
+    def _apply_stream_failures(self, stream: CallStream) -> list[str]:
+        """Mark incomplete the calls the writer could not write; return the messages to warn with."""
+        rc = self._rc
+        assert rc is not None
+        messages = []
+        for entry, message in stream.take_failures():
+            if entry is not None:
+                i = entry.index
+                if not (0 <= i < len(rc.calls) and rc.calls[i].index == i):
+                    i = next((j for j, c in enumerate(rc.calls) if c.index == entry.index), -1)
+                if i >= 0:
+                    rc.calls[i] = entry
+                    rc.touch()
+            messages.append(
+                message + (" The call is marked incomplete; the observed program goes on." if entry else "")
+            )
+        return messages
+
+    def _warn(self, message: str, *, stacklevel: int) -> None:
+        warnings.warn(message, ObservationWarning, stacklevel=stacklevel + 1)
 
     def _record_missing_values(self, rc: RecordedCalls) -> list[MissingValueEntry]:
         names = rc.names
@@ -201,56 +320,81 @@ class InputObserver(RecordedCallsAPI):
     def _observe_call(self, method: Any, budget: dict[str, int], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         rc = self._rc
         assert rc is not None
-        call: CallEntry | None = None
         with self._lock:
             record = budget["left"] > 0
             if record:
                 budget["left"] -= 1
-                try:
-                    call = record_inputs(rc, self._collector, args, kwargs, index=len(rc.calls), on_opaque=self._opaque)
-                except Exception as exc:  # observation never breaks the observed program
-                    self._internal_failure("the inputs", exc)
-                    call = None
+                call, problem = self._record_inputs(rc, args, kwargs)
         if not record:
             return method(*args, **kwargs)
+        messages = [problem] if problem else []
         begin = time.perf_counter()
         try:
             result = method(*args, **kwargs)
         except BaseException as exc:
             latency = time.perf_counter() - begin
-            if call is not None:
-                with self._lock:
-                    self._append(
-                        call.model_copy(
-                            update={"status": "failed", "error": f"{type(exc).__name__}: {exc}", "latency": latency}
-                        )
-                    )
+            failed = call.model_copy(
+                update={"status": "failed", "error": f"{type(exc).__name__}: {exc}", "latency": latency}
+            )
+            with self._lock:
+                messages += self._finish(failed)
+            for message in messages:
+                self._warn(message, stacklevel=3)
             raise
         latency = time.perf_counter() - begin
-        if call is not None:
-            with self._lock:
-                try:
-                    outputs: Node | None = record_value(result, self._collector, path="output", on_opaque=self._opaque)
-                    status = "ok"
-                except Exception as exc:
-                    self._internal_failure("the outputs", exc)
-                    outputs, status = None, "incomplete"
-                self._append(call.model_copy(update={"outputs": outputs, "latency": latency, "status": status}))
+        with self._lock:
+            update: dict[str, Any] = {"latency": latency}
+            if call.status == "ok":
+                outputs, problem = self._record_outputs(result)
+                update["outputs"] = outputs
+                if problem:
+                    update.update(status="incomplete", error=problem)
+                    messages.append(problem)
+            messages += self._finish(call.model_copy(update=update))
+        for message in messages:
+            self._warn(message, stacklevel=3)
         return result
+
+    def _record_inputs(self, rc: RecordedCalls, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[CallEntry, str]:
+        """Record the inputs of a call; on failure, an incomplete call without inputs and the reason."""
+        journal: list[str] = []
+        self._table.journal = journal
+        try:
+            call = record_inputs(rc, self._collector, args, kwargs, index=len(rc.calls), on_opaque=self._opaque)
+            return call, ""
+        except Exception as exc:  # observation never breaks the observed program
+            self._table.discard(journal)
+            reason = _failure("the inputs", exc)
+            return CallEntry(index=len(rc.calls), status="incomplete", error=reason, args=[], kwargs={}), reason
+        finally:
+            self._table.journal = None
+
+    def _record_outputs(self, result: Any) -> tuple[Node | None, str]:
+        """Record the outputs of a call; on failure, None and the reason."""
+        journal: list[str] = []
+        self._table.journal = journal
+        try:
+            return record_value(result, self._collector, path="output", on_opaque=self._opaque), ""
+        except Exception as exc:
+            self._table.discard(journal)
+            return None, _failure("the outputs", exc)
+        finally:
+            self._table.journal = None
+
+    def _finish(self, call: CallEntry) -> list[str]:
+        """Append ``call`` (under the lock) and hand it to the stream; return the writer's complaints."""
+        self._append(call)
+        stream = self._stream
+        if stream is None:
+            return []
+        stream.submit(self._recorded().calls[-1])
+        return self._apply_stream_failures(stream)
 
     def _append(self, call: CallEntry) -> None:
         rc = self._rc
         assert rc is not None
         rc.calls.append(call.model_copy(update={"index": len(rc.calls)}))
         rc.touch()
-
-    def _internal_failure(self, what: str, exc: Exception) -> None:
-        warnings.warn(
-            f"iobundle could not record {what} of a call ({type(exc).__name__}: {exc}); the call is marked "
-            "incomplete and the observed program goes on.",
-            ObservationWarning,
-            stacklevel=4,
-        )
 
     # -- results ------------------------------------------------------------------------------
 
@@ -268,21 +412,54 @@ class InputObserver(RecordedCallsAPI):
         """Per-call records: ``len(info)``, ``info.inputs``, ``info.flat_outputs``, ``info.latencies``."""
         return ObservationInfo(self._recorded())
 
-    def save(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> Manifest:
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        include_model: bool | torch.nn.Module = False,
+    ) -> Manifest:
         """Write the recorded calls to the bundle directory ``path``.
+
+        With ``include_model`` the bundle is self-contained: it also stores the model's config
+        (``model/config.json``) and weights (``model/weights.safetensors``), and
+        ``iobundle.replay._model_load.load_bundle_model`` rebuilds the model from them. Only
+        transformers models can be stored (a config rebuilds them).
 
         Args:
             path: Target directory (``run.iobundle``); created if missing.
             overwrite: Replace an existing non-empty directory.
+            include_model: True to store the observed model; or the transformers model that holds
+                the observed module (``include_model=model`` after observing
+                ``model.model.layers[0].self_attn``), whose path inside it is recorded too.
 
         Returns:
             The manifest written to ``path/manifest.json``.
 
         Raises:
-            CaptureError: Nothing was observed.
-            BundleExistsError: ``path`` is not empty and ``overwrite`` is False.
-            BundleWriteError: Writing failed (disk full, permission denied).
+            CaptureError: Nothing was observed, or ``include_model`` is not a transformers model (or
+                does not hold the observed module).
+            BundleExistsError: ``path`` is not empty and ``overwrite`` is False, or it is the bundle
+                this observer streams to (it is complete already; tensors are read back from it).
+            BundleWriteError: Writing failed (disk full, permission denied); nothing that looks like
+                a complete bundle is left at ``path``.
         """
-        manifest = save_recorded_calls(self._recorded(), path, overwrite=overwrite)
+        rc = self._recorded()
+        streamed = self._stream_writer
+        if streamed is not None and _same_path(streamed.path, Path(path)):
+            raise BundleExistsError(
+                f"'{path}' is the bundle this observer streamed its calls to (stream_to=); it already holds "
+                "them, and its tensors are read back from it. Save to another path."
+            )
+        manifest = save_recorded_calls(rc, path, overwrite=overwrite)
+        if include_model is not False:
+            from iobundle.capture._model_store import write_model
+            from iobundle.schema import write_manifest
+
+            observed = getattr(self, "_observed_model", None)
+            model = observed if include_model is True else include_model
+            entry = write_model(path, model, None if model is observed else observed)
+            manifest = manifest.model_copy(update={"model": entry})
+            write_manifest(path, manifest)
         logger.info("saved %d calls to %s", len(manifest.calls), path)
         return manifest

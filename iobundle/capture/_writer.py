@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import shutil
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -16,10 +17,23 @@ from iobundle.capture._calls import RecordedCalls
 from iobundle.capture._dtypes import dtype_name
 from iobundle.capture._tensorfile import write_tensor_file
 from iobundle.capture._tree import tensor_keys
-from iobundle.errors import BundleExistsError, BundleWriteError
-from iobundle.schema import MANIFEST_FILENAME, CallEntry, FileEntry, Manifest, Producer, TensorEntry, write_manifest
+from iobundle.errors import BundleExistsError, BundleWriteError, IobundleError
+from iobundle.schema import (
+    MANIFEST_FILENAME,
+    CallEntry,
+    FileEntry,
+    Manifest,
+    MissingValueEntry,
+    Producer,
+    TensorEntry,
+    write_manifest,
+)
 
 __all__ = ["BundleWriter", "save_recorded_calls"]
+
+logger = logging.getLogger(__name__)
+
+TensorGetter = Callable[[str], torch.Tensor]
 
 CALLS_DIR = "calls"
 MISSING_FILE = f"{CALLS_DIR}/value_if_missing.safetensors"
@@ -52,6 +66,10 @@ def call_keys(call: CallEntry) -> list[str]:
 class BundleWriter:
     """Writes a bundle incrementally: one tensor file per call, the manifest rewritten atomically.
 
+    A tensor file gets its final name only once complete (temporary name, fsync, rename), and
+    the manifest lists only calls whose files are complete, so the directory is a valid bundle
+    after every :meth:`write_manifest`, whatever happens next.
+
     Args:
         path: The bundle directory; created if missing.
         overwrite: Replace what ``path`` holds. Without it a non-empty directory is refused.
@@ -63,6 +81,7 @@ class BundleWriter:
 
     def __init__(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
         self.path = Path(path)
+        self.created = False
         try:
             if self.path.exists() and not self.path.is_dir():
                 raise BundleExistsError(f"'{self.path}' exists and is not a directory. Choose another path.")
@@ -75,47 +94,103 @@ class BundleWriter:
                 # The manifest goes first: a directory without one is never taken for a bundle.
                 (self.path / MANIFEST_FILENAME).unlink(missing_ok=True)
                 shutil.rmtree(self.path / CALLS_DIR, ignore_errors=True)
+            self.created = not self.path.exists()
             (self.path / CALLS_DIR).mkdir(parents=True, exist_ok=True)
+        except IobundleError:
+            raise
         except OSError as exc:
-            raise BundleWriteError(f"Cannot prepare '{self.path}': {exc.strerror or exc}.") from exc
+            raise BundleWriteError(
+                f"Cannot prepare '{self.path}': {exc.strerror or exc}. Check the path, free space and permissions."
+            ) from exc
         self.tensors: dict[str, TensorEntry] = {}
         self.files: dict[str, FileEntry] = {}
 
-    def write_tensors(self, file: str, keys: Iterable[str], rc: RecordedCalls) -> None:
-        """Write the tensors of ``keys`` not written yet into ``file`` (nothing if all were)."""
-        todo = {k: rc.store.get(k) for k in dict.fromkeys(keys) if k not in self.tensors}
-        if not todo:
-            return
-        self.files[file] = write_tensor_file(self.path / file, todo)
+    def write_tensors(self, file: str, keys: Iterable[str], get: TensorGetter) -> list[str]:
+        """Write the tensors of ``keys`` not written yet into ``file``; return their keys (none: no file).
+
+        Raises:
+            BundleWriteError: The file cannot be written (disk full, permission denied).
+            UnsupportedInputError: A tensor cannot be stored (its dtype or layout).
+        """
+        new = [k for k in dict.fromkeys(keys) if k not in self.tensors]
+        if not new:
+            return []
+        todo = {k: get(k) for k in new}
+        target = self.path / file
+        try:
+            self.files[file] = write_tensor_file(target, todo)
+        except IobundleError:
+            raise
+        except OSError as exc:
+            raise BundleWriteError(
+                f"Cannot write {target}: {exc.strerror or exc}. Check free space and permissions."
+            ) from exc
         for key, t in todo.items():
             name = dtype_name(t.dtype)
             assert name is not None  # write_tensor_file refused other dtypes
             self.tensors[key] = TensorEntry(file=file, name=key, dtype=name, shape=list(t.shape), device=str(t.device))
+        logger.debug("wrote %d tensors to %s", len(todo), target)
+        return new
 
-    def write_call(self, call: CallEntry, rc: RecordedCalls) -> None:
-        self.write_tensors(call_file_name(call.index), call_keys(call), rc)
+    def write_call(self, call: CallEntry, get: TensorGetter) -> list[str]:
+        """Write the tensors of ``call`` not written yet to ``calls/NNNNNN.safetensors``; return their keys."""
+        return self.write_tensors(call_file_name(call.index), call_keys(call), get)
 
-    def write_missing_values(self, rc: RecordedCalls) -> None:
-        self.write_tensors(MISSING_FILE, [k for e in rc.value_if_missing for k in tensor_keys(e.value)], rc)
+    def write_missing_values(self, entries: Iterable[MissingValueEntry], get: TensorGetter) -> list[str]:
+        """Write the tensors of ``value_if_missing`` to their own file."""
+        return self.write_tensors(MISSING_FILE, [k for e in entries for k in tensor_keys(e.value)], get)
 
-    def write_manifest(self, rc: RecordedCalls) -> Manifest:
-        """Write ``manifest.json`` for the calls written so far (atomically)."""
-        manifest = Manifest(
+    def manifest(self, rc: RecordedCalls, calls: Iterable[CallEntry] | None = None) -> Manifest:
+        """The manifest of ``calls`` (default: ``rc.calls``), keeping only those whose tensors are written."""
+        return Manifest(
             producer=_producer(e.device for e in self.tensors.values()),
             signature=rc.signature,
             value_if_missing=rc.value_if_missing,
-            calls=[c for c in rc.calls if all(k in self.tensors for k in call_keys(c))],
+            calls=[c for c in (rc.calls if calls is None else calls) if all(k in self.tensors for k in call_keys(c))],
             tensors=self.tensors,
             files=self.files,
         )
+
+    def write_manifest(self, rc: RecordedCalls, calls: Iterable[CallEntry] | None = None) -> Manifest:
+        """Write ``manifest.json`` for ``calls`` (default: ``rc.calls``) atomically; see :meth:`manifest`.
+
+        Raises:
+            BundleWriteError: The manifest cannot be written; the previous one, if any, is left in place.
+        """
+        manifest = self.manifest(rc, calls)
         write_manifest(self.path, manifest)
         return manifest
 
+    def discard(self) -> None:
+        """Remove what this writer wrote (best effort), so no half-written bundle is left behind."""
+        (self.path / MANIFEST_FILENAME).unlink(missing_ok=True)
+        shutil.rmtree(self.path / CALLS_DIR, ignore_errors=True)
+        if self.created:
+            try:
+                self.path.rmdir()
+            except OSError:
+                pass
+
 
 def save_recorded_calls(rc: RecordedCalls, path: str | os.PathLike[str], *, overwrite: bool = False) -> Manifest:
-    """Write every call of ``rc`` to the bundle directory ``path`` and return the manifest."""
+    """Write every call of ``rc`` to the bundle directory ``path`` and return the manifest.
+
+    On failure the files written so far are removed: ``path`` holds no manifest, so it is never
+    taken for a complete bundle.
+
+    Raises:
+        BundleExistsError: ``path`` is not empty and ``overwrite`` is False.
+        BundleWriteError: Writing failed (disk full, permission denied); the message names the file.
+    """
     writer = BundleWriter(path, overwrite=overwrite)
-    writer.write_missing_values(rc)
-    for call in rc.calls:
-        writer.write_call(call, rc)
-    return writer.write_manifest(rc)
+    try:
+        writer.write_missing_values(rc.value_if_missing, rc.store.get)
+        for call in rc.calls:
+            writer.write_call(call, rc.store.get)
+        return writer.write_manifest(rc)
+    except BaseException:
+        try:
+            writer.discard()
+        except OSError:
+            pass
+        raise

@@ -1,0 +1,556 @@
+"""Streaming capture: every recorded call reaches the bundle as soon as it returns.
+
+Who does what:
+
+- The model's threads (any number) record calls. They only copy tensors (:meth:`SnapshotTable.snapshot`)
+  and, when a call returns, hand it to the writer with :meth:`CallStream.submit`.
+- One writer thread per stream writes the call's new tensors to ``calls/NNNNNN.safetensors``
+  (temporary name, sha256 computed while writing, fsync, rename), rewrites ``manifest.json``
+  atomically, then drops from memory the snapshots it wrote.
+
+The hand-off holds one call: :meth:`CallStream.submit` waits until the writer has finished the
+previous call (its file and the manifest that lists it). The writer writes call k while the
+model computes call k+1, so
+
+- a SIGKILL loses at most the call in flight; the manifest only ever lists complete files;
+- memory holds the snapshots of about two calls (the one being written and the one being
+  recorded), plus a pool of recycled copy buffers bounded by the largest call.
+
+Tensors written to the bundle stay readable: :class:`SnapshotTable` reads them back from their
+file on demand (no cache), checking the file the way ``iobundle.replay`` checks a stranger's, so
+``InputObserver.infer_*`` work on a streaming observer as on one that keeps everything in memory.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import stat
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from iobundle.capture._calls import RecordedCalls
+from iobundle.capture._dtypes import NAME_TO_DTYPE, dtype_name
+from iobundle.capture._tree import replace_tensors, tensor_keys
+from iobundle.capture._writer import BundleWriter, call_keys
+from iobundle.errors import TensorFileError
+from iobundle.schema import CallEntry, Manifest, Node, OpaqueNode, TensorNode
+
+__all__ = ["CallStream", "SnapshotTable", "mark_incomplete", "snapshot_tensor"]
+
+POOLED_MIN_BYTES = 256 * 1024
+"""Tensors at least this large are copied into recycled buffers while streaming (smaller ones come
+from the allocator's heap, which is already warm)."""
+
+MAX_HEADER_BYTES = 100 * 1024**2
+"""Largest safetensors header read back (the bound ``iobundle.replay`` and safetensors use)."""
+
+_HEADER_CACHE = 64
+
+
+def snapshot_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``tensor``, detached from autograd, on the same device."""
+    return tensor.detach().clone(memory_format=torch.contiguous_format)
+
+
+def _poolable(tensor: torch.Tensor) -> bool:
+    return (
+        tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and not tensor.is_nested
+        and not tensor.is_quantized
+        and type(tensor) is torch.Tensor
+        and dtype_name(tensor.dtype) is not None
+        and tensor.numel() * tensor.element_size() >= POOLED_MIN_BYTES
+    )
+
+
+def _round_up(nbytes: int) -> int:
+    """Round ``nbytes`` up to one of 8 sizes per power of two (at most 12.5% slack), 4 KiB aligned."""
+    step = max(4096, 1 << max(nbytes.bit_length() - 4, 0))
+    return -(-nbytes // step) * step
+
+
+class BufferPool:
+    """Recycled CPU byte buffers for snapshots.
+
+    A copy into memory that was already touched costs no page faults, which is most of the
+    price of copying into fresh memory. Buffers come back when the writer has written the
+    snapshot they held; at most ``limit`` bytes are kept.
+    """
+
+    def __init__(self) -> None:
+        self.limit = 0
+        self._sizes: list[int] = []
+        self._free: list[torch.Tensor] = []
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of at least ``nbytes`` (a recycled one of at most twice that, else a new one)."""
+        with self._lock:
+            i = bisect.bisect_left(self._sizes, nbytes)
+            if i < len(self._sizes) and self._sizes[i] <= 2 * nbytes:
+                del self._sizes[i]
+                buf = self._free.pop(i)
+                self._bytes -= buf.numel()
+                return buf
+        return torch.empty(_round_up(nbytes), dtype=torch.uint8)
+
+    def give(self, buf: torch.Tensor) -> None:
+        n = buf.numel()
+        with self._lock:
+            if self._bytes + n > self.limit:
+                return
+            i = bisect.bisect_left(self._sizes, n)
+            self._sizes.insert(i, n)
+            self._free.insert(i, buf)
+            self._bytes += n
+
+    def clear(self) -> None:
+        with self._lock:
+            self._sizes.clear()
+            self._free.clear()
+            self._bytes = 0
+
+
+@dataclass(frozen=True)
+class _OnDisk:
+    """Where a snapshot went: the tensor ``name`` of the safetensors file ``path``."""
+
+    path: Path
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    device: str
+    file_size: int
+
+
+class _FileReader:
+    """Reads single tensors back from the files a :class:`BundleWriter` wrote, checking each file first.
+
+    The files were written by this process, but they live in a directory anyone may touch: a file
+    that is not a regular file, whose size changed, whose header is not what was written, or whose
+    byte spans do not fit is a :class:`TensorFileError`, never a crash. Reading copies the bytes into
+    a fresh tensor, never a memory mapping (a mapping past the end of a truncated file is a SIGBUS).
+    """
+
+    def __init__(self) -> None:
+        self._headers: OrderedDict[tuple[Path, int, int, int], tuple[dict[str, Any], int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def read(self, where: _OnDisk) -> torch.Tensor:
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+        try:
+            fd = os.open(where.path, flags)
+        except OSError as exc:
+            raise TensorFileError(
+                f"{where.path}: tensor {where.name!r} cannot be read back ({exc.strerror or exc}). "
+                "The streamed bundle was moved or changed while the observer still used it."
+            ) from exc
+        try:
+            with os.fdopen(fd, "rb", buffering=0) as f:
+                info = os.fstat(f.fileno())
+                if not stat.S_ISREG(info.st_mode) or info.st_size != where.file_size:
+                    raise TensorFileError(
+                        f"{where.path}: {info.st_size} bytes, {where.file_size} were written. "
+                        "The streamed bundle was changed while the observer still used it."
+                    )
+                header, data_start = self._header(f, where, info)
+                return self._read_tensor(f, where, header, data_start)
+        except OSError as exc:
+            raise TensorFileError(f"{where.path}: cannot be read back ({exc.strerror or exc}).") from exc
+
+    def _header(self, f: Any, where: _OnDisk, info: os.stat_result) -> tuple[dict[str, Any], int]:
+        cache_key = (where.path, info.st_ino, info.st_size, info.st_mtime_ns)
+        with self._lock:
+            cached = self._headers.get(cache_key)
+            if cached is not None:
+                self._headers.move_to_end(cache_key)
+                return cached
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise TensorFileError(f"{where.path}: too short for a safetensors header.")
+        (header_len,) = struct.unpack("<Q", raw)
+        if header_len > MAX_HEADER_BYTES or header_len > where.file_size - 8:
+            raise TensorFileError(f"{where.path}: header length {header_len} does not fit the file.")
+        text = _read_exactly(f, header_len, where)
+        try:
+            header = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise TensorFileError(f"{where.path}: the safetensors header is not valid JSON ({exc}).") from exc
+        if not isinstance(header, dict):
+            raise TensorFileError(f"{where.path}: the safetensors header is not a JSON object.")
+        with self._lock:
+            self._headers[cache_key] = (header, 8 + header_len)
+            while len(self._headers) > _HEADER_CACHE:
+                self._headers.popitem(last=False)
+        return header, 8 + header_len
+
+    def _read_tensor(self, f: Any, where: _OnDisk, header: dict[str, Any], data_start: int) -> torch.Tensor:
+        info = header.get(where.name)
+        if (
+            not isinstance(info, dict)
+            or where.name == "__metadata__"
+            or info.get("dtype") != dtype_name(where.dtype)
+            or info.get("shape") != list(where.shape)
+        ):
+            raise TensorFileError(f"{where.path}: tensor {where.name!r} is not in the file as it was written.")
+        offsets = info.get("data_offsets")
+        nbytes = where.dtype.itemsize
+        for d in where.shape:
+            nbytes *= d
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= where.file_size - data_start
+            or offsets[1] - offsets[0] != nbytes
+        ):
+            raise TensorFileError(f"{where.path}: tensor {where.name!r} has invalid data_offsets {offsets!r}.")
+        out = torch.empty(where.shape, dtype=where.dtype)
+        if nbytes:
+            f.seek(data_start + offsets[0])
+            _read_exactly(f, nbytes, where, into=memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B"))
+        return out
+
+
+def _read_exactly(f: Any, n: int, where: _OnDisk, *, into: memoryview | None = None) -> bytes:
+    """Read ``n`` bytes from ``f`` (into ``into`` when given)."""
+    view = into if into is not None else memoryview(bytearray(n))
+    done = 0
+    while done < n:
+        got = f.readinto(view[done:])
+        if not got:
+            raise TensorFileError(f"{where.path}: changed while it was being read (cut short).")
+        done += got
+    return b"" if into is not None else bytes(view)
+
+
+class SnapshotTable(MutableMapping[str, torch.Tensor]):
+    """The observer's tensor snapshots, by key: in memory, or in a bundle file once streamed.
+
+    It is both the mapping a ``TensorCollector`` fills and the ``TensorStore`` inference reads.
+    A key stays valid after its snapshot was written and dropped from memory, so a tensor seen
+    again in a later call is referenced, not copied again, and ``get`` reads it back from its file.
+    Reading back returns a new tensor each time, on the device the original was on when possible.
+    """
+
+    def __init__(self) -> None:
+        self._memory: dict[str, torch.Tensor] = {}
+        self._disk: dict[str, _OnDisk] = {}
+        self._lent: set[str] = set()
+        self._lock = threading.Lock()
+        self._reader = _FileReader()
+        self.pool: BufferPool | None = None
+        self.journal: list[str] | None = None
+        """When a list, every key stored is appended to it (to undo a recording that failed half-way)."""
+
+    # -- snapshots (the model's threads) -------------------------------------------------------
+
+    def snapshot(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Copy ``tensor``: with :func:`snapshot_tensor`, or into a recycled buffer while streaming.
+
+        While streaming, a CUDA copy also gets an event: the copy runs on the model's current
+        stream and the writer reads it from another thread (and stream), after the event.
+        """
+        pool = self.pool
+        if pool is None or not _poolable(tensor):
+            out = snapshot_tensor(tensor)
+            if pool is not None and out.is_cuda:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(out.device))
+                out._iobundle_ready = event  # type: ignore[attr-defined]
+            return out
+        nbytes = tensor.numel() * tensor.element_size()
+        out = pool.take(nbytes)[:nbytes].view(tensor.dtype).view(tensor.shape)
+        out.copy_(tensor.detach())
+        return out
+
+    # -- MutableMapping ------------------------------------------------------------------------
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._memory or key in self._disk
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.get(key)
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        with self._lock:
+            self._memory[key] = value
+            self._disk.pop(key, None)
+            self._lent.discard(key)
+            if self.journal is not None:
+                self.journal.append(key)
+
+    def __delitem__(self, key: str) -> None:
+        with self._lock:
+            found = self._memory.pop(key, None) is not None
+            found = self._disk.pop(key, None) is not None or found
+            self._lent.discard(key)
+        if not found:
+            raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        with self._lock:
+            keys = list(self._memory) + [k for k in self._disk if k not in self._memory]
+        return iter(keys)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._memory.keys() | self._disk.keys())
+
+    def pop(self, key: str, *default: Any) -> Any:  # type: ignore[override]
+        with self._lock:
+            value = self._memory.pop(key, None)
+            on_disk = self._disk.pop(key, None)
+            self._lent.discard(key)
+        if value is None and on_disk is None:
+            if default:
+                return default[0]
+            raise KeyError(key)
+        return value
+
+    # -- TensorStore -----------------------------------------------------------------------------
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        tensor = self._memory.get(key)
+        return tuple(tensor.shape) if tensor is not None else self._disk[key].shape
+
+    def dtype(self, key: str) -> torch.dtype:
+        tensor = self._memory.get(key)
+        return tensor.dtype if tensor is not None else self._disk[key].dtype
+
+    def get(self, key: str, *default: Any) -> Any:  # type: ignore[override]
+        """The tensor of ``key``: the snapshot itself while in memory, else a copy read from its file."""
+        with self._lock:
+            tensor = self._memory.get(key)
+            if tensor is not None:
+                self._lent.add(key)  # handed out: its buffer is never recycled
+                return tensor
+            where = self._disk.get(key)
+        if where is None:
+            if default:
+                return default[0]
+            raise KeyError(key)
+        tensor = self._reader.read(where)
+        if where.device != "cpu":
+            try:
+                tensor = tensor.to(where.device)
+            except (RuntimeError, AssertionError):
+                pass  # the device is gone: the CPU copy holds the same values
+        return tensor
+
+    # -- the writer's side -----------------------------------------------------------------------
+
+    def for_writing(self, key: str) -> torch.Tensor:
+        """The tensor of ``key`` for the writer (not marked as handed out)."""
+        tensor = self._memory.get(key)
+        if tensor is None:
+            return self.get(key)
+        event = getattr(tensor, "_iobundle_ready", None)
+        if event is not None:
+            event.synchronize()
+        return tensor
+
+    def written(self, keys: Iterable[str], path: Path, file_size: int) -> None:
+        """Forget the snapshots of ``keys``, now in the safetensors file ``path``; recycle their buffers."""
+        pool = self.pool
+        for key in keys:
+            with self._lock:
+                tensor = self._memory.get(key)
+                if tensor is None:
+                    continue
+                self._disk[key] = _OnDisk(
+                    path=path,
+                    name=key,
+                    dtype=tensor.dtype,
+                    shape=tuple(tensor.shape),
+                    device=str(tensor.device),
+                    file_size=file_size,
+                )
+                del self._memory[key]
+                lent = key in self._lent
+                self._lent.discard(key)
+            if pool is not None and not lent and _poolable(tensor):
+                storage = tensor.untyped_storage()
+                del tensor
+                pool.give(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),)))
+
+    def discard(self, keys: Iterable[str]) -> None:
+        """Drop the in-memory snapshots of ``keys`` (they could not be written)."""
+        with self._lock:
+            for key in keys:
+                if self._memory.pop(key, None) is not None:
+                    self._lent.discard(key)
+
+    def in_memory(self) -> int:
+        """Bytes of the snapshots held in memory (not counting the buffer pool)."""
+        with self._lock:
+            return sum(t.numel() * t.element_size() for t in self._memory.values())
+
+
+def mark_incomplete(call: CallEntry, written: Callable[[str], bool], reason: str) -> CallEntry:
+    """``call`` with its unwritten tensors replaced by opaque nodes and its status ``incomplete``.
+
+    A failed call (its forward raised) keeps the status ``failed``; the reason is added to its error.
+    """
+
+    def strip(node: Node) -> Node:
+        return replace_tensors(
+            node,
+            (
+                TensorNode(key=k) if written(k) else OpaqueNode(type="torch.Tensor", reason=f"not written: {reason}")
+                for k in tensor_keys(node)
+            ),
+        )
+
+    return call.model_copy(
+        update={
+            "status": "failed" if call.status == "failed" else "incomplete",
+            "error": f"{call.error}; {reason}" if call.error else reason,
+            "args": [strip(a) for a in call.args],
+            "kwargs": {k: strip(v) for k, v in call.kwargs.items()},
+            "outputs": None if call.outputs is None else strip(call.outputs),
+        }
+    )
+
+
+class CallStream:
+    """Writes recorded calls to a bundle from a background thread, one call in flight at most.
+
+    Opening the stream writes, synchronously, the tensors of ``value_if_missing`` and a first
+    manifest (no calls): from then on the directory opens with ``load_bundle``. Calls recorded
+    before the stream opened are submitted like new ones. Failures after opening never raise:
+    :meth:`take_failures` hands them to the model's thread, which warns and marks the call incomplete.
+
+    Args:
+        writer: The bundle directory, prepared.
+        rc: The observer's calls (its signature and ``value_if_missing`` go in every manifest).
+        table: The snapshots; written ones are dropped from memory.
+        written: Calls ``writer`` already wrote (a stream reopened on the same directory).
+
+    Raises:
+        BundleWriteError: The first writes failed (the caller keeps recording in memory).
+    """
+
+    def __init__(
+        self, writer: BundleWriter, rc: RecordedCalls, table: SnapshotTable, written: Iterable[CallEntry] = ()
+    ) -> None:
+        self.writer = writer
+        self.path = writer.path
+        self._rc = rc
+        self._table = table
+        self._written: list[CallEntry] = list(written)
+        self._failures: list[tuple[CallEntry | None, str]] = []
+        self._queue: list[CallEntry] = []
+        self._busy = False
+        self._closed = False
+        self._cond = threading.Condition()
+        self._call_bytes = 0
+        writer.write_missing_values(rc.value_if_missing, table.for_writing)
+        writer.write_manifest(rc, self._written)
+        self.pool = BufferPool()
+        table.pool = self.pool
+        self._thread = threading.Thread(target=self._run, name=f"iobundle-writer:{self.path.name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def manifest_calls(self) -> list[CallEntry]:
+        """The calls the manifest lists now."""
+        with self._cond:
+            return list(self._written)
+
+    def submit(self, call: CallEntry) -> None:
+        """Queue ``call`` for writing, after waiting for the previous call to be written."""
+        with self._cond:
+            while (self._busy or self._queue) and self._thread.is_alive():
+                self._cond.wait()
+            if self._closed or not self._thread.is_alive():
+                self._failures.append(
+                    (None, f"the stream to '{self.path}' is closed; call {call.index} stays in memory")
+                )
+                return
+            self._queue.append(call)
+            self._busy = True
+            self._cond.notify_all()
+
+    def take_failures(self) -> list[tuple[CallEntry | None, str]]:
+        """What went wrong since the last call: ``(incomplete call entry or None, message)`` pairs."""
+        with self._cond:
+            failures, self._failures = self._failures, []
+        return failures
+
+    def close(self) -> Manifest:
+        """Wait for the writer, stop it and write the final manifest.
+
+        Raises:
+            BundleWriteError: The final manifest cannot be written.
+        """
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+        self.pool.clear()
+        self._table.pool = None
+        return self.writer.write_manifest(self._rc, self.manifest_calls)
+
+    # -- the writer thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                call = self._queue.pop(0)
+            try:
+                self._write(call)
+            except Exception as exc:  # a bug here must not kill the thread the model waits on
+                with self._cond:
+                    self._failures.append((None, f"iobundle's writer failed on call {call.index} ({exc!r})"))
+            finally:
+                with self._cond:
+                    self._busy = bool(self._queue)
+                    self._cond.notify_all()
+
+    def _write(self, call: CallEntry) -> None:
+        writer, table = self.writer, self._table
+        try:
+            keys = writer.write_call(call, table.for_writing)
+            entry = call
+        except Exception as exc:  # the observed program never sees it: reported through take_failures
+            reason = f"its tensors could not be written to '{self.path}' ({type(exc).__name__}: {exc})"
+            entry = mark_incomplete(call, lambda k: k in writer.tensors, reason)
+            table.discard(k for k in call_keys(call) if k not in writer.tensors)
+            with self._cond:
+                self._failures.append((entry, f"iobundle could not record call {call.index}: {reason}"))
+        else:
+            if keys:
+                file = writer.tensors[keys[0]].file
+                table.written(keys, writer.path / file, writer.files[file].size)
+                nbytes = sum(
+                    int(torch.Size(writer.tensors[k].shape).numel()) * NAME_TO_DTYPE[writer.tensors[k].dtype].itemsize
+                    for k in keys
+                )
+                self._call_bytes = max(self._call_bytes, nbytes)
+                self.pool.limit = self._call_bytes
+        with self._cond:
+            self._written.append(entry)
+            calls = list(self._written)
+        try:
+            writer.write_manifest(self._rc, calls)
+        except Exception as exc:
+            with self._cond:
+                self._failures.append(
+                    (None, f"iobundle could not rewrite the manifest of '{self.path}' ({type(exc).__name__}: {exc})")
+                )
