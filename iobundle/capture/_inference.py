@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from iobundle.capture._calls import RecordedCalls, positional_names
+from iobundle.capture._registry import lookup_node_type
 from iobundle.capture._tree import (
     build_value,
     count_leaves,
@@ -262,9 +263,38 @@ def _batch_forced(rc: RecordedCalls, owner: int | str, spec: BatchSpec) -> bool:
     return isinstance(owner, int) and owner < len(rc.names) and rc.names[owner] in spec
 
 
+def empty_dims(alignment: Alignment) -> list[int | None]:
+    """Per slot, the dimension along which an absent tensor stands for an empty one, or None.
+
+    It is the ``empty_dim`` of the node type directly holding the tensor in the best call
+    (a KV cache: a layer not filled yet is a zero-length tensor along the sequence).
+    """
+    result: list[int | None] = []
+
+    def walk(node: Node, dim: int | None) -> None:
+        if isinstance(node, TensorNode):
+            result.append(dim)
+            return
+        if isinstance(node, ObjectNode):
+            node_type = lookup_node_type(node.type)
+            dim = None if node_type is None else node_type.empty_dim
+        for child in getattr(node, "items", ()):
+            walk(child, dim)
+
+    best = alignment.best_call
+    for node in [*best.args, *best.kwargs.values()]:
+        walk(node, None)
+    return result
+
+
 def flat_dynamic_dims(rc: RecordedCalls, alignment: Alignment, batch: BatchSpec = None) -> list[list[int]]:
-    """Per slot, the dimensions whose size differs across calls (plus dim 0 where batch is forced)."""
+    """Per slot, the dimensions whose size differs across calls (plus dim 0 where batch is forced).
+
+    A slot absent from some call whose node type declares an ``empty_dim`` counts as seen with
+    size 0 along it (the prefill's empty cache), so that dimension is dynamic.
+    """
     result = []
+    empty = empty_dims(alignment)
     for index, owner in enumerate(alignment.owners):
         shapes = [rc.store.shape(s[index]) for s in alignment.slots if s[index] is not None]
         ranks = {len(s) for s in shapes}
@@ -275,6 +305,11 @@ def flat_dynamic_dims(rc: RecordedCalls, alignment: Alignment, batch: BatchSpec 
             )
         rank = ranks.pop() if ranks else 0
         dims = [d for d in range(rank) if len({s[d] for s in shapes}) > 1]
+        empty_dim = empty[index]
+        if empty_dim is not None and rank and any(s[index] is None for s in alignment.slots):
+            empty_dim %= rank
+            if empty_dim not in dims and any(s[empty_dim] != 0 for s in shapes):
+                dims = sorted([*dims, empty_dim])
         if rank and _batch_forced(rc, owner, batch) and 0 not in dims:
             dims = [0, *dims]
         result.append(dims)
@@ -342,6 +377,8 @@ def infer_dynamic_shapes(
             return dict.fromkeys(flat[index], torch.export.Dim.DYNAMIC)
         owner = alignment.owners[index]
         base = rc.names[owner] if isinstance(owner, int) and owner < len(rc.names) else str(owner)
+        if not base.isidentifier():  # a *args position ("1"), or a **kwargs key such as "a-b"
+            base = "arg_" + "".join(c if f"a{c}".isidentifier() else "_" for c in base)
         return {d: torch.export.Dim(f"{base}_{index}_dim{d}") for d in flat[index]}
 
     ds_args = [map_structure(a, leaf) for a in best.args]
@@ -349,8 +386,13 @@ def infer_dynamic_shapes(
     return _assemble(rc, ds_args, ds_kwargs, dict.fromkeys(best.cst_kwargs))
 
 
-def _fill_tensor(rc: RecordedCalls, alignment: Alignment, index: int, dims: list[int]) -> torch.Tensor:
-    """A stand-in for an absent tensor: the observed tensor with its dynamic dimension set to 0, or zeros."""
+def _fill_tensor(
+    rc: RecordedCalls, alignment: Alignment, index: int, dims: list[int], empty_dim: int | None = None
+) -> torch.Tensor:
+    """A stand-in for an absent tensor: the observed tensor with its dynamic dimension set to 0, or zeros.
+
+    The dimension set to 0 is ``empty_dim`` (see :func:`empty_dims`) when given, else the last dynamic one.
+    """
     present = [s[index] for s in alignment.slots if s[index] is not None]
     if not present:
         raise AlignmentError(f"No call holds tensor {index} of argument {alignment.owners[index]!r}.")
@@ -359,9 +401,11 @@ def _fill_tensor(rc: RecordedCalls, alignment: Alignment, index: int, dims: list
     if 0 in shape:
         return rc.store.get(key)
     device = rc.store.get(key).device
-    if not dims:
+    if empty_dim is not None:
+        empty_dim %= len(shape)
+    if not dims and empty_dim is None:
         return torch.zeros(shape, dtype=dtype, device=device)
-    shape[max(dims)] = 0
+    shape[empty_dim if empty_dim is not None else max(dims)] = 0
     return torch.empty(shape, dtype=dtype, device=device)
 
 
@@ -370,6 +414,7 @@ def aligned_tensors(
 ) -> list[torch.Tensor]:
     """The tensors of one aligned call, absent ones replaced by stand-ins (see :func:`_fill_tensor`)."""
     dims: list[list[int]] | None = None
+    empty: list[int | None] = []
     result = []
     for index, key in enumerate(slots):
         if key is not None:
@@ -377,8 +422,20 @@ def aligned_tensors(
             continue
         if dims is None:
             dims = flat_dynamic_dims(rc, alignment)
-        result.append(_fill_tensor(rc, alignment, index, dims[index]))
+            empty = empty_dims(alignment)
+        result.append(_fill_tensor(rc, alignment, index, dims[index], empty[index]))
     return result
+
+
+def placeholder_inputs(alignment: Alignment, call: CallEntry, slots: list[str | None]) -> list[int | str]:
+    """Inputs of ``call`` that were absent at capture and are fed a stand-in (empty tensor, zeros, placeholder).
+
+    The model never saw those values: when such a call differs, it is reported as not checked
+    rather than as a numeric mismatch (an empty stand-in for an absent cache usually matches;
+    one for an absent mask usually does not).
+    """
+    owners = [alignment.owners[i] for i, key in enumerate(slots) if key is None]
+    return list(dict.fromkeys([*call.filled, *owners]))
 
 
 def _rebuild(rc: RecordedCalls, best: CallEntry, tensors: list[torch.Tensor]) -> tuple[list[Any], dict[str, Any]]:

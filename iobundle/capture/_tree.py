@@ -252,7 +252,7 @@ def build_value(node: Node, tensor: Callable[[str], torch.Tensor], *, path: str 
         return _build_object(node, children, path)
     raise AlignmentError(
         f"{path or 'value'}: a {node.type} was not recorded ({node.reason}), so it cannot be rebuilt. "
-        "Remove this input with remove_inputs() or register its class as a pytree node before capturing."
+        "Register its class as a pytree node before capturing (an input can also be dropped with remove_inputs())."
     )
 
 
@@ -266,7 +266,7 @@ def _build_object(node: ObjectNode, children: list[Any], path: str) -> Any:
                         f"{path}: the pytree context of {name} was not JSON-serialisable at capture, "
                         "so it cannot be rebuilt."
                     )
-                return entry.unflatten_fn(children, node.context)
+                return _unflatten(entry.unflatten_fn, children, node.context, path, name)
         raise UnsafeBundleError(
             f"{path}: class {name!r} is not registered as a pytree node in this process. "
             "Import the module that registers it before loading (iobundle never imports names found in a bundle)."
@@ -280,4 +280,15 @@ def _build_object(node: ObjectNode, children: list[Any], path: str) -> Any:
         raise UnsafeBundleError(
             f"{path}: node type {node.type!r} has version {node.version}; this iobundle reads version {node_type.version}."
         )
-    return node_type.unflatten(children, node.context)
+    return _unflatten(node_type.unflatten, children, node.context, path, node.type)
+
+
+def _unflatten(fn: Callable[[list[Any], Any], Any], children: list[Any], context: Any, path: str, name: str) -> Any:
+    """Call an unflatten function on recorded (untrusted) children and context; its failure is an UnsafeBundleError."""
+    try:
+        return fn(children, context)
+    except Exception as exc:
+        raise UnsafeBundleError(
+            f"{path}: cannot rebuild a {name} from the recorded children and context "
+            f"({type(exc).__name__}: {exc}). The bundle is corrupt, or was written for another version of {name}."
+        ) from exc
