@@ -19,15 +19,46 @@ __all__ = ["tensor_bytes", "write_tensor_file"]
 _ALIGN = 8
 
 
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The raw little-endian bytes of ``tensor`` (copied to CPU and made contiguous if needed)."""
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    t = t.contiguous().reshape(-1)
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+def _unsupported_kind(tensor: torch.Tensor) -> str | None:
+    if tensor.is_nested:
+        return "nested"
+    if tensor.layout != torch.strided:
+        return str(tensor.layout).removeprefix("torch.")
+    if tensor.is_quantized:
+        return "quantized"
+    if tensor.device.type == "meta":
+        return "meta"
+    return None
+
+
+def tensor_bytes(tensor: torch.Tensor, *, name: str = "tensor") -> memoryview:
+    """The raw little-endian bytes of ``tensor`` (copied to CPU and made contiguous if needed).
+
+    Lazy conjugate and negative views are materialised, so the bytes are the values the
+    tensor shows, not those of the storage it views.
+
+    Raises:
+        UnsupportedInputError: The tensor has no plain dense CPU-copyable data (sparse, nested,
+            quantized or meta tensors, tensor subclasses that refuse the copy).
+    """
+    kind = _unsupported_kind(tensor)
+    if kind is not None:
+        raise UnsupportedInputError(
+            f"Tensor {name!r} is a {kind} tensor, which a bundle cannot store (it holds no plain dense data). "
+            "Pass a dense tensor (e.g. .to_dense()) or remove the input with remove_inputs()."
+        )
+    try:
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        t = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
+        if t.numel() == 0:
+            return memoryview(b"")
+        return t.view(torch.uint8).numpy().data.cast("B")
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
+        raise UnsupportedInputError(
+            f"Tensor {name!r} ({type(tensor).__name__}, {tensor.dtype}) cannot be copied to plain CPU bytes: {exc}"
+        ) from exc
 
 
 def write_tensor_file(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor]) -> FileEntry:
@@ -49,7 +80,7 @@ def write_tensor_file(path: str | os.PathLike[str], tensors: dict[str, torch.Ten
         dname = dtype_name(tensor.dtype)
         if dname is None:
             raise UnsupportedInputError(f"Tensor {name!r} has dtype {tensor.dtype}, which a bundle cannot store.")
-        data = tensor_bytes(tensor)
+        data = tensor_bytes(tensor, name=name)
         header[name] = {"dtype": dname, "shape": list(tensor.shape), "data_offsets": [offset, offset + data.nbytes]}
         payloads.append(data)
         offset += data.nbytes

@@ -8,9 +8,10 @@ from typing import Any
 
 from iobundle.capture._api import RecordedCallsAPI
 from iobundle.capture._calls import RecordedCalls
+from iobundle.capture._dtypes import NAME_TO_DTYPE
 from iobundle.capture._tree import build_value, iter_tensor_nodes
 from iobundle.errors import IobundleError, UnsafeBundleError
-from iobundle.replay._tensorfile import BundleTensorStore, check_file, safe_member_path
+from iobundle.replay._tensorfile import BundleTensorStore, check_file, check_file_header, safe_member_path
 from iobundle.schema import CallEntry, Manifest, load_manifest
 
 __all__ = ["Bundle", "load_bundle"]
@@ -70,29 +71,55 @@ class Bundle(RecordedCallsAPI):
         return None if call.outputs is None else build_value(call.outputs, self._store.get)
 
     def verify(self) -> list[str]:
-        """Check every tensor file's size and sha256; return one message per bad file (empty if all good)."""
+        """Check every tensor file: size, sha256 and header against the manifest.
+
+        Returns:
+            One message per bad file, naming it (empty when every file is good).
+        """
         problems = []
         for name, entry in self.manifest.files.items():
             try:
-                check_file(self.path, name, entry, hash_check=True)
+                path = check_file(self.path, name, entry, hash_check=True)
+                check_file_header(path, name, {k: e for k, e in self.manifest.tensors.items() if e.file == name})
             except IobundleError as exc:
                 problems.append(str(exc))
         return problems
 
 
 def _check_references(root: Path, manifest: Manifest) -> None:
+    """Check what the manifest points at before anything is read: file names, tensor keys, tensor sizes.
+
+    Raises:
+        UnsafeBundleError: A file name leaves the bundle, a tensor lives in an unlisted file or needs
+            more bytes than its file has, or a tree refers to a tensor the manifest does not list.
+    """
     for name in manifest.files:
         safe_member_path(root, name)
     for key, entry in manifest.tensors.items():
-        if entry.file not in manifest.files:
-            raise UnsafeBundleError(f"Tensor {key!r} lives in {entry.file!r}, which the manifest's files do not list.")
-    nodes = [n for e in manifest.value_if_missing for n in iter_tensor_nodes(e.value)]
-    for call in manifest.calls:
-        for node in [*call.args, *call.kwargs.values(), *([call.outputs] if call.outputs else [])]:
-            nodes.extend(iter_tensor_nodes(node))
-    for node in nodes:
-        if node.key not in manifest.tensors:
-            raise UnsafeBundleError(f"A call refers to tensor {node.key!r}, which the manifest's tensors do not list.")
+        file = manifest.files.get(entry.file)
+        if file is None:
+            raise UnsafeBundleError(f"tensors[{key!r}].file: {entry.file!r} is not listed in the manifest's files.")
+        numel = 1
+        for d in entry.shape:
+            numel *= d
+        nbytes = numel * NAME_TO_DTYPE[entry.dtype].itemsize
+        if nbytes > file.size:
+            raise UnsafeBundleError(
+                f"tensors[{key!r}]: {entry.dtype} {entry.shape} needs {nbytes} bytes but its file "
+                f"{entry.file!r} has {file.size}."
+            )
+    trees = [(f"value_if_missing[{i}]", e.value) for i, e in enumerate(manifest.value_if_missing)]
+    for i, call in enumerate(manifest.calls):
+        trees += [(f"calls[{i}].args[{j}]", a) for j, a in enumerate(call.args)]
+        trees += [(f"calls[{i}].kwargs[{k!r}]", v) for k, v in call.kwargs.items()]
+        if call.outputs is not None:
+            trees.append((f"calls[{i}].outputs", call.outputs))
+    for where, tree in trees:
+        for node in iter_tensor_nodes(tree):
+            if node.key not in manifest.tensors:
+                raise UnsafeBundleError(
+                    f"{where} refers to tensor {node.key!r}, which the manifest's tensors do not list."
+                )
 
 
 def load_bundle(path: str | os.PathLike[str], *, verify: bool = True) -> Bundle:

@@ -1,19 +1,33 @@
 """Read tensors from a bundle's safetensors files, treating every byte as untrusted.
 
-Sizes are checked against the manifest and the header before anything is memory-mapped
-(a truncated mmap is a SIGBUS, not an exception), and a file's sha256 is checked the first
-time it is read unless verification is off.
+The order of the checks is what makes reading a hostile file safe:
+
+1. the file name stays inside the bundle (:func:`safe_member_path`: no absolute path, no ``..``,
+   no symlink leading out, no control character);
+2. the file is a regular file (a FIFO or a device would block or never end), opened without
+   blocking, and its size is the one the manifest records; its sha256 too, the first time it
+   is read, unless verification is off;
+3. the header length fits in the file and under :data:`MAX_HEADER_BYTES`, the header is a JSON
+   object, and every tensor the manifest puts in this file is there with the manifest's dtype
+   and shape and a byte span inside the data area of exactly the right length;
+4. only then is the file memory-mapped. A mapping past the end of a file is a SIGBUS, not an
+   exception, so nothing is mapped before the size checks.
+
+Mappings are made by ``torch.from_file``, which closes its file descriptor once the file is
+mapped: a bundle of many thousands of calls can be read without running out of descriptors.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
+import stat
 import struct
 import threading
+import unicodedata
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 import torch
 
@@ -21,9 +35,11 @@ from iobundle.capture._dtypes import NAME_TO_DTYPE
 from iobundle.errors import IntegrityError, TensorFileError, UnsafeBundleError
 from iobundle.schema import FileEntry, Manifest, TensorEntry
 
-__all__ = ["MAX_HEADER_BYTES", "BundleTensorStore", "safe_member_path"]
+__all__ = ["MAX_HEADER_BYTES", "BundleTensorStore", "check_file", "check_file_header", "safe_member_path"]
 
 MAX_HEADER_BYTES = 100 * 1024**2
+"""Largest safetensors header read (the safetensors library uses the same bound)."""
+
 _CHUNK = 1 << 22
 
 
@@ -31,16 +47,29 @@ def safe_member_path(root: Path, name: str) -> Path:
     """Resolve the bundle member ``name`` under ``root``, refusing anything that leaves it.
 
     Raises:
-        UnsafeBundleError: ``name`` is absolute, contains ``..``, or resolves (through a symlink) outside ``root``.
+        UnsafeBundleError: ``name`` is absolute, contains ``..``, a backslash, a colon or a control
+            character, or resolves (through a symlink) outside ``root``.
     """
+    if not isinstance(name, str) or not name:
+        raise UnsafeBundleError(f"File name {name!r} in the manifest is empty or not a string.")
     pure = PurePosixPath(name)
-    if not name or pure.is_absolute() or "\\" in name or ".." in pure.parts or name.startswith("/") or ":" in name:
-        raise UnsafeBundleError(f"File name {name!r} in the manifest is not a plain relative path inside the bundle.")
+    if (
+        pure.is_absolute()
+        or name.startswith("/")
+        or "\\" in name
+        or ":" in name
+        or ".." in pure.parts
+        or any(unicodedata.category(c) in ("Cc", "Cs") for c in name)
+    ):
+        raise UnsafeBundleError(
+            f"File name {name!r} in the manifest is not a plain relative path inside the bundle "
+            "(absolute, '..', backslash, colon or control character); refusing to open it."
+        )
     path = root / pure
     try:
         resolved = path.resolve()
         root_resolved = root.resolve()
-    except (OSError, RuntimeError) as exc:
+    except (OSError, RuntimeError, ValueError) as exc:
         raise UnsafeBundleError(f"File {name!r} cannot be resolved inside the bundle: {exc}.") from exc
     if not resolved.is_relative_to(root_resolved):
         raise UnsafeBundleError(
@@ -49,104 +78,163 @@ def safe_member_path(root: Path, name: str) -> Path:
     return path
 
 
-def sha256_file(path: Path) -> tuple[int, str]:
-    """Size and sha256 of ``path``, read in chunks."""
-    digest = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
-    return size, digest.hexdigest()
-
-
-def check_file(root: Path, name: str, entry: FileEntry, *, hash_check: bool = True) -> None:
-    """Check that bundle member ``name`` exists and has the recorded size (and sha256).
-
-    Raises:
-        TensorFileError: The file is missing or unreadable.
-        IntegrityError: Its size or hash differs from the manifest.
-    """
-    path = safe_member_path(root, name)
+def _open_regular(path: Path, name: str) -> tuple[int, int]:
+    """Open ``path`` read-only without blocking; return ``(fd, size)``. Refuses anything but a regular file."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
     try:
-        size = path.stat().st_size
-        if size != entry.size:
-            raise IntegrityError(
-                f"{name}: {size} bytes, the manifest says {entry.size}. The file is truncated or was changed."
-            )
-        if hash_check:
-            _, digest = sha256_file(path)
-            if digest != entry.sha256:
-                raise IntegrityError(
-                    f"{name}: sha256 {digest} differs from the manifest ({entry.sha256}). The file is corrupt."
-                )
+        fd = os.open(path, flags)
     except FileNotFoundError as exc:
         raise TensorFileError(f"{name}: missing from the bundle.") from exc
     except OSError as exc:
+        raise TensorFileError(f"{name}: cannot be opened ({exc.strerror or exc}).") from exc
+    try:
+        info = os.fstat(fd)
+    except OSError as exc:
+        os.close(fd)
         raise TensorFileError(f"{name}: cannot be read ({exc.strerror or exc}).") from exc
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise TensorFileError(f"{name}: not a regular file (a directory, FIFO or device); refusing to read it.")
+    return fd, info.st_size
+
+
+def sha256_file(path: Path, name: str | None = None) -> tuple[int, str]:
+    """Size and sha256 of ``path``, read in chunks."""
+    fd, _ = _open_regular(path, name or str(path))
+    digest = hashlib.sha256()
+    size = 0
+    try:
+        with os.fdopen(fd, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
+                size += len(chunk)
+    except OSError as exc:
+        raise TensorFileError(f"{name or path}: cannot be read ({exc.strerror or exc}).") from exc
+    return size, digest.hexdigest()
+
+
+def check_file(root: Path, name: str, entry: FileEntry, *, hash_check: bool = True) -> Path:
+    """Check that bundle member ``name`` exists and has the recorded size (and sha256); return its path.
+
+    Raises:
+        UnsafeBundleError: ``name`` leads outside the bundle.
+        TensorFileError: The file is missing, unreadable or not a regular file.
+        IntegrityError: Its size or hash differs from the manifest.
+    """
+    path = safe_member_path(root, name)
+    fd, size = _open_regular(path, name)
+    os.close(fd)
+    if size != entry.size:
+        raise IntegrityError(
+            f"{name}: {size} bytes, the manifest says {entry.size}. The file is truncated or was changed."
+        )
+    if hash_check:
+        size, digest = sha256_file(path, name)
+        if size != entry.size:
+            raise IntegrityError(f"{name}: changed while it was being read ({size} bytes, expected {entry.size}).")
+        if digest != entry.sha256:
+            raise IntegrityError(
+                f"{name}: sha256 {digest} differs from the manifest ({entry.sha256}). The file is corrupt or was changed."
+            )
+    return path
+
+
+def _read_header(path: Path, name: str) -> tuple[dict[str, Any], int, int]:
+    """Return ``(header, data_start, file_size)`` of a safetensors file, reading nothing past the header."""
+    fd, size = _open_regular(path, name)
+    try:
+        with os.fdopen(fd, "rb") as f:
+            if size < 8:
+                raise TensorFileError(f"{name}: {size} bytes, too short for a safetensors header.")
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > MAX_HEADER_BYTES or header_len > size - 8:
+                raise TensorFileError(
+                    f"{name}: header length {header_len} is past the end of the file ({size} bytes) "
+                    f"or over the limit of {MAX_HEADER_BYTES} bytes. The file is truncated or not a safetensors file."
+                )
+            header_bytes = f.read(header_len)
+    except OSError as exc:
+        raise TensorFileError(f"{name}: cannot be read ({exc.strerror or exc}).") from exc
+    if len(header_bytes) != header_len:
+        raise TensorFileError(f"{name}: changed while it was being read (header cut short).")
+    try:
+        header = json.loads(header_bytes)
+    except (ValueError, RecursionError) as exc:
+        raise TensorFileError(f"{name}: the safetensors header is not valid JSON ({exc}).") from exc
+    if not isinstance(header, dict):
+        raise TensorFileError(f"{name}: the safetensors header is not a JSON object.")
+    return header, 8 + header_len, size
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _tensor_span(name: str, header: dict[str, Any], entry: TensorEntry, key: str, data_len: int) -> tuple[int, int]:
+    """Check one tensor of the header against its manifest entry; return its byte span in the data area."""
+    info = header.get(entry.name)
+    if not isinstance(info, dict) or entry.name == "__metadata__":
+        raise TensorFileError(f"{name}: tensor {entry.name!r} (key {key!r}) is not in the file.")
+    found_dtype, found_shape = info.get("dtype"), info.get("shape")
+    if (
+        found_dtype != entry.dtype
+        or not isinstance(found_shape, list)
+        or not all(_is_int(d) for d in found_shape)
+        or found_shape != entry.shape
+    ):
+        raise TensorFileError(
+            f"{name}: tensor {entry.name!r} (key {key!r}) is {found_dtype!r} {found_shape!r} in the file, "
+            f"{entry.dtype} {entry.shape} in the manifest."
+        )
+    offsets = info.get("data_offsets")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
+        raise TensorFileError(f"{name}: tensor {entry.name!r} (key {key!r}) has invalid data_offsets {offsets!r}.")
+    begin, end = offsets
+    numel = 1
+    for d in entry.shape:
+        numel *= d
+    expected = numel * NAME_TO_DTYPE[entry.dtype].itemsize
+    if not 0 <= begin <= end <= data_len or end - begin != expected:
+        raise TensorFileError(
+            f"{name}: tensor {entry.name!r} (key {key!r}) spans bytes [{begin}, {end}) but needs {expected} bytes "
+            f"inside a data area of {data_len} bytes."
+        )
+    return begin, end
+
+
+def check_file_header(
+    path: Path, name: str, entries: dict[str, TensorEntry]
+) -> tuple[dict[str, tuple[int, int]], int, int]:
+    """Check the header of bundle member ``name`` against the manifest entries of the tensors it holds.
+
+    Returns:
+        ``(spans, data_start, file_size)``: per tensor key, its ``[begin, end)`` span in the data area.
+
+    Raises:
+        TensorFileError: The header is unreadable, or disagrees with the manifest.
+    """
+    header, data_start, size = _read_header(path, name)
+    spans = {key: _tensor_span(name, header, entry, key, size - data_start) for key, entry in entries.items()}
+    return spans, data_start, size
 
 
 class _OpenFile:
     def __init__(self, name: str, path: Path, entries: dict[str, TensorEntry]) -> None:
         self.name = name
-        try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size < 8:
-                    raise TensorFileError(f"{name}: {size} bytes, too short for a safetensors header.")
-                (header_len,) = struct.unpack("<Q", f.read(8))
-                if header_len > MAX_HEADER_BYTES or header_len > size - 8:
-                    raise TensorFileError(
-                        f"{name}: header length {header_len} is past the end of the file ({size} bytes) or over the limit."
-                    )
-                header_bytes = f.read(header_len)
-                self.data_start = 8 + header_len
-                self.mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size > self.data_start else None
-        except OSError as exc:
-            raise TensorFileError(f"{name}: cannot be read ({exc.strerror or exc}).") from exc
-        try:
-            header = json.loads(header_bytes)
-        except (ValueError, RecursionError) as exc:
-            raise TensorFileError(f"{name}: the safetensors header is not valid JSON.") from exc
-        if not isinstance(header, dict):
-            raise TensorFileError(f"{name}: the safetensors header is not a JSON object.")
-        data_len = size - self.data_start
-        self.spans: dict[str, tuple[int, int]] = {}
-        for key, entry in entries.items():
-            info = header.get(entry.name)
-            if not isinstance(info, dict):
-                raise TensorFileError(f"{name}: tensor {entry.name!r} (key {key}) is not in the file.")
-            offsets = info.get("data_offsets")
-            if info.get("dtype") != entry.dtype or info.get("shape") != entry.shape:
-                raise TensorFileError(
-                    f"{name}: tensor {entry.name!r} is {info.get('dtype')} {info.get('shape')} in the file, "
-                    f"{entry.dtype} {entry.shape} in the manifest."
-                )
-            if (
-                not isinstance(offsets, list)
-                or len(offsets) != 2
-                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-            ):
-                raise TensorFileError(f"{name}: tensor {entry.name!r} has invalid data_offsets {offsets!r}.")
-            begin, end = offsets
-            dtype = NAME_TO_DTYPE[entry.dtype]
-            numel = 1
-            for d in entry.shape:
-                numel *= d
-            expected = numel * dtype.itemsize
-            if not 0 <= begin <= end <= data_len or end - begin != expected:
-                raise TensorFileError(
-                    f"{name}: tensor {entry.name!r} spans bytes [{begin}, {end}) but needs {expected} bytes "
-                    f"inside a data area of {data_len} bytes."
-                )
-            self.spans[key] = (begin, end)
+        self.spans, self.data_start, size = check_file_header(path, name, entries)
+        self.data: torch.Tensor | None = None
+        if any(end > begin for begin, end in self.spans.values()):
+            try:
+                self.data = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+            except (RuntimeError, OSError, ValueError) as exc:
+                raise TensorFileError(f"{name}: cannot be memory-mapped ({exc}).") from exc
 
     def tensor(self, entry: TensorEntry, key: str) -> torch.Tensor:
         begin, end = self.spans[key]
         dtype = NAME_TO_DTYPE[entry.dtype]
-        if end == begin or self.mmap is None:
+        if end == begin or self.data is None:
             return torch.empty(entry.shape, dtype=dtype)
-        flat = torch.frombuffer(self.mmap, dtype=torch.uint8, count=end - begin, offset=self.data_start + begin)
+        flat = self.data[self.data_start + begin : self.data_start + end]
         if (self.data_start + begin) % dtype.itemsize:
             flat = flat.clone()  # unaligned (not written by iobundle): copy instead of viewing
         return flat.view(dtype).reshape(entry.shape)
@@ -157,8 +245,8 @@ class BundleTensorStore:
 
     Args:
         root: The bundle directory.
-        manifest: Its validated manifest.
-        verify: Check each file's sha256 the first time it is read.
+        manifest: Its validated manifest (whose references :func:`iobundle.replay._bundle._check_references` checked).
+        verify: Check each file's sha256 the first time it is read. Sizes and headers are always checked.
     """
 
     def __init__(self, root: Path, manifest: Manifest, *, verify: bool = True) -> None:
@@ -172,7 +260,7 @@ class BundleTensorStore:
     def _entry(self, key: str) -> TensorEntry:
         try:
             return self.manifest.tensors[key]
-        except KeyError:
+        except (KeyError, TypeError):
             raise TensorFileError(
                 f"Tensor {key!r} is referenced by a call but missing from the manifest's tensors."
             ) from None
@@ -189,9 +277,9 @@ class BundleTensorStore:
             entry = self.manifest.files.get(name)
             if entry is None:
                 raise TensorFileError(f"File {name!r} is used by a tensor but not listed in the manifest's files.")
-            check_file(self.root, name, entry, hash_check=self.verify)
+            path = check_file(self.root, name, entry, hash_check=self.verify)
             entries = {k: e for k, e in self.manifest.tensors.items() if e.file == name}
-            opened = self._files[name] = _OpenFile(name, safe_member_path(self.root, name), entries)
+            opened = self._files[name] = _OpenFile(name, path, entries)
         return opened
 
     def get(self, key: str) -> torch.Tensor:
@@ -199,5 +287,7 @@ class BundleTensorStore:
         if tensor is None:
             entry = self._entry(key)
             with self._lock:
-                tensor = self._cache[key] = self._open(entry.file).tensor(entry, key)
+                tensor = self._cache.get(key)
+                if tensor is None:
+                    tensor = self._cache[key] = self._open(entry.file).tensor(entry, key)
         return tensor

@@ -1,9 +1,30 @@
-"""Read and write ``manifest.json``: limits first, then the format marker, then pydantic."""
+"""Read and write ``manifest.json``: limits first, then the format marker, then pydantic.
+
+A manifest is untrusted input (bundles are attached to bug reports). Reading one checks, in order:
+
+- ``manifest.json`` is a regular file inside the bundle directory (not a FIFO, a device, or a
+  symlink leading out of the bundle), of at most :data:`MAX_MANIFEST_BYTES` bytes (256 MiB);
+- it is UTF-8 JSON whose top level is an object;
+- ``format`` is ``"iobundle"`` and ``format_version`` one of ``SUPPORTED_FORMAT_VERSIONS``
+  (otherwise :class:`~iobundle.errors.UnsupportedFormatVersionError`, naming both);
+- JSON nesting is at most :data:`MAX_NESTING_DEPTH` levels (100);
+- at most :data:`MAX_CALLS` calls (100 000) and :data:`MAX_TENSORS` tensors (10 000 000);
+- the pydantic models accept it (``extra="forbid"``: an unknown field is an error);
+- every tensor has at most :data:`MAX_TENSOR_RANK` dimensions (64) and a shape whose element
+  count, zero dimensions ignored, stays at most :data:`MAX_TENSOR_ELEMENTS` (2**62), so that any
+  shape fits a 64-bit size;
+- every dict node has as many keys as items, and no key twice.
+
+A limit exceeded raises :class:`~iobundle.errors.UnsafeBundleError`; anything else that is wrong
+raises :class:`~iobundle.errors.ManifestError`. Both name the file and the offending field.
+Limits on tensor files (header size, byte spans) are checked by ``iobundle.replay`` when the file is read.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +37,16 @@ from iobundle.errors import (
     UnsafeBundleError,
     UnsupportedFormatVersionError,
 )
-from iobundle.schema._manifest import FORMAT, SUPPORTED_FORMAT_VERSIONS, Manifest
+from iobundle.schema._manifest import (
+    FORMAT,
+    SUPPORTED_FORMAT_VERSIONS,
+    DictNode,
+    ListNode,
+    Manifest,
+    Node,
+    ObjectNode,
+    TupleNode,
+)
 
 __all__ = [
     "MANIFEST_FILENAME",
@@ -24,6 +54,8 @@ __all__ = [
     "MAX_MANIFEST_BYTES",
     "MAX_NESTING_DEPTH",
     "MAX_TENSORS",
+    "MAX_TENSOR_ELEMENTS",
+    "MAX_TENSOR_RANK",
     "dump_manifest",
     "load_manifest",
     "parse_manifest",
@@ -35,6 +67,13 @@ MAX_MANIFEST_BYTES = 256 * 1024**2
 MAX_NESTING_DEPTH = 100
 MAX_CALLS = 100_000
 MAX_TENSORS = 10_000_000
+MAX_TENSOR_RANK = 64
+MAX_TENSOR_ELEMENTS = 2**62
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _check_depth(value: Any, source: str) -> None:
@@ -61,7 +100,10 @@ def parse_manifest(data: bytes | str, *, source: str = MANIFEST_FILENAME) -> Man
         UnsafeBundleError: A limit (size, nesting depth, counts) is exceeded.
     """
     if len(data) > MAX_MANIFEST_BYTES:
-        raise UnsafeBundleError(f"{source}: {len(data)} bytes, over the limit of {MAX_MANIFEST_BYTES} bytes.")
+        raise UnsafeBundleError(
+            f"{source}: {len(data)} bytes, over the limit of {MAX_MANIFEST_BYTES} bytes (MAX_MANIFEST_BYTES). "
+            "The file is corrupt or hostile."
+        )
     try:
         raw = json.loads(data)
     except RecursionError as exc:
@@ -71,32 +113,98 @@ def parse_manifest(data: bytes | str, *, source: str = MANIFEST_FILENAME) -> Man
     if not isinstance(raw, dict):
         raise ManifestError(f"{source}: expected a JSON object, found {type(raw).__name__}.")
     found_format, found_version = raw.get("format"), raw.get("format_version")
-    if found_format != FORMAT:
+    if not isinstance(found_format, str) or found_format != FORMAT:
         raise UnsupportedFormatVersionError(
-            f"{source}: format is {found_format!r}, expected {FORMAT!r}. This is not an iobundle manifest.",
+            f"{source}: format is {_short(found_format)}, expected {FORMAT!r}. This is not an iobundle manifest.",
             found=found_format,
             supported=FORMAT,
         )
-    if found_version not in SUPPORTED_FORMAT_VERSIONS or isinstance(found_version, bool):
+    if (
+        not isinstance(found_version, int)
+        or isinstance(found_version, bool)
+        or found_version not in SUPPORTED_FORMAT_VERSIONS
+    ):
+        newer = (
+            isinstance(found_version, int)
+            and not isinstance(found_version, bool)
+            and found_version > max(SUPPORTED_FORMAT_VERSIONS)
+        )
+        hint = (
+            "Upgrade iobundle to read newer bundles."
+            if newer
+            else "The manifest is corrupt or not written by iobundle."
+        )
         raise UnsupportedFormatVersionError(
-            f"{source}: format_version {found_version!r} is not supported; this iobundle reads "
-            f"{', '.join(map(str, SUPPORTED_FORMAT_VERSIONS))}. Upgrade iobundle to read newer bundles.",
+            f"{source}: format_version {_short(found_version)} is not supported; this iobundle reads "
+            f"format_version {', '.join(map(str, SUPPORTED_FORMAT_VERSIONS))}. {hint}",
             found=found_version,
             supported=SUPPORTED_FORMAT_VERSIONS,
         )
     _check_depth(raw, source)
-    if len(raw.get("calls") or ()) > MAX_CALLS:
-        raise UnsafeBundleError(f"{source}: more than {MAX_CALLS} calls.")
-    if len(raw.get("tensors") or ()) > MAX_TENSORS:
-        raise UnsafeBundleError(f"{source}: more than {MAX_TENSORS} tensors.")
+    for field, limit in (("calls", MAX_CALLS), ("tensors", MAX_TENSORS)):
+        value = raw.get(field)
+        if isinstance(value, (list, dict)) and len(value) > limit:
+            raise UnsafeBundleError(
+                f"{source}: {field} holds {len(value)} entries, over the limit of {limit}. "
+                "The file is corrupt or hostile."
+            )
     try:
-        return Manifest.model_validate(raw)
+        manifest = Manifest.model_validate(raw)
     except pydantic.ValidationError as exc:
-        lines = [f"  {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:10]]
+        lines = [f"  {_loc(e['loc'])}: {e['msg']}" for e in exc.errors()[:10]]
         more = "" if exc.error_count() <= 10 else f"\n  ... and {exc.error_count() - 10} more"
         raise ManifestError(f"{source}: does not match the iobundle format:\n" + "\n".join(lines) + more) from exc
     except RecursionError as exc:
         raise UnsafeBundleError(f"{source}: structure too deep to validate.") from exc
+    _check_tensor_shapes(manifest, source)
+    _check_trees(manifest, source)
+    return manifest
+
+
+def _loc(loc: tuple[int | str, ...]) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text or "(top level)"
+
+
+def _check_tensor_shapes(manifest: Manifest, source: str) -> None:
+    for key, entry in manifest.tensors.items():
+        if len(entry.shape) > MAX_TENSOR_RANK:
+            raise UnsafeBundleError(
+                f"{source}: tensors[{key!r}].shape has {len(entry.shape)} dimensions, over the limit of {MAX_TENSOR_RANK}."
+            )
+        count = 1
+        for d in entry.shape:
+            count *= max(d, 1)
+            if count > MAX_TENSOR_ELEMENTS:
+                raise UnsafeBundleError(
+                    f"{source}: tensors[{key!r}].shape {entry.shape} is too large "
+                    f"(more than {MAX_TENSOR_ELEMENTS} elements). The file is corrupt or hostile."
+                )
+
+
+def _check_trees(manifest: Manifest, source: str) -> None:
+    trees: list[tuple[str, Node]] = [
+        (f"value_if_missing[{i}].value", e.value) for i, e in enumerate(manifest.value_if_missing)
+    ]
+    for i, call in enumerate(manifest.calls):
+        trees += [(f"calls[{i}].args[{j}]", a) for j, a in enumerate(call.args)]
+        trees += [(f"calls[{i}].kwargs[{k!r}]", v) for k, v in call.kwargs.items()]
+        if call.outputs is not None:
+            trees.append((f"calls[{i}].outputs", call.outputs))
+    stack = trees[::-1]
+    while stack:
+        where, node = stack.pop()
+        if isinstance(node, DictNode):
+            if len(node.keys) != len(node.items):
+                raise ManifestError(
+                    f"{source}: {where} is a dict with {len(node.keys)} keys but {len(node.items)} items."
+                )
+            if len(set(node.keys)) != len(node.keys):
+                raise ManifestError(f"{source}: {where} is a dict with a repeated key: {node.keys!r}.")
+        if isinstance(node, (ListNode, TupleNode, DictNode, ObjectNode)):
+            stack.extend((f"{where}.items[{j}]", n) for j, n in reversed(list(enumerate(node.items))))
 
 
 def load_manifest(bundle_dir: str | os.PathLike[str]) -> Manifest:
@@ -106,13 +214,33 @@ def load_manifest(bundle_dir: str | os.PathLike[str]) -> Manifest:
         BundleNotFoundError: ``bundle_dir`` or its manifest does not exist.
         ManifestError: The manifest is invalid (see :func:`parse_manifest`).
     """
-    path = Path(bundle_dir) / MANIFEST_FILENAME
-    if not Path(bundle_dir).is_dir():
+    root = Path(bundle_dir)
+    path = root / MANIFEST_FILENAME
+    if not root.is_dir():
         raise BundleNotFoundError(f"'{bundle_dir}' is not a directory. Pass the folder written by observer.save().")
+    if not path.exists() and not path.is_symlink():
+        raise BundleNotFoundError(
+            f"No {MANIFEST_FILENAME} in '{bundle_dir}'. Is it a directory written by observer.save()?"
+        )
     try:
-        if path.stat().st_size > MAX_MANIFEST_BYTES:
-            raise UnsafeBundleError(f"{path}: over the limit of {MAX_MANIFEST_BYTES} bytes.")
-        data = path.read_bytes()
+        inside = path.resolve().is_relative_to(root.resolve())
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise ManifestError(f"{path}: cannot be resolved ({exc}).") from exc
+    if not inside:
+        raise UnsafeBundleError(f"{path}: a symlink leading outside the bundle directory; refusing to read it.")
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags)
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise ManifestError(f"{path}: not a regular file (a directory, FIFO or device); refusing to read it.")
+            if info.st_size > MAX_MANIFEST_BYTES:
+                raise UnsafeBundleError(
+                    f"{path}: {info.st_size} bytes, over the limit of {MAX_MANIFEST_BYTES} bytes "
+                    "(MAX_MANIFEST_BYTES). The file is corrupt or hostile."
+                )
+            data = f.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError as exc:
         raise BundleNotFoundError(
             f"No {MANIFEST_FILENAME} in '{bundle_dir}'. Is it a directory written by observer.save()?"

@@ -1,0 +1,113 @@
+"""The manifest format: the shipped JSON Schema is current, manifests round-trip, and schema needs no torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import iobundle.schema
+from iobundle.errors import ManifestError
+from iobundle.schema import FORMAT, FORMAT_VERSION, Manifest, dump_manifest, manifest_json_schema, parse_manifest
+
+GOLDEN = Path(__file__).parents[1] / "data" / "bundles"
+SCHEMA_FILE = Path(iobundle.schema.__file__).with_name("manifest.schema.json")
+
+
+def golden_manifests() -> list[Path]:
+    return sorted(GOLDEN.glob("*/manifest.json"))
+
+
+def test_shipped_schema_is_current():
+    assert SCHEMA_FILE.read_text("utf-8") == manifest_json_schema(), (
+        "iobundle/schema/manifest.schema.json is out of date with the pydantic models: run `make schema`."
+    )
+
+
+def test_schema_describes_the_format():
+    schema = json.loads(manifest_json_schema())
+    assert schema["type"] == "object"
+    assert schema["additionalProperties"] is False
+    assert {"format", "format_version", "calls", "tensors", "files"} <= set(schema["properties"])
+    assert str(FORMAT_VERSION) in schema["title"]
+
+
+@pytest.fixture(scope="module")
+def written_manifest(tmp_path_factory) -> str:
+    torch = pytest.importorskip("torch")
+    from iobundle import InputObserver
+
+    class Model(torch.nn.Module):
+        def forward(self, x, cache=None, *, flag: bool = False):
+            return {"y": x * 2, "n": None}
+
+    model, observer = Model(), InputObserver(value_if_missing={"cache": [torch.zeros(1, 0)]})
+    with observer(model):
+        model(torch.randn(2, 3), flag=True)
+        model(torch.randn(4, 3), cache=[torch.ones(1, 2)], flag=True)
+    path = tmp_path_factory.mktemp("m") / "b"
+    observer.save(path)
+    return (path / "manifest.json").read_text("utf-8")
+
+
+def test_written_manifest_round_trips(written_manifest):
+    manifest = parse_manifest(written_manifest)
+    assert manifest.format == FORMAT and manifest.format_version == FORMAT_VERSION
+    assert dump_manifest(manifest) == written_manifest  # what we write is what we would write again
+    assert parse_manifest(dump_manifest(manifest)) == manifest
+    assert Manifest.model_validate(manifest.model_dump(mode="json")) == manifest
+
+
+@pytest.mark.parametrize("path", golden_manifests(), ids=lambda p: p.parent.name)
+def test_golden_manifest_round_trips(path):
+    text = path.read_text("utf-8")
+    manifest = parse_manifest(text)
+    assert parse_manifest(dump_manifest(manifest)) == manifest
+    # Not byte-equal: a field added later with a default is dumped, and old bundles lack it.
+
+
+def test_round_trip_keeps_non_finite_floats():
+    manifest = {
+        "format": "iobundle",
+        "format_version": 1,
+        "producer": {"iobundle": "0", "torch": "0", "python": "3"},
+        "signature": {"method": "forward", "parameters": [{"name": "x", "kind": "POSITIONAL_OR_KEYWORD"}]},
+        "calls": [
+            {"index": 0, "args": [{"kind": "const", "value": float("nan")}], "kwargs": {}, "latency": float("inf")}
+        ],
+        "tensors": {},
+        "files": {},
+    }
+    parsed = parse_manifest(json.dumps(manifest))
+    again = parse_manifest(dump_manifest(parsed))
+    assert again.calls[0].latency == float("inf")
+    assert again.calls[0].args[0].value != again.calls[0].args[0].value  # NaN
+
+
+def test_parse_errors_are_manifest_errors():
+    with pytest.raises(ManifestError, match=r"custom\.json: not valid JSON"):
+        parse_manifest(b"{", source="custom.json")
+
+
+def test_schema_package_does_not_need_torch(written_manifest, tmp_path):
+    """Import the schema and validate a real manifest in a process where torch cannot be imported."""
+    (tmp_path / "manifest.json").write_text(written_manifest, "utf-8")
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["torch"] = None  # any `import torch` now raises ImportError
+        import iobundle.schema as schema
+        from iobundle.schema import load_manifest, manifest_json_schema
+        manifest = load_manifest({str(tmp_path)!r})
+        assert manifest.calls, manifest
+        manifest_json_schema()
+        assert "torch" not in [name for name, module in sys.modules.items() if module is not None]
+        print("ok")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
