@@ -15,8 +15,10 @@ The patches (checked against torch 2.13 and transformers 5.24):
     ...``. With a dynamic query length that is a ``SymBool``: tracing a decode call fails
     ("is_causal must be bool, not SymBool"), tracing the prefill guards ``q_length != 1`` and
     the program rejects every decode call. The replacement always passes an explicit boolean
-    mask (the model's, or a bottom-right causal one built from the shapes) with
-    ``is_causal=False``, and expands grouped key/value heads itself.
+    mask (the model's, or the causal one transformers means, built from the shapes) with
+    ``is_causal=False``, and expands grouped key/value heads itself. A query that sees no key
+    (padding in a left-padded batch) gets zeros, as in torch, so that onnxruntime, whose
+    softmax would average the masked scores, agrees.
 
 ``whisper_cross_attention_recompute``
     Whisper's decoder computes the cross-attention keys and values from the encoder output
@@ -106,6 +108,14 @@ def _export_sdpa_attention(
         rows = torch.arange(q_length, device=query.device)[:, None]
         single = torch.full((), q_length, dtype=torch.long, device=query.device) == 1
         attention_mask = (torch.arange(kv_length, device=query.device)[None, :] <= rows) | single
+    # A query that sees no key at all (a padding position of a left-padded batch) gets zeros from
+    # torch's SDPA; a softmax over only masked scores (onnxruntime) gives a uniform average
+    # instead. Zeroing such rows makes every runtime agree with torch.
+    visible = (
+        attention_mask.any(dim=-1, keepdim=True)
+        if attention_mask is not None and attention_mask.dtype == torch.bool
+        else None
+    )
     if position_bias is not None:
         low = torch.finfo(query.dtype).min
         if attention_mask is None:
@@ -117,6 +127,8 @@ def _export_sdpa_attention(
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=False
     )
+    if visible is not None:
+        out = torch.where(visible, out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out.transpose(1, 2).contiguous(), None
 
 

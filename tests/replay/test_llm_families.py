@@ -109,19 +109,20 @@ def _tiny_llama() -> Any:
         num_key_value_heads=2,
         intermediate_size=64,
         vocab_size=100,
+        pad_token_id=0,
     )
     return _seeded(lambda: transformers.LlamaForCausalLM(config))
 
 
 def capture_llama(root: Path) -> dict[str, Any]:
-    """Batch of 2 with an attention mask; exported with a dynamic batch."""
+    """A left-padded batch of 2 (so generate() passes the attention mask); exported with a dynamic batch."""
     model = _tiny_llama()
     prompt = torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(prompt)
+    prompt[0, :2], mask[0, :2] = 0, 0
     observer = InputObserver()
     with torch.no_grad(), observer(model, store_n_calls=10):
-        model.generate(
-            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, min_new_tokens=5, do_sample=False
-        )
+        model.generate(prompt, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False)
     observer.save(root / "llama.iobundle", include_model=True)
     return {"bundle": str(root / "llama.iobundle"), "batch": True, "batch_one": True}
 
@@ -334,8 +335,10 @@ def test_patches_apply_only_where_needed() -> None:
     ]
 
 
-@pytest.mark.parametrize(("q", "k"), [(1, 1), (1, 7), (4, 4), (3, 9)])
-def test_export_sdpa_matches_transformers_sdpa(q: int, k: int) -> None:
+@pytest.mark.parametrize(
+    ("q", "k", "masked"), [(1, 1, False), (1, 7, False), (4, 4, False), (3, 9, False), (4, 4, True)]
+)
+def test_export_sdpa_matches_transformers_sdpa(q: int, k: int, masked: bool) -> None:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import AttentionInterface
 
@@ -343,9 +346,15 @@ def test_export_sdpa_matches_transformers_sdpa(q: int, k: int) -> None:
     gen = torch.Generator().manual_seed(5)
     query = torch.randn(2, 4, q, 8, generator=gen)
     key, value = torch.randn(2, 2, k, 8, generator=gen), torch.randn(2, 2, k, 8, generator=gen)
-    expected, _ = sdpa_attention_forward(attention, query, key, value, None, scaling=0.3)
+    mask = None
+    if masked:  # left padding of 2 in the first row: its first two queries see no key at all
+        mask = torch.ones(2, 1, q, k, dtype=torch.bool).tril(k - q)
+        mask[0, :, :, :2] = False
+    expected, _ = sdpa_attention_forward(attention, query, key, value, mask, scaling=0.3)
+    if masked:
+        assert not expected[0, :2].any()  # torch gives zeros there; the patch makes onnxruntime agree
     with patch_sdpa_without_is_causal(attention):
-        got, _ = AttentionInterface._global_mapping["sdpa"](attention, query, key, value, None, scaling=0.3)
+        got, _ = AttentionInterface._global_mapping["sdpa"](attention, query, key, value, mask, scaling=0.3)
     torch.testing.assert_close(got, expected)
     with patch_contiguous_last_token(torch.nn.Linear(2, 2)):  # no output embeddings: nothing to hook
         pass
