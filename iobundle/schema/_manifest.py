@@ -121,21 +121,21 @@ class TensorEntry(_Model):
     file: str
     name: str
     dtype: DType
-    shape: list[Annotated[int, Field(ge=0)]]
+    shape: list[Annotated[StrictInt, Field(ge=0)]]
     device: str = "cpu"
 
 
 class FileEntry(_Model):
     """A tensor file of the bundle, with its size and hash checked before use."""
 
-    size: Annotated[int, Field(ge=0)]
+    size: Annotated[StrictInt, Field(ge=0)]
     sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 
 
 class CallEntry(_Model):
     """One recorded call of the observed method."""
 
-    index: Annotated[int, Field(ge=0)]
+    index: Annotated[StrictInt, Field(ge=0)]
     status: Literal["ok", "failed", "incomplete"] = "ok"
     error: str | None = None
     args: list[Node]

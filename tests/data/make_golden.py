@@ -66,7 +66,36 @@ def make_nested(path: Path) -> None:
     observer.save(path, overwrite=True)
 
 
-BUNDLES: dict[str, Callable[[Path], None]] = {"plain": make_plain, "nested": make_nested}
+def make_streamed(path: Path) -> None:
+    """The plain MLP, written call by call while capturing (``stream_to``)."""
+    torch.manual_seed(0)
+    model, observer = MLP(), InputObserver()
+    with observer(model, stream_to=path, overwrite=True):
+        for batch in (1, 2, 3):
+            model(torch.randn(batch, 8))
+
+
+def make_llama_cache(path: Path) -> None:
+    """A 1-layer Llama (hidden 8) during generate(): a DynamicCache, empty at prefill, and ModelOutputs."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=16, max_position_embeddings=32,
+    )  # fmt: skip
+    model, observer = transformers.LlamaForCausalLM(config).eval(), InputObserver()
+    with torch.no_grad(), observer(model, store_n_calls=3):
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    observer.save(path, overwrite=True)
+
+
+BUNDLES: dict[str, Callable[[Path], None]] = {
+    "plain": make_plain,
+    "nested": make_nested,
+    "streamed": make_streamed,
+    "llama_cache": make_llama_cache,
+}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,7 +18,7 @@ from iobundle import load_bundle  # noqa: E402
 
 GOLDEN = Path(__file__).parents[1] / "data" / "bundles"
 DYN = torch.export.Dim.DYNAMIC
-F32, BOOL = torch.float32, torch.bool
+F32, BOOL, I64 = torch.float32, torch.bool, torch.int64
 
 EXPECTED: dict[str, dict[str, Any]] = {
     "plain": {
@@ -60,22 +60,86 @@ EXPECTED: dict[str, dict[str, Any]] = {
         ],
         "tensors": 20,
     },
+    "streamed": {
+        "num_obs": 3,
+        "dynamic_shapes": ({0: DYN},),
+        "arguments": [
+            (((1, 8), F32),),
+            (((2, 8), F32),),
+            (((3, 8), F32),),
+        ],
+        "tensors": 6,
+    },
+    "llama_cache": {
+        "num_obs": 3,
+        "dynamic_shapes": {
+            "input_ids": {1: DYN},
+            "position_ids": {1: DYN},
+            "cache": [{2: DYN}, {2: DYN}],
+            "use_cache": None,
+            "logits_to_keep": None,
+            "kwargs": {"return_dict": None},
+        },
+        "arguments": [
+            {
+                "input_ids": ((1, 3), I64),
+                "position_ids": ((1, 3), I64),
+                # the prefill's cache had no tensors: its layer is zero-length along the sequence
+                "cache": [(((1, 1, 0, 4), F32), ((1, 1, 0, 4), F32))],
+                "use_cache": True,
+                "logits_to_keep": 1,
+                "return_dict": True,
+            },
+            {
+                "input_ids": ((1, 1), I64),
+                "position_ids": ((1, 1), I64),
+                "cache": [(((1, 1, 3, 4), F32), ((1, 1, 3, 4), F32))],
+                "use_cache": True,
+                "logits_to_keep": 1,
+                "return_dict": True,
+            },
+            {
+                "input_ids": ((1, 1), I64),
+                "position_ids": ((1, 1), I64),
+                "cache": [(((1, 1, 4, 4), F32), ((1, 1, 4, 4), F32))],
+                "use_cache": True,
+                "logits_to_keep": 1,
+                "return_dict": True,
+            },
+        ],
+        "tensors": 15,
+    },
 }
 
 
 def shapes_of(value: Any) -> Any:
-    """Replace each tensor by ``(shape, dtype)``, keeping the containers."""
-    return torch.utils._pytree.tree_map(
-        lambda v: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v, value
-    )
+    """Replace each tensor by ``(shape, dtype)``, keeping the containers; a cache becomes its layers."""
+
+    def leaf(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return (tuple(v.shape), v.dtype)
+        if hasattr(v, "layers"):  # a transformers cache
+            return [(leaf(layer.keys), leaf(layer.values)) for layer in v.layers]
+        return v
+
+    return torch.utils._pytree.tree_map(leaf, value)
 
 
 def test_every_golden_bundle_is_checked():
     assert sorted(p.name for p in GOLDEN.iterdir() if p.is_dir()) == sorted(EXPECTED)
 
 
+def _needs(name: str) -> None:
+    if name == "llama_cache":
+        pytest.importorskip("transformers")
+
+
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 class TestGolden:
+    @pytest.fixture(autouse=True)
+    def _skip_without_transformers(self, name):
+        _needs(name)
+
     def test_format_version(self, name):
         b = load_bundle(GOLDEN / name)
         assert b.manifest.format == "iobundle"
