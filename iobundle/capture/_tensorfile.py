@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
+from iobundle._atomic import write_atomically
 from iobundle.capture._dtypes import dtype_name
-from iobundle.errors import BundleWriteError, UnsupportedInputError
+from iobundle.errors import UnsupportedInputError
 from iobundle.schema import FileEntry
 
 __all__ = ["tensor_bytes", "write_tensor_file"]
@@ -86,24 +87,6 @@ def write_tensor_file(path: str | os.PathLike[str], tensors: dict[str, torch.Ten
         offset += data.nbytes
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % _ALIGN)
-    prefix = struct.pack("<Q", len(text)) + text
-    digest = hashlib.sha256(prefix)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(prefix)
-            for data in payloads:
-                f.write(data)
-                digest.update(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        raise BundleWriteError(
-            f"Cannot write {path}: {exc.strerror or exc}. Check free space and permissions."
-        ) from exc
-    return FileEntry(size=len(prefix) + offset, sha256=digest.hexdigest())
+    digest = hashlib.sha256()
+    size = write_atomically(path, [struct.pack("<Q", len(text)) + text, *payloads], on_chunk=digest.update)
+    return FileEntry(size=size, sha256=digest.hexdigest())

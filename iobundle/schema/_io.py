@@ -30,9 +30,9 @@ from typing import Any
 
 import pydantic
 
+from iobundle._atomic import write_atomically
 from iobundle.errors import (
     BundleNotFoundError,
-    BundleWriteError,
     ManifestError,
     UnsafeBundleError,
     UnsupportedFormatVersionError,
@@ -261,36 +261,6 @@ def write_manifest(bundle_dir: str | os.PathLike[str], manifest: Manifest) -> Pa
     Raises:
         BundleWriteError: The file cannot be written (disk full, permission denied).
     """
-    directory = Path(bundle_dir)
-    path = directory / MANIFEST_FILENAME
-    tmp = directory / f".{MANIFEST_FILENAME}.tmp"
-    text = dump_manifest(manifest).encode("utf-8")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(directory)
-    except OSError as exc:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        raise BundleWriteError(
-            f"Cannot write {path}: {exc.strerror or exc}. Check free space and permissions."
-        ) from exc
+    path = Path(bundle_dir) / MANIFEST_FILENAME
+    write_atomically(path, [dump_manifest(manifest).encode("utf-8")])
     return path
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
