@@ -19,7 +19,6 @@ from iobundle.capture._calls import RecordedCalls
 from iobundle.capture._inference import (
     Alignment,
     align_calls,
-    aligned_tensors,
     flat_dynamic_dims,
     infer_arguments,
     infer_dynamic_shapes,
@@ -67,6 +66,7 @@ class ExportReport:
     traced_call: int
     export_seconds: float = 0.0
     check_seconds: float = 0.0
+    onnx_seconds: float | None = None
     options: list[str] = field(default_factory=list)
     patches: list[str] = field(default_factory=list)
     calls: list[CallCheck] = field(default_factory=list)
@@ -146,6 +146,7 @@ class _Plan:
     flatten_var_kw: bool
     oblivious: bool
     dynamic_batch: bool = False
+    dynamic: bool = True
 
 
 def _uses_transformers(rc: RecordedCalls) -> bool:
@@ -181,7 +182,9 @@ def _plan(rc: RecordedCalls, model: torch.nn.Module, batch: Collection[int | str
         ):
             oblivious = oblivious or bool(dynamic)
     dynamic_batch = any(0 in d for d in dims)
-    return _Plan(module, tuple(args), kwargs, ds, alignment, traced, flatten_var_kw, oblivious, dynamic_batch)
+    return _Plan(
+        module, tuple(args), kwargs, ds, alignment, traced, flatten_var_kw, oblivious, dynamic_batch, any(dims)
+    )
 
 
 def choose_traced_call(rc: RecordedCalls, alignment: Alignment, batch: Collection[int | str] | bool | None) -> int:
@@ -220,6 +223,7 @@ def export_context(
     report: ExportReport,
     model: torch.nn.Module | None = None,
     dynamic_batch: bool = False,
+    dynamic: bool = True,
 ) -> Iterator[None]:
     """Everything export and the checks need, scoped: pytree registrations, size-oblivious mode.
 
@@ -240,7 +244,9 @@ def export_context(
         if model is not None:
             from iobundle.replay._patches import export_patches
 
-            stack.enter_context(export_patches(model, dynamic_batch=dynamic_batch, applied=report.patches))
+            stack.enter_context(
+                export_patches(model, dynamic=dynamic, dynamic_batch=dynamic_batch, applied=report.patches)
+            )
         yield
 
 
@@ -251,9 +257,7 @@ def _check_calls(rc: RecordedCalls, plan: _Plan, run: Any, *, atol: float, rtol:
         check = CallCheck(index=call.index, success=None)
         try:
             slots = plan.alignment.slots[i]
-            check.absent_inputs = placeholder_inputs(
-                plan.alignment, call, slots, aligned_tensors(rc, plan.alignment, slots)
-            )
+            check.absent_inputs = placeholder_inputs(plan.alignment, call, slots)
             args, kwargs = infer_arguments(rc, i, as_args_kwargs=True, alignment=plan.alignment)
             if plan.flatten_var_kw and rc.var_keyword in kwargs:
                 kwargs = {**{k: v for k, v in kwargs.items() if k != rc.var_keyword}, **kwargs[rc.var_keyword]}
@@ -270,6 +274,23 @@ def _check_calls(rc: RecordedCalls, plan: _Plan, run: Any, *, atol: float, rtol:
     report.check_seconds = time.perf_counter() - begin
 
 
+def _own_storage(value: Any) -> Any:
+    """``value`` with every tensor that is a view into a larger storage copied into its own.
+
+    A bundle's tensors are views into a memory-mapped file. torch.export bounds each input's
+    sizes by its storage (``offset + numel <= storage size``), which would cap dynamic
+    dimensions at what the file happens to hold (a batch of at most 2, say).
+    """
+    import torch.utils._pytree as torch_pytree
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        if t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+            return t
+        return t.clone(memory_format=torch.contiguous_format)
+
+    return torch_pytree.tree_map_only(torch.Tensor, own, value)
+
+
 def _export(
     rc: RecordedCalls, model: torch.nn.Module, *, batch: Any, strict: bool, report: ExportReport | None = None
 ) -> tuple[torch.export.ExportedProgram, _Plan, ExportReport]:
@@ -277,12 +298,16 @@ def _export(
     report = report or ExportReport(traced_call=plan.alignment.calls[plan.traced].index)
     begin = time.perf_counter()
     with export_context(
-        rc, oblivious=plan.oblivious, report=report, model=plan.module, dynamic_batch=plan.dynamic_batch
+        rc,
+        oblivious=plan.oblivious,
+        report=report,
+        model=plan.module,
+        dynamic_batch=plan.dynamic_batch,
+        dynamic=plan.dynamic,
     ):
         try:
-            ep = torch.export.export(
-                plan.module, plan.args, plan.kwargs, dynamic_shapes=plan.dynamic_shapes, strict=strict
-            )
+            args, kwargs = _own_storage((plan.args, plan.kwargs))
+            ep = torch.export.export(plan.module, args, kwargs, dynamic_shapes=plan.dynamic_shapes, strict=strict)
         except Exception as exc:
             raise ExportError(
                 f"torch.export failed on recorded call {report.traced_call}: {type(exc).__name__}: "
@@ -391,6 +416,6 @@ def export_onnx(
             f"torch.onnx.export failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
             report=report,
         ) from exc
-    report.options.append(f"onnx export {time.perf_counter() - begin:.2f}s")
+    report.onnx_seconds = time.perf_counter() - begin
     logger.info("exported %s (%d inputs, %d outputs)", path, len(inputs), len(outputs))
     return str(path)
