@@ -607,3 +607,16 @@ class TestEmptyCacheInference:
         expected = observer.info.flat_outputs[0][0]
         with torch.no_grad():
             torch.testing.assert_close(mistral(**prefill).logits, expected, atol=1e-6, rtol=0)
+
+
+def test_public_context_manager_registers_and_restores():
+    import torch.utils._pytree as torch_pytree
+
+    from iobundle.capture import transformers_pytree_nodes
+
+    transformers = pytest.importorskip("transformers")
+    before = torch_pytree.SUPPORTED_NODES.get(transformers.DynamicCache)
+    with transformers_pytree_nodes():
+        assert transformers.DynamicCache in torch_pytree.SUPPORTED_NODES
+        assert transformers.EncoderDecoderCache in torch_pytree.SUPPORTED_NODES
+    assert torch_pytree.SUPPORTED_NODES.get(transformers.DynamicCache) is before
