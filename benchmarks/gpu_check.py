@@ -1,0 +1,294 @@
+"""CUDA figures of issue 6: recorded-vs-plain cost of a decode loop, and the D2H throughput of capture.
+
+Prints one JSON object and exits 0. Without CUDA it prints ``{"skipped": "no CUDA", ...}``
+(CI has no GPU). Run it on a GPU machine with::
+
+    python benchmarks/gpu_check.py [--out gpu.json]
+
+Measured (medians over repetitions, CUDA synchronised around every timing):
+
+- ``decode``: the demo decoder's ``generate()`` and, when transformers is installed, a tiny
+  Llama ``generate()``, plain vs recorded by ``torch.onnx.InputObserver`` vs iobundle in memory
+  vs iobundle streaming to disk; ratio = recorded / plain.
+- ``d2h``: device-to-host bandwidth of a pinned-memory copy (``torch.empty(..., pin_memory=True)
+  .copy_(x, non_blocking=True)`` + synchronize: the device's ceiling), of a copy into pre-faulted
+  pageable memory, of the D2H step iobundle's writer uses (``tensor_bytes``), and of a streamed
+  recorded call end to end (the call, then the writer's copy, hash and write at the end of the block).
+
+``--allow-cpu`` runs the same code on CPU (no pinned memory) to test the script itself; its numbers
+say nothing about GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+MIB = 1024**2
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn: Callable[[], Any], device: Any, reps: int) -> list[float]:
+    times = []
+    fn()  # warm-up
+    for _ in range(reps):
+        gc.collect()
+        _sync(device)
+        begin = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - begin)
+    return times
+
+
+def _summary(times: list[float], scale: float = 1e3) -> dict[str, Any]:
+    return {
+        "median": statistics.median(times) * scale,
+        "min": min(times) * scale,
+        "max": max(times) * scale,
+        "samples": [t * scale for t in times],
+    }
+
+
+def _streaming_supported() -> bool:
+    from iobundle import InputObserver
+
+    return "stream_to" in inspect.signature(InputObserver.__call__).parameters
+
+
+def _decode_case(
+    name: str, model: Any, run: Callable[[], Any], device: Any, reps: int, workdir: Path, store: int
+) -> dict[str, Any]:
+    """Time ``run()`` (a generate loop calling ``model``) plain and recorded; ratios vs plain."""
+    import torch
+
+    from iobundle import InputObserver
+
+    def observed(factory: Callable[[], Any], stream: bool) -> Callable[[], Any]:
+        counter = {"i": 0}
+
+        def go() -> None:
+            observer = factory()
+            counter["i"] += 1
+            kwargs = {"stream_to": str(workdir / f"{name}-{counter['i']}.iobundle")} if stream else {}
+            with torch.no_grad(), observer(model, store_n_calls=store, **kwargs):
+                run()
+                _sync(device)
+            if stream:
+                shutil.rmtree(workdir / f"{name}-{counter['i']}.iobundle", ignore_errors=True)
+
+        return go
+
+    def plain() -> None:
+        with torch.no_grad():
+            run()
+
+    variants: dict[str, Callable[[], Any]] = {"plain": plain}
+    try:
+        from torch.onnx import InputObserver as Reference
+
+        variants["reference"] = observed(Reference, False)
+    except ImportError:
+        pass
+    variants["iobundle"] = observed(InputObserver, False)
+    if _streaming_supported():
+        variants["streaming"] = observed(InputObserver, True)
+    # interleaved: every variant once per repetition, in an order rotated by repetition
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    errors: dict[str, str] = {}
+    names = list(variants)
+    for rep in range(-1, reps):  # -1: warm-up
+        for variant in names[rep % len(names) :] + names[: rep % len(names)]:
+            if variant in errors:
+                continue
+            gc.collect()
+            try:
+                _sync(device)
+                begin = time.perf_counter()
+                variants[variant]()
+                _sync(device)
+            except Exception as exc:  # one failing variant (e.g. the reference on a new cache) must not hide the rest
+                errors[variant] = f"{type(exc).__name__}: {exc}"
+                continue
+            if rep >= 0:
+                times[variant].append(time.perf_counter() - begin)
+    results: dict[str, Any] = {v: {"error": errors[v]} if v in errors else _summary(times[v]) for v in names}
+    plain_ms = results["plain"]["median"]
+    for res in results.values():
+        if "median" in res:
+            res["ratio_vs_plain"] = res["median"] / plain_ms
+    return {"unit": "ms per generate() (including the end of the with block)", "variants": results}
+
+
+def decode_checks(device: Any, reps: int, workdir: Path, new_tokens: int) -> dict[str, Any]:
+    import torch
+
+    from iobundle.demo import demo_model, generate
+
+    out: dict[str, Any] = {}
+    model = demo_model().to(device)
+    prompt = torch.randint(0, model.embed.num_embeddings, (2, 6), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.to(device)
+    tokens = min(new_tokens, 100)  # the demo model has 128 positions
+    out["demo_decoder"] = _decode_case(
+        "demo", model, lambda: generate(model, prompt, tokens), device, reps, workdir, tokens + 1
+    )
+    out["demo_decoder"]["calls"] = tokens + 1
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model
+    except ImportError as exc:
+        out["tiny_llama"] = {"skipped": f"transformers unavailable ({exc})"}
+        return out
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(config).eval().to(device)
+    register_cache_pytrees_for_model(llama)  # the reference needs it to flatten a DynamicCache
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0)).to(device)
+
+    def llama_generate() -> Any:
+        return llama.generate(
+            ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+        )
+
+    out["tiny_llama"] = _decode_case("llama", llama, llama_generate, device, reps, workdir, new_tokens + 8)
+    out["tiny_llama"]["calls"] = new_tokens
+    return out
+
+
+def d2h_checks(device: Any, reps: int, workdir: Path, mib: int) -> dict[str, Any]:
+    """Bandwidths in GB/s (10^9 bytes per second) of device-to-host copies of one ``mib`` MiB tensor."""
+    import torch
+
+    from iobundle import InputObserver
+
+    n = mib * MIB // 4
+    src = torch.rand(n, device=device)
+    nbytes = n * 4
+    results: dict[str, Any] = {"bytes": nbytes}
+
+    def bandwidth(fn: Callable[[], Any]) -> dict[str, Any]:
+        times = _median_time(fn, device, reps)
+        gbps = [nbytes / t / 1e9 for t in times]
+        return {
+            "median": statistics.median(gbps),
+            "min": min(gbps),
+            "max": max(gbps),
+            "samples": gbps,
+            "unit": "GB/s",
+        }
+
+    if device.type == "cuda":
+        pinned = torch.empty(n, pin_memory=True)
+        results["pinned_copy"] = bandwidth(lambda: pinned.copy_(src, non_blocking=True))
+    pageable = torch.empty(n).fill_(0)
+    results["pageable_prefaulted_copy"] = bandwidth(lambda: pageable.copy_(src))
+    results["to_cpu_fresh"] = bandwidth(lambda: src.to("cpu"))
+    try:
+        from iobundle.capture._tensorfile import tensor_bytes
+    except ImportError as exc:
+        results["iobundle_tensor_bytes"] = {"error": f"not available ({exc})"}
+    else:
+        results["iobundle_tensor_bytes"] = bandwidth(lambda: tensor_bytes(src))
+
+    class Identity(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x[:1]
+
+    model = Identity()
+
+    def in_memory() -> None:
+        observer = InputObserver()
+        with observer(model, store_n_calls=1):
+            model(src)
+
+    results["iobundle_in_memory_snapshot"] = bandwidth(in_memory)
+    results["iobundle_in_memory_snapshot"]["note"] = "on-device clone: no D2H at capture; it happens at save()"
+    if _streaming_supported():
+        counter = {"i": 0}
+
+        def streamed() -> None:
+            observer = InputObserver()
+            counter["i"] += 1
+            path = workdir / f"d2h-{counter['i']}.iobundle"
+            with observer(model, store_n_calls=1, stream_to=str(path)):
+                model(src)
+            shutil.rmtree(path, ignore_errors=True)
+
+        results["iobundle_streamed_call"] = bandwidth(streamed)
+        results["iobundle_streamed_call"]["note"] = "call + writer (D2H, sha256, write, fsync) until the block ends"
+    ceiling = results.get("pinned_copy", results["pageable_prefaulted_copy"])["median"]
+    for res in results.values():
+        if isinstance(res, dict) and "median" in res:
+            res["ratio_vs_pinned"] = res["median"] / ceiling
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="also write the JSON to this file")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--mib", type=int, default=256, help="size of the tensor copied device to host")
+    parser.add_argument("--allow-cpu", action="store_true", help="run on CPU without CUDA (tests the script only)")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+
+    import torch
+
+    result: dict[str, Any] = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        result["skipped"] = "no CUDA"
+        print("skipped: no CUDA", file=sys.stderr)
+    else:
+        import iobundle
+
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        result.update(
+            iobundle=iobundle.__version__,
+            device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (--allow-cpu)",
+            cuda=torch.version.cuda,
+            streaming_available=_streaming_supported(),
+        )
+        begin = time.perf_counter()
+        workdir = Path(tempfile.mkdtemp(prefix="iobundle-gpu-check-"))
+        try:
+            result["decode"] = decode_checks(device, args.reps, workdir, args.new_tokens)
+            result["d2h"] = d2h_checks(device, args.reps, workdir, args.mib)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        result["seconds"] = time.perf_counter() - begin
+    text = json.dumps(result, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n", "utf-8")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
