@@ -449,6 +449,18 @@ def _rebuild(rc: RecordedCalls, best: CallEntry, tensors: list[torch.Tensor]) ->
     return args, kwargs
 
 
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, copied into a storage of its own if it views a larger one (a bundle's memory-mapped file).
+
+    Arguments handed to the user or to ``torch.export`` must not share one storage: ``torch.save``
+    refuses views of one buffer as different dtypes, and torch.export bounds dynamic sizes by the
+    storage a tensor views (a batch capped at what the file happens to hold).
+    """
+    if tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
 def select_call(alignment: Alignment) -> int:
     """The call infer_arguments uses by default: the first laid out exactly like the best call."""
     best = alignment.best_call
@@ -489,7 +501,7 @@ def infer_arguments(
         if not -len(alignment.calls) <= index < len(alignment.calls):
             raise AlignmentError(f"No recorded call {index}: there are {len(alignment.calls)} successful calls.")
         slots = alignment.slots[index]
-    tensors = aligned_tensors(rc, alignment, slots, extra)
+    tensors = [_own_storage(t) for t in aligned_tensors(rc, alignment, slots, extra)]
     if flat:
         return tensors
     best = alignment.best_call

@@ -274,23 +274,6 @@ def _check_calls(rc: RecordedCalls, plan: _Plan, run: Any, *, atol: float, rtol:
     report.check_seconds = time.perf_counter() - begin
 
 
-def _own_storage(value: Any) -> Any:
-    """``value`` with every tensor that is a view into a larger storage copied into its own.
-
-    A bundle's tensors are views into a memory-mapped file. torch.export bounds each input's
-    sizes by its storage (``offset + numel <= storage size``), which would cap dynamic
-    dimensions at what the file happens to hold (a batch of at most 2, say).
-    """
-    import torch.utils._pytree as torch_pytree
-
-    def own(t: torch.Tensor) -> torch.Tensor:
-        if t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
-            return t
-        return t.clone(memory_format=torch.contiguous_format)
-
-    return torch_pytree.tree_map_only(torch.Tensor, own, value)
-
-
 def _export(
     rc: RecordedCalls, model: torch.nn.Module, *, batch: Any, strict: bool, report: ExportReport | None = None
 ) -> tuple[torch.export.ExportedProgram, _Plan, ExportReport]:
@@ -306,8 +289,9 @@ def _export(
         dynamic=plan.dynamic,
     ):
         try:
-            args, kwargs = _own_storage((plan.args, plan.kwargs))
-            ep = torch.export.export(plan.module, args, kwargs, dynamic_shapes=plan.dynamic_shapes, strict=strict)
+            ep = torch.export.export(
+                plan.module, plan.args, plan.kwargs, dynamic_shapes=plan.dynamic_shapes, strict=strict
+            )
         except Exception as exc:
             raise ExportError(
                 f"torch.export failed on recorded call {report.traced_call}: {type(exc).__name__}: "
