@@ -138,6 +138,7 @@ class InputObserver(RecordedCallsAPI):
         self._stream: CallStream | None = None
         self._stream_writer: BundleWriter | None = None
         self._streamed: list[CallEntry] = []
+        self._observed_model: Any = None  # the last model observed: what save(include_model=True) stores
 
     # -- the observed method ------------------------------------------------------------------
 
@@ -204,7 +205,7 @@ class InputObserver(RecordedCallsAPI):
 
         recording_method.__signature__ = inspect.signature(method)  # type: ignore[attr-defined]
         stream = None if stream_to is None else self._open_stream(Path(stream_to), overwrite=overwrite)
-        self._observed_model = model  # what save(include_model=True) stores
+        self._observed_model = model
         setattr(model, method_name, recording_method)
         try:
             yield self
