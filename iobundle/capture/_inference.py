@@ -104,8 +104,8 @@ def _bind_to_best(rc: RecordedCalls, call: CallEntry, best: CallEntry) -> tuple[
         args = args[:n_best]
     elif len(args) < n_best:
         for i in range(len(args), n_best):
-            name = pos_names[i] if i < len(pos_names) else None
-            args.append(kwargs.pop(name) if name is not None and name in kwargs else NoneNode())
+            param = pos_names[i] if i < len(pos_names) else None
+            args.append(kwargs.pop(param) if param is not None and param in kwargs else NoneNode())
     return args, kwargs
 
 
@@ -164,10 +164,10 @@ def _complete(layout: Node, node: Node) -> Node:
     if (
         isinstance(layout, (ListNode, TupleNode, ObjectNode))
         and type(node) is type(layout)
-        and len(node.items) == len(layout.items)  # type: ignore[union-attr]
-        and (not isinstance(layout, ObjectNode) or layout.type == node.type)  # type: ignore[union-attr]
+        and len(node.items) == len(layout.items)
+        and (not isinstance(layout, ObjectNode) or layout.type == getattr(node, "type", None))
     ):
-        items = [_complete(a, b) for a, b in zip(layout.items, node.items)]  # type: ignore[union-attr]
+        items = [_complete(a, b) for a, b in zip(layout.items, node.items)]
         return layout.model_copy(update={"items": items})
     return layout
 
@@ -180,7 +180,7 @@ def _match_tensors(node: Node, best: Node) -> list[str | None]:
     When the two trees differ otherwise, the keys are returned in flattening order.
     """
     matched = _match(node, best)
-    return tensor_keys(node) if matched is None else matched
+    return list(tensor_keys(node)) if matched is None else matched
 
 
 def _match(node: Node, best: Node) -> list[str | None] | None:
@@ -202,12 +202,12 @@ def _match(node: Node, best: Node) -> list[str | None] | None:
             result.extend(part)
         return result
     if isinstance(best, (ListNode, TupleNode, ObjectNode)):
-        if type(node) is not type(best) or len(node.items) != len(best.items):  # type: ignore[union-attr]
+        if type(node) is not type(best) or len(node.items) != len(best.items):
             return None
-        if isinstance(best, ObjectNode) and node.type != best.type:  # type: ignore[union-attr]
+        if isinstance(best, ObjectNode) and getattr(node, "type", None) != best.type:
             return None
         result = []
-        for child, best_child in zip(node.items, best.items):  # type: ignore[union-attr]
+        for child, best_child in zip(node.items, best.items):
             part = _match(child, best_child)
             if part is None:
                 return None
@@ -296,7 +296,7 @@ def flat_dynamic_dims(rc: RecordedCalls, alignment: Alignment, batch: BatchSpec 
     result = []
     empty = empty_dims(alignment)
     for index, owner in enumerate(alignment.owners):
-        shapes = [rc.store.shape(s[index]) for s in alignment.slots if s[index] is not None]
+        shapes = [rc.store.shape(key) for s in alignment.slots if (key := s[index]) is not None]
         ranks = {len(s) for s in shapes}
         if len(ranks) > 1:
             raise DynamicShapeError(
@@ -333,7 +333,9 @@ def _post_process_var_keyword(rc: RecordedCalls, mapping: dict[str, Any]) -> dic
     return {**{k: v for k, v in mapping.items() if k in names}, var_kw: extra}
 
 
-def _assemble(rc: RecordedCalls, args: list[Any], kwargs: dict[str, Any], cst: dict[str, Any]) -> Any:
+def _assemble(
+    rc: RecordedCalls, args: list[Any], kwargs: dict[str, Any], cst: dict[str, Any]
+) -> tuple[Any, ...] | dict[str, Any]:
     """Shape ``args``/``kwargs`` (built from the best call) the way torch.export wants them."""
     var = rc.var_positional
     if not kwargs and not cst and not var:
@@ -393,7 +395,7 @@ def _fill_tensor(
 
     The dimension set to 0 is ``empty_dim`` (see :func:`empty_dims`) when given, else the last dynamic one.
     """
-    present = [s[index] for s in alignment.slots if s[index] is not None]
+    present = [key for s in alignment.slots if (key := s[index]) is not None]
     if not present:
         raise AlignmentError(f"No call holds tensor {index} of argument {alignment.owners[index]!r}.")
     key = present[-1]
