@@ -5,16 +5,20 @@ Who does what:
 - The model's threads (any number) record calls. They only copy tensors (:meth:`SnapshotTable.snapshot`)
   and, when a call returns, hand it to the writer with :meth:`CallStream.submit`.
 - One writer thread per stream writes the call's new tensors to ``calls/NNNNNN.safetensors``
-  (temporary name, sha256 computed while writing, fsync, rename), rewrites ``manifest.json``
-  atomically, then drops from memory the snapshots it wrote.
+  (temporary name, sha256 computed by a helper thread while writing, rename), rewrites
+  ``manifest.json`` atomically, then drops from memory the snapshots it wrote. Each snapshot's
+  buffer goes back to the pool as soon as its bytes are in the file.
+- With ``durable=True`` every file is fsynced before its rename (and its directory after);
+  by default the fsyncs wait for :meth:`CallStream.close`, which flushes every file written.
 
 The hand-off holds one call: :meth:`CallStream.submit` waits until the writer has finished the
 previous call (its file and the manifest that lists it). The writer writes call k while the
 model computes call k+1, so
 
-- a SIGKILL loses at most the call in flight; the manifest only ever lists complete files;
-- memory holds the snapshots of about two calls (the one being written and the one being
-  recorded), plus a pool of recycled copy buffers bounded by the largest call.
+- a SIGKILL loses at most the call in flight; the manifest only ever lists complete files
+  (renames are atomic for every process; the page cache outlives the killed process);
+- memory holds the snapshots of about 1.5 calls: while the writer drains call k, the copies of
+  call k+1 wait for its buffers once the pool has lent :data:`BUDGET_CALLS` calls' worth.
 
 Tensors written to the bundle stay readable: :class:`SnapshotTable` reads them back from their
 file on demand (no cache), checking the file the way ``iobundle.replay`` checks a stranger's, so
@@ -38,10 +42,10 @@ from typing import Any
 import torch
 
 from iobundle.capture._calls import RecordedCalls
-from iobundle.capture._dtypes import NAME_TO_DTYPE, dtype_name
+from iobundle.capture._dtypes import dtype_name
 from iobundle.capture._tree import replace_tensors, tensor_keys
 from iobundle.capture._writer import BundleWriter, call_keys
-from iobundle.errors import TensorFileError
+from iobundle.errors import BundleWriteError, TensorFileError
 from iobundle.schema import CallEntry, Manifest, Node, OpaqueNode, TensorNode
 
 __all__ = ["CallStream", "SnapshotTable", "mark_incomplete", "snapshot_tensor"]
@@ -52,6 +56,10 @@ from the allocator's heap, which is already warm)."""
 
 MAX_HEADER_BYTES = 100 * 1024**2
 """Largest safetensors header read back (the bound ``iobundle.replay`` and safetensors use)."""
+
+BUDGET_CALLS = 1.5
+"""While the writer still holds buffers of earlier calls, the pool lends at most this many times
+the largest call's pooled bytes; a copy beyond it waits for the writer to return a buffer."""
 
 _HEADER_CACHE = 64
 
@@ -83,31 +91,53 @@ class BufferPool:
     """Recycled CPU byte buffers for snapshots.
 
     A copy into memory that was already touched costs no page faults, which is most of the
-    price of copying into fresh memory. Buffers come back when the writer has written the
-    snapshot they held; at most ``limit`` bytes are kept.
+    price of copying into fresh memory. Buffers come back as soon as the writer has written the
+    snapshot they held; at most ``limit`` free bytes are kept (the most a call took).
+
+    While the writer drains submitted calls, at most ``budget`` bytes are lent out (:data:`BUDGET_CALLS`
+    times the most a call took): :meth:`take` waits for the writer to give buffers back beyond
+    that. It never waits while the writer is idle, so a call larger than the budget still goes through.
     """
 
     def __init__(self) -> None:
         self.limit = 0
+        self.budget = 0
+        self._draining = False
+        self._call_bytes = 0  # taken since the last submitted call
+        self._max_call_bytes = 0
         self._sizes: list[int] = []
         self._free: list[torch.Tensor] = []
         self._bytes = 0
-        self._lock = threading.Lock()
+        self._taken: dict[int, int] = {}  # data_ptr -> size of the buffers lent out
+        self._lent = 0
+        self._cond = threading.Condition()
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of at least ``nbytes`` (a recycled one of at most twice that, else a new one)."""
-        with self._lock:
+        with self._cond:
+            while self._draining and self.budget and self._lent + nbytes > self.budget:
+                self._cond.wait()
             i = bisect.bisect_left(self._sizes, nbytes)
             if i < len(self._sizes) and self._sizes[i] <= 2 * nbytes:
                 del self._sizes[i]
                 buf = self._free.pop(i)
                 self._bytes -= buf.numel()
-                return buf
-        return torch.empty(_round_up(nbytes), dtype=torch.uint8)
+            else:
+                buf = None
+        if buf is None:
+            buf = torch.empty(_round_up(nbytes), dtype=torch.uint8)
+        with self._cond:
+            self._taken[buf.data_ptr()] = buf.numel()
+            self._lent += buf.numel()
+            self._call_bytes += buf.numel()
+        return buf
 
     def give(self, buf: torch.Tensor) -> None:
+        """Take back ``buf`` (its snapshot is written): keep it for reuse, within ``limit``."""
         n = buf.numel()
-        with self._lock:
+        with self._cond:
+            self._lent -= self._taken.pop(buf.data_ptr(), 0)
+            self._cond.notify_all()
             if self._bytes + n > self.limit:
                 return
             i = bisect.bisect_left(self._sizes, n)
@@ -115,11 +145,34 @@ class BufferPool:
             self._free.insert(i, buf)
             self._bytes += n
 
+    def forget(self, tensor: torch.Tensor) -> None:
+        """Stop counting the buffer ``tensor`` views as lent (handed to the user, or dropped)."""
+        with self._cond:
+            self._lent -= self._taken.pop(tensor.untyped_storage().data_ptr(), 0)
+            self._cond.notify_all()
+
+    def set_draining(self, draining: bool) -> None:
+        """Whether the writer holds buffers of submitted calls (that it will give back).
+
+        Turning it on marks the end of a call: what was taken since the last one is that call's size.
+        """
+        with self._cond:
+            if draining:
+                self._max_call_bytes = max(self._max_call_bytes, self._call_bytes)
+                self._call_bytes = 0
+                self.budget = int(BUDGET_CALLS * self._max_call_bytes)
+                self.limit = self._max_call_bytes
+            self._draining = draining
+            self._cond.notify_all()
+
     def clear(self) -> None:
-        with self._lock:
+        with self._cond:
             self._sizes.clear()
             self._free.clear()
             self._bytes = 0
+            self._draining = False
+            self.budget = 0
+            self._cond.notify_all()
 
 
 @dataclass(frozen=True)
@@ -132,6 +185,15 @@ class _OnDisk:
     shape: tuple[int, ...]
     device: str
     file_size: int
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A snapshot whose bytes are in a file that is not complete yet (its buffer was recycled)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    device: str
 
 
 class _FileReader:
@@ -242,13 +304,16 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
     A key stays valid after its snapshot was written and dropped from memory, so a tensor seen
     again in a later call is referenced, not copied again, and ``get`` reads it back from its file.
     Reading back returns a new tensor each time, on the device the original was on when possible.
+    A key whose buffer was recycled before its file was complete is read once the file is (``get``
+    waits for the writer).
     """
 
     def __init__(self) -> None:
         self._memory: dict[str, torch.Tensor] = {}
+        self._pending: dict[str, _Pending] = {}
         self._disk: dict[str, _OnDisk] = {}
         self._lent: set[str] = set()
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._reader = _FileReader()
         self.pool: BufferPool | None = None
         self.journal: list[str] | None = None
@@ -275,10 +340,16 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         out.copy_(tensor.detach())
         return out
 
+    def _drop(self, tensor: torch.Tensor | None) -> None:
+        """``tensor`` leaves the table without going back to the pool: stop counting its buffer."""
+        pool = self.pool
+        if tensor is not None and pool is not None and tensor.device.type == "cpu":
+            pool.forget(tensor)
+
     # -- MutableMapping ------------------------------------------------------------------------
 
     def __contains__(self, key: object) -> bool:
-        return key in self._memory or key in self._disk
+        return key in self._memory or key in self._pending or key in self._disk
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.get(key)
@@ -286,52 +357,70 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
     def __setitem__(self, key: str, value: torch.Tensor) -> None:
         with self._lock:
             self._memory[key] = value
+            self._pending.pop(key, None)
             self._disk.pop(key, None)
             self._lent.discard(key)
             if self.journal is not None:
                 self.journal.append(key)
+            self._lock.notify_all()
 
     def __delitem__(self, key: str) -> None:
         with self._lock:
-            found = self._memory.pop(key, None) is not None
+            tensor = self._memory.pop(key, None)
+            found = tensor is not None
+            found = self._pending.pop(key, None) is not None or found
             found = self._disk.pop(key, None) is not None or found
             self._lent.discard(key)
+            self._lock.notify_all()
+        self._drop(tensor)
         if not found:
             raise KeyError(key)
 
     def __iter__(self) -> Iterator[str]:
         with self._lock:
-            keys = list(self._memory) + [k for k in self._disk if k not in self._memory]
+            keys = list(dict.fromkeys([*self._memory, *self._pending, *self._disk]))
         return iter(keys)
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._memory.keys() | self._disk.keys())
+            return len(self._memory.keys() | self._pending.keys() | self._disk.keys())
 
     def pop(self, key: str, *default: Any) -> Any:  # type: ignore[override]
         with self._lock:
             value = self._memory.pop(key, None)
+            pending = self._pending.pop(key, None)
             on_disk = self._disk.pop(key, None)
             self._lent.discard(key)
-        if value is None and on_disk is None:
+            self._lock.notify_all()
+        if value is None and pending is None and on_disk is None:
             if default:
                 return default[0]
             raise KeyError(key)
+        self._drop(value)
         return value
 
     # -- TensorStore -----------------------------------------------------------------------------
 
+    def _meta(self, key: str) -> _OnDisk | _Pending:
+        with self._lock:
+            meta = self._pending.get(key) or self._disk.get(key)
+        if meta is None:
+            raise KeyError(key)
+        return meta
+
     def shape(self, key: str) -> tuple[int, ...]:
         tensor = self._memory.get(key)
-        return tuple(tensor.shape) if tensor is not None else self._disk[key].shape
+        return tuple(tensor.shape) if tensor is not None else self._meta(key).shape
 
     def dtype(self, key: str) -> torch.dtype:
         tensor = self._memory.get(key)
-        return tensor.dtype if tensor is not None else self._disk[key].dtype
+        return tensor.dtype if tensor is not None else self._meta(key).dtype
 
     def get(self, key: str, *default: Any) -> Any:  # type: ignore[override]
         """The tensor of ``key``: the snapshot itself while in memory, else a copy read from its file."""
         with self._lock:
+            while key in self._pending:  # its file is being written: wait for it
+                self._lock.wait()
             tensor = self._memory.get(key)
             if tensor is not None:
                 self._lent.add(key)  # handed out: its buffer is never recycled
@@ -361,41 +450,76 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
             event.synchronize()
         return tensor
 
+    def released(self, key: str) -> None:
+        """The bytes of ``key`` are in its file (not complete yet): recycle its buffer now if it is pooled.
+
+        Called by the writer (or its hashing thread) while the file is being written; the key
+        stays readable, ``get`` waiting for :meth:`written` or :meth:`discard`.
+        """
+        pool = self.pool
+        if pool is None:
+            return
+        with self._lock:
+            tensor = self._memory.get(key)
+            if tensor is None or key in self._lent or not _poolable(tensor):
+                return
+            del self._memory[key]
+            self._pending[key] = _Pending(dtype=tensor.dtype, shape=tuple(tensor.shape), device=str(tensor.device))
+        _give_back(pool, tensor)
+
     def written(self, keys: Iterable[str], path: Path, file_size: int) -> None:
         """Forget the snapshots of ``keys``, now in the safetensors file ``path``; recycle their buffers."""
         pool = self.pool
         for key in keys:
             with self._lock:
-                tensor = self._memory.get(key)
-                if tensor is None:
+                pending = self._pending.pop(key, None)
+                tensor = self._memory.pop(key, None) if pending is None else None
+                meta = pending if pending is not None else tensor
+                if meta is None:
                     continue
                 self._disk[key] = _OnDisk(
                     path=path,
                     name=key,
-                    dtype=tensor.dtype,
-                    shape=tuple(tensor.shape),
-                    device=str(tensor.device),
+                    dtype=meta.dtype,
+                    shape=tuple(meta.shape),
+                    device=str(meta.device),
                     file_size=file_size,
                 )
-                del self._memory[key]
                 lent = key in self._lent
                 self._lent.discard(key)
-            if pool is not None and not lent and _poolable(tensor):
-                storage = tensor.untyped_storage()
-                del tensor
-                pool.give(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),)))
+                self._lock.notify_all()
+            if tensor is None or pool is None:
+                continue
+            if not lent and _poolable(tensor):
+                _give_back(pool, tensor)
+            else:
+                self._drop(tensor)
 
     def discard(self, keys: Iterable[str]) -> None:
         """Drop the in-memory snapshots of ``keys`` (they could not be written)."""
+        dropped = []
         with self._lock:
             for key in keys:
-                if self._memory.pop(key, None) is not None:
+                tensor = self._memory.pop(key, None)
+                if tensor is not None:
                     self._lent.discard(key)
+                    dropped.append(tensor)
+                self._pending.pop(key, None)
+            self._lock.notify_all()
+        for tensor in dropped:
+            self._drop(tensor)
 
     def in_memory(self) -> int:
         """Bytes of the snapshots held in memory (not counting the buffer pool)."""
         with self._lock:
             return sum(t.numel() * t.element_size() for t in self._memory.values())
+
+
+def _give_back(pool: BufferPool, tensor: torch.Tensor) -> None:
+    """Return the whole buffer ``tensor`` views to ``pool``."""
+    storage = tensor.untyped_storage()
+    del tensor
+    pool.give(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),)))
 
 
 def mark_incomplete(call: CallEntry, written: Callable[[str], bool], reason: str) -> CallEntry:
@@ -437,16 +561,26 @@ class CallStream:
         rc: The observer's calls (its signature and ``value_if_missing`` go in every manifest).
         table: The snapshots; written ones are dropped from memory.
         written: Calls ``writer`` already wrote (a stream reopened on the same directory).
+        durable: fsync every file as it is written. Otherwise the files are renamed into place
+            without fsync (atomic for every process, not across a crash of the machine) and
+            :meth:`close` fsyncs them all.
 
     Raises:
         BundleWriteError: The first writes failed (the caller keeps recording in memory).
     """
 
     def __init__(
-        self, writer: BundleWriter, rc: RecordedCalls, table: SnapshotTable, written: Iterable[CallEntry] = ()
+        self,
+        writer: BundleWriter,
+        rc: RecordedCalls,
+        table: SnapshotTable,
+        written: Iterable[CallEntry] = (),
+        *,
+        durable: bool = False,
     ) -> None:
         self.writer = writer
         self.path = writer.path
+        self.durable = durable
         self._rc = rc
         self._table = table
         self._written: list[CallEntry] = list(written)
@@ -455,9 +589,8 @@ class CallStream:
         self._busy = False
         self._closed = False
         self._cond = threading.Condition()
-        self._call_bytes = 0
-        writer.write_missing_values(rc.value_if_missing, table.for_writing)
-        writer.write_manifest(rc, self._written)
+        writer.write_missing_values(rc.value_if_missing, table.for_writing, durable=durable)
+        writer.write_manifest(rc, self._written, durable=durable)
         self.pool = BufferPool()
         table.pool = self.pool
         self._thread = threading.Thread(target=self._run, name=f"iobundle-writer:{self.path.name}", daemon=True)
@@ -481,6 +614,7 @@ class CallStream:
                 return
             self._queue.append(call)
             self._busy = True
+            self.pool.set_draining(True)
             self._cond.notify_all()
 
     def take_failures(self) -> list[tuple[CallEntry | None, str]]:
@@ -490,10 +624,10 @@ class CallStream:
         return failures
 
     def close(self) -> Manifest:
-        """Wait for the writer, stop it and write the final manifest.
+        """Wait for the writer, stop it, fsync what it wrote and write the final manifest (with fsync).
 
         Raises:
-            BundleWriteError: The final manifest cannot be written.
+            BundleWriteError: A file cannot be flushed to the disk, or the final manifest cannot be written.
         """
         with self._cond:
             self._closed = True
@@ -501,32 +635,46 @@ class CallStream:
         self._thread.join()
         self.pool.clear()
         self._table.pool = None
-        return self.writer.write_manifest(self._rc, self.manifest_calls)
+        error = None
+        if not self.durable:
+            try:
+                self.writer.sync()
+            except BundleWriteError as exc:
+                error = exc
+        manifest = self.writer.write_manifest(self._rc, self.manifest_calls, durable=True)
+        if error is not None:
+            raise error
+        return manifest
 
     # -- the writer thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                call = self._queue.pop(0)
-            try:
-                self._write(call)
-            except Exception as exc:  # a bug here must not kill the thread the model waits on
+        try:
+            while True:
                 with self._cond:
-                    self._failures.append((None, f"iobundle's writer failed on call {call.index} ({exc!r})"))
-            finally:
-                with self._cond:
-                    self._busy = bool(self._queue)
-                    self._cond.notify_all()
+                    while not self._queue and not self._closed:
+                        self._cond.wait()
+                    if not self._queue:
+                        return
+                    call = self._queue.pop(0)
+                try:
+                    self._write(call)
+                except Exception as exc:  # a bug here must not kill the thread the model waits on
+                    with self._cond:
+                        self._failures.append((None, f"iobundle's writer failed on call {call.index} ({exc!r})"))
+                finally:
+                    with self._cond:
+                        self._busy = bool(self._queue)
+                        if not self._busy:
+                            self.pool.set_draining(False)
+                        self._cond.notify_all()
+        finally:
+            self.pool.set_draining(False)  # no copy ever waits for a writer that is gone
 
     def _write(self, call: CallEntry) -> None:
         writer, table = self.writer, self._table
         try:
-            keys = writer.write_call(call, table.for_writing)
+            keys = writer.write_call(call, table.for_writing, durable=self.durable, on_written=table.released)
             entry = call
         except Exception as exc:  # the observed program never sees it: reported through take_failures
             reason = f"its tensors could not be written to '{self.path}' ({type(exc).__name__}: {exc})"
@@ -538,17 +686,11 @@ class CallStream:
             if keys:
                 file = writer.tensors[keys[0]].file
                 table.written(keys, writer.path / file, writer.files[file].size)
-                nbytes = sum(
-                    int(torch.Size(writer.tensors[k].shape).numel()) * NAME_TO_DTYPE[writer.tensors[k].dtype].itemsize
-                    for k in keys
-                )
-                self._call_bytes = max(self._call_bytes, nbytes)
-                self.pool.limit = self._call_bytes
         with self._cond:
             self._written.append(entry)
             calls = list(self._written)
         try:
-            writer.write_manifest(self._rc, calls)
+            writer.write_manifest(self._rc, calls, durable=self.durable)
         except Exception as exc:
             with self._cond:
                 self._failures.append(

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -62,11 +63,25 @@ def tensor_bytes(tensor: torch.Tensor, *, name: str = "tensor") -> memoryview:
         ) from exc
 
 
-def write_tensor_file(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor]) -> FileEntry:
+def write_tensor_file(
+    path: str | os.PathLike[str],
+    tensors: dict[str, torch.Tensor],
+    *,
+    durable: bool = True,
+    on_written: Callable[[str], None] | None = None,
+) -> FileEntry:
     """Write ``tensors`` to ``path`` as a safetensors file and return its size and sha256.
 
-    The file is written to a temporary name, fsynced and renamed, so a file with the
-    final name is always complete.
+    The file is written to a temporary name and renamed once complete, so a file with the final
+    name is always complete. The sha256 is computed while the bytes are written (by a helper
+    thread for large files, see :func:`iobundle._atomic.write_atomically`).
+
+    Args:
+        path: The file to write.
+        tensors: The tensors, by name.
+        durable: fsync the file and its directory (see :func:`iobundle._atomic.write_atomically`).
+        on_written: Called with each tensor's name once its bytes are written and hashed: the
+            memory it holds may be reused from then on, before the file is complete.
 
     Raises:
         UnsupportedInputError: A tensor has a dtype that safetensors cannot hold.
@@ -75,6 +90,7 @@ def write_tensor_file(path: str | os.PathLike[str], tensors: dict[str, torch.Ten
     path = Path(path)
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     payloads = []
+    names = []
     offset = 0
     # Largest items first: every tensor then starts at a multiple of its item size, with no gaps.
     for name, tensor in sorted(tensors.items(), key=lambda kv: -kv[1].dtype.itemsize):
@@ -84,9 +100,21 @@ def write_tensor_file(path: str | os.PathLike[str], tensors: dict[str, torch.Ten
         data = tensor_bytes(tensor, name=name)
         header[name] = {"dtype": dname, "shape": list(tensor.shape), "data_offsets": [offset, offset + data.nbytes]}
         payloads.append(data)
+        names.append(name)
         offset += data.nbytes
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % _ALIGN)
     digest = hashlib.sha256()
-    size = write_atomically(path, [struct.pack("<Q", len(text)) + text, *payloads], on_chunk=digest.update)
+
+    def part_done(index: int) -> None:
+        if index and on_written is not None:
+            on_written(names[index - 1])  # part 0 is the header
+
+    size = write_atomically(
+        path,
+        [struct.pack("<Q", len(text)) + text, *payloads],
+        on_chunk=digest.update,
+        on_part=part_done if on_written is not None else None,
+        durable=durable,
+    )
     return FileEntry(size=size, sha256=digest.hexdigest())

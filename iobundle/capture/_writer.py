@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from iobundle import __version__
+from iobundle._atomic import fsync_dir, fsync_files
 from iobundle.capture._calls import RecordedCalls
 from iobundle.capture._dtypes import dtype_name
 from iobundle.capture._tensorfile import write_tensor_file
@@ -70,6 +71,9 @@ class BundleWriter:
     the manifest lists only calls whose files are complete, so the directory is a valid bundle
     after every :meth:`write_manifest`, whatever happens next.
 
+    Writes made with ``durable=False`` skip the fsyncs (the renames keep them atomic for every
+    process, not across a crash of the machine); :meth:`sync` flushes them to the disk later.
+
     Args:
         path: The bundle directory; created if missing.
         overwrite: Replace what ``path`` holds. Without it a non-empty directory is refused.
@@ -104,9 +108,21 @@ class BundleWriter:
             ) from exc
         self.tensors: dict[str, TensorEntry] = {}
         self.files: dict[str, FileEntry] = {}
+        self._unsynced: dict[Path, None] = {}
 
-    def write_tensors(self, file: str, keys: Iterable[str], get: TensorGetter) -> list[str]:
+    def write_tensors(
+        self,
+        file: str,
+        keys: Iterable[str],
+        get: TensorGetter,
+        *,
+        durable: bool = True,
+        on_written: Callable[[str], None] | None = None,
+    ) -> list[str]:
         """Write the tensors of ``keys`` not written yet into ``file``; return their keys (none: no file).
+
+        ``on_written`` is called with each key once its bytes are in the file (before the file is
+        complete): its memory may be reused from then on.
 
         Raises:
             BundleWriteError: The file cannot be written (disk full, permission denied).
@@ -118,7 +134,7 @@ class BundleWriter:
         todo = {k: get(k) for k in new}
         target = self.path / file
         try:
-            self.files[file] = write_tensor_file(target, todo)
+            self.files[file] = write_tensor_file(target, todo, durable=durable, on_written=on_written)
         except IobundleError:
             raise
         except OSError as exc:
@@ -129,16 +145,43 @@ class BundleWriter:
             name = dtype_name(t.dtype)
             assert name is not None  # write_tensor_file refused other dtypes
             self.tensors[key] = TensorEntry(file=file, name=key, dtype=name, shape=list(t.shape), device=str(t.device))
+        if not durable:
+            self._unsynced[target] = None
         logger.debug("wrote %d tensors to %s", len(todo), target)
         return new
 
-    def write_call(self, call: CallEntry, get: TensorGetter) -> list[str]:
+    def write_call(
+        self,
+        call: CallEntry,
+        get: TensorGetter,
+        *,
+        durable: bool = True,
+        on_written: Callable[[str], None] | None = None,
+    ) -> list[str]:
         """Write the tensors of ``call`` not written yet to ``calls/NNNNNN.safetensors``; return their keys."""
-        return self.write_tensors(call_file_name(call.index), call_keys(call), get)
+        return self.write_tensors(
+            call_file_name(call.index), call_keys(call), get, durable=durable, on_written=on_written
+        )
 
-    def write_missing_values(self, entries: Iterable[MissingValueEntry], get: TensorGetter) -> list[str]:
+    def write_missing_values(
+        self, entries: Iterable[MissingValueEntry], get: TensorGetter, *, durable: bool = True
+    ) -> list[str]:
         """Write the tensors of ``value_if_missing`` to their own file."""
-        return self.write_tensors(MISSING_FILE, [k for e in entries for k in tensor_keys(e.value)], get)
+        return self.write_tensors(
+            MISSING_FILE, [k for e in entries for k in tensor_keys(e.value)], get, durable=durable
+        )
+
+    def sync(self) -> None:
+        """fsync the files written with ``durable=False`` so far, their directories and the bundle's.
+
+        Raises:
+            BundleWriteError: A file cannot be flushed to the disk.
+        """
+        paths = list(self._unsynced)
+        fsync_files(paths)
+        fsync_dir(self.path)
+        for path in paths:
+            self._unsynced.pop(path, None)
 
     def manifest(self, rc: RecordedCalls, calls: Iterable[CallEntry] | None = None) -> Manifest:
         """The manifest of ``calls`` (default: ``rc.calls``), keeping only those whose tensors are written."""
@@ -151,14 +194,16 @@ class BundleWriter:
             files=self.files,
         )
 
-    def write_manifest(self, rc: RecordedCalls, calls: Iterable[CallEntry] | None = None) -> Manifest:
+    def write_manifest(
+        self, rc: RecordedCalls, calls: Iterable[CallEntry] | None = None, *, durable: bool = True
+    ) -> Manifest:
         """Write ``manifest.json`` for ``calls`` (default: ``rc.calls``) atomically; see :meth:`manifest`.
 
         Raises:
             BundleWriteError: The manifest cannot be written; the previous one, if any, is left in place.
         """
         manifest = self.manifest(rc, calls)
-        write_manifest(self.path, manifest)
+        write_manifest(self.path, manifest, durable=durable)
         return manifest
 
     def discard(self) -> None:

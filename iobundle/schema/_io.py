@@ -255,12 +255,15 @@ def dump_manifest(manifest: Manifest) -> str:
     return manifest.model_dump_json(indent=1, exclude_defaults=False) + "\n"
 
 
-def write_manifest(bundle_dir: str | os.PathLike[str], manifest: Manifest) -> Path:
+def write_manifest(bundle_dir: str | os.PathLike[str], manifest: Manifest, *, durable: bool = True) -> Path:
     """Write ``manifest.json`` atomically: temporary file, fsync, rename, fsync of the directory.
+
+    With ``durable=False`` the fsyncs are skipped: the rename is still atomic for every process,
+    but a crash of the machine may lose the new file.
 
     Raises:
         BundleWriteError: The file cannot be written (disk full, permission denied).
     """
     path = Path(bundle_dir) / MANIFEST_FILENAME
-    write_atomically(path, [dump_manifest(manifest).encode("utf-8")])
+    write_atomically(path, [dump_manifest(manifest).encode("utf-8")], durable=durable)
     return path

@@ -193,10 +193,10 @@ class TestStreamWriteFailures:
     ) -> None:
         real = _writer.write_tensor_file
 
-        def full_for_call_one(path: Path, tensors: dict[str, torch.Tensor]) -> Any:
+        def full_for_call_one(path: Path, tensors: dict[str, torch.Tensor], **kwargs: Any) -> Any:
             if Path(path).name == "000001.safetensors":
                 enospc()
-            return real(path, tensors)
+            return real(path, tensors, **kwargs)
 
         monkeypatch.setattr(_writer, "write_tensor_file", full_for_call_one)
         shared = torch.ones(3)
@@ -220,11 +220,11 @@ class TestStreamWriteFailures:
         real_manifest = _writer.write_manifest
         opened = []
 
-        def manifest_once(path: Any, manifest: Any) -> Any:
+        def manifest_once(path: Any, manifest: Any, **kwargs: Any) -> Any:
             if opened:
                 enospc()
             opened.append(True)
-            return real_manifest(path, manifest)
+            return real_manifest(path, manifest, **kwargs)
 
         monkeypatch.setattr(_writer, "write_tensor_file", enospc)
         monkeypatch.setattr(_writer, "write_manifest", manifest_once)
@@ -273,10 +273,10 @@ class TestSaveErrors:
         real = _writer.write_tensor_file
         target = tmp_path / "run"
 
-        def full_at_call_two(path: Path, tensors: dict[str, torch.Tensor]) -> Any:
+        def full_at_call_two(path: Path, tensors: dict[str, torch.Tensor], **kwargs: Any) -> Any:
             if Path(path).name == "000002.safetensors":
                 enospc()
-            return real(path, tensors)
+            return real(path, tensors, **kwargs)
 
         monkeypatch.setattr(_writer, "write_tensor_file", full_at_call_two)
         with pytest.raises(BundleWriteError, match="No space left on device") as info:

@@ -13,6 +13,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +23,9 @@ import pytest
 import torch
 
 from iobundle import BundleExistsError, CaptureError, InputObserver, TensorFileError, load_bundle
+from iobundle.capture import _writer
+from iobundle.capture._stream import POOLED_MIN_BYTES, BufferPool, SnapshotTable
+from iobundle.capture._tensorfile import write_tensor_file
 from iobundle.capture._tree import tensor_keys
 from iobundle.capture._writer import call_keys
 
@@ -256,6 +260,138 @@ class TestStreaming:
             tags.add(int(x[0, 0]))
         assert tags == set(range(64))
 
+    def test_streaming_large_tensors_from_many_threads(self, tmp_path: Path) -> None:
+        class Tagged(torch.nn.Module):
+            def forward(self, x):
+                time.sleep(random.random() / 500)
+                return x * 2
+
+        model, observer = Tagged(), InputObserver()
+        n = POOLED_MIN_BYTES // 4 + 100  # every snapshot goes through the buffer pool
+        with observer(model, store_n_calls=48, stream_to=tmp_path / "run"), ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda i: model(torch.full((n + i % 3,), float(i))), range(48)))
+        bundle = load_bundle(tmp_path / "run")
+        assert len(bundle.calls) == 48 and bundle.verify() == []
+        tags = set()
+        for call in bundle.calls:
+            x, out = bundle.tensor(call.args[0].key), bundle.tensor(call.outputs.key)
+            assert torch.equal(x, torch.full_like(x, x[0])) and torch.equal(out, x * 2)
+            tags.add(int(x[0]))
+        assert tags == set(range(48))
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="names fsynced files through /proc")
+class TestDurability:
+    @staticmethod
+    def fsynced(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+        """Record the path of every file or directory fsynced from now on."""
+        synced: list[str] = []
+        real = os.fsync
+
+        def fsync(fd: int) -> None:
+            synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+            real(fd)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        return synced
+
+    def test_by_default_every_file_is_fsynced_when_the_block_is_left(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        synced = self.fsynced(monkeypatch)
+        bundle = tmp_path / "run"
+        model, observer, during = Decoder(), InputObserver(), []
+        with observer(model, store_n_calls=4, stream_to=bundle):
+            for args, kwargs in decoder_calls(4):
+                model(*args, **kwargs)
+                during.append(len(synced))
+        assert during == [0, 0, 0, 0]  # renamed into place, not fsynced, while the block runs
+        real = bundle.resolve()
+        files = {str(p) for p in (real / "calls").glob("*.safetensors")}
+        assert len(files) == 4 and files <= set(synced)
+        assert {str(real), str(real / "calls"), str(real / ".manifest.json.tmp")} <= set(synced)
+        assert synced[-2:] == [str(real / ".manifest.json.tmp"), str(real)]  # the final manifest comes last
+        assert load_bundle(bundle).verify() == [] and manifest_calls(bundle) == 4
+
+    def test_durable_fsyncs_each_call_before_the_next_is_accepted(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        synced = self.fsynced(monkeypatch)
+        bundle = tmp_path / "run"
+        model, observer = Decoder(), InputObserver()
+        with observer(model, store_n_calls=4, stream_to=bundle, durable=True):
+            for i, (args, kwargs) in enumerate(decoder_calls(4)):
+                model(*args, **kwargs)
+                if i:  # call i was accepted once call i - 1 was written: fsynced before its rename
+                    assert any(f.endswith(f"/calls/.{i - 1:06d}.safetensors.tmp") for f in synced)
+                    assert any(f.endswith("/.manifest.json.tmp") for f in synced)
+        assert load_bundle(bundle).verify() == [] and manifest_calls(bundle) == 4
+
+
+class TestBufferPool:
+    def test_copies_wait_for_the_writer_beyond_one_and_a_half_calls(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        real_take, real_write = BufferPool.take, _writer.write_tensor_file
+        lent: list[int] = []
+
+        def take(self: BufferPool, nbytes: int) -> torch.Tensor:
+            buf = real_take(self, nbytes)
+            lent.append(self._lent)
+            return buf
+
+        def slow_write(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(0.01)  # a writer slower than the model: the copies catch up with it
+            return real_write(*args, **kwargs)
+
+        monkeypatch.setattr(BufferPool, "take", take)
+        monkeypatch.setattr(_writer, "write_tensor_file", slow_write)
+        n = POOLED_MIN_BYTES // 4  # one pooled buffer per tensor
+        model, observer = Doubler(), InputObserver()
+        with observer(model, store_n_calls=12, stream_to=tmp_path / "run"):
+            for i in range(12):
+                model(torch.full((n,), float(i)))
+        call = 2 * POOLED_MIN_BYTES  # one input, one output
+        assert max(lent) <= call + call // 2  # 2 calls without the budget
+        bundle = load_bundle(tmp_path / "run")
+        assert bundle.verify() == []
+        for i, c in enumerate(bundle.calls):  # no buffer was reused before its bytes were written
+            assert torch.equal(bundle.tensor(c.args[0].key), torch.full((n,), float(i)))
+            assert torch.equal(bundle.tensor(c.outputs.key), torch.full((n,), 2.0 * i))
+
+    def test_a_recycled_key_is_read_once_its_file_is_complete(self, tmp_path: Path) -> None:
+        table = SnapshotTable()
+        table.pool = BufferPool()
+        x = torch.arange(POOLED_MIN_BYTES // 4, dtype=torch.float32)
+        table["t0"] = table.snapshot(x)
+        path = tmp_path / "f.safetensors"
+        entry = write_tensor_file(path, {"t0": x})
+        table.released("t0")  # its bytes are in the file, the file is not complete yet
+        assert "t0" in table and table.shape("t0") == tuple(x.shape) and table.in_memory() == 0
+        got: list[torch.Tensor] = []
+        reader = threading.Thread(target=lambda: got.append(table.get("t0")))
+        reader.start()
+        time.sleep(0.05)
+        assert not got  # waits for the writer
+        table.written(["t0"], path, entry.size)
+        reader.join(10)
+        assert torch.equal(got[0], x)
+
+    def test_a_recycled_key_whose_file_failed_is_gone(self) -> None:
+        table = SnapshotTable()
+        table.pool = BufferPool()
+        table["t0"] = table.snapshot(torch.ones(POOLED_MIN_BYTES // 4))
+        table.released("t0")
+        table.discard(["t0"])
+        assert "t0" not in table
+        with pytest.raises(KeyError):
+            table.get("t0")
+
+
+class Doubler(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+
 
 # --------------------------------------------------------------------------- SIGKILL
 
@@ -268,23 +404,19 @@ ZYGOTE = textwrap.dedent(
     from iobundle.capture import InputObserver
 
 
-    def capture(path, size, slow):
+    def capture(path, size, slow, durable):
         def say(text):  # one write per line: the writer thread prints too
             os.write(1, (text + "\\n").encode())
 
         if slow:
-            real_fsync = os.fsync
+            real_replace = os.replace
 
-            def fsync(fd):  # announce each fsync, then hold the file in its unfinished state
-                try:
-                    name = os.readlink(f"/proc/self/fd/{fd}")
-                except OSError:
-                    name = "?"
-                say(f"fsync {name}")
+            def replace(src, dst):  # announce each rename, then hold the file complete but unrenamed
+                say(f"rename {src}")
                 time.sleep(slow)
-                real_fsync(fd)
+                real_replace(src, dst)
 
-            os.fsync = fsync
+            os.replace = replace
 
         class Doubler(torch.nn.Module):
             def forward(self, x, shared):
@@ -292,7 +424,7 @@ ZYGOTE = textwrap.dedent(
 
         shared = torch.arange(size, dtype=torch.float32)  # passed to every call: written once
         model, observer = Doubler(), InputObserver()
-        with observer(model, store_n_calls=100_000, stream_to=path):
+        with observer(model, store_n_calls=100_000, stream_to=path, durable=durable):
             say("ready")
             for i in range(100_000):
                 model(torch.full((size + i,), float(i)), shared)
@@ -302,14 +434,14 @@ ZYGOTE = textwrap.dedent(
     for line in sys.stdin:
         command, *rest = line.split()
         if command == "run":
-            log, path, size, slow = rest
+            log, path, size, slow, durable = rest
             pid = os.fork()
             if pid == 0:
                 try:
                     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
                     os.dup2(fd, 1)
                     os.dup2(os.open(log + ".stderr", os.O_WRONLY | os.O_CREAT, 0o644), 2)
-                    capture(path, int(size), float(slow))
+                    capture(path, int(size), float(slow), durable == "1")
                 finally:
                     os._exit(0)
             print("pid", pid, flush=True)
@@ -336,8 +468,8 @@ class Zygote:
         self.process.stdin.flush()
         return self.process.stdout.readline().strip()
 
-    def run(self, log: Path, bundle: Path, size: int, slow: float) -> int:
-        return int(self._ask(f"run {log} {bundle} {size} {slow}").split()[1])
+    def run(self, log: Path, bundle: Path, size: int, slow: float, durable: bool) -> int:
+        return int(self._ask(f"run {log} {bundle} {size} {slow} {int(durable)}").split()[1])
 
     def kill(self, pid: int) -> None:
         assert self._ask(f"kill {pid}") == "dead"
@@ -369,20 +501,20 @@ def wait_for(log: Path, predicate: Any, *, start: int = 0, timeout: float = 60.0
         time.sleep(0.001)
 
 
-MODES = {  # mode: (floats per tensor, seconds each fsync is held)
+MODES = {  # mode: (floats per tensor, seconds each rename is held)
     "delay": (1000, 0.0),  # kill after a random delay
     "big": (2_000_000, 0.0),  # 8 MB tensors: kills land inside writes
-    "tensor-fsync": (1000, 0.1),  # kill while a tensor file is written, not yet renamed
-    "manifest-fsync": (1000, 0.1),  # kill while the new manifest is written, not yet renamed
+    "tensor-rename": (1000, 0.1),  # kill once a tensor file is written (and fsynced if durable), not yet renamed
+    "manifest-rename": (1000, 0.1),  # kill once the new manifest is written, not yet renamed
 }
 
 
-def kill_trial(zygote: Zygote, workdir: Path, mode: str, rng: random.Random) -> dict[str, Any]:
+def kill_trial(zygote: Zygote, workdir: Path, mode: str, durable: bool, rng: random.Random) -> dict[str, Any]:
     """Run one capture, kill it at a moment chosen by ``mode``, check the bundle left behind."""
     size, slow = MODES[mode]
     bundle, log = workdir / "run.iobundle", workdir / "child.log"
     workdir.mkdir()
-    pid = zygote.run(log, bundle, size, slow)
+    pid = zygote.run(log, bundle, size, slow, durable)
     try:
         wait_for(log, lambda line: line == "ready")
         if mode == "delay":
@@ -391,9 +523,9 @@ def kill_trial(zygote: Zygote, workdir: Path, mode: str, rng: random.Random) -> 
             time.sleep(rng.uniform(0.0, 1.0))
         else:
             k = rng.randint(1, 4)
-            suffix = f"calls/.{k:06d}.safetensors.tmp" if mode == "tensor-fsync" else ".manifest.json.tmp"
+            suffix = f"calls/.{k:06d}.safetensors.tmp" if mode == "tensor-rename" else ".manifest.json.tmp"
             after = wait_for(log, lambda line: line == f"done {k}")
-            wait_for(log, lambda line: line.startswith("fsync") and line.endswith(suffix), start=after)
+            wait_for(log, lambda line: line.startswith("rename") and line.endswith(suffix), start=after)
     finally:
         zygote.kill(pid)
     reported = max((int(line.split()[1]) for line in read_lines(log) if line.startswith("done ")), default=0)
@@ -416,7 +548,7 @@ def kill_trial(zygote: Zygote, workdir: Path, mode: str, rng: random.Random) -> 
     assert len(shared_keys) <= 1  # deduplicated: one key, in the first call's file
     if shared_keys:
         assert loaded.manifest.tensors[shared_keys.pop()].file == "calls/000000.safetensors"
-    return {"mode": mode, "reported": reported, "listed": n, "unfinished_files": leftovers}
+    return {"mode": mode, "durable": durable, "reported": reported, "listed": n, "unfinished_files": leftovers}
 
 
 @pytest.mark.skipif(
@@ -426,15 +558,18 @@ def test_sigkill_at_any_moment_leaves_a_loadable_bundle(tmp_path: Path) -> None:
     script = tmp_path / "zygote.py"
     script.write_text(ZYGOTE)
     rng = random.Random(int(os.environ.get("IOBUNDLE_KILL_SEED", "5")))
-    modes = ["delay"] * 8 + ["big"] * 6 + ["tensor-fsync"] * 5 + ["manifest-fsync"] * 5
-    trials = [(i, mode, random.Random(rng.random())) for i, mode in enumerate(modes)]
+    modes = [(m, False) for m in ["delay"] * 8 + ["big"] * 6 + ["tensor-rename"] * 5 + ["manifest-rename"] * 5]
+    modes += [
+        (m, True) for m in ["delay", "big", "tensor-rename", "tensor-rename", "manifest-rename", "manifest-rename"]
+    ]
+    trials = [(i, mode, durable, random.Random(rng.random())) for i, (mode, durable) in enumerate(modes)]
     workers = 2
     zygotes = [Zygote(script) for _ in range(workers)]
     try:
         with ThreadPoolExecutor(workers) as pool:
             results = list(
                 pool.map(
-                    lambda t: kill_trial(zygotes[t[0] % workers], tmp_path / f"trial{t[0]}", t[1], t[2]),
+                    lambda t: kill_trial(zygotes[t[0] % workers], tmp_path / f"trial{t[0]}", t[1], t[2], t[3]),
                     trials,
                 )
             )
@@ -446,6 +581,7 @@ def test_sigkill_at_any_moment_leaves_a_loadable_bundle(tmp_path: Path) -> None:
     summary = {
         m: {
             "trials": len(rs),
+            "durable": sum(r["durable"] for r in rs),
             "reported": [r["reported"] for r in rs],
             "listed": [r["listed"] for r in rs],
             "killed_mid_write": sum(bool(r["unfinished_files"]) for r in rs),
@@ -453,6 +589,6 @@ def test_sigkill_at_any_moment_leaves_a_loadable_bundle(tmp_path: Path) -> None:
         for m, rs in by_mode.items()
     }
     print("kill trials:", json.dumps(summary))
-    # the fsync modes really killed inside a write: the unfinished file was left behind, unlisted
-    assert all(any(".safetensors.tmp" in f for f in r["unfinished_files"]) for r in by_mode["tensor-fsync"]), summary
-    assert all(".manifest.json.tmp" in r["unfinished_files"] for r in by_mode["manifest-fsync"]), summary
+    # the rename modes really killed inside a write: the unfinished file was left behind, unlisted
+    assert all(any(".safetensors.tmp" in f for f in r["unfinished_files"]) for r in by_mode["tensor-rename"]), summary
+    assert all(".manifest.json.tmp" in r["unfinished_files"] for r in by_mode["manifest-rename"]), summary
