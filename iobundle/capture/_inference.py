@@ -15,6 +15,8 @@ The rules follow the InputObserver API (see DESIGN.md), with its known defects f
 
 from __future__ import annotations
 
+import collections
+import functools
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +72,11 @@ class Alignment:
     def best_call(self) -> CallEntry:
         """The layout every call is aligned on (the best call, completed)."""
         return self.layout
+
+    @functools.cached_property
+    def n_slots(self) -> dict[int | str, int]:
+        """How many tensor slots each argument of the layout has (counted once, not per call)."""
+        return dict(collections.Counter(self.owners))
 
 
 def _n_leaves(call: CallEntry) -> int:
@@ -237,7 +244,7 @@ def align_call(rc: RecordedCalls, alignment: Alignment, call: CallEntry) -> list
     pieces: list[tuple[int | str, Node | None, Node]] = [(i, args[i], a) for i, a in enumerate(best.args)]
     pieces += [(k, kwargs.get(k), v) for k, v in best.kwargs.items()]
     for owner, node, best_node in pieces:
-        n = count_tensors(best_node)
+        n = alignment.n_slots.get(owner, 0)
         keys = [] if _is_absent(node) else _match_tensors(node, best_node)  # type: ignore[arg-type]
         if not any(k is not None for k in keys):
             slots.extend([None] * n)

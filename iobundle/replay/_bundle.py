@@ -11,7 +11,7 @@ from iobundle.capture._calls import RecordedCalls
 from iobundle.capture._dtypes import NAME_TO_DTYPE
 from iobundle.capture._tree import build_value, iter_tensor_nodes
 from iobundle.errors import IobundleError, UnsafeBundleError
-from iobundle.replay._tensorfile import BundleTensorStore, check_file, check_file_header, safe_member_path
+from iobundle.replay._tensorfile import BundleRoot, BundleTensorStore, check_file, check_file_header
 from iobundle.schema import CallEntry, Manifest, load_manifest
 
 __all__ = ["Bundle", "load_bundle"]
@@ -50,8 +50,9 @@ class Bundle(RecordedCallsAPI):
         """
         root = Path(path)
         manifest = load_manifest(root)
-        _check_references(root, manifest)
-        return cls(root, manifest, verify=verify)
+        bundle = cls(root, manifest, verify=verify)
+        _check_references(bundle._store.bundle_root, manifest)  # the root is resolved once per bundle
+        return bundle
 
     def _recorded(self) -> RecordedCalls:
         return self._rc
@@ -79,14 +80,14 @@ class Bundle(RecordedCallsAPI):
         problems = []
         for name, entry in self.manifest.files.items():
             try:
-                path = check_file(self.path, name, entry, hash_check=True)
-                check_file_header(path, name, {k: e for k, e in self.manifest.tensors.items() if e.file == name})
+                path = check_file(self._store.bundle_root, name, entry, hash_check=True)
+                check_file_header(path, name, self._store.file_entries(name))
             except IobundleError as exc:
                 problems.append(str(exc))
         return problems
 
 
-def _check_references(root: Path, manifest: Manifest) -> None:
+def _check_references(root: BundleRoot, manifest: Manifest) -> None:
     """Check what the manifest points at before anything is read: file names, tensor keys, tensor sizes.
 
     Raises:
@@ -94,7 +95,7 @@ def _check_references(root: Path, manifest: Manifest) -> None:
             more bytes than its file has, or a tree refers to a tensor the manifest does not list.
     """
     for name in manifest.files:
-        safe_member_path(root, name)
+        root.member(name)
     for key, entry in manifest.tensors.items():
         file = manifest.files.get(entry.file)
         if file is None:

@@ -22,10 +22,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 import struct
 import threading
-import unicodedata
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -35,21 +36,30 @@ from iobundle.capture._dtypes import NAME_TO_DTYPE
 from iobundle.errors import IntegrityError, TensorFileError, UnsafeBundleError
 from iobundle.schema import FileEntry, Manifest, TensorEntry
 
-__all__ = ["MAX_HEADER_BYTES", "BundleTensorStore", "check_file", "check_file_header", "safe_member_path"]
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "BundleRoot",
+    "BundleTensorStore",
+    "check_file",
+    "check_file_header",
+    "safe_member_path",
+]
 
 MAX_HEADER_BYTES = 100 * 1024**2
 """Largest safetensors header read (the safetensors library uses the same bound)."""
 
 _CHUNK = 1 << 22
 
+SMALL_FILE_BYTES = 1 << 20
+"""Tensor files up to this size are read whole, once: size, sha256 and header are checked on
+those bytes and the tensors view them (four opens and a memory mapping cost more than the read)."""
 
-def safe_member_path(root: Path, name: str) -> Path:
-    """Resolve the bundle member ``name`` under ``root``, refusing anything that leaves it.
 
-    Raises:
-        UnsafeBundleError: ``name`` is absolute, contains ``..``, a backslash, a colon or a control
-            character, or resolves (through a symlink) outside ``root``.
-    """
+_CONTROL_OR_SURROGATE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+"""Unicode categories Cc (control) and Cs (surrogate), exactly."""
+
+
+def _check_member_name(name: str) -> PurePosixPath:
     if not isinstance(name, str) or not name:
         raise UnsafeBundleError(f"File name {name!r} in the manifest is empty or not a string.")
     pure = PurePosixPath(name)
@@ -59,23 +69,63 @@ def safe_member_path(root: Path, name: str) -> Path:
         or "\\" in name
         or ":" in name
         or ".." in pure.parts
-        or any(unicodedata.category(c) in ("Cc", "Cs") for c in name)
+        or _CONTROL_OR_SURROGATE.search(name)
     ):
         raise UnsafeBundleError(
             f"File name {name!r} in the manifest is not a plain relative path inside the bundle "
             "(absolute, '..', backslash, colon or control character); refusing to open it."
         )
-    path = root / pure
-    try:
-        resolved = path.resolve()
-        root_resolved = root.resolve()
-    except (OSError, RuntimeError, ValueError) as exc:
-        raise UnsafeBundleError(f"File {name!r} cannot be resolved inside the bundle: {exc}.") from exc
-    if not resolved.is_relative_to(root_resolved):
-        raise UnsafeBundleError(
-            f"File {name!r} leads outside the bundle directory (to {resolved}); refusing to read it."
-        )
-    return path
+    return pure
+
+
+class BundleRoot:
+    """A bundle directory, resolved once, against which member names are checked.
+
+    The real path of the root, and of each directory holding members (``calls/``), is resolved
+    the first time it is needed; each member then costs one ``lstat`` (a symlinked member is
+    resolved in full). A member that leads outside the root, through a symlinked file or
+    directory, is refused.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._real: str | None = None
+        self._dirs: dict[str, str] = {}
+        self._names: dict[str, PurePosixPath] = {}
+
+    def member(self, name: str) -> Path:
+        """Resolve the bundle member ``name``, refusing anything that leaves the root; see :func:`safe_member_path`."""
+        pure = self._names.get(name) if isinstance(name, str) else None
+        if pure is None:
+            pure = self._names[name] = _check_member_name(name)
+        try:
+            if self._real is None:
+                self._real = os.path.realpath(self.path)
+            parent = str(pure.parent)
+            parent_real = self._dirs.get(parent)
+            if parent_real is None:
+                parent_real = self._dirs[parent] = os.path.realpath(os.path.join(self._real, parent))
+            resolved = os.path.join(parent_real, pure.name)
+            if os.path.islink(resolved):
+                resolved = os.path.realpath(resolved)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise UnsafeBundleError(f"File {name!r} cannot be resolved inside the bundle: {exc}.") from exc
+        root = self._real
+        if resolved != root and not resolved.startswith(root if root.endswith(os.sep) else root + os.sep):
+            raise UnsafeBundleError(
+                f"File {name!r} leads outside the bundle directory (to {resolved}); refusing to read it."
+            )
+        return self.path / pure
+
+
+def safe_member_path(root: Path | BundleRoot, name: str) -> Path:
+    """Resolve the bundle member ``name`` under ``root``, refusing anything that leaves it.
+
+    Raises:
+        UnsafeBundleError: ``name`` is absolute, contains ``..``, a backslash, a colon or a control
+            character, or resolves (through a symlink) outside ``root``.
+    """
+    return (root if isinstance(root, BundleRoot) else BundleRoot(root)).member(name)
 
 
 def _open_regular(path: Path, name: str) -> tuple[int, int]:
@@ -100,20 +150,21 @@ def _open_regular(path: Path, name: str) -> tuple[int, int]:
 
 def sha256_file(path: Path, name: str | None = None) -> tuple[int, str]:
     """Size and sha256 of ``path``, read in chunks."""
-    fd, _ = _open_regular(path, name or str(path))
+    fd, expected = _open_regular(path, name or str(path))
     digest = hashlib.sha256()
     size = 0
+    buffer = memoryview(bytearray(max(1, min(_CHUNK, expected + 1))))  # + 1: EOF in the same read
     try:
-        with os.fdopen(fd, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                digest.update(chunk)
-                size += len(chunk)
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            while n := f.readinto(buffer):
+                digest.update(buffer[:n])
+                size += n
     except OSError as exc:
         raise TensorFileError(f"{name or path}: cannot be read ({exc.strerror or exc}).") from exc
     return size, digest.hexdigest()
 
 
-def check_file(root: Path, name: str, entry: FileEntry, *, hash_check: bool = True) -> Path:
+def check_file(root: Path | BundleRoot, name: str, entry: FileEntry, *, hash_check: bool = True) -> Path:
     """Check that bundle member ``name`` exists and has the recorded size (and sha256); return its path.
 
     Raises:
@@ -132,29 +183,36 @@ def check_file(root: Path, name: str, entry: FileEntry, *, hash_check: bool = Tr
         size, digest = sha256_file(path, name)
         if size != entry.size:
             raise IntegrityError(f"{name}: changed while it was being read ({size} bytes, expected {entry.size}).")
-        if digest != entry.sha256:
-            raise IntegrityError(
-                f"{name}: sha256 {digest} differs from the manifest ({entry.sha256}). The file is corrupt or was changed."
-            )
+        check_sha256(name, entry, digest)
     return path
 
 
-def _read_header(path: Path, name: str) -> tuple[dict[str, Any], int, int]:
-    """Return ``(header, data_start, file_size)`` of a safetensors file, reading nothing past the header."""
-    fd, size = _open_regular(path, name)
-    try:
-        with os.fdopen(fd, "rb") as f:
-            if size < 8:
-                raise TensorFileError(f"{name}: {size} bytes, too short for a safetensors header.")
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            if header_len > MAX_HEADER_BYTES or header_len > size - 8:
-                raise TensorFileError(
-                    f"{name}: header length {header_len} is past the end of the file ({size} bytes) "
-                    f"or over the limit of {MAX_HEADER_BYTES} bytes. The file is truncated or not a safetensors file."
-                )
-            header_bytes = f.read(header_len)
-    except OSError as exc:
-        raise TensorFileError(f"{name}: cannot be read ({exc.strerror or exc}).") from exc
+def check_sha256(name: str, entry: FileEntry, digest: str) -> None:
+    """Compare the sha256 ``digest`` of bundle member ``name`` with the manifest's.
+
+    Raises:
+        IntegrityError: They differ.
+    """
+    if digest != entry.sha256:
+        raise IntegrityError(
+            f"{name}: sha256 {digest} differs from the manifest ({entry.sha256}). The file is corrupt or was changed."
+        )
+
+
+def _parse_header(name: str, size: int, read: Callable[[int], bytes]) -> tuple[dict[str, Any], int]:
+    """Return ``(header, data_start)`` of a safetensors file of ``size`` bytes whose start ``read`` returns."""
+    if size < 8:
+        raise TensorFileError(f"{name}: {size} bytes, too short for a safetensors header.")
+    raw = read(8)
+    if len(raw) != 8:
+        raise TensorFileError(f"{name}: changed while it was being read (header cut short).")
+    (header_len,) = struct.unpack("<Q", raw)
+    if header_len > MAX_HEADER_BYTES or header_len > size - 8:
+        raise TensorFileError(
+            f"{name}: header length {header_len} is past the end of the file ({size} bytes) "
+            f"or over the limit of {MAX_HEADER_BYTES} bytes. The file is truncated or not a safetensors file."
+        )
+    header_bytes = read(header_len)
     if len(header_bytes) != header_len:
         raise TensorFileError(f"{name}: changed while it was being read (header cut short).")
     try:
@@ -163,7 +221,44 @@ def _read_header(path: Path, name: str) -> tuple[dict[str, Any], int, int]:
         raise TensorFileError(f"{name}: the safetensors header is not valid JSON ({exc}).") from exc
     if not isinstance(header, dict):
         raise TensorFileError(f"{name}: the safetensors header is not a JSON object.")
-    return header, 8 + header_len, size
+    return header, 8 + header_len
+
+
+def _read_header(path: Path, name: str) -> tuple[dict[str, Any], int, int]:
+    """Return ``(header, data_start, file_size)`` of a safetensors file, reading nothing past the header."""
+    fd, size = _open_regular(path, name)
+    try:
+        with os.fdopen(fd, "rb") as f:
+            header, data_start = _parse_header(name, size, f.read)
+    except OSError as exc:
+        raise TensorFileError(f"{name}: cannot be read ({exc.strerror or exc}).") from exc
+    return header, data_start, size
+
+
+def _read_small(path: Path, name: str, entry: FileEntry, *, hash_check: bool) -> bytearray:
+    """The whole bundle member ``name`` (at most :data:`SMALL_FILE_BYTES`), checked as :func:`check_file` does."""
+    fd, size = _open_regular(path, name)
+    if size != entry.size:
+        os.close(fd)
+        raise IntegrityError(
+            f"{name}: {size} bytes, the manifest says {entry.size}. The file is truncated or was changed."
+        )
+    data = bytearray(size + 1)  # + 1: a file that grew is seen
+    view, done = memoryview(data), 0
+    try:
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            while done <= size and (n := f.readinto(view[done:])):
+                done += n
+    except OSError as exc:
+        raise TensorFileError(f"{name}: cannot be read ({exc.strerror or exc}).") from exc
+    finally:
+        view.release()
+    if done != entry.size:
+        raise IntegrityError(f"{name}: changed while it was being read ({done} bytes, expected {entry.size}).")
+    del data[size:]
+    if hash_check:
+        check_sha256(name, entry, hashlib.sha256(data).hexdigest())
+    return data
 
 
 def _is_int(value: Any) -> bool:
@@ -229,6 +324,26 @@ class _OpenFile:
             except (RuntimeError, OSError, ValueError) as exc:
                 raise TensorFileError(f"{name}: cannot be memory-mapped ({exc}).") from exc
 
+    @classmethod
+    def from_bytes(cls, name: str, data: bytearray, entries: dict[str, TensorEntry]) -> _OpenFile:
+        """The file whose whole content is ``data`` (read by :func:`_read_small`); tensors view it."""
+        position = 0
+
+        def read(n: int) -> bytes:
+            nonlocal position
+            position += n
+            return bytes(data[position - n : position])
+
+        header, data_start = _parse_header(name, len(data), read)
+        self = cls.__new__(cls)
+        self.name = name
+        self.data_start = data_start
+        self.spans = {key: _tensor_span(name, header, e, key, len(data) - data_start) for key, e in entries.items()}
+        self.data = None
+        if any(end > begin for begin, end in self.spans.values()):
+            self.data = torch.frombuffer(data, dtype=torch.uint8)
+        return self
+
     def tensor(self, entry: TensorEntry, key: str) -> torch.Tensor:
         begin, end = self.spans[key]
         dtype = NAME_TO_DTYPE[entry.dtype]
@@ -251,9 +366,11 @@ class BundleTensorStore:
 
     def __init__(self, root: Path, manifest: Manifest, *, verify: bool = True) -> None:
         self.root = root
+        self.bundle_root = BundleRoot(root)
         self.manifest = manifest
         self.verify = verify
         self._files: dict[str, _OpenFile] = {}
+        self._by_file: dict[str, dict[str, TensorEntry]] | None = None
         self._cache: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
 
@@ -271,15 +388,30 @@ class BundleTensorStore:
     def dtype(self, key: str) -> torch.dtype:
         return NAME_TO_DTYPE[self._entry(key).dtype]
 
+    def file_entries(self, name: str) -> dict[str, TensorEntry]:
+        """The manifest entries of the tensors stored in file ``name`` (indexed once)."""
+        by_file = self._by_file
+        if by_file is None:
+            by_file = {}
+            for key, entry in self.manifest.tensors.items():
+                by_file.setdefault(entry.file, {})[key] = entry
+            self._by_file = by_file
+        return by_file.get(name, {})
+
     def _open(self, name: str) -> _OpenFile:
         opened = self._files.get(name)
         if opened is None:
             entry = self.manifest.files.get(name)
             if entry is None:
                 raise TensorFileError(f"File {name!r} is used by a tensor but not listed in the manifest's files.")
-            path = check_file(self.root, name, entry, hash_check=self.verify)
-            entries = {k: e for k, e in self.manifest.tensors.items() if e.file == name}
-            opened = self._files[name] = _OpenFile(name, path, entries)
+            if entry.size <= SMALL_FILE_BYTES:
+                path = self.bundle_root.member(name)
+                data = _read_small(path, name, entry, hash_check=self.verify)
+                opened = _OpenFile.from_bytes(name, data, self.file_entries(name))
+            else:
+                path = check_file(self.bundle_root, name, entry, hash_check=self.verify)
+                opened = _OpenFile(name, path, self.file_entries(name))
+            self._files[name] = opened
         return opened
 
     def get(self, key: str) -> torch.Tensor:

@@ -18,7 +18,7 @@ from iobundle.capture._calls import RecordedCalls
 from iobundle.capture._inference import align_calls, aligned_tensors, placeholder_inputs
 from iobundle.capture._tree import tensor_keys
 from iobundle.errors import ModelLoadError, ReplayError
-from iobundle.replay._compare import compare_outputs
+from iobundle.replay._compare import Scratch, compare_outputs
 from iobundle.replay._export import INPUT_SLOTS_KEY, OUTPUT_NAMES_KEY
 
 __all__ = ["ValidationReport", "check_discrepancies", "validate_onnx"]
@@ -107,6 +107,7 @@ def check_discrepancies(
     alignment = align_calls(rc)
     mapping = _input_mapping(session, meta, len(alignment.owners))
     output_names = json.loads(meta[OUTPUT_NAMES_KEY]) if OUTPUT_NAMES_KEY in meta else None
+    scratch = Scratch()
     rows: list[dict[str, Any]] = []
     indices: Any = range(len(alignment.calls))
     if progress_bar:
@@ -135,7 +136,9 @@ def check_discrepancies(
             row.update({f">{h}": 0 for h in hist})
         else:
             row.update(
-                compare_outputs(expected, obtained, atol=atol, rtol=rtol, hist=hist, skip_none=skip_none).as_row()
+                compare_outputs(
+                    expected, obtained, atol=atol, rtol=rtol, hist=hist, skip_none=skip_none, scratch=scratch
+                ).as_row()
             )
         absent = placeholder_inputs(alignment, call, slots)
         if absent and row["SUCCESS"] is False:

@@ -34,6 +34,9 @@ from iobundle.errors import (
     UnsupportedFormatVersionError,
 )
 
+# every test runs through both ways of opening a tensor file (small files read whole, large ones mapped)
+pytestmark = pytest.mark.usefixtures("tensor_file_paths")
+
 FILE0 = "calls/000000.safetensors"
 FILE1 = "calls/000001.safetensors"
 
@@ -308,6 +311,21 @@ class TestFileNames:
         (bundle / "calls" / "real.safetensors").write_bytes((bundle / FILE0).read_bytes())
         (bundle / FILE0).unlink()
         (bundle / FILE0).symlink_to("real.safetensors")
+        exercise(bundle)
+
+    def test_the_root_is_resolved_once_per_bundle(self, bundle, monkeypatch):
+        resolved = []
+        real = os.path.realpath
+        monkeypatch.setattr(os.path, "realpath", lambda p, *a, **k: resolved.append(str(p)) or real(p, *a, **k))
+        exercise(bundle)
+        assert load_bundle(bundle).verify() == []
+        # calls/ is resolved once per bundle (two bundles here); each file costs an lstat, not a realpath
+        assert resolved.count(str(bundle.resolve() / "calls")) == 2
+        assert not [p for p in resolved if p.endswith(".safetensors")]
+
+    def test_a_symlinked_calls_dir_inside_is_fine(self, bundle):
+        (bundle / "calls").rename(bundle / "real-calls")
+        (bundle / "calls").symlink_to("real-calls")
         exercise(bundle)
 
 

@@ -13,6 +13,9 @@ import iobundle.replay._tensorfile as tensorfile
 from iobundle import InputObserver, load_bundle
 from iobundle.errors import IntegrityError, TensorFileError
 
+# every test runs through both ways of opening a tensor file (small files read whole, large ones mapped)
+pytestmark = pytest.mark.usefixtures("tensor_file_paths")
+
 FILE0 = "calls/000000.safetensors"
 FILE1 = "calls/000001.safetensors"
 
@@ -83,8 +86,8 @@ def test_verify_false_still_checks_headers(bundle):
 
 def test_hash_is_checked_once_per_file(bundle, monkeypatch):
     calls = []
-    real = tensorfile.sha256_file
-    monkeypatch.setattr(tensorfile, "sha256_file", lambda *a, **k: calls.append(a) or real(*a, **k))
+    real = tensorfile.check_sha256
+    monkeypatch.setattr(tensorfile, "check_sha256", lambda *a, **k: calls.append(a) or real(*a, **k))
     b = load_bundle(bundle)
     for key in b.manifest.tensors:
         b.tensor(key)

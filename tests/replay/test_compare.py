@@ -1,0 +1,165 @@
+"""``compare_outputs``: the fast path (finite floats of one dtype) agrees with the general float64 path."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from iobundle.replay._compare import Comparison, Scratch, compare_outputs
+
+
+def reference(expected: Sequence[Any], obtained: Sequence[Any], *, atol: float, rtol: float) -> Comparison:
+    """The comparison as it was written first: everything in float64, about twenty temporaries."""
+    hist = (0.1, 0.01)
+    result = Comparison(hist=dict.fromkeys(hist, 0))
+    for e, o in zip(expected, obtained):
+        a = e.float().numpy() if isinstance(e, torch.Tensor) and e.element_size() < 4 else np.asarray(e)
+        b = o.float().numpy() if isinstance(o, torch.Tensor) and o.element_size() < 4 else np.asarray(o)
+        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        nan_a, nan_b = np.isnan(a64), np.isnan(b64)
+        dnan = int(np.count_nonzero(nan_a != nan_b))
+        with np.errstate(invalid="ignore"):
+            diff = np.abs(np.where(nan_a | nan_b, 0.0, a64 - b64))
+        diff = np.where(np.isinf(a64) & np.isinf(b64) & (a64 == b64), 0.0, diff)
+        diff = np.where(np.isnan(diff), np.inf, diff)
+        scale = np.abs(np.where(np.isfinite(a64), a64, 0.0))
+        result.dnan += dnan
+        result.abs = max(result.abs, float(diff.max()))
+        result.rel = max(result.rel, float((diff / np.maximum(scale, 1e-12)).max()))
+        result.sum += float(diff.sum())
+        result.n += int(diff.size)
+        for h in hist:
+            result.hist[h] += int(np.count_nonzero(diff > h))
+        if dnan or not bool(((diff <= atol) | (diff <= rtol * scale)).all()):
+            result.success = False
+    return result
+
+
+def assert_agree(got: Comparison, want: Comparison) -> None:
+    assert got.success == want.success
+    assert (got.dnan, got.n, got.hist, got.error) == (want.dnan, want.n, want.hist, want.error)
+    for name in ("abs", "rel", "sum"):
+        g, w = getattr(got, name), getattr(want, name)
+        assert type(g) is float, name
+        assert g == pytest.approx(w, rel=1e-6, abs=1e-12) or (np.isinf(g) and np.isinf(w)), (name, g, w)
+
+
+def rng_pair(
+    dtype: torch.dtype, shape: tuple[int, ...], noise: float, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(shape, generator=g) * 3
+    b = a + torch.randn(shape, generator=g) * noise
+    return a.to(dtype), b.to(dtype)
+
+
+CASES = {
+    "close": (torch.float32, 1e-6),
+    "some-over-atol": (torch.float32, 1e-3),
+    "many-over-rtol": (torch.float32, 1.0),
+    "float64": (torch.float64, 1e-5),
+    "float16": (torch.float16, 1e-2),
+    "bfloat16": (torch.bfloat16, 1e-2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(("atol", "rtol"), [(1e-4, 0.1), (1e-2, 1e-3), (0.0, 0.0)])
+def test_fast_path_agrees_with_float64(case: str, atol: float, rtol: float) -> None:
+    dtype, noise = CASES[case]
+    a, b = rng_pair(dtype, (64, 33), noise)
+    c, d = rng_pair(dtype, (7,), noise, seed=1)
+    got = compare_outputs([a, c], [b, d], atol=atol, rtol=rtol)
+    assert_agree(got, reference([a, c], [b, d], atol=atol, rtol=rtol))
+
+
+def test_bit_exact_is_a_success_with_float_zero_errors() -> None:
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.bool):
+        a = (torch.arange(24).reshape(4, 6) % 5).to(dtype)
+        got = compare_outputs([a], [a.clone().numpy() if dtype != torch.bfloat16 else a.clone()], atol=0.0, rtol=0.0)
+        assert got.success is True, dtype
+        assert (got.abs, got.rel, got.sum, got.n, got.dnan) == (0.0, 0.0, 0.0, 24, 0), dtype
+        assert type(got.abs) is float and type(got.rel) is float and type(got.sum) is float
+
+
+@pytest.mark.parametrize(
+    ("expected", "obtained", "success", "dnan"),
+    [
+        ([1.0, np.nan, 3.0], [1.0, np.nan, 3.0], True, 0),  # NaN on both sides agrees
+        ([1.0, np.nan, 3.0], [1.0, 2.0, 3.0], False, 1),  # NaN on one side only
+        ([1.0, 2.0, 3.0], [1.0, np.nan, 3.0], False, 1),
+        ([np.inf, -np.inf, 1.0], [np.inf, -np.inf, 1.0], True, 0),  # same infinities agree
+        ([np.inf, 1.0], [-np.inf, 1.0], False, 0),  # opposite infinities do not
+        ([np.inf, 1.0], [1e30, 1.0], False, 0),  # inf vs finite
+        ([3e38, -3e38], [-3e38, 3e38], False, 0),  # the float32 difference overflows
+        ([0.0, 1.0], [1e-30, 1.0], True, 0),  # within atol of zero; the relative error is huge
+    ],
+)
+def test_nan_and_inf_agreement(expected: list[float], obtained: list[float], success: bool, dnan: int) -> None:
+    for dtype in (np.float32, np.float64):
+        a, b = np.array(expected, dtype=dtype), np.array(obtained, dtype=dtype)
+        got = compare_outputs([a], [b], atol=1e-4, rtol=0.1)
+        assert got.success is success and got.dnan == dnan, dtype
+        assert_agree(got, reference([a], [b], atol=1e-4, rtol=0.1))
+
+
+def test_tolerance_boundaries_are_decided_as_in_float64() -> None:
+    a = np.array([1.0, 1.0, 100.0, 100.0], dtype=np.float32)
+    b = a + np.array([1e-4, 2e-4, 10.0, 10.001], dtype=np.float32)  # at atol, over it; at rtol, over it
+    for atol, rtol in ((1e-4, 0.0), (0.0, 0.1), (1e-4, 0.1), (2e-4, 0.1)):
+        assert_agree(compare_outputs([a], [b], atol=atol, rtol=rtol), reference([a], [b], atol=atol, rtol=rtol))
+
+
+def test_mixed_float_dtypes_and_integers() -> None:
+    a = np.linspace(-2, 2, 50, dtype=np.float32)
+    assert_agree(
+        compare_outputs([a], [a.astype(np.float64) + 1e-3], atol=1e-4, rtol=0.1),
+        reference([a], [a.astype(np.float64) + 1e-3], atol=1e-4, rtol=0.1),
+    )
+    half = torch.linspace(-2, 2, 50, dtype=torch.float16)
+    got = compare_outputs([half], [half.numpy()], atol=0.0, rtol=0.0)  # torch float16 is upcast, numpy's is not
+    assert got.success and got.abs == 0.0
+    i, j = np.arange(10), np.arange(10)
+    j[3] = 7
+    assert_agree(compare_outputs([i], [j], atol=0.5, rtol=0.0), reference([i], [j], atol=0.5, rtol=0.0))
+
+
+def test_structure_errors_and_none() -> None:
+    a = np.ones(3, dtype=np.float32)
+    assert compare_outputs([a], [a, a], atol=0, rtol=0).error == "2 outputs, expected 1"
+    assert "shape" in compare_outputs([a], [np.ones(4, dtype=np.float32)], atol=0, rtol=0).error
+    assert "dtype" in compare_outputs([a], [np.ones(3, dtype=np.int64)], atol=0, rtol=0).error
+    assert compare_outputs([None, a], [a, a], atol=0, rtol=0).success  # skip_none
+    assert not compare_outputs([None, a], [a, a], atol=0, rtol=0, skip_none=False).success
+    assert compare_outputs([np.ones((0, 3))], [np.ones((0, 3))], atol=0, rtol=0).n == 0
+
+
+def test_scratch_is_reused_across_sizes() -> None:
+    scratch = Scratch()
+    for n in (100, 10, 1000, 10):
+        a, b = rng_pair(torch.float32, (n,), 1e-3, seed=n)
+        got = compare_outputs([a], [b], atol=1e-4, rtol=0.1, scratch=scratch)
+        assert_agree(got, reference([a], [b], atol=1e-4, rtol=0.1))
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_pieces_agree_with_the_whole(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    from iobundle.replay import _compare
+
+    monkeypatch.setattr(_compare, "CHUNK_ELEMENTS", chunk)
+    for case in sorted(CASES):
+        dtype, noise = CASES[case]
+        a, b = rng_pair(dtype, (9, 37), noise)
+        b[8, 36] = a[8, 36]  # an exact last piece
+        for atol, rtol in ((1e-4, 0.1), (0.0, 0.0)):
+            assert_agree(compare_outputs([a], [b], atol=atol, rtol=rtol), reference([a], [b], atol=atol, rtol=rtol))
+    a = np.arange(200, dtype=np.float32)
+    b = a.copy()
+    b[150] = np.nan  # found in a late piece: the whole output goes through the general path
+    got = compare_outputs([a], [b], atol=1e-4, rtol=0.1)
+    assert got.dnan == 1 and not got.success
+    assert_agree(got, reference([a], [b], atol=1e-4, rtol=0.1))
