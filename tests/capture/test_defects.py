@@ -344,6 +344,14 @@ def _is_restored(model: torch.nn.Module) -> bool:
 
 
 class TestObserverBasics:
+    def test_is_empty_until_a_call_succeeds(self) -> None:
+        model, observer = Plain(), InputObserver()
+        assert observer.is_empty() and observer.num_obs() == 0
+        with observer(model):
+            assert observer.is_empty()
+            model(torch.ones(2))
+        assert not observer.is_empty() and observer.num_obs() == 1
+
     def test_signature_stays_visible(self) -> None:
         model, observer = Plain(), InputObserver()
         expected = inspect.signature(model.forward)
