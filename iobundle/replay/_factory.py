@@ -52,5 +52,7 @@ def model_from_factory(reference: str) -> torch.nn.Module:
     except Exception as exc:
         raise ModelLoadError(f"--model {reference!r}: {attr}() raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(model, torch.nn.Module):
-        raise ModelLoadError(f"--model {reference!r}: {attr}() returned a {type(model).__name__}, not a torch.nn.Module.")
+        raise ModelLoadError(
+            f"--model {reference!r}: {attr}() returned a {type(model).__name__}, not a torch.nn.Module."
+        )
     return model

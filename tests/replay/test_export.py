@@ -68,10 +68,19 @@ def _capture(model, bundle: Path) -> InputObserver:
     observer = InputObserver()
     g = torch.Generator().manual_seed(0)
     with observer(model, store_n_calls=4):
-        model(torch.randn(2, 3, generator=g), scale=3, d={"w": {"a": torch.ones(2)}, "v": [torch.randn(5, generator=g)]})
+        model(
+            torch.randn(2, 3, generator=g), scale=3, d={"w": {"a": torch.ones(2)}, "v": [torch.randn(5, generator=g)]}
+        )
         # keywords in another order than the signature
-        model(d={"v": [torch.randn(5, generator=g)], "w": {"a": torch.ones(4)}}, scale=3, x=torch.randn(4, 3, generator=g))
-        model(torch.randn(6, 3, generator=g), bias=torch.randn(4, generator=g), scale=3, d={"w": {"a": torch.ones(3)}, "v": [torch.randn(5, generator=g)]})
+        model(
+            d={"v": [torch.randn(5, generator=g)], "w": {"a": torch.ones(4)}}, scale=3, x=torch.randn(4, 3, generator=g)
+        )
+        model(
+            torch.randn(6, 3, generator=g),
+            bias=torch.randn(4, generator=g),
+            scale=3,
+            d={"w": {"a": torch.ones(3)}, "v": [torch.randn(5, generator=g)]},
+        )
     observer.save(bundle)
     return observer
 
