@@ -28,10 +28,8 @@ file on demand (no cache), checking the file the way ``iobundle.replay`` checks 
 from __future__ import annotations
 
 import bisect
-import json
 import os
 import stat
-import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
@@ -43,6 +41,7 @@ import torch
 
 from iobundle.capture._calls import RecordedCalls
 from iobundle.capture._dtypes import dtype_name
+from iobundle.capture._tensorfile import parse_header, read_exactly, tensor_span
 from iobundle.capture._tree import replace_tensors, tensor_keys
 from iobundle.capture._writer import BundleWriter, call_keys
 from iobundle.errors import BundleWriteError, TensorFileError
@@ -53,9 +52,6 @@ __all__ = ["CallStream", "SnapshotTable", "mark_incomplete", "snapshot_tensor"]
 POOLED_MIN_BYTES = 256 * 1024
 """Tensors at least this large are copied into recycled buffers while streaming (smaller ones come
 from the allocator's heap, which is already warm)."""
-
-MAX_HEADER_BYTES = 100 * 1024**2
-"""Largest safetensors header read back (the bound ``iobundle.replay`` and safetensors use)."""
 
 BUDGET_CALLS = 1.5
 """While the writer still holds buffers of earlier calls, the pool lends at most this many times
@@ -238,63 +234,30 @@ class _FileReader:
             if cached is not None:
                 self._headers.move_to_end(cache_key)
                 return cached
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise TensorFileError(f"{where.path}: too short for a safetensors header.")
-        (header_len,) = struct.unpack("<Q", raw)
-        if header_len > MAX_HEADER_BYTES or header_len > where.file_size - 8:
-            raise TensorFileError(f"{where.path}: header length {header_len} does not fit the file.")
-        text = _read_exactly(f, header_len, where)
-        try:
-            header = json.loads(text)
-        except (ValueError, RecursionError) as exc:
-            raise TensorFileError(f"{where.path}: the safetensors header is not valid JSON ({exc}).") from exc
-        if not isinstance(header, dict):
-            raise TensorFileError(f"{where.path}: the safetensors header is not a JSON object.")
+        name = str(where.path)
+        header, data_start = parse_header(name, where.file_size, lambda n: read_exactly(f, n, name))
         with self._lock:
-            self._headers[cache_key] = (header, 8 + header_len)
+            self._headers[cache_key] = (header, data_start)
             while len(self._headers) > _HEADER_CACHE:
                 self._headers.popitem(last=False)
-        return header, 8 + header_len
+        return header, data_start
 
     def _read_tensor(self, f: Any, where: _OnDisk, header: dict[str, Any], data_start: int) -> torch.Tensor:
-        info = header.get(where.name)
-        if (
-            not isinstance(info, dict)
-            or where.name == "__metadata__"
-            or info.get("dtype") != dtype_name(where.dtype)
-            or info.get("shape") != list(where.shape)
-        ):
-            raise TensorFileError(f"{where.path}: tensor {where.name!r} is not in the file as it was written.")
-        offsets = info.get("data_offsets")
-        nbytes = where.dtype.itemsize
-        for d in where.shape:
-            nbytes *= d
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1] <= where.file_size - data_start
-            or offsets[1] - offsets[0] != nbytes
-        ):
-            raise TensorFileError(f"{where.path}: tensor {where.name!r} has invalid data_offsets {offsets!r}.")
+        name = str(where.path)
+        begin, end = tensor_span(
+            name,
+            header,
+            where.name,
+            dtype=dtype_name(where.dtype),
+            shape=where.shape,
+            data_len=where.file_size - data_start,
+            expected_by="when it was written",
+        )
         out = torch.empty(where.shape, dtype=where.dtype)
-        if nbytes:
-            f.seek(data_start + offsets[0])
-            _read_exactly(f, nbytes, where, into=memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B"))
+        if end > begin:
+            f.seek(data_start + begin)
+            read_exactly(f, end - begin, name, into=memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B"))
         return out
-
-
-def _read_exactly(f: Any, n: int, where: _OnDisk, *, into: memoryview | None = None) -> bytes:
-    """Read ``n`` bytes from ``f`` (into ``into`` when given)."""
-    view = into if into is not None else memoryview(bytearray(n))
-    done = 0
-    while done < n:
-        got = f.readinto(view[done:])
-        if not got:
-            raise TensorFileError(f"{where.path}: changed while it was being read (cut short).")
-        done += got
-    return b"" if into is not None else bytes(view)
 
 
 class SnapshotTable(MutableMapping[str, torch.Tensor]):

@@ -1,4 +1,12 @@
-"""Write standard safetensors files, hashing the bytes while they are written."""
+"""Write standard safetensors files, hashing the bytes while they are written; check their headers when reading.
+
+The reading half is shared by ``iobundle.replay`` (a stranger's bundle) and the streaming
+observer (reading back files this process wrote, which anyone may have touched since): the
+header length fits in the file and under :data:`MAX_HEADER_BYTES`, the header is a JSON object,
+and each tensor is there with the expected dtype and shape and a byte span inside the data area
+of exactly the right length. Every failure is a :class:`~iobundle.errors.TensorFileError` naming
+the file (and the tensor).
+"""
 
 from __future__ import annotations
 
@@ -6,17 +14,21 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from iobundle._atomic import write_atomically
-from iobundle.capture._dtypes import dtype_name
-from iobundle.errors import UnsupportedInputError
+from iobundle.capture._dtypes import NAME_TO_DTYPE, dtype_name
+from iobundle.errors import TensorFileError, UnsupportedInputError
 from iobundle.schema import FileEntry
 
-__all__ = ["tensor_bytes", "write_tensor_file"]
+__all__ = ["MAX_HEADER_BYTES", "parse_header", "read_exactly", "tensor_bytes", "tensor_span", "write_tensor_file"]
+
+MAX_HEADER_BYTES = 100 * 1024**2
+"""Largest safetensors header read (the safetensors library uses the same bound)."""
 
 _ALIGN = 8
 
@@ -118,3 +130,110 @@ def write_tensor_file(
         durable=durable,
     )
     return FileEntry(size=size, sha256=digest.hexdigest())
+
+
+def read_exactly(f: Any, n: int, name: str, *, into: memoryview | None = None) -> bytes:
+    """Read ``n`` bytes from ``f`` (into ``into`` when given), however short each read is.
+
+    Raises:
+        TensorFileError: The file ends first.
+    """
+    view = into if into is not None else memoryview(bytearray(n))
+    done = 0
+    while done < n:
+        got = f.readinto(view[done:])
+        if not got:
+            raise TensorFileError(f"{name}: changed while it was being read (cut short).")
+        done += got
+    return b"" if into is not None else bytes(view)
+
+
+def parse_header(name: str, size: int, read: Callable[[int], bytes]) -> tuple[dict[str, Any], int]:
+    """Return ``(header, data_start)`` of the safetensors file ``name`` of ``size`` bytes whose start ``read`` returns.
+
+    Raises:
+        TensorFileError: The header length is past the end of the file or over :data:`MAX_HEADER_BYTES`,
+            or the header is not a JSON object.
+    """
+    if size < 8:
+        raise TensorFileError(f"{name}: {size} bytes, too short for a safetensors header.")
+    raw = read(8)
+    if len(raw) != 8:
+        raise TensorFileError(f"{name}: changed while it was being read (header cut short).")
+    (header_len,) = struct.unpack("<Q", raw)
+    if header_len > MAX_HEADER_BYTES or header_len > size - 8:
+        raise TensorFileError(
+            f"{name}: header length {header_len} is past the end of the file ({size} bytes) "
+            f"or over the limit of {MAX_HEADER_BYTES} bytes. The file is truncated or not a safetensors file."
+        )
+    header_bytes = read(header_len)
+    if len(header_bytes) != header_len:
+        raise TensorFileError(f"{name}: changed while it was being read (header cut short).")
+    try:
+        header = json.loads(header_bytes)
+    except (ValueError, RecursionError) as exc:
+        raise TensorFileError(f"{name}: the safetensors header is not valid JSON ({exc}).") from exc
+    if not isinstance(header, dict):
+        raise TensorFileError(f"{name}: the safetensors header is not a JSON object.")
+    return header, 8 + header_len
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def tensor_span(
+    name: str,
+    header: dict[str, Any],
+    tensor: str,
+    *,
+    dtype: str | None,
+    shape: Sequence[int],
+    data_len: int,
+    key: str | None = None,
+    expected_by: str = "in the manifest",
+) -> tuple[int, int]:
+    """Check the entry of ``tensor`` in the header of file ``name``; return its ``[begin, end)`` span in the data area.
+
+    Args:
+        name: The file, as messages name it.
+        header: Its parsed header (:func:`parse_header`).
+        tensor: The tensor's name in the file.
+        dtype: The safetensors dtype name it must have (None: a dtype no file holds, so never found).
+        shape: The shape it must have.
+        data_len: Bytes in the file's data area, which the span must stay inside.
+        key: The tensor's key in the manifest, when it differs from the name in the file.
+        expected_by: Where ``dtype`` and ``shape`` come from, for the message.
+
+    Raises:
+        TensorFileError: The tensor is missing, its dtype or shape differs, or its data_offsets are
+            not two integers spanning exactly its bytes inside the data area.
+    """
+    label = f"tensor {tensor!r}" + (f" (key {key!r})" if key is not None else "")
+    info = header.get(tensor)
+    if not isinstance(info, dict) or tensor == "__metadata__":
+        raise TensorFileError(f"{name}: {label} is not in the file.")
+    found_dtype, found_shape = info.get("dtype"), info.get("shape")
+    if (
+        dtype is None
+        or found_dtype != dtype
+        or not isinstance(found_shape, list)
+        or not all(_is_int(d) for d in found_shape)
+        or found_shape != list(shape)
+    ):
+        raise TensorFileError(
+            f"{name}: {label} is {found_dtype!r} {found_shape!r} in the file, {dtype} {list(shape)} {expected_by}."
+        )
+    offsets = info.get("data_offsets")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
+        raise TensorFileError(f"{name}: {label} has invalid data_offsets {offsets!r}.")
+    begin, end = offsets
+    expected = NAME_TO_DTYPE[dtype].itemsize
+    for d in shape:
+        expected *= d
+    if not 0 <= begin <= end <= data_len or end - begin != expected:
+        raise TensorFileError(
+            f"{name}: {label} spans bytes [{begin}, {end}) but needs {expected} bytes "
+            f"inside a data area of {data_len} bytes."
+        )
+    return begin, end

@@ -7,9 +7,11 @@ The order of the checks is what makes reading a hostile file safe:
 2. the file is a regular file (a FIFO or a device would block or never end), opened without
    blocking, and its size is the one the manifest records; its sha256 too, the first time it
    is read, unless verification is off;
-3. the header length fits in the file and under :data:`MAX_HEADER_BYTES`, the header is a JSON
-   object, and every tensor the manifest puts in this file is there with the manifest's dtype
-   and shape and a byte span inside the data area of exactly the right length;
+3. the header length fits in the file and under
+   :data:`iobundle.capture._tensorfile.MAX_HEADER_BYTES`, the header is a JSON object, and every
+   tensor the manifest puts in this file is there with the manifest's dtype and shape and a byte
+   span inside the data area of exactly the right length (the checks
+   :mod:`iobundle.capture._tensorfile` shares with the streaming observer's read-back);
 4. only then is the file memory-mapped. A mapping past the end of a file is a SIGBUS, not an
    exception, so nothing is mapped before the size checks.
 
@@ -20,33 +22,27 @@ mapped: a bundle of many thousands of calls can be read without running out of d
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import stat
-import struct
 import threading
-from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
 
 from iobundle.capture._dtypes import NAME_TO_DTYPE
+from iobundle.capture._tensorfile import parse_header, tensor_span
 from iobundle.errors import IntegrityError, TensorFileError, UnsafeBundleError
 from iobundle.schema import FileEntry, Manifest, TensorEntry
 
 __all__ = [
-    "MAX_HEADER_BYTES",
     "BundleRoot",
     "BundleTensorStore",
     "check_file",
     "check_file_header",
     "safe_member_path",
 ]
-
-MAX_HEADER_BYTES = 100 * 1024**2
-"""Largest safetensors header read (the safetensors library uses the same bound)."""
 
 _CHUNK = 1 << 22
 
@@ -199,37 +195,12 @@ def check_sha256(name: str, entry: FileEntry, digest: str) -> None:
         )
 
 
-def _parse_header(name: str, size: int, read: Callable[[int], bytes]) -> tuple[dict[str, Any], int]:
-    """Return ``(header, data_start)`` of a safetensors file of ``size`` bytes whose start ``read`` returns."""
-    if size < 8:
-        raise TensorFileError(f"{name}: {size} bytes, too short for a safetensors header.")
-    raw = read(8)
-    if len(raw) != 8:
-        raise TensorFileError(f"{name}: changed while it was being read (header cut short).")
-    (header_len,) = struct.unpack("<Q", raw)
-    if header_len > MAX_HEADER_BYTES or header_len > size - 8:
-        raise TensorFileError(
-            f"{name}: header length {header_len} is past the end of the file ({size} bytes) "
-            f"or over the limit of {MAX_HEADER_BYTES} bytes. The file is truncated or not a safetensors file."
-        )
-    header_bytes = read(header_len)
-    if len(header_bytes) != header_len:
-        raise TensorFileError(f"{name}: changed while it was being read (header cut short).")
-    try:
-        header = json.loads(header_bytes)
-    except (ValueError, RecursionError) as exc:
-        raise TensorFileError(f"{name}: the safetensors header is not valid JSON ({exc}).") from exc
-    if not isinstance(header, dict):
-        raise TensorFileError(f"{name}: the safetensors header is not a JSON object.")
-    return header, 8 + header_len
-
-
 def _read_header(path: Path, name: str) -> tuple[dict[str, Any], int, int]:
     """Return ``(header, data_start, file_size)`` of a safetensors file, reading nothing past the header."""
     fd, size = _open_regular(path, name)
     try:
         with os.fdopen(fd, "rb") as f:
-            header, data_start = _parse_header(name, size, f.read)
+            header, data_start = parse_header(name, size, f.read)
     except OSError as exc:
         raise TensorFileError(f"{name}: cannot be read ({exc.strerror or exc}).") from exc
     return header, data_start, size
@@ -261,40 +232,9 @@ def _read_small(path: Path, name: str, entry: FileEntry, *, hash_check: bool) ->
     return data
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _tensor_span(name: str, header: dict[str, Any], entry: TensorEntry, key: str, data_len: int) -> tuple[int, int]:
     """Check one tensor of the header against its manifest entry; return its byte span in the data area."""
-    info = header.get(entry.name)
-    if not isinstance(info, dict) or entry.name == "__metadata__":
-        raise TensorFileError(f"{name}: tensor {entry.name!r} (key {key!r}) is not in the file.")
-    found_dtype, found_shape = info.get("dtype"), info.get("shape")
-    if (
-        found_dtype != entry.dtype
-        or not isinstance(found_shape, list)
-        or not all(_is_int(d) for d in found_shape)
-        or found_shape != entry.shape
-    ):
-        raise TensorFileError(
-            f"{name}: tensor {entry.name!r} (key {key!r}) is {found_dtype!r} {found_shape!r} in the file, "
-            f"{entry.dtype} {entry.shape} in the manifest."
-        )
-    offsets = info.get("data_offsets")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
-        raise TensorFileError(f"{name}: tensor {entry.name!r} (key {key!r}) has invalid data_offsets {offsets!r}.")
-    begin, end = offsets
-    numel = 1
-    for d in entry.shape:
-        numel *= d
-    expected = numel * NAME_TO_DTYPE[entry.dtype].itemsize
-    if not 0 <= begin <= end <= data_len or end - begin != expected:
-        raise TensorFileError(
-            f"{name}: tensor {entry.name!r} (key {key!r}) spans bytes [{begin}, {end}) but needs {expected} bytes "
-            f"inside a data area of {data_len} bytes."
-        )
-    return begin, end
+    return tensor_span(name, header, entry.name, dtype=entry.dtype, shape=entry.shape, data_len=data_len, key=key)
 
 
 def check_file_header(
@@ -334,7 +274,7 @@ class _OpenFile:
             position += n
             return bytes(data[position - n : position])
 
-        header, data_start = _parse_header(name, len(data), read)
+        header, data_start = parse_header(name, len(data), read)
         self = cls.__new__(cls)
         self.name = name
         self.data_start = data_start

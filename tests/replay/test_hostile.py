@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+import iobundle.capture._tensorfile as capture_tensorfile
 import iobundle.replay._tensorfile as replay_tensorfile
 import iobundle.schema._io as schema_io
 from iobundle import InputObserver, load_bundle
@@ -402,7 +403,7 @@ class TestTensorFiles:
             exercise(bundle)
 
     def test_header_over_limit(self, bundle, monkeypatch):
-        monkeypatch.setattr(replay_tensorfile, "MAX_HEADER_BYTES", 16)
+        monkeypatch.setattr(capture_tensorfile, "MAX_HEADER_BYTES", 16)
         with pytest.raises(TensorFileError, match=f"{FILE0}: header length .* over the limit of 16 bytes"):
             exercise(bundle)
 
