@@ -142,7 +142,8 @@ class RecordedCallsAPI:
 
     def export_report(self) -> ExportReport | None:
         """The per-call report of the last :meth:`export`, or None."""
-        return getattr(self._recorded(), "last_export_report", None)
+        report: ExportReport | None = self._recorded().last_export_report
+        return report
 
     def to_onnx(
         self,

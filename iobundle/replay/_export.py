@@ -332,7 +332,7 @@ def export_program(
     ep, plan, report = _export(rc, model, batch=set_batch_dimension_for, strict=strict)
     with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
         _check_calls(rc, plan, ep.module(), atol=atol, rtol=rtol, report=report)
-    rc.last_export_report = report  # type: ignore[attr-defined]
+    rc.last_export_report = report
     ep.iobundle_report = report  # type: ignore[attr-defined]
     ep.iobundle_plan = plan  # type: ignore[attr-defined]
     if check and not report.ok:
