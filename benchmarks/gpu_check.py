@@ -152,22 +152,13 @@ def decode_checks(device: Any, reps: int, workdir: Path, new_tokens: int) -> dic
     )
     out["demo_decoder"]["calls"] = tokens + 1
     try:
-        from transformers import LlamaConfig, LlamaForCausalLM
         from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model
     except ImportError as exc:
         out["tiny_llama"] = {"skipped": f"transformers unavailable ({exc})"}
         return out
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    llama = LlamaForCausalLM(config).eval().to(device)
+    from run import tiny_llama  # benchmarks/ is this script's directory
+
+    llama = tiny_llama().to(device)
     register_cache_pytrees_for_model(llama)  # the reference needs it to flatten a DynamicCache
     ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0)).to(device)
 

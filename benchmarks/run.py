@@ -576,7 +576,8 @@ def figure_1b(cfg: Config, workdir: Path) -> Figure:
     return fig
 
 
-def _tiny_llama() -> Any:
+def tiny_llama() -> Any:
+    """The tiny Llama of figure 1c (also used by gpu_check.py)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -607,7 +608,7 @@ def figure_1c(cfg: Config, workdir: Path) -> Figure:
         "plain",
         "time / plain generate() (paired by repetition)",
     )
-    model = _tiny_llama()
+    model = tiny_llama()
     prompt = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
     # torch.onnx.InputObserver flattens with torch pytree, which knows no transformers 5 cache:
     # register them the way transformers does for torch.export, else the reference fails on DynamicCache.
