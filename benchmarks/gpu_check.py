@@ -201,7 +201,7 @@ def d2h_checks(device: Any, reps: int, workdir: Path, mib: int) -> dict[str, Any
     results["pageable_prefaulted_copy"] = bandwidth(lambda: pageable.copy_(src))
     results["to_cpu_fresh"] = bandwidth(lambda: src.to("cpu"))
     try:
-        from iobundle.capture._tensorfile import tensor_bytes
+        from iobundle.calls import tensor_bytes
     except ImportError as exc:
         results["iobundle_tensor_bytes"] = {"error": f"not available ({exc})"}
     else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from iobundle._version import __version__
 from iobundle.errors import (
     AlignmentError,
     BundleError,
@@ -28,8 +29,6 @@ from iobundle.errors import (
     UnsupportedFormatVersionError,
     UnsupportedInputError,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     # Capture and replay
@@ -60,10 +59,10 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from iobundle.capture import InputObserver
+    from iobundle.observer import InputObserver
     from iobundle.replay import Bundle, load_bundle
 
-_LAZY = {"InputObserver": "iobundle.capture", "Bundle": "iobundle.replay", "load_bundle": "iobundle.replay"}
+_LAZY = {"InputObserver": "iobundle.observer", "Bundle": "iobundle.replay", "load_bundle": "iobundle.replay"}
 
 
 def __getattr__(name: str) -> Any:

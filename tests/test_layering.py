@@ -24,6 +24,7 @@ def _loaded_after(code: str) -> list[str]:
         ("iobundle.errors", ("torch", "pydantic", "numpy", *ONNX_STACK)),
         ("iobundle", ("torch", "pydantic", "numpy", "safetensors", *ONNX_STACK)),
         ("iobundle.schema", ("torch", "numpy", "safetensors", *ONNX_STACK)),
+        ("iobundle.calls", (*ONNX_STACK, "transformers")),
         ("iobundle.capture", (*ONNX_STACK, "transformers")),
         ("iobundle.cli", ("torch", "numpy", "safetensors", *ONNX_STACK)),
     ],

@@ -10,7 +10,16 @@ import pytest
 import iobundle
 import iobundle.errors
 
-PACKAGES = ["iobundle", "iobundle.errors", "iobundle.schema", "iobundle.capture", "iobundle.replay", "iobundle.cli"]
+PACKAGES = [
+    "iobundle",
+    "iobundle.errors",
+    "iobundle.schema",
+    "iobundle.calls",
+    "iobundle.capture",
+    "iobundle.replay",
+    "iobundle.observer",
+    "iobundle.cli",
+]
 
 
 @pytest.mark.parametrize("name", PACKAGES)
@@ -28,7 +37,7 @@ def test_documented_names_are_exported(name: str) -> None:
 
 
 def test_lazy_names_are_the_real_objects() -> None:
-    from iobundle.capture import InputObserver
+    from iobundle.observer import InputObserver
     from iobundle.replay import Bundle, load_bundle
 
     assert iobundle.InputObserver is InputObserver

@@ -39,10 +39,15 @@ from typing import Any
 
 import torch
 
-from iobundle.capture._calls import RecordedCalls
-from iobundle.capture._dtypes import dtype_name
-from iobundle.capture._tensorfile import parse_header, read_exactly, tensor_span
-from iobundle.capture._tree import replace_tensors, tensor_keys
+from iobundle.calls import (
+    RecordedCalls,
+    dtype_name,
+    parse_header,
+    read_exactly,
+    replace_tensors,
+    tensor_keys,
+    tensor_span,
+)
 from iobundle.capture._writer import BundleWriter, call_keys
 from iobundle.errors import BundleWriteError, TensorFileError
 from iobundle.schema import CallEntry, Manifest, Node, OpaqueNode, TensorNode

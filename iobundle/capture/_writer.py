@@ -12,12 +12,9 @@ from pathlib import Path
 
 import torch
 
-from iobundle import __version__
 from iobundle._atomic import fsync_dir, fsync_files
-from iobundle.capture._calls import RecordedCalls
-from iobundle.capture._dtypes import dtype_name
-from iobundle.capture._tensorfile import write_tensor_file
-from iobundle.capture._tree import tensor_keys
+from iobundle._version import __version__
+from iobundle.calls import RecordedCalls, dtype_name, tensor_keys, write_tensor_file
 from iobundle.errors import BundleExistsError, BundleWriteError, IobundleError
 from iobundle.schema import (
     MANIFEST_FILENAME,

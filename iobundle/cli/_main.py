@@ -274,7 +274,7 @@ def _add_batch_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _version() -> str:
-    from iobundle import __version__
+    from iobundle._version import __version__
 
     return __version__
 

@@ -49,7 +49,7 @@ MAX_DEPTH = 4
 WIDTH = 100
 """Dynamic shapes longer than this are spread over several lines."""
 
-# Child labels of registered classes whose layout is known (see iobundle/capture/_transformers.py):
+# Child labels of registered classes whose layout is known (see iobundle/calls/_transformers.py):
 # a layer of a cache is a group of children, shown once with the number of layers.
 _LAYER_LABELS = {
     "transformers.DynamicCache": ("k", "v"),

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from iobundle.capture import InputObserver
 from iobundle.demo._model import demo_model, generate
+from iobundle.observer import InputObserver
 
 __all__ = ["DEMO_FACTORY", "capture_demo"]
 

@@ -52,7 +52,7 @@ def capture_llama_demo(
     Returns:
         The bundle's path and the number of calls recorded (one prefill, then one per new token).
     """
-    from iobundle.capture import InputObserver
+    from iobundle.observer import InputObserver
 
     model = tiny_llama()
     prompt = torch.randint(
@@ -105,8 +105,7 @@ def run_llama_demo(
     """
     import transformers
 
-    from iobundle.replay import load_bundle
-    from iobundle.replay._model_load import load_bundle_model
+    from iobundle.replay import load_bundle, load_bundle_model
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,9 @@
-"""Open bundles offline; infer, export (torch.export, ONNX) and validate (onnxruntime) from them."""
+"""Open bundles offline; align and infer, export (torch.export, ONNX) and validate (onnxruntime) from them.
+
+:class:`RecordedCallsAPI` is the inference, export and validation API over recorded calls;
+:class:`Bundle` offers it from disk and :class:`iobundle.InputObserver` from memory, so both
+run the same code. Needs torch, onnx, onnxruntime and onnxscript.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,9 @@ __all__ = [
     "Bundle",
     "CallCheck",
     "ExportReport",
+    "ObservationInfo",
+    "RecordedCallsAPI",
+    "RecordedInputs",
     "ValidationReport",
     "check_discrepancies",
     "export_onnx",
@@ -16,8 +24,10 @@ __all__ = [
     "validate_onnx",
 ]
 
+from iobundle.replay._api import RecordedCallsAPI
 from iobundle.replay._bundle import Bundle, load_bundle
 from iobundle.replay._export import CallCheck, ExportReport, export_onnx, export_program
 from iobundle.replay._factory import model_from_factory
+from iobundle.replay._info import ObservationInfo, RecordedInputs
 from iobundle.replay._model_load import load_bundle_model
 from iobundle.replay._validate import ValidationReport, check_discrepancies, validate_onnx

@@ -6,11 +6,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from iobundle.capture._api import RecordedCallsAPI
-from iobundle.capture._calls import RecordedCalls
-from iobundle.capture._dtypes import NAME_TO_DTYPE
-from iobundle.capture._tree import build_value, iter_tensor_nodes
+from iobundle.calls import NAME_TO_DTYPE, RecordedCalls, build_value, iter_tensor_nodes
 from iobundle.errors import IobundleError, UnsafeBundleError
+from iobundle.replay._api import RecordedCallsAPI
 from iobundle.replay._tensorfile import BundleRoot, BundleTensorStore, check_file, check_file_header
 from iobundle.schema import CallEntry, Manifest, load_manifest
 

@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 
-from iobundle.capture._calls import RecordedCalls
-from iobundle.capture._inference import (
+from iobundle.calls import RecordedCalls, TensorCollector, record_value, tensor_keys
+from iobundle.errors import ExportError
+from iobundle.replay._compare import compare_outputs
+from iobundle.replay._inference import (
     Alignment,
     align_calls,
     flat_dynamic_dims,
@@ -25,9 +27,6 @@ from iobundle.capture._inference import (
     placeholder_inputs,
     select_call,
 )
-from iobundle.capture._tree import TensorCollector, record_value, tensor_keys
-from iobundle.errors import ExportError
-from iobundle.replay._compare import compare_outputs
 from iobundle.schema import ObjectNode
 
 __all__ = [
@@ -232,9 +231,9 @@ def export_context(
     """
     with contextlib.ExitStack() as stack:
         if _uses_transformers(rc):
-            from iobundle.capture._transformers import torch_pytree_nodes
+            from iobundle.calls import transformers_pytree_nodes
 
-            stack.enter_context(torch_pytree_nodes())
+            stack.enter_context(transformers_pytree_nodes())
             report.options.append("transformers pytree nodes registered")
         if oblivious:
             import torch.fx.experimental._config as fx_config

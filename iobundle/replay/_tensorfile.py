@@ -8,10 +8,10 @@ The order of the checks is what makes reading a hostile file safe:
    blocking, and its size is the one the manifest records; its sha256 too, the first time it
    is read, unless verification is off;
 3. the header length fits in the file and under
-   :data:`iobundle.capture._tensorfile.MAX_HEADER_BYTES`, the header is a JSON object, and every
+   :data:`iobundle.calls._tensorfile.MAX_HEADER_BYTES`, the header is a JSON object, and every
    tensor the manifest puts in this file is there with the manifest's dtype and shape and a byte
    span inside the data area of exactly the right length (the checks
-   :mod:`iobundle.capture._tensorfile` shares with the streaming observer's read-back);
+   :mod:`iobundle.calls._tensorfile` shares with the streaming observer's read-back);
 4. only then is the file memory-mapped. A mapping past the end of a file is a SIGBUS, not an
    exception, so nothing is mapped before the size checks.
 
@@ -31,8 +31,7 @@ from typing import Any
 
 import torch
 
-from iobundle.capture._dtypes import NAME_TO_DTYPE
-from iobundle.capture._tensorfile import parse_header, tensor_span
+from iobundle.calls import NAME_TO_DTYPE, parse_header, tensor_span
 from iobundle.errors import IntegrityError, TensorFileError, UnsafeBundleError
 from iobundle.schema import FileEntry, Manifest, TensorEntry
 

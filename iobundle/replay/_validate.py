@@ -14,12 +14,11 @@ import numpy as np
 import onnx
 import torch
 
-from iobundle.capture._calls import RecordedCalls
-from iobundle.capture._inference import align_calls, aligned_tensors, placeholder_inputs
-from iobundle.capture._tree import tensor_keys
+from iobundle.calls import RecordedCalls, tensor_keys
 from iobundle.errors import ModelLoadError, ReplayError
 from iobundle.replay._compare import Scratch, compare_outputs
 from iobundle.replay._export import INPUT_SLOTS_KEY, OUTPUT_NAMES_KEY
+from iobundle.replay._inference import align_calls, aligned_tensors, placeholder_inputs
 
 __all__ = ["ValidationReport", "check_discrepancies", "validate_onnx"]
 

@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from iobundle import BundleExistsError, CaptureError, InputObserver, TensorFileError, load_bundle
+from iobundle.calls._tensorfile import write_tensor_file
+from iobundle.calls._tree import tensor_keys
 from iobundle.capture import _writer
 from iobundle.capture._stream import POOLED_MIN_BYTES, BufferPool, SnapshotTable
-from iobundle.capture._tensorfile import write_tensor_file
-from iobundle.capture._tree import tensor_keys
 from iobundle.capture._writer import call_keys
 
 DYN = torch.export.Dim.DYNAMIC
@@ -401,7 +401,7 @@ ZYGOTE = textwrap.dedent(
     """
     import os, signal, sys, time
     import torch
-    from iobundle.capture import InputObserver
+    from iobundle.observer import InputObserver
 
 
     def capture(path, size, slow, durable):

@@ -12,7 +12,7 @@ import safetensors.torch
 import torch
 
 from iobundle import InputObserver, load_bundle
-from iobundle.capture._tensorfile import write_tensor_file
+from iobundle.calls._tensorfile import write_tensor_file
 from iobundle.errors import UnsupportedInputError
 
 DTYPES = [

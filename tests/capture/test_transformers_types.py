@@ -26,8 +26,8 @@ from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer, DynamicS
 from transformers.modeling_outputs import CausalLMOutputWithPast, Seq2SeqLMOutput
 from transformers.utils import ModelOutput
 
-from iobundle.capture._registry import find_node_type, lookup_node_type
-from iobundle.capture._transformers import register_all, torch_pytree_nodes
+from iobundle.calls._registry import find_node_type, lookup_node_type
+from iobundle.calls._transformers import register_all, torch_pytree_nodes
 from iobundle.errors import UnsupportedInputError
 
 pytestmark = pytest.mark.slow

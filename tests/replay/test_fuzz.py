@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
 from iobundle import InputObserver, load_bundle
-from iobundle.capture._dtypes import NAME_TO_DTYPE
+from iobundle.calls._dtypes import NAME_TO_DTYPE
 from iobundle.errors import IobundleError
 
 N_EXAMPLES = int(os.environ.get("IOBUNDLE_FUZZ_EXAMPLES", "200"))

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-import iobundle.capture._tensorfile as capture_tensorfile
+import iobundle.calls._tensorfile as capture_tensorfile
 import iobundle.replay._tensorfile as replay_tensorfile
 import iobundle.schema._io as schema_io
 from iobundle import InputObserver, load_bundle

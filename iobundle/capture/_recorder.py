@@ -1,4 +1,4 @@
-"""``InputObserver``: record the calls of a model's method, infer export arguments, save a bundle."""
+"""``CallRecorder``: record the calls of a model's method in memory or streamed to a bundle; save a bundle."""
 
 from __future__ import annotations
 
@@ -12,20 +12,23 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from iobundle.capture._api import RecordedCallsAPI
-from iobundle.capture._calls import RecordedCalls, signature_entry
-from iobundle.capture._record import record_inputs
+from iobundle.calls import (
+    RecordedCalls,
+    TensorCollector,
+    record_inputs,
+    record_value,
+    signature_entry,
+)
 from iobundle.capture._stream import CallStream, SnapshotTable
-from iobundle.capture._tree import TensorCollector, build_value, record_value, tensor_keys
 from iobundle.capture._writer import BundleWriter, save_recorded_calls
 from iobundle.errors import BundleExistsError, CaptureError, IobundleError
 from iobundle.schema import CallEntry, Manifest, MissingValueEntry, Node
 
-__all__ = ["InputObserver", "ObservationInfo", "ObservationWarning"]
+__all__ = ["CallRecorder", "ObservationWarning"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,82 +51,19 @@ def _same_path(a: Path, b: Path) -> bool:
         return a == b
 
 
-class RecordedInputs:
-    """The inputs of one recorded call, as the model received them (absent ones filled by ``value_if_missing``)."""
-
-    def __init__(self, rc: RecordedCalls, call: CallEntry) -> None:
-        self._rc = rc
-        self.call = call
-
-    @property
-    def args(self) -> tuple[Any, ...]:
-        return tuple(build_value(a, self._rc.store.get, path=f"args[{i}]") for i, a in enumerate(self.call.args))
-
-    @property
-    def kwargs(self) -> dict[str, Any]:
-        return {k: build_value(v, self._rc.store.get, path=k) for k, v in self.call.kwargs.items()}
-
-    @property
-    def cst_kwargs(self) -> dict[str, Any]:
-        return dict(self.call.cst_kwargs)
-
-    @property
-    def flat_list(self) -> list[torch.Tensor]:
-        keys = [k for a in self.call.args for k in tensor_keys(a)]
-        keys += [k for v in self.call.kwargs.values() for k in tensor_keys(v)]
-        return [self._rc.store.get(k) for k in keys]
+_R = TypeVar("_R", bound="CallRecorder")
 
 
-class ObservationInfo:
-    """Per-call records of the successful calls: ``inputs``, ``flat_outputs``, ``latencies``.
+class CallRecorder:
+    """Record the calls a model's method receives, in memory or streamed to a bundle; save them as a bundle.
 
-    ``calls`` lists every recorded call, failed ones included.
-    """
-
-    def __init__(self, rc: RecordedCalls) -> None:
-        self._rc = rc
-
-    def __len__(self) -> int:
-        return len(self._rc.ok_calls)
-
-    @property
-    def calls(self) -> list[CallEntry]:
-        return list(self._rc.calls)
-
-    @property
-    def inputs(self) -> list[RecordedInputs]:
-        return [RecordedInputs(self._rc, c) for c in self._rc.ok_calls]
-
-    @property
-    def flat_outputs(self) -> list[list[torch.Tensor]]:
-        return [[self._rc.store.get(k) for k in tensor_keys(c.outputs)] if c.outputs else [] for c in self._rc.ok_calls]
-
-    @property
-    def outputs(self) -> list[Any]:
-        return [build_value(c.outputs, self._rc.store.get) if c.outputs else None for c in self._rc.ok_calls]
-
-    @property
-    def latencies(self) -> list[float]:
-        return [c.latency or 0.0 for c in self._rc.ok_calls]
-
-
-class InputObserver(RecordedCallsAPI):
-    """Record the calls a model's method receives; infer export arguments and dynamic shapes; save a bundle.
-
-    A drop-in replacement for ``torch.onnx.InputObserver`` that can also write what it saw to disk.
+    The recording half of :class:`iobundle.observer.InputObserver`, which adds inference, export
+    and validation on top of it.
 
     Args:
         value_if_missing: Placeholders for arguments present only in some calls, by name or position
             (``{"pixel_values": torch.empty((0, 3, 224, 224))}``). They serve argument and shape
             inference only; the model never receives them.
-
-    Example:
-        >>> observer = InputObserver()
-        >>> with observer(model, store_n_calls=4):
-        ...     model.generate(input_ids, max_new_tokens=3)
-        >>> observer.save("run.iobundle")
-        >>> ep = torch.export.export(model, (), kwargs=observer.infer_arguments(),
-        ...                          dynamic_shapes=observer.infer_dynamic_shapes())
     """
 
     def __init__(self, value_if_missing: dict[str | int, Any] | None = None) -> None:
@@ -144,7 +84,7 @@ class InputObserver(RecordedCallsAPI):
 
     @contextlib.contextmanager
     def __call__(
-        self,
+        self: _R,
         model: torch.nn.Module | Any,
         store_n_calls: int = 3,
         method_name: str = "forward",
@@ -152,7 +92,7 @@ class InputObserver(RecordedCallsAPI):
         stream_to: str | os.PathLike[str] | None = None,
         overwrite: bool = False,
         durable: bool = False,
-    ) -> Iterator[InputObserver]:
+    ) -> Iterator[_R]:
         """Replace ``model.<method_name>`` by a recording wrapper for the duration of the block.
 
         The first ``store_n_calls`` calls made inside the block are recorded (inputs copied before
@@ -422,11 +362,6 @@ class InputObserver(RecordedCallsAPI):
         """Return the number of successfully recorded calls (0 before any observation)."""
         return 0 if self._rc is None else len(self._rc.ok_calls)
 
-    @property
-    def info(self) -> ObservationInfo:
-        """Per-call records: ``len(info)``, ``info.inputs``, ``info.flat_outputs``, ``info.latencies``."""
-        return ObservationInfo(self._recorded())
-
     def save(
         self,
         path: str | os.PathLike[str],
@@ -438,7 +373,7 @@ class InputObserver(RecordedCallsAPI):
 
         With ``include_model`` the bundle is self-contained: it also stores the model's config
         (``model/config.json``) and weights (``model/weights.safetensors``), and
-        ``iobundle.replay._model_load.load_bundle_model`` rebuilds the model from them. Only
+        ``iobundle.replay.load_bundle_model`` rebuilds the model from them. Only
         transformers models can be stored (a config rebuilds them).
 
         Args:

@@ -23,13 +23,14 @@ from typing import Any
 
 import torch
 
-from iobundle.capture._calls import RecordedCalls, positional_names
-from iobundle.capture._registry import lookup_node_type
-from iobundle.capture._tree import (
+from iobundle.calls import (
+    RecordedCalls,
     build_value,
     count_leaves,
     count_tensors,
+    lookup_node_type,
     map_structure,
+    positional_names,
     replace_tensors,
     tensor_keys,
 )

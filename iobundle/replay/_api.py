@@ -8,17 +8,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from iobundle.capture import _inference
-from iobundle.capture._calls import RecordedCalls
-from iobundle.capture._record import record_inputs
-from iobundle.capture._tree import TensorCollector, replace_tensors, tensor_keys
+from iobundle.calls import RecordedCalls, TensorCollector, record_inputs, replace_tensors, tensor_keys
 from iobundle.errors import AlignmentError
+from iobundle.replay import _inference
+from iobundle.replay._export import ExportReport, export_onnx, export_program
+from iobundle.replay._info import ObservationInfo
+from iobundle.replay._validate import check_discrepancies
 from iobundle.schema import CallEntry, Node, TensorNode
 
 if TYPE_CHECKING:
-    import onnx  # noqa: TID251 (type only)
-
-    from iobundle.replay import ExportReport
+    import onnx
 
 __all__ = ["RecordedCallsAPI"]
 
@@ -32,6 +31,11 @@ class RecordedCallsAPI:
     def num_obs(self) -> int:
         """Return the number of successfully recorded calls."""
         return len(self._recorded().ok_calls)
+
+    @property
+    def info(self) -> ObservationInfo:
+        """Per-call records: ``len(info)``, ``info.inputs``, ``info.flat_outputs``, ``info.latencies``."""
+        return ObservationInfo(self._recorded())
 
     def is_empty(self) -> bool:
         """Return True when no call was recorded successfully."""
@@ -133,8 +137,6 @@ class RecordedCallsAPI:
 
         See :func:`iobundle.replay.export_program`.
         """
-        from iobundle.replay import export_program
-
         return export_program(
             self._recorded(), model, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
             check=check, atol=atol, rtol=rtol,
@@ -158,8 +160,6 @@ class RecordedCallsAPI:
 
         See :func:`iobundle.replay.export_onnx`.
         """
-        from iobundle.replay import export_onnx
-
         return export_onnx(
             self._recorded(), model, path, set_batch_dimension_for=set_batch_dimension_for, strict=strict, check=check
         )
@@ -178,8 +178,6 @@ class RecordedCallsAPI:
 
         See :func:`iobundle.replay.check_discrepancies`.
         """
-        from iobundle.replay import check_discrepancies
-
         return check_discrepancies(
             self._recorded(), onnx_model, atol=atol, rtol=rtol, hist=hist, progress_bar=progress_bar,
             include_io=include_io, skip_none=skip_none,

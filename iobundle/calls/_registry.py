@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["NodeType", "find_node_type", "lookup_node_type", "register_node_type"]
+__all__ = ["NodeType", "find_node_type", "lookup_node_type", "register_node_type", "register_provider"]
 
 Flatten = Callable[[Any], tuple[list[Any], Any]]
 Unflatten = Callable[[list[Any], Any], Any]

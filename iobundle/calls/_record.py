@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from iobundle.capture._calls import RecordedCalls, positional_names
-from iobundle.capture._tree import TensorCollector, record_value
+from iobundle.calls._calls import RecordedCalls, positional_names
+from iobundle.calls._tree import TensorCollector, record_value
 from iobundle.schema import CallEntry, Node, NoneNode
 
 __all__ = ["record_inputs", "split_kwargs"]

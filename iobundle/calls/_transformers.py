@@ -103,7 +103,7 @@ from transformers.cache_utils import (
 )
 from transformers.utils.generic import ModelOutput
 
-from iobundle.capture._registry import NodeType, register_node_type
+from iobundle.calls._registry import NodeType, register_node_type
 from iobundle.errors import UnsupportedInputError
 
 __all__ = ["register_all", "torch_pytree_nodes"]

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as torch_pytree
 
-from iobundle.capture._registry import find_node_type, lookup_node_type
+from iobundle.calls._registry import find_node_type, lookup_node_type
 from iobundle.errors import AlignmentError, UnsafeBundleError
 from iobundle.schema import (
     ConstNode,

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from iobundle._atomic import write_atomically
-from iobundle.capture._dtypes import NAME_TO_DTYPE, dtype_name
+from iobundle.calls._dtypes import NAME_TO_DTYPE, dtype_name
 from iobundle.errors import TensorFileError, UnsupportedInputError
 from iobundle.schema import FileEntry
 

@@ -18,7 +18,7 @@ import torch
 
 from iobundle.schema import CallEntry, MissingValueEntry, ParameterEntry, SignatureEntry
 
-__all__ = ["DictTensorStore", "RecordedCalls", "TensorStore", "signature_entry"]
+__all__ = ["DictTensorStore", "RecordedCalls", "TensorStore", "positional_names", "signature_entry"]
 
 
 class TensorStore(Protocol):

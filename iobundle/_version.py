@@ -1,0 +1,3 @@
+"""The package version, in a module of its own so that every part can read it without importing the facade."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,110 @@
+"""The recorded calls: what capture and replay both work on. Needs torch and safetensors; never onnx.
+
+- the in-memory model of recorded calls and its tensor stores (:class:`RecordedCalls`);
+- value trees (containers, scalars, tensor references, registered node types) and the
+  node-type registry, transformers' caches and outputs included;
+- turning a call's ``args``/``kwargs`` into a manifest entry;
+- dtype names and the safetensors file primitives (one writer, one header reader, side by side).
+
+Capture fills a :class:`RecordedCalls` while observing; replay builds one from a manifest.
+Neither stage is imported from here.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    # Recorded calls
+    "DictTensorStore",
+    "RecordedCalls",
+    "TensorStore",
+    "positional_names",
+    "record_inputs",
+    "signature_entry",
+    "split_kwargs",
+    # Value trees and node types
+    "NONE_NODE",
+    "PYTREE_PREFIX",
+    "NodeType",
+    "TensorCollector",
+    "build_value",
+    "count_leaves",
+    "count_tensors",
+    "find_node_type",
+    "iter_tensor_nodes",
+    "lookup_node_type",
+    "map_structure",
+    "qualified_name",
+    "record_value",
+    "register_node_type",
+    "register_provider",
+    "replace_tensors",
+    "tensor_keys",
+    "transformers_pytree_nodes",
+    # Tensor files
+    "DTYPE_TO_NAME",
+    "MAX_HEADER_BYTES",
+    "NAME_TO_DTYPE",
+    "dtype_name",
+    "parse_header",
+    "read_exactly",
+    "tensor_bytes",
+    "tensor_span",
+    "write_tensor_file",
+]
+
+import importlib
+from contextlib import AbstractContextManager
+
+from iobundle.calls._calls import DictTensorStore, RecordedCalls, TensorStore, positional_names, signature_entry
+from iobundle.calls._dtypes import DTYPE_TO_NAME, NAME_TO_DTYPE, dtype_name
+from iobundle.calls._record import record_inputs, split_kwargs
+from iobundle.calls._registry import (
+    NodeType,
+    find_node_type,
+    lookup_node_type,
+    register_node_type,
+    register_provider,
+)
+from iobundle.calls._tensorfile import (
+    MAX_HEADER_BYTES,
+    parse_header,
+    read_exactly,
+    tensor_bytes,
+    tensor_span,
+    write_tensor_file,
+)
+from iobundle.calls._tree import (
+    NONE_NODE,
+    PYTREE_PREFIX,
+    TensorCollector,
+    build_value,
+    count_leaves,
+    count_tensors,
+    iter_tensor_nodes,
+    map_structure,
+    qualified_name,
+    record_value,
+    replace_tensors,
+    tensor_keys,
+)
+
+# transformers' node types register themselves the first time one of its classes is met (or named).
+register_provider("transformers", lambda: importlib.import_module("iobundle.calls._transformers").register_all())
+
+
+def transformers_pytree_nodes() -> AbstractContextManager[None]:
+    """Register transformers' caches with ``torch.utils._pytree`` for the duration of a ``with`` block.
+
+    iobundle needs no registration to observe, save, load or export. This is for code that calls
+    ``torch.export`` itself with a ``DynamicCache``/``EncoderDecoderCache``/``StaticCache`` among its
+    inputs: the layouts are iobundle's (per-layer key and value tensors, nothing that varies between
+    calls in the context). Any registration present before is restored on exit. Needs transformers.
+
+    Example:
+        >>> with transformers_pytree_nodes():
+        ...     ep = torch.export.export(model, (), kwargs=bundle.infer_arguments(),
+        ...                              dynamic_shapes=bundle.infer_dynamic_shapes())
+    """
+    from iobundle.calls._transformers import torch_pytree_nodes as nodes
+
+    return nodes()

@@ -1,0 +1,163 @@
+"""The house rules of imports (DESIGN.md, "Architecture"), read from the source of every module.
+
+Every ``import`` of every module counts: at module level, inside functions (lazy imports) and
+under ``TYPE_CHECKING``. Two rules:
+
+- a private module (``iobundle.X._y``, or anything below it) is imported only from inside ``X``:
+  another part goes through ``X``'s public face;
+- the parts of the package (``iobundle.<name>``: ``schema``, ``calls``, ``capture``, ``replay``,
+  ``observer``, ``cli``, ...; the facade ``iobundle/__init__.py`` is a part of its own) import
+  each other without a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE_ROOT = Path(__file__).parents[1] / "iobundle"
+FACADE = "iobundle"
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = [root.name, *path.relative_to(root).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_package(name: str, root: Path) -> bool:
+    return (root.parent.joinpath(*name.split(".")) / "__init__.py").is_file()
+
+
+def _exists(name: str, root: Path) -> bool:
+    path = root.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def imports(root: Path) -> Iterator[tuple[str, str, int]]:
+    """Yield ``(importer, imported module, line)`` for every import of ``root``'s package, inside functions too."""
+    for path in sorted(root.rglob("*.py")):
+        importer = _module_name(path, root)
+        for node in ast.walk(ast.parse(path.read_text("utf-8"), str(path))):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    yield importer, alias.name, node.lineno
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    # ``from pkg import sub`` imports the module ``pkg.sub`` when it is one.
+                    full = f"{node.module}.{alias.name}"
+                    yield importer, full if _exists(full, root) else node.module, node.lineno
+
+
+def _owner_of_private(module: str) -> str | None:
+    """The package inside which ``module`` may be imported, when one of its components is private."""
+    parts = module.split(".")
+    for i, part in enumerate(parts[1:], start=1):
+        if part.startswith("_") and not part.startswith("__"):
+            return ".".join(parts[:i])
+    return None
+
+
+def private_import_violations(root: Path) -> list[str]:
+    found = []
+    for importer, module, line in imports(root):
+        if not module.startswith(root.name + "."):
+            continue
+        owner = _owner_of_private(module)
+        importer_package = importer if _is_package(importer, root) else importer.rsplit(".", 1)[0]
+        if owner is not None and not (importer_package + ".").startswith(owner + "."):
+            found.append(f"{importer} (line {line}) imports {module}: import it from {owner}'s public face instead")
+    return found
+
+
+def part_of(module: str, root: Path) -> str:
+    parts = module.split(".")
+    return FACADE if len(parts) == 1 else f"{root.name}.{parts[1]}"
+
+
+def part_graph(root: Path) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for importer, module, _ in imports(root):
+        if module == root.name or module.startswith(root.name + "."):
+            a, b = part_of(importer, root), part_of(module, root)
+            graph.setdefault(a, set())
+            if a != b:
+                graph[a].add(b)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """Return one cycle of ``graph`` as a path ``[a, b, ..., a]``, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)) is not None:
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)) is not None:
+            return cycle
+    return None
+
+
+def test_no_private_import_across_packages() -> None:
+    assert private_import_violations(PACKAGE_ROOT) == []
+
+
+def test_no_cycle_between_parts() -> None:
+    graph = part_graph(PACKAGE_ROOT)
+    assert {"iobundle.schema", "iobundle.calls", "iobundle.capture", "iobundle.replay", "iobundle.observer"} <= set(
+        graph
+    )
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+@pytest.mark.parametrize(
+    ("part", "never_imports"),
+    [
+        ("iobundle.schema", {"iobundle.calls", "iobundle.capture", "iobundle.replay", "iobundle.observer"}),
+        ("iobundle.calls", {"iobundle.capture", "iobundle.replay", "iobundle.observer"}),
+        ("iobundle.capture", {"iobundle.replay", "iobundle.observer"}),
+        ("iobundle.replay", {"iobundle.capture", "iobundle.observer"}),
+    ],
+)
+def test_imports_point_down(part: str, never_imports: set[str]) -> None:
+    assert part_graph(PACKAGE_ROOT)[part] & never_imports == set()
+
+
+def _write_package(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, "utf-8")
+    return root
+
+
+def test_checks_catch_a_private_import_and_a_cycle(tmp_path: Path) -> None:
+    """The rules above can fail: a lazy private import and a lazy cycle in a throwaway package are found."""
+    root = _write_package(
+        tmp_path / "pkg",
+        {
+            "__init__.py": "",
+            "a/__init__.py": "from pkg.a._impl import f\n",
+            "a/_impl.py": "def f():\n    from pkg.b import g\n    return g\n",
+            "b/__init__.py": "",
+            "b/_impl.py": "def g():\n    from pkg.a._impl import f\n    return f\n",
+        },
+    )
+    assert private_import_violations(root) == [
+        "pkg.b._impl (line 2) imports pkg.a._impl: import it from pkg.a's public face instead"
+    ]
+    assert find_cycle(part_graph(root)) == ["pkg.a", "pkg.b", "pkg.a"]
