@@ -21,7 +21,7 @@ from iobundle import (
     load_bundle,
 )
 from iobundle.errors import ModelLoadError
-from iobundle.replay._model_load import ALLOWED_CLASSES, load_bundle_model
+from iobundle.replay._model_load import load_bundle_model, registered_model_classes
 
 transformers = pytest.importorskip("transformers")
 
@@ -130,11 +130,12 @@ def test_hostile_class_name_is_refused_before_any_import(
     imported: list[str] = []
     real_import_module = importlib.import_module
     monkeypatch.setattr(importlib, "import_module", lambda name, *a: imported.append(name) or real_import_module(name))
-    with pytest.raises(UnsafeBundleError, match=re.escape(repr(class_name)) + ".*allow-list") as info:
+    with pytest.raises(UnsafeBundleError, match=re.escape(repr(class_name)) + ".*transformers registers") as info:
         load_bundle_model(path)
     assert isinstance(info.value, IobundleError)
+    assert "--model MODULE:FACTORY" in str(info.value)
     assert called == [] and imported == []
-    assert class_name not in ALLOWED_CLASSES
+    assert class_name not in registered_model_classes()
 
 
 def test_tampered_weights_are_refused(llama_bundle: tuple[Any, Path]) -> None:
