@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -172,3 +173,159 @@ def test_unknown_manifest_model_field_is_refused(llama_bundle: tuple[Any, Path])
     edit_manifest(path, trust_remote_code=True)
     with pytest.raises(ManifestError):
         load_bundle(path)
+
+
+# --- any class transformers registers, rebuilt in a fresh process ------------------------------
+
+SMALL = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32, "vocab_size": 64}
+IMAGE_TOKEN = 63
+
+
+def _llava() -> Any:
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=8
+    )
+    text = transformers.LlamaConfig(**SMALL, num_key_value_heads=1)
+    config = transformers.LlavaConfig(
+        text_config=text, vision_config=vision, image_token_index=IMAGE_TOKEN, projection_dim=16
+    )
+    return transformers.LlavaForConditionalGeneration(config)
+
+
+def _bert_to_bert() -> Any:
+    encoder = transformers.BertConfig(**SMALL)
+    decoder = transformers.BertConfig(**SMALL, is_decoder=True, add_cross_attention=True)
+    return transformers.EncoderDecoderModel(
+        transformers.EncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    )
+
+
+#: Tiny models of several kinds; none but T5 was in the hand-written list the loader used to have.
+FAMILIES: dict[str, Any] = {
+    "gpt_neox": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**SMALL, eos_token_id=0)),
+    "olmo2": lambda: transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**SMALL)),
+    "mixtral": lambda: transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(**SMALL, num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1)
+    ),
+    "t5": lambda: transformers.T5ForConditionalGeneration(
+        transformers.T5Config(
+            vocab_size=64,
+            d_model=16,
+            d_kv=8,
+            d_ff=32,
+            num_layers=1,
+            num_decoder_layers=1,
+            num_heads=2,
+            decoder_start_token_id=0,
+        )
+    ),
+    "llava": _llava,
+    "bert2bert": _bert_to_bert,
+}
+
+
+def _probe(name: str) -> dict[str, torch.Tensor]:
+    """The inputs of one forward call, the same in both processes."""
+    ids = torch.tensor([[3, 4, 5, 6]])
+    if name == "llava":  # one 16x16 image: 4 patches, 4 image tokens
+        generator = torch.Generator().manual_seed(0)
+        return {
+            "input_ids": torch.tensor([[1] + [IMAGE_TOKEN] * 4 + [3, 4]]),
+            "pixel_values": torch.randn(1, 3, 16, 16, generator=generator),
+        }
+    if name in ("t5", "bert2bert"):
+        return {"input_ids": ids, "decoder_input_ids": torch.tensor([[0, 3]])}
+    return {"input_ids": ids}
+
+
+# Runs in the fresh process: argv = jobs.json. Only the bundles are read; results go next to them.
+RELOAD_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+
+    import torch
+    from safetensors.torch import save_file
+
+    from iobundle.replay import load_bundle_model
+
+    for name, job in json.load(open(sys.argv[1])).items():
+        model = load_bundle_model(job["bundle"])
+        probe = {k: torch.tensor(v) for k, v in job["probe"].items()}
+        with torch.no_grad():
+            logits = model(**probe).logits
+        state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+        save_file({"logits": logits, **{"state." + k: v for k, v in state.items()}}, job["out"])
+        meta = {"class": type(model).__qualname__, "module": type(model).__module__, "training": model.training}
+        json.dump(meta, open(job["out"] + ".json", "w"))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def reloaded_families(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, tuple[Any, dict[str, Any], dict[str, torch.Tensor]]]:
+    """Each family observed during generate() (one image for Llava), saved with its model, reloaded elsewhere."""
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("families")
+    jobs: dict[str, Any] = {}
+    models: dict[str, Any] = {}
+    for name, make in FAMILIES.items():
+        torch.manual_seed(0)
+        model = models[name] = make().eval()
+        probe = _probe(name)
+        observer = InputObserver()
+        with torch.no_grad(), observer(model, store_n_calls=3):
+            if name == "bert2bert":  # no generation config of its own: observe plain forward calls
+                model(**probe)
+            else:
+                inputs = {k: v for k, v in probe.items() if k != "decoder_input_ids"}
+                model.generate(**inputs, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)
+        observer.save(root / f"{name}.iobundle", include_model=True)
+        jobs[name] = {
+            "bundle": str(root / f"{name}.iobundle"),
+            "probe": {k: v.tolist() for k, v in probe.items()},
+            "out": str(root / f"{name}.out.safetensors"),
+        }
+    (root / "jobs.json").write_text(json.dumps(jobs), "utf-8")
+    proc = subprocess.run(
+        [sys.executable, "-c", RELOAD_SCRIPT, str(root / "jobs.json")],
+        cwd=root, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    return {
+        name: (models[name], json.loads(Path(job["out"] + ".json").read_text("utf-8")), load_file(job["out"]))
+        for name, job in jobs.items()
+    }
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_family_round_trips_in_a_fresh_process(reloaded_families: dict[str, Any], name: str) -> None:
+    model, meta, tensors = reloaded_families[name]
+    assert (meta["class"], meta["module"]) == (type(model).__qualname__, type(model).__module__)
+    assert meta["training"] is False
+    expected = model.state_dict()
+    got = {k.removeprefix("state."): v for k, v in tensors.items() if k.startswith("state.")}
+    assert got.keys() == expected.keys()
+    for key, tensor in expected.items():
+        torch.testing.assert_close(got[key], tensor, rtol=0, atol=0, msg=key)
+    with torch.no_grad():
+        logits = model(**_probe(name)).logits
+    torch.testing.assert_close(tensors["logits"], logits, rtol=0, atol=0)
+
+
+def test_registered_classes_come_from_the_auto_mappings() -> None:
+    from transformers.models.auto import modeling_auto
+
+    classes = registered_model_classes()
+    assert classes["GPTNeoXForCausalLM"] == {"gpt_neox"}
+    assert "olmo2" in classes["Olmo2ForCausalLM"]
+    assert "t5" in classes["T5ForConditionalGeneration"]
+    assert "llava" in classes["LlavaForConditionalGeneration"]
+    for model_type, name in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        assert model_type in classes[name]
+    assert not {"AutoModel", "PreTrainedModel", "LlamaConfig", "LlamaDecoderLayer"} & classes.keys()
