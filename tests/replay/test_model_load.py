@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import importlib.abc
 import json
 import os
 import re
+import shutil
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -329,3 +333,218 @@ def test_registered_classes_come_from_the_auto_mappings() -> None:
     for model_type, name in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
         assert model_type in classes[name]
     assert not {"AutoModel", "PreTrainedModel", "LlamaConfig", "LlamaDecoderLayer"} & classes.keys()
+
+
+# --- a stored config never selects code -------------------------------------------------------
+
+#: (field, hostile value, the module transformers would have imported for it, or None)
+HOSTILE_FIELDS: list[tuple[str, Any, str | None]] = [
+    ("auto_map", {"AutoModelForCausalLM": "evil_modeling.EvilForCausalLM"}, "evil_modeling"),
+    ("custom_pipelines", {"evil": {"impl": "evil_pipeline.EvilPipeline", "pt": ["EvilModel"]}}, "evil_pipeline"),
+    ("trust_remote_code", True, None),
+    ("quantization_config", {"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes"),
+    ("use_kernels", True, "kernels"),
+    ("kernel_config", {"kernel_mapping": {"RMSNorm": "evil-org/evil-kernels:rmsnorm"}}, "kernels"),
+    ("backbone", "evil-org/evil-backbone", "timm"),
+    ("use_pretrained_backbone", True, "timm"),
+    ("backbone_kwargs", {"out_indices": [1]}, "timm"),
+    ("attn_implementation", "kernels-community/flash-attn2", "kernels"),
+    ("attn_implementation", "evil-org/evil-attention@v1:attn", "kernels"),
+    ("attn_implementation", "paged|sdpa", None),
+    ("attn_implementation", "paged|eager", None),
+    ("attn_implementation", "flash_attention_2", "flash_attn"),
+    ("attn_implementation", "flash_attention_3", "flash_attn_interface"),
+    ("attn_implementation", "my_registered_attention", None),
+    ("_attn_implementation", "evil-org/evil-attention", "kernels"),
+    ("_attn_implementation_internal", "flash_attention_2", "flash_attn"),
+    ("experts_implementation", "deepgemm", "kernels"),
+    ("experts_implementation", "sonicmoe", "kernels"),
+    ("_experts_implementation", "evil-org/evil-experts", "kernels"),
+    ("dtype", "load", None),
+    ("dtype", {"": "float32"}, None),
+    ("torch_dtype", "Tensor", None),
+]
+HOSTILE_IDS = [f"{field}={value}" for field, value, _ in HOSTILE_FIELDS]
+
+#: Where the value is planted: the top-level config of a Llama, the sub-configs of a Llava
+#: (text and vision) and of a BERT-to-BERT encoder-decoder.
+SUB_CONFIGS = {
+    "": "llama",
+    "text_config": "llava",
+    "vision_config": "llava",
+    "encoder": "bert2bert",
+    "decoder": "bert2bert",
+}
+
+
+class _ImportRecorder(importlib.abc.MetaPathFinder):
+    """Records every module name Python is asked to import (and finds none itself)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
+        self.names.append(fullname)
+
+
+@pytest.fixture
+def imports(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the modules imported, or looked for, while the test runs."""
+    recorder = _ImportRecorder()
+    monkeypatch.setattr(sys, "meta_path", [recorder, *sys.meta_path])
+    return recorder.names
+
+
+@pytest.fixture(scope="module")
+def base_bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A Llama, a Llava and a BERT-to-BERT bundle with their models, each rebuilt once (which warms the imports)."""
+    root = tmp_path_factory.mktemp("base")
+    makers = {"llama": tiny_llama, "llava": FAMILIES["llava"], "bert2bert": FAMILIES["bert2bert"]}
+    paths = {}
+    for name, make in makers.items():
+        torch.manual_seed(0)
+        model = make().eval()
+        observer = InputObserver()
+        with torch.no_grad(), observer(model):
+            model(**_probe(name))
+        observer.save(root / name, include_model=True)
+        paths[name] = root / name
+        load_bundle_model(paths[name])
+    return paths
+
+
+def copy_bundle(base_bundles: dict[str, Path], name: str, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(base_bundles[name], tmp_path / name))
+
+
+def edit_config(path: Path, edit: Any) -> None:
+    """Edit the stored config and record its new size and sha256, as a hostile author would."""
+    config_path = path / "model" / "config.json"
+    config = json.loads(config_path.read_text("utf-8"))
+    edit(config)
+    data = json.dumps(config).encode()
+    config_path.write_bytes(data)
+    manifest = json.loads((path / "manifest.json").read_text("utf-8"))
+    manifest["model"]["files"]["model/config.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / "manifest.json").write_text(json.dumps(manifest), "utf-8")
+
+
+def assert_refused(path: Path, field: str, module: str | None, imports: list[str]) -> UnsafeBundleError:
+    modules = set(sys.modules)
+    with pytest.raises(UnsafeBundleError, match=re.escape(field)) as info:
+        load_bundle_model(path)
+    assert "--model MODULE:FACTORY" in str(info.value)
+    assert set(sys.modules) - modules == set()  # nothing at all was imported
+    assert imports == []  # nor looked for
+    if module is not None:
+        assert module not in sys.modules
+    return info.value
+
+
+@pytest.mark.parametrize("where", list(SUB_CONFIGS))
+@pytest.mark.parametrize(("field", "value", "module"), HOSTILE_FIELDS, ids=HOSTILE_IDS)
+def test_config_value_that_selects_code_is_refused(
+    base_bundles: dict[str, Path],
+    tmp_path: Path,
+    imports: list[str],
+    where: str,
+    field: str,
+    value: Any,
+    module: str | None,
+) -> None:
+    path = copy_bundle(base_bundles, SUB_CONFIGS[where], tmp_path)
+    edit_config(path, lambda config: (config[where] if where else config).__setitem__(field, value))
+    imports.clear()
+    assert_refused(path, f"{where}.{field}" if where else field, module, imports)
+
+
+@pytest.mark.parametrize(
+    "value", ["kernels-community/flash-attn2", "evil-org/evil-attention", "paged|sdpa", "flash_attention_2", "x"]
+)
+def test_manifest_attn_implementation_that_selects_code_is_refused(
+    base_bundles: dict[str, Path], tmp_path: Path, imports: list[str], value: str
+) -> None:
+    path = copy_bundle(base_bundles, "llama", tmp_path)
+    edit_manifest(path, attn_implementation=value)
+    imports.clear()
+    error = assert_refused(path, "model.attn_implementation", "kernels" if "/" in value else None, imports)
+    assert repr(value) in str(error)
+
+
+def test_attn_implementation_per_sub_config_is_checked(
+    base_bundles: dict[str, Path], tmp_path: Path, imports: list[str]
+) -> None:
+    path = copy_bundle(base_bundles, "llava", tmp_path)
+    attn = {"": "sdpa", "text_config": "eager", "vision_config": "evil-org/evil-attention"}
+    edit_config(path, lambda config: config.__setitem__("attn_implementation", attn))
+    imports.clear()
+    assert_refused(path, "attn_implementation['vision_config']", "kernels", imports)
+
+
+def test_per_layer_overrides_are_checked(base_bundles: dict[str, Path], tmp_path: Path, imports: list[str]) -> None:
+    path = copy_bundle(base_bundles, "llama", tmp_path)
+    overrides = {"0": {"attn_implementation": "kernels-community/flash-attn2"}}
+    edit_config(path, lambda config: config.__setitem__("per_layer_config", overrides))
+    imports.clear()
+    assert_refused(path, "per_layer_config['0'].attn_implementation", "kernels", imports)
+
+
+def test_sub_config_of_a_model_type_that_loads_code_is_refused(
+    base_bundles: dict[str, Path], tmp_path: Path, imports: list[str]
+) -> None:
+    path = copy_bundle(base_bundles, "llava", tmp_path)
+    vision = {"model_type": "timm_wrapper", "architecture": "hf-hub:evil-org/evil-model"}
+    edit_config(path, lambda config: config.__setitem__("vision_config", vision))
+    imports.clear()
+    error = assert_refused(path, "vision_config.model_type", "timm", imports)
+    assert "timm" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("class_name", "model_type", "module"),
+    [
+        ("TimmWrapperModel", "timm_wrapper", "transformers.models.timm_wrapper.modeling_timm_wrapper"),
+        ("TimmBackbone", "timm_backbone", "transformers.models.timm_backbone.modeling_timm_backbone"),
+        ("RwkvForCausalLM", "rwkv", "transformers.models.rwkv.modeling_rwkv"),
+    ],
+)
+def test_registered_class_that_loads_code_is_refused(
+    base_bundles: dict[str, Path], tmp_path: Path, imports: list[str], class_name: str, model_type: str, module: str
+) -> None:
+    assert model_type in registered_model_classes()[class_name]
+    path = copy_bundle(base_bundles, "llama", tmp_path)
+    edit_config(path, lambda config: config.__setitem__("model_type", model_type))
+    edit_manifest(path, class_name=class_name)
+    imports.clear()
+    error = assert_refused(path, "model.class_name", module, imports)
+    assert f"{class_name} (model_type " in str(error)
+
+
+def test_default_sub_config_that_loads_code_is_refused(tmp_path: Path, imports: list[str]) -> None:
+    # A DETR config without backbone_config gets transformers' default, a timm backbone (timm.create_model
+    # by name); the check of the built config sees it before the model is constructed.
+    path = capture(tiny_llama(), tmp_path / "detr.iobundle")
+    edit_config(path, lambda config: (config.clear(), config.update(model_type="conditional_detr")))
+    edit_manifest(path, class_name="ConditionalDetrModel")
+    imports.clear()
+    with pytest.raises(UnsafeBundleError, match=r"backbone_config\.model_type = 'timm_backbone'.*timm"):
+        load_bundle_model(path)
+    assert "timm" not in sys.modules and "timm" not in imports
+
+
+def test_whisper_encoder_of_an_old_bundle_still_rebuilds(tmp_path: Path) -> None:
+    config = transformers.WhisperConfig(
+        vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, num_mel_bins=8, max_source_positions=8,
+        max_target_positions=16, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    encoder = transformers.WhisperForConditionalGeneration(config).eval().model.encoder
+    observer = InputObserver()
+    with torch.no_grad(), observer(encoder):
+        encoder(torch.randn(1, 8, 16))
+    observer.save(tmp_path / "encoder.iobundle", include_model=True)
+    assert load_bundle(tmp_path / "encoder.iobundle").manifest.model.class_name == "WhisperEncoder"  # type: ignore[union-attr]
+    rebuilt = load_bundle_model(tmp_path / "encoder.iobundle")
+    assert type(rebuilt) is type(encoder)
+    torch.testing.assert_close(rebuilt.conv1.weight, encoder.conv1.weight, rtol=0, atol=0)
