@@ -201,12 +201,10 @@ def _check_implementation(file: str, field: str, value: Any, allowed: frozenset[
         for key, item in value.items():
             _check_implementation(file, f"{field}[{key!r}]", item, allowed, what)
         return
-    raise _refuse(
-        file,
-        field,
-        value,
-        f"is not a built-in {what} (allowed: {', '.join(sorted(allowed))}); others fetch or import code",
-    )
+    why = f"is not a built-in {what} (allowed: {', '.join(sorted(allowed))}); others fetch or import code"
+    if what == "attention implementation":
+        why += " (a model that ran with another one: call model.set_attn_implementation('sdpa') before saving)"
+    raise _refuse(file, field, value, why)
 
 
 def _check_dtype(file: str, field: str, value: Any) -> None:
