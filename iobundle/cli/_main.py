@@ -299,8 +299,15 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         shapes = bundle.infer_dynamic_shapes()
     except ReplayError as exc:  # the rest of the report is still worth printing
         shapes_error = str(exc)
+    model = None
+    if bundle.manifest.model is not None:
+        from iobundle.replay import describe_bundle_model
+
+        model = describe_bundle_model(bundle)
     _render.out(
-        _render.format_inspect(args.bundle, bundle.manifest, dynamic_shapes=shapes, dynamic_shapes_error=shapes_error)
+        _render.format_inspect(
+            args.bundle, bundle.manifest, dynamic_shapes=shapes, dynamic_shapes_error=shapes_error, model=model
+        )
     )
     return EXIT_OK
 

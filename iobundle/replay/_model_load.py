@@ -20,6 +20,7 @@ manifest records.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -43,6 +44,8 @@ __all__ = [
     "DTYPES",
     "EXPERTS_IMPLEMENTATIONS",
     "MAX_CONFIG_BYTES",
+    "StoredModel",
+    "describe_bundle_model",
     "load_bundle_model",
     "registered_model_classes",
 ]
@@ -362,6 +365,80 @@ def _load_weights(root: Path, model: torch.nn.Module, entry: ModelEntry) -> None
         raise ModelLoadError(f"Cannot load the weights {name} into {entry.class_name}: {exc}") from exc
     if missing or unexpected:  # strict=True raises first; kept for safetensors versions that do not
         raise ModelLoadError(f"{name}: missing weights {missing[:5]}, unexpected {unexpected[:5]}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredModel:
+    """What a self-contained bundle says about its model, and whether ``load_bundle_model`` would refuse it.
+
+    Attributes:
+        class_name: The transformers class (``"LlamaForCausalLM"``).
+        model_type: The config's ``model_type``; None when the config cannot be read.
+        submodule: The observed submodule's dotted path; empty for the model itself.
+        attn_implementation: The attention implementation recorded at capture.
+        weights_bytes: Size of the weights file.
+        config_bytes: Size of the config file.
+        refused: Why the model would not be rebuilt (the error's message), or None when it passes
+            every check made before the class's module is imported.
+    """
+
+    class_name: str
+    model_type: str | None
+    submodule: str
+    attn_implementation: str | None
+    weights_bytes: int
+    config_bytes: int
+    refused: str | None
+
+
+def describe_bundle_model(bundle: Bundle | str | os.PathLike[str]) -> StoredModel | None:
+    """Describe the model stored in ``bundle`` (None when it stores none), without building it.
+
+    The config is read (size and sha256 checked) and given the checks of
+    :func:`load_bundle_model` that run before anything is imported: the class name, the
+    attention setting and every config value. A failed check is reported in ``refused``,
+    not raised, so that ``iobundle inspect`` can show it.
+
+    Example:
+        >>> info = describe_bundle_model("run.iobundle")
+        >>> info.class_name, info.model_type, info.refused
+        ('LlamaForCausalLM', 'llama', None)
+    """
+    if not isinstance(bundle, Bundle):
+        bundle = Bundle.load(bundle)
+    entry = bundle.manifest.model
+    if entry is None:
+        return None
+    model_type: str | None = None
+    refused: str | None = None
+    try:
+        _check_class_name(entry.class_name)
+        _check_implementation(
+            "manifest.json",
+            "model.attn_implementation",
+            entry.attn_implementation,
+            ATTN_IMPLEMENTATIONS,
+            "attention implementation",
+        )
+        config_dict = _read_config(bundle.path, entry)
+        value = config_dict.get("model_type")
+        model_type = value if isinstance(value, str) else None
+        _check_config_dict(entry.config_file, config_dict)
+    except ImportError as exc:  # transformers is not installed: nothing can be rebuilt here
+        refused = f"transformers is not installed ({exc}); pip install transformers"
+    except IobundleError as exc:
+        refused = str(exc)
+    file = entry.files.get(entry.weights_file)
+    config_file = entry.files.get(entry.config_file)
+    return StoredModel(
+        class_name=entry.class_name,
+        model_type=model_type,
+        submodule=entry.submodule,
+        attn_implementation=entry.attn_implementation,
+        weights_bytes=file.size if file is not None else 0,
+        config_bytes=config_file.size if config_file is not None else 0,
+        refused=refused,
+    )
 
 
 def load_bundle_model(bundle: Bundle | str | os.PathLike[str]) -> torch.nn.Module:

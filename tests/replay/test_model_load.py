@@ -26,7 +26,7 @@ from iobundle import (
     load_bundle,
 )
 from iobundle.errors import ModelLoadError
-from iobundle.replay._model_load import load_bundle_model, registered_model_classes
+from iobundle.replay._model_load import describe_bundle_model, load_bundle_model, registered_model_classes
 
 transformers = pytest.importorskip("transformers")
 
@@ -548,3 +548,26 @@ def test_whisper_encoder_of_an_old_bundle_still_rebuilds(tmp_path: Path) -> None
     rebuilt = load_bundle_model(tmp_path / "encoder.iobundle")
     assert type(rebuilt) is type(encoder)
     torch.testing.assert_close(rebuilt.conv1.weight, encoder.conv1.weight, rtol=0, atol=0)
+
+
+def test_describe_bundle_model_reads_without_building(llama_bundle: tuple[Any, Path]) -> None:
+    _, path = llama_bundle
+    info = describe_bundle_model(path)
+    assert info is not None
+    weights = (path / "model" / "weights.safetensors").stat().st_size
+    assert (info.class_name, info.model_type, info.attn_implementation) == ("LlamaForCausalLM", "llama", "sdpa")
+    assert (info.weights_bytes, info.submodule, info.refused) == (weights, "", None)
+
+
+def test_describe_bundle_model_reports_a_refusal(llama_bundle: tuple[Any, Path], imports: list[str]) -> None:
+    _, path = llama_bundle
+    edit_config(path, lambda config: config.__setitem__("quantization_config", {"quant_method": "bitsandbytes"}))
+    imports.clear()
+    info = describe_bundle_model(path)
+    assert info is not None and info.refused is not None
+    assert info.refused.startswith("model/config.json: quantization_config = ")
+    assert "bitsandbytes" not in imports and imports == []
+
+
+def test_describe_bundle_model_of_a_bundle_without_model(tmp_path: Path) -> None:
+    assert describe_bundle_model(capture(tiny_llama(), tmp_path / "plain.iobundle", include_model=False)) is None
