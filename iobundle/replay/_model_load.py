@@ -25,8 +25,9 @@ import functools
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ __all__ = [
     "DTYPES",
     "EXPERTS_IMPLEMENTATIONS",
     "MAX_CONFIG_BYTES",
+    "MAX_CONFIG_DEPTH",
     "StoredModel",
     "describe_bundle_model",
     "load_bundle_model",
@@ -61,7 +63,7 @@ _BUILD_IT_YOURSELF = (
 
 #: Classes transformers does not register for a model_type but that bundles stored before the
 #: auto-model mappings were used may name (the halves of Whisper observed on their own):
-#: class name -> (model_type, the transformers.models submodule that defines it).
+#: class name -> (model_type, package under transformers.models, its module that defines the class).
 COMPONENT_CLASSES: dict[str, tuple[str, str, str]] = {
     "WhisperEncoder": ("whisper", "whisper", "modeling_whisper"),
     "WhisperDecoder": ("whisper", "whisper", "modeling_whisper"),
@@ -112,12 +114,14 @@ _EXPERTS_KEYS = ("experts_implementation", "_experts_implementation", "_experts_
 _DTYPE_KEYS = ("dtype", "torch_dtype")
 # Settings the loader passes itself; dropped from the stored config.
 _IGNORED_KEYS = ("_attn_implementation_autoset",)
+# A config nested deeper than this is refused (transformers' composite models nest a few levels).
+MAX_CONFIG_DEPTH = 16
 # Sub-configs without a ``*_config`` name or a model_type of their own.
 _SUB_CONFIG_KEYS = frozenset({"encoder", "decoder", "generator", "question_encoder"})
 
 
 @functools.cache
-def registered_model_classes() -> dict[str, frozenset[str]]:
+def registered_model_classes() -> Mapping[str, frozenset[str]]:
     """Every model class name in transformers' auto-model mappings, with the model types it is registered for.
 
     The mappings are read as data (``transformers.models.auto.modeling_auto.*_MAPPING_NAMES``);
@@ -133,7 +137,7 @@ def registered_model_classes() -> dict[str, frozenset[str]]:
             for class_name in value if isinstance(value, (list, tuple)) else (value,):
                 if isinstance(class_name, str):
                     classes.setdefault(class_name, set()).add(model_type)
-    return {name: frozenset(types) for name, types in classes.items()}
+    return MappingProxyType({name: frozenset(types) for name, types in classes.items()})
 
 
 def _registered_types(name: str) -> frozenset[str] | None:
@@ -226,6 +230,8 @@ def _check_config_dict(
     file: str, config: dict[str, Any], path: str = "", sub_config_keys: frozenset[str] = frozenset()
 ) -> None:
     """Refuse any value of ``config`` or its sub-configs that selects code; ``path`` names the sub-config."""
+    if path.count(".") >= MAX_CONFIG_DEPTH:
+        raise UnsafeBundleError(f"{file}: {path}: sub-configs nested deeper than {MAX_CONFIG_DEPTH} levels.")
     for key, value in config.items():
         field = f"{path}.{key}" if path else str(key)
         if key in CODE_SELECTING_FIELDS and _is_set(value):
@@ -296,6 +302,8 @@ def _read_config(root: Path, entry: ModelEntry) -> dict[str, Any]:
     path = check_file(root, name, file, hash_check=True)
     try:
         config = json.loads(path.read_bytes())
+    except RecursionError as exc:
+        raise UnsafeBundleError(f"{name}: JSON nested too deeply to read.") from exc
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{name}: not a JSON config ({exc}).") from exc
     if not isinstance(config, dict):

@@ -417,16 +417,18 @@ def copy_bundle(base_bundles: dict[str, Path], name: str, tmp_path: Path) -> Pat
     return Path(shutil.copytree(base_bundles[name], tmp_path / name))
 
 
-def edit_config(path: Path, edit: Any) -> None:
-    """Edit the stored config and record its new size and sha256, as a hostile author would."""
-    config_path = path / "model" / "config.json"
-    config = json.loads(config_path.read_text("utf-8"))
-    edit(config)
-    data = json.dumps(config).encode()
-    config_path.write_bytes(data)
+def write_config(path: Path, data: bytes) -> None:
+    """Replace the stored config and record its new size and sha256, as a hostile author would."""
+    (path / "model" / "config.json").write_bytes(data)
     manifest = json.loads((path / "manifest.json").read_text("utf-8"))
     manifest["model"]["files"]["model/config.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (path / "manifest.json").write_text(json.dumps(manifest), "utf-8")
+
+
+def edit_config(path: Path, edit: Any) -> None:
+    config = json.loads((path / "model" / "config.json").read_text("utf-8"))
+    edit(config)
+    write_config(path, json.dumps(config).encode())
 
 
 def assert_refused(path: Path, field: str, module: str | None, imports: list[str]) -> UnsafeBundleError:
@@ -571,3 +573,24 @@ def test_describe_bundle_model_reports_a_refusal(llama_bundle: tuple[Any, Path],
 
 def test_describe_bundle_model_of_a_bundle_without_model(tmp_path: Path) -> None:
     assert describe_bundle_model(capture(tiny_llama(), tmp_path / "plain.iobundle", include_model=False)) is None
+
+
+def test_deeply_nested_sub_configs_are_refused(llama_bundle: tuple[Any, Path]) -> None:
+    _, path = llama_bundle
+
+    def nest(config: dict[str, Any]) -> None:
+        inner = config
+        for _ in range(40):
+            inner["text_config"] = {}
+            inner = inner["text_config"]
+
+    edit_config(path, nest)
+    with pytest.raises(UnsafeBundleError, match=r"text_config(\.text_config)+: sub-configs nested deeper than 16"):
+        load_bundle_model(path)
+
+
+def test_config_json_nested_past_the_parser_is_refused(llama_bundle: tuple[Any, Path]) -> None:
+    _, path = llama_bundle
+    write_config(path, b'{"a":' * 200_000 + b"1" + b"}" * 200_000)
+    with pytest.raises(UnsafeBundleError, match=r"config\.json: JSON nested too deeply"):
+        load_bundle_model(path)
