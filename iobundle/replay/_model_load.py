@@ -220,17 +220,45 @@ def _check_dtype(file: str, field: str, value: Any) -> None:
     raise _refuse(file, field, value, f"is not a dtype name ({', '.join(sorted(DTYPES))})")
 
 
-def _is_sub_config(key: str, value: Any, sub_config_keys: frozenset[str]) -> bool:
-    return isinstance(value, dict) and (
-        key.endswith("_config") or key in _SUB_CONFIG_KEYS or key in sub_config_keys or "model_type" in value
-    )
+def _sub_config_class(config_class: type | None, key: str, value: dict[str, Any]) -> type | None:
+    """The config class transformers builds ``config[key]`` with, when it can be told without importing code.
+
+    A fixed class comes from ``config_class.sub_configs_defaults``; an ``AutoConfig`` one from the
+    nested (or the default) model_type through transformers' CONFIG_MAPPING, never for a model
+    type in :data:`CODE_LOADING_MODEL_TYPES` (their config modules import timm).
+    """
+    if config_class is None:
+        return None
+    spec = (getattr(config_class, "sub_configs_defaults", None) or {}).get(key)
+    if spec is None:
+        return None
+    from transformers import PreTrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if isinstance(spec.config_class, type) and issubclass(spec.config_class, PreTrainedConfig):
+        return spec.config_class
+    model_type = value.get("model_type", spec.model_type)
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING and model_type not in CODE_LOADING_MODEL_TYPES:
+        return CONFIG_MAPPING[model_type]  # type: ignore[no-any-return]
+    return None
+
+
+def _is_sub_config(key: str, value: Any, config_class: type | None) -> bool:
+    if not isinstance(value, dict):
+        return False
+    known = getattr(config_class, "sub_configs", None) or {}
+    return key.endswith("_config") or key in _SUB_CONFIG_KEYS or key in known or "model_type" in value
 
 
 def _check_config_dict(
-    file: str, config: dict[str, Any], path: str = "", sub_config_keys: frozenset[str] = frozenset()
+    file: str, config: dict[str, Any], path: str = "", config_class: type | None = None, depth: int = 0
 ) -> None:
-    """Refuse any value of ``config`` or its sub-configs that selects code; ``path`` names the sub-config."""
-    if path.count(".") >= MAX_CONFIG_DEPTH:
+    """Refuse any value of ``config`` or its sub-configs that selects code; ``path`` names the sub-config.
+
+    Sub-configs are found by their key (``*_config``, ``encoder``, ``decoder``, the keys of
+    ``config_class.sub_configs``) or by a ``model_type`` of their own, and checked recursively.
+    """
+    if depth > MAX_CONFIG_DEPTH:
         raise UnsafeBundleError(f"{file}: {path}: sub-configs nested deeper than {MAX_CONFIG_DEPTH} levels.")
     for key, value in config.items():
         field = f"{path}.{key}" if path else str(key)
@@ -247,13 +275,13 @@ def _check_config_dict(
         elif key == "per_layer_config" and isinstance(value, dict):
             for layer, overrides in value.items():
                 if isinstance(overrides, dict):
-                    _check_config_dict(file, overrides, f"{field}[{layer!r}]")
-        elif _is_sub_config(key, value, sub_config_keys):
-            _check_config_dict(file, value, field)
+                    _check_config_dict(file, overrides, f"{field}[{layer!r}]", config_class, depth + 1)
+        elif _is_sub_config(key, value, config_class):
+            _check_config_dict(file, value, field, _sub_config_class(config_class, key, value), depth + 1)
         elif isinstance(value, list):
             for i, item in enumerate(value):
                 if isinstance(item, dict) and "model_type" in item:
-                    _check_config_dict(file, item, f"{field}[{i}]")
+                    _check_config_dict(file, item, f"{field}[{i}]", None, depth + 1)
 
 
 def _sub_configs(config: Any, path: str = "") -> Iterator[tuple[str, Any]]:
@@ -325,7 +353,7 @@ def _check_model_type(cls: type, config_dict: dict[str, Any], entry: ModelEntry,
 
 def _build(cls: type, config_dict: dict[str, Any], entry: ModelEntry) -> torch.nn.Module:
     config_class = cls.config_class
-    _check_config_dict(entry.config_file, config_dict, sub_config_keys=frozenset(config_class.sub_configs))
+    _check_config_dict(entry.config_file, config_dict, config_class=config_class)  # now knowing its sub-configs
     config_dict = {k: v for k, v in config_dict.items() if k not in _IGNORED_KEYS}
     try:
         config = config_class.from_dict(config_dict)

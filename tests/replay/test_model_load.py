@@ -594,3 +594,20 @@ def test_config_json_nested_past_the_parser_is_refused(llama_bundle: tuple[Any, 
     write_config(path, b'{"a":' * 200_000 + b"1" + b"}" * 200_000)
     with pytest.raises(UnsafeBundleError, match=r"config\.json: JSON nested too deeply"):
         load_bundle_model(path)
+
+
+def test_sub_config_known_only_to_its_config_class_is_checked(
+    base_bundles: dict[str, Path], tmp_path: Path, imports: list[str]
+) -> None:
+    # Musicgen's "text_encoder" has neither a *_config name nor (here) a model_type: only
+    # MusicgenConfig.sub_configs says it is a config, which the check learns once the class is resolved.
+    config = transformers.MusicgenConfig().to_dict()
+    del config["text_encoder"]["model_type"]
+    config["text_encoder"]["backbone"] = "evil-org/evil-backbone"
+    path = copy_bundle(base_bundles, "llama", tmp_path)
+    write_config(path, json.dumps(config).encode())
+    edit_manifest(path, class_name="MusicgenForConditionalGeneration")
+    imports.clear()
+    with pytest.raises(UnsafeBundleError, match=r"text_encoder\.backbone = 'evil-org/evil-backbone'"):
+        load_bundle_model(path)
+    assert "timm" not in imports and "huggingface_hub.hf_api" not in imports
