@@ -3,8 +3,8 @@
 A self-contained bundle replays without the model's code being importable by name: the
 loader (``iobundle.replay.load_bundle_model``) rebuilds any class transformers registers
 in its auto-model mappings, refuses configs that select code, and loads the weights with
-safetensors. Only transformers models
-are stored, since only they can be rebuilt from a config alone.
+safetensors. Only transformers models are stored, since only they can be rebuilt from a
+config alone.
 
 Layout::
 
