@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from iobundle.errors import IobundleError, ModelLoadError, UnsafeBundleError
+from iobundle.errors import IobundleError, MissingDependencyError, ModelLoadError, UnsafeBundleError
 from iobundle.replay._bundle import Bundle
 from iobundle.replay._tensorfile import check_file
 from iobundle.schema import ModelEntry
@@ -126,8 +126,17 @@ def registered_model_classes() -> Mapping[str, frozenset[str]]:
 
     The mappings are read as data (``transformers.models.auto.modeling_auto.*_MAPPING_NAMES``);
     no model module is imported.
+
+    Raises:
+        MissingDependencyError: transformers is not installed.
     """
-    from transformers.models.auto import modeling_auto
+    try:
+        from transformers.models.auto import modeling_auto
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"Rebuilding the model stored in a bundle needs transformers ({exc}): pip install transformers, "
+            "or build the model yourself and pass --model MODULE:FACTORY."
+        ) from exc
 
     classes: dict[str, set[str]] = {}
     for name in dir(modeling_auto):
@@ -460,9 +469,7 @@ def describe_bundle_model(bundle: Bundle | str | os.PathLike[str]) -> StoredMode
         value = config_dict.get("model_type")
         model_type = value if isinstance(value, str) else None
         _check_config_dict(entry.config_file, config_dict)
-    except ImportError as exc:  # transformers is not installed: nothing can be rebuilt here
-        refused = f"transformers is not installed ({exc}); pip install transformers"
-    except IobundleError as exc:
+    except IobundleError as exc:  # MissingDependencyError included: nothing can be rebuilt here
         refused = str(exc)
     file = entry.files.get(entry.weights_file)
     config_file = entry.files.get(entry.config_file)
@@ -488,6 +495,7 @@ def load_bundle_model(bundle: Bundle | str | os.PathLike[str]) -> torch.nn.Modul
     (``manifest.model.submodule``), that submodule is returned.
 
     Raises:
+        MissingDependencyError: transformers is not installed.
         ModelLoadError: The bundle stores no model, or the model cannot be built or loaded.
         UnsafeBundleError: The class is not registered by transformers, a config value or the
             attention setting would fetch, import or run code, or a file name leaves the bundle.

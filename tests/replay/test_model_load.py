@@ -22,6 +22,7 @@ from iobundle import (
     IntegrityError,
     IobundleError,
     ManifestError,
+    MissingDependencyError,
     UnsafeBundleError,
     load_bundle,
 )
@@ -611,3 +612,20 @@ def test_sub_config_known_only_to_its_config_class_is_checked(
     with pytest.raises(UnsafeBundleError, match=r"text_encoder\.backbone = 'evil-org/evil-backbone'"):
         load_bundle_model(path)
     assert "timm" not in imports and "huggingface_hub.hf_api" not in imports
+
+
+def test_missing_transformers_is_a_missing_dependency_error(
+    llama_bundle: tuple[Any, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, path = llama_bundle
+    registered_model_classes.cache_clear()
+    monkeypatch.setitem(sys.modules, "transformers.models.auto", None)  # what a missing package looks like
+    try:
+        with pytest.raises(MissingDependencyError, match="pip install transformers"):
+            load_bundle_model(path)
+        info = describe_bundle_model(path)
+        assert info is not None and "pip install transformers" in (info.refused or "")
+    finally:
+        monkeypatch.undo()
+        registered_model_classes.cache_clear()
+    assert "LlamaForCausalLM" in registered_model_classes()
