@@ -20,6 +20,32 @@ The patches (checked against torch 2.13 and transformers 5.24):
     (padding in a left-padded batch) gets zeros, as in torch, so that onnxruntime, whose
     softmax would average the masked scores, agrees.
 
+    The output is copied to a contiguous layout rather than made ``.contiguous()``: with a
+    query sliced from a fused projection (Phi-3's ``qkv_proj``), whether the transposed output
+    is contiguous already depends on the query length, and that check becomes a guard
+    ``q_length == 1`` (a program traced from a decode call then rejects the prefill).
+
+``sliding_window_offsets``
+    A sliding-window cache layer (``DynamicSlidingWindowLayer``: Mistral, Gemma-2/3's hybrid
+    caches) keeps only the last ``window - 1`` keys, and counts the tokens seen in a Python
+    int, ``cumulative_length``, which a bundle cannot carry (see
+    ``iobundle.capture._transformers``); rebuilt caches set it to the cached length. Its
+    ``get_mask_sizes`` then gives a key offset of 0 instead of ``tokens_seen - window + 1``
+    once the window is full, so the padding part of the mask is read from the wrong
+    positions of ``attention_mask`` (a silently wrong program on a left-padded batch), and
+    its ``if cumulative_length >= window`` branch makes the trace guard on the relation
+    between the mask and the cache lengths (decode calls past the window rejected). While
+    tracing, (1) a forward pre-hook on the exported module sets ``cumulative_length`` of each
+    sliding layer to ``attention_mask.shape[-1] - query_length`` (a 2-D mask covers the
+    tokens seen plus the new ones, which is what transformers' masks assume and what
+    ``generate()`` passes); (2) ``get_mask_sizes`` is computed without a branch as
+    ``(cached + query_length, cumulative_length - cached)``, equal to transformers' values
+    whenever the layer holds ``min(tokens seen, window - 1)`` keys (a layer that does not
+    record past states, checked); (3) transformers' ``_ignore_causal_mask_sdpa``, whose
+    answer under ``torch.export`` is always False but which first compares the mask and key
+    lengths (a guard), answers False at once while exporting. Without a 2-D mask nothing
+    changes: the rebuilt offsets are shifted together and the mask is exact.
+
 ``whisper_cross_attention_recompute``
     Whisper's decoder computes the cross-attention keys and values from the encoder output
     on its first call and stores them in the cache; later calls read them back. Python takes
@@ -56,6 +82,7 @@ __all__ = [
     "export_patches",
     "patch_contiguous_last_token",
     "patch_sdpa_without_is_causal",
+    "patch_sliding_window_offsets",
     "patch_whisper_cross_attention_recompute",
 ]
 
@@ -129,7 +156,10 @@ def _export_sdpa_attention(
     )
     if visible is not None:
         out = torch.where(visible, out, torch.zeros((), dtype=out.dtype, device=out.device))
-    return out.transpose(1, 2).contiguous(), None
+    # Not ``.contiguous()``: whether the transposed output already is depends on the strides SDPA
+    # gave it, which follow the query's; a query sliced from a fused projection (Phi-3's
+    # ``qkv_proj``) makes that check a guard ``q_length == 1``. A copy in contiguous layout has no check.
+    return out.transpose(1, 2).clone(memory_format=torch.contiguous_format), None
 
 
 def _uses_sdpa(model: torch.nn.Module) -> bool:
@@ -162,6 +192,86 @@ def patch_sdpa_without_is_causal(model: torch.nn.Module) -> Iterator[None]:
             mapping.pop("sdpa", None)
         else:
             mapping["sdpa"] = previous
+
+
+# --------------------------------------------------------------------------- sliding_window_offsets
+
+
+def _sliding_layers(cache: Any) -> list[Any]:
+    """The ``DynamicSlidingWindowLayer`` layers of a cache (the self-attention cache of an encoder-decoder cache)."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer, EncoderDecoderCache
+
+    if isinstance(cache, EncoderDecoderCache):
+        cache = cache.self_attention_cache
+    return [layer for layer in getattr(cache, "layers", ()) if isinstance(layer, DynamicSlidingWindowLayer)]
+
+
+def _uses_sliding_cache(model: torch.nn.Module) -> bool:
+    for module in _transformers_modules(model):
+        config = getattr(module, "config", None)
+        if config is None:
+            continue
+        if callable(getattr(config, "get_text_config", None)):
+            config = config.get_text_config()
+        layer_types = getattr(config, "layer_types", None) or []
+        if getattr(config, "sliding_window", None) and (
+            not layer_types or any(t in ("sliding_attention", "chunked_attention") for t in layer_types)
+        ):
+            return True
+    return False
+
+
+def _sliding_mask_sizes(self: Any, query_length: int) -> tuple[int, int]:
+    """``DynamicSlidingWindowLayer.get_mask_sizes`` without a Python branch on the token count."""
+    if self.record_past:
+        raise ValueError(
+            "A sliding-window cache layer that records past states cannot be exported from a bundle: "
+            "it may hold more than window - 1 keys."
+        )
+    cached = self.keys.shape[-2] if self.is_initialized and self.keys is not None and self.keys.dim() == 4 else 0
+    return cached + query_length, self.cumulative_length - cached
+
+
+@contextlib.contextmanager
+def patch_sliding_window_offsets(model: torch.nn.Module) -> Iterator[None]:
+    """Give rebuilt sliding-window cache layers their true token count while tracing (see the module docstring).
+
+    Installs a forward pre-hook on ``model`` (the module being exported), replaces
+    ``DynamicSlidingWindowLayer.get_mask_sizes`` and ``masking_utils._ignore_causal_mask_sdpa``;
+    all three are put back on exit.
+    """
+    import transformers.masking_utils as masking_utils
+    from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
+
+    def set_token_counts(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        mask = kwargs.get("attention_mask")
+        tokens = kwargs.get("input_ids")
+        if tokens is None:
+            tokens = kwargs.get("inputs_embeds")
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not isinstance(tokens, torch.Tensor):
+            return
+        for value in [*args, *kwargs.values()]:
+            if isinstance(value, Cache):
+                for layer in _sliding_layers(value):
+                    layer.cumulative_length = mask.shape[-1] - tokens.shape[1]
+
+    ignore_causal_mask = masking_utils._ignore_causal_mask_sdpa
+
+    def never_while_exporting(*args: Any, **kwargs: Any) -> bool:
+        if torch.compiler.is_exporting():
+            return False  # what the original answers under torch.export, after a guarding comparison
+        return bool(ignore_causal_mask(*args, **kwargs))
+
+    get_mask_sizes = DynamicSlidingWindowLayer.__dict__["get_mask_sizes"]
+    handle = model.register_forward_pre_hook(set_token_counts, with_kwargs=True)
+    DynamicSlidingWindowLayer.get_mask_sizes = _sliding_mask_sizes
+    masking_utils._ignore_causal_mask_sdpa = never_while_exporting
+    try:
+        yield
+    finally:
+        handle.remove()
+        DynamicSlidingWindowLayer.get_mask_sizes = get_mask_sizes
+        masking_utils._ignore_causal_mask_sdpa = ignore_causal_mask
 
 
 # --------------------------------------------------------------------------- whisper_cross_attention_recompute
@@ -270,6 +380,11 @@ PATCHES: tuple[ExportPatch, ...] = (
         "sdpa_without_is_causal",
         lambda m, dynamic, _batch: dynamic and _uses_sdpa(m),
         patch_sdpa_without_is_causal,
+    ),
+    ExportPatch(
+        "sliding_window_offsets",
+        lambda m, dynamic, _batch: dynamic and _uses_sliding_cache(m),
+        patch_sliding_window_offsets,
     ),
     ExportPatch(
         "whisper_cross_attention_recompute",

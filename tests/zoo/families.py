@@ -127,7 +127,14 @@ def _gpt2() -> tuple[torch.nn.Module, dict[str, Any]]:
     import transformers
 
     cfg = transformers.GPT2Config(
-        n_embd=32, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=1, eos_token_id=2
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=128,
+        vocab_size=VOCAB,
+        pad_token_id=PAD,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     model = _seeded(lambda: transformers.GPT2LMHeadModel(cfg))
     return model, greedy(5, **left_padded_prompt())
@@ -166,16 +173,12 @@ FAMILIES: list[Family] = [
     ),
     Family(
         "gemma2",
-        decoder_only(
-            "Gemma2Config", "Gemma2ForCausalLM", head_dim=8, sliding_window=8, prompt=7, new_tokens=6
-        ),
+        decoder_only("Gemma2Config", "Gemma2ForCausalLM", head_dim=8, sliding_window=8, prompt=7, new_tokens=6),
         notes="sliding window 8 every other layer, soft-capping, 13 tokens: past the window",
     ),
     Family(
         "gemma3_text",
-        decoder_only(
-            "Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=8, sliding_window=8, prompt=7, new_tokens=6
-        ),
+        decoder_only("Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=8, sliding_window=8, prompt=7, new_tokens=6),
         notes="hybrid cache (sliding 8 / full), 13 tokens: past the window",
     ),
     Family("gpt2", _gpt2, notes="learned positions, fused qkv (Conv1D)"),

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from families import Family
 
 __all__ = ["BundleResult", "FamilyResult", "capture_family", "replay_bundle", "run_families"]

@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from families import FAMILIES, Family, family  # noqa: E402
-from harness import FamilyResult, run_families  # noqa: E402
+from families import FAMILIES, Family, family
+from harness import FamilyResult, run_families
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 START, END = "<!-- zoo:start -->", "<!-- zoo:end -->"
