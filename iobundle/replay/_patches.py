@@ -46,6 +46,18 @@ The patches (checked against torch 2.13 and transformers 5.24):
     lengths (a guard), answers False at once while exporting. Without a 2-D mask nothing
     changes: the rebuilt offsets are shifted together and the mask is exact.
 
+``layout_copies``
+    ``reshape``, ``flatten``, ``contiguous`` and the batched ``matmul`` decide between a view
+    and a copy from the strides, and for a transposed or sliced tensor (Falcon's
+    ``transpose(1, 2).reshape(...)`` of its fused qkv, eager attention's ``query @ key.T`` and
+    ``attn_output.transpose(1, 2).contiguous()``) that decision depends on whether the query
+    length is 1: ``torch.export`` records it as a guard, ``q_length == 1`` when traced from a
+    decode call (the prefill is rejected) or ``!= 1`` from the prefill. While tracing, a
+    ``TorchFunctionMode`` copies such an input to a contiguous layout first, unless it is
+    contiguous for every size (``is_contiguous_or_false``, which never guards); a copy is
+    always valid, so the program takes one path for every length. Same values; the cost
+    is a copy where the eager model might have had a view.
+
 ``whisper_cross_attention_recompute``
     Whisper's decoder computes the cross-attention keys and values from the encoder output
     on its first call and stores them in the cache; later calls read them back. Python takes
@@ -81,6 +93,7 @@ __all__ = [
     "ExportPatch",
     "export_patches",
     "patch_contiguous_last_token",
+    "patch_layout_copies",
     "patch_sdpa_without_is_causal",
     "patch_sliding_window_offsets",
     "patch_whisper_cross_attention_recompute",
@@ -274,6 +287,48 @@ def patch_sliding_window_offsets(model: torch.nn.Module) -> Iterator[None]:
         masking_utils._ignore_causal_mask_sdpa = ignore_causal_mask
 
 
+# --------------------------------------------------------------------------- layout_copies
+
+
+class _LayoutCopies(torch.overrides.TorchFunctionMode):
+    """Copies a possibly non-contiguous input of a view-or-copy operation to a contiguous layout first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch._prims_common import is_contiguous_or_false
+
+        self._definitely_contiguous = is_contiguous_or_false
+        self._reshapes = {torch.reshape, torch.Tensor.reshape, torch.flatten, torch.Tensor.flatten}
+        self._matmuls = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
+
+    def _copied(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 2 and not self._definitely_contiguous(value):
+            return value.clone(memory_format=torch.contiguous_format)
+        return value
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.contiguous and not kwargs and len(args) == 1:
+            return self._copied(args[0]) if args[0].dim() > 2 else func(*args)
+        if func in self._reshapes and args:
+            args = (self._copied(args[0]), *args[1:])
+        elif func in self._matmuls:
+            args = tuple(self._copied(a) for a in args)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def patch_layout_copies(model: torch.nn.Module) -> Iterator[None]:
+    """Trace view-or-copy operations on possibly non-contiguous tensors as copies (see the module docstring).
+
+    A ``TorchFunctionMode`` for the ``with`` block; ``model`` is not touched.
+    """
+    with _LayoutCopies():
+        yield
+
+
 # --------------------------------------------------------------------------- whisper_cross_attention_recompute
 
 
@@ -380,6 +435,11 @@ PATCHES: tuple[ExportPatch, ...] = (
         "sdpa_without_is_causal",
         lambda m, dynamic, _batch: dynamic and _uses_sdpa(m),
         patch_sdpa_without_is_causal,
+    ),
+    ExportPatch(
+        "layout_copies",
+        lambda m, dynamic, _batch: dynamic and bool(_transformers_modules(m)),
+        patch_layout_copies,
     ),
     ExportPatch(
         "sliding_window_offsets",
