@@ -58,6 +58,15 @@ The patches (checked against torch 2.13 and transformers 5.24):
     always valid, so the program takes one path for every length. Same values; the cost
     is a copy where the eager model might have had a view.
 
+``moe_batched_experts``
+    transformers' mixture-of-experts layers (Mixtral, Qwen3-MoE, ...) pick their experts
+    implementation from ``config._experts_implementation``; the default, ``grouped_mm``, traces
+    to a custom operator (``transformers::grouped_mm_fallback``) that ``torch.onnx`` cannot
+    convert. While tracing, the configs of the model's experts layers say ``batched_mm``
+    instead: the routed tokens gather their experts' weights and go through one batched
+    matmul, with no data-dependent shapes, which exports to ONNX. Same computation, in
+    another order of summation (differences at float rounding level).
+
 ``whisper_cross_attention_recompute``
     Whisper's decoder computes the cross-attention keys and values from the encoder output
     on its first call and stores them in the cache; later calls read them back. Python takes
@@ -94,6 +103,7 @@ __all__ = [
     "export_patches",
     "patch_contiguous_last_token",
     "patch_layout_copies",
+    "patch_moe_batched_experts",
     "patch_sdpa_without_is_causal",
     "patch_sliding_window_offsets",
     "patch_whisper_cross_attention_recompute",
@@ -329,6 +339,40 @@ def patch_layout_copies(model: torch.nn.Module) -> Iterator[None]:
         yield
 
 
+# --------------------------------------------------------------------------- moe_batched_experts
+
+_TRACEABLE_EXPERTS = "batched_mm"
+
+
+def _experts_configs(model: torch.nn.Module) -> list[Any]:
+    """The configs of the transformers experts layers (``use_experts_implementation``) that use another implementation."""
+    configs: dict[int, Any] = {}
+    for module in _transformers_modules(model):
+        config = getattr(module, "config", None)
+        if not (hasattr(module, "_is_expert_parallel") and hasattr(module, "has_gate")) or config is None:
+            continue
+        if getattr(config, "_experts_implementation_internal", _TRACEABLE_EXPERTS) != _TRACEABLE_EXPERTS:
+            configs[id(config)] = config
+    return list(configs.values())
+
+
+@contextlib.contextmanager
+def patch_moe_batched_experts(model: torch.nn.Module) -> Iterator[None]:
+    """Make the model's experts layers use transformers' ``batched_mm`` implementation while tracing.
+
+    Why: see the module docstring. The configs' previous implementations are put back on exit.
+    """
+    configs = _experts_configs(model)
+    previous = [config._experts_implementation_internal for config in configs]
+    for config in configs:
+        config._experts_implementation_internal = _TRACEABLE_EXPERTS
+    try:
+        yield
+    finally:
+        for config, value in zip(configs, previous):
+            config._experts_implementation_internal = value
+
+
 # --------------------------------------------------------------------------- whisper_cross_attention_recompute
 
 
@@ -445,6 +489,11 @@ PATCHES: tuple[ExportPatch, ...] = (
         "sliding_window_offsets",
         lambda m, dynamic, _batch: dynamic and _uses_sliding_cache(m),
         patch_sliding_window_offsets,
+    ),
+    ExportPatch(
+        "moe_batched_experts",
+        lambda m, _dynamic, _batch: bool(_experts_configs(m)),
+        patch_moe_batched_experts,
     ),
     ExportPatch(
         "whisper_cross_attention_recompute",
