@@ -18,7 +18,10 @@ The patches (checked against torch 2.13 and transformers 5.24):
     mask (the model's, or the causal one transformers means, built from the shapes) with
     ``is_causal=False``, and expands grouped key/value heads itself. A query that sees no key
     (padding in a left-padded batch) gets zeros, as in torch, so that onnxruntime, whose
-    softmax would average the masked scores, agrees.
+    softmax would average the masked scores, agrees. Models that call
+    ``torch.nn.functional.scaled_dot_product_attention`` themselves (Falcon) get the same two
+    measures through a wrapper of that function: a symbolic ``is_causal`` becomes its mask,
+    and rows that see no key are zeros.
 
     The output is copied to a contiguous layout rather than made ``.contiguous()``: with a
     query sliced from a fused projection (Phi-3's ``qkv_proj``), whether the transposed output
@@ -207,14 +210,47 @@ def patch_sdpa_without_is_causal(model: torch.nn.Module) -> Iterator[None]:
 
     mapping = AttentionInterface._global_mapping
     previous = mapping.get("sdpa")
+    torch_sdpa = torch.nn.functional.scaled_dot_product_attention
     mapping["sdpa"] = _export_sdpa_attention
+    torch.nn.functional.scaled_dot_product_attention = _torch_sdpa_for_export(torch_sdpa)
     try:
         yield
     finally:
+        torch.nn.functional.scaled_dot_product_attention = torch_sdpa
         if previous is None:
             mapping.pop("sdpa", None)
         else:
             mapping["sdpa"] = previous
+
+
+def _torch_sdpa_for_export(torch_sdpa: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``torch.nn.functional.scaled_dot_product_attention`` as models that call it directly (Falcon) need it traced.
+
+    A symbolic ``is_causal`` (``query_length > 1``) becomes the explicit mask it stands for,
+    and a query that sees no key gets zeros (as torch gives), so that onnxruntime agrees.
+    """
+
+    def sdpa(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: Any = False,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if not isinstance(is_causal, bool) and attn_mask is None:
+            q_length, kv_length = query.shape[-2], key.shape[-2]
+            rows = torch.arange(q_length, device=query.device)[:, None]
+            single = torch.full((), q_length, dtype=torch.long, device=query.device) == 1
+            attn_mask, is_causal = (torch.arange(kv_length, device=query.device)[None, :] <= rows) | single, False
+        out = torch_sdpa(query, key, value, attn_mask, dropout_p, bool(is_causal), *args, **kwargs)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            out = torch.where(attn_mask.any(dim=-1, keepdim=True), out, torch.zeros((), dtype=out.dtype))
+        return out
+
+    return sdpa
 
 
 # --------------------------------------------------------------------------- sliding_window_offsets

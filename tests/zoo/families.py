@@ -147,6 +147,11 @@ FAMILIES: list[Family] = [
         notes="GQA, left-padded batch of 2",
     ),
     Family(
+        "llama_eager",
+        decoder_only("LlamaConfig", "LlamaForCausalLM", attn_implementation="eager"),
+        notes='attn_implementation="eager": matmul/softmax attention, no SDPA',
+    ),
+    Family(
         "llama_static_cache",
         decoder_only("LlamaConfig", "LlamaForCausalLM", generate={"cache_implementation": "static"}),
         notes='cache_implementation="static": preallocated cache, token counters as tensors',
