@@ -153,3 +153,25 @@ def test_new_patches_apply_only_where_needed() -> None:
     with export_patches(mistral, dynamic=False, dynamic_batch=False, applied=names):
         pass
     assert names == []
+
+
+def test_torch_sdpa_wrapper_matches_torch_and_zeroes_unseeing_rows() -> None:
+    from iobundle.replay._patches import patch_sdpa_without_is_causal
+
+    gen = torch.Generator().manual_seed(3)
+    query, key, value = (torch.randn(2, 4, 3, 8, generator=gen) for _ in range(3))
+    mask = torch.ones(2, 1, 3, 3, dtype=torch.bool).tril()
+    mask[0, :, 0, :] = False  # a padding query of a left-padded row: it sees no key
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    expected = sdpa(query, key, value, attn_mask=mask)
+    causal = sdpa(query, key, value, is_causal=True)
+    with patch_sdpa_without_is_causal(torch.nn.Linear(2, 2)):
+        wrapped = torch.nn.functional.scaled_dot_product_attention
+        assert wrapped is not sdpa
+        got = wrapped(query, key, value, attn_mask=mask)
+        got_causal = wrapped(query, key, value, is_causal=True)
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa
+    assert not got[0, :, 0].any()
+    torch.testing.assert_close(got[:, :, 1:], expected[:, :, 1:])
+    torch.testing.assert_close(got[1], expected[1])
+    torch.testing.assert_close(got_causal, causal)
