@@ -15,6 +15,7 @@ bundle crosses the process boundary. The replays of several families run side by
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -113,7 +114,9 @@ def capture_family(entry: Family, root: Path) -> tuple[dict[str, Path], float]:
     model, kwargs = entry.build()
     modules = entry.observe(model) if entry.observe else {entry.name: model}
     observers = {name: InputObserver() for name in modules}
-    with torch.no_grad(), _observing(observers, modules, entry.store_n_calls):
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        for name, observer in observers.items():
+            stack.enter_context(observer(modules[name], store_n_calls=entry.store_n_calls))
         model.generate(**kwargs)
     paths = {}
     for name, observer in observers.items():
@@ -121,23 +124,6 @@ def capture_family(entry: Family, root: Path) -> tuple[dict[str, Path], float]:
         observer.save(path, include_model=True if modules[name] is model else model)
         paths[name] = path
     return paths, time.perf_counter() - begin
-
-
-class _observing:
-    """Enter every observer on its module (an ExitStack that keeps the type checker out of it)."""
-
-    def __init__(self, observers: dict[str, Any], modules: dict[str, torch.nn.Module], n: int) -> None:
-        import contextlib
-
-        self._stack = contextlib.ExitStack()
-        self._items = [(observers[k], modules[k], n) for k in observers]
-
-    def __enter__(self) -> None:
-        for observer, module, n in self._items:
-            self._stack.enter_context(observer(module, store_n_calls=n))
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stack.__exit__(*exc)
 
 
 def _run_cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
