@@ -34,7 +34,9 @@ def _error(value: float | None) -> str:
     return "-" if value is None else f"{value:.1e}"
 
 
-def format_matrix(entries: list[Family], results: dict[str, FamilyResult], seconds: float) -> str:
+def format_matrix(
+    entries: list[Family], results: dict[str, FamilyResult], seconds: float, cpu_seconds: float | None = None
+) -> str:
     """The support matrix as a Markdown table, with how it was measured."""
     import torch
     import transformers
@@ -62,9 +64,21 @@ def format_matrix(entries: list[Family], results: dict[str, FamilyResult], secon
     lines.append("")
     lines.append(
         f"{passed}/{len(entries)} families pass (torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"{os.cpu_count()} CPU cores, {seconds:.0f}s for the whole zoo; `make zoo` to measure again)."
+        f"{os.cpu_count()} CPU cores, {seconds:.0f}s wall"
+        + (f" and {cpu_seconds:.0f}s CPU" if cpu_seconds is not None else "")
+        + " for the whole zoo; `make zoo` to measure again)."
     )
     return "\n".join(lines)
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of the replays it waited for (the wall time depends on the machine's load)."""
+    import resource
+
+    return sum(
+        usage.ru_utime + usage.ru_stime
+        for usage in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
+    )
 
 
 def write_readme(table: str, readme: Path = README) -> None:
@@ -85,12 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", help="write the bundles and ONNX files here instead of a temporary directory")
     args = parser.parse_args(argv)
     entries = [family(n) for n in args.families] if args.families else list(FAMILIES)
-    begin = time.perf_counter()
+    begin, cpu_begin = time.perf_counter(), _cpu_seconds()
     with tempfile.TemporaryDirectory(prefix="iobundle-zoo-") as tmp:
         root = Path(args.keep or tmp)
         results = run_families(entries, root, jobs=args.jobs)
-    seconds = time.perf_counter() - begin
-    table = format_matrix(entries, results, seconds)
+    seconds, cpu = time.perf_counter() - begin, _cpu_seconds() - cpu_begin
+    table = format_matrix(entries, results, seconds, cpu)
     print(table)
     if args.json:
         Path(args.json).write_text(json.dumps({k: r.to_json() for k, r in results.items()}, indent=1), "utf-8")
