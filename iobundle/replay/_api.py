@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from iobundle.calls import RecordedCalls, TensorCollector, record_inputs, replace_tensors, tensor_keys
-from iobundle.errors import AlignmentError
+from iobundle.errors import AlignmentError, InputSelectionError
 from iobundle.replay import _inference
 from iobundle.replay._export import ExportReport, export_onnx, export_program
 from iobundle.replay._info import ObservationInfo
@@ -91,7 +91,8 @@ class RecordedCallsAPI:
             A tuple (positional only), a dict (keywords), or ``(args, kwargs)``.
 
         Raises:
-            AlignmentError: The index is out of range or the calls cannot be aligned.
+            AlignmentError: The index is out of range or the calls cannot be aligned (a ``RuntimeError``).
+            InputSelectionError: ``index_or_args_or_kwargs`` has an unexpected type (a ``ValueError``).
         """
         rc = self._recorded()
         if index_or_args_or_kwargs is None or isinstance(index_or_args_or_kwargs, int):
@@ -101,8 +102,9 @@ class RecordedCallsAPI:
         elif isinstance(index_or_args_or_kwargs, dict):
             args, kwargs = (), index_or_args_or_kwargs
         else:
-            raise AlignmentError(
-                f"infer_arguments: expected an int, a tuple or a dict, got {type(index_or_args_or_kwargs).__name__}."
+            raise InputSelectionError(
+                f"infer_arguments: unexpected type {type(index_or_args_or_kwargs).__name__} for "
+                "index_or_args_or_kwargs; pass a call index (int), positional inputs (tuple) or keyword inputs (dict)."
             )
         alignment = _inference.align_calls(rc)
         collector = TensorCollector(lambda t: t)
@@ -118,8 +120,8 @@ class RecordedCallsAPI:
         """Remove inputs from every recorded call, as if they had never been passed.
 
         Raises:
-            AlignmentError: A name is unknown, or removing it is impossible because of ``*args``
-                (the message names the variadic parameter).
+            InputSelectionError: A name is unknown, or removing it is impossible because of ``*args``
+                (the message names the variadic parameter); a ``ValueError`` and an ``AlignmentError``.
         """
         _inference.remove_inputs(self._recorded(), [names] if isinstance(names, str) else names)
 

@@ -34,7 +34,7 @@ from iobundle.calls import (
     replace_tensors,
     tensor_keys,
 )
-from iobundle.errors import AlignmentError, DynamicShapeError
+from iobundle.errors import AlignmentError, DynamicShapeError, InputSelectionError
 from iobundle.schema import CallEntry, DictNode, ListNode, Node, NoneNode, ObjectNode, TensorNode, TupleNode
 
 __all__ = [
@@ -537,7 +537,7 @@ def remove_inputs(rc: RecordedCalls, names: Collection[str]) -> None:
     A positional argument followed by others in a call moves those to keywords.
 
     Raises:
-        AlignmentError: A name is not a parameter, or removing it would need to pass an argument
+        InputSelectionError: A name is not a parameter, or removing it would need to pass an argument
             that follows ``*args`` by keyword (the message names the variadic).
     """
     names = set(names)
@@ -546,7 +546,7 @@ def remove_inputs(rc: RecordedCalls, names: Collection[str]) -> None:
         n for n in names if n not in params and not any(n in c.kwargs or n in c.cst_kwargs for c in rc.calls)
     )
     if unknown:
-        raise AlignmentError(
+        raise InputSelectionError(
             f"remove_inputs: {unknown} are neither parameters of {rc.signature.method} nor recorded inputs."
         )
     pos_names = list(positional_names(rc.signature))
@@ -562,7 +562,7 @@ def remove_inputs(rc: RecordedCalls, names: Collection[str]) -> None:
         if cut:
             first = cut[0]
             if len(args) > len(pos_names):
-                raise AlignmentError(
+                raise InputSelectionError(
                     f"remove_inputs({sorted(names)}): call {call.index} passes positional arguments after "
                     f"{pos_names[first]!r} that belong to *{var[0] if var else 'args'}; they cannot become keywords. "
                     f"Remove *{var[0] if var else 'args'} too, or record calls that pass {pos_names[first]!r} by name."
@@ -573,7 +573,7 @@ def remove_inputs(rc: RecordedCalls, names: Collection[str]) -> None:
                 if pos_names[i] in names:
                     continue
                 if param is not None and param.kind == "POSITIONAL_ONLY":
-                    raise AlignmentError(
+                    raise InputSelectionError(
                         f"remove_inputs: {pos_names[i]!r} is positional-only and follows a removed argument."
                     )
                 moved[pos_names[i]] = args[i]
