@@ -11,6 +11,7 @@ import torch
 from iobundle.calls import RecordedCalls, TensorCollector, record_inputs, replace_tensors, tensor_keys
 from iobundle.errors import AlignmentError, InputSelectionError
 from iobundle.replay import _inference
+from iobundle.replay._dim_names import DimNamesSpec
 from iobundle.replay._export import ExportReport, export_onnx, export_program
 from iobundle.replay._info import ObservationInfo
 from iobundle.replay._validate import check_discrepancies
@@ -44,17 +45,27 @@ class RecordedCallsAPI:
     def infer_dynamic_shapes(
         self,
         set_batch_dimension_for: Collection[int | str] | bool | None = None,
-        *,
-        dim_names: bool = False,
+        dim_names: DimNamesSpec = False,
     ) -> tuple[Any, ...] | dict[str, Any]:
         """Infer ``dynamic_shapes`` for ``torch.export.export``.
 
         A dimension is ``Dim.DYNAMIC`` when its size differs across recorded calls.
 
+        With ``dim_names=True`` each dynamic dimension is a name (a string) instead: dimensions
+        whose sizes are equal in every recorded call share one name, and well-known inputs get
+        conventional names (``batch_size``, ``sequence_length``, ``past_sequence_length`` for the
+        key and value cache of every layer, ``total_sequence_length`` for an attention mask, ...),
+        recognised from the recorded structure (a transformers cache under any argument name).
+        A dict gives names explicitly, by input name or position (``{"input_ids": {0: "batch"}}``;
+        a list of dicts for the tensors of a nested input); the dimensions it leaves out are named
+        ``<input>_dim_<d>``, and a dimension it names becomes dynamic. ``torch.onnx.export`` takes
+        the result as is; :meth:`export` and :meth:`to_onnx` accept the same ``dim_names`` and turn
+        each name into one shared ``torch.export.Dim``.
+
         Args:
             set_batch_dimension_for: Inputs (names or positions) whose first dimension is dynamic
                 even when every call used the same batch size; True for all inputs.
-            dim_names: Name each dynamic dimension (``torch.export.Dim``) instead of ``Dim.DYNAMIC``.
+            dim_names: False (``Dim.DYNAMIC``), True (derived names) or a dict of explicit names.
 
         Returns:
             A tuple for positional-only calls, otherwise a dict keyed by parameter name.
@@ -62,10 +73,13 @@ class RecordedCallsAPI:
         Raises:
             AlignmentError: The recorded calls cannot be aligned (the message says why).
             DynamicShapeError: A tensor changes rank across calls.
+            InputSelectionError: ``dim_names`` names an unknown input or dimension.
 
         Example:
             >>> observer.infer_dynamic_shapes(set_batch_dimension_for={"input_ids"})
             {'input_ids': {0: Dim.DYNAMIC, 1: Dim.DYNAMIC}, ...}
+            >>> observer.infer_dynamic_shapes(set_batch_dimension_for=True, dim_names=True)
+            {'input_ids': {0: 'batch_size', 1: 'sequence_length'}, ...}
         """
         return _inference.infer_dynamic_shapes(self._recorded(), set_batch_dimension_for, dim_names=dim_names)
 
@@ -134,14 +148,16 @@ class RecordedCallsAPI:
         check: bool = True,
         atol: float = 1e-4,
         rtol: float = 0.1,
+        dim_names: DimNamesSpec = False,
     ) -> torch.export.ExportedProgram:
         """Export ``model`` with ``torch.export`` from the recorded calls and check it on every call.
 
-        See :func:`iobundle.replay.export_program`.
+        ``dim_names`` (see :meth:`infer_dynamic_shapes`) turns each name into one shared
+        ``torch.export.Dim``. See :func:`iobundle.replay.export_program`.
         """
         return export_program(
             self._recorded(), model, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
-            check=check, atol=atol, rtol=rtol,
+            check=check, atol=atol, rtol=rtol, dim_names=dim_names,
         )  # fmt: skip
 
     def export_report(self) -> ExportReport | None:
@@ -157,14 +173,17 @@ class RecordedCallsAPI:
         set_batch_dimension_for: Collection[int | str] | bool | None = None,
         strict: bool = False,
         check: bool = True,
+        dim_names: DimNamesSpec = False,
     ) -> str:
         """Export ``model`` to an ONNX file at ``path`` (through ``torch.export``); return the path.
 
-        See :func:`iobundle.replay.export_onnx`.
+        With ``dim_names`` (see :meth:`infer_dynamic_shapes`) the graph's symbolic dimensions bear
+        the names. See :func:`iobundle.replay.export_onnx`.
         """
         return export_onnx(
-            self._recorded(), model, path, set_batch_dimension_for=set_batch_dimension_for, strict=strict, check=check
-        )
+            self._recorded(), model, path, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
+            check=check, dim_names=dim_names,
+        )  # fmt: skip
 
     def check_discrepancies(
         self,

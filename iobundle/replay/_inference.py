@@ -35,6 +35,7 @@ from iobundle.calls import (
     tensor_keys,
 )
 from iobundle.errors import AlignmentError, DynamicShapeError, InputSelectionError
+from iobundle.replay._dim_names import DimNamesSpec, name_dims
 from iobundle.schema import CallEntry, DictNode, ListNode, Node, NoneNode, ObjectNode, TensorNode, TupleNode
 
 __all__ = [
@@ -362,7 +363,7 @@ def infer_dynamic_shapes(
     rc: RecordedCalls,
     set_batch_dimension_for: BatchSpec = None,
     *,
-    dim_names: bool = False,
+    dim_names: DimNamesSpec = False,
 ) -> tuple[Any, ...] | dict[str, Any]:
     """Infer the ``dynamic_shapes`` argument of ``torch.export.export`` from the recorded calls.
 
@@ -370,7 +371,8 @@ def infer_dynamic_shapes(
         rc: The recorded calls.
         set_batch_dimension_for: Names or positions whose dim 0 is dynamic even if constant,
             or True for every input.
-        dim_names: Use named ``torch.export.Dim`` objects (``argname_dimN``) instead of ``Dim.DYNAMIC``.
+        dim_names: False for ``Dim.DYNAMIC``; True or a dict for names (strings), see
+            :mod:`iobundle.replay._dim_names`.
 
     Returns:
         A tuple when the best call passes positional tensors only, otherwise a dict by name;
@@ -378,18 +380,15 @@ def infer_dynamic_shapes(
     """
     alignment = align_calls(rc)
     flat = flat_dynamic_dims(rc, alignment, set_batch_dimension_for)
+    names = None if dim_names is False else name_dims(rc, alignment, flat, dim_names, empty_dims(alignment))
     best = alignment.best_call
     it = iter(range(len(flat)))
 
     def leaf(_: TensorNode) -> dict[int, Any]:
         index = next(it)
-        if not dim_names:
+        if names is None:
             return dict.fromkeys(flat[index], torch.export.Dim.DYNAMIC)
-        owner = alignment.owners[index]
-        base = rc.names[owner] if isinstance(owner, int) and owner < len(rc.names) else str(owner)
-        if not base.isidentifier():  # a *args position ("1"), or a **kwargs key such as "a-b"
-            base = "arg_" + "".join(c if f"a{c}".isidentifier() else "_" for c in base)
-        return {d: torch.export.Dim(f"{base}_{index}_dim{d}") for d in flat[index]}
+        return dict(names[index])
 
     ds_args = [map_structure(a, leaf) for a in best.args]
     ds_kwargs = {k: map_structure(v, leaf) for k, v in best.kwargs.items()}
