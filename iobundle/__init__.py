@@ -37,6 +37,7 @@ from iobundle.errors import (
 __all__ = [
     # Capture and replay
     "Bundle",
+    "InputCandidate",
     "InputObserver",
     "__version__",
     "load_bundle",
@@ -67,10 +68,15 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from iobundle.observer import InputObserver
+    from iobundle.observer import InputCandidate, InputObserver
     from iobundle.replay import Bundle, load_bundle
 
-_LAZY = {"InputObserver": "iobundle.observer", "Bundle": "iobundle.replay", "load_bundle": "iobundle.replay"}
+_LAZY = {
+    "InputCandidate": "iobundle.observer",
+    "InputObserver": "iobundle.observer",
+    "Bundle": "iobundle.replay",
+    "load_bundle": "iobundle.replay",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -13,7 +13,7 @@ from iobundle.errors import AlignmentError, InputSelectionError
 from iobundle.replay import _inference
 from iobundle.replay._dim_names import DimNamesSpec
 from iobundle.replay._export import ExportReport, export_onnx, export_program
-from iobundle.replay._info import ObservationInfo
+from iobundle.replay._info import InputCandidate, ObservationInfo
 from iobundle.replay._validate import check_discrepancies
 from iobundle.schema import CallEntry, Node, TensorNode
 
@@ -85,7 +85,7 @@ class RecordedCallsAPI:
 
     def infer_arguments(
         self,
-        index_or_args_or_kwargs: int | tuple[Any, ...] | dict[str, Any] | None = None,
+        index_or_args_or_kwargs: int | tuple[Any, ...] | dict[str, Any] | InputCandidate | None = None,
         flat: bool = False,
         as_args_kwargs: bool = False,
     ) -> Any:
@@ -96,8 +96,9 @@ class RecordedCallsAPI:
 
         Args:
             index_or_args_or_kwargs: A call index, or new positional (tuple) or keyword (dict)
-                inputs to lay out like the recorded calls; by default the first call shaped like
-                the one with the most tensors.
+                inputs to lay out like the recorded calls, or an :class:`InputCandidate` (one of
+                ``info.inputs``, or built from values); by default the first call shaped like the
+                one with the most tensors.
             flat: Return the flat list of tensors.
             as_args_kwargs: Always return ``(args, kwargs)``.
 
@@ -109,12 +110,17 @@ class RecordedCallsAPI:
             InputSelectionError: ``index_or_args_or_kwargs`` has an unexpected type (a ``ValueError``).
         """
         rc = self._recorded()
+        if isinstance(index_or_args_or_kwargs, InputCandidate) and index_or_args_or_kwargs.call is not None:
+            index_or_args_or_kwargs = _candidate_index(rc, index_or_args_or_kwargs)
         if index_or_args_or_kwargs is None or isinstance(index_or_args_or_kwargs, int):
             return _inference.infer_arguments(rc, index_or_args_or_kwargs, flat=flat, as_args_kwargs=as_args_kwargs)
         if isinstance(index_or_args_or_kwargs, tuple):
             args, kwargs = index_or_args_or_kwargs, {}
         elif isinstance(index_or_args_or_kwargs, dict):
             args, kwargs = (), index_or_args_or_kwargs
+        elif isinstance(index_or_args_or_kwargs, InputCandidate):
+            candidate = index_or_args_or_kwargs
+            args, kwargs = candidate.args, {**candidate.kwargs, **candidate.cst_kwargs}
         else:
             raise InputSelectionError(
                 f"infer_arguments: unexpected type {type(index_or_args_or_kwargs).__name__} for "
@@ -203,6 +209,18 @@ class RecordedCallsAPI:
             self._recorded(), onnx_model, atol=atol, rtol=rtol, hist=hist, progress_bar=progress_bar,
             include_io=include_io, skip_none=skip_none,
         )  # fmt: skip
+
+
+def _candidate_index(rc: RecordedCalls, candidate: InputCandidate) -> int:
+    """The position among the successful calls of ``rc`` of a recorded candidate."""
+    call = candidate.call
+    for i, c in enumerate(rc.ok_calls):
+        if call is not None and c.index == call.index:
+            return i
+    raise InputSelectionError(
+        f"infer_arguments: the InputCandidate of call {call.index if call else '?'} is not a successful call of "
+        "these recorded calls; pass one of this observer's info.inputs, or the inputs as a tuple or a dict."
+    )
 
 
 def _refuse_opaque(path: str, type_name: str, reason: str) -> None:
