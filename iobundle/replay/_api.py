@@ -136,14 +136,34 @@ class RecordedCallsAPI:
             rc, alignment=alignment, slots=slots, extra=extra, flat=flat, as_args_kwargs=as_args_kwargs
         )
 
-    def remove_inputs(self, names: Collection[str] | str) -> None:
-        """Remove inputs from every recorded call, as if they had never been passed.
+    def remove_inputs(self, names: Collection[str | int] | str | int) -> int:
+        """Remove inputs (by name, or by position in the signature) from every recorded call, as if never passed.
+
+        Returns:
+            How many inputs were removed, summed over the calls (0 when the inputs are parameters
+            no call passed).
 
         Raises:
             InputSelectionError: A name is unknown, or removing it is impossible because of ``*args``
                 (the message names the variadic parameter); a ``ValueError`` and an ``AlignmentError``.
         """
-        _inference.remove_inputs(self._recorded(), [names] if isinstance(names, str) else names)
+        rc = self._recorded()
+        selected = [names] if isinstance(names, (str, int)) else list(names)
+        as_names = []
+        for item in selected:
+            if isinstance(item, bool) or not isinstance(item, (str, int)):
+                raise InputSelectionError(
+                    f"remove_inputs: unexpected type {type(item).__name__} for {item!r}; give names or positions."
+                )
+            if isinstance(item, int):
+                if not 0 <= item < len(rc.names):
+                    raise InputSelectionError(
+                        f"remove_inputs: position {item} is outside the signature of {rc.signature.qualname} "
+                        f"({rc.names})."
+                    )
+                item = rc.names[item]
+            as_names.append(item)
+        return _inference.remove_inputs(rc, as_names)
 
     def export(
         self,
@@ -193,7 +213,7 @@ class RecordedCallsAPI:
 
     def check_discrepancies(
         self,
-        onnx_model: str | os.PathLike[str] | onnx.ModelProto,
+        onnx_model: str | os.PathLike[str] | onnx.ModelProto | torch.onnx.ONNXProgram,
         atol: float = 1e-4,
         rtol: float = 0.1,
         hist: tuple[float, ...] = (0.1, 0.01),
@@ -202,6 +222,8 @@ class RecordedCallsAPI:
         skip_none: bool = True,
     ) -> list[dict[str, Any]]:
         """Run ``onnx_model`` with onnxruntime on every recorded call and compare with the recorded outputs.
+
+        ``onnx_model`` is a path, an ``onnx.ModelProto`` or a ``torch.onnx.ONNXProgram``.
 
         See :func:`iobundle.replay.check_discrepancies`.
         """

@@ -530,10 +530,13 @@ def infer_arguments(
     return {**dict(zip(rc.names, args)), **kwargs}
 
 
-def remove_inputs(rc: RecordedCalls, names: Collection[str]) -> None:
+def remove_inputs(rc: RecordedCalls, names: Collection[str]) -> int:
     """Remove the named inputs from every recorded call, as if they had never been passed.
 
     A positional argument followed by others in a call moves those to keywords.
+
+    Returns:
+        How many inputs were removed, summed over the calls (0 when no call passed any).
 
     Raises:
         InputSelectionError: A name is not a parameter, or removing it would need to pass an argument
@@ -551,7 +554,12 @@ def remove_inputs(rc: RecordedCalls, names: Collection[str]) -> None:
     pos_names = list(positional_names(rc.signature))
     var = rc.var_positional
     new_calls = []
+    removed = 0
     for call in rc.calls:
+        removed += sum(1 for k in call.kwargs if k in names) + sum(1 for k in call.cst_kwargs if k in names)
+        removed += sum(1 for n, a in zip(pos_names, call.args) if n in names and not _is_absent(a))
+        if var is not None and var[0] in names:
+            removed += max(0, len(call.args) - var[1])
         args = list(call.args)
         kwargs = {k: v for k, v in call.kwargs.items() if k not in names}
         cst = {k: v for k, v in call.cst_kwargs.items() if k not in names}
@@ -585,3 +593,4 @@ def remove_inputs(rc: RecordedCalls, names: Collection[str]) -> None:
     rc.calls = new_calls
     rc.value_if_missing = [v for v in rc.value_if_missing if v.key not in names]
     rc.touch()
+    return removed
