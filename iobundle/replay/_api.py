@@ -236,9 +236,10 @@ class RecordedCallsAPI:
 def _candidate_index(rc: RecordedCalls, candidate: InputCandidate) -> int:
     """The position among the successful calls of ``rc`` of a recorded candidate."""
     call = candidate.call
-    for i, c in enumerate(rc.ok_calls):
-        if call is not None and c.index == call.index:
-            return i
+    if call is not None and candidate._rc is rc:
+        for i, c in enumerate(rc.ok_calls):
+            if c.index == call.index:
+                return i
     raise InputSelectionError(
         f"infer_arguments: the InputCandidate of call {call.index if call else '?'} is not a successful call of "
         "these recorded calls; pass one of this observer's info.inputs, or the inputs as a tuple or a dict."
