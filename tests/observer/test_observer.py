@@ -74,3 +74,39 @@ def test_check_discrepancies_takes_torch_onnx_programs() -> None:
     )
     rows = observer.check_discrepancies(program)
     assert [row["SUCCESS"] for row in rows] == [True, True]
+
+
+PARITY = Path(__file__).parents[2] / "docs" / "PARITY.md"
+
+
+def _public(obj: object) -> set[str]:
+    return {n for n in dir(obj) if not n.startswith("_")}
+
+
+def test_every_public_name_of_torchs_observer_is_here_and_in_the_parity_table() -> None:
+    import inspect
+
+    from torch.onnx import InputObserver as Reference
+    from torch.onnx._internal.exporter._input_observer import InputCandidate as ReferenceCandidate
+
+    from iobundle import InputCandidate
+
+    table = PARITY.read_text(encoding="utf-8")
+    x = torch.ones(2, 3)
+    pairs = [
+        (InputObserver(value_if_missing={}), Reference(value_if_missing={})),
+        (InputCandidate((x,), {}, False, {}), ReferenceCandidate((x,), {}, False, {})),
+    ]
+    # their pytree specs and alignment machinery: listed in the table as not provided
+    not_provided = {"align_with", "build_mappings", "spec", "aligned_spec"}
+    for ours, theirs in pairs:
+        name = type(theirs).__name__
+        missing = sorted(_public(theirs) - _public(ours) - not_provided)
+        assert missing == [], f"{name} names missing from iobundle's: {missing}"
+        for attr in _public(theirs):
+            assert f"`{attr}" in table, f"docs/PARITY.md does not mention {name}.{attr}"
+    for method in ("infer_dynamic_shapes", "infer_arguments"):
+        theirs_params = set(inspect.signature(getattr(Reference, method)).parameters)
+        assert theirs_params <= set(inspect.signature(getattr(InputObserver, method)).parameters)
+    reference_info = Reference()
+    assert reference_info.info is None and InputObserver().info is None
