@@ -43,7 +43,7 @@ from iobundle.schema import Node, ObjectNode, TensorNode
 if TYPE_CHECKING:
     from iobundle.replay._inference import Alignment
 
-__all__ = ["DimNamesSpec", "name_dims", "onnx_axis_names", "rename_onnx_axes", "to_export_dims"]
+__all__ = ["DimNamesSpec", "name_dims", "named_dims_hint", "onnx_axis_names", "rename_onnx_axes", "to_export_dims"]
 
 #: ``True`` (derive names), or explicit names by input name or position.
 DimNamesSpec = bool | Mapping[int | str, Any]
@@ -99,6 +99,9 @@ class _Slot:
 
 def _input_name(rc: RecordedCalls, owner: int | str) -> str:
     if isinstance(owner, int):
+        var = rc.var_positional
+        if var is not None and owner >= var[1]:
+            return f"{var[0]}_{owner - var[1]}"  # the n-th value of *args
         return rc.names[owner] if owner < len(rc.names) else f"arg{owner}"
     return owner
 
@@ -442,3 +445,15 @@ def onnx_axis_names(ep: Any, inputs: Sequence[str], slot_names: Sequence[Mapping
                 if symbol.isidentifier():
                     mapping.setdefault(symbol, name)
     return mapping
+
+
+def named_dims_hint(message: str) -> str:
+    """What to do when torch.export refuses named dimensions: its suggested fixes, and the way out."""
+    if "Suggested fixes" not in message:
+        return ""
+    fixes = [line.strip() for line in message.split("Suggested fixes:", 1)[1].splitlines() if "=" in line]
+    fixes = [f for f in fixes if not f.startswith(("The error", "If you"))][:5]
+    return (
+        f"\ntorch.export proved relations between named dimensions: {'; '.join(fixes)}. Give equal dimensions "
+        "one name with dim_names={input: {dim: name}}, or export without dim_names."
+    )

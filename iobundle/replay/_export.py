@@ -18,7 +18,14 @@ import torch
 from iobundle.calls import RecordedCalls, TensorCollector, record_value, tensor_keys
 from iobundle.errors import ExportError
 from iobundle.replay._compare import compare_outputs
-from iobundle.replay._dim_names import DimNamesSpec, name_dims, onnx_axis_names, rename_onnx_axes, to_export_dims
+from iobundle.replay._dim_names import (
+    DimNamesSpec,
+    name_dims,
+    named_dims_hint,
+    onnx_axis_names,
+    rename_onnx_axes,
+    to_export_dims,
+)
 from iobundle.replay._inference import (
     Alignment,
     align_calls,
@@ -313,9 +320,10 @@ def _export(
                 plan.module, plan.args, plan.kwargs, dynamic_shapes=plan.dynamic_shapes, strict=strict
             )
         except Exception as exc:
+            hint = named_dims_hint(str(exc)) if plan.dim_names is not None else ""
             raise ExportError(
                 f"torch.export failed on recorded call {report.traced_call}: {type(exc).__name__}: "
-                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}\nSet IOBUNDLE_DEBUG=1 for the full traceback.",
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}{hint}\nSet IOBUNDLE_DEBUG=1 for the full traceback.",
                 report=report,
             ) from exc
     report.export_seconds = time.perf_counter() - begin

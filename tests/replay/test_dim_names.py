@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.onnx import InputObserver as ReferenceObserver
 
-from iobundle import InputObserver, InputSelectionError, load_bundle
+from iobundle import ExportError, InputObserver, InputSelectionError, load_bundle
 
 DYN = torch.export.Dim.DYNAMIC
 Calls = list[tuple[tuple[Any, ...], dict[str, Any]]]
@@ -268,6 +268,13 @@ class TestExport:
         x, y = (n.meta["val"] for n in ep.graph.nodes if n.op == "placeholder")
         assert str(x.shape[1]) == str(y.shape[1])  # one symbol for the shared name
         assert ep.iobundle_report.ok
+
+    def test_export_says_which_names_torch_proved_equal(self, tmp_path: Path) -> None:
+        calls: Calls = [((torch.randn(2, 3), torch.randn(2, 3)), {}), ((torch.randn(4, 5), torch.randn(4, 5)), {})]
+        ours = observe(Add(), calls)
+        with pytest.raises(ExportError, match=r"proved relations between named dimensions: c = a; d = b\."):
+            ours.export(Add(), dim_names={"x": {0: "a", 1: "b"}, "y": {0: "c", 1: "d"}})
+        assert ours.export(Add(), dim_names={"x": {0: "a", 1: "b"}, "y": {0: "a", 1: "b"}}).iobundle_report.ok
 
     def test_to_onnx_names_the_graphs_dimensions(self, where: str, tmp_path: Path) -> None:
         ours = source(observe(Add(), add_calls()), where, tmp_path)
