@@ -4,9 +4,9 @@
 
 - dimensions whose sizes are equal in every recorded call share one name (the batch of every
   input, the sequence length of ``input_ids``, ``position_ids`` and ``cache_position``, the key
-  and value cache length of every layer), so the exported graph has one symbol for each; a call
-  where one of them is absent (the prefill's cache, ``pixel_values`` after the prefill) does not
-  count against it, but they must appear together in one call at least;
+  and value cache length of every layer), so the exported graph has one symbol for each. A call
+  where an input is absent counts with the stand-in it is fed (``infer_arguments``): the prefill's
+  empty cache is zero-length along its sequence and has the batch of the other calls;
 - well-known inputs get conventional names (``batch_size``, ``sequence_length``,
   ``past_sequence_length``, ``total_sequence_length``, ...), recognised by the parameter name for
   plain tensors (``input_ids``, ``attention_mask``, ``position_ids``, ``cache_position``,
@@ -190,24 +190,8 @@ def fallback_name(slot: _Slot, dim: int) -> str:
     return f"{base}_dim_{dim}" if slot.count == 1 else f"{base}_{slot.position}_dim_{dim}"
 
 
-def _signature(rc: RecordedCalls, alignment: Alignment, index: int, dim: int, empty: int | None) -> tuple[Any, ...]:
-    """The size of ``dim`` of slot ``index`` in every call (0 for an empty cache layer, None where absent)."""
-    sizes: list[Any] = []
-    for slots in alignment.slots:
-        key = slots[index]
-        if key is not None:
-            sizes.append(rc.store.shape(key)[dim])
-        else:
-            sizes.append(0 if empty is not None and dim == empty else None)
-    return tuple(sizes)
-
-
-def _ranks(rc: RecordedCalls, alignment: Alignment) -> list[int]:
-    ranks = []
-    for index in range(len(alignment.owners)):
-        key = next((s[index] for s in alignment.slots if s[index] is not None), None)
-        ranks.append(len(rc.store.shape(key)) if key is not None else 0)
-    return ranks
+def _ranks(shapes: list[list[tuple[int, ...]]]) -> list[int]:
+    return [len(per_call[0]) if per_call else 0 for per_call in shapes]
 
 
 def name_dims(
@@ -215,22 +199,22 @@ def name_dims(
     alignment: Alignment,
     flat: list[list[int]],
     spec: DimNamesSpec,
-    empty: list[int | None],
+    shapes: list[list[tuple[int, ...]]],
 ) -> list[dict[int, str]]:
     """Per slot of ``alignment``, a name for each dynamic dimension (``flat``) and each explicitly named one.
 
-    ``empty`` gives, per slot, the dimension along which an absent slot is an empty tensor (a
-    cache layer not filled yet counts as length 0 there), as ``empty_dims`` computes it.
+    ``shapes`` gives, per slot, the shape each call feeds the program, stand-ins for absent
+    tensors included (an empty cache layer is zero-length along its sequence): dimensions share
+    a name when those sizes are equal in every call.
 
     Raises:
         InputSelectionError: ``spec`` names an input that is neither a parameter nor recorded,
             gives a dimension a tensor does not have, or is not a bool or a dict of dicts of names.
     """
     slots = _slots(rc, alignment)
-    ranks = _ranks(rc, alignment)
+    ranks = _ranks(shapes)
     if spec is True:
-        empty_at = [None if e is None or not r else e % r for e, r in zip(empty, ranks)]
-        return _derived_names(rc, alignment, slots, ranks, flat, empty_at)
+        return _derived_names(slots, ranks, flat, shapes)
     if not isinstance(spec, Mapping):
         raise InputSelectionError(
             f"dim_names: unexpected type {type(spec).__name__}; pass True (derive names) or a dict "
@@ -246,30 +230,15 @@ def name_dims(
 
 
 def _derived_names(
-    rc: RecordedCalls,
-    alignment: Alignment,
-    slots: list[_Slot],
-    ranks: list[int],
-    flat: list[list[int]],
-    empty: list[int | None],
+    slots: list[_Slot], ranks: list[int], flat: list[list[int]], shapes: list[list[tuple[int, ...]]]
 ) -> list[dict[int, str]]:
-    # Dimensions share a name when their sizes agree in every call that holds both (and one call
-    # at least holds both): the prefill's absent cache does not split the batch in two.
-    groups: list[tuple[list[Any], list[tuple[int, int]]]] = []
+    groups: dict[tuple[int, ...], list[tuple[int, int]]] = {}
     for index, dims in enumerate(flat):
         for d in dims:
-            sizes = _signature(rc, alignment, index, d, empty[index])
-            for known, members in groups:
-                pairs = [(a, b) for a, b in zip(known, sizes) if a is not None and b is not None]
-                if pairs and all(a == b for a, b in pairs):
-                    known[:] = [a if a is not None else b for a, b in zip(known, sizes)]
-                    members.append((index, d))
-                    break
-            else:
-                groups.append((list(sizes), [(index, d)]))
+            groups.setdefault(tuple(shape[d] for shape in shapes[index]), []).append((index, d))
     result: list[dict[int, str]] = [{} for _ in slots]
     used: set[str] = set()
-    for _, members in groups:
+    for members in groups.values():
         proposals = [conventional_name(slots[i], d, ranks[i]) for i, d in members]
         name = next((p for p in proposals if p is not None), None) or fallback_name(slots[members[0][0]], members[0][1])
         unique, n = name, 2

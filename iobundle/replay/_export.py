@@ -29,7 +29,7 @@ from iobundle.replay._dim_names import (
 from iobundle.replay._inference import (
     Alignment,
     align_calls,
-    empty_dims,
+    fed_shapes,
     flat_dynamic_dims,
     infer_arguments,
     infer_dynamic_shapes,
@@ -180,7 +180,9 @@ def _plan(
     slot_names = None
     if dim_names is not False:
         ds, _ = to_export_dims(ds)  # one torch.export.Dim per name: equal names, one symbol
-        slot_names = name_dims(rc, alignment, flat_dynamic_dims(rc, alignment, batch), dim_names, empty_dims(alignment))
+        slot_names = name_dims(
+            rc, alignment, flat_dynamic_dims(rc, alignment, batch), dim_names, fed_shapes(rc, alignment)
+        )
     var_kw = rc.var_keyword
     names = set(rc.names)
     extra = [k for k in kwargs if k not in names]

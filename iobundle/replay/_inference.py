@@ -380,7 +380,7 @@ def infer_dynamic_shapes(
     """
     alignment = align_calls(rc)
     flat = flat_dynamic_dims(rc, alignment, set_batch_dimension_for)
-    names = None if dim_names is False else name_dims(rc, alignment, flat, dim_names, empty_dims(alignment))
+    names = None if dim_names is False else name_dims(rc, alignment, flat, dim_names, fed_shapes(rc, alignment))
     best = alignment.best_call
     it = iter(range(len(flat)))
 
@@ -395,27 +395,60 @@ def infer_dynamic_shapes(
     return _assemble(rc, ds_args, ds_kwargs, dict.fromkeys(best.cst_kwargs))
 
 
-def _fill_tensor(
+def _stand_in(
     rc: RecordedCalls, alignment: Alignment, index: int, dims: list[int], empty_dim: int | None = None
-) -> torch.Tensor:
-    """A stand-in for an absent tensor: the observed tensor with its dynamic dimension set to 0, or zeros.
+) -> tuple[str, list[int], bool]:
+    """How an absent tensor is stood in for: the observed tensor it copies, the stand-in's shape, zeros or empty.
 
-    The dimension set to 0 is ``empty_dim`` (see :func:`empty_dims`) when given, else the last dynamic one.
+    It is the last observed tensor of the slot with its dynamic dimension set to 0 (``empty_dim``,
+    see :func:`empty_dims`, when given, else the last dynamic one), or zeros of its shape when no
+    dimension is dynamic; a tensor already empty stands for itself.
     """
     present = [key for s in alignment.slots if (key := s[index]) is not None]
     if not present:
         raise AlignmentError(f"No call holds tensor {index} of argument {alignment.owners[index]!r}.")
     key = present[-1]
-    shape, dtype = list(rc.store.shape(key)), rc.store.dtype(key)
+    shape = list(rc.store.shape(key))
     if 0 in shape:
-        return rc.store.get(key)
-    device = rc.store.get(key).device
+        return key, shape, False
     if empty_dim is not None:
         empty_dim %= len(shape)
     if not dims and empty_dim is None:
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return key, shape, True
     shape[empty_dim if empty_dim is not None else max(dims)] = 0
-    return torch.empty(shape, dtype=dtype, device=device)
+    return key, shape, False
+
+
+def _fill_tensor(
+    rc: RecordedCalls, alignment: Alignment, index: int, dims: list[int], empty_dim: int | None = None
+) -> torch.Tensor:
+    """A stand-in for an absent tensor (see :func:`_stand_in`)."""
+    key, shape, zeros = _stand_in(rc, alignment, index, dims, empty_dim)
+    if list(rc.store.shape(key)) == shape and not zeros:
+        return rc.store.get(key)
+    device = rc.store.get(key).device
+    make = torch.zeros if zeros else torch.empty
+    return make(shape, dtype=rc.store.dtype(key), device=device)
+
+
+def fed_shapes(rc: RecordedCalls, alignment: Alignment) -> list[list[tuple[int, ...]]]:
+    """Per slot, the shape of the tensor each call feeds the program (stand-ins for absent ones included)."""
+    dims = flat_dynamic_dims(rc, alignment)
+    empty = empty_dims(alignment)
+    result: list[list[tuple[int, ...]]] = []
+    for index in range(len(alignment.owners)):
+        stand_in: tuple[int, ...] | None = None
+        shapes = []
+        for slots in alignment.slots:
+            key = slots[index]
+            if key is None:
+                if stand_in is None:
+                    stand_in = tuple(_stand_in(rc, alignment, index, dims[index], empty[index])[1])
+                shapes.append(stand_in)
+            else:
+                shapes.append(tuple(rc.store.shape(key)))
+        result.append(shapes)
+    return result
 
 
 def aligned_tensors(

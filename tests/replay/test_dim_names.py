@@ -106,6 +106,15 @@ class TestYobxSemantics:
         assert x[1] == y[1]  # 6, 7, 8 in both
         assert x[0] != x[1]
 
+    def test_an_absent_input_counts_with_the_stand_in_it_is_fed(self, where: str, tmp_path: Path) -> None:
+        """z is absent from call 0, where infer_arguments feeds (7, 0): its dims do not share x's names."""
+        calls: Calls = [((torch.randn(5, 6), torch.randn(1, 6)), {})]
+        calls += [((torch.randn(n, n + 1), torch.randn(1, n + 1)), {"z": torch.randn(n, n + 1)}) for n in (6, 7)]
+        ours = source(observe(AddOptional(), calls), where, tmp_path)
+        assert [tuple(t.shape) for t in ours.infer_arguments(0, flat=True)] == [(5, 6), (1, 6), (7, 0)]
+        shapes = ours.infer_dynamic_shapes(dim_names=True)
+        assert shapes == {"x": {0: "x_dim_0", 1: "x_dim_1"}, "y": {1: "x_dim_1"}, "z": {0: "z_dim_0", 1: "z_dim_1"}}
+
     def test_conventional_names_for_llm_inputs(self, where: str, tmp_path: Path) -> None:
         calls: Calls = [
             ((torch.randint(0, 9, (2, 6)), torch.ones(2, 7, dtype=torch.long)), {}),
