@@ -14,8 +14,10 @@ __all__ = [
     "InputCandidate",
     "ObservationInfo",
     "RecordedCallsAPI",
+    "StoredModel",
     "ValidationReport",
     "check_discrepancies",
+    "describe_bundle_model",
     "export_onnx",
     "export_program",
     "load_bundle",
@@ -29,5 +31,5 @@ from iobundle.replay._bundle import Bundle, load_bundle
 from iobundle.replay._export import CallCheck, ExportReport, export_onnx, export_program
 from iobundle.replay._factory import model_from_factory
 from iobundle.replay._info import InputCandidate, ObservationInfo
-from iobundle.replay._model_load import load_bundle_model
+from iobundle.replay._model_load import StoredModel, describe_bundle_model, load_bundle_model
 from iobundle.replay._validate import ValidationReport, check_discrepancies, validate_onnx
