@@ -90,7 +90,7 @@ class TestCaptureSide:
 
     def test_an_unknown_value_if_missing_name_is_a_value_error(self) -> None:
         model = Add()
-        with pytest.raises(ValueError, match="unexpected keyword argument 'nonexistent'"):  # noqa: SIM117
+        with pytest.raises(ValueError, match="Unexpected keyword argument 'nonexistent'"):  # noqa: SIM117
             with InputObserver(value_if_missing={"nonexistent": torch.empty(0)})(model):
                 model(torch.ones(2, 3))
 
@@ -105,7 +105,7 @@ class TestCaptureSide:
     def test_a_value_if_missing_key_of_the_wrong_type_is_a_type_error(self) -> None:
         model = Add()
         with (
-            pytest.raises(TypeError, match="unexpected type float"),
+            pytest.raises(TypeError, match="Unexpected type float"),
             InputObserver(value_if_missing={1.5: torch.empty(0)})(model),
         ):
             model(torch.ones(2, 3))
@@ -169,7 +169,7 @@ class TestReplaySide:
 
     def test_infer_arguments_of_an_unexpected_type_is_a_value_error(self, tmp_path: Path) -> None:
         for source in sources(observed(Add(), [((torch.ones(2, 3),), {})]), tmp_path):
-            with pytest.raises(ValueError, match="unexpected type str"):
+            with pytest.raises(ValueError, match="Unexpected type str"):
                 source.infer_arguments("invalid_string")
 
     def test_remove_inputs_of_an_unknown_name_is_a_value_error(self, tmp_path: Path) -> None:
@@ -190,3 +190,40 @@ class TestReplaySide:
             assert candidate.aligned_flat_list is None
             with pytest.raises(RuntimeError, match=r"not aligned with the others: .*different constants"):
                 candidate.n_aligned_tensors  # noqa: B018
+
+
+class TestMessagesKeepTheAnchorsPhrases:
+    """Code that matches the anchors' messages (``assertRaisesRegex``) keeps matching."""
+
+    def test_flattening_to_another_number_of_tensors(self) -> None:
+        class Pair(torch.nn.Module):
+            def forward(self, x: Any = None, y: Any = None) -> torch.Tensor:
+                return x
+
+        positional = [((torch.ones(5, 7), [torch.ones(1, 7)]), {}), ((torch.ones(5, 7), [torch.ones(1, 7)] * 2), {})]
+        with pytest.raises(RuntimeError, match="Positional argument 1 has"):
+            observed(Pair(), positional).infer_dynamic_shapes()
+        named = [((), {"x": torch.ones(5, 7), "y": [torch.ones(1, 7)]})]
+        named += [((), {"x": torch.ones(5, 7), "y": [torch.ones(1, 7)] * 2})]
+        with pytest.raises(RuntimeError, match="Named argument 'y' has"):
+            observed(Pair(), named).infer_dynamic_shapes()
+
+    def test_no_call_holding_every_keyword(self) -> None:
+        class Either(torch.nn.Module):
+            def forward(self, x: Any = None, y: Any = None) -> torch.Tensor:
+                return x if y is None else y
+
+        calls = [((), {"x": torch.ones(2, 3)}), ((), {"y": torch.ones(1, 7)}), ((), {"y": torch.ones(1, 7)})]
+        with pytest.raises(RuntimeError, match="At least one call to the observed model"):
+            observed(Either(), calls).infer_dynamic_shapes()
+
+    def test_bad_arguments(self) -> None:
+        model = Add()
+        with pytest.raises(ValueError, match="Unexpected keyword argument"):  # noqa: SIM117
+            with InputObserver(value_if_missing={"nonexistent": torch.empty(0)})(model):
+                model(torch.ones(2, 3))
+        with pytest.raises(TypeError, match="Unexpected type"):  # noqa: SIM117
+            with InputObserver(value_if_missing={1.5: torch.empty(0)})(model):
+                model(torch.ones(2, 3))
+        with pytest.raises(ValueError, match="Unexpected type"):
+            observed(model, [((torch.ones(2, 3),), {})]).infer_arguments("invalid_string")

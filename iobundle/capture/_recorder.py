@@ -261,17 +261,17 @@ class CallRecorder:
         for key, value in self.value_if_missing.items():
             if isinstance(key, bool) or not isinstance(key, (str, int)):
                 raise ObserverArgumentTypeError(
-                    f"value_if_missing: unexpected type {type(key).__name__} for the key {key!r}; keys are "
+                    f"Unexpected type {type(key).__name__} for the value_if_missing key {key!r}; keys are "
                     "parameter names (str) or positions (int)."
                 )
             if isinstance(key, str) and key not in names and rc.var_keyword is None:
                 raise ObserverArgumentError(
-                    f"value_if_missing: unexpected keyword argument {key!r}: it is not a parameter of {rc.signature.qualname} "
+                    f"Unexpected keyword argument {key!r} in value_if_missing: it is not a parameter of {rc.signature.qualname} "
                     f"(parameters: {names}) and it takes no **kwargs."
                 )
             if isinstance(key, int) and not 0 <= key < len(names):
                 raise ObserverArgumentError(
-                    f"value_if_missing: unexpected keyword argument at position {key}: it is outside the signature of {rc.signature.qualname} ({names})."
+                    f"Unexpected keyword argument at position {key} in value_if_missing: it is outside the signature of {rc.signature.qualname} ({names})."
                 )
             node = record_value(value, self._collector, path=f"value_if_missing[{key!r}]", on_opaque=self._opaque)
             entries.append(MissingValueEntry(key=key, value=node))

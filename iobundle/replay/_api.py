@@ -123,8 +123,9 @@ class RecordedCallsAPI:
             args, kwargs = candidate.args, {**candidate.kwargs, **candidate.cst_kwargs}
         else:
             raise InputSelectionError(
-                f"infer_arguments: unexpected type {type(index_or_args_or_kwargs).__name__} for "
-                "index_or_args_or_kwargs; pass a call index (int), positional inputs (tuple) or keyword inputs (dict)."
+                f"Unexpected type {type(index_or_args_or_kwargs).__name__} for index_or_args_or_kwargs of "
+                "infer_arguments; pass a call index (int), positional inputs (tuple), keyword inputs (dict) or "
+                "an InputCandidate."
             )
         alignment = _inference.align_calls(rc)
         collector = TensorCollector(lambda t: t)

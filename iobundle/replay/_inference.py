@@ -239,7 +239,7 @@ def align_call(rc: RecordedCalls, alignment: Alignment, call: CallEntry) -> list
     if extra:
         raise AlignmentError(
             f"Call {call.index} passes keyword argument(s) {extra} that call {best.index} (the call with the "
-            f"most tensors) does not. At least one call must contain every keyword argument: pass a "
+            f"most tensors) does not. At least one call to the observed model must contain every keyword argument: pass a "
             "placeholder with InputObserver(value_if_missing={...}) or remove it with remove_inputs()."
         )
     slots: list[str | None] = []
@@ -252,9 +252,9 @@ def align_call(rc: RecordedCalls, alignment: Alignment, call: CallEntry) -> list
             slots.extend([None] * n)
             continue
         if len(keys) != n:
-            what = f"positional argument {owner}" if isinstance(owner, int) else f"argument {owner!r}"
+            what = f"Positional argument {owner}" if isinstance(owner, int) else f"Named argument {owner!r}"
             raise AlignmentError(
-                f"The {what} holds {len(keys)} tensors in call {call.index} but {n} in call {best.index}. "
+                f"{what} has {len(keys)} tensors in call {call.index} but {n} in call {best.index}. "
                 "An argument present in two calls must flatten to the same number of tensors."
             )
         slots.extend(keys)
