@@ -18,11 +18,15 @@ from iobundle.errors import (
     CLIError,
     DynamicShapeError,
     ExportError,
+    InputSelectionError,
     IntegrityError,
     IobundleError,
     ManifestError,
     MissingDependencyError,
     ModelLoadError,
+    ObserverArgumentError,
+    ObserverArgumentTypeError,
+    ObserverStateError,
     ReplayError,
     TensorFileError,
     UnsafeBundleError,
@@ -33,6 +37,7 @@ from iobundle.errors import (
 __all__ = [
     # Capture and replay
     "Bundle",
+    "InputCandidate",
     "InputObserver",
     "__version__",
     "load_bundle",
@@ -46,11 +51,15 @@ __all__ = [
     "CaptureError",
     "DynamicShapeError",
     "ExportError",
+    "InputSelectionError",
     "IntegrityError",
     "IobundleError",
     "ManifestError",
     "MissingDependencyError",
     "ModelLoadError",
+    "ObserverArgumentError",
+    "ObserverArgumentTypeError",
+    "ObserverStateError",
     "ReplayError",
     "TensorFileError",
     "UnsafeBundleError",
@@ -59,10 +68,15 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from iobundle.observer import InputObserver
+    from iobundle.observer import InputCandidate, InputObserver
     from iobundle.replay import Bundle, load_bundle
 
-_LAZY = {"InputObserver": "iobundle.observer", "Bundle": "iobundle.replay", "load_bundle": "iobundle.replay"}
+_LAZY = {
+    "InputCandidate": "iobundle.observer",
+    "InputObserver": "iobundle.observer",
+    "Bundle": "iobundle.replay",
+    "load_bundle": "iobundle.replay",
+}
 
 
 def __getattr__(name: str) -> Any:

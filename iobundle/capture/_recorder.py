@@ -25,7 +25,13 @@ from iobundle.calls import (
 )
 from iobundle.capture._stream import CallStream, SnapshotTable
 from iobundle.capture._writer import BundleWriter, save_recorded_calls
-from iobundle.errors import BundleExistsError, CaptureError, IobundleError
+from iobundle.errors import (
+    BundleExistsError,
+    IobundleError,
+    ObserverArgumentError,
+    ObserverArgumentTypeError,
+    ObserverStateError,
+)
 from iobundle.schema import CallEntry, Manifest, MissingValueEntry, Node
 
 __all__ = ["CallRecorder", "ObservationWarning"]
@@ -133,20 +139,27 @@ class CallRecorder:
                 loss during the block), instead of once when the block is left.
 
         Raises:
-            CaptureError: ``model`` has no such method, or it differs from the one observed before.
+            ObserverArgumentError: ``model`` has no such method, or it differs from the one observed
+                before, or a ``value_if_missing`` key is outside the signature (a ``ValueError``).
+            ObserverArgumentTypeError: A ``value_if_missing`` key is neither a name nor a position
+                (a ``TypeError``).
+            ObserverStateError: A block of this observer streams already and this one has ``stream_to``.
             BundleExistsError: ``stream_to`` is not empty and ``overwrite`` is False.
         """
         method = getattr(model, method_name, None)
         if method is None or not callable(method):
-            raise CaptureError(f"{type(model).__name__} has no method {method_name!r} to observe.")
+            raise ObserverArgumentError(
+                f"{type(model).__name__} does not have a method {method_name!r} to observe. "
+                "Pass method_name= the name of one of its methods ('forward' by default)."
+            )
         if store_n_calls < 0:
-            raise CaptureError(f"store_n_calls must be >= 0, got {store_n_calls}.")
+            raise ObserverArgumentError(f"store_n_calls must be >= 0, got {store_n_calls}.")
         sig = signature_entry(method, method_name)
         if self._rc is None:
             self._rc = RecordedCalls(signature=sig, store=self._table)
             self._rc.value_if_missing = self._record_missing_values(self._rc)
         elif [p.name for p in self._rc.signature.parameters] != [p.name for p in sig.parameters]:
-            raise CaptureError(
+            raise ObserverArgumentError(
                 f"This observer recorded {self._rc.signature.qualname} before; it cannot also record "
                 f"{sig.qualname} with another signature. Use one InputObserver per method."
             )
@@ -178,7 +191,7 @@ class CallRecorder:
         rc = self._rc
         assert rc is not None
         if self._stream is not None:
-            raise CaptureError(
+            raise ObserverStateError(
                 f"This observer already streams to '{self._stream.path}' in an enclosing block; "
                 "a nested block cannot stream too. Drop stream_to= from the inner block."
             )
@@ -247,15 +260,18 @@ class CallRecorder:
         entries = []
         for key, value in self.value_if_missing.items():
             if isinstance(key, bool) or not isinstance(key, (str, int)):
-                raise CaptureError(f"value_if_missing: keys are parameter names or positions, got {key!r}.")
+                raise ObserverArgumentTypeError(
+                    f"Unexpected type {type(key).__name__} for the value_if_missing key {key!r}; keys are "
+                    "parameter names (str) or positions (int)."
+                )
             if isinstance(key, str) and key not in names and rc.var_keyword is None:
-                raise CaptureError(
-                    f"value_if_missing: {key!r} is not a parameter of {rc.signature.qualname} "
+                raise ObserverArgumentError(
+                    f"Unexpected keyword argument {key!r} in value_if_missing: it is not a parameter of {rc.signature.qualname} "
                     f"(parameters: {names}) and it takes no **kwargs."
                 )
             if isinstance(key, int) and not 0 <= key < len(names):
-                raise CaptureError(
-                    f"value_if_missing: position {key} is outside the signature of {rc.signature.qualname} ({names})."
+                raise ObserverArgumentError(
+                    f"Unexpected keyword argument at position {key} in value_if_missing: it is outside the signature of {rc.signature.qualname} ({names})."
                 )
             node = record_value(value, self._collector, path=f"value_if_missing[{key!r}]", on_opaque=self._opaque)
             entries.append(MissingValueEntry(key=key, value=node))
@@ -355,7 +371,9 @@ class CallRecorder:
 
     def _recorded(self) -> RecordedCalls:
         if self._rc is None:
-            raise CaptureError("Nothing was observed yet. Run the model inside `with observer(model):` first.")
+            raise ObserverStateError(
+                "No inputs were captured: nothing was observed yet. Run the model inside `with observer(model):` first."
+            )
         return self._rc
 
     def num_obs(self) -> int:
@@ -387,7 +405,8 @@ class CallRecorder:
             The manifest written to ``path/manifest.json``.
 
         Raises:
-            CaptureError: Nothing was observed, or ``include_model`` is not a transformers model (or
+            ObserverStateError: Nothing was observed.
+            ObserverArgumentError: ``include_model`` is not a transformers model (or
                 does not hold the observed module).
             BundleExistsError: ``path`` is not empty and ``overwrite`` is False, or it is the bundle
                 this observer streams to (it is complete already; tensors are read back from it).

@@ -192,9 +192,12 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
     _add_batch_flags(p)
     p.add_argument(
-        "--dim-names", action="store_true", help="name each dynamic dimension (Dim('x_0_dim1')) instead of Dim.DYNAMIC"
+        "--dim-names",
+        action="store_true",
+        help="name each dynamic dimension ('batch_size', 'past_sequence_length', 'x_dim_1'); dimensions equal in "
+        "every call share a name",
     )
-    p.add_argument("--json", action="store_true", help='print JSON: dims as "DYNAMIC" or the Dim\'s name')
+    p.add_argument("--json", action="store_true", help='print JSON: dims as "DYNAMIC" or their name')
     p.set_defaults(handler=_cmd_shapes)
 
     p = _add_command(
@@ -227,6 +230,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     _add_batch_flags(p)
     p.add_argument("--no-check", action="store_true", help="write the ONNX file even if a recorded call differs")
+    p.add_argument(
+        "--dim-names",
+        action="store_true",
+        help="name the graph's dynamic dimensions (batch_size, past_sequence_length, ...), as shapes --dim-names prints",
+    )
     p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance of the check (default: %(default)s)")
     p.add_argument("--rtol", type=float, default=0.1, help="relative tolerance of the check (default: %(default)s)")
     p.set_defaults(handler=_cmd_export)
@@ -395,7 +403,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
     model = load_bundle_model(bundle) if args.from_bundle else model_from_factory(args.model)
     try:
         with _quiet_exporters():
-            path = bundle.to_onnx(model, args.output, set_batch_dimension_for=spec, check=not args.no_check)
+            path = bundle.to_onnx(
+                model, args.output, set_batch_dimension_for=spec, check=not args.no_check, dim_names=args.dim_names
+            )
     except ExportError as exc:
         if exc.report is not None and exc.report.calls:
             _render.out(_render.format_export(exc.report, None))

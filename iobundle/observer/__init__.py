@@ -6,8 +6,8 @@ It records with :class:`iobundle.capture.CallRecorder` and infers, exports and v
 
 from __future__ import annotations
 
-__all__ = ["InputObserver", "ObservationInfo", "ObservationWarning"]
+__all__ = ["InputCandidate", "InputObserver", "ObservationInfo", "ObservationWarning"]
 
 from iobundle.capture import ObservationWarning
 from iobundle.observer._observer import InputObserver
-from iobundle.replay import ObservationInfo
+from iobundle.replay import InputCandidate, ObservationInfo

@@ -11,9 +11,9 @@ __all__ = [
     "Bundle",
     "CallCheck",
     "ExportReport",
+    "InputCandidate",
     "ObservationInfo",
     "RecordedCallsAPI",
-    "RecordedInputs",
     "StoredModel",
     "ValidationReport",
     "check_discrepancies",
@@ -30,6 +30,6 @@ from iobundle.replay._api import RecordedCallsAPI
 from iobundle.replay._bundle import Bundle, load_bundle
 from iobundle.replay._export import CallCheck, ExportReport, export_onnx, export_program
 from iobundle.replay._factory import model_from_factory
-from iobundle.replay._info import ObservationInfo, RecordedInputs
+from iobundle.replay._info import InputCandidate, ObservationInfo
 from iobundle.replay._model_load import StoredModel, describe_bundle_model, load_bundle_model
 from iobundle.replay._validate import ValidationReport, check_discrepancies, validate_onnx

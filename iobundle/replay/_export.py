@@ -18,9 +18,18 @@ import torch
 from iobundle.calls import RecordedCalls, TensorCollector, record_value, tensor_keys
 from iobundle.errors import ExportError
 from iobundle.replay._compare import compare_outputs
+from iobundle.replay._dim_names import (
+    DimNamesSpec,
+    name_dims,
+    named_dims_hint,
+    onnx_axis_names,
+    rename_onnx_axes,
+    to_export_dims,
+)
 from iobundle.replay._inference import (
     Alignment,
     align_calls,
+    fed_shapes,
     flat_dynamic_dims,
     infer_arguments,
     infer_dynamic_shapes,
@@ -146,6 +155,7 @@ class _Plan:
     oblivious: bool
     dynamic_batch: bool = False
     dynamic: bool = True
+    dim_names: list[dict[int, str]] | None = None  # per slot, with dim_names
 
 
 def _uses_transformers(rc: RecordedCalls) -> bool:
@@ -157,11 +167,22 @@ def _uses_transformers(rc: RecordedCalls) -> bool:
     return any(walk(n) for c in rc.ok_calls for n in [*c.args, *c.kwargs.values()])
 
 
-def _plan(rc: RecordedCalls, model: torch.nn.Module, batch: Collection[int | str] | bool | None) -> _Plan:
+def _plan(
+    rc: RecordedCalls,
+    model: torch.nn.Module,
+    batch: Collection[int | str] | bool | None,
+    dim_names: DimNamesSpec = False,
+) -> _Plan:
     alignment = align_calls(rc)
     traced = choose_traced_call(rc, alignment, batch)
     args, kwargs = infer_arguments(rc, traced, as_args_kwargs=True, alignment=alignment)
-    ds = infer_dynamic_shapes(rc, batch)
+    ds = infer_dynamic_shapes(rc, batch, dim_names=dim_names)
+    slot_names = None
+    if dim_names is not False:
+        ds, _ = to_export_dims(ds)  # one torch.export.Dim per name: equal names, one symbol
+        slot_names = name_dims(
+            rc, alignment, flat_dynamic_dims(rc, alignment, batch), dim_names, fed_shapes(rc, alignment)
+        )
     var_kw = rc.var_keyword
     names = set(rc.names)
     extra = [k for k in kwargs if k not in names]
@@ -173,6 +194,8 @@ def _plan(rc: RecordedCalls, model: torch.nn.Module, batch: Collection[int | str
         ds = {**{k: v for k, v in ds.items() if k != var_kw}, **ds.get(var_kw, {})}
     # A dynamic dimension seen as 0 or 1 is specialised by torch.export unless size-oblivious.
     dims = flat_dynamic_dims(rc, alignment, batch)
+    if slot_names is not None:  # an explicitly named dimension is dynamic
+        dims = [sorted({*d, *n}) for d, n in zip(dims, slot_names)]
     oblivious = False
     for index, dynamic in enumerate(dims):
         sizes = [rc.store.shape(s[index]) for s in alignment.slots if s[index] is not None]
@@ -182,8 +205,9 @@ def _plan(rc: RecordedCalls, model: torch.nn.Module, batch: Collection[int | str
             oblivious = oblivious or bool(dynamic)
     dynamic_batch = any(0 in d for d in dims)
     return _Plan(
-        module, tuple(args), kwargs, ds, alignment, traced, flatten_var_kw, oblivious, dynamic_batch, any(dims)
-    )
+        module, tuple(args), kwargs, ds, alignment, traced, flatten_var_kw, oblivious, dynamic_batch, any(dims),
+        slot_names,
+    )  # fmt: skip
 
 
 def choose_traced_call(rc: RecordedCalls, alignment: Alignment, batch: Collection[int | str] | bool | None) -> int:
@@ -274,9 +298,15 @@ def _check_calls(rc: RecordedCalls, plan: _Plan, run: Any, *, atol: float, rtol:
 
 
 def _export(
-    rc: RecordedCalls, model: torch.nn.Module, *, batch: Any, strict: bool, report: ExportReport | None = None
+    rc: RecordedCalls,
+    model: torch.nn.Module,
+    *,
+    batch: Any,
+    strict: bool,
+    report: ExportReport | None = None,
+    dim_names: DimNamesSpec = False,
 ) -> tuple[torch.export.ExportedProgram, _Plan, ExportReport]:
-    plan = _plan(rc, model, batch)
+    plan = _plan(rc, model, batch, dim_names)
     report = report or ExportReport(traced_call=plan.alignment.calls[plan.traced].index)
     begin = time.perf_counter()
     with export_context(
@@ -292,9 +322,10 @@ def _export(
                 plan.module, plan.args, plan.kwargs, dynamic_shapes=plan.dynamic_shapes, strict=strict
             )
         except Exception as exc:
+            hint = named_dims_hint(str(exc)) if plan.dim_names is not None else ""
             raise ExportError(
                 f"torch.export failed on recorded call {report.traced_call}: {type(exc).__name__}: "
-                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}\nSet IOBUNDLE_DEBUG=1 for the full traceback.",
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}{hint}\nSet IOBUNDLE_DEBUG=1 for the full traceback.",
                 report=report,
             ) from exc
     report.export_seconds = time.perf_counter() - begin
@@ -310,6 +341,7 @@ def export_program(
     check: bool = True,
     atol: float = 1e-4,
     rtol: float = 0.1,
+    dim_names: DimNamesSpec = False,
 ) -> torch.export.ExportedProgram:
     """Export ``model`` with the inferred arguments and dynamic shapes, then run every recorded call through it.
 
@@ -324,11 +356,13 @@ def export_program(
         check: Raise :class:`ExportError` when a call fails or differs beyond ``atol``/``rtol``.
         atol: Absolute tolerance of the check.
         rtol: Relative tolerance of the check.
+        dim_names: True or a dict to name the dynamic dimensions (see ``infer_dynamic_shapes``):
+            each name becomes one ``torch.export.Dim`` shared by every dimension that bears it.
 
     Raises:
         ExportError: ``torch.export`` failed, or (with ``check``) a recorded call is not reproduced.
     """
-    ep, plan, report = _export(rc, model, batch=set_batch_dimension_for, strict=strict)
+    ep, plan, report = _export(rc, model, batch=set_batch_dimension_for, strict=strict, dim_names=dim_names)
     with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
         _check_calls(rc, plan, ep.module(), atol=atol, rtol=rtol, report=report)
     rc.last_export_report = report
@@ -352,20 +386,23 @@ def export_onnx(
     check: bool = True,
     atol: float = 1e-4,
     rtol: float = 0.1,
+    dim_names: DimNamesSpec = False,
 ) -> str:
     """Export ``model`` to ONNX at ``path`` through ``torch.export`` (checked on every call first).
 
     The ONNX file carries, in its metadata, which recorded tensor feeds which graph input and
     the order of the outputs, so validation maps them through the exported program's
-    signature rather than by guessing from names.
+    signature rather than by guessing from names. With ``dim_names``, the graph's symbolic
+    dimensions bear the names (``batch_size``, ``past_sequence_length``, ...).
 
     Raises:
         ExportError: ``torch.export`` or ``torch.onnx.export`` failed, or (with ``check``) the
             exported program does not reproduce a recorded call.
     """
     ep = export_program(
-        rc, model, set_batch_dimension_for=set_batch_dimension_for, strict=strict, check=check, atol=atol, rtol=rtol
-    )
+        rc, model, set_batch_dimension_for=set_batch_dimension_for, strict=strict, check=check, atol=atol, rtol=rtol,
+        dim_names=dim_names,
+    )  # fmt: skip
     report: ExportReport = ep.iobundle_report  # type: ignore[attr-defined]
     sig = ep.graph_signature
     from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
@@ -387,6 +424,9 @@ def export_onnx(
         with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
             program = torch.onnx.export(ep, (), dynamo=True, verbose=False)
         assert program is not None
+        plan: _Plan = ep.iobundle_plan  # type: ignore[attr-defined]
+        if plan.dim_names is not None:
+            rename_onnx_axes(program.model, onnx_axis_names(ep, inputs, plan.dim_names))
         program.model.metadata_props[INPUT_SLOTS_KEY] = json.dumps(dict(zip(inputs, range(len(inputs)))))
         program.model.metadata_props[OUTPUT_NAMES_KEY] = json.dumps([v.name for v in program.model.graph.outputs])
         path = Path(path)

@@ -28,6 +28,9 @@ def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto) -> tuple[Any,
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    proto = getattr(onnx_model, "model_proto", None)  # a torch.onnx.ONNXProgram, as torch's observer takes
+    if isinstance(proto, onnx.ModelProto):
+        onnx_model = proto
     try:
         if isinstance(onnx_model, onnx.ModelProto):
             meta = {p.key: p.value for p in onnx_model.metadata_props}
