@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from iobundle._version import __version__
 from iobundle.errors import (
     AlignmentError,
+    ArchiveError,
     BundleError,
     BundleExistsError,
     BundleNotFoundError,
@@ -23,6 +24,7 @@ from iobundle.errors import (
     ManifestError,
     MissingDependencyError,
     ModelLoadError,
+    NothingToCompareError,
     ReplayError,
     TensorFileError,
     UnsafeBundleError,
@@ -36,8 +38,10 @@ __all__ = [
     "InputObserver",
     "__version__",
     "load_bundle",
+    "redact_bundle",
     # Errors
     "AlignmentError",
+    "ArchiveError",
     "BundleError",
     "BundleExistsError",
     "BundleNotFoundError",
@@ -51,6 +55,7 @@ __all__ = [
     "ManifestError",
     "MissingDependencyError",
     "ModelLoadError",
+    "NothingToCompareError",
     "ReplayError",
     "TensorFileError",
     "UnsafeBundleError",
@@ -59,10 +64,15 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from iobundle.observer import InputObserver
+    from iobundle.observer import InputObserver, redact_bundle
     from iobundle.replay import Bundle, load_bundle
 
-_LAZY = {"InputObserver": "iobundle.observer", "Bundle": "iobundle.replay", "load_bundle": "iobundle.replay"}
+_LAZY = {
+    "InputObserver": "iobundle.observer",
+    "Bundle": "iobundle.replay",
+    "load_bundle": "iobundle.replay",
+    "redact_bundle": "iobundle.observer",
+}
 
 
 def __getattr__(name: str) -> Any:

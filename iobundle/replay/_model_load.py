@@ -19,7 +19,7 @@ import torch
 
 from iobundle.errors import IobundleError, ModelLoadError, UnsafeBundleError
 from iobundle.replay._bundle import Bundle
-from iobundle.replay._tensorfile import check_file
+from iobundle.replay._tensorfile import Root, check_file, read_member
 from iobundle.schema import ModelEntry
 
 __all__ = ["ALLOWED_CLASSES", "MAX_CONFIG_BYTES", "load_bundle_model"]
@@ -80,7 +80,7 @@ def _model_class(name: str) -> type:
     return cls
 
 
-def _read_config(root: Path, entry: ModelEntry) -> dict[str, Any]:
+def _read_config(root: Root, entry: ModelEntry) -> dict[str, Any]:
     name = entry.config_file
     file = entry.files.get(name)
     if file is None:
@@ -91,7 +91,7 @@ def _read_config(root: Path, entry: ModelEntry) -> dict[str, Any]:
         )
     path = check_file(root, name, file, hash_check=True)
     try:
-        config = json.loads(path.read_bytes())
+        config = json.loads(path.read_bytes() if isinstance(path, Path) else read_member(path, name, file.size))
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{name}: not a JSON config ({exc}).") from exc
     if not isinstance(config, dict):
@@ -122,12 +122,24 @@ def _build(cls: type, config_dict: dict[str, Any], entry: ModelEntry) -> torch.n
     return model  # type: ignore[no-any-return]
 
 
-def _load_weights(root: Path, model: torch.nn.Module, entry: ModelEntry) -> None:
+def _load_weights(root: Root, model: torch.nn.Module, entry: ModelEntry) -> None:
     name = entry.weights_file
     file = entry.files.get(name)
     if file is None:
         raise UnsafeBundleError(f"model.weights_file: {name!r} is not listed in model.files.")
-    path = check_file(root, name, file, hash_check=True)
+    member = check_file(root, name, file, hash_check=True)
+    if not isinstance(member, Path):  # packed or remote: safetensors reads from a path, so copy it out once
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="iobundle-weights-") as tmp:
+            path = Path(tmp, "weights.safetensors")
+            path.write_bytes(read_member(member, name, file.size))
+            _load_weights_file(path, name, model, entry)
+        return
+    _load_weights_file(member, name, model, entry)
+
+
+def _load_weights_file(path: Path, name: str, model: torch.nn.Module, entry: ModelEntry) -> None:
     from safetensors import safe_open
     from safetensors.torch import load_model
 
@@ -175,8 +187,9 @@ def load_bundle_model(bundle: Bundle | str | os.PathLike[str]) -> torch.nn.Modul
             "or build the model yourself."
         )
     cls = _model_class(entry.class_name)
-    model = _build(cls, _read_config(bundle.path, entry), entry)
-    _load_weights(bundle.path, model, entry)
+    root = bundle._store.bundle_root
+    model = _build(cls, _read_config(root, entry), entry)
+    _load_weights(root, model, entry)
     model.eval()
     if not entry.submodule:
         return model

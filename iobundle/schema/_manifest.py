@@ -36,6 +36,7 @@ __all__ = [
     "OpaqueNode",
     "ParameterEntry",
     "Producer",
+    "Redaction",
     "SignatureEntry",
     "TensorEntry",
     "TensorNode",
@@ -203,6 +204,24 @@ class ModelEntry(_Model):
     files: dict[str, FileEntry]
 
 
+class Redaction(_Model):
+    """Marks a bundle written by ``iobundle redact``: its recorded input tensors are synthetic.
+
+    Synthetic values have the dtype and shape of the recorded ones; integers stay within the
+    observed range, two-valued tensors (masks) keep their two values, and rows that increased
+    (positions) still do. Scalar constants and the structure are kept as recorded.
+
+    Attributes:
+        outputs_kept: The recorded outputs were kept (``--keep-outputs``); otherwise there are none.
+        model_kept: The stored model (config and weights) was kept (``--keep-model``).
+        seed: The seed of the synthetic values.
+    """
+
+    outputs_kept: bool = False
+    model_kept: bool = False
+    seed: StrictInt = 0
+
+
 class Manifest(_Model):
     """The whole of ``manifest.json``."""
 
@@ -215,3 +234,4 @@ class Manifest(_Model):
     tensors: dict[str, TensorEntry]
     files: dict[str, FileEntry]
     model: ModelEntry | None = None
+    redacted: Redaction | None = None
