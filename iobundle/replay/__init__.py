@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "Bundle",
     "CallCheck",
+    "ConvertResult",
     "ExportReport",
     "ObservationInfo",
     "PackResult",
@@ -17,6 +18,8 @@ __all__ = [
     "RecordedInputs",
     "ValidationReport",
     "check_discrepancies",
+    "convert_to_npz",
+    "convert_to_onnx_testdata",
     "copy_model_files",
     "export_onnx",
     "export_program",
@@ -32,6 +35,7 @@ __all__ = [
 from iobundle.replay._api import RecordedCallsAPI
 from iobundle.replay._archive import PackResult, pack_bundle, unpack_bundle
 from iobundle.replay._bundle import Bundle, load_bundle
+from iobundle.replay._convert import ConvertResult, convert_to_npz, convert_to_onnx_testdata
 from iobundle.replay._export import CallCheck, ExportReport, export_onnx, export_program
 from iobundle.replay._factory import model_from_factory
 from iobundle.replay._info import ObservationInfo, RecordedInputs
