@@ -13,7 +13,8 @@ packs to the same bytes. ``unpack_bundle`` writes the members back to a director
 A packed bundle is untrusted input. Reading its index refuses, with an
 :class:`~iobundle.errors.ArchiveError` naming the archive and the member: anything but a regular
 file or a directory (symbolic and hard links, devices, FIFOs, sparse files), a name that is
-absolute, holds ``..``, a backslash, a colon or a control character, or is not in canonical form,
+absolute, holds ``..``, a backslash, a colon or a control character, or is not in canonical form
+(a leading ``./``, as ``tar cf x.tar -C run.iobundle .`` writes, is accepted),
 a name given twice (or a file used as a directory), a member whose bytes run past the end of the
 archive or overlap another's, more than :data:`MAX_ARCHIVE_MEMBERS` members, bytes after the last
 member that are neither a tar header nor the end of the archive, and a compressed archive.
@@ -246,6 +247,10 @@ def read_index(f: BinaryIO, size: int, where: str) -> dict[str, tuple[int, int]]
                 )
             tar.members.clear()  # the index below is all we keep
             name = info.name
+            if name.startswith("./"):  # `tar cf x.tar -C run.iobundle .` names members ./manifest.json
+                name = name[2:]
+            if name in (".", "") and info.isdir():
+                continue
             label = f"{where}: member {name!r}"
             kind = _kind(info)
             if kind is not None:
