@@ -269,7 +269,7 @@ class TestHostileArchive:
     def test_archive_without_manifest_is_not_a_bundle(self, tmp_path, bundle):
         entries = [e for e in entries_of(bundle) if e[0].name != "manifest.json"]
         path = write_tar(tmp_path / "x.tar", entries)
-        with pytest.raises(BundleNotFoundError, match="without manifest.json"):
+        with pytest.raises(BundleNotFoundError, match=r"without manifest\.json"):
             load_bundle(path)
 
     def test_unpack_writes_nothing_from_a_hostile_archive(self, tmp_path, bundle):
