@@ -148,7 +148,7 @@ class ArchiveRoot:
         self.members = members
         self.size = size
         self._opener = opener
-        self._local = local
+        self.local = local
         self._mapping: torch.Tensor | None = None
         self._lock = threading.Lock()
 
@@ -168,17 +168,17 @@ class ArchiveRoot:
 
     def mapping(self) -> torch.Tensor | None:
         """One read-only (copy-on-write) mapping of the whole archive, made on first use; None for a remote one."""
-        if self._local is None:
+        if self.local is None:
             return None
         with self._lock:
             if self._mapping is None:
-                fd, size = _open_regular(self._local, str(self._local))
+                fd, size = _open_regular(self.local, str(self.local))
                 os.close(fd)
                 if size != self.size:  # a mapping past the end of a file is a SIGBUS, not an exception
                     raise IntegrityError(
                         f"'{self.path}': {size} bytes now, {self.size} when it was opened. The file was changed."
                     )
-                self._mapping = torch.from_file(str(self._local), shared=False, size=size, dtype=torch.uint8)
+                self._mapping = torch.from_file(str(self.local), shared=False, size=size, dtype=torch.uint8)
             return self._mapping
 
     def read(self, name: str, limit: int) -> bytes:
@@ -397,6 +397,28 @@ def _copy(src: BinaryIO, dst: BinaryIO, size: int, name: str) -> None:
         left -= n
 
 
+def _kernel_copy(src: int, offset: int, dst: int, size: int) -> bool:
+    """Copy ``size`` bytes of file descriptor ``src`` from ``offset`` to ``dst``'s position in the kernel.
+
+    False (nothing copied) where the system cannot; the caller then copies through Python.
+    """
+    copy = getattr(os, "copy_file_range", None)
+    if copy is None:
+        return False
+    done = 0
+    while done < size:
+        try:
+            n = copy(src, dst, size - done, offset + done)
+        except OSError:
+            if done:
+                raise
+            return False
+        if n == 0:
+            raise TensorFileError(f"changed while it was being copied (cut short after {done} of {size} bytes).")
+        done += n
+    return True
+
+
 def _check_target(target: Path, *, overwrite: bool) -> None:
     if target.exists() and not overwrite:
         raise BundleExistsError(f"'{target}' already exists. Pass overwrite=True (--overwrite) or choose another path.")
@@ -449,7 +471,11 @@ def pack_bundle(
                 fd, size = _open_regular(member, name)
                 with os.fdopen(fd, "rb", buffering=0) as f:
                     out.write(_tar_header(name, size))
-                    _copy(f, out, size, name)  # type: ignore[arg-type]
+                    out.flush()
+                    if not _kernel_copy(fd, 0, out.fileno(), size):
+                        _copy(f, out, size, name)  # type: ignore[arg-type]
+                    else:
+                        out.seek(0, os.SEEK_END)
                 out.write(b"\x00" * (-size % _BLOCK))
                 total += size
             out.write(b"\x00" * (2 * _BLOCK))
@@ -548,8 +574,17 @@ def unpack_bundle(
             path = target.joinpath(*PurePosixPath(name).parts)
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, flags, 0o644)
-            with os.fdopen(fd, "wb") as out, root.open_slice(offset, size, name) as f:
-                _copy(f, out, size, name)
+            with os.fdopen(fd, "wb") as out:
+                if root.local is not None:
+                    src, _ = _open_regular(root.local, str(root.local))
+                    try:
+                        copied = _kernel_copy(src, offset, fd, size)
+                    finally:
+                        os.close(src)
+                    if copied:
+                        continue
+                with root.open_slice(offset, size, name) as f:
+                    _copy(f, out, size, name)
             total += size
     except OSError as exc:
         raise BundleWriteError(
