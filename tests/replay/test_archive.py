@@ -331,3 +331,22 @@ def test_unmutated_fuzz_base_loads():
         path = Path(tmp) / "m.tar"
         path.write_bytes(_fuzz_base())
         exercise(path)
+
+
+def test_model_stored_in_a_packed_bundle_is_rebuilt(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from iobundle.replay import load_bundle_model
+
+    config = transformers.LlamaConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32
+    )
+    config.vocab_size = 50
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    observer = InputObserver()
+    with torch.no_grad(), observer(model, store_n_calls=2):
+        model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, min_new_tokens=2, do_sample=False)
+    observer.save(tmp_path / "llama", include_model=True)
+    packed = Path(pack_bundle(tmp_path / "llama", tmp_path / "llama.tar").path)
+    rebuilt = load_bundle_model(load_bundle(packed))
+    assert torch.equal(rebuilt.lm_head.weight, model.lm_head.weight)
