@@ -75,11 +75,12 @@ def open_filesystem(url: str) -> tuple[Any, str]:
 def upload_directory(local: Path, url: str, *, overwrite: bool = False, last: str = "manifest.json") -> None:
     """Copy every file under ``local`` to ``url``, the file ``last`` after all the others.
 
-    An existing non-empty ``url`` is refused without ``overwrite``; with it, its ``last`` file is
-    removed first (so what remains is never taken for a complete bundle), then the rest.
+    An existing non-empty ``url`` is refused without ``overwrite``; with it, a bundle there (it has
+    a ``last`` file) is removed, ``last`` first (what remains is never taken for a complete bundle);
+    anything else is never deleted.
 
     Raises:
-        BundleExistsError: ``url`` holds files and ``overwrite`` is False.
+        BundleExistsError: ``url`` holds files and ``overwrite`` is False, or holds files but no bundle.
         BundleWriteError: A file cannot be written (the message names it and the cause).
         MissingDependencyError: See :func:`open_filesystem`.
     """
@@ -95,8 +96,9 @@ def upload_directory(local: Path, url: str, *, overwrite: bool = False, last: st
                     "(--overwrite on the command line) to replace it, or choose another URL."
                 )
             manifest = join_url(root, last)
-            if fs.exists(manifest):
-                fs.rm(manifest)
+            if not fs.exists(manifest):
+                raise BundleExistsError(f"'{url}' is not a bundle (no {last}); refusing to replace what it holds.")
+            fs.rm(manifest)  # first: what remains is never taken for a complete bundle
             fs.rm(root, recursive=True)
         fs.makedirs(root, exist_ok=True)
         files = sorted(p for p in local.rglob("*") if p.is_file())

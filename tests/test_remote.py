@@ -151,3 +151,12 @@ def test_without_fsspec_a_url_is_a_missing_dependency_error(tmp_path):
     assert all("pip install 'iobundle[remote]'" in line for line in lines)
     assert "'memory://x' is a URL" in lines[0] and "'s3://bucket/run' is a URL" in lines[1]
     assert list(tmp_path.iterdir()) == [], "a URL was taken for a local path"
+
+
+def test_overwrite_never_deletes_what_is_not_a_bundle(url):
+    fs = fsspec.filesystem("memory")
+    root = url.removeprefix("memory://") + "/precious"
+    fs.pipe_file(root + "/notes.txt", b"keep me")
+    with pytest.raises(BundleExistsError, match="not a bundle"):
+        record(InputObserver()).save(url + "/precious", overwrite=True)
+    assert fs.cat_file(root + "/notes.txt") == b"keep me"
