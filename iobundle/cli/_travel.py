@@ -44,8 +44,9 @@ Every recorded input tensor is replaced by a synthetic one of the same dtype and
 integers within the observed range (token ids stay valid), masks stay masks (their two
 values, at the observed frequency), increasing positions still increase, floats drawn with
 the observed mean and spread. Recorded outputs and stored weights are dropped unless kept.
-`iobundle export` works from the result; `iobundle validate` says there is nothing to compare
-against (exit code 4) when the outputs were dropped.""",
+`iobundle export` works from the result (it checks the exported program against the eager
+model on the synthetic inputs); `iobundle validate` says there is nothing to compare against
+(exit code 4) when the outputs were dropped.""",
     "convert": """\
 examples:
   iobundle convert run.iobundle --to onnx-testdata testdata --model model.onnx

@@ -33,8 +33,9 @@ def redact_bundle(
     range, so token ids stay valid; masks stay masks; increasing positions still increase; see
     :mod:`iobundle.replay`'s ``redact_calls``). The recorded outputs and the stored model are
     dropped unless ``keep_outputs`` / ``keep_model``. The manifest's ``redacted`` field says so.
-    ``iobundle export`` works from the result; ``iobundle validate`` says there is nothing to
-    compare against when the outputs were dropped.
+    ``iobundle export`` works from the result (without recorded outputs it checks the exported
+    program against the eager model); ``iobundle validate`` says there is nothing to compare
+    against when the outputs were dropped.
 
     Args:
         bundle: The bundle (directory, packed file or URL), or one already loaded.

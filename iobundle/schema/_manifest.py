@@ -14,9 +14,20 @@ A tree is JSON a person can read: every node is an object with a ``kind``::
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    SerializerFunctionWrapHandler,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    model_serializer,
+)
 
 __all__ = [
     "FORMAT",
@@ -235,3 +246,12 @@ class Manifest(_Model):
     files: dict[str, FileEntry]
     model: ModelEntry | None = None
     redacted: Redaction | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_redaction(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Only redacted bundles carry the field: every other manifest stays readable by iobundle
+        # versions that predate it (extra="forbid" would refuse even "redacted": null).
+        data: dict[str, Any] = handler(self)
+        if data.get("redacted", 0) is None:
+            del data["redacted"]
+        return data
