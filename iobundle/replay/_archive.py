@@ -465,6 +465,7 @@ def pack_bundle(
     tmp = target.with_name(f".{target.name}.tmp")
     total = 0
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as out:
             for name in names:
                 member = root.member(name)
@@ -565,6 +566,7 @@ def unpack_bundle(
             (target / MANIFEST_FILENAME).unlink()
             shutil.rmtree(target)
     names = sorted(root.members, key=lambda n: (n == MANIFEST_FILENAME, n))
+    created = not target.exists()
     total = 0
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
@@ -586,7 +588,11 @@ def unpack_bundle(
                 with root.open_slice(offset, size, name) as f:
                     _copy(f, out, size, name)
             total += size
-    except OSError as exc:
+    except (OSError, IobundleError) as exc:
+        if created:  # what was written is no bundle (manifest.json comes last): leave nothing behind
+            shutil.rmtree(target, ignore_errors=True)
+        if isinstance(exc, IobundleError):
+            raise
         raise BundleWriteError(
             f"Cannot write into {target}: {exc.strerror or exc}. Check free space and permissions."
         ) from exc
