@@ -16,11 +16,13 @@ __all__ = [
     "PackResult",
     "RecordedCallsAPI",
     "RecordedInputs",
+    "StoredModel",
     "ValidationReport",
     "check_discrepancies",
     "convert_to_npz",
     "convert_to_onnx_testdata",
     "copy_model_files",
+    "describe_bundle_model",
     "export_onnx",
     "export_program",
     "load_bundle",
@@ -39,6 +41,6 @@ from iobundle.replay._convert import ConvertResult, convert_to_npz, convert_to_o
 from iobundle.replay._export import CallCheck, ExportReport, export_onnx, export_program
 from iobundle.replay._factory import model_from_factory
 from iobundle.replay._info import ObservationInfo, RecordedInputs
-from iobundle.replay._model_load import load_bundle_model
+from iobundle.replay._model_load import StoredModel, describe_bundle_model, load_bundle_model
 from iobundle.replay._redact import copy_model_files, redact_calls
 from iobundle.replay._validate import ValidationReport, check_discrepancies, validate_onnx
