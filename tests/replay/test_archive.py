@@ -305,14 +305,26 @@ def _fuzz_base() -> bytes:
     return _FUZZ_BASE["tar"]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def _header_offsets() -> list[int]:
+    with tarfile.open(fileobj=io.BytesIO(_fuzz_base())) as tar:
+        return [m.offset for m in tar.getmembers()]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     flips=st.lists(st.tuples(st.integers(min_value=0), st.integers(min_value=1, max_value=255)), max_size=6),
+    header_flips=st.lists(
+        st.tuples(st.integers(min_value=0), st.integers(min_value=0, max_value=511), st.integers(1, 255)), max_size=4
+    ),
     cut=st.one_of(st.none(), st.integers(min_value=0)),
     verify=st.booleans(),
 )
-def test_mutated_archive_loads_or_fails_with_an_iobundle_error(flips, cut, verify):
+def test_mutated_archive_loads_or_fails_with_an_iobundle_error(flips, header_flips, cut, verify):
+    """Random bytes anywhere, and bytes of the tar headers (names, sizes, types, checksums), flipped."""
     data = bytearray(_fuzz_base())
+    offsets = _header_offsets()
+    for member, position, xor in header_flips:
+        data[(offsets[member % len(offsets)] + position) % len(data)] ^= xor
     for position, xor in flips:
         data[position % len(data)] ^= xor
     if cut is not None:
