@@ -234,6 +234,7 @@ class CallRecorder:
             parent = Path(tempfile.mkdtemp(prefix="iobundle-stream-"))
             weakref.finalize(self, shutil.rmtree, parent, True)
             staging = self._staging[url] = parent / "bundle"
+            logger.info("streaming to %s, uploaded to %s when the block ends", staging, url)
         return staging
 
     def _close_stream(self, stream: CallStream) -> None:
