@@ -19,7 +19,7 @@ fsspec = pytest.importorskip("fsspec")
 
 from iobundle import BundleExistsError, BundleNotFoundError, InputObserver, load_bundle  # noqa: E402
 from iobundle._remote import is_url, local_path  # noqa: E402
-from iobundle.replay import pack_bundle  # noqa: E402
+from iobundle.replay import pack_bundle, unpack_bundle  # noqa: E402
 
 
 class Model(torch.nn.Module):
@@ -117,6 +117,13 @@ def test_packed_bundle_at_a_url_is_read(url, tmp_path):
     bundle = load_bundle(url + "/b.tar")
     assert bundle.verify() == []
     assert bundle.num_obs() == 2
+
+
+def test_packed_bundle_at_a_url_unpacks(url, tmp_path):
+    record(InputObserver()).save(tmp_path / "b")
+    pack_bundle(tmp_path / "b", url + "/b.tar")
+    unpack_bundle(url + "/b.tar", tmp_path / "out")
+    assert load_bundle(tmp_path / "out").verify() == []
 
 
 def test_missing_url_is_not_a_bundle(url):
