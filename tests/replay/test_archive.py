@@ -150,6 +150,7 @@ class TestPackUnpack:
         exercise(path)
 
 
+@pytest.mark.usefixtures("tensor_file_paths")  # small members read whole, and every member mapped
 class TestReadInPlace:
     def test_tensors_view_one_mapping_of_the_archive(self, tmp_path):
         bundle = make_bundle(tmp_path / "big.iobundle", big=True)
@@ -184,6 +185,7 @@ class TestReadInPlace:
 # --------------------------------------------------------------------------- hostile archives
 
 
+@pytest.mark.usefixtures("tensor_file_paths")
 class TestHostileArchive:
     @pytest.mark.parametrize(
         ("kind", "what"),
