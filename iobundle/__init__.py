@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from iobundle._version import __version__
 from iobundle.errors import (
     AlignmentError,
+    ArchiveError,
     BundleError,
     BundleExistsError,
     BundleNotFoundError,
@@ -24,6 +25,7 @@ from iobundle.errors import (
     ManifestError,
     MissingDependencyError,
     ModelLoadError,
+    NothingToCompareError,
     ObserverArgumentError,
     ObserverArgumentTypeError,
     ObserverStateError,
@@ -41,8 +43,10 @@ __all__ = [
     "InputObserver",
     "__version__",
     "load_bundle",
+    "redact_bundle",
     # Errors
     "AlignmentError",
+    "ArchiveError",
     "BundleError",
     "BundleExistsError",
     "BundleNotFoundError",
@@ -57,6 +61,7 @@ __all__ = [
     "ManifestError",
     "MissingDependencyError",
     "ModelLoadError",
+    "NothingToCompareError",
     "ObserverArgumentError",
     "ObserverArgumentTypeError",
     "ObserverStateError",
@@ -68,7 +73,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from iobundle.observer import InputCandidate, InputObserver
+    from iobundle.observer import InputCandidate, InputObserver, redact_bundle
     from iobundle.replay import Bundle, load_bundle
 
 _LAZY = {
@@ -76,6 +81,7 @@ _LAZY = {
     "InputObserver": "iobundle.observer",
     "Bundle": "iobundle.replay",
     "load_bundle": "iobundle.replay",
+    "redact_bundle": "iobundle.observer",
 }
 
 

@@ -10,6 +10,8 @@ Every error a user can trigger is a subclass of :class:`IobundleError`, so
     │   ├── BundleNotFoundError(FileNotFoundError)
     │   ├── BundleExistsError(FileExistsError)
     │   ├── BundleWriteError(OSError)          disk full, permission denied, ...
+    │   ├── ArchiveError(ValueError)           a packed bundle is not a valid archive, or holds a link, a
+    │   │                                      path out, a duplicate, a member past its end (.member)
     │   ├── ManifestError(ValueError)          manifest.json unreadable or invalid
     │   │   ├── UnsupportedFormatVersionError  .found, .supported
     │   │   └── UnsafeBundleError              a path outside the bundle, an unknown node type, a limit
@@ -27,7 +29,8 @@ Every error a user can trigger is a subclass of :class:`IobundleError`, so
         │                                        name, a variadic, an argument of the wrong kind
         ├── DynamicShapeError(RuntimeError)    calls disagree on a tensor's rank
         ├── ModelLoadError                     a model (MODULE:FACTORY, an ONNX file) cannot be loaded
-        └── ExportError                        torch.export / torch.onnx failed, or .report says which calls differ
+        ├── ExportError                        torch.export / torch.onnx failed, or .report says which calls differ
+        └── NothingToCompareError              the bundle holds no recorded outputs (redacted without them)
 
 Errors that fit both worlds
 ---------------------------
@@ -68,6 +71,7 @@ from typing import Any
 
 __all__ = [
     "AlignmentError",
+    "ArchiveError",
     "BundleError",
     "BundleExistsError",
     "BundleNotFoundError",
@@ -82,6 +86,7 @@ __all__ = [
     "ManifestError",
     "MissingDependencyError",
     "ModelLoadError",
+    "NothingToCompareError",
     "ObserverArgumentError",
     "ObserverArgumentTypeError",
     "ObserverStateError",
@@ -119,6 +124,14 @@ class BundleExistsError(BundleError, FileExistsError):
 
 class BundleWriteError(BundleError, OSError):
     """Writing a bundle failed (disk full, permission denied, ...)."""
+
+
+class ArchiveError(BundleError, ValueError):
+    """A packed bundle is not a valid uncompressed tar, or holds an entry a bundle may not; ``.member`` names it."""
+
+    def __init__(self, message: str, *, member: str | None = None) -> None:
+        super().__init__(message)
+        self.member = member
 
 
 class ManifestError(BundleError, ValueError):
@@ -197,3 +210,7 @@ class ExportError(ReplayError):
     def __init__(self, message: str, *, report: Any = None) -> None:
         super().__init__(message)
         self.report = report
+
+
+class NothingToCompareError(ReplayError):
+    """Validation was asked for, but the bundle holds no recorded outputs (``iobundle redact`` dropped them)."""

@@ -7,15 +7,19 @@ import functools
 import inspect
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
+from iobundle._remote import local_path, open_filesystem, upload_directory
 from iobundle.calls import (
     RecordedCalls,
     TensorCollector,
@@ -85,6 +89,7 @@ class CallRecorder:
         self._stream_writer: BundleWriter | None = None
         self._streamed: list[CallEntry] = []
         self._observed_model: Any = None  # the last model observed: what save(include_model=True) stores
+        self._staging: dict[str, Path] = {}  # stream_to URL -> the local directory streamed to, then uploaded
 
     # -- the observed method ------------------------------------------------------------------
 
@@ -133,7 +138,10 @@ class CallRecorder:
             model: The object whose method is observed.
             store_n_calls: How many calls of this block to record.
             method_name: The method to observe.
-            stream_to: A bundle directory to write each call to as it returns.
+            stream_to: A bundle directory to write each call to as it returns. A URL (``s3://...``,
+                ``memory://...``; needs fsspec, ``pip install 'iobundle[remote]'``) streams to a local
+                staging directory, uploaded when the block is left (``manifest.json`` last); the
+                staging directory is removed when the observer is garbage-collected.
             overwrite: Replace what ``stream_to`` holds.
             durable: fsync each streamed call before accepting the next one (survives a power
                 loss during the block), instead of once when the block is left.
@@ -171,7 +179,10 @@ class CallRecorder:
             return self._observe_call(method, budget, args, kwargs)
 
         recording_method.__signature__ = inspect.signature(method)  # type: ignore[attr-defined]
-        stream = None if stream_to is None else self._open_stream(Path(stream_to), overwrite=overwrite, durable=durable)
+        stream = None
+        if stream_to is not None:
+            target = self._stream_path(stream_to, overwrite=overwrite)
+            stream = self._open_stream(target, overwrite=overwrite, durable=durable)
         self._observed_model = model
         setattr(model, method_name, recording_method)
         try:
@@ -220,13 +231,41 @@ class CallRecorder:
             self._warn(message, stacklevel=4)
         return stream
 
+    def _stream_path(self, stream_to: str | os.PathLike[str], *, overwrite: bool) -> Path:
+        """The local directory to stream to: ``stream_to`` itself, or the staging directory of a URL."""
+        local = local_path(stream_to)
+        if local is not None:
+            return local
+        url = str(stream_to)
+        staging = self._staging.get(url)
+        if staging is None:
+            fs, inner = open_filesystem(url)  # MissingDependencyError without fsspec, before anything runs
+            if not overwrite and fs.exists(inner) and (not fs.isdir(inner) or fs.ls(inner, detail=False)):
+                raise BundleExistsError(
+                    f"'{url}' already exists and is not empty. Pass overwrite=True to replace it, or choose another URL."
+                )
+            parent = Path(tempfile.mkdtemp(prefix="iobundle-stream-"))
+            weakref.finalize(self, shutil.rmtree, parent, True)
+            staging = self._staging[url] = parent / "bundle"
+            logger.info("streaming to %s, uploaded to %s when the block ends", staging, url)
+        return staging
+
     def _close_stream(self, stream: CallStream) -> None:
-        """Wait for the writer, write the final manifest; problems become warnings."""
+        """Wait for the writer, write the final manifest (and upload it to its URL); problems become warnings."""
         messages = []
         try:
             stream.close()
         except Exception as exc:
             messages.append(f"iobundle could not write the final manifest of '{stream.path}' ({exc}).")
+        url = next((u for u, p in self._staging.items() if p == stream.path), None)
+        if url is not None and not messages:
+            try:
+                upload_directory(stream.path, url, overwrite=True)  # emptiness was checked when the stream opened
+            except Exception as exc:
+                messages.append(
+                    f"iobundle could not upload the streamed bundle to '{url}' ({exc}); it stays in {stream.path} "
+                    "while the observer lives: call observer.save() with another path to keep it."
+                )
         with self._lock:
             self._stream = None
             self._streamed = stream.manifest_calls
@@ -394,8 +433,12 @@ class CallRecorder:
         ``iobundle.replay.load_bundle_model`` rebuilds the model from them. Only
         transformers models can be stored (a config rebuilds them).
 
+        ``path`` may be a URL (``s3://bucket/run.iobundle``, ``memory://run``; needs fsspec:
+        ``pip install 'iobundle[remote]'``): the bundle is written to a local temporary directory,
+        then uploaded, ``manifest.json`` last. A ``scheme://`` string is never taken for a local path.
+
         Args:
-            path: Target directory (``run.iobundle``); created if missing.
+            path: Target directory (``run.iobundle``) or URL; created if missing.
             overwrite: Replace an existing non-empty directory.
             include_model: True to store the observed model; or the transformers model that holds
                 the observed module (``include_model=model`` after observing
@@ -412,10 +455,14 @@ class CallRecorder:
                 this observer streams to (it is complete already; tensors are read back from it).
             BundleWriteError: Writing failed (disk full, permission denied); nothing that looks like
                 a complete bundle is left at ``path``.
+            MissingDependencyError: ``path`` is a URL and fsspec is not installed.
         """
         rc = self._recorded()
         streamed = self._stream_writer
-        if streamed is not None and _same_path(streamed.path, Path(path)):
+        target = local_path(path)
+        if target is None:
+            return self._save_to_url(str(path), overwrite=overwrite, include_model=include_model)
+        if streamed is not None and _same_path(streamed.path, target):
             raise BundleExistsError(
                 f"'{path}' is the bundle this observer streamed its calls to (stream_to=); it already holds "
                 "them, and its tensors are read back from it. Save to another path."
@@ -431,4 +478,21 @@ class CallRecorder:
             manifest = manifest.model_copy(update={"model": entry})
             write_manifest(path, manifest)
         logger.info("saved %d calls to %s", len(manifest.calls), path)
+        return manifest
+
+    def _save_to_url(self, url: str, *, overwrite: bool, include_model: bool | torch.nn.Module) -> Manifest:
+        """Save to a local staging directory, upload it to ``url`` (``manifest.json`` last), remove it."""
+        open_filesystem(url)  # MissingDependencyError without fsspec, before anything is written
+        if url in self._staging:
+            raise BundleExistsError(
+                f"'{url}' is the bundle this observer streamed its calls to (stream_to=); it already holds "
+                "them. Save to another URL."
+            )
+        parent = Path(tempfile.mkdtemp(prefix="iobundle-save-"))
+        try:
+            manifest = self.save(parent / "bundle", include_model=include_model)
+            upload_directory(parent / "bundle", url, overwrite=overwrite)
+        finally:
+            shutil.rmtree(parent, ignore_errors=True)
+        logger.info("uploaded %d calls to %s", len(manifest.calls), url)
         return manifest

@@ -20,13 +20,21 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from iobundle.cli import _render
-from iobundle.errors import BundleError, CLIError, ExportError, IobundleError, ModelLoadError, ReplayError
+from iobundle.cli import _render, _travel
+from iobundle.errors import (
+    BundleError,
+    CLIError,
+    ExportError,
+    IobundleError,
+    ModelLoadError,
+    NothingToCompareError,
+    ReplayError,
+)
 
 if TYPE_CHECKING:
     from iobundle.replay import Bundle
 
-__all__ = ["EXIT_CHECK_FAILED", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
+__all__ = ["EXIT_CHECK_FAILED", "EXIT_FAILED", "EXIT_NOTHING_TO_COMPARE", "EXIT_OK", "EXIT_USAGE", "main"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +45,8 @@ EXIT_USAGE = 2
 """Bad command line, or a path that is not a readable bundle (argparse also exits with 2)."""
 EXIT_FAILED = 3
 """The bundle was read but the operation failed: calls that cannot be aligned, an export error, ..."""
+EXIT_NOTHING_TO_COMPARE = 4
+"""validate: the bundle holds no recorded outputs (redacted without them), so nothing was compared."""
 
 # The first class of an error's MRO found here gives the exit code; anything else is EXIT_FAILED.
 _EXIT_CODES: dict[type[IobundleError], int] = {
@@ -44,6 +54,7 @@ _EXIT_CODES: dict[type[IobundleError], int] = {
     BundleError: EXIT_USAGE,
     ModelLoadError: EXIT_USAGE,
     ExportError: EXIT_CHECK_FAILED,
+    NothingToCompareError: EXIT_NOTHING_TO_COMPARE,
 }
 
 DEBUG_ENV = "IOBUNDLE_DEBUG"
@@ -59,6 +70,7 @@ exit codes:
   1  a check failed (verify: a file is corrupt; validate, export: a call differs or fails to run)
   2  usage error, or a bundle or model that cannot be read
   3  the bundle was read but the operation failed (e.g. calls that cannot be aligned)
+  4  validate: the bundle holds no recorded outputs (iobundle redact dropped them): nothing compared
 
 environment:
   IOBUNDLE_DEBUG=1  show the full traceback of an error"""
@@ -71,6 +83,9 @@ examples:
   iobundle verify run.iobundle && echo intact
   iobundle export run.iobundle --model mypkg.models:build -o model.onnx
   iobundle validate run.iobundle model.onnx --report report.md
+  iobundle pack run.iobundle -o run.iobundle.tar
+  iobundle redact run.iobundle -o bug-report.iobundle
+  iobundle convert run.iobundle --to onnx-testdata testdata --model model.onnx
   iobundle demo
   iobundle COMMAND --help""",
     "export": """\
@@ -150,12 +165,14 @@ def _add_logging_flags(parser: argparse.ArgumentParser, *, top_level: bool) -> N
     group.add_argument("-q", "--quiet", action="count", default=default, help="only errors")
 
 
-def _add_command(subparsers: Any, name: str, *, summary: str, description: str) -> argparse.ArgumentParser:
+def _add_command(
+    subparsers: Any, name: str, *, summary: str, description: str, epilog: str | None = None
+) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         name,
         help=summary,
         description=description,
-        epilog=_EXAMPLES[name],
+        epilog=_EXAMPLES[name] if epilog is None else epilog,
         formatter_class=_Formatter,
     )
     _add_logging_flags(parser, top_level=False)
@@ -180,7 +197,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Print a table of the recorded calls (inputs with shape and dtype, constants, latency), "
         "the versions that produced the bundle, and the inferred dynamic shapes.",
     )
-    p.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
+    p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
     p.set_defaults(handler=_cmd_inspect)
 
     p = _add_command(
@@ -189,7 +206,7 @@ def _build_parser() -> argparse.ArgumentParser:
         summary="print the dynamic_shapes to give torch.export.export",
         description="Infer the dynamic_shapes argument of torch.export.export from the recorded calls.",
     )
-    p.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
+    p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
     _add_batch_flags(p)
     p.add_argument(
         "--dim-names",
@@ -207,7 +224,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Check that every tensor file of the bundle is present and matches the size and sha256 "
         "recorded in manifest.json.",
     )
-    p.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
+    p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
     p.set_defaults(handler=_cmd_verify)
 
     p = _add_command(
@@ -217,7 +234,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Export the model returned by MODULE:FACTORY with the bundle's inferred arguments and "
         "dynamic shapes, check the exported program on every recorded call, and write an ONNX file.",
     )
-    p.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
+    p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", metavar="MODULE:FACTORY", help="a callable returning the model (your code)")
     source.add_argument(
@@ -246,7 +263,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Run MODEL.onnx with onnxruntime on every recorded call of BUNDLE and compare its outputs "
         "with the recorded ones: one row per call and a verdict.",
     )
-    p.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
+    p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
     p.add_argument("model", metavar="MODEL.onnx", help="the ONNX model")
     p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance (default: %(default)s)")
     p.add_argument("--rtol", type=float, default=0.1, help="relative tolerance (default: %(default)s)")
@@ -269,6 +286,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(handler=_cmd_demo)
 
+    _travel.register(subparsers, _add_command)  # pack, unpack, redact, convert
     return parser
 
 

@@ -10,26 +10,37 @@ from __future__ import annotations
 __all__ = [
     "Bundle",
     "CallCheck",
+    "ConvertResult",
     "ExportReport",
     "InputCandidate",
     "ObservationInfo",
+    "PackResult",
     "RecordedCallsAPI",
     "StoredModel",
     "ValidationReport",
     "check_discrepancies",
+    "convert_to_npz",
+    "convert_to_onnx_testdata",
+    "copy_model_files",
     "describe_bundle_model",
     "export_onnx",
     "export_program",
     "load_bundle",
     "load_bundle_model",
     "model_from_factory",
+    "pack_bundle",
+    "redact_calls",
+    "unpack_bundle",
     "validate_onnx",
 ]
 
 from iobundle.replay._api import RecordedCallsAPI
+from iobundle.replay._archive import PackResult, pack_bundle, unpack_bundle
 from iobundle.replay._bundle import Bundle, load_bundle
+from iobundle.replay._convert import ConvertResult, convert_to_npz, convert_to_onnx_testdata
 from iobundle.replay._export import CallCheck, ExportReport, export_onnx, export_program
 from iobundle.replay._factory import model_from_factory
 from iobundle.replay._info import InputCandidate, ObservationInfo
 from iobundle.replay._model_load import StoredModel, describe_bundle_model, load_bundle_model
+from iobundle.replay._redact import copy_model_files, redact_calls
 from iobundle.replay._validate import ValidationReport, check_discrepancies, validate_onnx

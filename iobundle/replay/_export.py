@@ -65,6 +65,9 @@ class CallCheck:
     error: str | None = None
     absent_inputs: list[str | int] = field(default_factory=list)
     seconds: float = 0.0
+    reference: str = "recorded"
+    """What the program's outputs were compared with: ``"recorded"`` outputs, or the ``"eager"`` model's
+    on the same inputs (a call without recorded outputs, as in a redacted bundle)."""
 
 
 @dataclass
@@ -90,7 +93,9 @@ class ExportReport:
 
     def summary(self) -> str:
         n_ok = sum(1 for c in self.calls if c.success)
-        return f"{n_ok}/{len(self.calls)} recorded calls reproduced (traced call {self.traced_call})"
+        eager = sum(1 for c in self.calls if c.reference == "eager")
+        note = f"; {eager} without recorded outputs compared with the eager model" if eager else ""
+        return f"{n_ok}/{len(self.calls)} recorded calls reproduced (traced call {self.traced_call}{note})"
 
 
 def flatten_outputs(value: Any) -> list[torch.Tensor]:
@@ -273,7 +278,16 @@ def export_context(
         yield
 
 
-def _check_calls(rc: RecordedCalls, plan: _Plan, run: Any, *, atol: float, rtol: float, report: ExportReport) -> None:
+def _check_calls(
+    rc: RecordedCalls,
+    plan: _Plan,
+    run: Any,
+    *,
+    atol: float,
+    rtol: float,
+    report: ExportReport,
+    eager: Any = None,
+) -> None:
     begin = time.perf_counter()
     for i, call in enumerate(plan.alignment.calls):
         t0 = time.perf_counter()
@@ -285,7 +299,20 @@ def _check_calls(rc: RecordedCalls, plan: _Plan, run: Any, *, atol: float, rtol:
             if plan.flatten_var_kw and rc.var_keyword in kwargs:
                 kwargs = {**{k: v for k, v in kwargs.items() if k != rc.var_keyword}, **kwargs[rc.var_keyword]}
             obtained = flatten_outputs(run(*args, **kwargs))
-            expected = [rc.store.get(k) for k in tensor_keys(call.outputs)] if call.outputs else []
+            if call.outputs is not None:
+                expected = [rc.store.get(k) for k in tensor_keys(call.outputs)]
+            elif eager is not None:  # nothing recorded (a redacted bundle): the eager model is the reference
+                args, kwargs = infer_arguments(rc, i, as_args_kwargs=True, alignment=plan.alignment)  # fresh copies
+                if plan.flatten_var_kw and rc.var_keyword in kwargs:
+                    kwargs = {**{k: v for k, v in kwargs.items() if k != rc.var_keyword}, **kwargs[rc.var_keyword]}
+                with torch.no_grad():
+                    expected = flatten_outputs(eager(*args, **kwargs))
+                check.reference = "eager"
+            else:
+                check.error = "ran; no recorded outputs to compare with"
+                check.seconds = time.perf_counter() - t0
+                report.calls.append(check)
+                continue
             cmp = compare_outputs(expected, obtained, atol=atol, rtol=rtol)
             check.success, check.abs, check.rel, check.error = cmp.success, cmp.abs, cmp.rel, cmp.error
             if check.absent_inputs and not cmp.success:
@@ -364,7 +391,7 @@ def export_program(
     """
     ep, plan, report = _export(rc, model, batch=set_batch_dimension_for, strict=strict, dim_names=dim_names)
     with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
-        _check_calls(rc, plan, ep.module(), atol=atol, rtol=rtol, report=report)
+        _check_calls(rc, plan, ep.module(), atol=atol, rtol=rtol, report=report, eager=plan.module)
     rc.last_export_report = report
     ep.iobundle_report = report  # type: ignore[attr-defined]
     ep.iobundle_plan = plan  # type: ignore[attr-defined]

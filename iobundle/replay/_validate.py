@@ -15,7 +15,7 @@ import onnx
 import torch
 
 from iobundle.calls import RecordedCalls, tensor_keys
-from iobundle.errors import ModelLoadError, ReplayError
+from iobundle.errors import ModelLoadError, NothingToCompareError, ReplayError
 from iobundle.replay._compare import Scratch, compare_outputs
 from iobundle.replay._export import INPUT_SLOTS_KEY, OUTPUT_NAMES_KEY
 from iobundle.replay._inference import align_calls, aligned_tensors, placeholder_inputs
@@ -49,9 +49,11 @@ def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto) -> tuple[Any,
         raise ModelLoadError(f"onnxruntime cannot load the model '{onnx_model}': {first}") from exc
 
 
-def _input_mapping(session: Any, meta: dict[str, str], n_slots: int) -> list[tuple[str, int]]:
-    """Graph input name -> aligned slot, from the metadata written at export, else by position."""
-    names = [i.name for i in session.get_inputs()]
+def input_mapping(names: Sequence[str], meta: dict[str, str], n_slots: int) -> list[tuple[str, int]]:
+    """Graph input name -> aligned slot, from the metadata written at export, else by position.
+
+    Validation and ``iobundle convert --to onnx-testdata`` both map recorded tensors to graph inputs here.
+    """
     if INPUT_SLOTS_KEY in meta:
         slots = json.loads(meta[INPUT_SLOTS_KEY])
         missing = [n for n in names if n not in slots]
@@ -81,6 +83,22 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().numpy()
 
 
+def _require_outputs(rc: RecordedCalls) -> None:
+    """Refuse to validate calls that hold no recorded outputs: a comparison with nothing is no pass.
+
+    Raises:
+        NothingToCompareError: No ok call has recorded outputs.
+    """
+    ok = rc.ok_calls
+    if ok and all(c.outputs is None for c in ok):
+        raise NothingToCompareError(
+            f"None of the {len(ok)} recorded calls has recorded outputs (a bundle redacted by `iobundle redact` "
+            "without --keep-outputs has none): there is nothing to compare the model's outputs against. "
+            "Validate with the original bundle, or run `iobundle export` on this one to check that the model "
+            "exports and runs on these inputs."
+        )
+
+
 def check_discrepancies(
     rc: RecordedCalls,
     onnx_model: str | os.PathLike[str] | onnx.ModelProto,
@@ -103,11 +121,13 @@ def check_discrepancies(
     and with ``include_io`` the ``inputs`` and ``outputs`` summaries.
 
     Raises:
+        NothingToCompareError: The calls hold no recorded outputs (a redacted bundle).
         ReplayError: The model cannot be loaded or its inputs do not match the recorded calls.
     """
+    _require_outputs(rc)
     session, meta = _session(onnx_model)
     alignment = align_calls(rc)
-    mapping = _input_mapping(session, meta, len(alignment.owners))
+    mapping = input_mapping([i.name for i in session.get_inputs()], meta, len(alignment.owners))
     output_names = json.loads(meta[OUTPUT_NAMES_KEY]) if OUTPUT_NAMES_KEY in meta else None
     scratch = Scratch()
     rows: list[dict[str, Any]] = []

@@ -6,6 +6,7 @@ __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST_FILENAME",
+    "MAX_MANIFEST_BYTES",
     "SUPPORTED_FORMAT_VERSIONS",
     "CallEntry",
     "ConstNode",
@@ -21,6 +22,7 @@ __all__ = [
     "OpaqueNode",
     "ParameterEntry",
     "Producer",
+    "Redaction",
     "SignatureEntry",
     "TensorEntry",
     "TensorNode",
@@ -34,7 +36,14 @@ __all__ = [
 
 import json
 
-from iobundle.schema._io import MANIFEST_FILENAME, dump_manifest, load_manifest, parse_manifest, write_manifest
+from iobundle.schema._io import (
+    MANIFEST_FILENAME,
+    MAX_MANIFEST_BYTES,
+    dump_manifest,
+    load_manifest,
+    parse_manifest,
+    write_manifest,
+)
 from iobundle.schema._manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -53,6 +62,7 @@ from iobundle.schema._manifest import (
     OpaqueNode,
     ParameterEntry,
     Producer,
+    Redaction,
     SignatureEntry,
     TensorEntry,
     TensorNode,
