@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from iobundle._progress import ProgressCallback
 from iobundle.calls import RecordedCalls, TensorCollector, record_inputs, replace_tensors, tensor_keys
 from iobundle.errors import AlignmentError
 from iobundle.replay import _inference
@@ -132,6 +133,7 @@ class RecordedCallsAPI:
         check: bool = True,
         atol: float = 1e-4,
         rtol: float = 0.1,
+        on_progress: ProgressCallback | None = None,
     ) -> torch.export.ExportedProgram:
         """Export ``model`` with ``torch.export`` from the recorded calls and check it on every call.
 
@@ -139,7 +141,7 @@ class RecordedCallsAPI:
         """
         return export_program(
             self._recorded(), model, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
-            check=check, atol=atol, rtol=rtol,
+            check=check, atol=atol, rtol=rtol, on_progress=on_progress,
         )  # fmt: skip
 
     def export_report(self) -> ExportReport | None:
@@ -155,14 +157,18 @@ class RecordedCallsAPI:
         set_batch_dimension_for: Collection[int | str] | bool | None = None,
         strict: bool = False,
         check: bool = True,
+        atol: float = 1e-4,
+        rtol: float = 0.1,
+        on_progress: ProgressCallback | None = None,
     ) -> str:
         """Export ``model`` to an ONNX file at ``path`` (through ``torch.export``); return the path.
 
         See :func:`iobundle.replay.export_onnx`.
         """
         return export_onnx(
-            self._recorded(), model, path, set_batch_dimension_for=set_batch_dimension_for, strict=strict, check=check
-        )
+            self._recorded(), model, path, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
+            check=check, atol=atol, rtol=rtol, on_progress=on_progress,
+        )  # fmt: skip
 
     def check_discrepancies(
         self,
@@ -173,14 +179,21 @@ class RecordedCallsAPI:
         progress_bar: bool = False,
         include_io: bool = True,
         skip_none: bool = True,
+        *,
+        output_atol: Mapping[str, float] | None = None,
+        output_rtol: Mapping[str, float] | None = None,
+        check_error_stat: str = "max",
+        error_quantile: float = 0.99,
+        on_progress: ProgressCallback | None = None,
     ) -> list[dict[str, Any]]:
         """Run ``onnx_model`` with onnxruntime on every recorded call and compare with the recorded outputs.
 
-        See :func:`iobundle.replay.check_discrepancies`.
+        See :func:`iobundle.replay.check_discrepancies` (per-output tolerances, error statistics, progress).
         """
         return check_discrepancies(
             self._recorded(), onnx_model, atol=atol, rtol=rtol, hist=hist, progress_bar=progress_bar,
-            include_io=include_io, skip_none=skip_none,
+            include_io=include_io, skip_none=skip_none, output_atol=output_atol, output_rtol=output_rtol,
+            check_error_stat=check_error_stat, error_quantile=error_quantile, on_progress=on_progress,
         )  # fmt: skip
 
 

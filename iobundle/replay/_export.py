@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import RecordedCalls, TensorCollector, record_value, tensor_keys
 from iobundle.errors import ExportError
 from iobundle.replay._compare import compare_outputs
@@ -41,6 +42,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+CHECK_TASK = "check exported program"
 INPUT_SLOTS_KEY = "iobundle.input_slots"
 OUTPUT_NAMES_KEY = "iobundle.output_names"
 
@@ -249,8 +251,19 @@ def export_context(
         yield
 
 
-def _check_calls(rc: RecordedCalls, plan: _Plan, run: Any, *, atol: float, rtol: float, report: ExportReport) -> None:
+def _check_calls(
+    rc: RecordedCalls,
+    plan: _Plan,
+    run: Any,
+    *,
+    atol: float,
+    rtol: float,
+    report: ExportReport,
+    on_progress: ProgressCallback | None = None,
+) -> None:
     begin = time.perf_counter()
+    total = len(plan.alignment.calls)
+    notify(on_progress, CHECK_TASK, 0, total)
     for i, call in enumerate(plan.alignment.calls):
         t0 = time.perf_counter()
         check = CallCheck(index=call.index, success=None)
@@ -270,12 +283,20 @@ def _check_calls(rc: RecordedCalls, plan: _Plan, run: Any, *, atol: float, rtol:
             check.success, check.error = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         check.seconds = time.perf_counter() - t0
         report.calls.append(check)
+        notify(on_progress, CHECK_TASK, i + 1, total, f"call {call.index}")
     report.check_seconds = time.perf_counter() - begin
 
 
 def _export(
-    rc: RecordedCalls, model: torch.nn.Module, *, batch: Any, strict: bool, report: ExportReport | None = None
+    rc: RecordedCalls,
+    model: torch.nn.Module,
+    *,
+    batch: Any,
+    strict: bool,
+    report: ExportReport | None = None,
+    on_progress: ProgressCallback | None = None,
 ) -> tuple[torch.export.ExportedProgram, _Plan, ExportReport]:
+    notify(on_progress, "torch.export", 0, 1)
     plan = _plan(rc, model, batch)
     report = report or ExportReport(traced_call=plan.alignment.calls[plan.traced].index)
     begin = time.perf_counter()
@@ -298,6 +319,7 @@ def _export(
                 report=report,
             ) from exc
     report.export_seconds = time.perf_counter() - begin
+    notify(on_progress, "torch.export", 1, 1)
     return ep, plan, report
 
 
@@ -310,6 +332,7 @@ def export_program(
     check: bool = True,
     atol: float = 1e-4,
     rtol: float = 0.1,
+    on_progress: ProgressCallback | None = None,
 ) -> torch.export.ExportedProgram:
     """Export ``model`` with the inferred arguments and dynamic shapes, then run every recorded call through it.
 
@@ -324,13 +347,15 @@ def export_program(
         check: Raise :class:`ExportError` when a call fails or differs beyond ``atol``/``rtol``.
         atol: Absolute tolerance of the check.
         rtol: Relative tolerance of the check.
+        on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` when ``torch.export``
+            starts and ends, and after each recorded call is checked.
 
     Raises:
         ExportError: ``torch.export`` failed, or (with ``check``) a recorded call is not reproduced.
     """
-    ep, plan, report = _export(rc, model, batch=set_batch_dimension_for, strict=strict)
+    ep, plan, report = _export(rc, model, batch=set_batch_dimension_for, strict=strict, on_progress=on_progress)
     with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
-        _check_calls(rc, plan, ep.module(), atol=atol, rtol=rtol, report=report)
+        _check_calls(rc, plan, ep.module(), atol=atol, rtol=rtol, report=report, on_progress=on_progress)
     rc.last_export_report = report
     ep.iobundle_report = report  # type: ignore[attr-defined]
     ep.iobundle_plan = plan  # type: ignore[attr-defined]
@@ -352,6 +377,7 @@ def export_onnx(
     check: bool = True,
     atol: float = 1e-4,
     rtol: float = 0.1,
+    on_progress: ProgressCallback | None = None,
 ) -> str:
     """Export ``model`` to ONNX at ``path`` through ``torch.export`` (checked on every call first).
 
@@ -364,8 +390,9 @@ def export_onnx(
             exported program does not reproduce a recorded call.
     """
     ep = export_program(
-        rc, model, set_batch_dimension_for=set_batch_dimension_for, strict=strict, check=check, atol=atol, rtol=rtol
-    )
+        rc, model, set_batch_dimension_for=set_batch_dimension_for, strict=strict, check=check, atol=atol, rtol=rtol,
+        on_progress=on_progress,
+    )  # fmt: skip
     report: ExportReport = ep.iobundle_report  # type: ignore[attr-defined]
     sig = ep.graph_signature
     from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
@@ -383,6 +410,7 @@ def export_onnx(
             report=report,
         )
     begin = time.perf_counter()
+    notify(on_progress, "torch.onnx.export", 0, 1)
     try:
         with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
             program = torch.onnx.export(ep, (), dynamo=True, verbose=False)
@@ -400,5 +428,6 @@ def export_onnx(
             report=report,
         ) from exc
     report.onnx_seconds = time.perf_counter() - begin
+    notify(on_progress, "torch.onnx.export", 1, 1)
     logger.info("exported %s (%d inputs, %d outputs)", path, len(inputs), len(outputs))
     return str(path)
