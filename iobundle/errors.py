@@ -22,6 +22,7 @@ Every error a user can trigger is a subclass of :class:`IobundleError`, so
         ├── DynamicShapeError                  calls disagree on a tensor's rank
         ├── ModelLoadError                     a model (MODULE:FACTORY, an ONNX file) cannot be loaded
         ├── ExportError                        torch.export / torch.onnx failed, or .report says which calls differ
+        ├── ToleranceError(ValueError)         a per-output tolerance names no output, an unknown error statistic
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = [
     "CaptureError",
     "DynamicShapeError",
     "ExportError",
+    "ToleranceError",
     "IntegrityError",
     "IobundleError",
     "ManifestError",
@@ -139,3 +141,7 @@ class ExportError(ReplayError):
     def __init__(self, message: str, *, report: Any = None) -> None:
         super().__init__(message)
         self.report = report
+
+
+class ToleranceError(ReplayError, ValueError):
+    """The comparison options are wrong: a per-output tolerance that names no output, an unknown statistic."""

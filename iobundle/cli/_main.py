@@ -21,7 +21,15 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from iobundle.cli import _checks, _render
-from iobundle.errors import BundleError, CLIError, ExportError, IobundleError, ModelLoadError, ReplayError
+from iobundle.errors import (
+    BundleError,
+    CLIError,
+    ExportError,
+    IobundleError,
+    ModelLoadError,
+    ReplayError,
+    ToleranceError,
+)
 
 if TYPE_CHECKING:
     from iobundle.replay import Bundle
@@ -44,6 +52,7 @@ _EXIT_CODES: dict[type[IobundleError], int] = {
     BundleError: EXIT_USAGE,
     ModelLoadError: EXIT_USAGE,
     ExportError: EXIT_CHECK_FAILED,
+    ToleranceError: EXIT_USAGE,
 }
 
 DEBUG_ENV = "IOBUNDLE_DEBUG"

@@ -218,7 +218,8 @@ _WORST_HEADERS = [
 
 def _markdown(report: Report) -> str:
     mark = "✅" if report.ok else "❌"
-    lines = [f"## {report.title}", "", f"{mark} **{report.verdict}** ({report.seconds:.2f}s)", ""]
+    verdict = report.verdict.replace("*", "\\*")
+    lines = [f"## {report.title}", "", f"{mark} **{verdict}** ({report.seconds:.2f}s)", ""]
     if report.command:
         lines += ["```", report.command, "```", ""]
     lines += ["**Bundle.** " + p for p in report.paragraphs]
@@ -258,7 +259,7 @@ _CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:2em auto;max-width:1100px;color:#1f2328;padding:0 1em}
 h1{font-size:1.5em}h2{font-size:1.2em;margin-top:1.6em;border-bottom:1px solid #d0d7de;padding-bottom:.2em}
 table{border-collapse:collapse;margin:.5em 0;font-size:.9em}th,td{border:1px solid #d0d7de;padding:3px 8px;text-align:left}
-th{background:#f6f8fa}td.n{text-align:right;font-variant-numeric:tabular-nums}
+th{background:#f6f8fa}td.n{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 .verdict{font-size:1.2em;font-weight:bold;padding:.4em .8em;border-radius:6px;display:inline-block}
 .pass{background:#dafbe1;color:#116329}.fail{background:#ffebe9;color:#a40e26}
 tr.FAIL td{background:#fff5f5}code,pre{background:#f6f8fa;border-radius:4px;padding:2px 4px;font-size:.9em}
@@ -271,6 +272,12 @@ _COLORS = {"ok": "#2da44e", "FAIL": "#cf222e", "not checked": "#bf8700"}
 
 def _esc(value: Any) -> str:
     return html.escape(str(value), quote=True)
+
+
+def _code_spans(text: str) -> str:
+    """Escape ``text`` for HTML, Markdown-style `code` spans becoming <code> elements."""
+    pieces = _esc(text).split("`")
+    return "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(pieces))
 
 
 def _html_table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence[int] = (), row_classes: Sequence[str] | None = None) -> str:  # fmt: skip
@@ -371,7 +378,7 @@ def _svg_per_output(report: Report) -> str:
     label_w = min(260, 20 + 7 * max((len(e["output"]) for e in entries), default=6))
     width, row_h, top = 760, 20, 10
     height = top + row_h * len(entries) + 34
-    plot_w = width - label_w - 70
+    plot_w = width - label_w - 96
 
     def x(v: float) -> float:
         if v <= 0:
@@ -400,7 +407,7 @@ def _svg_per_output(report: Report) -> str:
         parts.append(
             f'<line x1="{xa:.1f}" y1="{yy + 1}" x2="{xa:.1f}" y2="{yy + row_h - 1}" stroke="#cf222e" stroke-width="2"/>'
         )
-        parts.append(f'<text x="{label_w + plot_w + 6}" y="{yy + 14}">{_esc(_number(e["max_abs"]))}</text>')
+        parts.append(f'<text x="{label_w + plot_w + 14}" y="{yy + 14}">{_esc(_number(e["max_abs"]))}</text>')
     parts.append(
         f'<text x="{label_w + plot_w / 2:.0f}" y="{height - 2}" text-anchor="middle">max abs error (red tick: atol)</text>'
     )
@@ -417,6 +424,7 @@ def _svg_histogram(report: Report) -> str:
     slot = plot_w / max(len(bins), 1)
     parts = _svg_open(width, height, "histogram of absolute errors")
     for i, (label, count) in enumerate(bins):
+        tick = "≤" + label.split(", ")[1].rstrip("]") if label.startswith("(") else label.replace("<=", "≤")
         h = plot_h * (math.log10(count + 1) / math.log10(top_count + 1)) if top_count else 0.0
         x = left + i * slot + 4
         parts.append(
@@ -427,7 +435,7 @@ def _svg_histogram(report: Report) -> str:
             f'<text x="{x + (slot - 8) / 2:.1f}" y="{top + plot_h - h - 4:.1f}" text-anchor="middle">{count}</text>'
         )
         parts.append(
-            f'<text x="{x + (slot - 8) / 2:.1f}" y="{top + plot_h + 14}" text-anchor="middle">{_esc(label)}</text>'
+            f'<text x="{x + (slot - 8) / 2:.1f}" y="{top + plot_h + 14}" text-anchor="middle">{_esc(tick)}</text>'
         )
     parts.append(f'<line x1="{left}" y1="{top + plot_h}" x2="{width - 12}" y2="{top + plot_h}" stroke="#57606a"/>')
     parts.append(
@@ -447,7 +455,7 @@ def _html(report: Report) -> str:
     if report.command:
         body.append(f"<pre>{_esc(report.command)}</pre>")
     body.append("<h2>Bundle</h2>")
-    body += [f"<p>{_esc(p)}</p>" for p in report.paragraphs]
+    body += [f"<p>{_code_spans(p)}</p>" for p in report.paragraphs]
     body.append("<h2>Environment</h2>")
     body.append(_html_table(["", "version"], [[k, v] for k, v in report.environment.items()]))
     if report.differences:

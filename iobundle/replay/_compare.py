@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from iobundle.errors import ReplayError
+from iobundle.errors import ToleranceError
 from iobundle.schema import DictNode, ListNode, Node, ObjectNode, TensorNode, TupleNode
 
 __all__ = [
@@ -409,12 +409,12 @@ def check_error_stat_name(name: str, quantile: float) -> None:
     """Refuse an unknown statistic or a quantile outside [0, 1].
 
     Raises:
-        ReplayError: ``name`` is not one of :data:`ERROR_STATS`, or ``quantile`` is out of range.
+        ToleranceError: ``name`` is not one of :data:`ERROR_STATS`, or ``quantile`` is out of range.
     """
     if name not in ERROR_STATS:
-        raise ReplayError(f"check_error_stat={name!r}: use one of {', '.join(ERROR_STATS)}.")
+        raise ToleranceError(f"check_error_stat={name!r}: use one of {', '.join(ERROR_STATS)}.")
     if not 0.0 <= quantile <= 1.0:
-        raise ReplayError(f"error_quantile={quantile!r}: give a quantile between 0 and 1 (e.g. 0.99).")
+        raise ToleranceError(f"error_quantile={quantile!r}: give a quantile between 0 and 1 (e.g. 0.99).")
 
 
 # --------------------------------------------------------------------------- tolerances

@@ -157,7 +157,7 @@ def diff_bundles(
 
     Raises:
         BundleError: A bundle cannot be read.
-        ReplayError: A statistic is unknown, or a per-output tolerance names no output.
+        ToleranceError: A statistic is unknown, or a per-output tolerance names no output.
     """
     check_error_stat_name(check_error_stat, error_quantile)
     begin = time.perf_counter()

@@ -79,7 +79,8 @@ def rerun_model(
         and ``duration_rerun`` (here).
 
     Raises:
-        ReplayError: The model has no method named like the recorded one, or a tolerance names no output.
+        ReplayError: The model has no method named like the recorded one.
+        ToleranceError: A statistic is unknown, or a per-output tolerance names no output.
     """
     check_error_stat_name(check_error_stat, error_quantile)
     method = getattr(model, rc.signature.method, None)

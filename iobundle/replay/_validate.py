@@ -17,7 +17,7 @@ import torch
 
 from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import RecordedCalls, tensor_keys
-from iobundle.errors import ModelLoadError, ReplayError
+from iobundle.errors import ModelLoadError, ReplayError, ToleranceError
 from iobundle.replay._compare import (
     OutputCheck,
     Scratch,
@@ -315,8 +315,8 @@ def validate_onnx(
     be within ``atol``, or that of the relative errors within ``rtol``.
 
     Raises:
-        ReplayError: The model cannot be loaded, its inputs do not match the recorded calls, a
-            statistic is unknown, or a per-output tolerance names no output.
+        ReplayError: The model cannot be loaded or its inputs do not match the recorded calls.
+        ToleranceError: A statistic is unknown, or a per-output tolerance names no output.
 
     Example:
         >>> report = validate_onnx(rc, "model.onnx", output_atol={"logits": 1e-3}, check_error_stat="median")
@@ -351,7 +351,7 @@ def _refuse_unused(tolerances: Tolerances, checks: Sequence[OutputCheck]) -> Non
     if unused:
         known = list(dict.fromkeys(n for g in groups for n in g if n))
         shown = ", ".join(known[:12]) + (", ..." if len(known) > 12 else "")
-        raise ReplayError(
+        raise ToleranceError(
             f"Per-output tolerance for {', '.join(map(repr, unused))} matches no output. Outputs: {shown}. "
             "Use one of these names or an fnmatch pattern (e.g. 'past_key_values*')."
         )
