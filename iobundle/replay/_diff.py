@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from iobundle._progress import ProgressCallback, notify
-from iobundle.calls import positional_names
+from iobundle.calls import NAME_TO_DTYPE, positional_names
 from iobundle.replay._bundle import Bundle, load_bundle
 from iobundle.replay._compare import OutputCheck, Scratch, Tolerances, check_error_stat_name, compare_call
 from iobundle.replay._validate import ValidationReport, _refuse_unused
@@ -53,7 +53,8 @@ class _Pair:
 
 def _shape(m: Manifest, key: str) -> str:
     entry = m.tensors[key]
-    return f"{'x'.join(map(str, entry.shape)) or 'scalar'} {entry.dtype}"
+    dtype = NAME_TO_DTYPE.get(entry.dtype)
+    return f"{'x'.join(map(str, entry.shape)) or 'scalar'} {str(dtype).replace('torch.', '') if dtype else entry.dtype}"
 
 
 def _walk(a: Node | None, b: Node | None, path: str, ma: Manifest, mb: Manifest, out: list[str], pairs: list[_Pair], is_input: bool) -> None:  # fmt: skip
