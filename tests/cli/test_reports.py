@@ -111,7 +111,9 @@ def test_json_and_csv_hold_the_same_rows_for_pandas(cwd, capsys):
     from_json = pandas.read_json(cwd / "r.json")
     from_csv = pandas.read_csv(cwd / "r.csv")
     assert list(from_json.columns) == list(from_csv.columns)
-    assert {"index", "SUCCESS", "status", "abs", "rel", "mean_abs", "quantile_abs", "worst_output"} <= set(from_csv.columns)
+    assert {"index", "SUCCESS", "status", "abs", "rel", "mean_abs", "quantile_abs", "worst_output"} <= set(
+        from_csv.columns
+    )
     assert from_json["index"].tolist() == from_csv["index"].tolist() == [0, 1, 2]
     assert from_csv["SUCCESS"].tolist() == [True, True, True] and from_csv["worst_output"].tolist() == ["logits"] * 3
     assert from_json["abs"].tolist() == pytest.approx(from_csv["abs"].tolist())
@@ -141,7 +143,9 @@ def test_html_report_is_self_contained_with_charts(cwd, capsys):
     assert per_call.count('class="bar"') == 3 and "atol 0.0001" in per_call
     per_output = text.split("<h2>Error per output</h2>", 1)[1].split("</svg>", 1)[0]
     assert ">logits</text>" in per_output and ">hidden</text>" in per_output
-    assert 'id="verdict">FAIL: 0/3 calls' in text and "<h2>Environment</h2>" in text and "<h2>Worst outputs</h2>" in text
+    assert (
+        'id="verdict">FAIL: 0/3 calls' in text and "<h2>Environment</h2>" in text and "<h2>Worst outputs</h2>" in text
+    )
 
 
 def _browser() -> str | None:

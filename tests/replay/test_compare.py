@@ -218,9 +218,7 @@ class TestCheckErrorStat:
 
     stats = error_stats(np.zeros(1000), np.r_[np.zeros(999), 1.0], atol=1e-3, rtol=0.0, quantile=0.99)
 
-    @pytest.mark.parametrize(
-        ("stat", "passes"), [("max", False), ("mean", True), ("median", True), ("quantile", True)]
-    )
+    @pytest.mark.parametrize(("stat", "passes"), [("max", False), ("mean", True), ("median", True), ("quantile", True)])
     def test_statistic_decides(self, stat: str, passes: bool) -> None:
         assert stat_passes(self.stats, atol=1e-3, rtol=0.0, check_error_stat=stat) is passes
 
@@ -233,7 +231,9 @@ class TestCheckErrorStat:
         stats = error_stats(np.full(10, 100.0), np.full(10, 101.0), atol=0.0, rtol=0.0)
         assert stat_passes(stats, atol=0.1, rtol=0.02, check_error_stat="mean")  # abs 1 > 0.1 but rel 0.01 <= 0.02
 
-    @pytest.mark.parametrize(("stat", "q", "message"), [("p99", 0.5, "use one of max, mean"), ("mean", 1.5, "between 0 and 1")])
+    @pytest.mark.parametrize(
+        ("stat", "q", "message"), [("p99", 0.5, "use one of max, mean"), ("mean", 1.5, "between 0 and 1")]
+    )
     def test_bad_statistic_or_quantile(self, stat: str, q: float, message: str) -> None:
         with pytest.raises(ToleranceError, match=message):
             check_error_stat_name(stat, q)

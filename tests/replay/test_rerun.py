@@ -40,7 +40,12 @@ def test_same_model_reproduces_every_call_exactly(bundle):
     report = rerun_model(bundle._recorded(), InPlace().eval())
     assert report.ok and report.kind == "run"
     assert [r["abs"] for r in report.rows] == [0.0, 0.0]
-    assert [(c.call, c.name) for c in report.outputs] == [(0, "output[0]"), (0, "output[1]"), (1, "output[0]"), (1, "output[1]")]
+    assert [(c.call, c.name) for c in report.outputs] == [
+        (0, "output[0]"),
+        (0, "output[1]"),
+        (1, "output[0]"),
+        (1, "output[1]"),
+    ]
     assert all(r["duration_rerun"] > 0 for r in report.rows)
     # the model doubled its inputs in place: the bundle's tensors are untouched, a second run agrees
     assert rerun_model(bundle._recorded(), InPlace().eval()).ok

@@ -199,7 +199,9 @@ def test_check_error_stat_median_with_a_loose_atol(shifted):
     median = validate_onnx(bundle._recorded(), path, atol=5e-4, rtol=0.0, check_error_stat="median")
     assert not strict.ok  # logits are off by 1e-3 everywhere: the median too
     assert not median.ok and "on the median error" in median.verdict()
-    loose = validate_onnx(bundle._recorded(), path, atol=2e-3, rtol=0.0, check_error_stat="quantile", error_quantile=0.5)
+    loose = validate_onnx(
+        bundle._recorded(), path, atol=2e-3, rtol=0.0, check_error_stat="quantile", error_quantile=0.5
+    )
     assert loose.ok and "0.5 quantile" in loose.verdict()
 
 
