@@ -56,7 +56,7 @@ as validate.""",
 _TOLERANCE_HELP = (
     "{what} tolerance: VALUE for every output, or NAME=VALUE for one output (its name in the output tree, "
     "e.g. logits or past_key_values[0], or its ONNX name; fnmatch patterns allowed); repeat the flag "
-    "(default: %(default)s)"
+    "(default: {default:g})"
 )
 
 
@@ -64,10 +64,18 @@ def add_comparison_flags(parser: argparse.ArgumentParser, *, report: bool = True
     """``--atol``, ``--rtol``, ``--check-error-stat``, ``--error-quantile`` and ``--report``."""
     group = parser.add_argument_group("comparison")
     group.add_argument(
-        "--atol", action="append", metavar="[NAME=]VALUE", default=None, help=_TOLERANCE_HELP.format(what="absolute")
+        "--atol",
+        action="append",
+        metavar="[NAME=]VALUE",
+        default=None,
+        help=_TOLERANCE_HELP.format(what="absolute", default=DEFAULT_ATOL),
     )
     group.add_argument(
-        "--rtol", action="append", metavar="[NAME=]VALUE", default=None, help=_TOLERANCE_HELP.format(what="relative")
+        "--rtol",
+        action="append",
+        metavar="[NAME=]VALUE",
+        default=None,
+        help=_TOLERANCE_HELP.format(what="relative", default=DEFAULT_RTOL),
     )
     group.add_argument(
         "--check-error-stat",
@@ -181,7 +189,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from iobundle import load_bundle
-    from iobundle.replay import load_bundle_model, model_from_factory, rerun_model
+    from iobundle.replay import load_bundle_model, model_from_factory
 
     options = comparison_options(args)
     bundle = load_bundle(args.bundle)
@@ -195,7 +203,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             ) from exc
     model.eval()
     with progress_bars(args) as bars:
-        result = rerun_model(bundle._recorded(), model, device=args.device, on_progress=bars, **options)
+        result = bundle.rerun(model, device=args.device, on_progress=bars, **options)
     return finish_comparison(args, result, [bundle])
 
 

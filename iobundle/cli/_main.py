@@ -420,12 +420,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from iobundle.replay import validate_onnx
-
     options = _checks.comparison_options(args)
     bundle = _open_bundle(args.bundle)
     with _checks.progress_bars(args) as bars:
-        report = validate_onnx(bundle._recorded(), args.model, on_progress=bars, **options)
+        report = bundle.validate(args.model, on_progress=bars, **options)
     return _checks.finish_comparison(args, report, [bundle])
 
 

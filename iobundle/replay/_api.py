@@ -14,7 +14,7 @@ from iobundle.errors import AlignmentError
 from iobundle.replay import _inference
 from iobundle.replay._export import ExportReport, export_onnx, export_program
 from iobundle.replay._info import ObservationInfo
-from iobundle.replay._validate import check_discrepancies
+from iobundle.replay._validate import ValidationReport, check_discrepancies, validate_onnx
 from iobundle.schema import CallEntry, Node, TensorNode
 
 if TYPE_CHECKING:
@@ -194,6 +194,51 @@ class RecordedCallsAPI:
             self._recorded(), onnx_model, atol=atol, rtol=rtol, hist=hist, progress_bar=progress_bar,
             include_io=include_io, skip_none=skip_none, output_atol=output_atol, output_rtol=output_rtol,
             check_error_stat=check_error_stat, error_quantile=error_quantile, on_progress=on_progress,
+        )  # fmt: skip
+
+    def validate(
+        self,
+        onnx_model: str | os.PathLike[str] | onnx.ModelProto,
+        *,
+        atol: float = 1e-4,
+        rtol: float = 0.1,
+        output_atol: Mapping[str, float] | None = None,
+        output_rtol: Mapping[str, float] | None = None,
+        check_error_stat: str = "max",
+        error_quantile: float = 0.99,
+        on_progress: ProgressCallback | None = None,
+    ) -> ValidationReport:
+        """Validate ``onnx_model`` on every recorded call, output by output; see :func:`iobundle.replay.validate_onnx`.
+
+        .. versionadded:: 0.2
+        """
+        return validate_onnx(
+            self._recorded(), onnx_model, atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
+            check_error_stat=check_error_stat, error_quantile=error_quantile, on_progress=on_progress,
+        )  # fmt: skip
+
+    def rerun(
+        self,
+        model: torch.nn.Module,
+        *,
+        atol: float = 1e-4,
+        rtol: float = 0.1,
+        output_atol: Mapping[str, float] | None = None,
+        output_rtol: Mapping[str, float] | None = None,
+        check_error_stat: str = "max",
+        error_quantile: float = 0.99,
+        device: str | torch.device | None = None,
+        on_progress: ProgressCallback | None = None,
+    ) -> ValidationReport:
+        """Re-run the eager ``model`` on every recorded call's inputs; see :func:`iobundle.replay.rerun_model`.
+
+        .. versionadded:: 0.2
+        """
+        from iobundle.replay._rerun import rerun_model
+
+        return rerun_model(
+            self._recorded(), model, atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
+            check_error_stat=check_error_stat, error_quantile=error_quantile, device=device, on_progress=on_progress,
         )  # fmt: skip
 
 
