@@ -246,7 +246,7 @@ def format_table(
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), header_style="bold")
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold")
     for i, header in enumerate(headers):
         table.add_column(header, justify="right" if i in right else "left", no_wrap=i in right)
     for i, row in enumerate(rows):
