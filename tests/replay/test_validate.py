@@ -220,3 +220,12 @@ def test_check_discrepancies_keeps_its_positional_api_and_columns(affine_bundle)
     assert "worst_output" not in rows[0] and "inputs" not in rows[0] and ">0.1" in rows[0]
     report = validate_onnx(load_bundle(bundle)._recorded(), path, atol=1e-4, rtol=0.1)
     assert (report.atol, report.rtol, report.ok) == (1e-4, 0.1, True)
+
+
+def test_bundle_validate_and_rerun_methods(shifted):
+    bundle, path = shifted
+    report = bundle.validate(path, rtol=0.0, output_atol={"logits": 1e-2})
+    assert report.ok and report.kind == "validate" and len(report.outputs) == 6
+    drift = bundle.rerun(TwoHeads(shift=1e-3).eval(), rtol=0.0)
+    assert drift.kind == "run" and not drift.ok
+    assert {c.name for c in drift.outputs if c.success is False} == {"logits"}
