@@ -272,3 +272,22 @@ def test_quiet_prints_only_the_verdict(cwd):
     text = _run_in_terminal(["validate", "-q", "run.iobundle", "shifted.onnx", "--rtol", "0"], cwd, env)
     lines = [line for line in text.replace("\r", "").splitlines() if line.strip()]
     assert len(lines) == 1 and "FAIL: 0/3 calls" in lines[0]
+
+
+@pytest.mark.parametrize("fmt", ["markdown", "html", "json", "csv"])
+def test_calls_that_failed_to_run_render_in_every_format(fmt):
+    from iobundle.cli._reports import render_report
+    from iobundle.replay import ValidationReport, build_report
+
+    nan = float("nan")
+    rows = [
+        {"SUCCESS": False, "error": "onnxruntime: bad input", "abs": nan, "rel": nan, "n": 0, "index": 0},
+        {"SUCCESS": None, "abs": 0.5, "rel": 0.1, "n": 4, "index": 1, "absent_inputs": "mask"},
+    ]
+    result = ValidationReport(rows=rows, atol=1e-4, rtol=0.1, seconds=0.5, subject="m.onnx")
+    text = render_report(build_report(result, []), fmt)
+    assert "onnxruntime: bad input" in text
+    if fmt == "json":
+        assert json.loads(text)[0]["abs"] is None
+    if fmt in ("markdown", "html"):
+        assert "not checked (absent at capture: mask)" in text and "FAIL: 0/2 calls" in text
