@@ -1,9 +1,10 @@
 """Store the observed model in a bundle: a transformers config (JSON) and its weights (safetensors).
 
 A self-contained bundle replays without the model's code being importable by name: the
-loader (``iobundle.replay._model_load``) rebuilds the class from an allow-list of
-transformers classes and loads the weights with safetensors. Only transformers models
-are stored, since only they can be rebuilt from a config alone.
+loader (``iobundle.replay.load_bundle_model``) rebuilds any class transformers registers
+in its auto-model mappings, refuses configs that select code, and loads the weights with
+safetensors. Only transformers models are stored, since only they can be rebuilt from a
+config alone.
 
 Layout::
 

@@ -98,8 +98,10 @@ recorded arguments and dynamic shapes, the exported program is run on every reco
 then torch.onnx writes the ONNX file. Exit code 1 when a recorded call is not reproduced.
 
 --from-bundle rebuilds the model from the config and weights a self-contained bundle carries
-(observer.save(path, include_model=True)), for an allow-list of transformers classes only:
-no code of yours and none from the bundle runs.""",
+(observer.save(path, include_model=True)), for the classes transformers registers in its
+auto-model mappings only, and refuses a config that would fetch, import or run code (remote
+code, hub kernels, quantization backends): no code of yours and none from the bundle runs.
+For any other model, build it yourself and pass --model MODULE:FACTORY.""",
     "validate": """\
 examples:
   iobundle validate run.iobundle model.onnx
@@ -317,8 +319,15 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         shapes = bundle.infer_dynamic_shapes()
     except ReplayError as exc:  # the rest of the report is still worth printing
         shapes_error = str(exc)
+    model = None
+    if bundle.manifest.model is not None:
+        from iobundle.replay import describe_bundle_model
+
+        model = describe_bundle_model(bundle)
     _render.out(
-        _render.format_inspect(args.bundle, bundle.manifest, dynamic_shapes=shapes, dynamic_shapes_error=shapes_error)
+        _render.format_inspect(
+            args.bundle, bundle.manifest, dynamic_shapes=shapes, dynamic_shapes_error=shapes_error, model=model
+        )
     )
     return EXIT_OK
 

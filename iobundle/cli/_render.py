@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from iobundle.replay import StoredModel
     from iobundle.schema import CallEntry, Manifest, Node, ObjectNode
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "format_inspect",
     "format_latency",
     "format_node",
+    "format_stored_model",
     "format_table",
     "format_tensor",
     "format_verify",
@@ -277,14 +279,33 @@ def _signature(manifest: Manifest) -> str:
     return f"{qualname}({', '.join(parts)})"
 
 
+def format_stored_model(model: StoredModel) -> list[str]:
+    """The ``model`` lines of ``iobundle inspect``: class, model_type, attention, sizes, --from-bundle verdict."""
+    attention = model.attn_implementation or "default"
+    lines = [
+        f"model      {model.class_name} (model_type {model.model_type or '?'}, attention {attention}), "
+        f"weights {_size(model.weights_bytes)}, config {_size(model.config_bytes)}"
+    ]
+    if model.submodule:
+        lines.append(f"           observed submodule {model.submodule}")
+    if model.refused is None:
+        lines.append(
+            "           accepted by --from-bundle (a class transformers registers, a config that selects no code)"
+        )
+    else:
+        lines.append(f"           refused by --from-bundle: {model.refused}")
+    return lines
+
+
 def format_inspect(
     path: str | Path,
     manifest: Manifest,
     *,
     dynamic_shapes: Any = None,
     dynamic_shapes_error: str | None = None,
+    model: StoredModel | None = None,
 ) -> str:
-    """The report of ``iobundle inspect``: summary, one row per call, producer, inferred dynamic shapes."""
+    """The report of ``iobundle inspect``: summary, stored model, one row per call, producer, dynamic shapes."""
     calls = manifest.calls
     statuses: dict[str, int] = {}
     for call in calls:
@@ -301,6 +322,8 @@ def format_inspect(
     for entry in manifest.value_if_missing:
         key = entry.key if isinstance(entry.key, str) else _arg_name(manifest, entry.key)
         lines.append(f"if missing {key}={format_node(manifest, entry.value)}")
+    if model is not None:
+        lines.extend(format_stored_model(model))
     lines.append("")
     if calls:
         rows = [

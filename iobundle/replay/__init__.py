@@ -19,10 +19,12 @@ __all__ = [
     "RecordedCallsAPI",
     "RecordedInputs",
     "Report",
+    "StoredModel",
     "Tolerances",
     "ValidationReport",
     "build_report",
     "check_discrepancies",
+    "describe_bundle_model",
     "diff_bundles",
     "export_onnx",
     "export_program",
@@ -41,7 +43,7 @@ from iobundle.replay._diff import DiffReport, diff_bundles
 from iobundle.replay._export import CallCheck, ExportReport, export_onnx, export_program
 from iobundle.replay._factory import model_from_factory
 from iobundle.replay._info import ObservationInfo, RecordedInputs
-from iobundle.replay._model_load import load_bundle_model
+from iobundle.replay._model_load import StoredModel, describe_bundle_model, load_bundle_model
 from iobundle.replay._report import Report, build_report
 from iobundle.replay._rerun import rerun_model
 from iobundle.replay._validate import ValidationReport, check_discrepancies, validate_onnx

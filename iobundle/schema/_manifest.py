@@ -180,8 +180,9 @@ class ModelEntry(_Model):
     """The model stored in a self-contained bundle (``observer.save(path, include_model=...)``).
 
     Only transformers classes are stored, by class name: a loader rebuilds them from
-    ``config_file`` (``config.to_dict()`` as JSON) through an allow-list of class names and
-    loads ``weights_file`` (safetensors). Nothing named here is ever imported.
+    ``config_file`` (``config.to_dict()`` as JSON), only for classes transformers registers in its
+    auto-model mappings and only when the config selects no code, and loads ``weights_file``
+    (safetensors). Nothing named here is ever imported.
 
     Attributes:
         library: The library that defines ``class_name``.
