@@ -614,7 +614,8 @@ def compare_call(
     )
     scored = [c for c in checks if c.stats is not None or c.error]
     worst = max(scored, key=lambda c: math.inf if c.error else c.stats.max_abs, default=None)  # type: ignore[union-attr]
-    row["worst_output"] = worst.name if worst is not None else ""
+    exact = worst is not None and not worst.error and worst.stats is not None and worst.stats.max_abs == 0.0
+    row["worst_output"] = worst.name if worst is not None and not exact else ""  # none is worse when all match
     if cmp.error is None and not cmp.dnan:
         row["SUCCESS"] = all(c.success is not False for c in checks)
     return row, checks

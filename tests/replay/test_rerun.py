@@ -78,3 +78,8 @@ def test_a_call_that_raises_is_a_failed_row(tmp_path):
 def test_a_model_without_the_recorded_method_is_refused(bundle):
     with pytest.raises(ReplayError, match="no method 'forward'"):
         rerun_model(bundle._recorded(), object())  # type: ignore[arg-type]
+
+
+def test_no_worst_output_when_every_output_matches_exactly(bundle):
+    report = rerun_model(bundle._recorded(), InPlace().eval())
+    assert [r["worst_output"] for r in report.rows] == ["", ""]
