@@ -8,6 +8,10 @@ To add a subcommand: write ``_cmd_<name>(args) -> int``, and in :func:`_build_pa
 ``add_parser`` block with its arguments, an ``_EXAMPLES`` entry and ``set_defaults(handler=...)``.
 Raise :class:`~iobundle.errors.CLIError` for bad flag combinations; return :data:`EXIT_CHECK_FAILED`
 when a check the user asked for fails.
+
+The comparing commands (``validate`` here, ``run`` and ``diff`` registered by
+:mod:`iobundle.cli._checks`) share their flags, progress bars (:mod:`iobundle.cli._progress`) and
+report files (:mod:`iobundle.cli._reports`: Markdown, HTML, JSON, CSV).
 """
 
 from __future__ import annotations
