@@ -30,6 +30,7 @@ Every error a user can trigger is a subclass of :class:`IobundleError`, so
         ├── DynamicShapeError(RuntimeError)    calls disagree on a tensor's rank
         ├── ModelLoadError                     a model (MODULE:FACTORY, an ONNX file) cannot be loaded
         ├── ExportError                        torch.export / torch.onnx failed, or .report says which calls differ
+        ├── ToleranceError(ValueError)         a per-output tolerance names no output, an unknown error statistic
         └── NothingToCompareError              the bundle holds no recorded outputs (redacted without them)
 
 Errors that fit both worlds
@@ -81,6 +82,7 @@ __all__ = [
     "DynamicShapeError",
     "ExportError",
     "InputSelectionError",
+    "ToleranceError",
     "IntegrityError",
     "IobundleError",
     "ManifestError",
@@ -214,3 +216,7 @@ class ExportError(ReplayError):
 
 class NothingToCompareError(ReplayError):
     """Validation was asked for, but the bundle holds no recorded outputs (``iobundle redact`` dropped them)."""
+
+
+class ToleranceError(ReplayError, ValueError):
+    """The comparison options are wrong: a per-output tolerance that names no output, an unknown statistic."""

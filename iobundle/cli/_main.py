@@ -8,6 +8,10 @@ To add a subcommand: write ``_cmd_<name>(args) -> int``, and in :func:`_build_pa
 ``add_parser`` block with its arguments, an ``_EXAMPLES`` entry and ``set_defaults(handler=...)``.
 Raise :class:`~iobundle.errors.CLIError` for bad flag combinations; return :data:`EXIT_CHECK_FAILED`
 when a check the user asked for fails.
+
+The comparing commands (``validate`` here, ``run`` and ``diff`` registered by
+:mod:`iobundle.cli._checks`) share their flags, progress bars (:mod:`iobundle.cli._progress`) and
+report files (:mod:`iobundle.cli._reports`: Markdown, HTML, JSON, CSV).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from iobundle.cli import _render, _travel
+from iobundle.cli import _checks, _render, _travel
 from iobundle.errors import (
     BundleError,
     CLIError,
@@ -29,6 +33,7 @@ from iobundle.errors import (
     ModelLoadError,
     NothingToCompareError,
     ReplayError,
+    ToleranceError,
 )
 
 if TYPE_CHECKING:
@@ -55,6 +60,7 @@ _EXIT_CODES: dict[type[IobundleError], int] = {
     ModelLoadError: EXIT_USAGE,
     ExportError: EXIT_CHECK_FAILED,
     NothingToCompareError: EXIT_NOTHING_TO_COMPARE,
+    ToleranceError: EXIT_USAGE,
 }
 
 DEBUG_ENV = "IOBUNDLE_DEBUG"
@@ -65,15 +71,16 @@ recorded with iobundle.InputObserver and saved with observer.save(PATH)."""
 
 _EXIT_HELP = """\
 exit codes:
-  0  success
-  0  success (validate, export: every recorded call reproduced)
-  1  a check failed (verify: a file is corrupt; validate, export: a call differs or fails to run)
+  0  success (validate, run, export: every recorded call reproduced; diff: the bundles are alike)
+  1  a check failed (verify: a file is corrupt; validate, run, export: a call differs or fails to run;
+     diff: the bundles differ)
   2  usage error, or a bundle or model that cannot be read
   3  the bundle was read but the operation failed (e.g. calls that cannot be aligned)
   4  validate: the bundle holds no recorded outputs (iobundle redact dropped them): nothing compared
 
 environment:
-  IOBUNDLE_DEBUG=1  show the full traceback of an error"""
+  IOBUNDLE_DEBUG=1  show the full traceback of an error
+  NO_COLOR=1        no colour (there is none either when stdout is not a terminal)"""
 
 _EXAMPLES = {
     "iobundle": """\
@@ -86,6 +93,8 @@ examples:
   iobundle pack run.iobundle -o run.iobundle.tar
   iobundle redact run.iobundle -o bug-report.iobundle
   iobundle convert run.iobundle --to onnx-testdata testdata --model model.onnx
+  iobundle run run.iobundle --model mypkg.models:build --report drift.html
+  iobundle diff gpu.iobundle cpu.iobundle
   iobundle demo
   iobundle COMMAND --help""",
     "export": """\
@@ -110,11 +119,16 @@ examples:
   iobundle validate run.iobundle model.onnx
   iobundle validate run.iobundle model.onnx --atol 1e-3 --report report.json
   iobundle validate old.iobundle new_model.onnx --report regressions.md
+  iobundle validate run.iobundle model.onnx --atol logits=1e-3 --atol 1e-4 --report report.html
+  iobundle validate run.iobundle model.onnx --check-error-stat quantile --error-quantile 0.999
 
-Runs the ONNX model with onnxruntime on every recorded call and compares with the recorded
-outputs. A call passes when every element is within --atol or within --rtol of the recorded
-value. A call whose input was absent at capture and had to be fed a stand-in is "not
-checked" when it differs. --report writes every column as JSON, CSV or Markdown (by extension).
+Runs the ONNX model with onnxruntime on every recorded call and compares each output with
+the recorded one. With --check-error-stat max (the default) an output passes when every
+element is within its --atol or within its --rtol of the recorded value; with mean, median
+or quantile, when that statistic of its errors is. A call passes when all its outputs do. A
+call whose input was absent at capture and had to be fed a stand-in is "not checked" when it
+differs. --report writes a Markdown report to paste into an issue (.md), a self-contained
+page with charts (.html), or every column of every call (.json, .csv), by extension.
 Exit code 0 when every call passes, 1 when one differs or fails to run, 2 when the bundle or
 the model cannot be read.""",
     "demo": """\
@@ -150,6 +164,9 @@ Reads every tensor file and compares its size and sha256 with the manifest.
 Exit code 0 when all match, 1 when a file is missing or differs, 2 when the bundle
 cannot be opened.""",
 }
+
+
+_EXAMPLES.update(_checks.EXAMPLES)
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -265,10 +282,10 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
     p.add_argument("model", metavar="MODEL.onnx", help="the ONNX model")
-    p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance (default: %(default)s)")
-    p.add_argument("--rtol", type=float, default=0.1, help="relative tolerance (default: %(default)s)")
-    p.add_argument("--report", metavar="FILE", help="also write every column to FILE (.json, .csv or .md)")
+    _checks.add_comparison_flags(p)
     p.set_defaults(handler=_cmd_validate)
+
+    _checks.register(subparsers, _add_command)  # run, diff
 
     p = _add_command(
         subparsers,
@@ -420,10 +437,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
     spec = _batch_spec(args, bundle)
     model = load_bundle_model(bundle) if args.from_bundle else model_from_factory(args.model)
     try:
-        with _quiet_exporters():
+        with _quiet_exporters(), _checks.progress_bars(args) as bars:
             path = bundle.to_onnx(
-                model, args.output, set_batch_dimension_for=spec, check=not args.no_check, dim_names=args.dim_names
-            )
+                model, args.output, set_batch_dimension_for=spec, check=not args.no_check, atol=args.atol,
+                rtol=args.rtol, dim_names=args.dim_names, on_progress=bars,
+            )  # fmt: skip
     except ExportError as exc:
         if exc.report is not None and exc.report.calls:
             _render.out(_render.format_export(exc.report, None))
@@ -434,24 +452,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from iobundle.replay import validate_onnx
-
-    fmt = None
-    if args.report:
-        fmt = _render.REPORT_FORMATS.get(os.path.splitext(args.report)[1].lower())
-        if fmt is None:
-            raise CLIError(f"--report {args.report}: use a .json, .csv or .md file name.")
+    options = _checks.comparison_options(args)
     bundle = _open_bundle(args.bundle)
-    report = validate_onnx(bundle._recorded(), args.model, atol=args.atol, rtol=args.rtol)
-    _render.out(_render.format_validation(report))
-    if args.report and fmt:
-        try:
-            with open(args.report, "w", encoding="utf-8") as f:
-                f.write(_render.format_report_file(report.rows, fmt))
-        except OSError as exc:
-            raise CLIError(f"--report {args.report}: cannot write it ({exc.strerror or exc}).") from exc
-        _render.out(f"report written to {args.report}")
-    return EXIT_OK if report.ok else EXIT_CHECK_FAILED
+    with _checks.progress_bars(args) as bars:
+        report = bundle.validate(args.model, on_progress=bars, **options)
+    return _checks.finish_comparison(args, report, [bundle])
 
 
 def _run_step(argv: list[str]) -> int:
@@ -565,6 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a usage error argparse already printed
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     with _logging(args.verbose, args.quiet) as args.log_level:
         try:
             return int(args.handler(args))

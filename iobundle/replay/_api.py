@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from iobundle._progress import ProgressCallback
 from iobundle.calls import RecordedCalls, TensorCollector, record_inputs, replace_tensors, tensor_keys
 from iobundle.errors import AlignmentError, InputSelectionError
 from iobundle.replay import _inference
 from iobundle.replay._dim_names import DimNamesSpec
 from iobundle.replay._export import ExportReport, export_onnx, export_program
 from iobundle.replay._info import InputCandidate, ObservationInfo
-from iobundle.replay._validate import check_discrepancies
+from iobundle.replay._validate import ValidationReport, check_discrepancies, validate_onnx
 from iobundle.schema import CallEntry, Node, TensorNode
 
 if TYPE_CHECKING:
@@ -176,6 +177,7 @@ class RecordedCallsAPI:
         atol: float = 1e-4,
         rtol: float = 0.1,
         dim_names: DimNamesSpec = False,
+        on_progress: ProgressCallback | None = None,
     ) -> torch.export.ExportedProgram:
         """Export ``model`` with ``torch.export`` from the recorded calls and check it on every call.
 
@@ -184,7 +186,7 @@ class RecordedCallsAPI:
         """
         return export_program(
             self._recorded(), model, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
-            check=check, atol=atol, rtol=rtol, dim_names=dim_names,
+            check=check, atol=atol, rtol=rtol, dim_names=dim_names, on_progress=on_progress,
         )  # fmt: skip
 
     def export_report(self) -> ExportReport | None:
@@ -201,6 +203,9 @@ class RecordedCallsAPI:
         strict: bool = False,
         check: bool = True,
         dim_names: DimNamesSpec = False,
+        atol: float = 1e-4,
+        rtol: float = 0.1,
+        on_progress: ProgressCallback | None = None,
     ) -> str:
         """Export ``model`` to an ONNX file at ``path`` (through ``torch.export``); return the path.
 
@@ -209,7 +214,7 @@ class RecordedCallsAPI:
         """
         return export_onnx(
             self._recorded(), model, path, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
-            check=check, dim_names=dim_names,
+            check=check, dim_names=dim_names, atol=atol, rtol=rtol, on_progress=on_progress,
         )  # fmt: skip
 
     def check_discrepancies(
@@ -221,16 +226,68 @@ class RecordedCallsAPI:
         progress_bar: bool = False,
         include_io: bool = True,
         skip_none: bool = True,
+        *,
+        output_atol: Mapping[str, float] | None = None,
+        output_rtol: Mapping[str, float] | None = None,
+        check_error_stat: str = "max",
+        error_quantile: float = 0.99,
+        on_progress: ProgressCallback | None = None,
     ) -> list[dict[str, Any]]:
         """Run ``onnx_model`` with onnxruntime on every recorded call and compare with the recorded outputs.
 
         ``onnx_model`` is a path, an ``onnx.ModelProto`` or a ``torch.onnx.ONNXProgram``.
 
-        See :func:`iobundle.replay.check_discrepancies`.
+        See :func:`iobundle.replay.check_discrepancies` (per-output tolerances, error statistics, progress).
         """
         return check_discrepancies(
             self._recorded(), onnx_model, atol=atol, rtol=rtol, hist=hist, progress_bar=progress_bar,
-            include_io=include_io, skip_none=skip_none,
+            include_io=include_io, skip_none=skip_none, output_atol=output_atol, output_rtol=output_rtol,
+            check_error_stat=check_error_stat, error_quantile=error_quantile, on_progress=on_progress,
+        )  # fmt: skip
+
+    def validate(
+        self,
+        onnx_model: str | os.PathLike[str] | onnx.ModelProto,
+        *,
+        atol: float = 1e-4,
+        rtol: float = 0.1,
+        output_atol: Mapping[str, float] | None = None,
+        output_rtol: Mapping[str, float] | None = None,
+        check_error_stat: str = "max",
+        error_quantile: float = 0.99,
+        on_progress: ProgressCallback | None = None,
+    ) -> ValidationReport:
+        """Validate ``onnx_model`` on every recorded call, output by output; see :func:`iobundle.replay.validate_onnx`.
+
+        .. versionadded:: 0.2
+        """
+        return validate_onnx(
+            self._recorded(), onnx_model, atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
+            check_error_stat=check_error_stat, error_quantile=error_quantile, on_progress=on_progress,
+        )  # fmt: skip
+
+    def rerun(
+        self,
+        model: torch.nn.Module,
+        *,
+        atol: float = 1e-4,
+        rtol: float = 0.1,
+        output_atol: Mapping[str, float] | None = None,
+        output_rtol: Mapping[str, float] | None = None,
+        check_error_stat: str = "max",
+        error_quantile: float = 0.99,
+        device: str | torch.device | None = None,
+        on_progress: ProgressCallback | None = None,
+    ) -> ValidationReport:
+        """Re-run the eager ``model`` on every recorded call's inputs; see :func:`iobundle.replay.rerun_model`.
+
+        .. versionadded:: 0.2
+        """
+        from iobundle.replay._rerun import rerun_model
+
+        return rerun_model(
+            self._recorded(), model, atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
+            check_error_stat=check_error_stat, error_quantile=error_quantile, device=device, on_progress=on_progress,
         )  # fmt: skip
 
 

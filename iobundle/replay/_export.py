@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import RecordedCalls, TensorCollector, record_value, tensor_keys
 from iobundle.errors import ExportError
 from iobundle.replay._compare import compare_outputs
@@ -50,6 +51,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+CHECK_TASK = "check exported program"
 INPUT_SLOTS_KEY = "iobundle.input_slots"
 OUTPUT_NAMES_KEY = "iobundle.output_names"
 
@@ -287,8 +289,11 @@ def _check_calls(
     rtol: float,
     report: ExportReport,
     eager: Any = None,
+    on_progress: ProgressCallback | None = None,
 ) -> None:
     begin = time.perf_counter()
+    total = len(plan.alignment.calls)
+    notify(on_progress, CHECK_TASK, 0, total)
     for i, call in enumerate(plan.alignment.calls):
         t0 = time.perf_counter()
         check = CallCheck(index=call.index, success=None)
@@ -321,6 +326,7 @@ def _check_calls(
             check.success, check.error = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         check.seconds = time.perf_counter() - t0
         report.calls.append(check)
+        notify(on_progress, CHECK_TASK, i + 1, total, f"call {call.index}")
     report.check_seconds = time.perf_counter() - begin
 
 
@@ -332,7 +338,9 @@ def _export(
     strict: bool,
     report: ExportReport | None = None,
     dim_names: DimNamesSpec = False,
+    on_progress: ProgressCallback | None = None,
 ) -> tuple[torch.export.ExportedProgram, _Plan, ExportReport]:
+    notify(on_progress, "torch.export", 0, 1)
     plan = _plan(rc, model, batch, dim_names)
     report = report or ExportReport(traced_call=plan.alignment.calls[plan.traced].index)
     begin = time.perf_counter()
@@ -356,6 +364,7 @@ def _export(
                 report=report,
             ) from exc
     report.export_seconds = time.perf_counter() - begin
+    notify(on_progress, "torch.export", 1, 1)
     return ep, plan, report
 
 
@@ -369,6 +378,7 @@ def export_program(
     atol: float = 1e-4,
     rtol: float = 0.1,
     dim_names: DimNamesSpec = False,
+    on_progress: ProgressCallback | None = None,
 ) -> torch.export.ExportedProgram:
     """Export ``model`` with the inferred arguments and dynamic shapes, then run every recorded call through it.
 
@@ -385,13 +395,19 @@ def export_program(
         rtol: Relative tolerance of the check.
         dim_names: True or a dict to name the dynamic dimensions (see ``infer_dynamic_shapes``):
             each name becomes one ``torch.export.Dim`` shared by every dimension that bears it.
+        on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` when ``torch.export``
+            starts and ends, and after each recorded call is checked.
 
     Raises:
         ExportError: ``torch.export`` failed, or (with ``check``) a recorded call is not reproduced.
     """
-    ep, plan, report = _export(rc, model, batch=set_batch_dimension_for, strict=strict, dim_names=dim_names)
+    ep, plan, report = _export(
+        rc, model, batch=set_batch_dimension_for, strict=strict, dim_names=dim_names, on_progress=on_progress
+    )
     with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
-        _check_calls(rc, plan, ep.module(), atol=atol, rtol=rtol, report=report, eager=plan.module)
+        _check_calls(
+            rc, plan, ep.module(), atol=atol, rtol=rtol, report=report, eager=plan.module, on_progress=on_progress
+        )
     rc.last_export_report = report
     ep.iobundle_report = report  # type: ignore[attr-defined]
     ep.iobundle_plan = plan  # type: ignore[attr-defined]
@@ -414,6 +430,7 @@ def export_onnx(
     atol: float = 1e-4,
     rtol: float = 0.1,
     dim_names: DimNamesSpec = False,
+    on_progress: ProgressCallback | None = None,
 ) -> str:
     """Export ``model`` to ONNX at ``path`` through ``torch.export`` (checked on every call first).
 
@@ -429,6 +446,7 @@ def export_onnx(
     ep = export_program(
         rc, model, set_batch_dimension_for=set_batch_dimension_for, strict=strict, check=check, atol=atol, rtol=rtol,
         dim_names=dim_names,
+        on_progress=on_progress,
     )  # fmt: skip
     report: ExportReport = ep.iobundle_report  # type: ignore[attr-defined]
     sig = ep.graph_signature
@@ -447,6 +465,7 @@ def export_onnx(
             report=report,
         )
     begin = time.perf_counter()
+    notify(on_progress, "torch.onnx.export", 0, 1)
     try:
         with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
             program = torch.onnx.export(ep, (), dynamo=True, verbose=False)
@@ -467,5 +486,6 @@ def export_onnx(
             report=report,
         ) from exc
     report.onnx_seconds = time.perf_counter() - begin
+    notify(on_progress, "torch.onnx.export", 1, 1)
     logger.info("exported %s (%d inputs, %d outputs)", path, len(inputs), len(outputs))
     return str(path)
