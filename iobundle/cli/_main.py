@@ -404,7 +404,8 @@ def _cmd_shapes(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     bundle = _open_bundle(args.bundle)
-    problems = bundle.verify()
+    with _checks.progress_bars(args) as bars:
+        problems = bundle.verify(on_progress=bars)
     text = _render.format_verify(bundle.manifest, problems)
     if problems or args.log_level <= logging.WARNING:
         _render.out(text)
