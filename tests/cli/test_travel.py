@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
+import re
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -101,3 +105,48 @@ def test_convert_onnx_testdata_needs_a_model(bundle, tmp_path, capsys):
 def test_help_has_examples(command, capsys):
     assert main([command, "--help"]) == 0
     assert f"examples:\n  iobundle {command} " in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- progress bars
+
+BAR = "━"  # rich's bar, drawn on stderr
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "TERM")}
+    env.update(TERM="xterm-256color", COLUMNS="120", PYTHONPATH=os.pathsep.join(sys.path))
+    return env
+
+
+def _travel_commands(bundle: Path, packed: Path, out: Path) -> dict[str, list[str]]:
+    return {
+        "pack": ["pack", str(bundle), "-o", str(out / "b.tar")],
+        "unpack": ["unpack", str(packed), "-o", str(out / "b")],
+        "redact": ["redact", str(bundle), "-o", str(out / "r")],
+        "convert": ["convert", str(bundle), "--to", "npz", str(out / "arrays")],
+    }
+
+
+@pytest.mark.parametrize("command", ["pack", "unpack", "redact", "convert"])
+def test_a_terminal_shows_a_progress_bar(bundle, packed, tmp_path, terminal, command):
+    argv = _travel_commands(bundle, packed, tmp_path)[command]
+    text = terminal(argv, tmp_path, _env())
+    assert BAR in text and command in text  # the bar and its task
+    if command in ("pack", "unpack"):
+        assert re.search(r"\d+(\.\d+)?/\d+(\.\d+)? (?:[kMG]?B\b|bytes)", text)  # counted in bytes, not in members
+    assert "Traceback" not in text
+
+
+def test_quiet_on_a_terminal_shows_no_bar(bundle, packed, tmp_path, terminal):
+    text = terminal(["pack", "-q", str(bundle), "-o", str(tmp_path / "b.tar")], tmp_path, _env())
+    assert BAR not in text and "\x1b[" not in text
+
+
+@pytest.mark.parametrize("command", ["pack", "unpack", "redact", "convert"])
+def test_a_pipe_shows_no_progress_bar(bundle, packed, tmp_path, command):
+    argv = _travel_commands(bundle, packed, tmp_path)[command]
+    done = subprocess.run(
+        [sys.executable, "-m", "iobundle", *argv], capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "" and BAR not in done.stdout and "\x1b[" not in done.stdout
