@@ -349,7 +349,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         model = describe_bundle_model(bundle)
     _render.out(
         _render.format_inspect(
-            args.bundle, bundle.manifest, dynamic_shapes=shapes, dynamic_shapes_error=shapes_error, model=model
+            args.bundle,
+            bundle.manifest,
+            dynamic_shapes=shapes,
+            dynamic_shapes_error=shapes_error,
+            model=model,
+            packed=bundle.packed,
+            remote=bundle.remote,
         )
     )
     return EXIT_OK

@@ -11,7 +11,7 @@ from iobundle._remote import local_path, remote_kind
 from iobundle.calls import NAME_TO_DTYPE, RecordedCalls, build_value, iter_tensor_nodes
 from iobundle.errors import IobundleError, UnsafeBundleError
 from iobundle.replay._api import RecordedCallsAPI
-from iobundle.replay._archive import open_archive
+from iobundle.replay._archive import ArchiveRoot, open_archive
 from iobundle.replay._remote import RemoteRoot
 from iobundle.replay._tensorfile import BundleTensorStore, Root, check_file, check_file_header
 from iobundle.schema import MANIFEST_FILENAME, CallEntry, Manifest, load_manifest, parse_manifest
@@ -81,6 +81,16 @@ class Bundle(RecordedCallsAPI):
 
     def _recorded(self) -> RecordedCalls:
         return self._rc
+
+    @property
+    def packed(self) -> bool:
+        """True when the bundle is one file written by ``iobundle pack`` (read in place), False for a directory."""
+        return isinstance(self._store.bundle_root, ArchiveRoot)
+
+    @property
+    def remote(self) -> bool:
+        """True when the bundle was opened from a URL (through fsspec), False for a local path."""
+        return isinstance(self.path, str)
 
     @property
     def calls(self) -> list[CallEntry]:

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import tarfile
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -55,7 +56,59 @@ def test_commands_read_a_packed_bundle_like_the_directory(bundle, packed, capsys
     from_dir = capsys.readouterr().out
     assert main([command[0], str(packed), *command[1:]]) == 0
     from_file = capsys.readouterr().out
-    assert from_file.replace(str(packed), "B") == from_dir.replace(str(bundle), "B")
+
+    def same(text: str) -> str:  # inspect says how each is stored: the one line that differs
+        return "\n".join(line for line in text.splitlines() if not line.startswith("stored "))
+
+    assert same(from_file.replace(str(packed), "B")) == same(from_dir.replace(str(bundle), "B"))
+
+
+def _line(out: str, label: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith(label + " "))[len(label) :].strip()
+
+
+def test_inspect_says_a_directory_or_a_packed_file_and_the_format_version(bundle, packed, capsys):
+    version = load_bundle(bundle).manifest.format_version
+    assert main(["inspect", str(bundle)]) == 0
+    out = capsys.readouterr().out
+    assert _line(out, "stored") == "a directory"
+    assert _line(out, "format") == f"iobundle, format_version {version}"
+    assert main(["inspect", str(packed)]) == 0
+    out = capsys.readouterr().out
+    assert _line(out, "stored") == "packed: one file (iobundle pack), read in place"
+
+
+@pytest.mark.parametrize("packed_at_url", [False, True])
+def test_inspect_says_a_bundle_came_from_a_url(bundle, capsys, packed_at_url):
+    fsspec = pytest.importorskip("fsspec")
+    url = f"memory://inspect-{uuid.uuid4().hex}"
+    try:
+        if packed_at_url:
+            assert main(["pack", str(bundle), "-o", url + "/run.iobundle.tar"]) == 0
+            target, kind = url + "/run.iobundle.tar", "packed: one file (iobundle pack), read in place"
+        else:
+            fs = fsspec.filesystem("memory")
+            fs.put(str(bundle), url.removeprefix("memory://") + "/run.iobundle", recursive=True)
+            target, kind = url + "/run.iobundle", "a directory"
+        capsys.readouterr()
+        assert main(["inspect", target]) == 0
+        assert _line(capsys.readouterr().out, "stored") == f"{kind}, at a URL (fsspec)"
+    finally:
+        fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
+
+
+def test_inspect_says_whether_a_bundle_is_redacted_and_what_it_kept(bundle, tmp_path, capsys):
+    assert main(["inspect", str(bundle)]) == 0
+    assert _line(capsys.readouterr().out, "redacted") == "no (the recorded inputs are the real ones)"
+    assert main(["redact", str(bundle), "-o", str(tmp_path / "bug"), "--seed", "7"]) == 0
+    assert main(["redact", str(bundle), "-o", str(tmp_path / "kept"), "--keep-outputs"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "bug")]) == 0
+    assert _line(capsys.readouterr().out, "redacted") == (
+        "yes: inputs synthetic (seed 7), outputs dropped, model not kept"
+    )
+    assert main(["inspect", str(tmp_path / "kept")]) == 0
+    assert "outputs kept (computed on the real inputs)" in _line(capsys.readouterr().out, "redacted")
 
 
 def test_unpack_round_trips(packed, bundle, tmp_path, capsys):
