@@ -211,8 +211,9 @@ def _build_parser() -> argparse.ArgumentParser:
         subparsers,
         "inspect",
         summary="summarise a bundle: calls, input shapes, constants, latency, dynamic shapes",
-        description="Print a table of the recorded calls (inputs with shape and dtype, constants, latency), "
-        "the versions that produced the bundle, and the inferred dynamic shapes.",
+        description="Print how the bundle is stored (a directory or one packed file, local or at a URL), its "
+        "format_version, whether it is redacted (and what it kept), a table of the recorded calls (inputs with "
+        "shape and dtype, constants, latency), the versions that produced it, and the inferred dynamic shapes.",
     )
     p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
     p.set_defaults(handler=_cmd_inspect)
