@@ -211,8 +211,9 @@ def _build_parser() -> argparse.ArgumentParser:
         subparsers,
         "inspect",
         summary="summarise a bundle: calls, input shapes, constants, latency, dynamic shapes",
-        description="Print a table of the recorded calls (inputs with shape and dtype, constants, latency), "
-        "the versions that produced the bundle, and the inferred dynamic shapes.",
+        description="Print how the bundle is stored (a directory or one packed file, local or at a URL), its "
+        "format_version, whether it is redacted (and what it kept), a table of the recorded calls (inputs with "
+        "shape and dtype, constants, latency), the versions that produced it, and the inferred dynamic shapes.",
     )
     p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
     p.set_defaults(handler=_cmd_inspect)
@@ -349,7 +350,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         model = describe_bundle_model(bundle)
     _render.out(
         _render.format_inspect(
-            args.bundle, bundle.manifest, dynamic_shapes=shapes, dynamic_shapes_error=shapes_error, model=model
+            args.bundle,
+            bundle.manifest,
+            dynamic_shapes=shapes,
+            dynamic_shapes_error=shapes_error,
+            model=model,
+            packed=bundle.packed,
+            remote=bundle.remote,
         )
     )
     return EXIT_OK
@@ -404,7 +411,8 @@ def _cmd_shapes(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     bundle = _open_bundle(args.bundle)
-    problems = bundle.verify()
+    with _checks.progress_bars(args) as bars:
+        problems = bundle.verify(on_progress=bars)
     text = _render.format_verify(bundle.manifest, problems)
     if problems or args.log_level <= logging.WARNING:
         _render.out(text)
