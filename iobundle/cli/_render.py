@@ -444,7 +444,12 @@ def format_validation(report: Any) -> str:
         ]
         for r in report.rows
     ]
-    table = format_table(["call", "status", "max abs", "max rel", "torch", "onnxruntime"], rows, right=(0, 2, 3, 4, 5))
+    headers = ["call", "status", "max abs", "max rel", "torch", "onnxruntime"]
+    if any("program" in r for r in report.rows):  # validated through a program index
+        headers.insert(1, "program")
+        for row, r in zip(rows, report.rows):
+            row.insert(1, str(r.get("program") or "-"))
+    table = format_table(headers, rows, right=tuple(i for i, h in enumerate(headers) if h not in ("status", "program")))
     return f"{table}\n{report.verdict()} ({report.seconds:.2f}s)"
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -11,8 +11,10 @@ import torch
 from iobundle.calls import RecordedCalls, TensorCollector, record_inputs, replace_tensors, tensor_keys
 from iobundle.errors import AlignmentError
 from iobundle.replay import _inference
+from iobundle.replay._dims import StaticDimHint, static_dim_hints
 from iobundle.replay._export import ExportReport, export_onnx, export_program
 from iobundle.replay._info import ObservationInfo
+from iobundle.replay._phases import ProgramSet, ProgramsMode, export_programs
 from iobundle.replay._validate import check_discrepancies
 from iobundle.schema import CallEntry, Node, TensorNode
 
@@ -46,6 +48,7 @@ class RecordedCallsAPI:
         set_batch_dimension_for: Collection[int | str] | bool | None = None,
         *,
         dim_names: bool = False,
+        dynamic: Mapping[int | str, Collection[int]] | None = None,
     ) -> tuple[Any, ...] | dict[str, Any]:
         """Infer ``dynamic_shapes`` for ``torch.export.export``.
 
@@ -55,19 +58,36 @@ class RecordedCallsAPI:
             set_batch_dimension_for: Inputs (names or positions) whose first dimension is dynamic
                 even when every call used the same batch size; True for all inputs.
             dim_names: Name each dynamic dimension (``torch.export.Dim``) instead of ``Dim.DYNAMIC``.
+            dynamic: Axes to make dynamic even if their size never varied, per input:
+                ``{"input_ids": {1}, "cache": {2}}`` (every tensor of the input with that axis).
 
         Returns:
             A tuple for positional-only calls, otherwise a dict keyed by parameter name.
 
         Raises:
             AlignmentError: The recorded calls cannot be aligned (the message says why).
-            DynamicShapeError: A tensor changes rank across calls.
+            DynamicShapeError: A tensor changes rank across calls, or ``dynamic`` names an unknown input or axis.
 
         Example:
             >>> observer.infer_dynamic_shapes(set_batch_dimension_for={"input_ids"})
             {'input_ids': {0: Dim.DYNAMIC, 1: Dim.DYNAMIC}, ...}
         """
-        return _inference.infer_dynamic_shapes(self._recorded(), set_batch_dimension_for, dim_names=dim_names)
+        return _inference.infer_dynamic_shapes(
+            self._recorded(), set_batch_dimension_for, dim_names=dim_names, dynamic=dynamic
+        )
+
+    def static_dim_hints(
+        self,
+        set_batch_dimension_for: Collection[int | str] | bool | None = None,
+        *,
+        dynamic: Mapping[int | str, Collection[int]] | None = None,
+    ) -> list[StaticDimHint]:
+        """Axes that look like batch or sequence axes and are static only because no call varied them.
+
+        Each hint names the axes and how to make them dynamic (``hint.message()``).
+        See :func:`iobundle.replay._dims.static_dim_hints`.
+        """
+        return static_dim_hints(self._recorded(), set_batch_dimension_for, dynamic)
 
     def infer_arguments(
         self,
@@ -132,6 +152,7 @@ class RecordedCallsAPI:
         check: bool = True,
         atol: float = 1e-4,
         rtol: float = 0.1,
+        dynamic: Mapping[int | str, Collection[int]] | None = None,
     ) -> torch.export.ExportedProgram:
         """Export ``model`` with ``torch.export`` from the recorded calls and check it on every call.
 
@@ -139,7 +160,29 @@ class RecordedCallsAPI:
         """
         return export_program(
             self._recorded(), model, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
-            check=check, atol=atol, rtol=rtol,
+            check=check, atol=atol, rtol=rtol, dynamic=dynamic,
+        )  # fmt: skip
+
+    def export_programs(
+        self,
+        model: torch.nn.Module,
+        *,
+        programs: ProgramsMode = "auto",
+        set_batch_dimension_for: Collection[int | str] | bool | None = None,
+        dynamic: Mapping[int | str, Collection[int]] | None = None,
+        strict: bool = False,
+        check: bool = True,
+        atol: float = 1e-4,
+        rtol: float = 0.1,
+    ) -> ProgramSet:
+        """Export one program for every recorded call, or one per phase when one cannot serve them all.
+
+        ``result.to_onnx(path)`` writes the ONNX file, or one per phase and their index.
+        See :func:`iobundle.replay.export_programs`.
+        """
+        return export_programs(
+            self._recorded(), model, programs=programs, set_batch_dimension_for=set_batch_dimension_for,
+            dynamic=dynamic, strict=strict, check=check, atol=atol, rtol=rtol,
         )  # fmt: skip
 
     def export_report(self) -> ExportReport | None:
@@ -155,14 +198,24 @@ class RecordedCallsAPI:
         set_batch_dimension_for: Collection[int | str] | bool | None = None,
         strict: bool = False,
         check: bool = True,
+        dynamic: Mapping[int | str, Collection[int]] | None = None,
+        programs: ProgramsMode = "one",
     ) -> str:
         """Export ``model`` to an ONNX file at ``path`` (through ``torch.export``); return the path.
 
-        See :func:`iobundle.replay.export_onnx`.
+        With ``programs="auto"``, when one program cannot serve every call, one ONNX file per
+        phase is written beside ``path`` with a program index, whose path is returned (see
+        :meth:`export_programs`). See :func:`iobundle.replay.export_onnx`.
         """
+        if programs != "one":
+            return self.export_programs(
+                model, programs=programs, set_batch_dimension_for=set_batch_dimension_for, dynamic=dynamic,
+                strict=strict, check=check,
+            ).to_onnx(path)  # fmt: skip
         return export_onnx(
-            self._recorded(), model, path, set_batch_dimension_for=set_batch_dimension_for, strict=strict, check=check
-        )
+            self._recorded(), model, path, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
+            check=check, dynamic=dynamic,
+        )  # fmt: skip
 
     def check_discrepancies(
         self,

@@ -20,6 +20,7 @@ from iobundle.errors import ExportError
 from iobundle.replay._compare import compare_outputs
 from iobundle.replay._inference import (
     Alignment,
+    DynamicSpec,
     align_calls,
     flat_dynamic_dims,
     infer_arguments,
@@ -37,6 +38,7 @@ __all__ = [
     "export_onnx",
     "export_program",
     "flatten_outputs",
+    "save_onnx",
 ]
 
 logger = logging.getLogger(__name__)
@@ -69,6 +71,8 @@ class ExportReport:
     options: list[str] = field(default_factory=list)
     patches: list[str] = field(default_factory=list)
     calls: list[CallCheck] = field(default_factory=list)
+    batch_check: Any = None
+    """A ``BatchCheck`` (see :mod:`iobundle.replay._dims`): the program on a batch size never recorded."""
 
     @property
     def failures(self) -> list[CallCheck]:
@@ -146,6 +150,7 @@ class _Plan:
     oblivious: bool
     dynamic_batch: bool = False
     dynamic: bool = True
+    dims: list[list[int]] = field(default_factory=list)
 
 
 def _uses_transformers(rc: RecordedCalls) -> bool:
@@ -157,11 +162,16 @@ def _uses_transformers(rc: RecordedCalls) -> bool:
     return any(walk(n) for c in rc.ok_calls for n in [*c.args, *c.kwargs.values()])
 
 
-def _plan(rc: RecordedCalls, model: torch.nn.Module, batch: Collection[int | str] | bool | None) -> _Plan:
+def _plan(
+    rc: RecordedCalls,
+    model: torch.nn.Module,
+    batch: Collection[int | str] | bool | None,
+    dynamic: DynamicSpec = None,
+) -> _Plan:
     alignment = align_calls(rc)
-    traced = choose_traced_call(rc, alignment, batch)
+    traced = choose_traced_call(rc, alignment, batch, dynamic)
     args, kwargs = infer_arguments(rc, traced, as_args_kwargs=True, alignment=alignment)
-    ds = infer_dynamic_shapes(rc, batch)
+    ds = infer_dynamic_shapes(rc, batch, dynamic=dynamic)
     var_kw = rc.var_keyword
     names = set(rc.names)
     extra = [k for k in kwargs if k not in names]
@@ -172,7 +182,7 @@ def _plan(rc: RecordedCalls, model: torch.nn.Module, batch: Collection[int | str
     if flatten_var_kw and isinstance(ds, dict):
         ds = {**{k: v for k, v in ds.items() if k != var_kw}, **ds.get(var_kw, {})}
     # A dynamic dimension seen as 0 or 1 is specialised by torch.export unless size-oblivious.
-    dims = flat_dynamic_dims(rc, alignment, batch)
+    dims = flat_dynamic_dims(rc, alignment, batch, dynamic)
     oblivious = False
     for index, dynamic in enumerate(dims):
         sizes = [rc.store.shape(s[index]) for s in alignment.slots if s[index] is not None]
@@ -182,11 +192,16 @@ def _plan(rc: RecordedCalls, model: torch.nn.Module, batch: Collection[int | str
             oblivious = oblivious or bool(dynamic)
     dynamic_batch = any(0 in d for d in dims)
     return _Plan(
-        module, tuple(args), kwargs, ds, alignment, traced, flatten_var_kw, oblivious, dynamic_batch, any(dims)
+        module, tuple(args), kwargs, ds, alignment, traced, flatten_var_kw, oblivious, dynamic_batch, any(dims), dims
     )
 
 
-def choose_traced_call(rc: RecordedCalls, alignment: Alignment, batch: Collection[int | str] | bool | None) -> int:
+def choose_traced_call(
+    rc: RecordedCalls,
+    alignment: Alignment,
+    batch: Collection[int | str] | bool | None,
+    dynamic: DynamicSpec = None,
+) -> int:
     """The call to trace: the one that needs the fewest stand-ins and has the fewest dynamic sizes of 0 or 1.
 
     A call with every input present follows the code path most calls take (a decode step
@@ -194,7 +209,7 @@ def choose_traced_call(rc: RecordedCalls, alignment: Alignment, batch: Collectio
     gives torch.export nothing to specialise. Ties go to the earliest call, as
     ``infer_arguments`` does by default.
     """
-    dims = flat_dynamic_dims(rc, alignment, batch)
+    dims = flat_dynamic_dims(rc, alignment, batch, dynamic)
     best = alignment.best_call
     default = select_call(alignment)
 
@@ -274,9 +289,15 @@ def _check_calls(rc: RecordedCalls, plan: _Plan, run: Any, *, atol: float, rtol:
 
 
 def _export(
-    rc: RecordedCalls, model: torch.nn.Module, *, batch: Any, strict: bool, report: ExportReport | None = None
+    rc: RecordedCalls,
+    model: torch.nn.Module,
+    *,
+    batch: Any,
+    strict: bool,
+    report: ExportReport | None = None,
+    dynamic: DynamicSpec = None,
 ) -> tuple[torch.export.ExportedProgram, _Plan, ExportReport]:
-    plan = _plan(rc, model, batch)
+    plan = _plan(rc, model, batch, dynamic)
     report = report or ExportReport(traced_call=plan.alignment.calls[plan.traced].index)
     begin = time.perf_counter()
     with export_context(
@@ -310,6 +331,8 @@ def export_program(
     check: bool = True,
     atol: float = 1e-4,
     rtol: float = 0.1,
+    dynamic: DynamicSpec = None,
+    check_batch: bool = True,
 ) -> torch.export.ExportedProgram:
     """Export ``model`` with the inferred arguments and dynamic shapes, then run every recorded call through it.
 
@@ -324,13 +347,20 @@ def export_program(
         check: Raise :class:`ExportError` when a call fails or differs beyond ``atol``/``rtol``.
         atol: Absolute tolerance of the check.
         rtol: Relative tolerance of the check.
+        dynamic: Axes to make dynamic even if their size never varied, e.g. ``{"input_ids": {1}}``.
+        check_batch: When the batch is dynamic, also run the program and ``model`` on a recorded
+            call cut to another batch size and compare them (``report.batch_check``; never raises).
 
     Raises:
         ExportError: ``torch.export`` failed, or (with ``check``) a recorded call is not reproduced.
     """
-    ep, plan, report = _export(rc, model, batch=set_batch_dimension_for, strict=strict)
+    ep, plan, report = _export(rc, model, batch=set_batch_dimension_for, strict=strict, dynamic=dynamic)
     with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
         _check_calls(rc, plan, ep.module(), atol=atol, rtol=rtol, report=report)
+        if check_batch and plan.dynamic_batch and report.ok:
+            from iobundle.replay._dims import check_other_batch
+
+            report.batch_check = check_other_batch(rc, plan, ep, atol=atol, rtol=rtol)
     rc.last_export_report = report
     ep.iobundle_report = report  # type: ignore[attr-defined]
     ep.iobundle_plan = plan  # type: ignore[attr-defined]
@@ -352,6 +382,7 @@ def export_onnx(
     check: bool = True,
     atol: float = 1e-4,
     rtol: float = 0.1,
+    dynamic: DynamicSpec = None,
 ) -> str:
     """Export ``model`` to ONNX at ``path`` through ``torch.export`` (checked on every call first).
 
@@ -364,8 +395,18 @@ def export_onnx(
             exported program does not reproduce a recorded call.
     """
     ep = export_program(
-        rc, model, set_batch_dimension_for=set_batch_dimension_for, strict=strict, check=check, atol=atol, rtol=rtol
-    )
+        rc, model, set_batch_dimension_for=set_batch_dimension_for, strict=strict, check=check, atol=atol, rtol=rtol,
+        dynamic=dynamic,
+    )  # fmt: skip
+    return save_onnx(rc, ep, path)
+
+
+def save_onnx(rc: RecordedCalls, ep: torch.export.ExportedProgram, path: str | os.PathLike[str]) -> str:
+    """Convert a program returned by :func:`export_program` from ``rc`` to ONNX at ``path``; return the path.
+
+    Raises:
+        ExportError: ``torch.onnx.export`` failed, or the program does not take the recorded tensors.
+    """
     report: ExportReport = ep.iobundle_report  # type: ignore[attr-defined]
     sig = ep.graph_signature
     from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
@@ -387,7 +428,11 @@ def export_onnx(
         with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
             program = torch.onnx.export(ep, (), dynamo=True, verbose=False)
         assert program is not None
-        program.model.metadata_props[INPUT_SLOTS_KEY] = json.dumps(dict(zip(inputs, range(len(inputs)))))
+        # The ONNX graph takes the user inputs in the program's order, but may rename one (an input
+        # also returned as an output becomes ``<name>_orig``): map the ONNX names by position.
+        graph_inputs = [v.name for v in program.model.graph.inputs]
+        names = graph_inputs if len(graph_inputs) == len(inputs) else inputs
+        program.model.metadata_props[INPUT_SLOTS_KEY] = json.dumps(dict(zip(names, range(len(names)))))
         program.model.metadata_props[OUTPUT_NAMES_KEY] = json.dumps([v.name for v in program.model.graph.outputs])
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

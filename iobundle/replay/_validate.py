@@ -99,9 +99,20 @@ def check_discrepancies(
     ``error`` when the run failed,
     and with ``include_io`` the ``inputs`` and ``outputs`` summaries.
 
+    ``onnx_model`` may also be a program index (``*.programs.json``, written by ``iobundle export``
+    when one program cannot serve every call): each call then runs through the program whose
+    structure it has, and each row names it in a ``program`` column.
+
     Raises:
         ReplayError: The model cannot be loaded or its inputs do not match the recorded calls.
     """
+    if not isinstance(onnx_model, onnx.ModelProto) and str(onnx_model).endswith(".json"):
+        from iobundle.replay._phases import check_program_index
+
+        return check_program_index(
+            rc, onnx_model, atol=atol, rtol=rtol, hist=hist, progress_bar=progress_bar, include_io=include_io,
+            skip_none=skip_none,
+        )  # fmt: skip
     session, meta = _session(onnx_model)
     alignment = align_calls(rc)
     mapping = _input_mapping(session, meta, len(alignment.owners))

@@ -6,6 +6,7 @@ __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST_FILENAME",
+    "PROGRAM_INDEX_FORMAT",
     "SUPPORTED_FORMAT_VERSIONS",
     "CallEntry",
     "ConstNode",
@@ -21,15 +22,19 @@ __all__ = [
     "OpaqueNode",
     "ParameterEntry",
     "Producer",
+    "ProgramEntry",
+    "ProgramIndex",
     "SignatureEntry",
     "TensorEntry",
     "TensorNode",
     "TupleNode",
     "dump_manifest",
     "load_manifest",
+    "load_program_index",
     "manifest_json_schema",
     "parse_manifest",
     "write_manifest",
+    "write_program_index",
 ]
 
 import json
@@ -57,6 +62,13 @@ from iobundle.schema._manifest import (
     TensorEntry,
     TensorNode,
     TupleNode,
+)
+from iobundle.schema._programs import (
+    PROGRAM_INDEX_FORMAT,
+    ProgramEntry,
+    ProgramIndex,
+    load_program_index,
+    write_program_index,
 )
 
 
