@@ -425,6 +425,9 @@ def save_onnx(rc: RecordedCalls, ep: torch.export.ExportedProgram, path: str | o
         )
     begin = time.perf_counter()
     try:
+        from iobundle.replay._onnx_rewrites import rewrite_for_onnx
+
+        report.options += [f"rewritten for ONNX: {r}" for r in rewrite_for_onnx(ep)]
         with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
             program = torch.onnx.export(ep, (), dynamo=True, verbose=False)
         assert program is not None
