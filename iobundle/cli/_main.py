@@ -241,6 +241,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_batch_flags(p)
     _programs.add_dynamic_flag(p)
     _programs.add_programs_flag(p)
+    _programs.add_report_flag(p)
     p.add_argument("--no-check", action="store_true", help="write the ONNX file even if a recorded call differs")
     p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance of the check (default: %(default)s)")
     p.add_argument("--rtol", type=float, default=0.1, help="relative tolerance of the check (default: %(default)s)")

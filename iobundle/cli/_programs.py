@@ -17,7 +17,15 @@ from iobundle.errors import CLIError, ExportError, ReplayError
 if TYPE_CHECKING:
     from iobundle.replay import Bundle
 
-__all__ = ["add_dynamic_flag", "add_programs_flag", "cmd_export", "dynamic_spec", "warn_static_dims"]
+__all__ = [
+    "add_dynamic_flag",
+    "add_programs_flag",
+    "add_report_flag",
+    "cmd_export",
+    "dynamic_spec",
+    "export_report_json",
+    "warn_static_dims",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +39,42 @@ def add_dynamic_flag(parser: argparse.ArgumentParser) -> None:
         help="make AXIS of every tensor of input NAME dynamic even if its size never varied "
         "(repeat; NAME:1,2 for several axes; NAME may be a position)",
     )
+
+
+def add_report_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--report",
+        metavar="FILE.json",
+        help="also write the export report as JSON: per program its calls, input structure, traced call, "
+        "patches, timings, one check per call and the check beyond the recorded calls",
+    )
+
+
+def export_report_json(result: Any, path: str) -> dict[str, Any]:
+    """The JSON form of ``--report``."""
+    import dataclasses
+
+    programs = []
+    for program, file in zip(result.programs, result.files or [None] * len(result.programs)):
+        report = program.report
+        check = report.batch_check
+        programs.append(
+            {
+                "name": program.phase.name,
+                "file": file,
+                "calls": list(program.phase.calls),
+                "inputs": program.phase.inputs,
+                "traced_call": report.traced_call,
+                "patches": list(report.patches),
+                "options": list(report.options),
+                "export_seconds": report.export_seconds,
+                "check_seconds": report.check_seconds,
+                "onnx_seconds": report.onnx_seconds,
+                "checks": [dataclasses.asdict(c) for c in report.calls],
+                "batch_check": None if check is None else dataclasses.asdict(check),
+            }
+        )
+    return {"output": path, "reason": result.reason, "ok": result.ok, "programs": programs}
 
 
 def add_programs_flag(parser: argparse.ArgumentParser) -> None:
@@ -142,6 +186,14 @@ def cmd_export(args: argparse.Namespace) -> int:
             _render.out(_render.format_export(exc.report, None))
         raise
     _render.out(format_programs(result, path))
+    if args.report:
+        import json
+
+        try:
+            with open(args.report, "w", encoding="utf-8") as f:
+                json.dump(export_report_json(result, path), f, indent=1, default=str)
+        except OSError as exc:
+            raise CLIError(f"--report {args.report}: cannot write it ({exc.strerror or exc}).") from exc
     for program in result.programs:
         prefix = f"program {program.phase.name}: " if len(result.programs) > 1 else ""
         _warn(static_dim_hints(program.rc, spec, dynamic), prefix)
