@@ -129,7 +129,10 @@ def _export_sdpa_attention(
     )
     if visible is not None:
         out = torch.where(visible, out, torch.zeros((), dtype=out.dtype, device=out.device))
-    return out.transpose(1, 2).contiguous(), None
+    # Not ``.contiguous()``: whether the transposed output already is depends on the strides SDPA
+    # gave it, which follow the query's; a query sliced from a fused projection (Phi-3's
+    # ``qkv_proj``) makes that check a guard ``q_length == 1``. A copy in contiguous layout has no check.
+    return out.transpose(1, 2).clone(memory_format=torch.contiguous_format), None
 
 
 def _uses_sdpa(model: torch.nn.Module) -> bool:
