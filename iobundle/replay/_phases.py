@@ -134,6 +134,8 @@ class PhaseProgram:
     phase: Phase
     program: torch.export.ExportedProgram
     rc: RecordedCalls
+    dynamic: DynamicSpec = None
+    """The ``dynamic=`` axes this program was exported with (those of inputs the phase holds)."""
 
     @property
     def report(self) -> ExportReport:
@@ -257,13 +259,13 @@ def export_programs(
     every = Phase("all", tuple(c.index for c in rc.ok_calls), {})
     if programs == "one" or len(phases) == 1:
         ep = export_program(rc, model, check=check, **options)
-        return ProgramSet([PhaseProgram(every, ep, rc)])
+        return ProgramSet([PhaseProgram(every, ep, rc, dynamic)])
     reason = f"programs={programs!r}"
     single: ProgramSet | None = None
     if programs == "auto":
         try:
             ep = export_program(rc, model, check=True, **options)
-            single = ProgramSet([PhaseProgram(every, ep, rc)])
+            single = ProgramSet([PhaseProgram(every, ep, rc, dynamic)])
         except ExportError as exc:
             reason = f"one program: {_first_line(exc)}"
         if single is not None:
@@ -277,8 +279,9 @@ def export_programs(
     result = ProgramSet([], reason=reason)
     for phase in phases:
         sub = phase_calls(rc, phase.calls)
+        phase_dynamic = _phase_dynamic(rc, phase, dynamic)
         try:
-            ep = export_program(sub, model, check=check, **options)
+            ep = export_program(sub, model, check=check, **{**options, "dynamic": phase_dynamic})
         except ExportError as exc:
             if single is not None:  # one program with unchecked calls beats none
                 logger.info("program %s failed (%s); keeping the single program", phase.name, _first_line(exc))
@@ -289,9 +292,21 @@ def export_programs(
                 f"(one program for every call was tried first: {reason})",
                 report=exc.report,
             ) from exc
-        result.programs.append(PhaseProgram(phase, ep, sub))
+        result.programs.append(PhaseProgram(phase, ep, sub, phase_dynamic))
     rc.last_export_report = result.report
     return result
+
+
+def _phase_dynamic(rc: RecordedCalls, phase: Phase, dynamic: DynamicSpec) -> DynamicSpec:
+    """``dynamic`` without the inputs that hold no tensor in ``phase`` (a cache at the first step)."""
+    if not dynamic:
+        return dynamic
+    kept = {}
+    for key, axes in dynamic.items():
+        name = rc.names[key] if isinstance(key, int) and key < len(rc.names) else str(key)
+        if phase.inputs.get(name, "absent") != "absent":
+            kept[key] = axes
+    return kept
 
 
 def check_program_index(rc: RecordedCalls, index_path: str | os.PathLike[str], **options: Any) -> list[dict[str, Any]]:
