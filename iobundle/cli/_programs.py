@@ -198,5 +198,5 @@ def cmd_export(args: argparse.Namespace) -> int:
         prefix = f"program {program.phase.name}: " if len(result.programs) > 1 else ""
         _warn(static_dim_hints(program.rc, spec, program.dynamic), prefix)
     checks = [p.report.batch_check for p in result.programs if p.report.batch_check is not None]
-    ok = result.ok and (args.no_check or all(c.success for c in checks))
+    ok = result.ok and (args.no_check or all(c.success is not False for c in checks))
     return EXIT_OK if ok else EXIT_CHECK_FAILED
