@@ -11,7 +11,7 @@ import argparse
 import logging
 from typing import TYPE_CHECKING, Any
 
-from iobundle.cli import _render
+from iobundle.cli import _checks, _render
 from iobundle.errors import CLIError, ExportError, ReplayError
 
 if TYPE_CHECKING:
@@ -175,10 +175,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     dynamic = dynamic_spec(args, bundle)
     model = load_bundle_model(bundle) if args.from_bundle else model_from_factory(args.model)
     try:
-        with _quiet_exporters():
+        with _quiet_exporters(), _checks.progress_bars(args) as bars:
             result = bundle.export_programs(
                 model, programs=args.programs, set_batch_dimension_for=spec, dynamic=dynamic,
-                check=not args.no_check, atol=args.atol, rtol=args.rtol,
+                check=not args.no_check, atol=args.atol, rtol=args.rtol, dim_names=args.dim_names,
+                on_progress=bars,
             )  # fmt: skip
             path = result.to_onnx(args.output)
     except ExportError as exc:

@@ -15,13 +15,23 @@ from typing import Any
 
 import torch
 
+from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import RecordedCalls, TensorCollector, record_value, tensor_keys
 from iobundle.errors import ExportError
 from iobundle.replay._compare import compare_outputs
+from iobundle.replay._dim_names import (
+    DimNamesSpec,
+    name_dims,
+    named_dims_hint,
+    onnx_axis_names,
+    rename_onnx_axes,
+    to_export_dims,
+)
 from iobundle.replay._inference import (
     Alignment,
     DynamicSpec,
     align_calls,
+    fed_shapes,
     flat_dynamic_dims,
     infer_arguments,
     infer_dynamic_shapes,
@@ -43,6 +53,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+CHECK_TASK = "check exported program"
 INPUT_SLOTS_KEY = "iobundle.input_slots"
 OUTPUT_NAMES_KEY = "iobundle.output_names"
 
@@ -58,6 +69,9 @@ class CallCheck:
     error: str | None = None
     absent_inputs: list[str | int] = field(default_factory=list)
     seconds: float = 0.0
+    reference: str = "recorded"
+    """What the program's outputs were compared with: ``"recorded"`` outputs, or the ``"eager"`` model's
+    on the same inputs (a call without recorded outputs, as in a redacted bundle)."""
 
 
 @dataclass
@@ -85,7 +99,9 @@ class ExportReport:
 
     def summary(self) -> str:
         n_ok = sum(1 for c in self.calls if c.success)
-        return f"{n_ok}/{len(self.calls)} recorded calls reproduced (traced call {self.traced_call})"
+        eager = sum(1 for c in self.calls if c.reference == "eager")
+        note = f"; {eager} without recorded outputs compared with the eager model" if eager else ""
+        return f"{n_ok}/{len(self.calls)} recorded calls reproduced (traced call {self.traced_call}{note})"
 
 
 def flatten_outputs(value: Any) -> list[torch.Tensor]:
@@ -151,6 +167,7 @@ class _Plan:
     dynamic_batch: bool = False
     dynamic: bool = True
     dims: list[list[int]] = field(default_factory=list)
+    dim_names: list[dict[int, str]] | None = None  # per slot, with dim_names
 
 
 def _uses_transformers(rc: RecordedCalls) -> bool:
@@ -167,11 +184,18 @@ def _plan(
     model: torch.nn.Module,
     batch: Collection[int | str] | bool | None,
     dynamic: DynamicSpec = None,
+    dim_names: DimNamesSpec = False,
 ) -> _Plan:
     alignment = align_calls(rc)
     traced = choose_traced_call(rc, alignment, batch, dynamic)
     args, kwargs = infer_arguments(rc, traced, as_args_kwargs=True, alignment=alignment)
-    ds = infer_dynamic_shapes(rc, batch, dynamic=dynamic)
+    ds = infer_dynamic_shapes(rc, batch, dim_names=dim_names, dynamic=dynamic)
+    slot_names = None
+    if dim_names is not False:
+        ds, _ = to_export_dims(ds)  # one torch.export.Dim per name: equal names, one symbol
+        slot_names = name_dims(
+            rc, alignment, flat_dynamic_dims(rc, alignment, batch, dynamic), dim_names, fed_shapes(rc, alignment)
+        )
     var_kw = rc.var_keyword
     names = set(rc.names)
     extra = [k for k in kwargs if k not in names]
@@ -183,6 +207,8 @@ def _plan(
         ds = {**{k: v for k, v in ds.items() if k != var_kw}, **ds.get(var_kw, {})}
     # A dynamic dimension seen as 0 or 1 is specialised by torch.export unless size-oblivious.
     dims = flat_dynamic_dims(rc, alignment, batch, dynamic)
+    if slot_names is not None:  # an explicitly named dimension is dynamic
+        dims = [sorted({*d, *n}) for d, n in zip(dims, slot_names)]
     oblivious = False
     for index, dynamic in enumerate(dims):
         sizes = [rc.store.shape(s[index]) for s in alignment.slots if s[index] is not None]
@@ -192,8 +218,9 @@ def _plan(
             oblivious = oblivious or bool(dynamic)
     dynamic_batch = any(0 in d for d in dims)
     return _Plan(
-        module, tuple(args), kwargs, ds, alignment, traced, flatten_var_kw, oblivious, dynamic_batch, any(dims), dims
-    )
+        module, tuple(args), kwargs, ds, alignment, traced, flatten_var_kw, oblivious, dynamic_batch, any(dims),
+        dims=dims, dim_names=slot_names,
+    )  # fmt: skip
 
 
 def choose_traced_call(
@@ -264,8 +291,20 @@ def export_context(
         yield
 
 
-def _check_calls(rc: RecordedCalls, plan: _Plan, run: Any, *, atol: float, rtol: float, report: ExportReport) -> None:
+def _check_calls(
+    rc: RecordedCalls,
+    plan: _Plan,
+    run: Any,
+    *,
+    atol: float,
+    rtol: float,
+    report: ExportReport,
+    eager: Any = None,
+    on_progress: ProgressCallback | None = None,
+) -> None:
     begin = time.perf_counter()
+    total = len(plan.alignment.calls)
+    notify(on_progress, CHECK_TASK, 0, total)
     for i, call in enumerate(plan.alignment.calls):
         t0 = time.perf_counter()
         check = CallCheck(index=call.index, success=None)
@@ -276,7 +315,20 @@ def _check_calls(rc: RecordedCalls, plan: _Plan, run: Any, *, atol: float, rtol:
             if plan.flatten_var_kw and rc.var_keyword in kwargs:
                 kwargs = {**{k: v for k, v in kwargs.items() if k != rc.var_keyword}, **kwargs[rc.var_keyword]}
             obtained = flatten_outputs(run(*args, **kwargs))
-            expected = [rc.store.get(k) for k in tensor_keys(call.outputs)] if call.outputs else []
+            if call.outputs is not None:
+                expected = [rc.store.get(k) for k in tensor_keys(call.outputs)]
+            elif eager is not None:  # nothing recorded (a redacted bundle): the eager model is the reference
+                args, kwargs = infer_arguments(rc, i, as_args_kwargs=True, alignment=plan.alignment)  # fresh copies
+                if plan.flatten_var_kw and rc.var_keyword in kwargs:
+                    kwargs = {**{k: v for k, v in kwargs.items() if k != rc.var_keyword}, **kwargs[rc.var_keyword]}
+                with torch.no_grad():
+                    expected = flatten_outputs(eager(*args, **kwargs))
+                check.reference = "eager"
+            else:
+                check.error = "ran; no recorded outputs to compare with"
+                check.seconds = time.perf_counter() - t0
+                report.calls.append(check)
+                continue
             cmp = compare_outputs(expected, obtained, atol=atol, rtol=rtol)
             check.success, check.abs, check.rel, check.error = cmp.success, cmp.abs, cmp.rel, cmp.error
             if check.absent_inputs and not cmp.success:
@@ -285,6 +337,7 @@ def _check_calls(rc: RecordedCalls, plan: _Plan, run: Any, *, atol: float, rtol:
             check.success, check.error = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         check.seconds = time.perf_counter() - t0
         report.calls.append(check)
+        notify(on_progress, CHECK_TASK, i + 1, total, f"call {call.index}")
     report.check_seconds = time.perf_counter() - begin
 
 
@@ -296,8 +349,11 @@ def _export(
     strict: bool,
     report: ExportReport | None = None,
     dynamic: DynamicSpec = None,
+    dim_names: DimNamesSpec = False,
+    on_progress: ProgressCallback | None = None,
 ) -> tuple[torch.export.ExportedProgram, _Plan, ExportReport]:
-    plan = _plan(rc, model, batch, dynamic)
+    notify(on_progress, "torch.export", 0, 1)
+    plan = _plan(rc, model, batch, dynamic, dim_names)
     report = report or ExportReport(traced_call=plan.alignment.calls[plan.traced].index)
     begin = time.perf_counter()
     with export_context(
@@ -313,12 +369,14 @@ def _export(
                 plan.module, plan.args, plan.kwargs, dynamic_shapes=plan.dynamic_shapes, strict=strict
             )
         except Exception as exc:
+            hint = named_dims_hint(str(exc)) if plan.dim_names is not None else ""
             raise ExportError(
                 f"torch.export failed on recorded call {report.traced_call}: {type(exc).__name__}: "
-                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}\nSet IOBUNDLE_DEBUG=1 for the full traceback.",
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}{hint}\nSet IOBUNDLE_DEBUG=1 for the full traceback.",
                 report=report,
             ) from exc
     report.export_seconds = time.perf_counter() - begin
+    notify(on_progress, "torch.export", 1, 1)
     return ep, plan, report
 
 
@@ -333,6 +391,8 @@ def export_program(
     rtol: float = 0.1,
     dynamic: DynamicSpec = None,
     check_batch: bool = True,
+    dim_names: DimNamesSpec = False,
+    on_progress: ProgressCallback | None = None,
 ) -> torch.export.ExportedProgram:
     """Export ``model`` with the inferred arguments and dynamic shapes, then run every recorded call through it.
 
@@ -350,13 +410,22 @@ def export_program(
         dynamic: Axes to make dynamic even if their size never varied, e.g. ``{"input_ids": {1}}``.
         check_batch: When the batch is dynamic, also run the program and ``model`` on a recorded
             call cut to another batch size and compare them (``report.batch_check``; never raises).
+        dim_names: True or a dict to name the dynamic dimensions (see ``infer_dynamic_shapes``):
+            each name becomes one ``torch.export.Dim`` shared by every dimension that bears it.
+        on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` when ``torch.export``
+            starts and ends, and after each recorded call is checked.
 
     Raises:
         ExportError: ``torch.export`` failed, or (with ``check``) a recorded call is not reproduced.
     """
-    ep, plan, report = _export(rc, model, batch=set_batch_dimension_for, strict=strict, dynamic=dynamic)
+    ep, plan, report = _export(
+        rc, model, batch=set_batch_dimension_for, strict=strict, dynamic=dynamic, dim_names=dim_names,
+        on_progress=on_progress,
+    )  # fmt: skip
     with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
-        _check_calls(rc, plan, ep.module(), atol=atol, rtol=rtol, report=report)
+        _check_calls(
+            rc, plan, ep.module(), atol=atol, rtol=rtol, report=report, eager=plan.module, on_progress=on_progress
+        )
         if check_batch and plan.dynamic_batch and report.ok:
             from iobundle.replay._dims import check_other_batch
 
@@ -383,12 +452,15 @@ def export_onnx(
     atol: float = 1e-4,
     rtol: float = 0.1,
     dynamic: DynamicSpec = None,
+    dim_names: DimNamesSpec = False,
+    on_progress: ProgressCallback | None = None,
 ) -> str:
     """Export ``model`` to ONNX at ``path`` through ``torch.export`` (checked on every call first).
 
     The ONNX file carries, in its metadata, which recorded tensor feeds which graph input and
     the order of the outputs, so validation maps them through the exported program's
-    signature rather than by guessing from names.
+    signature rather than by guessing from names. With ``dim_names``, the graph's symbolic
+    dimensions bear the names (``batch_size``, ``past_sequence_length``, ...).
 
     Raises:
         ExportError: ``torch.export`` or ``torch.onnx.export`` failed, or (with ``check``) the
@@ -397,11 +469,19 @@ def export_onnx(
     ep = export_program(
         rc, model, set_batch_dimension_for=set_batch_dimension_for, strict=strict, check=check, atol=atol, rtol=rtol,
         dynamic=dynamic,
+        dim_names=dim_names,
+        on_progress=on_progress,
     )  # fmt: skip
-    return save_onnx(rc, ep, path)
+    return save_onnx(rc, ep, path, on_progress=on_progress)
 
 
-def save_onnx(rc: RecordedCalls, ep: torch.export.ExportedProgram, path: str | os.PathLike[str]) -> str:
+def save_onnx(
+    rc: RecordedCalls,
+    ep: torch.export.ExportedProgram,
+    path: str | os.PathLike[str],
+    *,
+    on_progress: ProgressCallback | None = None,
+) -> str:
     """Convert a program returned by :func:`export_program` from ``rc`` to ONNX at ``path``; return the path.
 
     Raises:
@@ -424,6 +504,7 @@ def save_onnx(rc: RecordedCalls, ep: torch.export.ExportedProgram, path: str | o
             report=report,
         )
     begin = time.perf_counter()
+    notify(on_progress, "torch.onnx.export", 0, 1)
     try:
         from iobundle.replay._onnx_rewrites import rewrite_for_onnx
 
@@ -431,6 +512,9 @@ def save_onnx(rc: RecordedCalls, ep: torch.export.ExportedProgram, path: str | o
         with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
             program = torch.onnx.export(ep, (), dynamo=True, verbose=False)
         assert program is not None
+        plan: _Plan = ep.iobundle_plan  # type: ignore[attr-defined]
+        if plan.dim_names is not None:
+            rename_onnx_axes(program.model, onnx_axis_names(ep, inputs, plan.dim_names))
         # The ONNX graph takes the user inputs in the program's order, but may rename one (an input
         # also returned as an output becomes ``<name>_orig``): map the ONNX names by position.
         graph_inputs = [v.name for v in program.model.graph.inputs]
@@ -448,5 +532,6 @@ def save_onnx(rc: RecordedCalls, ep: torch.export.ExportedProgram, path: str | o
             report=report,
         ) from exc
     report.onnx_seconds = time.perf_counter() - begin
+    notify(on_progress, "torch.onnx.export", 1, 1)
     logger.info("exported %s (%d inputs, %d outputs)", path, len(inputs), len(outputs))
     return str(path)

@@ -34,7 +34,7 @@ import torch
 
 from iobundle.errors import IobundleError, MissingDependencyError, ModelLoadError, UnsafeBundleError
 from iobundle.replay._bundle import Bundle
-from iobundle.replay._tensorfile import check_file
+from iobundle.replay._tensorfile import Root, check_file, read_member
 from iobundle.schema import ModelEntry
 
 __all__ = [
@@ -327,7 +327,7 @@ def _check_config_object(file: str, config: Any) -> None:
             raise _refuse(file, f"{prefix}dtype", dtype, "is not a torch dtype")
 
 
-def _read_config(root: Path, entry: ModelEntry) -> dict[str, Any]:
+def _read_config(root: Root, entry: ModelEntry) -> dict[str, Any]:
     name = entry.config_file
     file = entry.files.get(name)
     if file is None:
@@ -338,7 +338,7 @@ def _read_config(root: Path, entry: ModelEntry) -> dict[str, Any]:
         )
     path = check_file(root, name, file, hash_check=True)
     try:
-        config = json.loads(path.read_bytes())
+        config = json.loads(path.read_bytes() if isinstance(path, Path) else read_member(path, name, file.size))
     except RecursionError as exc:
         raise UnsafeBundleError(f"{name}: JSON nested too deeply to read.") from exc
     except (OSError, ValueError) as exc:
@@ -385,12 +385,24 @@ def _build(cls: type, config_dict: dict[str, Any], entry: ModelEntry) -> torch.n
     return model  # type: ignore[no-any-return]
 
 
-def _load_weights(root: Path, model: torch.nn.Module, entry: ModelEntry) -> None:
+def _load_weights(root: Root, model: torch.nn.Module, entry: ModelEntry) -> None:
     name = entry.weights_file
     file = entry.files.get(name)
     if file is None:
         raise UnsafeBundleError(f"model.weights_file: {name!r} is not listed in model.files.")
-    path = check_file(root, name, file, hash_check=True)
+    member = check_file(root, name, file, hash_check=True)
+    if not isinstance(member, Path):  # packed or remote: safetensors reads from a path, so copy it out once
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="iobundle-weights-") as tmp:
+            path = Path(tmp, "weights.safetensors")
+            path.write_bytes(read_member(member, name, file.size))
+            _load_weights_file(path, name, model, entry)
+        return
+    _load_weights_file(member, name, model, entry)
+
+
+def _load_weights_file(path: Path, name: str, model: torch.nn.Module, entry: ModelEntry) -> None:
     from safetensors import safe_open
     from safetensors.torch import load_model
 
@@ -465,7 +477,7 @@ def describe_bundle_model(bundle: Bundle | str | os.PathLike[str]) -> StoredMode
             ATTN_IMPLEMENTATIONS,
             "attention implementation",
         )
-        config_dict = _read_config(bundle.path, entry)
+        config_dict = _read_config(bundle._store.bundle_root, entry)
         value = config_dict.get("model_type")
         model_type = value if isinstance(value, str) else None
         _check_config_dict(entry.config_file, config_dict)
@@ -522,12 +534,12 @@ def load_bundle_model(bundle: Bundle | str | os.PathLike[str]) -> torch.nn.Modul
         ATTN_IMPLEMENTATIONS,
         "attention implementation",
     )
-    config_dict = _read_config(bundle.path, entry)
+    config_dict = _read_config(bundle._store.bundle_root, entry)
     _check_config_dict(entry.config_file, config_dict)  # before the class's module is imported
     cls = _model_class(entry.class_name)
     _check_model_type(cls, config_dict, entry, types)
     model = _build(cls, config_dict, entry)
-    _load_weights(bundle.path, model, entry)
+    _load_weights(bundle._store.bundle_root, model, entry)
     model.eval()
     if not entry.submodule:
         return model

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -237,6 +237,8 @@ def export_programs(
     check: bool = True,
     atol: float = 1e-4,
     rtol: float = 0.1,
+    dim_names: Any = False,
+    on_progress: Any = None,
 ) -> ProgramSet:
     """Export one program that serves every recorded call, or one per phase when it cannot.
 
@@ -253,8 +255,9 @@ def export_programs(
     if programs not in _MODES:
         raise ExportError(f"programs={programs!r}: use one of {', '.join(map(repr, _MODES))}.")
     options: dict[str, Any] = dict(
-        set_batch_dimension_for=set_batch_dimension_for, dynamic=dynamic, strict=strict, atol=atol, rtol=rtol
-    )
+        set_batch_dimension_for=set_batch_dimension_for, dynamic=dynamic, strict=strict, atol=atol, rtol=rtol,
+        dim_names=dim_names, on_progress=on_progress,
+    )  # fmt: skip
     phases = partition_calls(rc)
     every = Phase("all", tuple(c.index for c in rc.ok_calls), {})
     if programs == "one" or len(phases) == 1:
@@ -309,25 +312,29 @@ def _phase_dynamic(rc: RecordedCalls, phase: Phase, dynamic: DynamicSpec) -> Dyn
     return kept
 
 
-def check_program_index(rc: RecordedCalls, index_path: str | os.PathLike[str], **options: Any) -> list[dict[str, Any]]:
+def check_program_index(
+    rc: RecordedCalls,
+    index_path: str | os.PathLike[str],
+    run: Callable[..., tuple[list[dict[str, Any]], list[Any]]],
+    **options: Any,
+) -> tuple[list[dict[str, Any]], list[Any]]:
     """Validate every recorded call with the program of ``index_path`` whose structure it has.
 
     Calls are assigned by structure (:func:`call_structure`), not by index, so an index also
-    validates another bundle of the same model. Each row of
-    :func:`iobundle.replay.check_discrepancies` gets a ``program`` column; a call that no
-    program serves is a failed row saying so.
+    validates another bundle of the same model. ``run(rc, onnx_file, **options)`` validates the
+    calls of one program (``iobundle.replay._validate``'s runner); each of its rows gets a
+    ``program`` column. A call that no program serves is a failed row saying so.
 
     Raises:
         ManifestError: The index cannot be read.
         ModelLoadError: A program's ONNX file cannot be loaded.
     """
-    from iobundle.replay._validate import check_discrepancies
-
     index_path = Path(index_path)
     index = load_program_index(index_path)
     alignment = align_calls(rc)
     assigned: dict[str, list[int]] = {p.name: [] for p in index.programs}
     rows: list[dict[str, Any]] = []
+    checks: list[Any] = []
     for position, call in enumerate(alignment.calls):
         structure = call_structure(rc, alignment, position)
         program = next((p for p in index.programs if p.inputs == structure), None)
@@ -358,10 +365,11 @@ def check_program_index(rc: RecordedCalls, index_path: str | os.PathLike[str], *
             continue
         sub = phase_calls(rc, assigned[program.name])
         try:
-            program_rows = check_discrepancies(sub, index_path.parent / program.file, **options)
+            program_rows, program_checks = run(sub, index_path.parent / program.file, **options)
         except ReplayError as exc:
             raise type(exc)(f"{index_path.name}, program {program.name}: {exc}") from exc
         for row in program_rows:
             row["program"] = program.name
         rows.extend(program_rows)
-    return sorted(rows, key=lambda r: r["index"])
+        checks.extend(program_checks)
+    return sorted(rows, key=lambda r: r["index"]), checks

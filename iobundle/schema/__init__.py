@@ -7,6 +7,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_FILENAME",
     "PROGRAM_INDEX_FORMAT",
+    "MAX_MANIFEST_BYTES",
     "SUPPORTED_FORMAT_VERSIONS",
     "CallEntry",
     "ConstNode",
@@ -24,6 +25,7 @@ __all__ = [
     "Producer",
     "ProgramEntry",
     "ProgramIndex",
+    "Redaction",
     "SignatureEntry",
     "TensorEntry",
     "TensorNode",
@@ -39,7 +41,14 @@ __all__ = [
 
 import json
 
-from iobundle.schema._io import MANIFEST_FILENAME, dump_manifest, load_manifest, parse_manifest, write_manifest
+from iobundle.schema._io import (
+    MANIFEST_FILENAME,
+    MAX_MANIFEST_BYTES,
+    dump_manifest,
+    load_manifest,
+    parse_manifest,
+    write_manifest,
+)
 from iobundle.schema._manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -58,6 +67,7 @@ from iobundle.schema._manifest import (
     OpaqueNode,
     ParameterEntry,
     Producer,
+    Redaction,
     SignatureEntry,
     TensorEntry,
     TensorNode,

@@ -14,9 +14,20 @@ A tree is JSON a person can read: every node is an object with a ``kind``::
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    SerializerFunctionWrapHandler,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    model_serializer,
+)
 
 __all__ = [
     "FORMAT",
@@ -36,6 +47,7 @@ __all__ = [
     "OpaqueNode",
     "ParameterEntry",
     "Producer",
+    "Redaction",
     "SignatureEntry",
     "TensorEntry",
     "TensorNode",
@@ -204,6 +216,24 @@ class ModelEntry(_Model):
     files: dict[str, FileEntry]
 
 
+class Redaction(_Model):
+    """Marks a bundle written by ``iobundle redact``: its recorded input tensors are synthetic.
+
+    Synthetic values have the dtype and shape of the recorded ones; integers stay within the
+    observed range, two-valued tensors (masks) keep their two values, and rows that increased
+    (positions) still do. Scalar constants and the structure are kept as recorded.
+
+    Attributes:
+        outputs_kept: The recorded outputs were kept (``--keep-outputs``); otherwise there are none.
+        model_kept: The stored model (config and weights) was kept (``--keep-model``).
+        seed: The seed of the synthetic values.
+    """
+
+    outputs_kept: bool = False
+    model_kept: bool = False
+    seed: StrictInt = 0
+
+
 class Manifest(_Model):
     """The whole of ``manifest.json``."""
 
@@ -216,3 +246,13 @@ class Manifest(_Model):
     tensors: dict[str, TensorEntry]
     files: dict[str, FileEntry]
     model: ModelEntry | None = None
+    redacted: Redaction | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_redaction(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Only redacted bundles carry the field: every other manifest stays readable by iobundle
+        # versions that predate it (extra="forbid" would refuse even "redacted": null).
+        data: dict[str, Any] = handler(self)
+        if data.get("redacted", 0) is None:
+            del data["redacted"]
+        return data

@@ -162,6 +162,13 @@ class TestShapes:
         shapes = json.loads(out)
         assert isinstance(shapes["x"]["1"], str) and shapes["x"]["1"].startswith("x_")
 
+    def test_dim_names_print_the_library_names_shared_by_equal_batches(self, capsys, bundle):
+        code, out, _ = run(capsys, "shapes", bundle, "--batch-all", "--dim-names")
+        assert code == 0
+        assert out.strip() == "{'x': {0: 'x_dim_0', 1: 'x_dim_1'}, 'cache': [{0: 'x_dim_0'}]}"
+        expected = load_bundle(bundle).infer_dynamic_shapes(set_batch_dimension_for=True, dim_names=True)
+        assert eval(out) == expected
+
     @pytest.mark.parametrize(
         ("batch", "expected"),
         [
