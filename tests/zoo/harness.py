@@ -192,6 +192,9 @@ def replay_bundle(name: str, bundle: Path, work: Path) -> BundleResult:
     proc = _run_cli(["export", str(bundle), "--from-bundle", "--batch-all", "-o", str(onnx_path)], work)
     result.export_rc, result.export_output = proc.returncode, proc.stdout + proc.stderr
     _parse_export(proc.stdout, result)
+    index = onnx_path.with_suffix(".programs.json")  # one program per phase: validate through the index
+    if index.exists():
+        onnx_path = index
     if not onnx_path.exists():
         return result
     proc = _run_cli(["validate", str(bundle), str(onnx_path), "--report", str(report)], work)
