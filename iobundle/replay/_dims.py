@@ -142,10 +142,11 @@ class BatchCheck:
         call: The recorded call the inputs come from.
         recorded_batch: Its batch size.
         batch: The batch size fed to the program.
-        success: Whether the program agrees with the eager model (and the recorded rows) within tolerance;
+        success: Whether the program agrees with the eager model on those inputs within tolerance;
             None when the eager model itself rejects the resized inputs (the check says nothing then).
         abs_eager: Max abs difference between the program and the eager model on these inputs.
-        abs_recorded: Max abs difference between the program and the recorded outputs cut the same way.
+        abs_recorded: Max abs difference between the program and the recorded outputs cut the same way
+            (informative: a cut recorded output is not always what the model returns for the cut inputs).
         error: Why the check could not run, if it failed to.
     """
 
@@ -187,8 +188,8 @@ def check_other_batch(
     """Run ``ep`` and the eager model on the traced call cut to batch B - 1 (or repeated to 2 when B is 1).
 
     Only tensors whose dimension 0 is dynamic and equal to the call's batch are resized. The
-    program's outputs are compared with the eager model's on the same inputs, and with the
-    recorded outputs resized the same way (outputs whose dimension 0 is the batch).
+    program's outputs are compared with the eager model's on the same inputs (the verdict), and
+    with the recorded outputs resized the same way (reported, not judged).
     The eager model runs first: when it rejects the resized inputs (a VLM prefill whose image
     features are flattened across the batch), the check is inconclusive (``success=None``).
     Never raises: a failure is reported on the result.
@@ -234,9 +235,9 @@ def check_other_batch(
         if call.outputs:
             expected = [rc.store.get(k) for k in tensor_keys(call.outputs)]
             expected = [_resize(t, result.batch) if t.dim() and t.shape[0] == recorded else t for t in expected]
-            recorded_cmp = compare_outputs(expected, obtained, atol=atol, rtol=rtol)
-            result.abs_recorded = recorded_cmp.abs
-            result.success = result.success and bool(recorded_cmp.success)
+            # Informative only: cutting every recorded output with a batch-sized dimension 0 is not
+            # always what the model would return (a static cache's rows), the eager model is.
+            result.abs_recorded = compare_outputs(expected, obtained, atol=atol, rtol=rtol).abs
     except Exception as exc:  # a report, never a crash: the recorded calls already passed
         result.success, result.error = False, _first_line(exc)
     logger.info("beyond the recorded calls: %s", result.summary())

@@ -163,7 +163,7 @@ def _parse_export(text: str, result: BundleResult) -> None:
         if not in_table or not cells:
             continue
         if not cells[0].isdigit():
-            if not set(line.strip()) <= set("-+| "):
+            if not set(line.strip()) <= set("-+| \u2500"):
                 in_table = False
             continue
         index, status = int(cells[0]), cells[1]
