@@ -18,11 +18,11 @@ demo: $(STAMP)
 	$(VENV)/bin/iobundle demo demo-output
 
 test: $(STAMP)
-	$(PY) -m ruff check iobundle tests benchmarks
+	$(PY) -m ruff check iobundle tests benchmarks tools
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(PY) -m ruff check iobundle tests benchmarks
+	$(PY) -m ruff check iobundle tests benchmarks tools
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
