@@ -556,9 +556,14 @@ def format_validation(report: Any, *, quiet: bool = False) -> str:
         headers += ["recorded", "re-run"]
     else:
         headers += ["torch", "onnxruntime"]
-    lines = [
-        format_table(headers, rows, right=(0, 2, 3, 4, 5) if kind != "diff" else (0, 2, 3, 4), styles=_styled(rows))
-    ]
+    status_column = 1
+    if any("program" in r for r in report.rows):  # validated through a program index
+        headers.insert(1, "program")
+        for row, r in zip(rows, report.rows):
+            row.insert(1, str(r.get("program") or "-"))
+        status_column = 2
+    right = tuple(i for i, h in enumerate(headers) if h not in ("status", "program", "differences"))
+    lines = [format_table(headers, rows, right=right, styles=_styled(rows, status_column))]
     worst = sorted(
         (c for c in getattr(report, "outputs", []) if c.success is False),
         key=lambda c: c.stats.max_abs if c.stats is not None else float("inf"),
