@@ -577,16 +577,16 @@ def unpack_bundle(
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, flags, 0o644)
             with os.fdopen(fd, "wb") as out:
+                copied = False
                 if root.local is not None:
                     src, _ = _open_regular(root.local, str(root.local))
                     try:
                         copied = _kernel_copy(src, offset, fd, size)
                     finally:
                         os.close(src)
-                    if copied:
-                        continue
-                with root.open_slice(offset, size, name) as f:
-                    _copy(f, out, size, name)
+                if not copied:
+                    with root.open_slice(offset, size, name) as f:
+                        _copy(f, out, size, name)
             total += size
     except (OSError, IobundleError) as exc:
         if created:  # what was written is no bundle (manifest.json comes last): leave nothing behind

@@ -122,6 +122,7 @@ class TestPackUnpack:
         result = unpack_bundle(packed, tmp_path / "out")
         assert members(tmp_path / "out") == members(bundle)
         assert result.files == len(members(bundle))
+        assert result.bytes == sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file()) > 0
         assert load_bundle(tmp_path / "out").verify() == []
 
     def test_pack_refuses_an_existing_file(self, tmp_path, bundle, packed):
