@@ -6,7 +6,8 @@ straight from one memory mapping of the whole archive; standard tools read it (`
 A zip with stored members would need padding in its extra fields to get the same alignment.
 
 ``pack_bundle`` writes ``manifest.json`` first (a streaming reader finds it at once), then every
-other regular file of the bundle directory, with zeroed times and owners: the same bundle always
+file the manifest lists (tensor files, the stored model's files; nothing else the directory may
+hold), with zeroed times and owners: the same bundle always
 packs to the same bytes. ``unpack_bundle`` writes the members back to a directory,
 ``manifest.json`` last.
 
@@ -47,7 +48,7 @@ from iobundle.errors import (
     TensorFileError,
     UnsafeBundleError,
 )
-from iobundle.replay._tensorfile import BundleRoot, _check_member_name, _open_regular
+from iobundle.replay._tensorfile import BundleRoot, _check_member_name, _open_regular, check_file, listed_files
 from iobundle.schema import MANIFEST_FILENAME, MAX_MANIFEST_BYTES
 
 __all__ = ["MAX_ARCHIVE_MEMBERS", "ArchiveRoot", "PackResult", "open_archive", "pack_bundle", "unpack_bundle"]
@@ -364,19 +365,6 @@ class PackResult:
     seconds: float
 
 
-def _bundle_files(root: Path) -> list[str]:
-    """Member names of the bundle directory ``root``: manifest.json first, then every other file, sorted."""
-    names = []
-    for directory, dirs, files in os.walk(root):
-        dirs.sort()
-        for file in files:
-            if file.startswith(".") and file.endswith(".tmp"):
-                continue  # a writer's temporary file, never part of the bundle
-            names.append(Path(directory, file).relative_to(root).as_posix())
-    names.sort(key=lambda n: (n != MANIFEST_FILENAME, n))
-    return names
-
-
 def _tar_header(name: str, size: int) -> bytes:
     info = tarfile.TarInfo(name)
     info.size = size
@@ -451,9 +439,9 @@ def pack_bundle(
     source = local_path(bundle)
     if source is None or not source.is_dir():
         raise BundleNotFoundError(f"'{bundle}' is not a bundle directory. Pass the folder written by observer.save().")
-    Bundle.load(source)  # a bundle, with a valid manifest whose file names stay inside it
+    manifest = Bundle.load(source).manifest  # a bundle, with a valid manifest whose file names stay inside it
     root = BundleRoot(source)
-    names = _bundle_files(source)
+    names = [MANIFEST_FILENAME, *sorted(listed_files(manifest))]
     remote = is_url(output) and local_path(output) is None
     if remote:
         staging = Path(tempfile.mkdtemp(prefix="iobundle-pack-"))
@@ -526,13 +514,15 @@ def unpack_bundle(
 ) -> PackResult:
     """Write the members of the packed bundle ``archive`` to the directory ``output``, ``manifest.json`` last.
 
-    The archive is checked first (its index, its manifest, and with ``verify`` every file's size
-    and sha256), so nothing is written from a hostile or damaged archive.
+    The archive is checked first (its index, its manifest, every listed file's size, and with
+    ``verify`` its hash), so nothing is written from a hostile or damaged archive. Only the files
+    the manifest lists (tensor files, the stored model's files) are written: an archive holding any
+    other member is refused.
 
     Raises:
         BundleNotFoundError: ``archive`` is not a packed bundle.
-        ArchiveError: The archive is invalid or hostile.
-        IntegrityError: A member differs from the manifest (``verify``).
+        ArchiveError: The archive is invalid or hostile, or holds a member the manifest does not list.
+        IntegrityError: A member differs from the manifest (its size; its hash with ``verify``).
         BundleExistsError: ``output`` is not empty and ``overwrite`` is False, or it is not a bundle
             (it is never deleted then).
         BundleWriteError: ``output`` cannot be written.
@@ -546,10 +536,21 @@ def unpack_bundle(
     root = bundle._store.bundle_root
     if not isinstance(root, ArchiveRoot):
         raise BundleNotFoundError(f"'{archive}' is a bundle directory, not a packed bundle; nothing to unpack.")
+    listed = listed_files(bundle.manifest)
+    for name in root.members:
+        if name != MANIFEST_FILENAME and name not in listed:
+            raise ArchiveError(
+                f"'{archive}': member {name!r} is not a file the manifest lists (tensor or model file); "
+                "refusing to unpack an archive that holds unchecked files. Repack it with iobundle pack.",
+                member=name,
+            )
     if verify:
         problems = bundle.verify()
         if problems:
             raise IntegrityError(f"'{archive}': {len(problems)} damaged member(s): " + "; ".join(problems[:3]))
+    else:
+        for name, entry in listed.items():
+            check_file(root, name, entry, hash_check=False)  # present, with the size the manifest records
     target = local_path(output)
     if target is None:
         raise BundleWriteError(f"'{output}': unpack writes to a local directory. Upload the directory afterwards.")
@@ -565,7 +566,7 @@ def unpack_bundle(
                 raise BundleExistsError(f"'{target}' is not a bundle (no {MANIFEST_FILENAME}); refusing to replace it.")
             (target / MANIFEST_FILENAME).unlink()
             shutil.rmtree(target)
-    names = sorted(root.members, key=lambda n: (n == MANIFEST_FILENAME, n))
+    names = [*sorted(listed), MANIFEST_FILENAME]
     created = not target.exists()
     total = 0
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
