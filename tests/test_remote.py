@@ -167,3 +167,51 @@ def test_overwrite_never_deletes_what_is_not_a_bundle(url):
     with pytest.raises(BundleExistsError, match="not a bundle"):
         record(InputObserver()).save(url + "/precious", overwrite=True)
     assert fs.cat_file(root + "/notes.txt") == b"keep me"
+
+
+def test_overwrite_replaces_only_the_old_bundles_files_remote(url):
+    fs = fsspec.filesystem("memory")
+    root = url.removeprefix("memory://") + "/run"
+    big = InputObserver()
+    model = Model()
+    with big(model, store_n_calls=5):
+        for n in range(2, 7):
+            model(torch.randn(n, 3))
+    big.save(url + "/run")
+    old = set(fs.find(root))
+    fs.pipe_file(root + "/notes.txt", b"keep me")
+    fs.pipe_file(root + "/calls/README", b"keep me too")
+    record(InputObserver()).save(url + "/run", overwrite=True)
+    assert fs.cat_file(root + "/notes.txt") == b"keep me" and fs.cat_file(root + "/calls/README") == b"keep me too"
+    bundle = load_bundle(url + "/run")
+    assert bundle.num_obs() == 2 and bundle.verify() == []
+    listed = {f"{root}/{n}" for n in bundle.manifest.files} | {f"{root}/manifest.json"}
+    assert set(fs.find(root)) - listed == {root + "/notes.txt", root + "/calls/README"}  # no stale tensor file
+    assert old - listed - set(fs.find(root)), "the larger bundle's extra files are gone"
+
+
+def test_stream_to_url_respects_overwrite(url):
+    record(InputObserver()).save(url + "/live")  # another machine wrote a bundle there meanwhile
+    observer = InputObserver()
+    model = Model()
+    with observer(model, stream_to=url + "/other"):  # our stream, to an empty URL
+        model(torch.randn(2, 3))
+    fs = fsspec.filesystem("memory")
+    mine = url.removeprefix("memory://") + "/other"
+    fs.rm(mine, recursive=True)
+    record(InputObserver()).save(url + "/other")  # someone else's bundle lands where ours was
+    theirs = fs.cat_file(mine + "/manifest.json")
+    with pytest.warns(Warning, match="could not upload"), observer(model, stream_to=url + "/other"):
+        model(torch.randn(3, 3))
+    assert fs.cat_file(mine + "/manifest.json") == theirs, "a bundle this observer did not write was replaced"
+    with observer(model, stream_to=url + "/other", overwrite=True):
+        model(torch.randn(4, 3))
+    assert load_bundle(url + "/other").num_obs() == 3
+
+
+def test_stream_to_url_replaces_its_own_upload(url):
+    observer, model = InputObserver(), Model()
+    for n in (2, 3):
+        with observer(model, stream_to=url + "/live"):
+            model(torch.randn(n, 3))
+    assert load_bundle(url + "/live").num_obs() == 2

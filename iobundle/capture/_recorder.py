@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from iobundle._remote import local_path, open_filesystem, upload_directory
+from iobundle._remote import join_url, local_path, open_filesystem, upload_directory
 from iobundle.calls import (
     RecordedCalls,
     TensorCollector,
@@ -36,7 +36,7 @@ from iobundle.errors import (
     ObserverArgumentTypeError,
     ObserverStateError,
 )
-from iobundle.schema import CallEntry, Manifest, MissingValueEntry, Node
+from iobundle.schema import MANIFEST_FILENAME, CallEntry, Manifest, MissingValueEntry, Node
 
 __all__ = ["CallRecorder", "ObservationWarning"]
 
@@ -90,6 +90,8 @@ class CallRecorder:
         self._streamed: list[CallEntry] = []
         self._observed_model: Any = None  # the last model observed: what save(include_model=True) stores
         self._staging: dict[str, Path] = {}  # stream_to URL -> the local directory streamed to, then uploaded
+        self._staging_overwrite: dict[str, bool] = {}  # stream_to URL -> the overwrite= of its latest block
+        self._uploaded: dict[str, bytes] = {}  # stream_to URL -> the manifest this observer uploaded there last
 
     # -- the observed method ------------------------------------------------------------------
 
@@ -238,6 +240,7 @@ class CallRecorder:
             return local
         url = str(stream_to)
         staging = self._staging.get(url)
+        self._staging_overwrite[url] = overwrite
         if staging is None:
             fs, inner = open_filesystem(url)  # MissingDependencyError without fsspec, before anything runs
             if not overwrite and fs.exists(inner) and (not fs.isdir(inner) or fs.ls(inner, detail=False)):
@@ -260,7 +263,10 @@ class CallRecorder:
         url = next((u for u, p in self._staging.items() if p == stream.path), None)
         if url is not None and not messages:
             try:
-                upload_directory(stream.path, url, overwrite=True)  # emptiness was checked when the stream opened
+                # Replace only with the user's overwrite=, or what this observer uploaded there itself.
+                overwrite = self._staging_overwrite.get(url, False) or self._holds_own_upload(url)
+                upload_directory(stream.path, url, overwrite=overwrite)
+                self._uploaded[url] = (stream.path / MANIFEST_FILENAME).read_bytes()
             except Exception as exc:
                 messages.append(
                     f"iobundle could not upload the streamed bundle to '{url}' ({exc}); it stays in {stream.path} "
@@ -272,6 +278,17 @@ class CallRecorder:
             messages = self._apply_stream_failures(stream) + messages
         for message in messages:
             self._warn(message, stacklevel=4)
+
+    def _holds_own_upload(self, url: str) -> bool:
+        """Whether ``url`` still holds the manifest this observer uploaded there last (no one wrote since)."""
+        mine = self._uploaded.get(url)
+        if mine is None:
+            return False
+        fs, inner = open_filesystem(url)
+        try:
+            return bool(fs.cat_file(join_url(inner, MANIFEST_FILENAME)) == mine)
+        except Exception:
+            return False
 
     def _apply_stream_failures(self, stream: CallStream) -> list[str]:
         """Mark incomplete the calls the writer could not write; return the messages to warn with."""

@@ -37,7 +37,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from iobundle._remote import is_url, local_path, open_filesystem
+from iobundle._remote import clear_local_bundle, is_url, local_path, open_filesystem
 from iobundle.errors import (
     ArchiveError,
     BundleExistsError,
@@ -564,8 +564,7 @@ def unpack_bundle(
                 )
             if not (target / MANIFEST_FILENAME).is_file():
                 raise BundleExistsError(f"'{target}' is not a bundle (no {MANIFEST_FILENAME}); refusing to replace it.")
-            (target / MANIFEST_FILENAME).unlink()
-            shutil.rmtree(target)
+            clear_local_bundle(target)  # its manifest, then the files it lists; files beside it stay
     names = [*sorted(listed), MANIFEST_FILENAME]
     created = not target.exists()
     total = 0

@@ -130,6 +130,22 @@ class TestPackUnpack:
             pack_bundle(bundle, packed)
         pack_bundle(bundle, packed, overwrite=True)
 
+    def test_overwrite_keeps_files_beside_the_bundle(self, tmp_path, bundle, packed):
+        out = tmp_path / "out"
+        unpack_bundle(packed, out)
+        (out / "notes.txt").write_text("keep me")
+        (out / "calls" / "README").write_text("keep me too")
+        unpack_bundle(packed, out, overwrite=True)
+        assert (out / "notes.txt").read_text() == "keep me" and (out / "calls" / "README").read_text() == "keep me too"
+        assert load_bundle(out).verify() == []
+        model, record = Model(), InputObserver()  # a local save(overwrite=True) follows the same rule
+        with record(model):
+            model(torch.randn(2, 3))  # one call: the old bundle's second tensor file must go
+        record.save(out, overwrite=True)
+        assert (out / "notes.txt").read_text() == "keep me" and (out / "calls" / "README").read_text() == "keep me too"
+        left = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+        assert left == {"manifest.json", "notes.txt", "calls/README", *load_bundle(out).manifest.files}
+
     def test_unpack_refuses_a_non_empty_directory_and_never_deletes_a_non_bundle(self, tmp_path, packed):
         out = tmp_path / "out"
         out.mkdir()
