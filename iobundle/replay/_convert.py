@@ -11,14 +11,17 @@ ones in the graph's output order.
 **npz** (``convert_to_npz``): one ``call_NNNNNN.npz`` per recorded call (the call's index), whose keys
 are the paths of the tensors in the call: ``args.0``, ``kwargs.input_ids``,
 ``kwargs.past_key_values.3``, ``outputs.logits`` (containers by index or key, registered classes by
-field name when they have names, else by index). dtypes numpy lacks (bfloat16, float8) are widened
-to float32. A target ending in ``.npz`` gets every call in one file, keys prefixed ``call_NNNNNN/``.
+field name when they have names, else by index). Each part of a path is escaped (``%XX`` for every
+character but letters, digits, ``_`` and ``-``; a dict key ``"a.b"`` is ``a%2Eb``, ``"../x"`` is
+``%2E%2E%2Fx``), since dict keys come from the recording: a key never leaves the file or makes one
+path out of two. dtypes numpy lacks (bfloat16, float8) are widened to float32. A target ending in ``.npz`` gets every call in one file, keys prefixed ``call_NNNNNN/``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +38,14 @@ from iobundle.replay._inference import align_calls, aligned_tensors
 from iobundle.replay._validate import input_mapping
 from iobundle.schema import DictNode, ListNode, Node, ObjectNode, TensorNode, TupleNode
 
-__all__ = ["ConvertResult", "convert_to_npz", "convert_to_onnx_testdata", "tensor_paths", "tensor_proto"]
+__all__ = [
+    "ConvertResult",
+    "convert_to_npz",
+    "convert_to_onnx_testdata",
+    "escape_key",
+    "tensor_paths",
+    "tensor_proto",
+]
 
 _ONNX_TYPES = {
     torch.float32: onnx.TensorProto.FLOAT,
@@ -156,8 +166,19 @@ def _write_proto(path: Path, proto: onnx.TensorProto) -> Path:
     return path
 
 
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def escape_key(key: object) -> str:
+    """``key`` as one part of a tensor path: ``%XX`` (UTF-8 bytes) for each character but ``[A-Za-z0-9_-]``."""
+    return _UNSAFE.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode("utf-8", "surrogatepass")), str(key))
+
+
 def tensor_paths(node: Node | None, prefix: str) -> Iterator[tuple[str, str]]:
-    """``(path, key)`` of every tensor of ``node``, in flattening order; see the module docstring."""
+    """``(path, key)`` of every tensor of ``node``, in flattening order; see the module docstring.
+
+    ``prefix`` is used as it is; every part added to it is escaped (:func:`escape_key`).
+    """
     if node is None:
         return
     if isinstance(node, TensorNode):
@@ -167,7 +188,7 @@ def tensor_paths(node: Node | None, prefix: str) -> Iterator[tuple[str, str]]:
             yield from tensor_paths(item, f"{prefix}.{i}")
     elif isinstance(node, DictNode):
         for key, item in zip(node.keys, node.items):
-            yield from tensor_paths(item, f"{prefix}.{key}")
+            yield from tensor_paths(item, f"{prefix}.{escape_key(key)}")
     elif isinstance(node, ObjectNode):
         context: Any = node.context
         names = (
@@ -178,7 +199,7 @@ def tensor_paths(node: Node | None, prefix: str) -> Iterator[tuple[str, str]]:
             else range(len(node.items))
         )
         for name, item in zip(names, node.items):
-            yield from tensor_paths(item, f"{prefix}.{name}")
+            yield from tensor_paths(item, f"{prefix}.{escape_key(name)}")
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
@@ -198,9 +219,14 @@ def _call_arrays(rc: RecordedCalls, index: int) -> dict[str, np.ndarray]:
     call = rc.calls[index]
     arrays: dict[str, np.ndarray] = {}
     pairs = [p for j, a in enumerate(call.args) for p in tensor_paths(a, f"args.{j}")]
-    pairs += [p for k, v in call.kwargs.items() for p in tensor_paths(v, f"kwargs.{k}")]
+    pairs += [p for k, v in call.kwargs.items() for p in tensor_paths(v, f"kwargs.{escape_key(k)}")]
     pairs += list(tensor_paths(call.outputs, "outputs"))
     for path, key in pairs:
+        if path in arrays:  # escaping makes paths unique; a recording that still repeats one is refused
+            raise ReplayError(
+                f"Recorded call {call.index}: two tensors have the npz key {path!r}; refusing to keep only one. "
+                "Convert to onnx-testdata, or record the call with distinct keys."
+            )
         arrays[path] = _numpy(rc.store.get(key))
     return arrays
 

@@ -122,3 +122,40 @@ def test_npz_single_file_prefixes_each_call(exported, tmp_path):
     with np.load(result.paths[0]) as data:
         assert "call_000002/kwargs.mask" in data and "call_000000/args.0" in data
         assert len(data) == 3 * 6
+
+
+class DictModel(torch.nn.Module):
+    def forward(self, x, extra=None):
+        return x * 2
+
+
+def _dict_bundle(path: Path, extra: dict) -> Path:
+    model, observer = DictModel(), InputObserver()
+    with observer(model):
+        model(torch.ones(2), extra=extra)
+    observer.save(path)
+    return path
+
+
+def test_npz_keys_from_dict_keys_are_escaped_and_never_leave_the_file(tmp_path):
+    import zipfile
+
+    extra = {"../../evil": torch.ones(1), "a.b": torch.ones(2), "a": {"b": torch.ones(3)}, "/abs\\x": torch.ones(4)}
+    bundle = load_bundle(_dict_bundle(tmp_path / "run", extra))
+    one = convert_to_npz(bundle._recorded(), tmp_path / "all.npz").paths[0]
+    names = zipfile.ZipFile(one).namelist()
+    assert all(".." not in n and "\\" not in n and n.count("/") == 1 for n in names), names
+    arrays = convert_to_npz(bundle._recorded(), tmp_path / "arrays").paths[0]
+    with np.load(arrays) as data:
+        keys = set(data)
+        assert {"kwargs.extra.%2E%2E%2F%2E%2E%2Fevil", "kwargs.extra.a%2Eb", "kwargs.extra.a.b"} <= keys
+        assert data["kwargs.extra.a%2Eb"].shape == (2,) and data["kwargs.extra.a.b"].shape == (3,)
+    assert not (tmp_path / "evil.npy").exists() and not (tmp_path.parent / "evil.npy").exists()
+
+
+def test_npz_refuses_two_tensors_with_one_key(tmp_path):
+    from iobundle.errors import ReplayError
+
+    bundle = load_bundle(_dict_bundle(tmp_path / "run", {1: torch.ones(1), "1": torch.ones(2)}))
+    with pytest.raises(ReplayError, match=r"two tensors have the npz key 'kwargs\.extra\.1'"):
+        convert_to_npz(bundle._recorded(), tmp_path / "arrays")
