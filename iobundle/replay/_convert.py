@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,9 +111,36 @@ def _load_graph(model: str | os.PathLike[str]) -> tuple[list[str], list[str], di
     return inputs, outputs, {p.key: p.value for p in proto.metadata_props}
 
 
-def _prepare(target: Path, *, overwrite: bool) -> None:
-    if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
+_TESTDATA_DIR = re.compile(r"test_data_set_[0-9]+")
+_NPZ_FILE = re.compile(r"call_[0-9]+\.npz")
+
+
+def _prepare(target: Path, *, overwrite: bool, written: re.Pattern[str]) -> None:
+    """Refuse a non-empty ``target`` without ``overwrite``; with it, remove what a previous conversion wrote.
+
+    Only the entries whose names match ``written`` (``test_data_set_N`` folders, ``call_N.npz``
+    files) are removed, so a later, smaller conversion leaves no stale call behind; anything else
+    (the model beside its test data, notes) stays.
+    """
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise BundleExistsError(f"'{target}' exists and is not a directory. Choose another path.")
+    if not any(target.iterdir()):
+        return
+    if not overwrite:
         raise BundleExistsError(f"'{target}' already exists and is not empty. Pass --overwrite or choose another path.")
+    try:
+        for entry in target.iterdir():
+            if written.fullmatch(entry.name):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+    except OSError as exc:
+        raise BundleWriteError(
+            f"Cannot remove the earlier conversion's {exc.filename or target}: {exc.strerror or exc}."
+        ) from exc
 
 
 def convert_to_onnx_testdata(
@@ -125,7 +153,8 @@ def convert_to_onnx_testdata(
     Raises:
         ModelLoadError: ``model`` cannot be loaded by onnx.
         ReplayError: The model's inputs do not match the recorded calls, or its outputs the recorded outputs.
-        BundleExistsError: ``output`` is not empty and ``overwrite`` is False.
+        BundleExistsError: ``output`` is not empty and ``overwrite`` is False (with it, the
+            ``test_data_set_N`` folders there are removed first; nothing else is).
 
     Example:
         >>> convert_to_onnx_testdata(bundle._recorded(), "model.onnx", "testdata").paths[0]
@@ -137,7 +166,7 @@ def convert_to_onnx_testdata(
     alignment = align_calls(rc)
     mapping = input_mapping(inputs, meta, len(alignment.owners))
     target = Path(output)
-    _prepare(target, overwrite=overwrite)
+    _prepare(target, overwrite=overwrite, written=_TESTDATA_DIR)
     written: list[Path] = []
     try:
         for i, call in enumerate(alignment.calls):
@@ -235,7 +264,8 @@ def convert_to_npz(rc: RecordedCalls, output: str | os.PathLike[str], *, overwri
     """Write the tensors of every ok recorded call as numpy ``.npz`` files; see the module docstring.
 
     Raises:
-        BundleExistsError: ``output`` exists (a non-empty directory, or the file) and ``overwrite`` is False.
+        BundleExistsError: ``output`` exists (a non-empty directory, or the file) and ``overwrite`` is
+            False (with it, the ``call_N.npz`` files of a directory are removed first; nothing else is).
         BundleWriteError: ``output`` cannot be written.
 
     Example:
@@ -254,7 +284,7 @@ def convert_to_npz(rc: RecordedCalls, output: str | os.PathLike[str], *, overwri
             target.parent.mkdir(parents=True, exist_ok=True)
             np.savez(target, **arrays)  # type: ignore[arg-type]
             return ConvertResult(paths=[target], calls=len(ok))
-        _prepare(target, overwrite=overwrite)
+        _prepare(target, overwrite=overwrite, written=_NPZ_FILE)
         target.mkdir(parents=True, exist_ok=True)
         paths = []
         for i in ok:

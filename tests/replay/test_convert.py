@@ -159,3 +159,23 @@ def test_npz_refuses_two_tensors_with_one_key(tmp_path):
     bundle = load_bundle(_dict_bundle(tmp_path / "run", {1: torch.ones(1), "1": torch.ones(2)}))
     with pytest.raises(ReplayError, match=r"two tensors have the npz key 'kwargs\.extra\.1'"):
         convert_to_npz(bundle._recorded(), tmp_path / "arrays")
+
+
+def test_overwrite_removes_what_an_earlier_larger_conversion_wrote_and_nothing_else(exported, tmp_path):
+    bundle_path, onnx_path = exported
+    rc = load_bundle(bundle_path)._recorded()
+    testdata, arrays = tmp_path / "testdata", tmp_path / "arrays"
+    convert_to_onnx_testdata(rc, onnx_path, testdata)
+    (testdata / "test_data_set_7").mkdir()  # from an earlier conversion of a bundle with more calls
+    (testdata / "test_data_set_7" / "input_0.pb").write_bytes(b"stale")
+    (testdata / "notes.txt").write_text("keep me")
+    with pytest.raises(BundleExistsError, match="--overwrite"):
+        convert_to_onnx_testdata(rc, onnx_path, testdata)
+    convert_to_onnx_testdata(rc, onnx_path, testdata, overwrite=True)
+    assert sorted(p.name for p in testdata.iterdir()) == ["notes.txt", *(f"test_data_set_{i}" for i in range(3))]
+
+    convert_to_npz(rc, arrays)
+    (arrays / "call_000009.npz").write_bytes(b"stale")
+    (arrays / "notes.txt").write_text("keep me")
+    convert_to_npz(rc, arrays, overwrite=True)
+    assert sorted(p.name for p in arrays.iterdir()) == [*(f"call_{i:06d}.npz" for i in range(3)), "notes.txt"]
