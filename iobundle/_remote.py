@@ -3,8 +3,9 @@
 A string of the form ``scheme://...`` is a URL, never a local path: without fsspec it is a
 :class:`~iobundle.errors.MissingDependencyError` naming the extra to install, instead of a local
 folder named ``scheme:``. ``file://`` URLs are plain local paths (the fast, memory-mapped path).
-Capture writes a bundle to a local staging directory and uploads it (:func:`upload_directory`,
-``manifest.json`` last, so a reader never sees a manifest before its files); replay reads the
+Capture writes a bundle to a local staging directory and uploads it (:func:`staged`, which
+uploads with :func:`upload_directory`, ``manifest.json`` last, so a reader never sees a manifest
+before its files); replay reads the
 members of a remote bundle through the filesystem's files (no memory mapping).
 """
 
@@ -13,7 +14,10 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -22,6 +26,7 @@ from iobundle.errors import BundleExistsError, BundleNotFoundError, BundleWriteE
 __all__ = [
     "MANIFEST_NAME",
     "REMOTE_EXTRA",
+    "Staging",
     "clear_bundle",
     "clear_local_bundle",
     "directory_files",
@@ -31,7 +36,9 @@ __all__ = [
     "local_path",
     "open_filesystem",
     "remote_kind",
+    "staged",
     "upload_directory",
+    "upload_file",
 ]
 
 MANIFEST_NAME = "manifest.json"
@@ -222,6 +229,75 @@ def directory_files(root: Path) -> list[str]:
                 continue  # a writer's temporary file, never part of the bundle
             names.append(Path(directory, file).relative_to(root).as_posix())
     return sorted(names)
+
+
+def upload_file(path: Path, url: str, *, overwrite: bool = False) -> None:
+    """Copy the local file ``path`` to ``url`` (a packed bundle, say).
+
+    Raises:
+        BundleExistsError: ``url`` exists and ``overwrite`` is False.
+        BundleWriteError: The file cannot be uploaded (the message names the URL and the cause).
+        MissingDependencyError: See :func:`open_filesystem`.
+    """
+    fs, inner = open_filesystem(url)
+    try:
+        if fs.exists(inner) and not overwrite:
+            raise BundleExistsError(f"'{url}' already exists. Pass overwrite=True (--overwrite) or choose another URL.")
+        parent = inner.rsplit("/", 1)[0]
+        if parent and parent != inner:
+            fs.makedirs(parent, exist_ok=True)
+        fs.put_file(str(path), inner)
+    except BundleExistsError:
+        raise
+    except Exception as exc:
+        raise BundleWriteError(f"Cannot upload to '{url}': {type(exc).__name__}: {exc}.") from exc
+
+
+class Staging:
+    """A local temporary folder for what is bound for ``url``: write :attr:`path`, :meth:`upload`, :meth:`close`.
+
+    :attr:`path` (``<folder>/bundle``) does not exist yet: make it a bundle directory, or a file.
+    Use :func:`staged` unless the staging outlives one block (a stream kept across blocks).
+
+    Raises:
+        MissingDependencyError: See :func:`open_filesystem` (checked before anything is made).
+    """
+
+    def __init__(self, url: str, *, prefix: str = "iobundle-") -> None:
+        open_filesystem(url)  # MissingDependencyError without fsspec, before anything is written
+        self.url = url
+        self.folder = Path(tempfile.mkdtemp(prefix=prefix))
+        self.path = self.folder / "bundle"
+
+    def upload(self, *, overwrite: bool = False) -> None:
+        """Upload :attr:`path` to the URL: a directory by :func:`upload_directory`, a file by :func:`upload_file`."""
+        if self.path.is_dir():
+            upload_directory(self.path, self.url, overwrite=overwrite)
+        else:
+            upload_file(self.path, self.url, overwrite=overwrite)
+
+    def close(self) -> None:
+        """Remove the staging folder (idempotent)."""
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@contextmanager
+def staged(url: str, *, overwrite: bool = False, prefix: str = "iobundle-") -> Iterator[Path]:
+    """A local path to write what goes to ``url``; uploaded when the block completes, removed in any case.
+
+    Example:
+        >>> with staged("s3://bucket/run.iobundle", overwrite=True) as local:
+        ...     save_recorded_calls(rc, local)
+
+    Raises:
+        BundleExistsError, BundleWriteError, MissingDependencyError: See :meth:`Staging.upload`.
+    """
+    staging = Staging(url, prefix=prefix)
+    try:
+        yield staging.path
+        staging.upload(overwrite=overwrite)
+    finally:
+        staging.close()
 
 
 def remote_kind(url: str) -> str:

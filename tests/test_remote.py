@@ -215,3 +215,22 @@ def test_stream_to_url_replaces_its_own_upload(url):
         with observer(model, stream_to=url + "/live"):
             model(torch.randn(n, 3))
     assert load_bundle(url + "/live").num_obs() == 2
+
+
+def test_staged_uploads_on_success_and_always_removes_the_staging_folder(url, tmp_path):
+    from iobundle._remote import staged
+
+    fs = fsspec.filesystem("memory")
+    with staged(url + "/one", prefix="iobundle-test-") as local:
+        local.mkdir()
+        (local / "manifest.json").write_text("{}")
+        (local / ".half.tmp").write_text("a writer's temporary file")  # never uploaded
+        folder = local.parent
+    assert not folder.exists()
+    assert fs.cat_file(url.removeprefix("memory://") + "/one/manifest.json") == b"{}"
+    assert not fs.exists(url.removeprefix("memory://") + "/one/.half.tmp")
+    with pytest.raises(RuntimeError), staged(url + "/two") as local:
+        local.write_text("a file")
+        folder = local.parent
+        raise RuntimeError("the writer failed")
+    assert not folder.exists() and not fs.exists(url.removeprefix("memory://") + "/two")

@@ -7,8 +7,6 @@ import functools
 import inspect
 import logging
 import os
-import shutil
-import tempfile
 import threading
 import time
 import warnings
@@ -19,7 +17,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from iobundle._remote import join_url, local_path, open_filesystem, upload_directory
+from iobundle._remote import Staging, join_url, local_path, open_filesystem, staged
 from iobundle.calls import (
     RecordedCalls,
     TensorCollector,
@@ -89,7 +87,7 @@ class CallRecorder:
         self._stream_writer: BundleWriter | None = None
         self._streamed: list[CallEntry] = []
         self._observed_model: Any = None  # the last model observed: what save(include_model=True) stores
-        self._staging: dict[str, Path] = {}  # stream_to URL -> the local directory streamed to, then uploaded
+        self._staging: dict[str, Staging] = {}  # stream_to URL -> the local directory streamed to, then uploaded
         self._staging_overwrite: dict[str, bool] = {}  # stream_to URL -> the overwrite= of its latest block
         self._uploaded: dict[str, bytes] = {}  # stream_to URL -> the manifest this observer uploaded there last
 
@@ -247,11 +245,10 @@ class CallRecorder:
                 raise BundleExistsError(
                     f"'{url}' already exists and is not empty. Pass overwrite=True to replace it, or choose another URL."
                 )
-            parent = Path(tempfile.mkdtemp(prefix="iobundle-stream-"))
-            weakref.finalize(self, shutil.rmtree, parent, True)
-            staging = self._staging[url] = parent / "bundle"
-            logger.info("streaming to %s, uploaded to %s when the block ends", staging, url)
-        return staging
+            staging = self._staging[url] = Staging(url, prefix="iobundle-stream-")
+            weakref.finalize(self, staging.close)
+            logger.info("streaming to %s, uploaded to %s when the block ends", staging.path, url)
+        return staging.path
 
     def _close_stream(self, stream: CallStream) -> None:
         """Wait for the writer, write the final manifest (and upload it to its URL); problems become warnings."""
@@ -260,12 +257,13 @@ class CallRecorder:
             stream.close()
         except Exception as exc:
             messages.append(f"iobundle could not write the final manifest of '{stream.path}' ({exc}).")
-        url = next((u for u, p in self._staging.items() if p == stream.path), None)
-        if url is not None and not messages:
+        staging = next((st for st in self._staging.values() if st.path == stream.path), None)
+        if staging is not None and not messages:
+            url = staging.url
             try:
                 # Replace only with the user's overwrite=, or what this observer uploaded there itself.
                 overwrite = self._staging_overwrite.get(url, False) or self._holds_own_upload(url)
-                upload_directory(stream.path, url, overwrite=overwrite)
+                staging.upload(overwrite=overwrite)
                 self._uploaded[url] = (stream.path / MANIFEST_FILENAME).read_bytes()
             except Exception as exc:
                 messages.append(
@@ -505,11 +503,7 @@ class CallRecorder:
                 f"'{url}' is the bundle this observer streamed its calls to (stream_to=); it already holds "
                 "them. Save to another URL."
             )
-        parent = Path(tempfile.mkdtemp(prefix="iobundle-save-"))
-        try:
-            manifest = self.save(parent / "bundle", include_model=include_model)
-            upload_directory(parent / "bundle", url, overwrite=overwrite)
-        finally:
-            shutil.rmtree(parent, ignore_errors=True)
+        with staged(url, overwrite=overwrite, prefix="iobundle-save-") as local:
+            manifest = self.save(local, include_model=include_model)
         logger.info("uploaded %d calls to %s", len(manifest.calls), url)
         return manifest

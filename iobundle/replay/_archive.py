@@ -37,7 +37,8 @@ from typing import Any, BinaryIO
 
 import torch
 
-from iobundle._remote import clear_local_bundle, is_url, local_path, open_filesystem
+from iobundle._atomic import atomic_file
+from iobundle._remote import clear_local_bundle, is_url, local_path, open_filesystem, staged
 from iobundle.errors import (
     ArchiveError,
     BundleExistsError,
@@ -430,7 +431,6 @@ def pack_bundle(
         >>> pack_bundle("run.iobundle", "run.iobundle.tar").files
         3
     """
-    import tempfile
     import time
 
     from iobundle.replay._bundle import Bundle
@@ -444,65 +444,41 @@ def pack_bundle(
     names = [MANIFEST_FILENAME, *sorted(listed_files(manifest))]
     remote = is_url(output) and local_path(output) is None
     if remote:
-        staging = Path(tempfile.mkdtemp(prefix="iobundle-pack-"))
-        target = staging / "bundle.tar"
+        with staged(str(output), overwrite=overwrite, prefix="iobundle-pack-") as staging:
+            total = _write_tar(root, names, staging)
     else:
-        target = local_path(output)  # type: ignore[assignment]
+        target = local_path(output)
         assert target is not None
         _check_target(target, overwrite=overwrite)
-    tmp = target.with_name(f".{target.name}.tmp")
-    total = 0
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as out:
-            for name in names:
-                member = root.member(name)
-                fd, size = _open_regular(member, name)
-                with os.fdopen(fd, "rb", buffering=0) as f:
-                    out.write(_tar_header(name, size))
-                    out.flush()
-                    if not _kernel_copy(fd, 0, out.fileno(), size):
-                        _copy(f, out, size, name)  # type: ignore[arg-type]
-                    else:
-                        out.seek(0, os.SEEK_END)
-                out.write(b"\x00" * (-size % _BLOCK))
-                total += size
-            out.write(b"\x00" * (2 * _BLOCK))
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, target)
-        if remote:
-            _upload_file(target, str(output), overwrite=overwrite)
-    except OSError as exc:
-        raise BundleWriteError(
-            f"Cannot write {target}: {exc.strerror or exc}. Check free space and permissions."
-        ) from exc
-    finally:
         try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        if remote:
-            shutil.rmtree(target.parent, ignore_errors=True)
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BundleWriteError(f"Cannot create {target.parent}: {exc.strerror or exc}.") from exc
+        total = _write_tar(root, names, target)
     logger.info("packed %d files (%d bytes) into %s", len(names), total, output)
     return PackResult(
         path=output if remote else target, files=len(names), bytes=total, seconds=time.perf_counter() - begin
     )
 
 
-def _upload_file(path: Path, url: str, *, overwrite: bool) -> None:
-    fs, inner = open_filesystem(url)
-    try:
-        if fs.exists(inner) and not overwrite:
-            raise BundleExistsError(f"'{url}' already exists. Pass overwrite=True (--overwrite) or choose another URL.")
-        parent = inner.rsplit("/", 1)[0]
-        if parent and parent != inner:
-            fs.makedirs(parent, exist_ok=True)
-        fs.put_file(str(path), inner)
-    except BundleExistsError:
-        raise
-    except Exception as exc:
-        raise BundleWriteError(f"Cannot upload to '{url}': {type(exc).__name__}: {exc}.") from exc
+def _write_tar(root: BundleRoot, names: list[str], target: Path) -> int:
+    """Write the members ``names`` of ``root`` as a tar file at ``target`` atomically; return their bytes."""
+    total = 0
+    with atomic_file(target) as out:
+        for name in names:
+            member = root.member(name)
+            fd, size = _open_regular(member, name)
+            with os.fdopen(fd, "rb", buffering=0) as f:
+                out.write(_tar_header(name, size))
+                out.flush()
+                if not _kernel_copy(fd, 0, out.fileno(), size):
+                    _copy(f, out, size, name)  # type: ignore[arg-type]
+                else:
+                    out.seek(0, os.SEEK_END)
+            out.write(b"\x00" * (-size % _BLOCK))
+            total += size
+        out.write(b"\x00" * (2 * _BLOCK))
+    return total
 
 
 def unpack_bundle(
