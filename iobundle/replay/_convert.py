@@ -34,6 +34,7 @@ import torch
 
 from iobundle.calls import RecordedCalls, tensor_keys
 from iobundle.errors import BundleExistsError, BundleWriteError, ModelLoadError, ReplayError
+from iobundle.replay._api import RecordedCallsAPI
 from iobundle.replay._export import OUTPUT_NAMES_KEY
 from iobundle.replay._inference import align_calls, aligned_tensors
 from iobundle.replay._validate import input_mapping
@@ -97,6 +98,11 @@ def tensor_proto(tensor: torch.Tensor, name: str) -> onnx.TensorProto:
     return proto
 
 
+def _calls_of(source: RecordedCallsAPI | RecordedCalls) -> RecordedCalls:
+    """The recorded calls of a ``Bundle`` or an ``InputObserver`` (or of the calls themselves)."""
+    return source if isinstance(source, RecordedCalls) else source._recorded()
+
+
 def _load_graph(model: str | os.PathLike[str]) -> tuple[list[str], list[str], dict[str, str]]:
     path = Path(model)
     if not path.is_file():
@@ -144,11 +150,16 @@ def _prepare(target: Path, *, overwrite: bool, written: re.Pattern[str]) -> None
 
 
 def convert_to_onnx_testdata(
-    rc: RecordedCalls, model: str | os.PathLike[str], output: str | os.PathLike[str], *, overwrite: bool = False
+    calls: RecordedCallsAPI | RecordedCalls,
+    model: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
 ) -> ConvertResult:
-    """Write the recorded calls as ONNX test data for the model ``model`` into the directory ``output``.
+    """Write the recorded calls of ``calls`` as ONNX test data for the model ``model`` into the directory ``output``.
 
-    Calls without recorded outputs (a redacted bundle) get inputs only.
+    ``calls`` is a ``Bundle`` (``load_bundle(...)``) or an ``InputObserver``. Calls without
+    recorded outputs (a redacted bundle) get inputs only.
 
     Raises:
         ModelLoadError: ``model`` cannot be loaded by onnx.
@@ -157,9 +168,10 @@ def convert_to_onnx_testdata(
             ``test_data_set_N`` folders there are removed first; nothing else is).
 
     Example:
-        >>> convert_to_onnx_testdata(bundle._recorded(), "model.onnx", "testdata").paths[0]
+        >>> convert_to_onnx_testdata(load_bundle("run.iobundle"), "model.onnx", "testdata").paths[0]
         PosixPath('testdata/test_data_set_0/input_0.pb')
     """
+    rc = _calls_of(calls)
     inputs, outputs, meta = _load_graph(model)
     if OUTPUT_NAMES_KEY in meta and json.loads(meta[OUTPUT_NAMES_KEY]) != outputs:
         raise ReplayError(f"{model}: the outputs recorded in its metadata differ from the graph's outputs {outputs}.")
@@ -260,8 +272,12 @@ def _call_arrays(rc: RecordedCalls, index: int) -> dict[str, np.ndarray]:
     return arrays
 
 
-def convert_to_npz(rc: RecordedCalls, output: str | os.PathLike[str], *, overwrite: bool = False) -> ConvertResult:
-    """Write the tensors of every ok recorded call as numpy ``.npz`` files; see the module docstring.
+def convert_to_npz(
+    calls: RecordedCallsAPI | RecordedCalls, output: str | os.PathLike[str], *, overwrite: bool = False
+) -> ConvertResult:
+    """Write the tensors of every ok recorded call of ``calls`` (a ``Bundle``, an ``InputObserver``) as ``.npz`` files.
+
+    See the module docstring for the keys.
 
     Raises:
         BundleExistsError: ``output`` exists (a non-empty directory, or the file) and ``overwrite`` is
@@ -269,11 +285,12 @@ def convert_to_npz(rc: RecordedCalls, output: str | os.PathLike[str], *, overwri
         BundleWriteError: ``output`` cannot be written.
 
     Example:
-        >>> convert_to_npz(bundle._recorded(), "arrays").paths[0]
+        >>> convert_to_npz(load_bundle("run.iobundle"), "arrays").paths[0]
         PosixPath('arrays/call_000000.npz')
         >>> sorted(numpy.load("arrays/call_000000.npz"))
         ['args.0', 'outputs']
     """
+    rc = _calls_of(calls)
     target = Path(output)
     ok = [i for i, c in enumerate(rc.calls) if c.status == "ok"]
     try:

@@ -101,3 +101,10 @@ def test_convert_onnx_testdata_needs_a_model(bundle, tmp_path, capsys):
 def test_help_has_examples(command, capsys):
     assert main([command, "--help"]) == 0
     assert f"examples:\n  iobundle {command} " in capsys.readouterr().out
+
+
+def test_the_cli_reads_recorded_calls_through_public_api_only():
+    import iobundle.cli
+
+    sources = Path(iobundle.cli.__file__).parent.glob("*.py")
+    assert [p.name for p in sources if "._recorded(" in p.read_text("utf-8")] == []
