@@ -12,10 +12,10 @@ decides some rules (:data:`TOKEN_ID_NAMES`, :data:`POSITION_NAMES`):
   count up by one as they are (they only tell lengths, which the shapes and the cache tell anyway);
   so does an integer tensor passed as anything but token ids whose rows are ``0..n-1``. Other
   increasing rows of such tensors become sorted draws within the row's range;
-- token ids and every other integer tensor are drawn uniformly within ``[min, max]`` observed
-  over every call of that parameter (a one-element decode step included), or within the
-  vocabulary (``[0, vocab_size)``) for token ids when the bundle stores the model's config, so ids
-  stay valid for the embedding;
+- token ids and every other integer tensor are drawn uniformly within their observed
+  ``[min, max]``, so ids stay valid for the embedding. A tensor holding one value only (a decode
+  step's single token) is drawn within the range observed over every call of that parameter, or
+  within the vocabulary (``[0, vocab_size)``) for token ids when the bundle stores the model's config;
 - floating-point and complex tensors are drawn from a normal law with the observed mean and
   standard deviation (finite values only).
 
@@ -81,7 +81,8 @@ def synthetic_like(
         t: The recorded tensor.
         generator: The seeded generator to draw from.
         name: The parameter ``t`` was passed as (None when unknown): token ids and positions by name.
-        bounds: ``(low, high)`` (inclusive) to draw integers within, instead of ``t``'s own range.
+        bounds: ``(low, high)`` (inclusive) to draw integers within when ``t`` holds a single value
+            (its own range would give it back): the range over every call, or the vocabulary.
     """
     t = t.detach().cpu()
     if t.numel() == 0:
@@ -118,7 +119,9 @@ def synthetic_like(
             draws = torch.rand(rows.shape, generator=generator, dtype=torch.float64)
             values = (low + (draws * (high - low + 1).double()).floor().long()).clamp(max=high)
             return values.sort(dim=1).values.reshape(t.shape).to(t.dtype)
-    lo, hi = bounds if bounds is not None else (int(t.min()), int(t.max()))
+    lo, hi = int(t.min()), int(t.max())
+    if lo == hi and bounds is not None:  # one value seen (a decode step's token): its own range would keep it
+        lo, hi = bounds
     return torch.randint(lo, hi + 1, t.shape, generator=generator, dtype=torch.int64).to(t.dtype)
 
 

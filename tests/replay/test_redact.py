@@ -130,6 +130,8 @@ class TestSyntheticLike:
             for s in range(20)
         }
         assert len(draws) > 5 and draws <= set(range(50))  # {0, 1} token ids are no mask either
+        wide = synthetic_like(torch.tensor([[3, 9, 4, 7]] * 16), self.gen(), name="input_ids", bounds=(0, 49))
+        assert int(wide.min()) >= 3 and int(wide.max()) <= 9  # a tensor with a range of its own keeps to it
 
     def test_two_values_that_are_no_mask_are_drawn_afresh(self):
         x = torch.tensor([[3.5, 7.25, 3.5, 7.25]] * 8)
