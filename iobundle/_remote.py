@@ -151,13 +151,26 @@ def clear_bundle(
 
 
 def clear_local_bundle(root: Path) -> None:
-    """:func:`clear_bundle` for the local bundle directory ``root``, then its folders left empty."""
-    removed = clear_bundle(
-        lambda n: root.joinpath(*n.split("/")).read_bytes(),
-        lambda n: root.joinpath(*n.split("/")).unlink(),
-        where=str(root / MANIFEST_NAME),
-        missing_ok=FileNotFoundError,
-    )
+    """:func:`clear_bundle` for the local bundle directory ``root``, then its folders left empty.
+
+    Raises:
+        BundleExistsError: See :func:`listed_names`.
+        BundleWriteError: A listed file cannot be removed (a folder by that name, permissions).
+    """
+    try:
+        removed = clear_bundle(
+            lambda n: root.joinpath(*n.split("/")).read_bytes(),
+            lambda n: root.joinpath(*n.split("/")).unlink(),
+            where=str(root / MANIFEST_NAME),
+            missing_ok=FileNotFoundError,
+        )
+    except BundleExistsError:
+        raise  # an OSError too (FileExistsError), but the message says what to do already
+    except OSError as exc:
+        raise BundleWriteError(
+            f"Cannot remove {exc.filename or root} of the bundle being replaced: {exc.strerror or exc}. "
+            "Remove the bundle yourself, or choose another path."
+        ) from exc
     parents = {root.joinpath(*n.split("/")).parent for n in removed}
     for parent in sorted(parents, key=lambda p: len(p.parts), reverse=True):
         while parent != root and root in parent.parents:

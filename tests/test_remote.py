@@ -234,3 +234,23 @@ def test_staged_uploads_on_success_and_always_removes_the_staging_folder(url, tm
         folder = local.parent
         raise RuntimeError("the writer failed")
     assert not folder.exists() and not fs.exists(url.removeprefix("memory://") + "/two")
+
+
+def test_a_listed_name_that_is_a_folder_is_a_bundle_write_error(tmp_path):
+    from iobundle._remote import clear_local_bundle
+    from iobundle.errors import BundleWriteError
+
+    (tmp_path / "calls").mkdir()
+    (tmp_path / "manifest.json").write_text('{"files": {"calls": {}}}')
+    with pytest.raises(BundleWriteError, match="calls"):
+        clear_local_bundle(tmp_path)
+    assert (tmp_path / "calls").is_dir()
+
+
+def test_an_old_manifest_naming_files_outside_is_refused_and_nothing_deleted(tmp_path):
+    from iobundle._remote import clear_local_bundle
+
+    (tmp_path / "manifest.json").write_text('{"files": {"../outside.txt": {}}}')
+    with pytest.raises(BundleExistsError, match="not inside the bundle"):
+        clear_local_bundle(tmp_path)
+    assert (tmp_path / "manifest.json").exists()
