@@ -187,13 +187,13 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             raise CLIError("--to onnx-testdata needs --model MODEL.onnx (its graph names the inputs and outputs).")
         with progress_bars(args) as bars:
             result = convert_to_onnx_testdata(
-                bundle._recorded(), args.model, args.output, overwrite=args.overwrite, on_progress=bars
+                bundle, args.model, args.output, overwrite=args.overwrite, on_progress=bars
             )
         _render.out(f"wrote {result.calls} test data sets ({len(result.paths)} files) into {args.output}")
     else:
         if args.model:
             raise CLIError("--model is for --to onnx-testdata; --to npz writes the recorded tensors as they are.")
         with progress_bars(args) as bars:
-            result = convert_to_npz(bundle._recorded(), args.output, overwrite=args.overwrite, on_progress=bars)
+            result = convert_to_npz(bundle, args.output, overwrite=args.overwrite, on_progress=bars)
         _render.out(f"wrote {result.calls} calls into {len(result.paths)} .npz file(s) at {args.output}")
     return 0

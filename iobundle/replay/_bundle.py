@@ -13,7 +13,7 @@ from iobundle.errors import IobundleError, UnsafeBundleError
 from iobundle.replay._api import RecordedCallsAPI
 from iobundle.replay._archive import ArchiveRoot, open_archive
 from iobundle.replay._remote import RemoteRoot
-from iobundle.replay._tensorfile import BundleTensorStore, Root, check_file, check_file_header
+from iobundle.replay._tensorfile import BundleTensorStore, Root, check_file, check_file_header, listed_files
 from iobundle.schema import MANIFEST_FILENAME, CallEntry, Manifest, load_manifest, parse_manifest
 
 __all__ = ["Bundle", "load_bundle"]
@@ -107,7 +107,9 @@ class Bundle(RecordedCallsAPI):
         return None if call.outputs is None else build_value(call.outputs, self._store.get)
 
     def verify(self, *, on_progress: ProgressCallback | None = None) -> list[str]:
-        """Check every tensor file: size, sha256 and header against the manifest.
+        """Check every file the manifest lists: size and hash, and each tensor file's header.
+
+        The stored model's files (``manifest.model.files``: config and weights) are checked too.
 
         Args:
             on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` (task ``"verify"``,
@@ -117,13 +119,15 @@ class Bundle(RecordedCallsAPI):
             One message per bad file, naming it (empty when every file is good).
         """
         problems = []
-        total = sum(entry.size for entry in self.manifest.files.values())
+        files = listed_files(self.manifest)
+        total = sum(entry.size for entry in files.values())
         done = 0
         notify(on_progress, "verify", 0, total, unit=BYTES)
-        for name, entry in self.manifest.files.items():
+        for name, entry in files.items():
             try:
                 path = check_file(self._store.bundle_root, name, entry, hash_check=True)
-                check_file_header(path, name, self._store.file_entries(name))
+                if name in self.manifest.files:
+                    check_file_header(path, name, self._store.file_entries(name))
             except IobundleError as exc:
                 problems.append(str(exc))
             done += entry.size

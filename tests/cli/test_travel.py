@@ -203,3 +203,10 @@ def test_a_pipe_shows_no_progress_bar(bundle, packed, tmp_path, command):
     )
     assert done.returncode == 0, done.stderr
     assert done.stderr == "" and BAR not in done.stdout and "\x1b[" not in done.stdout
+
+
+def test_the_cli_reads_recorded_calls_through_public_api_only():
+    import iobundle.cli
+
+    sources = Path(iobundle.cli.__file__).parent.glob("*.py")
+    assert [p.name for p in sources if "._recorded(" in p.read_text("utf-8")] == []
