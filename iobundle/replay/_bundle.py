@@ -9,7 +9,7 @@ from typing import Any
 from iobundle.calls import NAME_TO_DTYPE, RecordedCalls, build_value, iter_tensor_nodes
 from iobundle.errors import IobundleError, UnsafeBundleError
 from iobundle.replay._api import RecordedCallsAPI
-from iobundle.replay._tensorfile import BundleRoot, BundleTensorStore, check_file, check_file_header
+from iobundle.replay._tensorfile import BundleRoot, BundleTensorStore, check_file, check_file_header, stored_shape
 from iobundle.schema import CallEntry, Manifest, load_manifest
 
 __all__ = ["Bundle", "load_bundle"]
@@ -20,7 +20,8 @@ class Bundle(RecordedCallsAPI):
 
     Use :meth:`load` (or :func:`iobundle.load_bundle`). Loading never imports or
     unpickles anything named by the bundle; tensors are memory-mapped on first use and
-    their file's sha256 checked then (unless ``verify=False``).
+    their file's hash checked then (unless ``verify=False``). Tensors stored as extensions of
+    others (format version 2) are rebuilt on each read; shapes never read the files.
     """
 
     def __init__(self, path: Path, manifest: Manifest, *, verify: bool = True) -> None:
@@ -40,7 +41,7 @@ class Bundle(RecordedCallsAPI):
 
         Args:
             path: The bundle directory.
-            verify: Check each tensor file's sha256 the first time it is read.
+            verify: Check each tensor file's hash the first time it is read.
 
         Raises:
             BundleNotFoundError: ``path`` is not a bundle.
@@ -70,7 +71,7 @@ class Bundle(RecordedCallsAPI):
         return None if call.outputs is None else build_value(call.outputs, self._store.get)
 
     def verify(self) -> list[str]:
-        """Check every tensor file: size, sha256 and header against the manifest.
+        """Check every tensor file: size, hash and header against the manifest.
 
         Returns:
             One message per bad file, naming it (empty when every file is good).
@@ -99,7 +100,8 @@ def _check_references(root: BundleRoot, manifest: Manifest) -> None:
         if file is None:
             raise UnsafeBundleError(f"tensors[{key!r}].file: {entry.file!r} is not listed in the manifest's files.")
         numel = 1
-        for d in entry.shape:
+        base = None if entry.extends is None else manifest.tensors.get(entry.extends.key)
+        for d in stored_shape(entry, base):  # parse_manifest checked the extension against its base
             numel *= d
         nbytes = numel * NAME_TO_DTYPE[entry.dtype].itemsize
         if nbytes > file.size:

@@ -5,10 +5,14 @@ from __future__ import annotations
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "HASH_ALGORITHMS",
+    "JOURNAL_FILENAME",
     "MANIFEST_FILENAME",
+    "MAX_EXTENSION_DEPTH",
     "SUPPORTED_FORMAT_VERSIONS",
     "CallEntry",
     "ConstNode",
+    "Extension",
     "DictNode",
     "FileEntry",
     "ListNode",
@@ -26,22 +30,39 @@ __all__ = [
     "TensorNode",
     "TupleNode",
     "dump_manifest",
+    "journal_call_line",
+    "journal_head_line",
+    "load_journal",
     "load_manifest",
     "manifest_json_schema",
+    "parse_journal",
     "parse_manifest",
+    "validate_manifest",
     "write_manifest",
 ]
 
 import json
 
-from iobundle.schema._io import MANIFEST_FILENAME, dump_manifest, load_manifest, parse_manifest, write_manifest
+from iobundle.schema._io import (
+    JOURNAL_FILENAME,
+    MANIFEST_FILENAME,
+    MAX_EXTENSION_DEPTH,
+    dump_manifest,
+    load_manifest,
+    parse_manifest,
+    validate_manifest,
+    write_manifest,
+)
+from iobundle.schema._journal import journal_call_line, journal_head_line, load_journal, parse_journal
 from iobundle.schema._manifest import (
     FORMAT,
     FORMAT_VERSION,
+    HASH_ALGORITHMS,
     SUPPORTED_FORMAT_VERSIONS,
     CallEntry,
     ConstNode,
     DictNode,
+    Extension,
     FileEntry,
     ListNode,
     Manifest,
@@ -63,5 +84,5 @@ from iobundle.schema._manifest import (
 def manifest_json_schema() -> str:
     """Return the JSON Schema of ``manifest.json``, as shipped in ``iobundle/schema/manifest.schema.json``."""
     schema = Manifest.model_json_schema()
-    schema["title"] = f"iobundle manifest, format_version {FORMAT_VERSION}"
+    schema["title"] = "iobundle manifest, format_version " + " and ".join(map(str, SUPPORTED_FORMAT_VERSIONS))
     return json.dumps(schema, indent=1, sort_keys=True) + "\n"
