@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import xxhash
 
 import iobundle.calls._tensorfile as capture_tensorfile
 import iobundle.replay._tensorfile as replay_tensorfile
@@ -76,12 +77,12 @@ def edit_manifest(path: Path, edit) -> None:
 
 
 def replace_tensor_file(path: Path, name: str, data: bytes, *, resync: bool = True) -> None:
-    """Overwrite a tensor file; with ``resync`` the manifest records its new size and sha256."""
+    """Overwrite a tensor file; with ``resync`` the manifest records its new size and hash."""
     (path / name).write_bytes(data)
     if resync:
 
         def edit(m: dict[str, Any]) -> None:
-            m["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            m["files"][name] = {"size": len(data), "hash": "xxh3-128", "digest": xxhash.xxh3_128_hexdigest(data)}
 
         edit_manifest(path, edit)
 
@@ -229,22 +230,22 @@ class TestFormatMarker:
             load_bundle(bundle)
 
     def test_newer_version(self, bundle):
-        edit_manifest(bundle, lambda m: m.update(format_version=2))
+        edit_manifest(bundle, lambda m: m.update(format_version=3))
         with pytest.raises(UnsupportedFormatVersionError) as info:
             load_bundle(bundle)
         message = str(info.value)
         assert "manifest.json" in message
-        assert "format_version 2 is not supported" in message
-        assert "reads format_version 1" in message
+        assert "format_version 3 is not supported" in message
+        assert "reads format_version 1, 2" in message
         assert "Upgrade iobundle" in message
-        assert info.value.found == 2
-        assert info.value.supported == (1,)
+        assert info.value.found == 3
+        assert info.value.supported == (1, 2)
 
     @pytest.mark.parametrize("value", [0, -1, "1", 1.5, True, None, [1], 10**100])
     def test_bad_version(self, bundle, value):
         edit_manifest(bundle, lambda m: m.update(format_version=value))
         with pytest.raises(
-            UnsupportedFormatVersionError, match=r"format_version .* is not supported.*reads format_version 1"
+            UnsupportedFormatVersionError, match=r"format_version .* is not supported.*reads format_version 1, 2"
         ):
             load_bundle(bundle)
 
