@@ -36,16 +36,24 @@ MAX_DEPTH = 50_000
 (the reader refuses chains over ``iobundle.schema.MAX_EXTENSION_DEPTH``)."""
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_AS_BITS: dict[torch.dtype, torch.dtype] = {}
+for _dtype in (
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64,
+    torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64,
+    *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n)),
+):  # fmt: skip
+    _AS_BITS[_dtype] = _SAME_WIDTH_INT[_dtype.itemsize]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor | None:
     """``t`` viewed as integers of the same width (bit-exact comparison), or None if impossible."""
-    if t.is_complex() or t.dtype.itemsize not in _SAME_WIDTH_INT:
-        return None
-    if t.dtype == _SAME_WIDTH_INT[t.dtype.itemsize]:
+    target = _AS_BITS.get(t.dtype)
+    if target is None:
+        return None  # complex: no integer of the same width
+    if t.dtype == target:
         return t
     try:
-        return t.view(_SAME_WIDTH_INT[t.dtype.itemsize])
+        return t.view(target)
     except RuntimeError:
         return None
 
@@ -89,11 +97,14 @@ class _Head:
     version: int
     depth: int
     generation: int
+    signatures: list[tuple[object, ...]]
 
 
-def _signature(t: torch.Tensor, dim: int) -> tuple[object, ...]:
+def _signatures(t: torch.Tensor) -> list[tuple[object, ...]]:
+    """Per dimension d: what another tensor must share with ``t`` to extend it (or be extended) along d."""
     shape = tuple(t.shape)
-    return (t.dtype, str(t.device), len(shape), dim, shape[:dim] + shape[dim + 1 :])
+    head = (t.dtype, t.device, len(shape))
+    return [(*head, d, shape[:d] + shape[d + 1 :]) for d in range(len(shape))]
 
 
 class DeltaIndex:
@@ -118,11 +129,11 @@ class DeltaIndex:
 
     def find(self, tensor: torch.Tensor) -> Match | None:
         """A recent tensor that ``tensor`` extends (checked byte for byte), or None."""
-        if tensor.dim() == 0 or _bits(tensor) is None:
+        if tensor.dim() == 0 or tensor.dtype not in _AS_BITS or not self._by_signature:
             return None
         tried = 0
-        for dim in range(tensor.dim()):
-            for key in reversed(self._by_signature.get(_signature(tensor, dim), ())):
+        for dim, sig in enumerate(_signatures(tensor)):
+            for key in reversed(self._by_signature.get(sig, ())):
                 head = self._heads.get(key)
                 if head is None or head.tensor.shape[dim] >= tensor.shape[dim] or head.depth >= MAX_DEPTH:
                     continue
@@ -140,23 +151,24 @@ class DeltaIndex:
         """Whether a tensor about to be written is kept as a possible base (see ``retain_all``)."""
         if self.retain_all or tensor.numel() * tensor.element_size() < RETAIN_BYTES:
             return True
-        return any(_signature(tensor, d) in self._growing for d in range(tensor.dim()))
+        return any(sig in self._growing for sig in _signatures(tensor))
 
     def add(self, key: str, tensor: torch.Tensor, *, base: str | None, retain: bool) -> None:
         """Record that ``key`` was written (extending ``base``, or whole); keep it as a base if ``retain``."""
         self.depth[key] = 0 if base is None else self.depth.get(base, 0) + 1
-        for d in range(tensor.dim()):
-            sig = _signature(tensor, d)
-            longest = self._lengths.get(sig)
-            if longest is not None and tensor.shape[d] > longest[0]:
-                self._growing.add(sig)
-            self._lengths[sig] = (max(tensor.shape[d], longest[0] if longest else 0), self.generation)
-        if not retain or tensor.dim() == 0:
+        signatures = _signatures(tensor)
+        if not self.retain_all:  # which shapes grow: only large tensors of those are kept while streaming
+            for d, sig in enumerate(signatures):
+                longest = self._lengths.get(sig)
+                if longest is not None and tensor.shape[d] > longest[0]:
+                    self._growing.add(sig)
+                self._lengths[sig] = (max(tensor.shape[d], longest[0] if longest else 0), self.generation)
+        if not retain or tensor.dim() == 0 or tensor.dtype not in _AS_BITS:
             return
-        self._heads[key] = _Head(key, tensor, tensor._version, self.depth[key], self.generation)
+        self._heads[key] = _Head(key, tensor, tensor._version, self.depth[key], self.generation, signatures)
         self.retained.add(key)
-        for d in range(tensor.dim()):
-            self._by_signature.setdefault(_signature(tensor, d), []).append(key)
+        for sig in signatures:
+            self._by_signature.setdefault(sig, []).append(key)
 
     def touch(self, keys: Sequence[str]) -> None:
         """``keys`` were used by the call being written: their heads stay candidates for the next call."""
@@ -176,8 +188,7 @@ class DeltaIndex:
         self.retained.discard(key)
         if head is None:
             return
-        for d in range(head.tensor.dim()):
-            sig = _signature(head.tensor, d)
+        for sig in head.signatures:
             keys = self._by_signature.get(sig)
             if keys is not None and key in keys:
                 keys.remove(key)

@@ -45,9 +45,9 @@ import torch
 from iobundle.calls import (
     RecordedCalls,
     dtype_name,
-    rebuild,
     parse_header,
     read_exactly,
+    rebuild,
     replace_tensors,
     tensor_keys,
     tensor_span,

@@ -266,7 +266,9 @@ class BundleWriter:
             (self.path / MANIFEST_FILENAME).unlink(missing_ok=True)
             self._journal = os.open(path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_CLOEXEC", 0))
         except OSError as exc:
-            raise BundleWriteError(f"Cannot open {path}: {exc.strerror or exc}. Check free space and permissions.") from exc
+            raise BundleWriteError(
+                f"Cannot open {path}: {exc.strerror or exc}. Check free space and permissions."
+            ) from exc
 
     def append_call(self, call: CallEntry, keys: Iterable[str], *, durable: bool = True) -> None:
         """Append the line of ``call`` (whose new tensors ``keys`` are in a complete file) to the journal.

@@ -87,17 +87,16 @@ def _short(value: Any, limit: int = 80) -> str:
 
 def _check_depth(value: Any, source: str) -> None:
     stack: list[tuple[Any, int]] = [(value, 1)]
+    push, pop = stack.extend, stack.pop
     while stack:
-        item, depth = stack.pop()
+        item, depth = pop()
         if depth > MAX_NESTING_DEPTH:
             raise UnsafeBundleError(
                 f"{source}: JSON nesting deeper than {MAX_NESTING_DEPTH} levels. "
                 "A bundle written by iobundle never nests that deep; the file is corrupt or hostile."
             )
-        if isinstance(item, dict):
-            stack.extend((v, depth + 1) for v in item.values())
-        elif isinstance(item, list):
-            stack.extend((v, depth + 1) for v in item)
+        children = item.values() if type(item) is dict else item
+        push((v, depth + 1) for v in children if type(v) is dict or type(v) is list)
 
 
 def parse_manifest(data: bytes | str, *, source: str = MANIFEST_FILENAME) -> Manifest:
@@ -245,9 +244,7 @@ def _check_extensions(manifest: Manifest, source: str) -> None:
                 f"{where}: {entry.dtype} {entry.shape} cannot extend {ext.key!r} ({base.dtype} {base.shape}) "
                 f"along dim {ext.dim}. The file is corrupt or hostile."
             )
-        if any(
-            (b > s) if d == ext.dim else (b != s) for d, (b, s) in enumerate(zip(base.shape, entry.shape))
-        ):
+        if any((b > s) if d == ext.dim else (b != s) for d, (b, s) in enumerate(zip(base.shape, entry.shape))):
             raise UnsafeBundleError(
                 f"{where}: shape {entry.shape} does not extend {base.shape} (of {ext.key!r}) along dim {ext.dim}: "
                 "the other dimensions must be equal and this one at least as long."
@@ -338,9 +335,7 @@ def read_member(root: Path, path: Path) -> bytes:
                 )
             data = f.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError as exc:
-        raise BundleNotFoundError(
-            f"No {path.name} in '{root}'. Is it a directory written by observer.save()?"
-        ) from exc
+        raise BundleNotFoundError(f"No {path.name} in '{root}'. Is it a directory written by observer.save()?") from exc
     except OSError as exc:
         raise ManifestError(f"{path}: cannot be read ({exc.strerror or exc}).") from exc
     return data

@@ -71,7 +71,7 @@ def parse_journal(data: bytes, *, source: str = JOURNAL_FILENAME) -> Manifest:
         raise ManifestError(f"{source}: no complete first line; the writer died before the journal was started.")
     head = _json(head_line, source, 1)
     if not isinstance(head, dict) or head.pop("journal", None) != JOURNAL_VERSION:
-        raise ManifestError(f"{source}: line 1 is not a journal head (no \"journal\": {JOURNAL_VERSION}).")
+        raise ManifestError(f'{source}: line 1 is not a journal head (no "journal": {JOURNAL_VERSION}).')
     calls, tensors, files = head.get("calls"), head.get("tensors"), head.get("files")
     if not isinstance(calls, list) or not isinstance(tensors, dict) or not isinstance(files, dict):
         raise ManifestError(f"{source}: line 1 lacks the calls, tensors and files of a manifest.")

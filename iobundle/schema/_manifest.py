@@ -206,7 +206,9 @@ class FileEntry(_OmitsUnset):
         elif self.hash is None or self.digest is None:
             raise ValueError("a file needs sha256 (format version 1) or hash and digest (version 2)")
         elif len(self.digest) != HASH_ALGORITHMS[self.hash]:
-            raise ValueError(f"a {self.hash} digest has {HASH_ALGORITHMS[self.hash]} hex digits, not {len(self.digest)}")
+            raise ValueError(
+                f"a {self.hash} digest has {HASH_ALGORITHMS[self.hash]} hex digits, not {len(self.digest)}"
+            )
         return self
 
     @property

@@ -183,7 +183,11 @@ class TestBitExactCheck:
 
     def test_rebuild_concatenates_runs_of_parts(self) -> None:
         root = torch.arange(6).reshape(2, 3)
-        parts = [(torch.arange(2).reshape(2, 1), 1), (torch.arange(2).reshape(2, 1), 1), (torch.zeros(1, 5, dtype=torch.int64), 0)]
+        parts = [
+            (torch.arange(2).reshape(2, 1), 1),
+            (torch.arange(2).reshape(2, 1), 1),
+            (torch.zeros(1, 5, dtype=torch.int64), 0),
+        ]
         out = rebuild(root, parts)
         assert out.shape == (3, 5) and out[:2, :3].equal(root) and out[2].eq(0).all()
 
@@ -209,7 +213,7 @@ def test_cuda_cache_compared_on_device_and_round_trips(tmp_path: Path) -> None:
         calls.append((past, torch.ones(1, n, device="cuda")))
         past = [torch.cat([p, torch.randn(1, 2, 1, 4, device="cuda")], dim=2) for p in past]
     for stream in (False, True):
-        observer, path = record(tmp_path / str(stream), calls, stream=stream)
+        _, path = record(tmp_path / str(stream), calls, stream=stream)
         bundle = load_bundle(path)
         assert extensions(bundle) > 0 and bundle.verify() == []
         for i, (p, _) in enumerate(calls):

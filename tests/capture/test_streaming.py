@@ -596,7 +596,9 @@ def kill_trial(zygote: Zygote, workdir: Path, mode: str, durable: bool, rng: ran
         "reported": reported,
         "listed": n,
         "unfinished_files": leftovers,
-        "state": ("journal" if journal else "") + ("+" if journal and manifest else "") + ("manifest" if manifest else ""),
+        "state": ("journal" if journal else "")
+        + ("+" if journal and manifest else "")
+        + ("manifest" if manifest else ""),
     }
 
 
@@ -607,7 +609,14 @@ def test_sigkill_at_any_moment_leaves_a_loadable_bundle(tmp_path: Path) -> None:
     script = tmp_path / "zygote.py"
     script.write_text(ZYGOTE)
     rng = random.Random(int(os.environ.get("IOBUNDLE_KILL_SEED", "5")))
-    steps = ["tensor-rename", "journal-append", "manifest-rename", "manifest-renamed", "reopen-rename", "reopen-renamed"]
+    steps = [
+        "tensor-rename",
+        "journal-append",
+        "manifest-rename",
+        "manifest-renamed",
+        "reopen-rename",
+        "reopen-renamed",
+    ]
     modes = [(m, False) for m in ["delay"] * 6 + ["big"] * 5 + steps * 3]
     modes += [(m, True) for m in ["delay", "big", *steps]]
     trials = [(i, mode, durable, random.Random(rng.random())) for i, (mode, durable) in enumerate(modes)]

@@ -143,15 +143,15 @@ VERSION_1 = ("plain", "nested", "streamed", "llama_cache")
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "names", nargs="*", help=f"bundles to write, among {sorted(BUNDLES)} (default: those missing)"
-    )
+    parser.add_argument("names", nargs="*", help=f"bundles to write, among {sorted(BUNDLES)} (default: those missing)")
     parser.add_argument("--out", type=Path, default=HERE, help="parent directory (default: tests/data/bundles)")
     args = parser.parse_args(argv)
     names = args.names or [n for n in BUNDLES if not (args.out / n).exists()]
     for name in names:
         if name in VERSION_1:
-            raise SystemExit(f"{name} is a format-version-1 bundle: this iobundle writes version 2. Keep the committed one.")
+            raise SystemExit(
+                f"{name} is a format-version-1 bundle: this iobundle writes version 2. Keep the committed one."
+            )
         target = args.out / name
         if target.exists():
             shutil.rmtree(target)

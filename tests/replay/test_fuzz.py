@@ -10,7 +10,6 @@ loaded, inferred from and read in full. Any exception that is not an ``IobundleE
 from __future__ import annotations
 
 import copy
-import hashlib
 import importlib.util
 import json
 import os
@@ -123,7 +122,9 @@ def _make_journal(path: Path) -> None:
 
 def as_journal(manifest: Any) -> bytes:
     """``manifest`` as a journal: a head without calls, then one line per call with the tensors and files it adds."""
-    if not isinstance(manifest, dict) or not all(isinstance(manifest.get(f), (list, dict)) for f in ("calls", "tensors", "files")):
+    if not isinstance(manifest, dict) or not all(
+        isinstance(manifest.get(f), (list, dict)) for f in ("calls", "tensors", "files")
+    ):
         return json.dumps({"journal": 1, **manifest} if isinstance(manifest, dict) else manifest).encode() + b"\n"
     tensors, files, calls = dict(manifest["tensors"]), dict(manifest["files"]), list(manifest["calls"])
     head = {"journal": 1, **manifest, "calls": [], "tensors": {}, "files": {}}
@@ -135,8 +136,12 @@ def as_journal(manifest: Any) -> bytes:
     for call in calls:
         index = call.get("index") if isinstance(call, dict) else None
         mine = f"calls/{index:06d}.safetensors" if isinstance(index, int) and not isinstance(index, bool) else None
-        added = {k: tensors.pop(k) for k in [k for k, e in tensors.items() if isinstance(e, dict) and e.get("file") == mine]}
-        lines.append(json.dumps({"call": call, "tensors": added, "files": {mine: files.pop(mine)} if mine in files else {}}))
+        added = {
+            k: tensors.pop(k) for k in [k for k, e in tensors.items() if isinstance(e, dict) and e.get("file") == mine]
+        }
+        lines.append(
+            json.dumps({"call": call, "tensors": added, "files": {mine: files.pop(mine)} if mine in files else {}})
+        )
     head["tensors"].update(tensors)
     head["files"].update(files)
     lines[0] = json.dumps(head)
@@ -472,10 +477,8 @@ def _numel(shape: list[int]) -> int:
 
 def apply_mutations(data: st.DataObject, bundle: Path) -> None:
     journal = not (bundle / "manifest.json").exists()
-    if journal:  # mutate the manifest the journal describes, then write it back as a journal
-        manifest = schema_json(bundle)
-    else:
-        manifest = json.loads((bundle / "manifest.json").read_text("utf-8"))
+    # a journal: mutate the manifest it describes, then write it back as a journal
+    manifest = schema_json(bundle) if journal else json.loads((bundle / "manifest.json").read_text("utf-8"))
     files = sorted(p.relative_to(bundle).as_posix() for p in (bundle / "calls").iterdir())
     n = data.draw(st.sampled_from([1, 1, 1, 2, 2, 3, 4]), label="n mutations")
     raw_edit = False

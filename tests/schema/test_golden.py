@@ -115,9 +115,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "version": 2,
         "num_obs": 4,
         "dynamic_shapes": ({}, [{2: DYN}, {2: DYN}], {1: DYN}),
-        "arguments": [
-            (((4,), F32), [((1, 2, n, 4), F32), ((1, 2, n, 4), F32)], ((1, n), I64)) for n in (2, 3, 4, 5)
-        ],
+        "arguments": [(((4,), F32), [((1, 2, n, 4), F32), ((1, 2, n, 4), F32)], ((1, n), I64)) for n in (2, 3, 4, 5)],
         "tensors": 22,
         "extensions": 11,
     },
@@ -125,9 +123,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "version": 2,
         "num_obs": 3,
         "dynamic_shapes": ({}, [{2: DYN}, {2: DYN}], {1: DYN}),
-        "arguments": [
-            (((4,), F32), [((1, 2, n, 4), F32), ((1, 2, n, 4), F32)], ((1, n), I64)) for n in (2, 3, 4)
-        ],
+        "arguments": [(((4,), F32), [((1, 2, n, 4), F32), ((1, 2, n, 4), F32)], ((1, n), I64)) for n in (2, 3, 4)],
         "tensors": 17,
         "extensions": 8,
     },
@@ -196,7 +192,9 @@ class TestGolden:
 
 def test_version_1_and_2_bundles_both_load():
     """The reader keeps format version 1 while the writer writes version 2."""
-    versions = {load_bundle(GOLDEN / name).manifest.format_version for name in ("plain", "streamed", "growing", "journal")}
+    versions = {
+        load_bundle(GOLDEN / name).manifest.format_version for name in ("plain", "streamed", "growing", "journal")
+    }
     assert versions == {1, 2}
 
 
