@@ -44,6 +44,7 @@ __all__ = [
     # Delta storage and hashes
     "DeltaIndex",
     "Match",
+    "PinnedStager",
     "WRITE_HASH",
     "extends_bytes",
     "new_hasher",
@@ -75,6 +76,7 @@ from iobundle.calls._registry import (
     register_node_type,
     register_provider,
 )
+from iobundle.calls._staging import PinnedStager
 from iobundle.calls._tensorfile import (
     MAX_HEADER_BYTES,
     parse_header,

@@ -7,6 +7,7 @@ version 2), once :class:`iobundle.calls.DeltaIndex` has checked the shared part 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import platform
@@ -19,7 +20,7 @@ import torch
 
 from iobundle._atomic import fsync_dir, fsync_files, write_atomically
 from iobundle._version import __version__
-from iobundle.calls import DeltaIndex, RecordedCalls, dtype_name, tensor_keys, write_tensor_file
+from iobundle.calls import DeltaIndex, PinnedStager, RecordedCalls, dtype_name, tensor_keys, write_tensor_file
 from iobundle.errors import BundleExistsError, BundleWriteError, IobundleError
 from iobundle.schema import (
     JOURNAL_FILENAME,
@@ -127,6 +128,7 @@ class BundleWriter:
         self.files: dict[str, FileEntry] = {}
         self._unsynced: dict[Path, None] = {}
         self.deltas = DeltaIndex(retain_all=retain_all) if deltas else None
+        self.stager: PinnedStager | None = None  # made for the first CUDA tensor
         self._journal: int | None = None  # file descriptor of journal.jsonl while a stream is open
 
     def write_tensors(
@@ -157,18 +159,26 @@ class BundleWriter:
         whole = {k: get(k) for k in new}
         todo: dict[str, torch.Tensor] = {}
         extends: dict[str, Extension] = {}
-        for key, t in whole.items():
-            match = deltas.find(t) if deltas is not None else None
-            if match is None:
-                todo[key] = t
-            else:
-                todo[key] = match.new
-                extends[key] = Extension(key=match.key, dim=match.dim)
-            if deltas is not None:
-                # retained before the write: the stream must not recycle its buffer once written
-                deltas.add(key, t, base=match.key if match else None, retain=deltas.should_retain(t))
+        cuda = [t for t in whole.values() if t.device.type == "cuda"]
+        if cuda and self.stager is None:
+            self.stager = PinnedStager()
+        pinned: list[torch.Tensor] = []
         target = self.path / file
         try:
+            # CUDA work (byte comparisons, D2H copies) runs on a side stream: the model's stream never waits
+            with self.stager.side_streams(cuda) if cuda and self.stager else contextlib.nullcontext():
+                for key, t in whole.items():
+                    match = deltas.find(t) if deltas is not None else None
+                    if match is None:
+                        todo[key] = t
+                    else:
+                        todo[key] = match.new
+                        extends[key] = Extension(key=match.key, dim=match.dim)
+                    if deltas is not None:
+                        # retained before the write: the stream must not recycle its buffer once written
+                        deltas.add(key, t, base=match.key if match else None, retain=deltas.should_retain(t))
+                if cuda and self.stager is not None:
+                    todo, pinned = self.stager.to_host(todo)
             self.files[file] = write_tensor_file(target, todo, durable=durable, on_written=on_written)
         except BaseException as exc:
             if deltas is not None:
@@ -178,6 +188,9 @@ class BundleWriter:
                     f"Cannot write {target}: {exc.strerror or exc}. Check free space and permissions."
                 ) from exc
             raise
+        finally:
+            if pinned and self.stager is not None:
+                self.stager.give_back(pinned)
         for key, t in whole.items():
             name = dtype_name(t.dtype)
             assert name is not None  # write_tensor_file refused other dtypes
