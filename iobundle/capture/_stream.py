@@ -14,7 +14,7 @@ Who does what:
   by default the fsyncs wait for :meth:`CallStream.close`, which flushes every file written.
 
 The hand-off holds one call: :meth:`CallStream.submit` waits until the writer has finished the
-previous call (its file and the manifest that lists it). The writer writes call k while the
+previous call (its file and the journal line that lists it). The writer writes call k while the
 model computes call k+1, so
 
 - a SIGKILL loses at most the call in flight; the journal only ever lists complete files
