@@ -347,7 +347,9 @@ def save_recorded_calls(rc: RecordedCalls, path: str | os.PathLike[str], *, over
         BundleExistsError: ``path`` is not empty and ``overwrite`` is False.
         BundleWriteError: Writing failed (disk full, permission denied); the message names the file.
     """
-    writer = BundleWriter(path, overwrite=overwrite, retain_all=True)
+    # retain_all=False: a streamed observer's store reads tensors back from its bundle, and holding
+    # every one read as a possible base would hold the whole bundle in memory
+    writer = BundleWriter(path, overwrite=overwrite)
     try:
         writer.write_missing_values(rc.value_if_missing, rc.store.get)
         for call in rc.calls:

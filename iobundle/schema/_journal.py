@@ -92,10 +92,16 @@ def parse_journal(data: bytes, *, source: str = JOURNAL_FILENAME) -> Manifest:
                     raise ManifestError(f"{source}: line {number} adds {field}[{key!r}] a second time.")
                 table[key] = value
         calls.append(record["call"])
-    devices = {t.get("device") for t in tensors.values() if isinstance(t, dict)}
+    # the devices the calls' tensors lived on (the head knows only those written before): strings only,
+    # anything else is left for validation to refuse
     producer = head.get("producer")
     if isinstance(producer, dict) and isinstance(producer.get("devices"), list):
-        producer["devices"] = sorted({*producer["devices"], *(d for d in devices if isinstance(d, str))})
+        listed = producer["devices"]
+        if all(isinstance(d, str) for d in listed):
+            found = {
+                t.get("device") for t in tensors.values() if isinstance(t, dict) and isinstance(t.get("device"), str)
+            }
+            producer["devices"] = sorted({*listed, *found})
     return validate_manifest(head, source=source)
 
 
