@@ -1412,6 +1412,8 @@ def figure_7(cfg: Config, workdir: Path) -> Figure:
     fig.rows[0].ratio = 1.0
     growth = measured[2 * n]["total"] / measured[n]["total"]
     fig.rows[2].ratio = growth
+    fig.rows[1].ratio = measured[n]["distinct"] / measured[n]["total"]
+    fig.rows[3].ratio = measured[2 * n]["distinct"] / measured[n]["total"]
     fig.targets.append(Target(f"size({2 * n}) / size({n})", growth, "≤ 2.10", _at_most(growth, 2.1), f"n{2 * n}"))
     for tokens in (n, 2 * n):
         m = measured[tokens]
@@ -1774,7 +1776,7 @@ BENCHMARKS_HEADER = """# Benchmarks
 
 Side-by-side measurements of iobundle against the plain call, `torch.onnx.InputObserver`,
 raw file writes, safetensors, `torch.save` and a bare onnxruntime loop (GitHub issue 6).
-Run `make bench` (about four minutes on two cores) to refresh the block below;
+Run `make bench` (about eight minutes on two busy cores; `--only 1c,7` for single figures) to refresh the block below;
 `benchmarks/results.json` holds every sample. `benchmarks/gpu_check.py` measures the CUDA
 figures (decode-loop overhead, D2H throughput of the snapshot) where a GPU is present.
 
