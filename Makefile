@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench fuzz schema clean
+.PHONY: demo test lint bench fuzz schema zoo clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,14 +18,18 @@ demo: $(STAMP)
 	$(VENV)/bin/iobundle demo demo-output
 
 test: $(STAMP)
-	$(PY) -m ruff check iobundle tests benchmarks
+	$(PY) -m ruff check iobundle tests benchmarks tools
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(PY) -m ruff check iobundle tests benchmarks
+	$(PY) -m ruff check iobundle tests benchmarks tools
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
+
+# The model zoo (tests/zoo): every family exported and validated from its bundle; the matrix goes into README.md
+zoo: $(STAMP)
+	$(PY) tests/zoo/matrix.py
 
 fuzz: $(STAMP)
 	IOBUNDLE_FUZZ_EXAMPLES=5000 $(PY) -m pytest -q tests/replay/test_fuzz.py

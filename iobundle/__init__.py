@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from iobundle._version import __version__
 from iobundle.errors import (
     AlignmentError,
+    ArchiveError,
     BundleError,
     BundleExistsError,
     BundleNotFoundError,
@@ -18,13 +19,19 @@ from iobundle.errors import (
     CLIError,
     DynamicShapeError,
     ExportError,
+    InputSelectionError,
     IntegrityError,
     IobundleError,
     ManifestError,
     MissingDependencyError,
     ModelLoadError,
+    NothingToCompareError,
+    ObserverArgumentError,
+    ObserverArgumentTypeError,
+    ObserverStateError,
     ReplayError,
     TensorFileError,
+    ToleranceError,
     UnsafeBundleError,
     UnsupportedFormatVersionError,
     UnsupportedInputError,
@@ -33,11 +40,14 @@ from iobundle.errors import (
 __all__ = [
     # Capture and replay
     "Bundle",
+    "InputCandidate",
     "InputObserver",
     "__version__",
     "load_bundle",
+    "redact_bundle",
     # Errors
     "AlignmentError",
+    "ArchiveError",
     "BundleError",
     "BundleExistsError",
     "BundleNotFoundError",
@@ -46,23 +56,35 @@ __all__ = [
     "CaptureError",
     "DynamicShapeError",
     "ExportError",
+    "InputSelectionError",
     "IntegrityError",
     "IobundleError",
     "ManifestError",
     "MissingDependencyError",
     "ModelLoadError",
+    "NothingToCompareError",
+    "ObserverArgumentError",
+    "ObserverArgumentTypeError",
+    "ObserverStateError",
     "ReplayError",
     "TensorFileError",
+    "ToleranceError",
     "UnsafeBundleError",
     "UnsupportedFormatVersionError",
     "UnsupportedInputError",
 ]
 
 if TYPE_CHECKING:
-    from iobundle.observer import InputObserver
+    from iobundle.observer import InputCandidate, InputObserver, redact_bundle
     from iobundle.replay import Bundle, load_bundle
 
-_LAZY = {"InputObserver": "iobundle.observer", "Bundle": "iobundle.replay", "load_bundle": "iobundle.replay"}
+_LAZY = {
+    "InputCandidate": "iobundle.observer",
+    "InputObserver": "iobundle.observer",
+    "Bundle": "iobundle.replay",
+    "load_bundle": "iobundle.replay",
+    "redact_bundle": "iobundle.observer",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -10,18 +10,60 @@ Every error a user can trigger is a subclass of :class:`IobundleError`, so
     │   ├── BundleNotFoundError(FileNotFoundError)
     │   ├── BundleExistsError(FileExistsError)
     │   ├── BundleWriteError(OSError)          disk full, permission denied, ...
+    │   ├── ArchiveError(ValueError)           a packed bundle is not a valid archive, or holds a link, a
+    │   │                                      path out, a duplicate, a member past its end (.member)
     │   ├── ManifestError(ValueError)          manifest.json unreadable or invalid
     │   │   ├── UnsupportedFormatVersionError  .found, .supported
     │   │   └── UnsafeBundleError              a path outside the bundle, an unknown node type, a limit
     │   └── TensorFileError                    a tensor file missing, truncated, corrupt or inconsistent
     │       └── IntegrityError                 a file's size or sha256 differs from the manifest
     ├── CaptureError
+    │   ├── ObserverArgumentError(ValueError)  a method the model lacks, a value_if_missing name or
+    │   │                                      position outside the signature, a bad include_model
+    │   ├── ObserverArgumentTypeError(TypeError)  a value_if_missing key that is neither a name nor a position
+    │   ├── ObserverStateError(RuntimeError)   nothing observed yet, a nested streaming block
     │   └── UnsupportedInputError(TypeError)   .call_index, .arg_path
     └── ReplayError
-        ├── AlignmentError                     recorded calls do not line up
-        ├── DynamicShapeError                  calls disagree on a tensor's rank
+        ├── AlignmentError(RuntimeError)       recorded calls do not line up
+        │   └── InputSelectionError(ValueError)  remove_inputs / dim_names / infer_arguments: an unknown
+        │                                        name, a variadic, an argument of the wrong kind
+        ├── DynamicShapeError(RuntimeError)    calls disagree on a tensor's rank
         ├── ModelLoadError                     a model (MODULE:FACTORY, an ONNX file) cannot be loaded
         ├── ExportError                        torch.export / torch.onnx failed, or .report says which calls differ
+        ├── ToleranceError(ValueError)         a per-output tolerance names no output, an unknown error statistic
+        └── NothingToCompareError              the bundle holds no recorded outputs (redacted without them)
+
+Errors that fit both worlds
+---------------------------
+
+The observers iobundle replaces (``torch.onnx.InputObserver``, yobx's and onnx-diagnostic's
+``InputObserver``) raise builtin exceptions, and code written for them catches those. Each
+class above that stands for one of their conditions also derives from the builtin they raise
+for it, so such code runs unchanged:
+
+=================================================  ============================  ========================
+condition (what the anchors raise)                 iobundle raises               also a
+=================================================  ============================  ========================
+calls cannot be aligned: different constants,      AlignmentError                RuntimeError
+an argument flattening to another number of
+tensors, no call holding every keyword, no call
+recorded, a call index out of range
+nothing observed yet (``infer_*``,                 ObserverStateError            RuntimeError
+``remove_inputs`` before any ``with``)
+a tensor changes rank across calls                 DynamicShapeError             RuntimeError
+``observer(model, method_name=...)`` of a          ObserverArgumentError         ValueError
+method the model lacks; a ``value_if_missing``
+name or position outside the signature
+a ``value_if_missing`` key of the wrong type       ObserverArgumentTypeError     TypeError
+``remove_inputs`` of an unknown name or of a       InputSelectionError           ValueError (and
+variadic that cannot go; ``infer_arguments`` of                                  RuntimeError, as an
+an unexpected type; a bad ``dim_names``                                          AlignmentError)
+a value that cannot be recorded                    UnsupportedInputError         TypeError
+=================================================  ============================  ========================
+
+Where the anchors raise ``NotImplementedError`` (a ``value_if_missing`` position beyond the
+arguments given, a best call that is not aligned, calls holding different numbers of aligned
+tensors), iobundle handles the case instead (see ``docs/PARITY.md``).
 """
 
 from __future__ import annotations
@@ -30,6 +72,7 @@ from typing import Any
 
 __all__ = [
     "AlignmentError",
+    "ArchiveError",
     "BundleError",
     "BundleExistsError",
     "BundleNotFoundError",
@@ -38,11 +81,17 @@ __all__ = [
     "CaptureError",
     "DynamicShapeError",
     "ExportError",
+    "InputSelectionError",
+    "ToleranceError",
     "IntegrityError",
     "IobundleError",
     "ManifestError",
     "MissingDependencyError",
     "ModelLoadError",
+    "NothingToCompareError",
+    "ObserverArgumentError",
+    "ObserverArgumentTypeError",
+    "ObserverStateError",
     "ReplayError",
     "TensorFileError",
     "UnsafeBundleError",
@@ -79,6 +128,14 @@ class BundleWriteError(BundleError, OSError):
     """Writing a bundle failed (disk full, permission denied, ...)."""
 
 
+class ArchiveError(BundleError, ValueError):
+    """A packed bundle is not a valid uncompressed tar, or holds an entry a bundle may not; ``.member`` names it."""
+
+    def __init__(self, message: str, *, member: str | None = None) -> None:
+        super().__init__(message)
+        self.member = member
+
+
 class ManifestError(BundleError, ValueError):
     """``manifest.json`` is unreadable or does not match the format."""
 
@@ -108,6 +165,18 @@ class CaptureError(IobundleError):
     """Recording calls failed in a way the caller must fix."""
 
 
+class ObserverArgumentError(CaptureError, ValueError):
+    """A bad argument to the observer: a method the model lacks, a ``value_if_missing`` key outside the signature."""
+
+
+class ObserverArgumentTypeError(CaptureError, TypeError):
+    """An argument of the observer has the wrong type (a ``value_if_missing`` key neither a name nor a position)."""
+
+
+class ObserverStateError(CaptureError, RuntimeError):
+    """The observer cannot do this now: nothing was observed yet, or a block already streams."""
+
+
 class UnsupportedInputError(CaptureError, TypeError):
     """A value passed to the observed method cannot be recorded."""
 
@@ -121,11 +190,15 @@ class ReplayError(IobundleError):
     """Inference, export or validation from recorded calls failed."""
 
 
-class AlignmentError(ReplayError):
+class AlignmentError(ReplayError, RuntimeError):
     """The recorded calls cannot be aligned on one structure."""
 
 
-class DynamicShapeError(ReplayError):
+class InputSelectionError(AlignmentError, ValueError):
+    """An input named or chosen by the caller cannot be used: unknown, a variadic, or of the wrong kind."""
+
+
+class DynamicShapeError(ReplayError, RuntimeError):
     """The recorded calls disagree on a tensor in a way no dynamic shape can describe."""
 
 
@@ -139,3 +212,11 @@ class ExportError(ReplayError):
     def __init__(self, message: str, *, report: Any = None) -> None:
         super().__init__(message)
         self.report = report
+
+
+class NothingToCompareError(ReplayError):
+    """Validation was asked for, but the bundle holds no recorded outputs (``iobundle redact`` dropped them)."""
+
+
+class ToleranceError(ReplayError, ValueError):
+    """The comparison options are wrong: a per-output tolerance that names no output, an unknown statistic."""

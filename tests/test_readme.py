@@ -28,3 +28,13 @@ def test_readme_five_minutes_runs(tmp_path):
     assert "{'x': {0: DimHint(DYNAMIC)}, 'mask': {0: DimHint(DYNAMIC)}, 'scale': None}" in proc.stdout
     assert "RESULT [True, True] True" in proc.stdout
     assert (tmp_path / "run.iobundle" / "manifest.json").is_file()
+
+
+def test_readme_cli_reference_is_current():
+    """The reference is generated from the parsers: run `python tools/cli_reference.py` after changing one."""
+    tool = README.parent / "tools" / "cli_reference.py"
+    proc = subprocess.run([sys.executable, str(tool), "--check"], capture_output=True, text=True, timeout=120)
+    if proc.returncode == 2:
+        pytest.skip(proc.stderr.strip())  # argparse's layout differs between Python versions
+    assert proc.returncode == 0, proc.stderr
+    assert "### `iobundle validate`" in README.read_text(encoding="utf-8")

@@ -14,8 +14,10 @@ __all__ = [
     "ObservationWarning",
     "RecordedCalls",
     "register_node_type",
+    "save_recorded_calls",
     "transformers_pytree_nodes",
 ]
 
 from iobundle.calls import NodeType, RecordedCalls, register_node_type, transformers_pytree_nodes
 from iobundle.capture._recorder import CallRecorder, ObservationWarning
+from iobundle.capture._writer import save_recorded_calls

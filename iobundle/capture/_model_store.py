@@ -1,9 +1,10 @@
 """Store the observed model in a bundle: a transformers config (JSON) and its weights (safetensors).
 
 A self-contained bundle replays without the model's code being importable by name: the
-loader (``iobundle.replay._model_load``) rebuilds the class from an allow-list of
-transformers classes and loads the weights with safetensors. Only transformers models
-are stored, since only they can be rebuilt from a config alone.
+loader (``iobundle.replay.load_bundle_model``) rebuilds any class transformers registers
+in its auto-model mappings, refuses configs that select code, and loads the weights with
+safetensors. Only transformers models are stored, since only they can be rebuilt from a
+config alone.
 
 Layout::
 
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 from iobundle.calls import WRITE_HASH, new_hasher
-from iobundle.errors import BundleWriteError, CaptureError, IobundleError
+from iobundle.errors import BundleWriteError, IobundleError, ObserverArgumentError
 from iobundle.schema import FileEntry, ModelEntry
 
 __all__ = ["MODEL_CONFIG_FILE", "MODEL_DIR", "MODEL_WEIGHTS_FILE", "find_submodule", "write_model"]
@@ -75,7 +76,7 @@ def _config_json(model: Any) -> str:
     try:
         return json.dumps(config, indent=1, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise CaptureError(
+        raise ObserverArgumentError(
             f"The config of {type(model).__name__} is not plain JSON ({exc}); it cannot be stored in the bundle. "
             "Save without include_model and rebuild the model yourself when replaying."
         ) from exc
@@ -91,19 +92,19 @@ def write_model(bundle_dir: str | os.PathLike[str], model: torch.nn.Module, obse
             (its path is recorded so that the loader hands it back); None for ``model`` itself.
 
     Raises:
-        CaptureError: ``model`` is not a transformers model, ``observed`` is not inside it, or
+        ObserverArgumentError: ``model`` is not a transformers model, ``observed`` is not inside it, or
             its config is not JSON.
         BundleWriteError: The files cannot be written.
     """
     if not _is_transformers_model(model):
-        raise CaptureError(
+        raise ObserverArgumentError(
             f"include_model stores transformers models only (a config rebuilds them); got a "
             f"{type(model).__module__}.{type(model).__qualname__}. Pass the transformers model that holds the "
             "observed module (include_model=model), or save without include_model."
         )
     submodule = "" if observed is None else find_submodule(model, observed)
     if submodule is None:
-        raise CaptureError(
+        raise ObserverArgumentError(
             f"The observed {type(observed).__name__} is not a submodule of the {type(model).__name__} given "
             "as include_model. Pass the model that holds it."
         )

@@ -7,15 +7,19 @@ import functools
 import inspect
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
+from iobundle._remote import local_path, open_filesystem, upload_directory
 from iobundle.calls import (
     RecordedCalls,
     TensorCollector,
@@ -25,7 +29,13 @@ from iobundle.calls import (
 )
 from iobundle.capture._stream import CallStream, SnapshotTable
 from iobundle.capture._writer import BundleWriter, save_recorded_calls
-from iobundle.errors import BundleExistsError, CaptureError, IobundleError
+from iobundle.errors import (
+    BundleExistsError,
+    IobundleError,
+    ObserverArgumentError,
+    ObserverArgumentTypeError,
+    ObserverStateError,
+)
 from iobundle.schema import CallEntry, Manifest, MissingValueEntry, Node
 
 __all__ = ["CallRecorder", "ObservationWarning"]
@@ -79,6 +89,7 @@ class CallRecorder:
         self._stream_writer: BundleWriter | None = None
         self._streamed: list[CallEntry] = []
         self._observed_model: Any = None  # the last model observed: what save(include_model=True) stores
+        self._staging: dict[str, Path] = {}  # stream_to URL -> the local directory streamed to, then uploaded
 
     # -- the observed method ------------------------------------------------------------------
 
@@ -127,26 +138,36 @@ class CallRecorder:
             model: The object whose method is observed.
             store_n_calls: How many calls of this block to record.
             method_name: The method to observe.
-            stream_to: A bundle directory to write each call to as it returns.
+            stream_to: A bundle directory to write each call to as it returns. A URL (``s3://...``,
+                ``memory://...``; needs fsspec, ``pip install 'iobundle[remote]'``) streams to a local
+                staging directory, uploaded when the block is left (``manifest.json`` last); the
+                staging directory is removed when the observer is garbage-collected.
             overwrite: Replace what ``stream_to`` holds.
             durable: fsync each streamed call before accepting the next one (survives a power
                 loss during the block), instead of once when the block is left.
 
         Raises:
-            CaptureError: ``model`` has no such method, or it differs from the one observed before.
+            ObserverArgumentError: ``model`` has no such method, or it differs from the one observed
+                before, or a ``value_if_missing`` key is outside the signature (a ``ValueError``).
+            ObserverArgumentTypeError: A ``value_if_missing`` key is neither a name nor a position
+                (a ``TypeError``).
+            ObserverStateError: A block of this observer streams already and this one has ``stream_to``.
             BundleExistsError: ``stream_to`` is not empty and ``overwrite`` is False.
         """
         method = getattr(model, method_name, None)
         if method is None or not callable(method):
-            raise CaptureError(f"{type(model).__name__} has no method {method_name!r} to observe.")
+            raise ObserverArgumentError(
+                f"{type(model).__name__} does not have a method {method_name!r} to observe. "
+                "Pass method_name= the name of one of its methods ('forward' by default)."
+            )
         if store_n_calls < 0:
-            raise CaptureError(f"store_n_calls must be >= 0, got {store_n_calls}.")
+            raise ObserverArgumentError(f"store_n_calls must be >= 0, got {store_n_calls}.")
         sig = signature_entry(method, method_name)
         if self._rc is None:
             self._rc = RecordedCalls(signature=sig, store=self._table)
             self._rc.value_if_missing = self._record_missing_values(self._rc)
         elif [p.name for p in self._rc.signature.parameters] != [p.name for p in sig.parameters]:
-            raise CaptureError(
+            raise ObserverArgumentError(
                 f"This observer recorded {self._rc.signature.qualname} before; it cannot also record "
                 f"{sig.qualname} with another signature. Use one InputObserver per method."
             )
@@ -158,7 +179,10 @@ class CallRecorder:
             return self._observe_call(method, budget, args, kwargs)
 
         recording_method.__signature__ = inspect.signature(method)  # type: ignore[attr-defined]
-        stream = None if stream_to is None else self._open_stream(Path(stream_to), overwrite=overwrite, durable=durable)
+        stream = None
+        if stream_to is not None:
+            target = self._stream_path(stream_to, overwrite=overwrite)
+            stream = self._open_stream(target, overwrite=overwrite, durable=durable)
         self._observed_model = model
         setattr(model, method_name, recording_method)
         try:
@@ -178,7 +202,7 @@ class CallRecorder:
         rc = self._rc
         assert rc is not None
         if self._stream is not None:
-            raise CaptureError(
+            raise ObserverStateError(
                 f"This observer already streams to '{self._stream.path}' in an enclosing block; "
                 "a nested block cannot stream too. Drop stream_to= from the inner block."
             )
@@ -207,13 +231,41 @@ class CallRecorder:
             self._warn(message, stacklevel=4)
         return stream
 
+    def _stream_path(self, stream_to: str | os.PathLike[str], *, overwrite: bool) -> Path:
+        """The local directory to stream to: ``stream_to`` itself, or the staging directory of a URL."""
+        local = local_path(stream_to)
+        if local is not None:
+            return local
+        url = str(stream_to)
+        staging = self._staging.get(url)
+        if staging is None:
+            fs, inner = open_filesystem(url)  # MissingDependencyError without fsspec, before anything runs
+            if not overwrite and fs.exists(inner) and (not fs.isdir(inner) or fs.ls(inner, detail=False)):
+                raise BundleExistsError(
+                    f"'{url}' already exists and is not empty. Pass overwrite=True to replace it, or choose another URL."
+                )
+            parent = Path(tempfile.mkdtemp(prefix="iobundle-stream-"))
+            weakref.finalize(self, shutil.rmtree, parent, True)
+            staging = self._staging[url] = parent / "bundle"
+            logger.info("streaming to %s, uploaded to %s when the block ends", staging, url)
+        return staging
+
     def _close_stream(self, stream: CallStream) -> None:
-        """Wait for the writer, write the final manifest; problems become warnings."""
+        """Wait for the writer, write the final manifest (and upload it to its URL); problems become warnings."""
         messages = []
         try:
             stream.close()
         except Exception as exc:
             messages.append(f"iobundle could not write the final manifest of '{stream.path}' ({exc}).")
+        url = next((u for u, p in self._staging.items() if p == stream.path), None)
+        if url is not None and not messages:
+            try:
+                upload_directory(stream.path, url, overwrite=True)  # emptiness was checked when the stream opened
+            except Exception as exc:
+                messages.append(
+                    f"iobundle could not upload the streamed bundle to '{url}' ({exc}); it stays in {stream.path} "
+                    "while the observer lives: call observer.save() with another path to keep it."
+                )
         with self._lock:
             self._stream = None
             self._streamed = stream.manifest_calls
@@ -247,15 +299,18 @@ class CallRecorder:
         entries = []
         for key, value in self.value_if_missing.items():
             if isinstance(key, bool) or not isinstance(key, (str, int)):
-                raise CaptureError(f"value_if_missing: keys are parameter names or positions, got {key!r}.")
+                raise ObserverArgumentTypeError(
+                    f"Unexpected type {type(key).__name__} for the value_if_missing key {key!r}; keys are "
+                    "parameter names (str) or positions (int)."
+                )
             if isinstance(key, str) and key not in names and rc.var_keyword is None:
-                raise CaptureError(
-                    f"value_if_missing: {key!r} is not a parameter of {rc.signature.qualname} "
+                raise ObserverArgumentError(
+                    f"Unexpected keyword argument {key!r} in value_if_missing: it is not a parameter of {rc.signature.qualname} "
                     f"(parameters: {names}) and it takes no **kwargs."
                 )
             if isinstance(key, int) and not 0 <= key < len(names):
-                raise CaptureError(
-                    f"value_if_missing: position {key} is outside the signature of {rc.signature.qualname} ({names})."
+                raise ObserverArgumentError(
+                    f"Unexpected keyword argument at position {key} in value_if_missing: it is outside the signature of {rc.signature.qualname} ({names})."
                 )
             node = record_value(value, self._collector, path=f"value_if_missing[{key!r}]", on_opaque=self._opaque)
             entries.append(MissingValueEntry(key=key, value=node))
@@ -355,7 +410,9 @@ class CallRecorder:
 
     def _recorded(self) -> RecordedCalls:
         if self._rc is None:
-            raise CaptureError("Nothing was observed yet. Run the model inside `with observer(model):` first.")
+            raise ObserverStateError(
+                "No inputs were captured: nothing was observed yet. Run the model inside `with observer(model):` first."
+            )
         return self._rc
 
     def num_obs(self) -> int:
@@ -376,8 +433,12 @@ class CallRecorder:
         ``iobundle.replay.load_bundle_model`` rebuilds the model from them. Only
         transformers models can be stored (a config rebuilds them).
 
+        ``path`` may be a URL (``s3://bucket/run.iobundle``, ``memory://run``; needs fsspec:
+        ``pip install 'iobundle[remote]'``): the bundle is written to a local temporary directory,
+        then uploaded, ``manifest.json`` last. A ``scheme://`` string is never taken for a local path.
+
         Args:
-            path: Target directory (``run.iobundle``); created if missing.
+            path: Target directory (``run.iobundle``) or URL; created if missing.
             overwrite: Replace an existing non-empty directory.
             include_model: True to store the observed model; or the transformers model that holds
                 the observed module (``include_model=model`` after observing
@@ -387,16 +448,21 @@ class CallRecorder:
             The manifest written to ``path/manifest.json``.
 
         Raises:
-            CaptureError: Nothing was observed, or ``include_model`` is not a transformers model (or
+            ObserverStateError: Nothing was observed.
+            ObserverArgumentError: ``include_model`` is not a transformers model (or
                 does not hold the observed module).
             BundleExistsError: ``path`` is not empty and ``overwrite`` is False, or it is the bundle
                 this observer streams to (it is complete already; tensors are read back from it).
             BundleWriteError: Writing failed (disk full, permission denied); nothing that looks like
                 a complete bundle is left at ``path``.
+            MissingDependencyError: ``path`` is a URL and fsspec is not installed.
         """
         rc = self._recorded()
         streamed = self._stream_writer
-        if streamed is not None and _same_path(streamed.path, Path(path)):
+        target = local_path(path)
+        if target is None:
+            return self._save_to_url(str(path), overwrite=overwrite, include_model=include_model)
+        if streamed is not None and _same_path(streamed.path, target):
             raise BundleExistsError(
                 f"'{path}' is the bundle this observer streamed its calls to (stream_to=); it already holds "
                 "them, and its tensors are read back from it. Save to another path."
@@ -412,4 +478,21 @@ class CallRecorder:
             manifest = manifest.model_copy(update={"model": entry})
             write_manifest(path, manifest)
         logger.info("saved %d calls to %s", len(manifest.calls), path)
+        return manifest
+
+    def _save_to_url(self, url: str, *, overwrite: bool, include_model: bool | torch.nn.Module) -> Manifest:
+        """Save to a local staging directory, upload it to ``url`` (``manifest.json`` last), remove it."""
+        open_filesystem(url)  # MissingDependencyError without fsspec, before anything is written
+        if url in self._staging:
+            raise BundleExistsError(
+                f"'{url}' is the bundle this observer streamed its calls to (stream_to=); it already holds "
+                "them. Save to another URL."
+            )
+        parent = Path(tempfile.mkdtemp(prefix="iobundle-save-"))
+        try:
+            manifest = self.save(parent / "bundle", include_model=include_model)
+            upload_directory(parent / "bundle", url, overwrite=overwrite)
+        finally:
+            shutil.rmtree(parent, ignore_errors=True)
+        logger.info("uploaded %d calls to %s", len(manifest.calls), url)
         return manifest

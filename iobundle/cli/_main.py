@@ -8,6 +8,10 @@ To add a subcommand: write ``_cmd_<name>(args) -> int``, and in :func:`_build_pa
 ``add_parser`` block with its arguments, an ``_EXAMPLES`` entry and ``set_defaults(handler=...)``.
 Raise :class:`~iobundle.errors.CLIError` for bad flag combinations; return :data:`EXIT_CHECK_FAILED`
 when a check the user asked for fails.
+
+The comparing commands (``validate`` here, ``run`` and ``diff`` registered by
+:mod:`iobundle.cli._checks`) share their flags, progress bars (:mod:`iobundle.cli._progress`) and
+report files (:mod:`iobundle.cli._reports`: Markdown, HTML, JSON, CSV).
 """
 
 from __future__ import annotations
@@ -20,13 +24,22 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from iobundle.cli import _render
-from iobundle.errors import BundleError, CLIError, ExportError, IobundleError, ModelLoadError, ReplayError
+from iobundle.cli import _checks, _render, _travel
+from iobundle.errors import (
+    BundleError,
+    CLIError,
+    ExportError,
+    IobundleError,
+    ModelLoadError,
+    NothingToCompareError,
+    ReplayError,
+    ToleranceError,
+)
 
 if TYPE_CHECKING:
     from iobundle.replay import Bundle
 
-__all__ = ["EXIT_CHECK_FAILED", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
+__all__ = ["EXIT_CHECK_FAILED", "EXIT_FAILED", "EXIT_NOTHING_TO_COMPARE", "EXIT_OK", "EXIT_USAGE", "main"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +50,8 @@ EXIT_USAGE = 2
 """Bad command line, or a path that is not a readable bundle (argparse also exits with 2)."""
 EXIT_FAILED = 3
 """The bundle was read but the operation failed: calls that cannot be aligned, an export error, ..."""
+EXIT_NOTHING_TO_COMPARE = 4
+"""validate: the bundle holds no recorded outputs (redacted without them), so nothing was compared."""
 
 # The first class of an error's MRO found here gives the exit code; anything else is EXIT_FAILED.
 _EXIT_CODES: dict[type[IobundleError], int] = {
@@ -44,6 +59,8 @@ _EXIT_CODES: dict[type[IobundleError], int] = {
     BundleError: EXIT_USAGE,
     ModelLoadError: EXIT_USAGE,
     ExportError: EXIT_CHECK_FAILED,
+    NothingToCompareError: EXIT_NOTHING_TO_COMPARE,
+    ToleranceError: EXIT_USAGE,
 }
 
 DEBUG_ENV = "IOBUNDLE_DEBUG"
@@ -54,14 +71,16 @@ recorded with iobundle.InputObserver and saved with observer.save(PATH)."""
 
 _EXIT_HELP = """\
 exit codes:
-  0  success
-  0  success (validate, export: every recorded call reproduced)
-  1  a check failed (verify: a file is corrupt; validate, export: a call differs or fails to run)
+  0  success (validate, run, export: every recorded call reproduced; diff: the bundles are alike)
+  1  a check failed (verify: a file is corrupt; validate, run, export: a call differs or fails to run;
+     diff: the bundles differ)
   2  usage error, or a bundle or model that cannot be read
   3  the bundle was read but the operation failed (e.g. calls that cannot be aligned)
+  4  validate: the bundle holds no recorded outputs (iobundle redact dropped them): nothing compared
 
 environment:
-  IOBUNDLE_DEBUG=1  show the full traceback of an error"""
+  IOBUNDLE_DEBUG=1  show the full traceback of an error
+  NO_COLOR=1        no colour (there is none either when stdout is not a terminal)"""
 
 _EXAMPLES = {
     "iobundle": """\
@@ -71,6 +90,11 @@ examples:
   iobundle verify run.iobundle && echo intact
   iobundle export run.iobundle --model mypkg.models:build -o model.onnx
   iobundle validate run.iobundle model.onnx --report report.md
+  iobundle pack run.iobundle -o run.iobundle.tar
+  iobundle redact run.iobundle -o bug-report.iobundle
+  iobundle convert run.iobundle --to onnx-testdata testdata --model model.onnx
+  iobundle run run.iobundle --model mypkg.models:build --report drift.html
+  iobundle diff gpu.iobundle cpu.iobundle
   iobundle demo
   iobundle COMMAND --help""",
     "export": """\
@@ -86,18 +110,25 @@ recorded arguments and dynamic shapes, the exported program is run on every reco
 then torch.onnx writes the ONNX file. Exit code 1 when a recorded call is not reproduced.
 
 --from-bundle rebuilds the model from the config and weights a self-contained bundle carries
-(observer.save(path, include_model=True)), for an allow-list of transformers classes only:
-no code of yours and none from the bundle runs.""",
+(observer.save(path, include_model=True)), for the classes transformers registers in its
+auto-model mappings only, and refuses a config that would fetch, import or run code (remote
+code, hub kernels, quantization backends): no code of yours and none from the bundle runs.
+For any other model, build it yourself and pass --model MODULE:FACTORY.""",
     "validate": """\
 examples:
   iobundle validate run.iobundle model.onnx
   iobundle validate run.iobundle model.onnx --atol 1e-3 --report report.json
   iobundle validate old.iobundle new_model.onnx --report regressions.md
+  iobundle validate run.iobundle model.onnx --atol logits=1e-3 --atol 1e-4 --report report.html
+  iobundle validate run.iobundle model.onnx --check-error-stat quantile --error-quantile 0.999
 
-Runs the ONNX model with onnxruntime on every recorded call and compares with the recorded
-outputs. A call passes when every element is within --atol or within --rtol of the recorded
-value. A call whose input was absent at capture and had to be fed a stand-in is "not
-checked" when it differs. --report writes every column as JSON, CSV or Markdown (by extension).
+Runs the ONNX model with onnxruntime on every recorded call and compares each output with
+the recorded one. With --check-error-stat max (the default) an output passes when every
+element is within its --atol or within its --rtol of the recorded value; with mean, median
+or quantile, when that statistic of its errors is. A call passes when all its outputs do. A
+call whose input was absent at capture and had to be fed a stand-in is "not checked" when it
+differs. --report writes a Markdown report to paste into an issue (.md), a self-contained
+page with charts (.html), or every column of every call (.json, .csv), by extension.
 Exit code 0 when every call passes, 1 when one differs or fails to run, 2 when the bundle or
 the model cannot be read.""",
     "demo": """\
@@ -135,6 +166,9 @@ cannot be opened.""",
 }
 
 
+_EXAMPLES.update(_checks.EXAMPLES)
+
+
 class _Formatter(argparse.RawDescriptionHelpFormatter):
     def __init__(self, prog: str) -> None:
         super().__init__(prog, max_help_position=32)
@@ -148,12 +182,14 @@ def _add_logging_flags(parser: argparse.ArgumentParser, *, top_level: bool) -> N
     group.add_argument("-q", "--quiet", action="count", default=default, help="only errors")
 
 
-def _add_command(subparsers: Any, name: str, *, summary: str, description: str) -> argparse.ArgumentParser:
+def _add_command(
+    subparsers: Any, name: str, *, summary: str, description: str, epilog: str | None = None
+) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         name,
         help=summary,
         description=description,
-        epilog=_EXAMPLES[name],
+        epilog=_EXAMPLES[name] if epilog is None else epilog,
         formatter_class=_Formatter,
     )
     _add_logging_flags(parser, top_level=False)
@@ -178,7 +214,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Print a table of the recorded calls (inputs with shape and dtype, constants, latency), "
         "the versions that produced the bundle, and the inferred dynamic shapes.",
     )
-    p.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
+    p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
     p.set_defaults(handler=_cmd_inspect)
 
     p = _add_command(
@@ -187,12 +223,15 @@ def _build_parser() -> argparse.ArgumentParser:
         summary="print the dynamic_shapes to give torch.export.export",
         description="Infer the dynamic_shapes argument of torch.export.export from the recorded calls.",
     )
-    p.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
+    p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
     _add_batch_flags(p)
     p.add_argument(
-        "--dim-names", action="store_true", help="name each dynamic dimension (Dim('x_0_dim1')) instead of Dim.DYNAMIC"
+        "--dim-names",
+        action="store_true",
+        help="name each dynamic dimension ('batch_size', 'past_sequence_length', 'x_dim_1'); dimensions equal in "
+        "every call share a name",
     )
-    p.add_argument("--json", action="store_true", help='print JSON: dims as "DYNAMIC" or the Dim\'s name')
+    p.add_argument("--json", action="store_true", help='print JSON: dims as "DYNAMIC" or their name')
     p.set_defaults(handler=_cmd_shapes)
 
     p = _add_command(
@@ -202,7 +241,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Check that every tensor file of the bundle is present and matches the size and hash "
         "recorded in manifest.json.",
     )
-    p.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
+    p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
     p.set_defaults(handler=_cmd_verify)
 
     p = _add_command(
@@ -212,7 +251,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Export the model returned by MODULE:FACTORY with the bundle's inferred arguments and "
         "dynamic shapes, check the exported program on every recorded call, and write an ONNX file.",
     )
-    p.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
+    p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", metavar="MODULE:FACTORY", help="a callable returning the model (your code)")
     source.add_argument(
@@ -225,6 +264,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     _add_batch_flags(p)
     p.add_argument("--no-check", action="store_true", help="write the ONNX file even if a recorded call differs")
+    p.add_argument(
+        "--dim-names",
+        action="store_true",
+        help="name the graph's dynamic dimensions (batch_size, past_sequence_length, ...), as shapes --dim-names prints",
+    )
     p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance of the check (default: %(default)s)")
     p.add_argument("--rtol", type=float, default=0.1, help="relative tolerance of the check (default: %(default)s)")
     p.set_defaults(handler=_cmd_export)
@@ -236,12 +280,12 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Run MODEL.onnx with onnxruntime on every recorded call of BUNDLE and compare its outputs "
         "with the recorded ones: one row per call and a verdict.",
     )
-    p.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
+    p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
     p.add_argument("model", metavar="MODEL.onnx", help="the ONNX model")
-    p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance (default: %(default)s)")
-    p.add_argument("--rtol", type=float, default=0.1, help="relative tolerance (default: %(default)s)")
-    p.add_argument("--report", metavar="FILE", help="also write every column to FILE (.json, .csv or .md)")
+    _checks.add_comparison_flags(p)
     p.set_defaults(handler=_cmd_validate)
+
+    _checks.register(subparsers, _add_command)  # run, diff
 
     p = _add_command(
         subparsers,
@@ -259,6 +303,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(handler=_cmd_demo)
 
+    _travel.register(subparsers, _add_command)  # pack, unpack, redact, convert
     return parser
 
 
@@ -297,8 +342,15 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         shapes = bundle.infer_dynamic_shapes()
     except ReplayError as exc:  # the rest of the report is still worth printing
         shapes_error = str(exc)
+    model = None
+    if bundle.manifest.model is not None:
+        from iobundle.replay import describe_bundle_model
+
+        model = describe_bundle_model(bundle)
     _render.out(
-        _render.format_inspect(args.bundle, bundle.manifest, dynamic_shapes=shapes, dynamic_shapes_error=shapes_error)
+        _render.format_inspect(
+            args.bundle, bundle.manifest, dynamic_shapes=shapes, dynamic_shapes_error=shapes_error, model=model
+        )
     )
     return EXIT_OK
 
@@ -385,8 +437,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
     spec = _batch_spec(args, bundle)
     model = load_bundle_model(bundle) if args.from_bundle else model_from_factory(args.model)
     try:
-        with _quiet_exporters():
-            path = bundle.to_onnx(model, args.output, set_batch_dimension_for=spec, check=not args.no_check)
+        with _quiet_exporters(), _checks.progress_bars(args) as bars:
+            path = bundle.to_onnx(
+                model, args.output, set_batch_dimension_for=spec, check=not args.no_check, atol=args.atol,
+                rtol=args.rtol, dim_names=args.dim_names, on_progress=bars,
+            )  # fmt: skip
     except ExportError as exc:
         if exc.report is not None and exc.report.calls:
             _render.out(_render.format_export(exc.report, None))
@@ -397,24 +452,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from iobundle.replay import validate_onnx
-
-    fmt = None
-    if args.report:
-        fmt = _render.REPORT_FORMATS.get(os.path.splitext(args.report)[1].lower())
-        if fmt is None:
-            raise CLIError(f"--report {args.report}: use a .json, .csv or .md file name.")
+    options = _checks.comparison_options(args)
     bundle = _open_bundle(args.bundle)
-    report = validate_onnx(bundle._recorded(), args.model, atol=args.atol, rtol=args.rtol)
-    _render.out(_render.format_validation(report))
-    if args.report and fmt:
-        try:
-            with open(args.report, "w", encoding="utf-8") as f:
-                f.write(_render.format_report_file(report.rows, fmt))
-        except OSError as exc:
-            raise CLIError(f"--report {args.report}: cannot write it ({exc.strerror or exc}).") from exc
-        _render.out(f"report written to {args.report}")
-    return EXIT_OK if report.ok else EXIT_CHECK_FAILED
+    with _checks.progress_bars(args) as bars:
+        report = bundle.validate(args.model, on_progress=bars, **options)
+    return _checks.finish_comparison(args, report, [bundle])
 
 
 def _run_step(argv: list[str]) -> int:
@@ -528,6 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a usage error argparse already printed
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     with _logging(args.verbose, args.quiet) as args.log_level:
         try:
             return int(args.handler(args))

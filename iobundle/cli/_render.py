@@ -1,33 +1,32 @@
 """Everything the ``iobundle`` command writes to the terminal: tables, trees, shapes, errors.
 
 Formatting functions return strings (the tests read them); :func:`out` and :func:`err` are
-the only places that write. Nothing here imports torch: shapes and dtypes come from the
-manifest, and ``torch.export.Dim`` objects are recognised by their attributes.
+the only places that write. Tables are drawn by rich (imported on first use, so ``--help``
+never pays for it): in colour on a terminal, plain when stdout is a pipe or a file, or when
+``NO_COLOR`` is set; on a pipe nothing is wrapped (``iobundle inspect B | less -S``).
+
+Nothing here imports torch, nor even the schema's pydantic models: trees are read through
+their ``kind`` field, shapes and dtypes come from the manifest, and ``torch.export.Dim``
+objects are recognised by their attributes.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from iobundle.schema import (
-    CallEntry,
-    ConstNode,
-    DictNode,
-    ListNode,
-    Manifest,
-    Node,
-    NoneNode,
-    ObjectNode,
-    OpaqueNode,
-    TensorNode,
-    TupleNode,
-)
+if TYPE_CHECKING:
+    from iobundle.replay import StoredModel
+    from iobundle.schema import CallEntry, Manifest, Node, ObjectNode
 
 __all__ = [
+    "color_enabled",
     "dynamic_shapes_to_json",
     "err",
     "format_dynamic_shapes",
@@ -36,10 +35,12 @@ __all__ = [
     "format_inspect",
     "format_latency",
     "format_node",
+    "format_stored_model",
     "format_table",
     "format_tensor",
     "format_verify",
     "out",
+    "render",
 ]
 
 MAX_ITEMS = 4
@@ -64,6 +65,39 @@ _CHILD_LABELS = {"transformers.EncoderDecoderCache": ("self", "cross")}
 def out(text: str = "") -> None:
     """Write ``text`` and a newline to stdout."""
     sys.stdout.write(text + "\n")
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+def color_enabled(stream: Any = None) -> bool:
+    """Colour only on a terminal, and never with ``NO_COLOR`` set (https://no-color.org) or ``TERM=dumb``."""
+    if os.environ.get("NO_COLOR", "") != "" or os.environ.get("TERM") == "dumb":
+        return False
+    return _isatty(sys.stdout if stream is None else stream)
+
+
+def render(renderable: Any, *, stream: Any = None) -> str:
+    """Text of a rich renderable for ``stream`` (default stdout): ANSI colours only when :func:`color_enabled`.
+
+    On a terminal the text fits its width; elsewhere nothing is wrapped.
+    """
+    from rich.console import Console
+
+    target = sys.stdout if stream is None else stream
+    color = color_enabled(target)
+    width = shutil.get_terminal_size().columns if _isatty(target) else 100_000
+    buffer = io.StringIO()
+    console = Console(
+        file=buffer, width=width, force_terminal=color, no_color=not color, color_system="standard" if color else None,
+        highlight=False, emoji=False, markup=False, legacy_windows=False,
+    )  # fmt: skip
+    console.print(renderable, overflow="fold", crop=False)
+    return "\n".join(line.rstrip() for line in buffer.getvalue().rstrip("\n").splitlines())
 
 
 def err(text: str) -> None:
@@ -132,29 +166,30 @@ def format_node(manifest: Manifest, node: Node, *, depth: int = 0) -> str:
     Tensors show shape and dtype; containers with many items show the first ones and a count;
     registered classes show their short name (caches one layer and the number of layers).
     """
-    if isinstance(node, TensorNode):
-        return format_tensor(manifest, node.key)
-    if isinstance(node, NoneNode):
+    kind = getattr(node, "kind", None)
+    if kind == "tensor":
+        return format_tensor(manifest, node.key)  # type: ignore[union-attr]
+    if kind == "none":
         return "None"
-    if isinstance(node, ConstNode):
-        return repr(node.value)
-    if isinstance(node, OpaqueNode):
-        return f"<opaque {node.type}>"
+    if kind == "const":
+        return repr(node.value)  # type: ignore[union-attr]
+    if kind == "opaque":
+        return f"<opaque {node.type}>"  # type: ignore[union-attr]
     if depth >= MAX_DEPTH:
-        return "{...}" if isinstance(node, DictNode) else "[...]"
-    if isinstance(node, ListNode):
-        return f"[{_items(manifest, node.items, depth)}]"
-    if isinstance(node, TupleNode):
-        inner = _items(manifest, node.items, depth)
-        return f"({inner},)" if len(node.items) == 1 else f"({inner})"
-    if isinstance(node, DictNode):
-        pairs = list(zip(node.keys, node.items))
+        return "{...}" if kind == "dict" else "[...]"
+    if kind == "list":
+        return f"[{_items(manifest, node.items, depth)}]"  # type: ignore[union-attr]
+    if kind == "tuple":
+        inner = _items(manifest, node.items, depth)  # type: ignore[union-attr]
+        return f"({inner},)" if len(node.items) == 1 else f"({inner})"  # type: ignore[union-attr]
+    if kind == "dict":
+        pairs = list(zip(node.keys, node.items))  # type: ignore[union-attr]
         shown = pairs if len(pairs) <= MAX_ITEMS else pairs[: MAX_ITEMS - 1]
         parts = [f"{k!r}: {format_node(manifest, v, depth=depth + 1)}" for k, v in shown]
         return f"{{{_join(parts, len(pairs))}}}"
-    if isinstance(node, ObjectNode):
-        return _object(manifest, node, depth)
-    return f"<{getattr(node, 'kind', type(node).__name__)}>"
+    if kind == "node":
+        return _object(manifest, node, depth)  # type: ignore[arg-type]
+    return f"<{kind or type(node).__name__}>"
 
 
 def _positional_names(manifest: Manifest) -> tuple[list[str], str | None]:
@@ -197,14 +232,32 @@ def format_latency(seconds: float | None) -> str:
     return f"{ms:.{digits}f} ms"
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, right: Sequence[int] = ()) -> str:
-    """A plain-text table: columns padded to their widest cell, two spaces apart, no trailing blanks."""
-    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
-    lines = []
-    for row in [headers, *rows]:
-        cells = [str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
+def format_table(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    right: Sequence[int] = (),
+    styles: Sequence[Sequence[str | None]] | None = None,
+) -> str:
+    """A table drawn by rich: a rule under the header, columns two spaces apart, no outer border.
+
+    ``styles[i][j]`` is an optional rich style of cell ``(i, j)`` (``"red"``, ``"bold green"``),
+    shown only when colour is on.
+    """
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold")
+    for i, header in enumerate(headers):
+        table.add_column(header, justify="right" if i in right else "left", no_wrap=i in right)
+    for i, row in enumerate(rows):
+        cells = []
+        for j, cell in enumerate(row):
+            style = styles[i][j] if styles is not None and j < len(styles[i]) else None
+            cells.append(Text(str(cell), style=style or ""))
+        table.add_row(*cells)
+    return render(table)
 
 
 def _size(n: int) -> str:
@@ -226,14 +279,33 @@ def _signature(manifest: Manifest) -> str:
     return f"{qualname}({', '.join(parts)})"
 
 
+def format_stored_model(model: StoredModel) -> list[str]:
+    """The ``model`` lines of ``iobundle inspect``: class, model_type, attention, sizes, --from-bundle verdict."""
+    attention = model.attn_implementation or "default"
+    lines = [
+        f"model      {model.class_name} (model_type {model.model_type or '?'}, attention {attention}), "
+        f"weights {_size(model.weights_bytes)}, config {_size(model.config_bytes)}"
+    ]
+    if model.submodule:
+        lines.append(f"           observed submodule {model.submodule}")
+    if model.refused is None:
+        lines.append(
+            "           accepted by --from-bundle (a class transformers registers, a config that selects no code)"
+        )
+    else:
+        lines.append(f"           refused by --from-bundle: {model.refused}")
+    return lines
+
+
 def format_inspect(
     path: str | Path,
     manifest: Manifest,
     *,
     dynamic_shapes: Any = None,
     dynamic_shapes_error: str | None = None,
+    model: StoredModel | None = None,
 ) -> str:
-    """The report of ``iobundle inspect``: summary, one row per call, producer, inferred dynamic shapes."""
+    """The report of ``iobundle inspect``: summary, stored model, one row per call, producer, dynamic shapes."""
     calls = manifest.calls
     statuses: dict[str, int] = {}
     for call in calls:
@@ -250,6 +322,8 @@ def format_inspect(
     for entry in manifest.value_if_missing:
         key = entry.key if isinstance(entry.key, str) else _arg_name(manifest, entry.key)
         lines.append(f"if missing {key}={format_node(manifest, entry.value)}")
+    if model is not None:
+        lines.extend(format_stored_model(model))
     lines.append("")
     if calls:
         rows = [
@@ -380,8 +454,25 @@ def _status(success: Any, error: Any, absent: Any) -> str:
     if success is True:
         return "ok"
     if success is None:
+        if not absent and error:  # e.g. a redacted bundle: the call ran, no recorded outputs to compare with
+            return f"not checked ({error})"
         return f"not checked (absent at capture: {absent})"
     return f"FAIL: {error}" if error else "FAIL: mismatch"
+
+
+def _status_style(status: str) -> str:
+    return "green" if status == "ok" else "yellow" if status.startswith("not checked") else "bold red"
+
+
+def _styled(rows: Sequence[Sequence[str]], status_column: int = 1) -> list[list[str | None]]:
+    return [[_status_style(r[status_column]) if j == status_column else None for j in range(len(r))] for r in rows]
+
+
+def format_verdict(text: str, ok: bool) -> str:
+    """The verdict line, bold green or bold red on a terminal."""
+    from rich.text import Text
+
+    return render(Text(text, style="bold green" if ok else "bold red"))
 
 
 def format_export(report: Any, onnx_path: str | None) -> str:
@@ -399,51 +490,65 @@ def format_export(report: Any, onnx_path: str | None) -> str:
     lines += [f"  option: {o}" for o in report.options]
     lines += [f"  patch: {p}" for p in report.patches]
     lines.append(f"exported program checked on {len(report.calls)} recorded calls in {report.check_seconds:.2f}s:")
-    lines.append(format_table(["call", "status", "max abs", "max rel"], rows, right=(0, 2, 3)))
+    lines.append(format_table(["call", "status", "max abs", "max rel"], rows, right=(0, 2, 3), styles=_styled(rows)))
     if onnx_path:
         seconds = f" in {report.onnx_seconds:.2f}s" if report.onnx_seconds is not None else ""
         lines.append(f"torch.onnx.export: ONNX model written to {onnx_path}{seconds}")
     return "\n".join(lines)
 
 
-def format_validation(report: Any) -> str:
-    """One row per call (status, max abs/rel error, durations) and the verdict."""
-    rows = [
-        [
+def format_validation(report: Any, *, quiet: bool = False) -> str:
+    """One row per call (status, max abs/rel error, durations), the worst outputs, and the verdict.
+
+    Works for the reports of ``validate_onnx`` (onnxruntime), ``rerun_model`` and ``diff_bundles``.
+    """
+    verdict = format_verdict(f"{report.verdict()} ({report.seconds:.2f}s)", report.ok)
+    if quiet:
+        return verdict
+    kind = getattr(report, "kind", "validate")
+    headers = ["call", "status", "max abs", "max rel"]
+    rows = []
+    for r in report.rows:
+        row = [
             str(r["index"]),
             _status(r["SUCCESS"], r.get("error"), r.get("absent_inputs")),
             _error_cell(r["abs"]),
             _error_cell(r["rel"]),
-            format_latency(r["duration_torch"]),
-            format_latency(r["ort_duration"]),
         ]
-        for r in report.rows
+        if kind == "diff":
+            row += [_error_cell(r.get("inputs_abs")), r.get("differences") or "-"]
+        elif kind == "run":
+            row += [format_latency(r.get("duration_torch")), format_latency(r.get("duration_rerun"))]
+        else:
+            row += [format_latency(r.get("duration_torch")), format_latency(r.get("ort_duration"))]
+        rows.append(row)
+    if kind == "diff":
+        headers += ["inputs abs", "differences"]
+    elif kind == "run":
+        headers += ["recorded", "re-run"]
+    else:
+        headers += ["torch", "onnxruntime"]
+    lines = [
+        format_table(headers, rows, right=(0, 2, 3, 4, 5) if kind != "diff" else (0, 2, 3, 4), styles=_styled(rows))
     ]
-    table = format_table(["call", "status", "max abs", "max rel", "torch", "onnxruntime"], rows, right=(0, 2, 3, 4, 5))
-    return f"{table}\n{report.verdict()} ({report.seconds:.2f}s)"
-
-
-REPORT_FORMATS = {".json": "json", ".csv": "csv", ".md": "markdown", ".markdown": "markdown"}
-
-
-def format_report_file(rows: Sequence[dict[str, Any]], fmt: str) -> str:
-    """The rows of a validation as JSON, CSV or a Markdown table."""
-    if fmt == "json":
-        return json.dumps(list(rows), indent=1, default=str) + "\n"
-    columns = list(dict.fromkeys(k for r in rows for k in r))
-    if fmt == "csv":
-        import csv
-        import io
-
-        buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(rows)
-        return buffer.getvalue()
-
-    def cell(value: Any) -> str:
-        return (f"{value:.3g}" if isinstance(value, float) else str(value)).replace("|", "\\|")
-
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(r.get(c, "")) for c in columns) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    worst = sorted(
+        (c for c in getattr(report, "outputs", []) if c.success is False),
+        key=lambda c: c.stats.max_abs if c.stats is not None else float("inf"),
+        reverse=True,
+    )[:5]
+    if worst:
+        out_rows = [
+            [
+                str(c.call),
+                c.name + (f" ({c.other_name})" if c.other_name else ""),
+                "x".join(map(str, c.shape)) or "scalar",
+                c.dtype,
+                _error_cell(c.stats.max_abs) if c.stats else c.error or "",
+                f"{c.atol:g}",
+            ]
+            for c in worst
+        ]
+        lines.append("outputs out of tolerance (worst first):")
+        lines.append(format_table(["call", "output", "shape", "dtype", "max abs", "atol"], out_rows, right=(0, 4, 5)))
+    lines.append(verdict)
+    return "\n".join(lines)

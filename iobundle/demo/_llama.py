@@ -77,10 +77,11 @@ def run_llama_demo(
 
     Steps: :func:`capture_llama_demo` (a self-contained ``directory/llama.iobundle``), then
     reopen the bundle, rebuild the model from it (``load_bundle_model``: config and weights
-    from the bundle, class from an allow-list), export it with ``torch.export`` (checked on
-    every recorded call through ``ep.module()``) and to ``directory/llama.onnx``, and run the
-    ONNX model with onnxruntime on every recorded call. Everything runs in this process; the
-    command line's ``iobundle demo --llama`` does the export and validation in fresh ones.
+    from the bundle, class from transformers' auto-model mappings), export it with
+    ``torch.export`` (checked on every recorded call through ``ep.module()``) and to
+    ``directory/llama.onnx``, and run the ONNX model with onnxruntime on every recorded call.
+    Everything runs in this process; the command line's ``iobundle demo --llama`` does the
+    export and validation in fresh ones.
 
     Args:
         directory: Where the bundle and the ONNX file go (created if missing; both are replaced).

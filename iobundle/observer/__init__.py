@@ -6,8 +6,9 @@ It records with :class:`iobundle.capture.CallRecorder` and infers, exports and v
 
 from __future__ import annotations
 
-__all__ = ["InputObserver", "ObservationInfo", "ObservationWarning"]
+__all__ = ["InputCandidate", "InputObserver", "ObservationInfo", "ObservationWarning", "redact_bundle"]
 
 from iobundle.capture import ObservationWarning
 from iobundle.observer._observer import InputObserver
-from iobundle.replay import ObservationInfo
+from iobundle.observer._redact import redact_bundle
+from iobundle.replay import InputCandidate, ObservationInfo

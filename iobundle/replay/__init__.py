@@ -10,24 +10,51 @@ from __future__ import annotations
 __all__ = [
     "Bundle",
     "CallCheck",
+    "ConvertResult",
+    "DiffReport",
+    "ErrorStats",
     "ExportReport",
+    "InputCandidate",
     "ObservationInfo",
+    "PackResult",
     "RecordedCallsAPI",
-    "RecordedInputs",
+    "OutputCheck",
+    "ProgressEvent",
+    "Report",
+    "StoredModel",
+    "Tolerances",
     "ValidationReport",
+    "build_report",
     "check_discrepancies",
+    "convert_to_npz",
+    "convert_to_onnx_testdata",
+    "copy_model_files",
+    "describe_bundle_model",
+    "diff_bundles",
     "export_onnx",
     "export_program",
     "load_bundle",
     "load_bundle_model",
     "model_from_factory",
+    "pack_bundle",
+    "redact_calls",
+    "unpack_bundle",
+    "rerun_model",
     "validate_onnx",
 ]
 
+from iobundle._progress import ProgressEvent
 from iobundle.replay._api import RecordedCallsAPI
+from iobundle.replay._archive import PackResult, pack_bundle, unpack_bundle
 from iobundle.replay._bundle import Bundle, load_bundle
+from iobundle.replay._compare import ErrorStats, OutputCheck, Tolerances
+from iobundle.replay._convert import ConvertResult, convert_to_npz, convert_to_onnx_testdata
+from iobundle.replay._diff import DiffReport, diff_bundles
 from iobundle.replay._export import CallCheck, ExportReport, export_onnx, export_program
 from iobundle.replay._factory import model_from_factory
-from iobundle.replay._info import ObservationInfo, RecordedInputs
-from iobundle.replay._model_load import load_bundle_model
+from iobundle.replay._info import InputCandidate, ObservationInfo
+from iobundle.replay._model_load import StoredModel, describe_bundle_model, load_bundle_model
+from iobundle.replay._redact import copy_model_files, redact_calls
+from iobundle.replay._report import Report, build_report
+from iobundle.replay._rerun import rerun_model
 from iobundle.replay._validate import ValidationReport, check_discrepancies, validate_onnx

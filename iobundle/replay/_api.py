@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from iobundle._progress import ProgressCallback
 from iobundle.calls import RecordedCalls, TensorCollector, record_inputs, replace_tensors, tensor_keys
-from iobundle.errors import AlignmentError
+from iobundle.errors import AlignmentError, InputSelectionError
 from iobundle.replay import _inference
+from iobundle.replay._dim_names import DimNamesSpec
 from iobundle.replay._export import ExportReport, export_onnx, export_program
-from iobundle.replay._info import ObservationInfo
-from iobundle.replay._validate import check_discrepancies
+from iobundle.replay._info import InputCandidate, ObservationInfo
+from iobundle.replay._validate import ValidationReport, check_discrepancies, validate_onnx
 from iobundle.schema import CallEntry, Node, TensorNode
 
 if TYPE_CHECKING:
@@ -44,17 +46,27 @@ class RecordedCallsAPI:
     def infer_dynamic_shapes(
         self,
         set_batch_dimension_for: Collection[int | str] | bool | None = None,
-        *,
-        dim_names: bool = False,
+        dim_names: DimNamesSpec = False,
     ) -> tuple[Any, ...] | dict[str, Any]:
         """Infer ``dynamic_shapes`` for ``torch.export.export``.
 
         A dimension is ``Dim.DYNAMIC`` when its size differs across recorded calls.
 
+        With ``dim_names=True`` each dynamic dimension is a name (a string) instead: dimensions
+        whose sizes are equal in every recorded call share one name, and well-known inputs get
+        conventional names (``batch_size``, ``sequence_length``, ``past_sequence_length`` for the
+        key and value cache of every layer, ``total_sequence_length`` for an attention mask, ...),
+        recognised from the recorded structure (a transformers cache under any argument name).
+        A dict gives names explicitly, by input name or position (``{"input_ids": {0: "batch"}}``;
+        a list of dicts for the tensors of a nested input); the dimensions it leaves out are named
+        ``<input>_dim_<d>``, and a dimension it names becomes dynamic. ``torch.onnx.export`` takes
+        the result as is; :meth:`export` and :meth:`to_onnx` accept the same ``dim_names`` and turn
+        each name into one shared ``torch.export.Dim``.
+
         Args:
             set_batch_dimension_for: Inputs (names or positions) whose first dimension is dynamic
                 even when every call used the same batch size; True for all inputs.
-            dim_names: Name each dynamic dimension (``torch.export.Dim``) instead of ``Dim.DYNAMIC``.
+            dim_names: False (``Dim.DYNAMIC``), True (derived names) or a dict of explicit names.
 
         Returns:
             A tuple for positional-only calls, otherwise a dict keyed by parameter name.
@@ -62,16 +74,19 @@ class RecordedCallsAPI:
         Raises:
             AlignmentError: The recorded calls cannot be aligned (the message says why).
             DynamicShapeError: A tensor changes rank across calls.
+            InputSelectionError: ``dim_names`` names an unknown input or dimension.
 
         Example:
             >>> observer.infer_dynamic_shapes(set_batch_dimension_for={"input_ids"})
             {'input_ids': {0: Dim.DYNAMIC, 1: Dim.DYNAMIC}, ...}
+            >>> observer.infer_dynamic_shapes(set_batch_dimension_for=True, dim_names=True)
+            {'input_ids': {0: 'batch_size', 1: 'sequence_length'}, ...}
         """
         return _inference.infer_dynamic_shapes(self._recorded(), set_batch_dimension_for, dim_names=dim_names)
 
     def infer_arguments(
         self,
-        index_or_args_or_kwargs: int | tuple[Any, ...] | dict[str, Any] | None = None,
+        index_or_args_or_kwargs: int | tuple[Any, ...] | dict[str, Any] | InputCandidate | None = None,
         flat: bool = False,
         as_args_kwargs: bool = False,
     ) -> Any:
@@ -82,8 +97,9 @@ class RecordedCallsAPI:
 
         Args:
             index_or_args_or_kwargs: A call index, or new positional (tuple) or keyword (dict)
-                inputs to lay out like the recorded calls; by default the first call shaped like
-                the one with the most tensors.
+                inputs to lay out like the recorded calls, or an :class:`InputCandidate` (one of
+                ``info.inputs``, or built from values); by default the first call shaped like the
+                one with the most tensors.
             flat: Return the flat list of tensors.
             as_args_kwargs: Always return ``(args, kwargs)``.
 
@@ -91,18 +107,26 @@ class RecordedCallsAPI:
             A tuple (positional only), a dict (keywords), or ``(args, kwargs)``.
 
         Raises:
-            AlignmentError: The index is out of range or the calls cannot be aligned.
+            AlignmentError: The index is out of range or the calls cannot be aligned (a ``RuntimeError``).
+            InputSelectionError: ``index_or_args_or_kwargs`` has an unexpected type (a ``ValueError``).
         """
         rc = self._recorded()
+        if isinstance(index_or_args_or_kwargs, InputCandidate) and index_or_args_or_kwargs.call is not None:
+            index_or_args_or_kwargs = _candidate_index(rc, index_or_args_or_kwargs)
         if index_or_args_or_kwargs is None or isinstance(index_or_args_or_kwargs, int):
             return _inference.infer_arguments(rc, index_or_args_or_kwargs, flat=flat, as_args_kwargs=as_args_kwargs)
         if isinstance(index_or_args_or_kwargs, tuple):
             args, kwargs = index_or_args_or_kwargs, {}
         elif isinstance(index_or_args_or_kwargs, dict):
             args, kwargs = (), index_or_args_or_kwargs
+        elif isinstance(index_or_args_or_kwargs, InputCandidate):
+            candidate = index_or_args_or_kwargs
+            args, kwargs = candidate.args, {**candidate.kwargs, **candidate.cst_kwargs}
         else:
-            raise AlignmentError(
-                f"infer_arguments: expected an int, a tuple or a dict, got {type(index_or_args_or_kwargs).__name__}."
+            raise InputSelectionError(
+                f"Unexpected type {type(index_or_args_or_kwargs).__name__} for index_or_args_or_kwargs of "
+                "infer_arguments; pass a call index (int), positional inputs (tuple), keyword inputs (dict) or "
+                "an InputCandidate."
             )
         alignment = _inference.align_calls(rc)
         collector = TensorCollector(lambda t: t)
@@ -114,14 +138,34 @@ class RecordedCallsAPI:
             rc, alignment=alignment, slots=slots, extra=extra, flat=flat, as_args_kwargs=as_args_kwargs
         )
 
-    def remove_inputs(self, names: Collection[str] | str) -> None:
-        """Remove inputs from every recorded call, as if they had never been passed.
+    def remove_inputs(self, names: Collection[str | int] | str | int) -> int:
+        """Remove inputs (by name, or by position in the signature) from every recorded call, as if never passed.
+
+        Returns:
+            How many inputs were removed, summed over the calls (0 when the inputs are parameters
+            no call passed).
 
         Raises:
-            AlignmentError: A name is unknown, or removing it is impossible because of ``*args``
-                (the message names the variadic parameter).
+            InputSelectionError: A name is unknown, or removing it is impossible because of ``*args``
+                (the message names the variadic parameter); a ``ValueError`` and an ``AlignmentError``.
         """
-        _inference.remove_inputs(self._recorded(), [names] if isinstance(names, str) else names)
+        rc = self._recorded()
+        selected = [names] if isinstance(names, (str, int)) else list(names)
+        as_names = []
+        for item in selected:
+            if isinstance(item, bool) or not isinstance(item, (str, int)):
+                raise InputSelectionError(
+                    f"remove_inputs: unexpected type {type(item).__name__} for {item!r}; give names or positions."
+                )
+            if isinstance(item, int):
+                if not 0 <= item < len(rc.names):
+                    raise InputSelectionError(
+                        f"remove_inputs: position {item} is outside the signature of {rc.signature.qualname} "
+                        f"({rc.names})."
+                    )
+                item = rc.names[item]
+            as_names.append(item)
+        return _inference.remove_inputs(rc, as_names)
 
     def export(
         self,
@@ -132,14 +176,17 @@ class RecordedCallsAPI:
         check: bool = True,
         atol: float = 1e-4,
         rtol: float = 0.1,
+        dim_names: DimNamesSpec = False,
+        on_progress: ProgressCallback | None = None,
     ) -> torch.export.ExportedProgram:
         """Export ``model`` with ``torch.export`` from the recorded calls and check it on every call.
 
-        See :func:`iobundle.replay.export_program`.
+        ``dim_names`` (see :meth:`infer_dynamic_shapes`) turns each name into one shared
+        ``torch.export.Dim``. See :func:`iobundle.replay.export_program`.
         """
         return export_program(
             self._recorded(), model, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
-            check=check, atol=atol, rtol=rtol,
+            check=check, atol=atol, rtol=rtol, dim_names=dim_names, on_progress=on_progress,
         )  # fmt: skip
 
     def export_report(self) -> ExportReport | None:
@@ -155,33 +202,106 @@ class RecordedCallsAPI:
         set_batch_dimension_for: Collection[int | str] | bool | None = None,
         strict: bool = False,
         check: bool = True,
+        dim_names: DimNamesSpec = False,
+        atol: float = 1e-4,
+        rtol: float = 0.1,
+        on_progress: ProgressCallback | None = None,
     ) -> str:
         """Export ``model`` to an ONNX file at ``path`` (through ``torch.export``); return the path.
 
-        See :func:`iobundle.replay.export_onnx`.
+        With ``dim_names`` (see :meth:`infer_dynamic_shapes`) the graph's symbolic dimensions bear
+        the names. See :func:`iobundle.replay.export_onnx`.
         """
         return export_onnx(
-            self._recorded(), model, path, set_batch_dimension_for=set_batch_dimension_for, strict=strict, check=check
-        )
+            self._recorded(), model, path, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
+            check=check, dim_names=dim_names, atol=atol, rtol=rtol, on_progress=on_progress,
+        )  # fmt: skip
 
     def check_discrepancies(
         self,
-        onnx_model: str | os.PathLike[str] | onnx.ModelProto,
+        onnx_model: str | os.PathLike[str] | onnx.ModelProto | torch.onnx.ONNXProgram,
         atol: float = 1e-4,
         rtol: float = 0.1,
         hist: tuple[float, ...] = (0.1, 0.01),
         progress_bar: bool = False,
         include_io: bool = True,
         skip_none: bool = True,
+        *,
+        output_atol: Mapping[str, float] | None = None,
+        output_rtol: Mapping[str, float] | None = None,
+        check_error_stat: str = "max",
+        error_quantile: float = 0.99,
+        on_progress: ProgressCallback | None = None,
     ) -> list[dict[str, Any]]:
         """Run ``onnx_model`` with onnxruntime on every recorded call and compare with the recorded outputs.
 
-        See :func:`iobundle.replay.check_discrepancies`.
+        ``onnx_model`` is a path, an ``onnx.ModelProto`` or a ``torch.onnx.ONNXProgram``.
+
+        See :func:`iobundle.replay.check_discrepancies` (per-output tolerances, error statistics, progress).
         """
         return check_discrepancies(
             self._recorded(), onnx_model, atol=atol, rtol=rtol, hist=hist, progress_bar=progress_bar,
-            include_io=include_io, skip_none=skip_none,
+            include_io=include_io, skip_none=skip_none, output_atol=output_atol, output_rtol=output_rtol,
+            check_error_stat=check_error_stat, error_quantile=error_quantile, on_progress=on_progress,
         )  # fmt: skip
+
+    def validate(
+        self,
+        onnx_model: str | os.PathLike[str] | onnx.ModelProto,
+        *,
+        atol: float = 1e-4,
+        rtol: float = 0.1,
+        output_atol: Mapping[str, float] | None = None,
+        output_rtol: Mapping[str, float] | None = None,
+        check_error_stat: str = "max",
+        error_quantile: float = 0.99,
+        on_progress: ProgressCallback | None = None,
+    ) -> ValidationReport:
+        """Validate ``onnx_model`` on every recorded call, output by output; see :func:`iobundle.replay.validate_onnx`.
+
+        .. versionadded:: 0.2
+        """
+        return validate_onnx(
+            self._recorded(), onnx_model, atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
+            check_error_stat=check_error_stat, error_quantile=error_quantile, on_progress=on_progress,
+        )  # fmt: skip
+
+    def rerun(
+        self,
+        model: torch.nn.Module,
+        *,
+        atol: float = 1e-4,
+        rtol: float = 0.1,
+        output_atol: Mapping[str, float] | None = None,
+        output_rtol: Mapping[str, float] | None = None,
+        check_error_stat: str = "max",
+        error_quantile: float = 0.99,
+        device: str | torch.device | None = None,
+        on_progress: ProgressCallback | None = None,
+    ) -> ValidationReport:
+        """Re-run the eager ``model`` on every recorded call's inputs; see :func:`iobundle.replay.rerun_model`.
+
+        .. versionadded:: 0.2
+        """
+        from iobundle.replay._rerun import rerun_model
+
+        return rerun_model(
+            self._recorded(), model, atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
+            check_error_stat=check_error_stat, error_quantile=error_quantile, device=device, on_progress=on_progress,
+        )  # fmt: skip
+
+
+def _candidate_index(rc: RecordedCalls, candidate: InputCandidate) -> int:
+    """The position among the successful calls of ``rc`` of a recorded candidate."""
+    call = candidate.call
+    if call is not None and candidate._rc is rc:
+        for i, c in enumerate(rc.ok_calls):
+            if c.index == call.index:
+                return i
+    raise InputSelectionError(
+        f"infer_arguments: the InputCandidate of call {call.index if call else '?'} is not a successful call of "
+        "these recorded calls; pass one of this observer's info.inputs, or the inputs as a tuple or a dict."
+    )
 
 
 def _refuse_opaque(path: str, type_name: str, reason: str) -> None:

@@ -6,11 +6,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from iobundle._remote import local_path, remote_kind
 from iobundle.calls import NAME_TO_DTYPE, RecordedCalls, build_value, iter_tensor_nodes
 from iobundle.errors import IobundleError, UnsafeBundleError
 from iobundle.replay._api import RecordedCallsAPI
-from iobundle.replay._tensorfile import BundleRoot, BundleTensorStore, check_file, check_file_header, stored_shape
-from iobundle.schema import CallEntry, Manifest, load_manifest
+from iobundle.replay._archive import open_archive
+from iobundle.replay._remote import RemoteRoot
+from iobundle.replay._tensorfile import BundleTensorStore, Root, check_file, check_file_header, stored_shape
+from iobundle.schema import MANIFEST_FILENAME, CallEntry, Manifest, load_manifest, parse_manifest
 
 __all__ = ["Bundle", "load_bundle"]
 
@@ -24,10 +27,10 @@ class Bundle(RecordedCallsAPI):
     others (format version 2) are rebuilt on each read; shapes never read the files.
     """
 
-    def __init__(self, path: Path, manifest: Manifest, *, verify: bool = True) -> None:
+    def __init__(self, path: Path, manifest: Manifest, *, verify: bool = True, source: Root | None = None) -> None:
         self.path = path
         self.manifest = manifest
-        self._store = BundleTensorStore(path, manifest, verify=verify)
+        self._store = BundleTensorStore(path, manifest, verify=verify, bundle_root=source)
         self._rc = RecordedCalls(
             signature=manifest.signature,
             calls=list(manifest.calls),
@@ -39,17 +42,40 @@ class Bundle(RecordedCallsAPI):
     def load(cls, path: str | os.PathLike[str], *, verify: bool = True) -> Bundle:
         """Open the bundle at ``path``.
 
+        ``path`` is a bundle directory, a bundle packed into one file by ``iobundle pack`` (read in
+        place: its tensor members are memory-mapped where they lie in the archive), or, with fsspec
+        installed, a URL of either (``s3://bucket/run.iobundle``, ``memory://run.iobundle.tar``),
+        whose files are read rather than memory-mapped. ``path`` is then a ``str``.
+
         Args:
-            path: The bundle directory.
+            path: The bundle directory, packed file or URL.
             verify: Check each tensor file's hash the first time it is read.
 
         Raises:
             BundleNotFoundError: ``path`` is not a bundle.
             ManifestError: The manifest is invalid, names unsafe paths, or refers to missing tensors.
+            ArchiveError: A packed bundle is not a valid archive, or holds an entry a bundle may not.
+            MissingDependencyError: ``path`` is a URL and fsspec (``iobundle[remote]``) is not installed.
         """
-        root = Path(path)
-        manifest = load_manifest(root)
-        bundle = cls(root, manifest, verify=verify)
+        local = local_path(path)
+        source: Root | None = None
+        if local is None:  # a URL of another filesystem
+            url = str(path)
+            if remote_kind(url) == "directory":
+                remote = RemoteRoot(url)
+                source, manifest = remote, parse_manifest(remote.read_manifest(), source=f"{url}/{MANIFEST_FILENAME}")
+            else:
+                source, data = open_archive(url)
+                manifest = parse_manifest(data, source=f"{url}:{MANIFEST_FILENAME}")
+            root: Any = url
+        elif local.is_file():
+            source, data = open_archive(local)
+            manifest = parse_manifest(data, source=f"{local}:{MANIFEST_FILENAME}")
+            root = local
+        else:
+            root = local
+            manifest = load_manifest(root)
+        bundle = cls(root, manifest, verify=verify, source=source)
         _check_references(bundle._store.bundle_root, manifest)  # the root is resolved once per bundle
         return bundle
 
@@ -86,7 +112,7 @@ class Bundle(RecordedCallsAPI):
         return problems
 
 
-def _check_references(root: BundleRoot, manifest: Manifest) -> None:
+def _check_references(root: Root, manifest: Manifest) -> None:
     """Check what the manifest points at before anything is read: file names, tensor keys, tensor sizes.
 
     Raises:

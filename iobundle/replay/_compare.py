@@ -1,15 +1,52 @@
-"""Compare expected and obtained output tensors: errors, histogram counts, pass/fail."""
+"""Compare expected and obtained output tensors: errors, histogram counts, pass/fail.
+
+Two levels: :func:`compare_outputs` decides a whole call quickly (largest errors, ``>h`` counts);
+:func:`error_stats` describes one output (max, mean, median and a quantile of its absolute and
+relative errors, a log-scale histogram) and :func:`stat_passes` decides it with the statistic
+the user chose (Polygraphy's ``--check-error-stat``), with per-output tolerances from
+:class:`Tolerances`.
+"""
 
 from __future__ import annotations
 
+import fnmatch
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Comparison", "compare_outputs"]
+from iobundle.errors import ToleranceError
+from iobundle.schema import DictNode, ListNode, Node, ObjectNode, TensorNode, TupleNode
+
+__all__ = [
+    "ERROR_STATS",
+    "HISTOGRAM_EDGES",
+    "Comparison",
+    "ErrorStats",
+    "OutputCheck",
+    "Tolerances",
+    "check_error_stat_name",
+    "combine_stats",
+    "compare_call",
+    "compare_outputs",
+    "error_stats",
+    "histogram_labels",
+    "output_errors",
+    "output_paths",
+    "stat_passes",
+]
+
+ERROR_STATS = ("max", "mean", "median", "quantile")
+"""The statistics ``check_error_stat`` accepts. ``max`` is element-wise: every element within
+``atol`` or within ``rtol`` of the expected value (the strictest, and the default). The others
+pass an output when that statistic of its absolute errors is within ``atol`` or that statistic
+of its relative errors is within ``rtol``."""
+
+HISTOGRAM_EDGES = (1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
+"""Upper edges of the error histogram's bins; before them a bin of exact matches, after them ``> 1``."""
 
 
 @dataclass
@@ -250,3 +287,335 @@ def _compare_all(
         if a.size == 0:
             continue
         _accumulate(result, a, b, atol=atol, rtol=rtol, hist=hist, scratch=scratch)
+
+
+# --------------------------------------------------------------------------- statistics of one output
+
+
+def histogram_labels() -> list[str]:
+    """The labels of the bins of :attr:`ErrorStats.hist`: ``0``, ``<=1e-08``, ``(1e-08, 1e-07]``, ..., ``>1``."""
+    labels = ["0", f"<={HISTOGRAM_EDGES[0]:g}"]
+    labels += [f"({lo:g}, {hi:g}]" for lo, hi in itertools.pairwise(HISTOGRAM_EDGES)]
+    return [*labels, f">{HISTOGRAM_EDGES[-1]:g}"]
+
+
+@dataclass
+class ErrorStats:
+    """Statistics of the element-wise errors of one output (absolute ``|e - o|``, relative ``/|e|``).
+
+    An element where exactly one side is NaN counts as an infinite error (``dnan`` counts them);
+    NaN on both sides, or the same infinity, is an exact match. ``hist`` counts the absolute
+    errors per bin of :data:`HISTOGRAM_EDGES` (labels: :func:`histogram_labels`). ``within``
+    says whether every element is within ``atol`` or within ``rtol``.
+    """
+
+    n: int = 0
+    max_abs: float = 0.0
+    mean_abs: float = 0.0
+    median_abs: float = 0.0
+    quantile_abs: float = 0.0
+    max_rel: float = 0.0
+    mean_rel: float = 0.0
+    median_rel: float = 0.0
+    quantile_rel: float = 0.0
+    dnan: int = 0
+    within: bool = True
+    hist: list[int] = field(default_factory=lambda: [0] * (len(HISTOGRAM_EDGES) + 2))
+
+    def stat(self, name: str) -> tuple[float, float]:
+        """``(absolute, relative)`` value of the statistic ``name`` (one of :data:`ERROR_STATS`)."""
+        return getattr(self, f"{name}_abs"), getattr(self, f"{name}_rel")
+
+
+def _errors(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Flat float64 ``(abs errors, relative errors, |expected|, dnan)`` of two arrays of one shape."""
+    a64 = np.asarray(a, dtype=np.float64).reshape(-1)
+    b64 = np.asarray(b, dtype=np.float64).reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        nan_a, nan_b = np.isnan(a64), np.isnan(b64)
+        one_nan = nan_a != nan_b
+        diff = np.abs(a64 - b64)
+        diff[(nan_a & nan_b) | (np.isinf(a64) & (a64 == b64))] = 0.0
+        diff[one_nan | np.isnan(diff)] = np.inf
+        scale = np.abs(np.where(np.isfinite(a64), a64, 0.0))
+        rel = diff / np.maximum(scale, 1e-12)
+    return diff, rel, scale, int(np.count_nonzero(one_nan))
+
+
+def _histogram(diff: np.ndarray) -> list[int]:
+    zero = int(np.count_nonzero(diff == 0.0))
+    positive = diff[diff > 0.0]
+    counts = np.bincount(np.searchsorted(HISTOGRAM_EDGES, positive, side="left"), minlength=len(HISTOGRAM_EDGES) + 1)
+    return [zero, *(int(c) for c in counts)]
+
+
+def _summarise(diff: np.ndarray, rel: np.ndarray, quantile: float) -> dict[str, float]:
+    if diff.size == 0:
+        return {}
+    with np.errstate(over="ignore", invalid="ignore"):
+        return {
+            "max_abs": float(diff.max()),
+            "mean_abs": float(diff.mean()),
+            "median_abs": float(np.median(diff)),
+            "quantile_abs": float(np.quantile(diff, quantile)),
+            "max_rel": float(rel.max()),
+            "mean_rel": float(rel.mean()),
+            "median_rel": float(np.median(rel)),
+            "quantile_rel": float(np.quantile(rel, quantile)),
+        }
+
+
+def error_stats(expected: Any, obtained: Any, *, atol: float, rtol: float, quantile: float = 0.99) -> ErrorStats:
+    """Describe how far ``obtained`` is from ``expected`` (torch or numpy, same shape), element by element.
+
+    Args:
+        expected: The reference values.
+        obtained: The values to check, of the same shape.
+        atol: Absolute tolerance (for :attr:`ErrorStats.within`).
+        rtol: Relative tolerance (for :attr:`ErrorStats.within`).
+        quantile: The quantile reported as ``quantile_abs`` / ``quantile_rel``, in [0, 1].
+    """
+    return output_errors(expected, obtained, atol=atol, rtol=rtol, quantile=quantile)[0]
+
+
+def output_errors(
+    expected: Any, obtained: Any, *, atol: float, rtol: float, quantile: float = 0.99
+) -> tuple[ErrorStats, np.ndarray, np.ndarray]:
+    """:func:`error_stats` plus the flat absolute and relative errors it was computed from."""
+    diff, rel, scale, dnan = _errors(_as_numpy(expected), _as_numpy(obtained))
+    stats = ErrorStats(n=int(diff.size), dnan=dnan, hist=_histogram(diff), **_summarise(diff, rel, quantile))
+    stats.within = dnan == 0 and bool(np.all((diff <= atol) | (diff <= rtol * scale)))
+    return stats, diff, rel
+
+
+def combine_stats(parts: Sequence[tuple[np.ndarray, np.ndarray]], quantile: float) -> dict[str, float]:
+    """The statistics of several outputs' errors taken together (``parts``: ``(abs, rel)`` arrays)."""
+    if not parts:
+        return {}
+    return _summarise(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), quantile)
+
+
+def stat_passes(stats: ErrorStats, *, atol: float, rtol: float, check_error_stat: str = "max") -> bool:
+    """Whether one output passes under the statistic ``check_error_stat`` (see :data:`ERROR_STATS`)."""
+    if stats.dnan:
+        return False
+    if check_error_stat == "max":
+        return stats.within
+    value_abs, value_rel = stats.stat(check_error_stat)
+    return value_abs <= atol or value_rel <= rtol
+
+
+def check_error_stat_name(name: str, quantile: float) -> None:
+    """Refuse an unknown statistic or a quantile outside [0, 1].
+
+    Raises:
+        ToleranceError: ``name`` is not one of :data:`ERROR_STATS`, or ``quantile`` is out of range.
+    """
+    if name not in ERROR_STATS:
+        raise ToleranceError(f"check_error_stat={name!r}: use one of {', '.join(ERROR_STATS)}.")
+    if not 0.0 <= quantile <= 1.0:
+        raise ToleranceError(f"error_quantile={quantile!r}: give a quantile between 0 and 1 (e.g. 0.99).")
+
+
+# --------------------------------------------------------------------------- tolerances
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """Default tolerances and per-output overrides, keyed by output name or ``fnmatch`` pattern.
+
+    An output is looked up by each of its names (its path in the output tree, e.g. ``logits`` or
+    ``past_key_values.0``, and its ONNX name): an exact name wins over a pattern; among patterns the
+    first one given wins.
+
+    Example:
+        >>> tol = Tolerances(atol=1e-4, per_output_atol={"logits": 1e-3, "past_key_values.*": 1e-5})
+        >>> tol.for_output("logits")
+        (0.001, 0.1)
+    """
+
+    atol: float = 1e-4
+    rtol: float = 0.1
+    per_output_atol: Mapping[str, float] = field(default_factory=dict)
+    per_output_rtol: Mapping[str, float] = field(default_factory=dict)
+
+    @staticmethod
+    def _lookup(table: Mapping[str, float], names: Iterable[str], default: float) -> float:
+        names = [n for n in names if n]
+        for name in names:
+            if name in table:
+                return table[name]
+        for pattern, value in table.items():
+            if any(fnmatch.fnmatchcase(name, pattern) for name in names):
+                return value
+        return default
+
+    def for_output(self, *names: str) -> tuple[float, float]:
+        """``(atol, rtol)`` for the output known under ``names``."""
+        return (
+            self._lookup(self.per_output_atol, names, self.atol),
+            self._lookup(self.per_output_rtol, names, self.rtol),
+        )
+
+    def unused(self, names: Iterable[Sequence[str]]) -> list[str]:
+        """The per-output keys that match none of the outputs (each given as its names)."""
+        all_names = [n for group in names for n in group if n]
+        keys = list(dict.fromkeys([*self.per_output_atol, *self.per_output_rtol]))
+        return [k for k in keys if not any(n == k or fnmatch.fnmatchcase(n, k) for n in all_names)]
+
+    def describe(self) -> str:
+        """``atol=0.0001 rtol=0.1`` plus the overrides: ``(logits: atol=0.001)``."""
+        text = f"atol={self.atol:g} rtol={self.rtol:g}"
+        extra = [f"{k}: atol={v:g}" for k, v in self.per_output_atol.items()]
+        extra += [f"{k}: rtol={v:g}" for k, v in self.per_output_rtol.items()]
+        return text + (f" ({', '.join(extra)})" if extra else "")
+
+
+def output_paths(node: Node | None) -> list[str]:
+    """A readable name for each tensor of an output tree, in flattening order.
+
+    A lone tensor is ``output``; the fields of a dict or a ``ModelOutput`` are their names
+    (``logits``, ``past_key_values``); items of sequences and caches are indexed
+    (``output[1]``, ``past_key_values[3]``); nested names are joined with dots.
+    """
+    names: list[str] = []
+
+    def walk(n: Node, path: str) -> None:
+        if isinstance(n, TensorNode):
+            names.append(path or "output")
+            return
+        if isinstance(n, DictNode):
+            labels: list[Any] = list(n.keys)
+        elif isinstance(n, ObjectNode) and isinstance(n.context, list) and len(n.context) == len(n.items):
+            labels = [k if isinstance(k, str) else None for k in n.context]
+        elif isinstance(n, (ListNode, TupleNode, ObjectNode)):
+            labels = [None] * len(n.items)
+        else:
+            return
+        for i, (label, child) in enumerate(zip(labels, n.items)):
+            if isinstance(label, str):
+                walk(child, f"{path}.{label}" if path else label)
+            else:
+                walk(child, f"{path or 'output'}[{i if label is None else label}]")
+
+    if node is not None:
+        walk(node, "")
+    return names
+
+
+# --------------------------------------------------------------------------- one call, output by output
+
+
+@dataclass
+class OutputCheck:
+    """How one output of one recorded call compares (see :func:`compare_call`).
+
+    ``success`` is None when the output was not compared (absent on one side).
+    """
+
+    call: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    atol: float
+    rtol: float
+    success: bool | None
+    stats: ErrorStats | None = None
+    error: str | None = None
+    other_name: str | None = None
+    """The output's name on the other side when it differs (an ONNX graph output)."""
+
+    def as_row(self) -> dict[str, Any]:
+        """A flat dict (DataFrame-ready): call, name, shape, dtype, tolerances, success, statistics."""
+        row: dict[str, Any] = {
+            "call": self.call,
+            "output": self.name,
+            "onnx_name": self.other_name or "",
+            "shape": "x".join(map(str, self.shape)) or "scalar",
+            "dtype": self.dtype,
+            "atol": self.atol,
+            "rtol": self.rtol,
+            "SUCCESS": self.success,
+        }
+        stats = self.stats or ErrorStats()
+        for key in ("n", "max_abs", "mean_abs", "median_abs", "quantile_abs", "max_rel", "mean_rel"):
+            row[key] = getattr(stats, key)
+        row.update(median_rel=stats.median_rel, quantile_rel=stats.quantile_rel, dnan=stats.dnan)
+        row["error"] = self.error or ""
+        return row
+
+
+def _dtype_text(array: np.ndarray, value: Any) -> str:
+    dtype = getattr(value, "dtype", array.dtype)
+    return str(dtype).replace("torch.", "")
+
+
+def compare_call(
+    expected: Sequence[Any],
+    obtained: Sequence[Any],
+    *,
+    call_index: int,
+    names: Sequence[str],
+    tolerances: Tolerances,
+    check_error_stat: str = "max",
+    error_quantile: float = 0.99,
+    hist: Sequence[float] = (0.1, 0.01),
+    skip_none: bool = True,
+    scratch: Scratch | None = None,
+    per_output: bool = True,
+    other_names: Sequence[str] | None = None,
+) -> tuple[dict[str, Any], list[OutputCheck]]:
+    """Compare the outputs of one call: the row of :func:`compare_outputs`, and one check per output.
+
+    With ``per_output`` each output is decided with its own tolerances and ``check_error_stat``
+    (the row's ``SUCCESS`` then follows them), and the row gains ``mean_abs``, ``median_abs``,
+    ``quantile_abs`` (over every element of the call's outputs) and ``worst_output``.
+    """
+    cmp = compare_outputs(
+        expected, obtained, atol=tolerances.atol, rtol=tolerances.rtol, hist=hist, skip_none=skip_none, scratch=scratch
+    )
+    row = cmp.as_row()
+    if not per_output or len(expected) != len(obtained):
+        return row, []
+    checks: list[OutputCheck] = []
+    parts: list[tuple[np.ndarray, np.ndarray]] = []
+    for i, (e, o) in enumerate(zip(expected, obtained)):
+        name = names[i] if i < len(names) else f"output[{i}]"
+        other = other_names[i] if other_names is not None and i < len(other_names) else None
+        other = other if other != name else None
+        atol, rtol = tolerances.for_output(name, other or "")
+        ref = e if e is not None else o
+        array = _as_numpy(ref) if ref is not None else np.zeros(0)
+        check = OutputCheck(
+            call=call_index, name=name, other_name=other, shape=tuple(int(d) for d in array.shape),
+            dtype=_dtype_text(array, ref), atol=atol, rtol=rtol, success=None,
+        )  # fmt: skip
+        checks.append(check)
+        if e is None or o is None:
+            if (e is None) != (o is None) and not skip_none:
+                check.success, check.error = False, "missing"
+            continue
+        a, b = _as_numpy(e), _as_numpy(o)
+        if a.shape != b.shape:
+            check.success, check.error = False, f"shape {tuple(b.shape)}, expected {tuple(a.shape)}"
+            continue
+        if a.dtype != b.dtype and not (a.dtype.kind == b.dtype.kind == "f"):
+            check.success, check.error = False, f"dtype {b.dtype}, expected {a.dtype}"
+            continue
+        stats, diff, rel = output_errors(a, b, atol=atol, rtol=rtol, quantile=error_quantile)
+        check.stats = stats
+        check.success = stat_passes(stats, atol=atol, rtol=rtol, check_error_stat=check_error_stat)
+        parts.append((diff, rel))
+    combined = combine_stats(parts, error_quantile)
+    row.update(
+        mean_abs=combined.get("mean_abs", 0.0),
+        median_abs=combined.get("median_abs", 0.0),
+        quantile_abs=combined.get("quantile_abs", 0.0),
+    )
+    scored = [c for c in checks if c.stats is not None or c.error]
+    worst = max(scored, key=lambda c: math.inf if c.error else c.stats.max_abs, default=None)  # type: ignore[union-attr]
+    exact = worst is not None and not worst.error and worst.stats is not None and worst.stats.max_abs == 0.0
+    row["worst_output"] = worst.name if worst is not None and not exact else ""  # none is worse when all match
+    if cmp.error is None and not cmp.dnan:
+        row["SUCCESS"] = all(c.success is not False for c in checks)
+    return row, checks

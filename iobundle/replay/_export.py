@@ -15,12 +15,22 @@ from typing import Any
 
 import torch
 
+from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import RecordedCalls, TensorCollector, record_value, tensor_keys
 from iobundle.errors import ExportError
 from iobundle.replay._compare import compare_outputs
+from iobundle.replay._dim_names import (
+    DimNamesSpec,
+    name_dims,
+    named_dims_hint,
+    onnx_axis_names,
+    rename_onnx_axes,
+    to_export_dims,
+)
 from iobundle.replay._inference import (
     Alignment,
     align_calls,
+    fed_shapes,
     flat_dynamic_dims,
     infer_arguments,
     infer_dynamic_shapes,
@@ -41,6 +51,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+CHECK_TASK = "check exported program"
 INPUT_SLOTS_KEY = "iobundle.input_slots"
 OUTPUT_NAMES_KEY = "iobundle.output_names"
 
@@ -56,6 +67,9 @@ class CallCheck:
     error: str | None = None
     absent_inputs: list[str | int] = field(default_factory=list)
     seconds: float = 0.0
+    reference: str = "recorded"
+    """What the program's outputs were compared with: ``"recorded"`` outputs, or the ``"eager"`` model's
+    on the same inputs (a call without recorded outputs, as in a redacted bundle)."""
 
 
 @dataclass
@@ -81,7 +95,9 @@ class ExportReport:
 
     def summary(self) -> str:
         n_ok = sum(1 for c in self.calls if c.success)
-        return f"{n_ok}/{len(self.calls)} recorded calls reproduced (traced call {self.traced_call})"
+        eager = sum(1 for c in self.calls if c.reference == "eager")
+        note = f"; {eager} without recorded outputs compared with the eager model" if eager else ""
+        return f"{n_ok}/{len(self.calls)} recorded calls reproduced (traced call {self.traced_call}{note})"
 
 
 def flatten_outputs(value: Any) -> list[torch.Tensor]:
@@ -146,6 +162,7 @@ class _Plan:
     oblivious: bool
     dynamic_batch: bool = False
     dynamic: bool = True
+    dim_names: list[dict[int, str]] | None = None  # per slot, with dim_names
 
 
 def _uses_transformers(rc: RecordedCalls) -> bool:
@@ -157,11 +174,22 @@ def _uses_transformers(rc: RecordedCalls) -> bool:
     return any(walk(n) for c in rc.ok_calls for n in [*c.args, *c.kwargs.values()])
 
 
-def _plan(rc: RecordedCalls, model: torch.nn.Module, batch: Collection[int | str] | bool | None) -> _Plan:
+def _plan(
+    rc: RecordedCalls,
+    model: torch.nn.Module,
+    batch: Collection[int | str] | bool | None,
+    dim_names: DimNamesSpec = False,
+) -> _Plan:
     alignment = align_calls(rc)
     traced = choose_traced_call(rc, alignment, batch)
     args, kwargs = infer_arguments(rc, traced, as_args_kwargs=True, alignment=alignment)
-    ds = infer_dynamic_shapes(rc, batch)
+    ds = infer_dynamic_shapes(rc, batch, dim_names=dim_names)
+    slot_names = None
+    if dim_names is not False:
+        ds, _ = to_export_dims(ds)  # one torch.export.Dim per name: equal names, one symbol
+        slot_names = name_dims(
+            rc, alignment, flat_dynamic_dims(rc, alignment, batch), dim_names, fed_shapes(rc, alignment)
+        )
     var_kw = rc.var_keyword
     names = set(rc.names)
     extra = [k for k in kwargs if k not in names]
@@ -173,6 +201,8 @@ def _plan(rc: RecordedCalls, model: torch.nn.Module, batch: Collection[int | str
         ds = {**{k: v for k, v in ds.items() if k != var_kw}, **ds.get(var_kw, {})}
     # A dynamic dimension seen as 0 or 1 is specialised by torch.export unless size-oblivious.
     dims = flat_dynamic_dims(rc, alignment, batch)
+    if slot_names is not None:  # an explicitly named dimension is dynamic
+        dims = [sorted({*d, *n}) for d, n in zip(dims, slot_names)]
     oblivious = False
     for index, dynamic in enumerate(dims):
         sizes = [rc.store.shape(s[index]) for s in alignment.slots if s[index] is not None]
@@ -182,8 +212,9 @@ def _plan(rc: RecordedCalls, model: torch.nn.Module, batch: Collection[int | str
             oblivious = oblivious or bool(dynamic)
     dynamic_batch = any(0 in d for d in dims)
     return _Plan(
-        module, tuple(args), kwargs, ds, alignment, traced, flatten_var_kw, oblivious, dynamic_batch, any(dims)
-    )
+        module, tuple(args), kwargs, ds, alignment, traced, flatten_var_kw, oblivious, dynamic_batch, any(dims),
+        slot_names,
+    )  # fmt: skip
 
 
 def choose_traced_call(rc: RecordedCalls, alignment: Alignment, batch: Collection[int | str] | bool | None) -> int:
@@ -249,8 +280,20 @@ def export_context(
         yield
 
 
-def _check_calls(rc: RecordedCalls, plan: _Plan, run: Any, *, atol: float, rtol: float, report: ExportReport) -> None:
+def _check_calls(
+    rc: RecordedCalls,
+    plan: _Plan,
+    run: Any,
+    *,
+    atol: float,
+    rtol: float,
+    report: ExportReport,
+    eager: Any = None,
+    on_progress: ProgressCallback | None = None,
+) -> None:
     begin = time.perf_counter()
+    total = len(plan.alignment.calls)
+    notify(on_progress, CHECK_TASK, 0, total)
     for i, call in enumerate(plan.alignment.calls):
         t0 = time.perf_counter()
         check = CallCheck(index=call.index, success=None)
@@ -261,7 +304,20 @@ def _check_calls(rc: RecordedCalls, plan: _Plan, run: Any, *, atol: float, rtol:
             if plan.flatten_var_kw and rc.var_keyword in kwargs:
                 kwargs = {**{k: v for k, v in kwargs.items() if k != rc.var_keyword}, **kwargs[rc.var_keyword]}
             obtained = flatten_outputs(run(*args, **kwargs))
-            expected = [rc.store.get(k) for k in tensor_keys(call.outputs)] if call.outputs else []
+            if call.outputs is not None:
+                expected = [rc.store.get(k) for k in tensor_keys(call.outputs)]
+            elif eager is not None:  # nothing recorded (a redacted bundle): the eager model is the reference
+                args, kwargs = infer_arguments(rc, i, as_args_kwargs=True, alignment=plan.alignment)  # fresh copies
+                if plan.flatten_var_kw and rc.var_keyword in kwargs:
+                    kwargs = {**{k: v for k, v in kwargs.items() if k != rc.var_keyword}, **kwargs[rc.var_keyword]}
+                with torch.no_grad():
+                    expected = flatten_outputs(eager(*args, **kwargs))
+                check.reference = "eager"
+            else:
+                check.error = "ran; no recorded outputs to compare with"
+                check.seconds = time.perf_counter() - t0
+                report.calls.append(check)
+                continue
             cmp = compare_outputs(expected, obtained, atol=atol, rtol=rtol)
             check.success, check.abs, check.rel, check.error = cmp.success, cmp.abs, cmp.rel, cmp.error
             if check.absent_inputs and not cmp.success:
@@ -270,13 +326,22 @@ def _check_calls(rc: RecordedCalls, plan: _Plan, run: Any, *, atol: float, rtol:
             check.success, check.error = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         check.seconds = time.perf_counter() - t0
         report.calls.append(check)
+        notify(on_progress, CHECK_TASK, i + 1, total, f"call {call.index}")
     report.check_seconds = time.perf_counter() - begin
 
 
 def _export(
-    rc: RecordedCalls, model: torch.nn.Module, *, batch: Any, strict: bool, report: ExportReport | None = None
+    rc: RecordedCalls,
+    model: torch.nn.Module,
+    *,
+    batch: Any,
+    strict: bool,
+    report: ExportReport | None = None,
+    dim_names: DimNamesSpec = False,
+    on_progress: ProgressCallback | None = None,
 ) -> tuple[torch.export.ExportedProgram, _Plan, ExportReport]:
-    plan = _plan(rc, model, batch)
+    notify(on_progress, "torch.export", 0, 1)
+    plan = _plan(rc, model, batch, dim_names)
     report = report or ExportReport(traced_call=plan.alignment.calls[plan.traced].index)
     begin = time.perf_counter()
     with export_context(
@@ -292,12 +357,14 @@ def _export(
                 plan.module, plan.args, plan.kwargs, dynamic_shapes=plan.dynamic_shapes, strict=strict
             )
         except Exception as exc:
+            hint = named_dims_hint(str(exc)) if plan.dim_names is not None else ""
             raise ExportError(
                 f"torch.export failed on recorded call {report.traced_call}: {type(exc).__name__}: "
-                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}\nSet IOBUNDLE_DEBUG=1 for the full traceback.",
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}{hint}\nSet IOBUNDLE_DEBUG=1 for the full traceback.",
                 report=report,
             ) from exc
     report.export_seconds = time.perf_counter() - begin
+    notify(on_progress, "torch.export", 1, 1)
     return ep, plan, report
 
 
@@ -310,6 +377,8 @@ def export_program(
     check: bool = True,
     atol: float = 1e-4,
     rtol: float = 0.1,
+    dim_names: DimNamesSpec = False,
+    on_progress: ProgressCallback | None = None,
 ) -> torch.export.ExportedProgram:
     """Export ``model`` with the inferred arguments and dynamic shapes, then run every recorded call through it.
 
@@ -324,13 +393,21 @@ def export_program(
         check: Raise :class:`ExportError` when a call fails or differs beyond ``atol``/``rtol``.
         atol: Absolute tolerance of the check.
         rtol: Relative tolerance of the check.
+        dim_names: True or a dict to name the dynamic dimensions (see ``infer_dynamic_shapes``):
+            each name becomes one ``torch.export.Dim`` shared by every dimension that bears it.
+        on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` when ``torch.export``
+            starts and ends, and after each recorded call is checked.
 
     Raises:
         ExportError: ``torch.export`` failed, or (with ``check``) a recorded call is not reproduced.
     """
-    ep, plan, report = _export(rc, model, batch=set_batch_dimension_for, strict=strict)
+    ep, plan, report = _export(
+        rc, model, batch=set_batch_dimension_for, strict=strict, dim_names=dim_names, on_progress=on_progress
+    )
     with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
-        _check_calls(rc, plan, ep.module(), atol=atol, rtol=rtol, report=report)
+        _check_calls(
+            rc, plan, ep.module(), atol=atol, rtol=rtol, report=report, eager=plan.module, on_progress=on_progress
+        )
     rc.last_export_report = report
     ep.iobundle_report = report  # type: ignore[attr-defined]
     ep.iobundle_plan = plan  # type: ignore[attr-defined]
@@ -352,20 +429,25 @@ def export_onnx(
     check: bool = True,
     atol: float = 1e-4,
     rtol: float = 0.1,
+    dim_names: DimNamesSpec = False,
+    on_progress: ProgressCallback | None = None,
 ) -> str:
     """Export ``model`` to ONNX at ``path`` through ``torch.export`` (checked on every call first).
 
     The ONNX file carries, in its metadata, which recorded tensor feeds which graph input and
     the order of the outputs, so validation maps them through the exported program's
-    signature rather than by guessing from names.
+    signature rather than by guessing from names. With ``dim_names``, the graph's symbolic
+    dimensions bear the names (``batch_size``, ``past_sequence_length``, ...).
 
     Raises:
         ExportError: ``torch.export`` or ``torch.onnx.export`` failed, or (with ``check``) the
             exported program does not reproduce a recorded call.
     """
     ep = export_program(
-        rc, model, set_batch_dimension_for=set_batch_dimension_for, strict=strict, check=check, atol=atol, rtol=rtol
-    )
+        rc, model, set_batch_dimension_for=set_batch_dimension_for, strict=strict, check=check, atol=atol, rtol=rtol,
+        dim_names=dim_names,
+        on_progress=on_progress,
+    )  # fmt: skip
     report: ExportReport = ep.iobundle_report  # type: ignore[attr-defined]
     sig = ep.graph_signature
     from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
@@ -383,10 +465,14 @@ def export_onnx(
             report=report,
         )
     begin = time.perf_counter()
+    notify(on_progress, "torch.onnx.export", 0, 1)
     try:
         with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
             program = torch.onnx.export(ep, (), dynamo=True, verbose=False)
         assert program is not None
+        plan: _Plan = ep.iobundle_plan  # type: ignore[attr-defined]
+        if plan.dim_names is not None:
+            rename_onnx_axes(program.model, onnx_axis_names(ep, inputs, plan.dim_names))
         program.model.metadata_props[INPUT_SLOTS_KEY] = json.dumps(dict(zip(inputs, range(len(inputs)))))
         program.model.metadata_props[OUTPUT_NAMES_KEY] = json.dumps([v.name for v in program.model.graph.outputs])
         path = Path(path)
@@ -400,5 +486,6 @@ def export_onnx(
             report=report,
         ) from exc
     report.onnx_seconds = time.perf_counter() - begin
+    notify(on_progress, "torch.onnx.export", 1, 1)
     logger.info("exported %s (%d inputs, %d outputs)", path, len(inputs), len(outputs))
     return str(path)

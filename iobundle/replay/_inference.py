@@ -34,7 +34,8 @@ from iobundle.calls import (
     replace_tensors,
     tensor_keys,
 )
-from iobundle.errors import AlignmentError, DynamicShapeError
+from iobundle.errors import AlignmentError, DynamicShapeError, InputSelectionError
+from iobundle.replay._dim_names import DimNamesSpec, name_dims
 from iobundle.schema import CallEntry, DictNode, ListNode, Node, NoneNode, ObjectNode, TensorNode, TupleNode
 
 __all__ = [
@@ -238,7 +239,7 @@ def align_call(rc: RecordedCalls, alignment: Alignment, call: CallEntry) -> list
     if extra:
         raise AlignmentError(
             f"Call {call.index} passes keyword argument(s) {extra} that call {best.index} (the call with the "
-            f"most tensors) does not. At least one call must contain every keyword argument: pass a "
+            f"most tensors) does not. At least one call to the observed model must contain every keyword argument: pass a "
             "placeholder with InputObserver(value_if_missing={...}) or remove it with remove_inputs()."
         )
     slots: list[str | None] = []
@@ -251,9 +252,9 @@ def align_call(rc: RecordedCalls, alignment: Alignment, call: CallEntry) -> list
             slots.extend([None] * n)
             continue
         if len(keys) != n:
-            what = f"positional argument {owner}" if isinstance(owner, int) else f"argument {owner!r}"
+            what = f"Positional argument {owner}" if isinstance(owner, int) else f"Named argument {owner!r}"
             raise AlignmentError(
-                f"The {what} holds {len(keys)} tensors in call {call.index} but {n} in call {best.index}. "
+                f"{what} has {len(keys)} tensors in call {call.index} but {n} in call {best.index}. "
                 "An argument present in two calls must flatten to the same number of tensors."
             )
         slots.extend(keys)
@@ -362,7 +363,7 @@ def infer_dynamic_shapes(
     rc: RecordedCalls,
     set_batch_dimension_for: BatchSpec = None,
     *,
-    dim_names: bool = False,
+    dim_names: DimNamesSpec = False,
 ) -> tuple[Any, ...] | dict[str, Any]:
     """Infer the ``dynamic_shapes`` argument of ``torch.export.export`` from the recorded calls.
 
@@ -370,7 +371,8 @@ def infer_dynamic_shapes(
         rc: The recorded calls.
         set_batch_dimension_for: Names or positions whose dim 0 is dynamic even if constant,
             or True for every input.
-        dim_names: Use named ``torch.export.Dim`` objects (``argname_dimN``) instead of ``Dim.DYNAMIC``.
+        dim_names: False for ``Dim.DYNAMIC``; True or a dict for names (strings), see
+            :mod:`iobundle.replay._dim_names`.
 
     Returns:
         A tuple when the best call passes positional tensors only, otherwise a dict by name;
@@ -378,45 +380,75 @@ def infer_dynamic_shapes(
     """
     alignment = align_calls(rc)
     flat = flat_dynamic_dims(rc, alignment, set_batch_dimension_for)
+    names = None if dim_names is False else name_dims(rc, alignment, flat, dim_names, fed_shapes(rc, alignment))
     best = alignment.best_call
     it = iter(range(len(flat)))
 
     def leaf(_: TensorNode) -> dict[int, Any]:
         index = next(it)
-        if not dim_names:
+        if names is None:
             return dict.fromkeys(flat[index], torch.export.Dim.DYNAMIC)
-        owner = alignment.owners[index]
-        base = rc.names[owner] if isinstance(owner, int) and owner < len(rc.names) else str(owner)
-        if not base.isidentifier():  # a *args position ("1"), or a **kwargs key such as "a-b"
-            base = "arg_" + "".join(c if f"a{c}".isidentifier() else "_" for c in base)
-        return {d: torch.export.Dim(f"{base}_{index}_dim{d}") for d in flat[index]}
+        return dict(names[index])
 
     ds_args = [map_structure(a, leaf) for a in best.args]
     ds_kwargs = {k: map_structure(v, leaf) for k, v in best.kwargs.items()}
     return _assemble(rc, ds_args, ds_kwargs, dict.fromkeys(best.cst_kwargs))
 
 
-def _fill_tensor(
+def _stand_in(
     rc: RecordedCalls, alignment: Alignment, index: int, dims: list[int], empty_dim: int | None = None
-) -> torch.Tensor:
-    """A stand-in for an absent tensor: the observed tensor with its dynamic dimension set to 0, or zeros.
+) -> tuple[str, list[int], bool]:
+    """How an absent tensor is stood in for: the observed tensor it copies, the stand-in's shape, zeros or empty.
 
-    The dimension set to 0 is ``empty_dim`` (see :func:`empty_dims`) when given, else the last dynamic one.
+    It is the last observed tensor of the slot with its dynamic dimension set to 0 (``empty_dim``,
+    see :func:`empty_dims`, when given, else the last dynamic one), or zeros of its shape when no
+    dimension is dynamic; a tensor already empty stands for itself.
     """
     present = [key for s in alignment.slots if (key := s[index]) is not None]
     if not present:
         raise AlignmentError(f"No call holds tensor {index} of argument {alignment.owners[index]!r}.")
     key = present[-1]
-    shape, dtype = list(rc.store.shape(key)), rc.store.dtype(key)
+    shape = list(rc.store.shape(key))
     if 0 in shape:
-        return rc.store.get(key)
-    device = rc.store.get(key).device
+        return key, shape, False
     if empty_dim is not None:
         empty_dim %= len(shape)
     if not dims and empty_dim is None:
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return key, shape, True
     shape[empty_dim if empty_dim is not None else max(dims)] = 0
-    return torch.empty(shape, dtype=dtype, device=device)
+    return key, shape, False
+
+
+def _fill_tensor(
+    rc: RecordedCalls, alignment: Alignment, index: int, dims: list[int], empty_dim: int | None = None
+) -> torch.Tensor:
+    """A stand-in for an absent tensor (see :func:`_stand_in`)."""
+    key, shape, zeros = _stand_in(rc, alignment, index, dims, empty_dim)
+    if list(rc.store.shape(key)) == shape and not zeros:
+        return rc.store.get(key)
+    device = rc.store.get(key).device
+    make = torch.zeros if zeros else torch.empty
+    return make(shape, dtype=rc.store.dtype(key), device=device)
+
+
+def fed_shapes(rc: RecordedCalls, alignment: Alignment) -> list[list[tuple[int, ...]]]:
+    """Per slot, the shape of the tensor each call feeds the program (stand-ins for absent ones included)."""
+    dims = flat_dynamic_dims(rc, alignment)
+    empty = empty_dims(alignment)
+    result: list[list[tuple[int, ...]]] = []
+    for index in range(len(alignment.owners)):
+        stand_in: tuple[int, ...] | None = None
+        shapes = []
+        for slots in alignment.slots:
+            key = slots[index]
+            if key is None:
+                if stand_in is None:
+                    stand_in = tuple(_stand_in(rc, alignment, index, dims[index], empty[index])[1])
+                shapes.append(stand_in)
+            else:
+                shapes.append(tuple(rc.store.shape(key)))
+        result.append(shapes)
+    return result
 
 
 def aligned_tensors(
@@ -531,13 +563,16 @@ def infer_arguments(
     return {**dict(zip(rc.names, args)), **kwargs}
 
 
-def remove_inputs(rc: RecordedCalls, names: Collection[str]) -> None:
+def remove_inputs(rc: RecordedCalls, names: Collection[str]) -> int:
     """Remove the named inputs from every recorded call, as if they had never been passed.
 
     A positional argument followed by others in a call moves those to keywords.
 
+    Returns:
+        How many inputs were removed, summed over the calls (0 when no call passed any).
+
     Raises:
-        AlignmentError: A name is not a parameter, or removing it would need to pass an argument
+        InputSelectionError: A name is not a parameter, or removing it would need to pass an argument
             that follows ``*args`` by keyword (the message names the variadic).
     """
     names = set(names)
@@ -546,13 +581,18 @@ def remove_inputs(rc: RecordedCalls, names: Collection[str]) -> None:
         n for n in names if n not in params and not any(n in c.kwargs or n in c.cst_kwargs for c in rc.calls)
     )
     if unknown:
-        raise AlignmentError(
+        raise InputSelectionError(
             f"remove_inputs: {unknown} are neither parameters of {rc.signature.method} nor recorded inputs."
         )
     pos_names = list(positional_names(rc.signature))
     var = rc.var_positional
     new_calls = []
+    removed = 0
     for call in rc.calls:
+        removed += sum(1 for k in call.kwargs if k in names) + sum(1 for k in call.cst_kwargs if k in names)
+        removed += sum(1 for n, a in zip(pos_names, call.args) if n in names and not _is_absent(a))
+        if var is not None and var[0] in names:
+            removed += max(0, len(call.args) - var[1])
         args = list(call.args)
         kwargs = {k: v for k, v in call.kwargs.items() if k not in names}
         cst = {k: v for k, v in call.cst_kwargs.items() if k not in names}
@@ -562,7 +602,7 @@ def remove_inputs(rc: RecordedCalls, names: Collection[str]) -> None:
         if cut:
             first = cut[0]
             if len(args) > len(pos_names):
-                raise AlignmentError(
+                raise InputSelectionError(
                     f"remove_inputs({sorted(names)}): call {call.index} passes positional arguments after "
                     f"{pos_names[first]!r} that belong to *{var[0] if var else 'args'}; they cannot become keywords. "
                     f"Remove *{var[0] if var else 'args'} too, or record calls that pass {pos_names[first]!r} by name."
@@ -573,7 +613,7 @@ def remove_inputs(rc: RecordedCalls, names: Collection[str]) -> None:
                 if pos_names[i] in names:
                     continue
                 if param is not None and param.kind == "POSITIONAL_ONLY":
-                    raise AlignmentError(
+                    raise InputSelectionError(
                         f"remove_inputs: {pos_names[i]!r} is positional-only and follows a removed argument."
                     )
                 moved[pos_names[i]] = args[i]
@@ -586,3 +626,4 @@ def remove_inputs(rc: RecordedCalls, names: Collection[str]) -> None:
     rc.calls = new_calls
     rc.value_if_missing = [v for v in rc.value_if_missing if v.key not in names]
     rc.touch()
+    return removed

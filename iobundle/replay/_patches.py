@@ -18,7 +18,57 @@ The patches (checked against torch 2.13 and transformers 5.24):
     mask (the model's, or the causal one transformers means, built from the shapes) with
     ``is_causal=False``, and expands grouped key/value heads itself. A query that sees no key
     (padding in a left-padded batch) gets zeros, as in torch, so that onnxruntime, whose
-    softmax would average the masked scores, agrees.
+    softmax would average the masked scores, agrees. Models that call
+    ``torch.nn.functional.scaled_dot_product_attention`` themselves (Falcon) get the same two
+    measures through a wrapper of that function: a symbolic ``is_causal`` becomes its mask,
+    and rows that see no key are zeros.
+
+    The output is copied to a contiguous layout rather than made ``.contiguous()``: with a
+    query sliced from a fused projection (Phi-3's ``qkv_proj``), whether the transposed output
+    is contiguous already depends on the query length, and that check becomes a guard
+    ``q_length == 1`` (a program traced from a decode call then rejects the prefill).
+
+``sliding_window_offsets``
+    A sliding-window cache layer (``DynamicSlidingWindowLayer``: Mistral, Gemma-2/3's hybrid
+    caches) keeps only the last ``window - 1`` keys, and counts the tokens seen in a Python
+    int, ``cumulative_length``, which a bundle cannot carry (see
+    ``iobundle.capture._transformers``); rebuilt caches set it to the cached length. Its
+    ``get_mask_sizes`` then gives a key offset of 0 instead of ``tokens_seen - window + 1``
+    once the window is full, so the padding part of the mask is read from the wrong
+    positions of ``attention_mask`` (a silently wrong program on a left-padded batch), and
+    its ``if cumulative_length >= window`` branch makes the trace guard on the relation
+    between the mask and the cache lengths (decode calls past the window rejected). While
+    tracing, (1) a forward pre-hook on the exported module sets ``cumulative_length`` of each
+    sliding layer to ``attention_mask.shape[-1] - query_length`` (a 2-D mask covers the
+    tokens seen plus the new ones, which is what transformers' masks assume and what
+    ``generate()`` passes); (2) ``get_mask_sizes`` is computed without a branch as
+    ``(cached + query_length, cumulative_length - cached)``, equal to transformers' values
+    whenever the layer holds ``min(tokens seen, window - 1)`` keys (a layer that does not
+    record past states, checked); (3) transformers' ``_ignore_causal_mask_sdpa``, whose
+    answer under ``torch.export`` is always False but which first compares the mask and key
+    lengths (a guard), answers False at once while exporting. Without a 2-D mask nothing
+    changes: the rebuilt offsets are shifted together and the mask is exact.
+
+``layout_copies``
+    ``reshape``, ``flatten``, ``contiguous`` and the batched ``matmul`` decide between a view
+    and a copy from the strides, and for a transposed or sliced tensor (Falcon's
+    ``transpose(1, 2).reshape(...)`` of its fused qkv, eager attention's ``query @ key.T`` and
+    ``attn_output.transpose(1, 2).contiguous()``) that decision depends on whether the query
+    length is 1: ``torch.export`` records it as a guard, ``q_length == 1`` when traced from a
+    decode call (the prefill is rejected) or ``!= 1`` from the prefill. While tracing, a
+    ``TorchFunctionMode`` copies such an input to a contiguous layout first, unless it is
+    contiguous for every size (``is_contiguous_or_false``, which never guards); a copy is
+    always valid, so the program takes one path for every length. Same values; the cost
+    is a copy where the eager model might have had a view.
+
+``moe_batched_experts``
+    transformers' mixture-of-experts layers (Mixtral, Qwen3-MoE, ...) pick their experts
+    implementation from ``config._experts_implementation``; the default, ``grouped_mm``, traces
+    to a custom operator (``transformers::grouped_mm_fallback``) that ``torch.onnx`` cannot
+    convert. While tracing, the configs of the model's experts layers say ``batched_mm``
+    instead: the routed tokens gather their experts' weights and go through one batched
+    matmul, with no data-dependent shapes, which exports to ONNX. Same computation, in
+    another order of summation (differences at float rounding level).
 
 ``whisper_cross_attention_recompute``
     Whisper's decoder computes the cross-attention keys and values from the encoder output
@@ -55,7 +105,10 @@ __all__ = [
     "ExportPatch",
     "export_patches",
     "patch_contiguous_last_token",
+    "patch_layout_copies",
+    "patch_moe_batched_experts",
     "patch_sdpa_without_is_causal",
+    "patch_sliding_window_offsets",
     "patch_whisper_cross_attention_recompute",
 ]
 
@@ -129,7 +182,10 @@ def _export_sdpa_attention(
     )
     if visible is not None:
         out = torch.where(visible, out, torch.zeros((), dtype=out.dtype, device=out.device))
-    return out.transpose(1, 2).contiguous(), None
+    # Not ``.contiguous()``: whether the transposed output already is depends on the strides SDPA
+    # gave it, which follow the query's; a query sliced from a fused projection (Phi-3's
+    # ``qkv_proj``) makes that check a guard ``q_length == 1``. A copy in contiguous layout has no check.
+    return out.transpose(1, 2).clone(memory_format=torch.contiguous_format), None
 
 
 def _uses_sdpa(model: torch.nn.Module) -> bool:
@@ -154,14 +210,203 @@ def patch_sdpa_without_is_causal(model: torch.nn.Module) -> Iterator[None]:
 
     mapping = AttentionInterface._global_mapping
     previous = mapping.get("sdpa")
+    torch_sdpa = torch.nn.functional.scaled_dot_product_attention
     mapping["sdpa"] = _export_sdpa_attention
+    torch.nn.functional.scaled_dot_product_attention = _torch_sdpa_for_export(torch_sdpa)
     try:
         yield
     finally:
+        torch.nn.functional.scaled_dot_product_attention = torch_sdpa
         if previous is None:
             mapping.pop("sdpa", None)
         else:
             mapping["sdpa"] = previous
+
+
+def _torch_sdpa_for_export(torch_sdpa: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``torch.nn.functional.scaled_dot_product_attention`` as models that call it directly (Falcon) need it traced.
+
+    A symbolic ``is_causal`` (``query_length > 1``) becomes the explicit mask it stands for,
+    and a query that sees no key gets zeros (as torch gives), so that onnxruntime agrees.
+    """
+
+    def sdpa(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: Any = False,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if not isinstance(is_causal, bool) and attn_mask is None:
+            q_length, kv_length = query.shape[-2], key.shape[-2]
+            rows = torch.arange(q_length, device=query.device)[:, None]
+            single = torch.full((), q_length, dtype=torch.long, device=query.device) == 1
+            attn_mask, is_causal = (torch.arange(kv_length, device=query.device)[None, :] <= rows) | single, False
+        out = torch_sdpa(query, key, value, attn_mask, dropout_p, bool(is_causal), *args, **kwargs)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            out = torch.where(attn_mask.any(dim=-1, keepdim=True), out, torch.zeros((), dtype=out.dtype))
+        return out
+
+    return sdpa
+
+
+# --------------------------------------------------------------------------- sliding_window_offsets
+
+
+def _sliding_layers(cache: Any) -> list[Any]:
+    """The ``DynamicSlidingWindowLayer`` layers of a cache (the self-attention cache of an encoder-decoder cache)."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer, EncoderDecoderCache
+
+    if isinstance(cache, EncoderDecoderCache):
+        cache = cache.self_attention_cache
+    return [layer for layer in getattr(cache, "layers", ()) if isinstance(layer, DynamicSlidingWindowLayer)]
+
+
+def _uses_sliding_cache(model: torch.nn.Module) -> bool:
+    for module in _transformers_modules(model):
+        config = getattr(module, "config", None)
+        if config is None:
+            continue
+        if callable(getattr(config, "get_text_config", None)):
+            config = config.get_text_config()
+        layer_types = getattr(config, "layer_types", None) or []
+        if getattr(config, "sliding_window", None) and (
+            not layer_types or any(t in ("sliding_attention", "chunked_attention") for t in layer_types)
+        ):
+            return True
+    return False
+
+
+def _sliding_mask_sizes(self: Any, query_length: int) -> tuple[int, int]:
+    """``DynamicSlidingWindowLayer.get_mask_sizes`` without a Python branch on the token count."""
+    if self.record_past:
+        raise ValueError(
+            "A sliding-window cache layer that records past states cannot be exported from a bundle: "
+            "it may hold more than window - 1 keys."
+        )
+    cached = self.keys.shape[-2] if self.is_initialized and self.keys is not None and self.keys.dim() == 4 else 0
+    return cached + query_length, self.cumulative_length - cached
+
+
+@contextlib.contextmanager
+def patch_sliding_window_offsets(model: torch.nn.Module) -> Iterator[None]:
+    """Give rebuilt sliding-window cache layers their true token count while tracing (see the module docstring).
+
+    Installs a forward pre-hook on ``model`` (the module being exported), replaces
+    ``DynamicSlidingWindowLayer.get_mask_sizes`` and ``masking_utils._ignore_causal_mask_sdpa``;
+    all three are put back on exit.
+    """
+    import transformers.masking_utils as masking_utils
+    from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
+
+    def set_token_counts(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        mask = kwargs.get("attention_mask")
+        tokens = kwargs.get("input_ids")
+        if tokens is None:
+            tokens = kwargs.get("inputs_embeds")
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not isinstance(tokens, torch.Tensor):
+            return
+        for value in [*args, *kwargs.values()]:
+            if isinstance(value, Cache):
+                for layer in _sliding_layers(value):
+                    layer.cumulative_length = mask.shape[-1] - tokens.shape[1]
+
+    ignore_causal_mask = masking_utils._ignore_causal_mask_sdpa
+
+    def never_while_exporting(*args: Any, **kwargs: Any) -> bool:
+        if torch.compiler.is_exporting():
+            return False  # what the original answers under torch.export, after a guarding comparison
+        return bool(ignore_causal_mask(*args, **kwargs))
+
+    get_mask_sizes = DynamicSlidingWindowLayer.__dict__["get_mask_sizes"]
+    handle = model.register_forward_pre_hook(set_token_counts, with_kwargs=True)
+    DynamicSlidingWindowLayer.get_mask_sizes = _sliding_mask_sizes
+    masking_utils._ignore_causal_mask_sdpa = never_while_exporting
+    try:
+        yield
+    finally:
+        handle.remove()
+        DynamicSlidingWindowLayer.get_mask_sizes = get_mask_sizes
+        masking_utils._ignore_causal_mask_sdpa = ignore_causal_mask
+
+
+# --------------------------------------------------------------------------- layout_copies
+
+
+class _LayoutCopies(torch.overrides.TorchFunctionMode):
+    """Copies a possibly non-contiguous input of a view-or-copy operation to a contiguous layout first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch._prims_common import is_contiguous_or_false
+
+        self._definitely_contiguous = is_contiguous_or_false
+        self._reshapes = {torch.reshape, torch.Tensor.reshape, torch.flatten, torch.Tensor.flatten}
+        self._matmuls = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
+
+    def _copied(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 2 and not self._definitely_contiguous(value):
+            return value.clone(memory_format=torch.contiguous_format)
+        return value
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.contiguous and not kwargs and len(args) == 1:
+            return self._copied(args[0]) if args[0].dim() > 2 else func(*args)
+        if func in self._reshapes and args:
+            args = (self._copied(args[0]), *args[1:])
+        elif func in self._matmuls:
+            args = tuple(self._copied(a) for a in args)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def patch_layout_copies(model: torch.nn.Module) -> Iterator[None]:
+    """Trace view-or-copy operations on possibly non-contiguous tensors as copies (see the module docstring).
+
+    A ``TorchFunctionMode`` for the ``with`` block; ``model`` is not touched.
+    """
+    with _LayoutCopies():
+        yield
+
+
+# --------------------------------------------------------------------------- moe_batched_experts
+
+_TRACEABLE_EXPERTS = "batched_mm"
+
+
+def _experts_configs(model: torch.nn.Module) -> list[Any]:
+    """The configs of the transformers experts layers (``use_experts_implementation``) that use another implementation."""
+    configs: dict[int, Any] = {}
+    for module in _transformers_modules(model):
+        config = getattr(module, "config", None)
+        if not (hasattr(module, "_is_expert_parallel") and hasattr(module, "has_gate")) or config is None:
+            continue
+        if getattr(config, "_experts_implementation_internal", _TRACEABLE_EXPERTS) != _TRACEABLE_EXPERTS:
+            configs[id(config)] = config
+    return list(configs.values())
+
+
+@contextlib.contextmanager
+def patch_moe_batched_experts(model: torch.nn.Module) -> Iterator[None]:
+    """Make the model's experts layers use transformers' ``batched_mm`` implementation while tracing.
+
+    Why: see the module docstring. The configs' previous implementations are put back on exit.
+    """
+    configs = _experts_configs(model)
+    previous = [config._experts_implementation_internal for config in configs]
+    for config in configs:
+        config._experts_implementation_internal = _TRACEABLE_EXPERTS
+    try:
+        yield
+    finally:
+        for config, value in zip(configs, previous):
+            config._experts_implementation_internal = value
 
 
 # --------------------------------------------------------------------------- whisper_cross_attention_recompute
@@ -270,6 +515,21 @@ PATCHES: tuple[ExportPatch, ...] = (
         "sdpa_without_is_causal",
         lambda m, dynamic, _batch: dynamic and _uses_sdpa(m),
         patch_sdpa_without_is_causal,
+    ),
+    ExportPatch(
+        "layout_copies",
+        lambda m, dynamic, _batch: dynamic and bool(_transformers_modules(m)),
+        patch_layout_copies,
+    ),
+    ExportPatch(
+        "sliding_window_offsets",
+        lambda m, dynamic, _batch: dynamic and _uses_sliding_cache(m),
+        patch_sliding_window_offsets,
+    ),
+    ExportPatch(
+        "moe_batched_experts",
+        lambda m, _dynamic, _batch: bool(_experts_configs(m)),
+        patch_moe_batched_experts,
     ),
     ExportPatch(
         "whisper_cross_attention_recompute",

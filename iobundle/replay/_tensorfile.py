@@ -31,26 +31,30 @@ import re
 import stat
 import threading
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, BinaryIO, Protocol, Union
 
 import torch
 
-from iobundle.calls import NAME_TO_DTYPE, new_hasher, parse_header, rebuild, tensor_span
+from iobundle.calls import NAME_TO_DTYPE, new_hasher, parse_header, read_exactly, rebuild, tensor_span
 from iobundle.errors import IntegrityError, TensorFileError, UnsafeBundleError
 from iobundle.schema import FileEntry, Manifest, TensorEntry
 
 __all__ = [
     "BundleRoot",
+    "Member",
+    "MemberHandle",
+    "Root",
     "BundleTensorStore",
     "check_file",
     "check_file_header",
+    "read_member",
     "safe_member_path",
 ]
 
 _CHUNK = 1 << 22
 
 SMALL_FILE_BYTES = 1 << 20
-"""Tensor files up to this size are read whole, once: size, sha256 and header are checked on
+"""Tensor files up to this size are read whole, once: size, hash and header are checked on
 those bytes and the tensors view them (four opens and a memory mapping cost more than the read)."""
 
 
@@ -117,14 +121,49 @@ class BundleRoot:
         return self.path / pure
 
 
-def safe_member_path(root: Path | BundleRoot, name: str) -> Path:
+class Root(Protocol):
+    """What a bundle's members are resolved against: a directory (:class:`BundleRoot`), a packed bundle, a URL."""
+
+    path: Any
+
+    def member(self, name: str) -> Member: ...
+
+
+def safe_member_path(root: Path | Root, name: str) -> Member:
     """Resolve the bundle member ``name`` under ``root``, refusing anything that leaves it.
 
     Raises:
         UnsafeBundleError: ``name`` is absolute, contains ``..``, a backslash, a colon or a control
             character, or resolves (through a symlink) outside ``root``.
     """
-    return (root if isinstance(root, BundleRoot) else BundleRoot(root)).member(name)
+    return (BundleRoot(root) if isinstance(root, Path) else root).member(name)
+
+
+class MemberHandle(Protocol):
+    """A bundle member that is not a plain file of a directory: a member of a packed bundle, a remote file.
+
+    :class:`BundleRoot` gives :class:`~pathlib.Path` members; other roots (``iobundle.replay._archive``,
+    ``iobundle.replay._remote``) give handles, which every reader here accepts in place of a path.
+    """
+
+    def open(self) -> tuple[BinaryIO, int]:
+        """A binary file positioned at the member's first byte that ends with it, and the member's size."""
+        ...
+
+    def map(self, size: int) -> torch.Tensor | None:
+        """The member's ``size`` bytes as a uint8 tensor viewing a memory mapping, or None (then it is read)."""
+        ...
+
+
+Member = Union[Path, MemberHandle]
+
+
+def _open_member(path: Member, name: str) -> tuple[BinaryIO, int]:
+    """Open a member for reading: ``(file, size)``; see :func:`_open_regular`."""
+    if isinstance(path, Path):
+        fd, size = _open_regular(path, name)
+        return os.fdopen(fd, "rb", buffering=0), size
+    return path.open()
 
 
 def _open_regular(path: Path, name: str) -> tuple[int, int]:
@@ -147,14 +186,14 @@ def _open_regular(path: Path, name: str) -> tuple[int, int]:
     return fd, info.st_size
 
 
-def hash_file(path: Path, name: str | None = None, algorithm: str = "sha256") -> tuple[int, str]:
+def hash_file(path: Member, name: str | None = None, algorithm: str = "sha256") -> tuple[int, str]:
     """Size and hex digest (``algorithm``, a name the manifest uses) of ``path``, read in chunks."""
-    fd, expected = _open_regular(path, name or str(path))
+    f, expected = _open_member(path, name or str(path))
     digest = new_hasher(algorithm)
     size = 0
     buffer = memoryview(bytearray(max(1, min(_CHUNK, expected + 1))))  # + 1: EOF in the same read
     try:
-        with os.fdopen(fd, "rb", buffering=0) as f:
+        with f:
             while n := f.readinto(buffer):
                 digest.update(buffer[:n])
                 size += n
@@ -163,7 +202,7 @@ def hash_file(path: Path, name: str | None = None, algorithm: str = "sha256") ->
     return size, digest.hexdigest()
 
 
-def check_file(root: Path | BundleRoot, name: str, entry: FileEntry, *, hash_check: bool = True) -> Path:
+def check_file(root: Path | Root, name: str, entry: FileEntry, *, hash_check: bool = True) -> Member:
     """Check that bundle member ``name`` exists and has the recorded size (and hash); return its path.
 
     Raises:
@@ -172,8 +211,8 @@ def check_file(root: Path | BundleRoot, name: str, entry: FileEntry, *, hash_che
         IntegrityError: Its size or hash differs from the manifest.
     """
     path = safe_member_path(root, name)
-    fd, size = _open_regular(path, name)
-    os.close(fd)
+    f, size = _open_member(path, name)
+    f.close()
     if size != entry.size:
         raise IntegrityError(
             f"{name}: {size} bytes, the manifest says {entry.size}. The file is truncated or was changed."
@@ -199,29 +238,29 @@ def check_digest(name: str, entry: FileEntry, digest: str) -> None:
         )
 
 
-def _read_header(path: Path, name: str) -> tuple[dict[str, Any], int, int]:
+def _read_header(path: Member, name: str) -> tuple[dict[str, Any], int, int]:
     """Return ``(header, data_start, file_size)`` of a safetensors file, reading nothing past the header."""
-    fd, size = _open_regular(path, name)
+    f, size = _open_member(path, name)
     try:
-        with os.fdopen(fd, "rb") as f:
+        with f:
             header, data_start = parse_header(name, size, f.read)
     except OSError as exc:
         raise TensorFileError(f"{name}: cannot be read ({exc.strerror or exc}).") from exc
     return header, data_start, size
 
 
-def _read_small(path: Path, name: str, entry: FileEntry, *, hash_check: bool) -> bytearray:
+def _read_small(path: Member, name: str, entry: FileEntry, *, hash_check: bool) -> bytearray:
     """The whole bundle member ``name`` (at most :data:`SMALL_FILE_BYTES`), checked as :func:`check_file` does."""
-    fd, size = _open_regular(path, name)
+    f, size = _open_member(path, name)
     if size != entry.size:
-        os.close(fd)
+        f.close()
         raise IntegrityError(
             f"{name}: {size} bytes, the manifest says {entry.size}. The file is truncated or was changed."
         )
     data = bytearray(size + 1)  # + 1: a file that grew is seen
     view, done = memoryview(data), 0
     try:
-        with os.fdopen(fd, "rb", buffering=0) as f:
+        with f:
             while done <= size and (n := f.readinto(view[done:])):
                 done += n
     except OSError as exc:
@@ -247,13 +286,28 @@ def stored_shape(entry: TensorEntry, base: TensorEntry | None) -> list[int]:
     return shape
 
 
+def read_member(path: Member, name: str, size: int) -> bytearray:
+    """The ``size`` bytes of member ``name``."""
+    f, found = _open_member(path, name)
+    if found != size:
+        f.close()
+        raise IntegrityError(f"{name}: {found} bytes, expected {size}. The file is truncated or was changed.")
+    data = bytearray(size)
+    try:
+        with f:
+            read_exactly(f, size, name, into=memoryview(data))
+    except OSError as exc:
+        raise TensorFileError(f"{name}: cannot be read ({exc.strerror or exc}).") from exc
+    return data
+
+
 def _tensor_span(name: str, header: dict[str, Any], entry: TensorEntry, key: str, data_len: int) -> tuple[int, int]:
     """Check one tensor of the header against its manifest entry; return its byte span in the data area."""
     return tensor_span(name, header, entry.name, dtype=entry.dtype, shape=entry.shape, data_len=data_len, key=key)
 
 
 def check_file_header(
-    path: Path, name: str, entries: dict[str, TensorEntry]
+    path: Member, name: str, entries: dict[str, TensorEntry]
 ) -> tuple[dict[str, tuple[int, int]], int, int]:
     """Check the header of bundle member ``name`` against the manifest entries of the tensors it holds.
 
@@ -269,13 +323,18 @@ def check_file_header(
 
 
 class _OpenFile:
-    def __init__(self, name: str, path: Path, entries: dict[str, TensorEntry]) -> None:
+    def __init__(self, name: str, path: Member, entries: dict[str, TensorEntry]) -> None:
         self.name = name
         self.spans, self.data_start, size = check_file_header(path, name, entries)
         self.data: torch.Tensor | None = None
         if any(end > begin for begin, end in self.spans.values()):
             try:
-                self.data = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+                if isinstance(path, Path):
+                    self.data = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+                else:
+                    self.data = path.map(size)
+                    if self.data is None:  # not mappable (a remote file): read once, tensors view the bytes
+                        self.data = torch.frombuffer(read_member(path, name, size), dtype=torch.uint8)
             except (RuntimeError, OSError, ValueError) as exc:
                 raise TensorFileError(f"{name}: cannot be memory-mapped ({exc}).") from exc
 
@@ -314,14 +373,15 @@ class BundleTensorStore:
     """Tensors of a bundle, read lazily (memory-mapped) and checked on first use.
 
     Args:
-        root: The bundle directory.
+        root: The bundle directory (or packed file, or URL).
         manifest: Its validated manifest (whose references :func:`iobundle.replay._bundle._check_references` checked).
-        verify: Check each file's sha256 the first time it is read. Sizes and headers are always checked.
+        verify: Check each file's hash the first time it is read. Sizes and headers are always checked.
+        bundle_root: What members are resolved against, when not the directory ``root``.
     """
 
-    def __init__(self, root: Path, manifest: Manifest, *, verify: bool = True) -> None:
+    def __init__(self, root: Path, manifest: Manifest, *, verify: bool = True, bundle_root: Root | None = None) -> None:
         self.root = root
-        self.bundle_root = BundleRoot(root)
+        self.bundle_root: Root = BundleRoot(root) if bundle_root is None else bundle_root
         self.manifest = manifest
         self.verify = verify
         self._files: dict[str, _OpenFile] = {}

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +15,24 @@ import numpy as np
 import onnx
 import torch
 
+from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import RecordedCalls, tensor_keys
-from iobundle.errors import ModelLoadError, ReplayError
-from iobundle.replay._compare import Scratch, compare_outputs
+from iobundle.errors import ModelLoadError, NothingToCompareError, ReplayError, ToleranceError
+from iobundle.replay._compare import (
+    OutputCheck,
+    Scratch,
+    Tolerances,
+    check_error_stat_name,
+    compare_call,
+    histogram_labels,
+    output_paths,
+)
 from iobundle.replay._export import INPUT_SLOTS_KEY, OUTPUT_NAMES_KEY
 from iobundle.replay._inference import align_calls, aligned_tensors, placeholder_inputs
 
 __all__ = ["ValidationReport", "check_discrepancies", "validate_onnx"]
+
+logger = logging.getLogger(__name__)
 
 
 def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto) -> tuple[Any, dict[str, str]]:
@@ -28,6 +40,9 @@ def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto) -> tuple[Any,
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    proto = getattr(onnx_model, "model_proto", None)  # a torch.onnx.ONNXProgram, as torch's observer takes
+    if isinstance(proto, onnx.ModelProto):
+        onnx_model = proto
     try:
         if isinstance(onnx_model, onnx.ModelProto):
             meta = {p.key: p.value for p in onnx_model.metadata_props}
@@ -46,9 +61,11 @@ def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto) -> tuple[Any,
         raise ModelLoadError(f"onnxruntime cannot load the model '{onnx_model}': {first}") from exc
 
 
-def _input_mapping(session: Any, meta: dict[str, str], n_slots: int) -> list[tuple[str, int]]:
-    """Graph input name -> aligned slot, from the metadata written at export, else by position."""
-    names = [i.name for i in session.get_inputs()]
+def input_mapping(names: Sequence[str], meta: dict[str, str], n_slots: int) -> list[tuple[str, int]]:
+    """Graph input name -> aligned slot, from the metadata written at export, else by position.
+
+    Validation and ``iobundle convert --to onnx-testdata`` both map recorded tensors to graph inputs here.
+    """
     if INPUT_SLOTS_KEY in meta:
         slots = json.loads(meta[INPUT_SLOTS_KEY])
         missing = [n for n in names if n not in slots]
@@ -78,6 +95,22 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().numpy()
 
 
+def _require_outputs(rc: RecordedCalls) -> None:
+    """Refuse to validate calls that hold no recorded outputs: a comparison with nothing is no pass.
+
+    Raises:
+        NothingToCompareError: No ok call has recorded outputs.
+    """
+    ok = rc.ok_calls
+    if ok and all(c.outputs is None for c in ok):
+        raise NothingToCompareError(
+            f"None of the {len(ok)} recorded calls has recorded outputs (a bundle redacted by `iobundle redact` "
+            "without --keep-outputs has none): there is nothing to compare the model's outputs against. "
+            "Validate with the original bundle, or run `iobundle export` on this one to check that the model "
+            "exports and runs on these inputs."
+        )
+
+
 def check_discrepancies(
     rc: RecordedCalls,
     onnx_model: str | os.PathLike[str] | onnx.ModelProto,
@@ -88,6 +121,11 @@ def check_discrepancies(
     progress_bar: bool = False,
     include_io: bool = True,
     skip_none: bool = True,
+    output_atol: Mapping[str, float] | None = None,
+    output_rtol: Mapping[str, float] | None = None,
+    check_error_stat: str = "max",
+    error_quantile: float = 0.99,
+    on_progress: ProgressCallback | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``onnx_model`` with onnxruntime on every recorded call; one dict per call (DataFrame-ready).
 
@@ -99,15 +137,66 @@ def check_discrepancies(
     ``error`` when the run failed,
     and with ``include_io`` the ``inputs`` and ``outputs`` summaries.
 
+    With per-output tolerances or another ``check_error_stat`` than ``max``, each output is
+    decided on its own (see :func:`iobundle.replay.validate_onnx`) and the rows also carry
+    ``mean_abs``, ``median_abs``, ``quantile_abs`` and ``worst_output``.
+
+    Args:
+        rc: The recorded calls.
+        onnx_model: A path or a loaded ``onnx.ModelProto``.
+        atol: Absolute tolerance (the default for every output).
+        rtol: Relative tolerance (the default for every output).
+        hist: Thresholds of the ``>h`` count columns.
+        progress_bar: Draw a tqdm bar when tqdm is installed (kept for compatibility; prefer ``on_progress``).
+        include_io: Add the ``inputs`` and ``outputs`` summaries.
+        skip_none: A None output on one side only is not a failure.
+        output_atol: Absolute tolerance per output name or ``fnmatch`` pattern (``{"logits": 1e-3}``).
+        output_rtol: Relative tolerance per output name or pattern.
+        check_error_stat: ``max`` (every element within tolerance), ``mean``, ``median`` or ``quantile``.
+        error_quantile: The quantile of ``check_error_stat="quantile"`` (and of ``quantile_abs``).
+        on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` after each call.
+
     Raises:
+        NothingToCompareError: The calls hold no recorded outputs (a redacted bundle).
         ReplayError: The model cannot be loaded or its inputs do not match the recorded calls.
+
+    .. versionchanged:: 0.2
+        ``output_atol``, ``output_rtol``, ``check_error_stat``, ``error_quantile``, ``on_progress``.
     """
+    tolerances = Tolerances(atol=atol, rtol=rtol, per_output_atol=output_atol or {}, per_output_rtol=output_rtol or {})
+    per_output = bool(output_atol or output_rtol) or check_error_stat != "max"
+    rows, _ = _run_checks(
+        rc, onnx_model, tolerances=tolerances, hist=hist, progress_bar=progress_bar, include_io=include_io,
+        skip_none=skip_none, per_output=per_output, check_error_stat=check_error_stat,
+        error_quantile=error_quantile, on_progress=on_progress,
+    )  # fmt: skip
+    return rows
+
+
+def _run_checks(
+    rc: RecordedCalls,
+    onnx_model: str | os.PathLike[str] | onnx.ModelProto,
+    *,
+    tolerances: Tolerances,
+    hist: Sequence[float],
+    progress_bar: bool,
+    include_io: bool,
+    skip_none: bool,
+    per_output: bool,
+    check_error_stat: str,
+    error_quantile: float,
+    on_progress: ProgressCallback | None,
+) -> tuple[list[dict[str, Any]], list[OutputCheck]]:
+    check_error_stat_name(check_error_stat, error_quantile)
+    _require_outputs(rc)
     session, meta = _session(onnx_model)
     alignment = align_calls(rc)
-    mapping = _input_mapping(session, meta, len(alignment.owners))
+    mapping = input_mapping([i.name for i in session.get_inputs()], meta, len(alignment.owners))
     output_names = json.loads(meta[OUTPUT_NAMES_KEY]) if OUTPUT_NAMES_KEY in meta else None
+    graph_outputs = output_names or [o.name for o in session.get_outputs()]
     scratch = Scratch()
     rows: list[dict[str, Any]] = []
+    checks: list[OutputCheck] = []
     indices: Any = range(len(alignment.calls))
     if progress_bar:
         try:
@@ -116,6 +205,8 @@ def check_discrepancies(
             indices = tqdm(indices)
         except ImportError:
             pass
+    total = len(alignment.calls)
+    notify(on_progress, "validate", 0, total)
     for i in indices:
         call = alignment.calls[i]
         slots = alignment.slots[i]
@@ -134,14 +225,19 @@ def check_discrepancies(
             row.update(SUCCESS=False, error=error, abs=float("nan"), rel=float("nan"), sum=float("nan"), n=0, dnan=0)
             row.update({f">{h}": 0 for h in hist})
         else:
-            row.update(
-                compare_outputs(
-                    expected, obtained, atol=atol, rtol=rtol, hist=hist, skip_none=skip_none, scratch=scratch
-                ).as_row()
-            )
+            cmp_row, call_checks = compare_call(
+                expected, obtained, call_index=call.index, names=output_paths(call.outputs), tolerances=tolerances,
+                check_error_stat=check_error_stat, error_quantile=error_quantile, hist=hist, skip_none=skip_none,
+                scratch=scratch, per_output=per_output, other_names=graph_outputs,
+            )  # fmt: skip
+            row.update(cmp_row)
+            checks.extend(call_checks)
         absent = placeholder_inputs(alignment, call, slots)
         if absent and row["SUCCESS"] is False:
             row["SUCCESS"] = None
+            for c in checks:
+                if c.call == call.index and c.success is False:
+                    c.success = None
         row.update(
             index=call.index,
             duration_torch=call.latency,
@@ -155,17 +251,38 @@ def check_discrepancies(
             row["inputs"] = _summary(tensors)
             row["outputs"] = _summary(expected)
         rows.append(row)
-    return rows
+        logger.debug("call %d: %s", call.index, "ok" if row["SUCCESS"] else row.get("error") or "differs")
+        notify(on_progress, "validate", len(rows), total, f"call {call.index}")
+    return rows, checks
 
 
 @dataclass
 class ValidationReport:
-    """The rows of :func:`check_discrepancies` plus a verdict."""
+    """The rows of :func:`check_discrepancies` plus a verdict, and (from :func:`validate_onnx`) one check per output.
+
+    Attributes:
+        rows: One dict per call (see :func:`check_discrepancies`).
+        atol: The default absolute tolerance.
+        rtol: The default relative tolerance.
+        seconds: Wall time of the whole validation.
+        outputs: One :class:`OutputCheck` per output of each call (name, shape, dtype, statistics).
+        tolerances: The tolerances, per-output overrides included.
+        check_error_stat: The statistic that decides an output (``max``, ``mean``, ``median``, ``quantile``).
+        error_quantile: The quantile reported (and checked with ``check_error_stat="quantile"``).
+        subject: What was compared with the recorded outputs (the ONNX file, the eager model).
+        kind: ``"validate"`` (onnxruntime), ``"run"`` (the eager model re-run) or ``"diff"`` (two bundles).
+    """
 
     rows: list[dict[str, Any]]
     atol: float
     rtol: float
     seconds: float
+    outputs: list[OutputCheck] = field(default_factory=list)
+    tolerances: Tolerances | None = None
+    check_error_stat: str = "max"
+    error_quantile: float = 0.99
+    subject: str = ""
+    kind: str = "validate"
 
     @property
     def n_failed(self) -> int:
@@ -175,16 +292,89 @@ class ValidationReport:
     def ok(self) -> bool:
         return self.n_failed == 0
 
+    def histogram(self) -> list[tuple[str, int]]:
+        """``(bin label, count)`` of the absolute errors of every compared element, every output of every call."""
+        counts = [0] * len(histogram_labels())
+        for check in self.outputs:
+            if check.stats is not None:
+                counts = [a + b for a, b in zip(counts, check.stats.hist)]
+        return list(zip(histogram_labels(), counts))
+
+    def criterion(self) -> str:
+        """The rule a call passed by: tolerances and statistic, e.g. ``atol=0.0001 rtol=0.1``."""
+        tolerances = self.tolerances or Tolerances(atol=self.atol, rtol=self.rtol)
+        text = tolerances.describe()
+        if self.check_error_stat == "quantile":
+            return f"{text}, on the {self.error_quantile:g} quantile of the errors"
+        if self.check_error_stat != "max":
+            return f"{text}, on the {self.check_error_stat} error"
+        return text
+
     def verdict(self) -> str:
         n = len(self.rows)
         passed = sum(1 for r in self.rows if r["SUCCESS"])
-        return f"{'PASS' if self.ok else 'FAIL'}: {passed}/{n} calls within atol={self.atol:g} rtol={self.rtol:g}"
+        return f"{'PASS' if self.ok else 'FAIL'}: {passed}/{n} calls within {self.criterion()}"
 
 
 def validate_onnx(
-    rc: RecordedCalls, onnx_model: str | os.PathLike[str] | onnx.ModelProto, *, atol: float = 1e-4, rtol: float = 0.1
+    rc: RecordedCalls,
+    onnx_model: str | os.PathLike[str] | onnx.ModelProto,
+    *,
+    atol: float = 1e-4,
+    rtol: float = 0.1,
+    output_atol: Mapping[str, float] | None = None,
+    output_rtol: Mapping[str, float] | None = None,
+    check_error_stat: str = "max",
+    error_quantile: float = 0.99,
+    on_progress: ProgressCallback | None = None,
 ) -> ValidationReport:
-    """Validate ``onnx_model`` on every recorded call; see :func:`check_discrepancies`."""
+    """Validate ``onnx_model`` on every recorded call, output by output; see :func:`check_discrepancies`.
+
+    Each output of each call is compared on its own: its tolerances are ``output_atol`` /
+    ``output_rtol`` for its name (its path in the output tree such as ``logits`` or
+    ``past_key_values[0]``, or its ONNX name; ``fnmatch`` patterns allowed), else ``atol`` /
+    ``rtol``. With ``check_error_stat="max"`` every element must be within ``atol`` or within
+    ``rtol``; with ``mean``, ``median`` or ``quantile`` that statistic of the absolute errors must
+    be within ``atol``, or that of the relative errors within ``rtol``.
+
+    Raises:
+        ReplayError: The model cannot be loaded or its inputs do not match the recorded calls.
+        ToleranceError: A statistic is unknown, or a per-output tolerance names no output.
+
+    Example:
+        >>> report = validate_onnx(rc, "model.onnx", output_atol={"logits": 1e-3}, check_error_stat="median")
+        >>> report.verdict()
+        'PASS: 6/6 calls within atol=0.0001 rtol=0.1 (logits: atol=0.001), on the median error'
+
+    .. versionchanged:: 0.2
+        Per-output checks (``outputs``), ``output_atol``, ``output_rtol``, ``check_error_stat``,
+        ``error_quantile``, ``on_progress``.
+    """
     begin = time.perf_counter()
-    rows = check_discrepancies(rc, onnx_model, atol=atol, rtol=rtol, include_io=False)
-    return ValidationReport(rows=rows, atol=atol, rtol=rtol, seconds=time.perf_counter() - begin)
+    tolerances = Tolerances(atol=atol, rtol=rtol, per_output_atol=output_atol or {}, per_output_rtol=output_rtol or {})
+    rows, checks = _run_checks(
+        rc, onnx_model, tolerances=tolerances, hist=(0.1, 0.01), progress_bar=False, include_io=False,
+        skip_none=True, per_output=True, check_error_stat=check_error_stat, error_quantile=error_quantile,
+        on_progress=on_progress,
+    )  # fmt: skip
+    _refuse_unused(tolerances, checks)
+    subject = str(onnx_model) if not isinstance(onnx_model, onnx.ModelProto) else "an onnx.ModelProto"
+    return ValidationReport(
+        rows=rows, atol=atol, rtol=rtol, seconds=time.perf_counter() - begin, outputs=checks,
+        tolerances=tolerances, check_error_stat=check_error_stat, error_quantile=error_quantile, subject=subject,
+    )  # fmt: skip
+
+
+def _refuse_unused(tolerances: Tolerances, checks: Sequence[OutputCheck]) -> None:
+    """A per-output tolerance that matches no output is a typo: say which names exist."""
+    if not checks:  # nothing was compared (every run failed): the rows say why, not the tolerances
+        return
+    groups = [(c.name, c.other_name or "") for c in checks]
+    unused = tolerances.unused(groups)
+    if unused:
+        known = list(dict.fromkeys(n for g in groups for n in g if n))
+        shown = ", ".join(known[:12]) + (", ..." if len(known) > 12 else "")
+        raise ToleranceError(
+            f"Per-output tolerance for {', '.join(map(repr, unused))} matches no output. Outputs: {shown}. "
+            "Use one of these names or an fnmatch pattern (e.g. 'past_key_values*')."
+        )

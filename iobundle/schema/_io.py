@@ -14,7 +14,8 @@ A manifest is untrusted input (bundles are attached to bug reports). Reading one
   count, zero dimensions ignored, stays at most :data:`MAX_TENSOR_ELEMENTS` (2**62), so that any
   shape fits a 64-bit size;
 - every dict node has as many keys as items, and no key twice;
-- format version 1 holds no format-2 field (``extends``, ``hash``/``digest``), version 2 no ``sha256``;
+- format version 1 holds no format-2 field (``extends``, ``hash``/``digest``); version 2 may also
+  record a file's hash as ``sha256`` (what version 1 wrote, e.g. a file copied from a version-1 bundle);
 - every ``extends`` (format 2) names a tensor listed *before* it (so references never form a cycle),
   of the same dtype and rank, whose shape equals the tensor's except along ``dim``, where it is at
   most as long; chains of extensions are at most :data:`MAX_EXTENSION_DEPTH` (100 000) long.
@@ -204,23 +205,22 @@ def _check_tensor_shapes(manifest: Manifest, source: str) -> None:
 
 
 def _check_version_fields(manifest: Manifest, source: str) -> None:
-    v1 = manifest.format_version == 1
+    """Version 1 holds no format-2 field: no ``extends``, no ``hash``/``digest`` (version 2 may spell ``sha256``)."""
+    if manifest.format_version != 1:
+        return
     files = [(f"files[{n!r}]", e) for n, e in manifest.files.items()]
     if manifest.model is not None:
         files += [(f"model.files[{n!r}]", e) for n, e in manifest.model.files.items()]
     for where, entry in files:
-        if v1 != (entry.sha256 is not None):
-            found = "sha256" if entry.sha256 is not None else "hash and digest"
+        if entry.sha256 is None:
             raise ManifestError(
-                f"{source}: {where} records {found}, which format_version {manifest.format_version} does not use "
-                f"({'sha256' if v1 else 'hash and digest'} expected)."
+                f"{source}: {where} records hash and digest, which format_version 1 does not use (sha256 expected)."
             )
-    if v1:
-        for key, tensor in manifest.tensors.items():
-            if tensor.extends is not None:
-                raise ManifestError(
-                    f"{source}: tensors[{key!r}].extends is a format_version 2 field; this manifest says version 1."
-                )
+    for key, tensor in manifest.tensors.items():
+        if tensor.extends is not None:
+            raise ManifestError(
+                f"{source}: tensors[{key!r}].extends is a format_version 2 field; this manifest says version 1."
+            )
 
 
 def _check_extensions(manifest: Manifest, source: str) -> None:

@@ -23,7 +23,7 @@ Format version 2 (written since iobundle 0.2) adds, and version 1 never holds:
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import (
     BaseModel,
@@ -59,6 +59,7 @@ __all__ = [
     "OpaqueNode",
     "ParameterEntry",
     "Producer",
+    "Redaction",
     "SignatureEntry",
     "TensorEntry",
     "TensorNode",
@@ -270,8 +271,9 @@ class ModelEntry(_Model):
     """The model stored in a self-contained bundle (``observer.save(path, include_model=...)``).
 
     Only transformers classes are stored, by class name: a loader rebuilds them from
-    ``config_file`` (``config.to_dict()`` as JSON) through an allow-list of class names and
-    loads ``weights_file`` (safetensors). Nothing named here is ever imported.
+    ``config_file`` (``config.to_dict()`` as JSON), only for classes transformers registers in its
+    auto-model mappings and only when the config selects no code, and loads ``weights_file``
+    (safetensors). Nothing named here is ever imported.
 
     Attributes:
         library: The library that defines ``class_name``.
@@ -293,6 +295,24 @@ class ModelEntry(_Model):
     files: dict[str, FileEntry]
 
 
+class Redaction(_Model):
+    """Marks a bundle written by ``iobundle redact``: its recorded input tensors are synthetic.
+
+    Synthetic values have the dtype and shape of the recorded ones; integers stay within the
+    observed range, two-valued tensors (masks) keep their two values, and rows that increased
+    (positions) still do. Scalar constants and the structure are kept as recorded.
+
+    Attributes:
+        outputs_kept: The recorded outputs were kept (``--keep-outputs``); otherwise there are none.
+        model_kept: The stored model (config and weights) was kept (``--keep-model``).
+        seed: The seed of the synthetic values.
+    """
+
+    outputs_kept: bool = False
+    model_kept: bool = False
+    seed: StrictInt = 0
+
+
 class Manifest(_Model):
     """The whole of ``manifest.json``."""
 
@@ -305,3 +325,13 @@ class Manifest(_Model):
     tensors: dict[str, TensorEntry]
     files: dict[str, FileEntry]
     model: ModelEntry | None = None
+    redacted: Redaction | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_redaction(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Only redacted bundles carry the field: every other manifest stays readable by iobundle
+        # versions that predate it (extra="forbid" would refuse even "redacted": null).
+        data: dict[str, Any] = handler(self)
+        if data.get("redacted", 0) is None:
+            del data["redacted"]
+        return data

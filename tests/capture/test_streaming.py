@@ -485,12 +485,14 @@ class Zygote:
         self.process = subprocess.Popen(
             [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
+        self._lock = threading.Lock()  # two trials may share a zygote: one request/answer at a time
 
     def _ask(self, line: str) -> str:
         assert self.process.stdin is not None and self.process.stdout is not None
-        self.process.stdin.write(line + "\n")
-        self.process.stdin.flush()
-        return self.process.stdout.readline().strip()
+        with self._lock:
+            self.process.stdin.write(line + "\n")
+            self.process.stdin.flush()
+            return self.process.stdout.readline().strip()
 
     def run(self, log: Path, bundle: Path, size: int, slow: float, durable: bool, mode: str, calls: int) -> int:
         return int(self._ask(f"run {log} {bundle} {size} {slow} {int(durable)} {mode} {calls}").split()[1])

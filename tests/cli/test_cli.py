@@ -162,6 +162,13 @@ class TestShapes:
         shapes = json.loads(out)
         assert isinstance(shapes["x"]["1"], str) and shapes["x"]["1"].startswith("x_")
 
+    def test_dim_names_print_the_library_names_shared_by_equal_batches(self, capsys, bundle):
+        code, out, _ = run(capsys, "shapes", bundle, "--batch-all", "--dim-names")
+        assert code == 0
+        assert out.strip() == "{'x': {0: 'x_dim_0', 1: 'x_dim_1'}, 'cache': [{0: 'x_dim_0'}]}"
+        expected = load_bundle(bundle).infer_dynamic_shapes(set_batch_dimension_for=True, dim_names=True)
+        assert eval(out) == expected
+
     @pytest.mark.parametrize(
         ("batch", "expected"),
         [
@@ -324,3 +331,77 @@ class TestHelp:
         code, _, err = run(capsys, "-vv", "verify", fresh_bundle)
         assert code == 0
         assert f"DEBUG iobundle.cli._main: opening {fresh_bundle}" in err
+
+
+# --- a bundle that stores its model -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GPT-NeoX observed on one forward call, saved with its model (include_model=True)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPTNeoXConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=64, eos_token_id=0
+    )
+    torch.manual_seed(0)
+    model = transformers.GPTNeoXForCausalLM(config).eval()
+    observer = InputObserver()
+    with torch.no_grad(), observer(model):
+        model(torch.tensor([[3, 4, 5]]))
+    path = tmp_path_factory.mktemp("bundles") / "neox.iobundle"
+    observer.save(path, include_model=True)
+    return path
+
+
+def _plant_in_config(path: Path, key: str, value: object) -> None:
+    import hashlib
+
+    config_path = path / "model" / "config.json"
+    config = json.loads(config_path.read_text("utf-8"))
+    config[key] = value
+    data = json.dumps(config).encode()
+    config_path.write_bytes(data)
+    manifest = json.loads((path / "manifest.json").read_text("utf-8"))
+    manifest["model"]["files"]["model/config.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / "manifest.json").write_text(json.dumps(manifest), "utf-8")
+
+
+def test_inspect_shows_the_stored_model(capsys, model_bundle):
+    code, out, _ = run(capsys, "inspect", model_bundle)
+    assert code == 0
+    weights = (model_bundle / "model" / "weights.safetensors").stat().st_size
+    model_line = next(line for line in out.splitlines() if line.startswith("model "))
+    assert "GPTNeoXForCausalLM (model_type gpt_neox, attention sdpa)" in model_line
+    assert f"weights {weights / 1024:.1f} KiB" in model_line
+    assert "accepted by --from-bundle" in out
+
+
+def test_inspect_says_why_from_bundle_would_refuse(capsys, model_bundle, tmp_path):
+    import shutil
+
+    path = Path(shutil.copytree(model_bundle, tmp_path / "hostile.iobundle"))
+    _plant_in_config(path, "auto_map", {"AutoModelForCausalLM": "evil_modeling.Evil"})
+    code, out, _ = run(capsys, "inspect", path)
+    assert code == 0  # inspecting never builds the model
+    assert "refused by --from-bundle: model/config.json: auto_map = " in out
+    assert "evil_modeling" not in sys.modules
+
+
+def test_inspect_of_a_bundle_without_model_has_no_model_line(capsys, bundle):
+    code, out, _ = run(capsys, "inspect", bundle)
+    assert code == 0
+    assert not [line for line in out.splitlines() if line.startswith("model ")]
+
+
+def test_export_from_bundle_refuses_a_config_that_selects_code(capsys, model_bundle, tmp_path):
+    import shutil
+
+    path = Path(shutil.copytree(model_bundle, tmp_path / "hostile.iobundle"))
+    _plant_in_config(path, "attn_implementation", "kernels-community/flash-attn2")
+    code, _, err = run(capsys, "export", path, "--from-bundle", "-o", tmp_path / "model.onnx")
+    assert code == 2
+    first = err.splitlines()[0]
+    assert first.startswith("error: model/config.json: attn_implementation = 'kernels-community/flash-attn2'")
+    assert "--model MODULE:FACTORY" in first
+    assert not (tmp_path / "model.onnx").exists()
+    assert "kernels" not in sys.modules

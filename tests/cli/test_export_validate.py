@@ -116,21 +116,24 @@ def test_missing_bundle_in_a_real_process_has_no_traceback(tmp_path):
     assert "Traceback" not in proc.stderr and proc.stderr.startswith("error: ")
 
 
-@pytest.mark.parametrize("suffix", [".json", ".csv", ".md"])
+@pytest.mark.parametrize("suffix", [".json", ".csv", ".md", ".html"])
 def test_validate_report_formats(workdir, capsys, suffix):
     assert main(["export", "run.iobundle", "--model", "factories:good", "-o", "good.onnx"]) == 0
     report = workdir / f"report{suffix}"
     assert main(["validate", "run.iobundle", "good.onnx", "--report", str(report)]) == 0
     text = report.read_text()
-    if suffix == ".json":
+    if suffix == ".html":
+        assert text.startswith("<!DOCTYPE html>") and "<svg" in text
+    elif suffix == ".json":
         rows = json.loads(text)
         assert [r["SUCCESS"] for r in rows] == [True, True]
     elif suffix == ".csv":
         rows = list(csv.DictReader(text.splitlines()))
         assert [r["SUCCESS"] for r in rows] == ["True", "True"]
     else:
-        lines = text.splitlines()
-        assert lines[0].startswith("| SUCCESS |") and len(lines) == 4
+        assert text.startswith("## iobundle validate: good.onnx")
+        assert "**PASS: 2/2 calls within atol=0.0001 rtol=0.1**" in text
+        assert "| call | status | max abs |" in text
 
 
 @pytest.mark.slow

@@ -163,3 +163,112 @@ def test_pieces_agree_with_the_whole(monkeypatch: pytest.MonkeyPatch, chunk: int
     got = compare_outputs([a], [b], atol=1e-4, rtol=0.1)
     assert got.dnan == 1 and not got.success
     assert_agree(got, reference([a], [b], atol=1e-4, rtol=0.1))
+
+
+# --------------------------------------------------------------------------- statistics, tolerances, names
+
+from iobundle import ToleranceError  # noqa: E402
+from iobundle.replay import ErrorStats, Tolerances  # noqa: E402
+from iobundle.replay._compare import (  # noqa: E402
+    check_error_stat_name,
+    error_stats,
+    histogram_labels,
+    output_paths,
+    stat_passes,
+)
+from iobundle.schema import DictNode, ObjectNode, TensorNode, TupleNode  # noqa: E402
+
+
+class TestErrorStats:
+    def test_statistics_of_a_known_error(self) -> None:
+        expected = np.ones(100)
+        obtained = expected + np.arange(100) * 1e-3
+        stats = error_stats(expected, obtained, atol=1e-2, rtol=0.0, quantile=0.9)
+        assert stats.n == 100
+        assert stats.max_abs == pytest.approx(0.099)
+        assert stats.mean_abs == pytest.approx(0.0495)
+        assert stats.median_abs == pytest.approx(0.0495)
+        assert stats.quantile_abs == pytest.approx(np.quantile(np.arange(100) * 1e-3, 0.9))
+        assert stats.max_rel == pytest.approx(0.099)  # |expected| is 1
+        assert stats.within is False  # 0.099 > atol
+
+    def test_one_sided_nan_is_an_infinite_error_both_nan_an_exact_match(self) -> None:
+        stats = error_stats(np.array([np.nan, np.nan, 1.0]), np.array([np.nan, 0.0, 1.0]), atol=1.0, rtol=1.0)
+        assert stats.dnan == 1 and stats.max_abs == np.inf
+        for stat in ("max", "mean", "median", "quantile"):
+            assert stat_passes(stats, atol=1e9, rtol=1e9, check_error_stat=stat) is False
+
+    def test_histogram_counts_every_element_in_its_bin(self) -> None:
+        errors = np.array([0.0, 5e-9, 1e-8, 5e-5, 0.5, 2.0])
+        stats = error_stats(np.zeros(6), errors, atol=1.0, rtol=0.0)
+        labels = histogram_labels()
+        assert len(stats.hist) == len(labels) and sum(stats.hist) == 6
+        counts = dict(zip(labels, stats.hist))
+        assert counts["0"] == 1 and counts["<=1e-08"] == 2  # 1e-8 is the bin's (closed) upper edge
+        assert counts["(1e-05, 0.0001]"] == 1 and counts["(0.1, 1]"] == 1 and counts[">1"] == 1
+
+    def test_bfloat16_is_compared(self) -> None:
+        a = torch.ones(4, dtype=torch.bfloat16)
+        stats = error_stats(a, a + 1, atol=0.5, rtol=0.0)
+        assert stats.max_abs == 1.0 and not stats.within
+
+
+class TestCheckErrorStat:
+    """One element off by 1 among 999 exact ones: only ``max`` (and the 1.0 quantile) sees it."""
+
+    stats = error_stats(np.zeros(1000), np.r_[np.zeros(999), 1.0], atol=1e-3, rtol=0.0, quantile=0.99)
+
+    @pytest.mark.parametrize(("stat", "passes"), [("max", False), ("mean", True), ("median", True), ("quantile", True)])
+    def test_statistic_decides(self, stat: str, passes: bool) -> None:
+        assert stat_passes(self.stats, atol=1e-3, rtol=0.0, check_error_stat=stat) is passes
+
+    def test_quantile_one_is_the_max(self) -> None:
+        stats = error_stats(np.zeros(1000), np.r_[np.zeros(999), 1.0], atol=1e-3, rtol=0.0, quantile=1.0)
+        assert stats.quantile_abs == 1.0
+        assert stat_passes(stats, atol=1e-3, rtol=0.0, check_error_stat="quantile") is False
+
+    def test_relative_statistic_passes_alone(self) -> None:
+        stats = error_stats(np.full(10, 100.0), np.full(10, 101.0), atol=0.0, rtol=0.0)
+        assert stat_passes(stats, atol=0.1, rtol=0.02, check_error_stat="mean")  # abs 1 > 0.1 but rel 0.01 <= 0.02
+
+    @pytest.mark.parametrize(
+        ("stat", "q", "message"), [("p99", 0.5, "use one of max, mean"), ("mean", 1.5, "between 0 and 1")]
+    )
+    def test_bad_statistic_or_quantile(self, stat: str, q: float, message: str) -> None:
+        with pytest.raises(ToleranceError, match=message):
+            check_error_stat_name(stat, q)
+
+    def test_stats_class_exposes_each_statistic(self) -> None:
+        assert ErrorStats(max_abs=1.0, max_rel=2.0).stat("max") == (1.0, 2.0)
+
+
+class TestTolerances:
+    def test_exact_name_beats_pattern_and_first_pattern_wins(self) -> None:
+        tol = Tolerances(atol=1e-4, rtol=0.1, per_output_atol={"past*": 1e-2, "p*": 1.0, "past_key_values[0]": 1e-5})
+        assert tol.for_output("past_key_values[0]") == (1e-5, 0.1)
+        assert tol.for_output("past_key_values[1]") == (1e-2, 0.1)
+        assert tol.for_output("pixels") == (1.0, 0.1)
+        assert tol.for_output("logits") == (1e-4, 0.1)
+
+    def test_any_name_of_an_output_matches(self) -> None:
+        tol = Tolerances(per_output_rtol={"linear_12": 0.5})
+        assert tol.for_output("logits", "linear_12") == (1e-4, 0.5)
+
+    def test_unused_keys_are_listed(self) -> None:
+        tol = Tolerances(per_output_atol={"logits": 1.0, "nope*": 1.0}, per_output_rtol={"hidden": 1.0})
+        assert tol.unused([("logits", ""), ("hidden", "out_1")]) == ["nope*"]
+        assert tol.describe() == "atol=0.0001 rtol=0.1 (logits: atol=1, nope*: atol=1, hidden: rtol=1)"
+
+
+def test_output_paths_name_each_tensor_of_the_tree() -> None:
+    t = TensorNode
+    cache = ObjectNode(type="transformers.DynamicCache", version=1, items=[t(key="k0"), t(key="v0")])
+    model_output = ObjectNode(
+        type="transformers.CausalLMOutputWithPast", version=1, context=["logits", "past_key_values"],
+        items=[t(key="l"), cache],
+    )  # fmt: skip
+    assert output_paths(model_output) == ["logits", "past_key_values[0]", "past_key_values[1]"]
+    assert output_paths(t(key="x")) == ["output"]
+    assert output_paths(TupleNode(items=[t(key="a"), TupleNode(items=[t(key="b")])])) == ["output[0]", "output[1][0]"]
+    assert output_paths(DictNode(keys=["a", 3], items=[t(key="a"), t(key="b")])) == ["a", "output[3]"]
+    assert output_paths(None) == []

@@ -169,3 +169,26 @@ def test_observer_exports_in_memory_like_the_bundle(tmp_path, model_module):
     assert all(c.success for c in ep.iobundle_report.calls)
     path = observer.to_onnx(toy_models.nested(), tmp_path / "m.onnx")
     assert [r["SUCCESS"] for r in observer.check_discrepancies(path)] == [True, True, True]
+
+
+def test_export_reports_progress_of_each_stage(tmp_path):
+    class Small(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    model, observer = Small(), InputObserver()
+    with observer(model):
+        model(torch.randn(2, 3))
+        model(torch.randn(4, 3))
+    events = []
+    observer.to_onnx(model, tmp_path / "m.onnx", on_progress=events.append)
+    stages = [(e.task, e.done, e.total) for e in events]
+    assert stages == [
+        ("torch.export", 0, 1),
+        ("torch.export", 1, 1),
+        ("check exported program", 0, 2),
+        ("check exported program", 1, 2),
+        ("check exported program", 2, 2),
+        ("torch.onnx.export", 0, 1),
+        ("torch.onnx.export", 1, 1),
+    ]

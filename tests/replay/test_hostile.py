@@ -6,6 +6,7 @@ process, import or call code it names, or read outside its directory.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -834,15 +835,20 @@ class TestExtensions:
         with pytest.raises(ManifestError, match="extends is a format_version 2 field"):
             load_bundle(growing)
 
-    def test_sha256_in_a_version_2_manifest_is_refused(self, growing):
-        def edit(m):
-            f = m["files"][FILE0]
-            del f["hash"], f["digest"]
-            f["sha256"] = "0" * 64
+    def test_sha256_in_a_version_2_manifest_is_checked(self, growing):
+        """Version 2 may name a file's hash sha256 (the version-1 spelling): it is checked as such."""
+        data = (growing / FILE0).read_bytes()
 
-        edit_manifest(growing, edit)
-        with pytest.raises(ManifestError, match=r"files\['calls/000000.safetensors'\] records sha256"):
-            load_bundle(growing)
+        def edit(m, digest):
+            f = m["files"][FILE0]
+            f.pop("hash", None), f.pop("digest", None)
+            f["sha256"] = digest
+
+        edit_manifest(growing, lambda m: edit(m, hashlib.sha256(data).hexdigest()))
+        assert load_bundle(growing).verify() == []
+        edit_manifest(growing, lambda m: edit(m, "0" * 64))
+        with pytest.raises(IntegrityError, match=f"{FILE0}: sha256"):
+            load_bundle(growing).tensor(extension_keys(growing)[0])
 
     def test_hash_and_digest_must_agree(self, growing):
         edit_manifest(growing, lambda m: m["files"][FILE0].update(digest="0" * 64))

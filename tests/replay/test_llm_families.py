@@ -235,7 +235,7 @@ def check_family(result: dict[str, Any], *, min_calls: int, patches: set[str]) -
 @pytest.mark.slow
 def test_llama_decoder_only(replayed: dict[str, Any]) -> None:
     result = replayed["llama"]
-    check_family(result, min_calls=5, patches={"sdpa_without_is_causal", "contiguous_last_token"})
+    check_family(result, min_calls=5, patches={"sdpa_without_is_causal", "layout_copies", "contiguous_last_token"})
     assert result["class"] == "LlamaForCausalLM"
     assert result["traced_call"] > 0  # a decode call: every input present
     assert any("backed_size_oblivious" in o for o in result["options"])
@@ -248,7 +248,7 @@ def test_mistral_sliding_window(replayed: dict[str, Any]) -> None:
     # The cache is cut to window - 1 = 5 after the prefill: the cache length is dynamic only
     # because the prefill's empty cache counts as length 0 (DynamicCache's empty_dim).
     result = replayed["mistral"]
-    check_family(result, min_calls=9, patches={"sdpa_without_is_causal"})
+    check_family(result, min_calls=9, patches={"sdpa_without_is_causal", "layout_copies", "sliding_window_offsets"})
     assert result["class"] == "MistralForCausalLM"
 
 
@@ -259,14 +259,18 @@ def test_whisper_encoder_decoder(replayed: dict[str, Any]) -> None:
     assert encoder["class"] == "WhisperEncoder"
     # The first decoder call fills the cross-attention cache, later ones read it: one program
     # serves both because cross-attention recomputes its keys and values while tracing.
-    check_family(decoder, min_calls=5, patches={"sdpa_without_is_causal", "whisper_cross_attention_recompute"})
+    check_family(
+        decoder,
+        min_calls=5,
+        patches={"sdpa_without_is_causal", "layout_copies", "whisper_cross_attention_recompute"},
+    )
     assert decoder["class"] == "WhisperDecoder"
 
 
 @pytest.mark.slow
 def test_attention_submodule(replayed: dict[str, Any]) -> None:
     result = replayed["attention"]
-    check_family(result, min_calls=5, patches={"sdpa_without_is_causal"})
+    check_family(result, min_calls=5, patches={"sdpa_without_is_causal", "layout_copies"})
     assert result["class"] == "LlamaAttention"
 
 
@@ -277,7 +281,7 @@ def test_llama_demo_end_to_end(tmp_path: Path) -> None:
     summary = run_llama_demo(tmp_path)
     assert summary["ok"], summary
     assert summary["calls"] == 6  # the prefill and 5 decode steps for 6 new tokens
-    assert summary["patches"] == ["sdpa_without_is_causal"]
+    assert summary["patches"] == ["sdpa_without_is_causal", "layout_copies"]
     assert summary["max_abs_program"] <= ATOL and summary["max_abs_onnx"] <= ATOL
     assert Path(summary["onnx"]).is_file()
     assert (Path(summary["bundle"]) / "model" / "weights.safetensors").is_file()
@@ -308,7 +312,7 @@ def test_patches_restore_everything_even_on_error() -> None:
         assert AttentionInterface._global_mapping["sdpa"] is not sdpa
         assert head._forward_pre_hooks
         raise RuntimeError("boom")
-    assert applied == ["sdpa_without_is_causal", "contiguous_last_token"]
+    assert applied == ["sdpa_without_is_causal", "layout_copies", "contiguous_last_token"]
     assert AttentionInterface._global_mapping["sdpa"] is sdpa
     assert not head._forward_pre_hooks
     with pytest.raises(RuntimeError, match="boom"), patch_whisper_cross_attention_recompute(whisper):
@@ -327,9 +331,12 @@ def test_patches_apply_only_where_needed() -> None:
     assert names == []
     with export_patches(_tiny_llama(), dynamic_batch=False, applied=names):
         pass
-    assert names == ["sdpa_without_is_causal"]
+    assert names == ["sdpa_without_is_causal", "layout_copies"]
     assert [p.name for p in PATCHES] == [
         "sdpa_without_is_causal",
+        "layout_copies",
+        "sliding_window_offsets",
+        "moe_batched_experts",
         "whisper_cross_attention_recompute",
         "contiguous_last_token",
     ]

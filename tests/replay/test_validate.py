@@ -8,7 +8,7 @@ import pandas
 import pytest
 import torch
 
-from iobundle import InputObserver, load_bundle
+from iobundle import InputObserver, ToleranceError, load_bundle
 from iobundle.replay import validate_onnx
 
 
@@ -127,3 +127,105 @@ def test_wrong_onnx_model_is_reported_per_call(affine_bundle, tmp_path):
     assert [r["SUCCESS"] for r in rows] == [False, False]
     assert all(r["abs"] == pytest.approx(1.0, abs=1e-5) for r in rows)
     assert all(r[">0.1"] == r["n"] for r in rows)
+
+
+# --------------------------------------------------------------------------- per output, statistics, progress
+
+
+class TwoHeads(torch.nn.Module):
+    """Two named outputs; ``shift`` moves the logits only."""
+
+    def __init__(self, shift: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 3)
+        self.shift = shift
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden = self.lin(x)
+        return {"logits": hidden * 2 + self.shift, "hidden": hidden}
+
+
+@pytest.fixture(scope="module")
+def shifted(tmp_path_factory):
+    """A bundle of TwoHeads() and an ONNX model of TwoHeads(shift=1e-3): only ``logits`` is off, by 1e-3."""
+    tmp = tmp_path_factory.mktemp("two-heads")
+    model = TwoHeads().eval()
+    observer = InputObserver()
+    with torch.no_grad(), observer(model):
+        for n in (2, 3, 5):
+            model(torch.randn(n, 4))
+    observer.save(tmp / "b")
+    bundle = load_bundle(tmp / "b")
+    path = bundle.to_onnx(TwoHeads(shift=1e-3).eval(), tmp / "shifted.onnx", check=False)
+    return bundle, path
+
+
+def test_every_output_is_checked_with_its_name_shape_and_dtype(shifted):
+    bundle, path = shifted
+    report = validate_onnx(bundle._recorded(), path, rtol=0.0)
+    assert not report.ok and report.n_failed == 3
+    assert [(c.call, c.name, c.shape, c.dtype) for c in report.outputs[:2]] == [
+        (0, "logits", (2, 3), "float32"),
+        (0, "hidden", (2, 3), "float32"),
+    ]
+    by_name = {c.name: c for c in report.outputs if c.call == 2}
+    assert by_name["logits"].success is False and by_name["logits"].stats.max_abs == pytest.approx(1e-3, rel=1e-3)
+    assert by_name["hidden"].success is True and by_name["hidden"].stats.max_abs < 1e-5
+    assert all(r["worst_output"] == "logits" for r in report.rows)
+    assert sum(count for _, count in report.histogram()) == sum(c.stats.n for c in report.outputs)
+
+
+def test_per_output_tolerance_lets_one_output_differ(shifted):
+    bundle, path = shifted
+    report = validate_onnx(bundle._recorded(), path, rtol=0.0, output_atol={"logits": 1e-2})
+    assert report.ok, report.rows
+    assert {c.name: c.atol for c in report.outputs if c.call == 0} == {"logits": 1e-2, "hidden": 1e-4}
+    assert "(logits: atol=0.01)" in report.verdict()
+    # a pattern works too, and so does the API of check_discrepancies
+    rows = bundle.check_discrepancies(path, rtol=0.0, output_atol={"log*": 1e-2})
+    assert [r["SUCCESS"] for r in rows] == [True, True, True]
+
+
+def test_per_output_tolerance_naming_no_output_is_refused(shifted):
+    bundle, path = shifted
+    with pytest.raises(ToleranceError, match=r"'logit' matches no output\. Outputs: logits, .*hidden"):
+        validate_onnx(bundle._recorded(), path, output_atol={"logit": 1e-2})
+
+
+def test_check_error_stat_median_with_a_loose_atol(shifted):
+    bundle, path = shifted
+    strict = validate_onnx(bundle._recorded(), path, atol=5e-4, rtol=0.0)
+    median = validate_onnx(bundle._recorded(), path, atol=5e-4, rtol=0.0, check_error_stat="median")
+    assert not strict.ok  # logits are off by 1e-3 everywhere: the median too
+    assert not median.ok and "on the median error" in median.verdict()
+    loose = validate_onnx(
+        bundle._recorded(), path, atol=2e-3, rtol=0.0, check_error_stat="quantile", error_quantile=0.5
+    )
+    assert loose.ok and "0.5 quantile" in loose.verdict()
+
+
+def test_on_progress_reports_each_call(shifted):
+    bundle, path = shifted
+    events = []
+    validate_onnx(bundle._recorded(), path, on_progress=events.append)
+    assert [(e.task, e.done, e.total) for e in events] == [("validate", i, 3) for i in range(4)]
+    assert events[-1].detail == "call 2"
+
+
+def test_check_discrepancies_keeps_its_positional_api_and_columns(affine_bundle):
+    bundle, path = affine_bundle
+    rows = load_bundle(bundle).check_discrepancies(path, 1e-4, 0.1, (0.1,), False, False)
+    assert [r["SUCCESS"] for r in rows] == [True, True]
+    assert "worst_output" not in rows[0] and "inputs" not in rows[0] and ">0.1" in rows[0]
+    report = validate_onnx(load_bundle(bundle)._recorded(), path, atol=1e-4, rtol=0.1)
+    assert (report.atol, report.rtol, report.ok) == (1e-4, 0.1, True)
+
+
+def test_bundle_validate_and_rerun_methods(shifted):
+    bundle, path = shifted
+    report = bundle.validate(path, rtol=0.0, output_atol={"logits": 1e-2})
+    assert report.ok and report.kind == "validate" and len(report.outputs) == 6
+    drift = bundle.rerun(TwoHeads(shift=1e-3).eval(), rtol=0.0)
+    assert drift.kind == "run" and not drift.ok
+    assert {c.name for c in drift.outputs if c.success is False} == {"logits"}

@@ -1,0 +1,242 @@
+"""The comparing commands' shared pieces: tolerance flags, progress bars, reports; and ``diff`` and ``run``.
+
+``validate`` (in :mod:`iobundle.cli._main`), ``run`` and ``diff`` take the same comparison flags
+(``--atol [NAME=]VALUE``, ``--rtol [NAME=]VALUE``, ``--check-error-stat``, ``--error-quantile``)
+and write the same reports (``--report FILE``: .md, .html, .json or .csv).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from iobundle.cli import _render
+from iobundle.cli._progress import ProgressBars
+from iobundle.errors import CLIError
+
+if TYPE_CHECKING:
+    from iobundle.replay import Bundle, ValidationReport
+
+__all__ = ["EXAMPLES", "add_comparison_flags", "comparison_options", "register", "finish_comparison"]
+
+logger = logging.getLogger(__name__)
+
+ERROR_STATS = ("max", "mean", "median", "quantile")  # iobundle.replay's ERROR_STATS, without importing replay
+
+DEFAULT_ATOL = 1e-4
+DEFAULT_RTOL = 0.1
+
+EXAMPLES = {
+    "diff": """\
+examples:
+  iobundle diff gpu.iobundle cpu.iobundle
+  iobundle diff before-upgrade.iobundle after-upgrade.iobundle --atol 1e-3 --report diff.md
+  iobundle diff a.iobundle b.iobundle --atol logits=1e-2 --check-error-stat median
+
+Compares B with A (the reference), call by call: status, structure of inputs and outputs
+(containers, keys, cache layers), constants, each tensor's shape and dtype, then values: the
+outputs output by output with the tolerances and --check-error-stat, the inputs with the
+default tolerances. Exit code 0 when every call is alike, 1 when something differs, 2 when a
+bundle cannot be read.""",
+    "run": """\
+examples:
+  iobundle run run.iobundle --model mypkg.models:build
+  iobundle run llama.iobundle --from-bundle --report drift.html
+  iobundle run run.iobundle --model mypkg.models:build --device cuda --atol 1e-3
+
+Calls the eager model again on the inputs of every recorded call (fresh copies each time) and
+compares its outputs with the recorded ones: the numerical drift between the machine or the
+library versions that recorded the bundle and this one. Same flags, reports and exit codes
+as validate.""",
+}
+
+_TOLERANCE_HELP = (
+    "{what} tolerance: VALUE for every output, or NAME=VALUE for one output (its name in the output tree, "
+    "e.g. logits or past_key_values[0], or its ONNX name; fnmatch patterns allowed); repeat the flag "
+    "(default: {default:g})"
+)
+
+
+def add_comparison_flags(parser: argparse.ArgumentParser, *, report: bool = True) -> None:
+    """``--atol``, ``--rtol``, ``--check-error-stat``, ``--error-quantile`` and ``--report``."""
+    group = parser.add_argument_group("comparison")
+    group.add_argument(
+        "--atol",
+        action="append",
+        metavar="[NAME=]VALUE",
+        default=None,
+        help=_TOLERANCE_HELP.format(what="absolute", default=DEFAULT_ATOL),
+    )
+    group.add_argument(
+        "--rtol",
+        action="append",
+        metavar="[NAME=]VALUE",
+        default=None,
+        help=_TOLERANCE_HELP.format(what="relative", default=DEFAULT_RTOL),
+    )
+    group.add_argument(
+        "--check-error-stat",
+        choices=ERROR_STATS,
+        default="max",
+        help="the error statistic that decides an output: max = every element within atol or rtol; mean, median, "
+        "quantile = that statistic of the errors within atol (or of the relative errors within rtol) "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--error-quantile",
+        type=float,
+        default=0.99,
+        metavar="Q",
+        help="the quantile of --check-error-stat quantile, also shown in reports (default: %(default)s)",
+    )
+    if report:
+        group.add_argument(
+            "--report", metavar="FILE", help="also write a report: .md (for an issue), .html (charts), .json or .csv"
+        )
+
+
+def _tolerances(values: list[str] | None, flag: str, default: float) -> tuple[float, dict[str, float]]:
+    value, per_output = default, {}
+    for item in values or []:
+        name, sep, number = item.rpartition("=")
+        try:
+            parsed = float(number)
+        except ValueError:
+            raise CLIError(
+                f"{flag} {item}: {number!r} is not a number. Give {flag} VALUE or {flag} NAME=VALUE (e.g. {flag} logits=1e-3)."
+            ) from None
+        if parsed < 0:
+            raise CLIError(f"{flag} {item}: a tolerance cannot be negative.")
+        if sep and not name:
+            raise CLIError(f"{flag} {item}: the output name before '=' is empty. Use {flag} NAME=VALUE.")
+        if sep:
+            per_output[name] = parsed
+        else:
+            value = parsed
+    return value, per_output
+
+
+def comparison_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of ``validate_onnx``/``rerun_model``/``diff_bundles`` from the flags.
+
+    Raises:
+        CLIError: A tolerance is not a number, a quantile is out of range, or --report has an unknown extension.
+    """
+    atol, output_atol = _tolerances(args.atol, "--atol", DEFAULT_ATOL)
+    rtol, output_rtol = _tolerances(args.rtol, "--rtol", DEFAULT_RTOL)
+    if not 0.0 <= args.error_quantile <= 1.0:
+        raise CLIError(f"--error-quantile {args.error_quantile:g}: give a quantile between 0 and 1 (e.g. 0.99).")
+    if getattr(args, "report", None):
+        from iobundle.cli._reports import report_format
+
+        report_format(args.report)  # refuse a bad extension before the work
+    return {
+        "atol": atol,
+        "rtol": rtol,
+        "output_atol": output_atol,
+        "output_rtol": output_rtol,
+        "check_error_stat": args.check_error_stat,
+        "error_quantile": args.error_quantile,
+    }
+
+
+def progress_bars(args: argparse.Namespace) -> ProgressBars:
+    """Bars on stderr unless -q (and only on a terminal)."""
+    return ProgressBars(enabled=getattr(args, "log_level", logging.WARNING) <= logging.WARNING)
+
+
+def quiet(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "log_level", logging.WARNING) > logging.WARNING)
+
+
+def command_line(args: argparse.Namespace) -> str:
+    argv = getattr(args, "argv", None)
+    return "iobundle " + " ".join(shlex.quote(a) for a in argv) if argv is not None else ""
+
+
+def finish_comparison(args: argparse.Namespace, result: ValidationReport, bundles: list[Bundle]) -> int:
+    """Print the table and verdict, write --report, and return the exit code (0 pass, 1 fail)."""
+    _render.out(_render.format_validation(result, quiet=quiet(args)))
+    if getattr(args, "report", None):
+        from iobundle.cli._reports import write_report
+        from iobundle.replay import build_report
+
+        write_report(build_report(result, bundles, command=command_line(args)), args.report)
+        if not quiet(args):
+            _render.out(f"report written to {args.report}")
+    return 0 if result.ok else 1
+
+
+# --------------------------------------------------------------------------- diff, run
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from iobundle import load_bundle
+    from iobundle.replay import diff_bundles
+
+    options = comparison_options(args)
+    a, b = load_bundle(args.a), load_bundle(args.b)
+    with progress_bars(args) as bars:
+        result = diff_bundles(a, b, on_progress=bars, **options)
+    if result.differences and not quiet(args):
+        for line in result.differences:
+            _render.out(f"bundles differ: {line}")
+    return finish_comparison(args, result, [a, b])
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from iobundle import load_bundle
+    from iobundle.replay import load_bundle_model, model_from_factory
+
+    options = comparison_options(args)
+    bundle = load_bundle(args.bundle)
+    model = load_bundle_model(bundle) if args.from_bundle else model_from_factory(args.model)
+    if args.device:
+        try:
+            model = model.to(args.device)
+        except Exception as exc:  # an unknown or absent device
+            raise CLIError(
+                f"--device {args.device}: cannot move the model there ({type(exc).__name__}: {exc})."
+            ) from exc
+    model.eval()
+    with progress_bars(args) as bars:
+        result = bundle.rerun(model, device=args.device, on_progress=bars, **options)
+    return finish_comparison(args, result, [bundle])
+
+
+AddCommand = Callable[..., argparse.ArgumentParser]
+
+
+def register(subparsers: Any, add_command: AddCommand) -> None:
+    """Add ``diff`` and ``run`` to the ``iobundle`` parser (``add_command`` is ``_main._add_command``)."""
+    p = add_command(
+        subparsers,
+        "diff",
+        summary="compare two bundles call by call: structure, shapes, dtypes, values within tolerances",
+        description="Compare bundle B with bundle A (the reference), call by call.",
+    )
+    p.add_argument("a", metavar="A", help="the reference bundle")
+    p.add_argument("b", metavar="B", help="the bundle compared with it")
+    add_comparison_flags(p)
+    p.set_defaults(handler=_cmd_diff)
+
+    p = add_command(
+        subparsers,
+        "run",
+        summary="re-run the eager model on the recorded inputs and compare with the recorded outputs",
+        description="Call the model again on every recorded call's inputs and compare with the recorded outputs.",
+    )
+    p.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", metavar="MODULE:FACTORY", help="a callable returning the model (your code)")
+    source.add_argument(
+        "--from-bundle",
+        action="store_true",
+        help="rebuild the model stored in the bundle (saved with include_model=True; transformers classes only)",
+    )
+    p.add_argument("--device", metavar="DEVICE", help="run on this torch device (cpu, cuda, cuda:1, ...)")
+    add_comparison_flags(p)
+    p.set_defaults(handler=_cmd_run)

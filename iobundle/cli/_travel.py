@@ -1,0 +1,187 @@
+"""``iobundle pack | unpack | redact | convert``: bundles that travel, bug reports without private data, converters.
+
+:func:`register` adds the subcommands to the parser of :mod:`iobundle.cli._main`. Handlers import
+the library inside their body (``iobundle --help`` loads no torch) and print through
+:mod:`iobundle.cli._render`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from iobundle.cli import _render
+from iobundle.errors import CLIError
+
+__all__ = ["EXAMPLES", "register"]
+
+EXAMPLES = {
+    "pack": """\
+examples:
+  iobundle pack run.iobundle -o run.iobundle.tar
+  iobundle validate run.iobundle.tar model.onnx      # every command reads the packed file in place
+  iobundle pack run.iobundle -o s3://bucket/runs/run.iobundle.tar   # with iobundle[remote]
+
+One uncompressed tar file (manifest.json first, then every file of the bundle), to attach or
+upload. Tensor members stay where they are in the file: load_bundle and every command
+memory-map them in place, nothing is extracted. `tar tf` lists it.""",
+    "unpack": """\
+examples:
+  iobundle unpack run.iobundle.tar -o run.iobundle
+  iobundle unpack bug-report.iobundle.tar -o /tmp/bug --overwrite
+
+The archive is untrusted: links, devices, paths leaving the directory, duplicates and
+members past its end are refused before anything is written, and every file's size and
+sha256 are checked against the manifest (--no-verify skips the hashes).""",
+    "redact": """\
+examples:
+  iobundle redact run.iobundle -o bug-report.iobundle
+  iobundle redact run.iobundle -o bug-report.iobundle --keep-model      # self-contained, no private inputs
+  iobundle redact run.iobundle -o bug.iobundle && iobundle pack bug.iobundle -o bug.iobundle.tar
+
+Every recorded input tensor is replaced by a synthetic one of the same dtype and shape:
+integers within the observed range (token ids stay valid), masks stay masks (their two
+values, at the observed frequency), increasing positions still increase, floats drawn with
+the observed mean and spread. Recorded outputs and stored weights are dropped unless kept.
+`iobundle export` works from the result (it checks the exported program against the eager
+model on the synthetic inputs); `iobundle validate` says there is nothing to compare against
+(exit code 4) when the outputs were dropped.""",
+    "convert": """\
+examples:
+  iobundle convert run.iobundle --to onnx-testdata testdata --model model.onnx
+  onnx_test_runner testdata/..                                   # onnxruntime's test runner
+  iobundle convert run.iobundle --to npz arrays                  # arrays/call_000000.npz, ...
+  iobundle convert run.iobundle --to npz all-calls.npz           # one file, keys call_000000/...
+
+onnx-testdata: test_data_set_N/input_K.pb and output_K.pb per recorded call, TensorProtos named
+after the model's graph inputs and outputs, mapped as `iobundle validate` maps them.
+npz: keys are the tensors' paths in the call (args.0, kwargs.input_ids, outputs.logits, ...);
+bfloat16 and float8 become float32.""",
+}
+
+AddCommand = Callable[..., argparse.ArgumentParser]
+
+
+def register(subparsers: Any, add_command: AddCommand) -> None:
+    """Add ``pack``, ``unpack``, ``redact`` and ``convert`` to ``subparsers``."""
+    p = add_command(
+        subparsers,
+        "pack",
+        summary="pack a bundle directory into one file (uncompressed tar, read in place)",
+        description="Write the bundle directory BUNDLE as one uncompressed tar file that every command reads in place.",
+        epilog=EXAMPLES["pack"],
+    )
+    p.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
+    p.add_argument("-o", "--output", metavar="FILE", required=True, help="the packed file (a path or a URL)")
+    p.add_argument("--overwrite", action="store_true", help="replace FILE if it exists")
+    p.set_defaults(handler=_cmd_pack)
+
+    p = add_command(
+        subparsers,
+        "unpack",
+        summary="unpack a packed bundle into a directory, refusing hostile entries",
+        description="Check the packed bundle FILE (its entries and every file's sha256), then write its files to DIR.",
+        epilog=EXAMPLES["unpack"],
+    )
+    p.add_argument("archive", metavar="FILE", help="the packed bundle (a path or a URL)")
+    p.add_argument("-o", "--output", metavar="DIR", required=True, help="the bundle directory to write")
+    p.add_argument("--overwrite", action="store_true", help="replace DIR if it holds a bundle")
+    p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the members")
+    p.set_defaults(handler=_cmd_unpack)
+
+    p = add_command(
+        subparsers,
+        "redact",
+        summary="copy a bundle with synthetic inputs and no outputs, for bug reports",
+        description="Write a copy of BUNDLE whose recorded inputs are synthetic (same dtypes and shapes), "
+        "without the recorded outputs and stored weights unless kept.",
+        epilog=EXAMPLES["redact"],
+    )
+    p.add_argument("bundle", metavar="BUNDLE", help="the bundle (directory, packed file or URL)")
+    p.add_argument("-o", "--output", metavar="OUT", required=True, help="the redacted bundle directory (or URL)")
+    p.add_argument("--keep-outputs", action="store_true", help="keep the recorded outputs (computed on real inputs)")
+    p.add_argument("--keep-model", action="store_true", help="keep the model config and weights the bundle stores")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic values (default: %(default)s)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")
+    p.set_defaults(handler=_cmd_redact)
+
+    p = add_command(
+        subparsers,
+        "convert",
+        summary="write the recorded calls as ONNX test data or numpy .npz files",
+        description="Convert the recorded calls of BUNDLE to another tool's format.",
+        epilog=EXAMPLES["convert"],
+    )
+    p.add_argument("bundle", metavar="BUNDLE", help="the bundle (directory, packed file or URL)")
+    p.add_argument("--to", required=True, choices=["onnx-testdata", "npz"], help="the format to write")
+    p.add_argument("output", metavar="DIR_OR_FILE", help="where to write (npz: a directory, or one FILE.npz)")
+    p.add_argument("--model", metavar="MODEL.onnx", help="the ONNX model (onnx-testdata: names and input mapping)")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty directory")
+    p.set_defaults(handler=_cmd_convert)
+
+
+def _speed(n: int, seconds: float) -> str:
+    return f"{n / max(seconds, 1e-9) / 1e6:.0f} MB/s"
+
+
+def _cmd_pack(args: argparse.Namespace) -> int:
+    from iobundle.replay import pack_bundle
+
+    result = pack_bundle(args.bundle, args.output, overwrite=args.overwrite)
+    _render.out(
+        f"packed {result.files} files ({result.bytes} bytes) into {result.path} in {result.seconds:.2f}s "
+        f"({_speed(result.bytes, result.seconds)})"
+    )
+    return 0
+
+
+def _cmd_unpack(args: argparse.Namespace) -> int:
+    from iobundle.replay import unpack_bundle
+
+    result = unpack_bundle(args.archive, args.output, overwrite=args.overwrite, verify=not args.no_verify)
+    checked = "" if args.no_verify else ", sizes and sha256 checked"
+    _render.out(
+        f"unpacked {result.files} files ({result.bytes} bytes) into {result.path} in {result.seconds:.2f}s{checked}"
+    )
+    return 0
+
+
+def _cmd_redact(args: argparse.Namespace) -> int:
+    from iobundle import redact_bundle
+
+    manifest = redact_bundle(
+        args.bundle,
+        args.output,
+        keep_outputs=args.keep_outputs,
+        keep_model=args.keep_model,
+        seed=args.seed,
+        overwrite=args.overwrite,
+    )
+    kept = [
+        "outputs " + ("kept" if args.keep_outputs else "dropped"),
+        "model " + ("kept" if manifest.model is not None else "dropped" if args.keep_model is False else "none"),
+    ]
+    _render.out(
+        f"redacted {len(manifest.calls)} calls into {args.output}: {len(manifest.tensors)} tensors, "
+        f"inputs synthetic (seed {args.seed}), {', '.join(kept)}"
+    )
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from iobundle import load_bundle
+    from iobundle.replay import convert_to_npz, convert_to_onnx_testdata
+
+    bundle = load_bundle(args.bundle)
+    if args.to == "onnx-testdata":
+        if not args.model:
+            raise CLIError("--to onnx-testdata needs --model MODEL.onnx (its graph names the inputs and outputs).")
+        result = convert_to_onnx_testdata(bundle._recorded(), args.model, args.output, overwrite=args.overwrite)
+        _render.out(f"wrote {result.calls} test data sets ({len(result.paths)} files) into {args.output}")
+    else:
+        if args.model:
+            raise CLIError("--model is for --to onnx-testdata; --to npz writes the recorded tensors as they are.")
+        result = convert_to_npz(bundle._recorded(), args.output, overwrite=args.overwrite)
+        _render.out(f"wrote {result.calls} calls into {len(result.paths)} .npz file(s) at {args.output}")
+    return 0

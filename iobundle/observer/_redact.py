@@ -1,0 +1,79 @@
+"""``redact_bundle``: read a bundle (replay), replace its inputs by synthetic ones, write it (capture)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from iobundle._remote import local_path, open_filesystem, upload_directory
+from iobundle.capture import save_recorded_calls
+from iobundle.replay import Bundle, copy_model_files, load_bundle, redact_calls
+from iobundle.schema import Manifest, Redaction, write_manifest
+
+__all__ = ["redact_bundle"]
+
+logger = logging.getLogger(__name__)
+
+
+def redact_bundle(
+    bundle: Bundle | str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    keep_outputs: bool = False,
+    keep_model: bool = False,
+    seed: int = 0,
+    overwrite: bool = False,
+) -> Manifest:
+    """Write a copy of ``bundle`` to ``output`` whose recorded inputs are synthetic: for bug reports.
+
+    Every input tensor becomes one of the same dtype and shape (integers within the observed
+    range, so token ids stay valid; masks stay masks; increasing positions still increase; see
+    :mod:`iobundle.replay`'s ``redact_calls``). The recorded outputs and the stored model are
+    dropped unless ``keep_outputs`` / ``keep_model``. The manifest's ``redacted`` field says so.
+    ``iobundle export`` works from the result (without recorded outputs it checks the exported
+    program against the eager model); ``iobundle validate`` says there is nothing to compare
+    against when the outputs were dropped.
+
+    Args:
+        bundle: The bundle (directory, packed file or URL), or one already loaded.
+        output: The new bundle directory (or URL, with fsspec).
+        keep_outputs: Keep the recorded outputs (they are the model's, computed on the real inputs).
+        keep_model: Keep the model's config and weights stored in the bundle.
+        seed: Seed of the synthetic values (the same seed gives the same bundle).
+        overwrite: Replace what ``output`` holds.
+
+    Returns:
+        The manifest written.
+
+    Raises:
+        BundleExistsError: ``output`` is not empty and ``overwrite`` is False.
+        ModelLoadError: ``keep_model`` but the bundle stores no model.
+
+    Example:
+        >>> redact_bundle("run.iobundle", "bug-report.iobundle").redacted
+        Redaction(outputs_kept=False, model_kept=False, seed=0)
+    """
+    source = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
+    rc = redact_calls(source, keep_outputs=keep_outputs, seed=seed)
+    target = local_path(output)
+    staging: Path | None = None
+    if target is None:
+        open_filesystem(str(output))  # MissingDependencyError without fsspec, before anything is written
+        staging = Path(tempfile.mkdtemp(prefix="iobundle-redact-"))
+        target = staging / "bundle"
+    try:
+        manifest = save_recorded_calls(rc, target, overwrite=overwrite)
+        model = copy_model_files(source, target) if keep_model else None
+        marker = Redaction(outputs_kept=keep_outputs, model_kept=model is not None, seed=seed)
+        manifest = manifest.model_copy(update={"model": model, "redacted": marker})
+        write_manifest(target, manifest)
+        if staging is not None:
+            upload_directory(target, str(output), overwrite=overwrite)
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    logger.info("redacted %d calls of %s into %s", len(manifest.calls), source.path, output)
+    return manifest

@@ -1,0 +1,600 @@
+"""Packed bundles: one uncompressed POSIX tar file, read in place (tensor members memory-mapped where they lie).
+
+Why tar: a member's bytes are contiguous and start on a 512-byte boundary, so every tensor of a
+safetensors member keeps the alignment it has in its own file (8 bytes at least) and is viewed
+straight from one memory mapping of the whole archive; standard tools read it (``tar tf``).
+A zip with stored members would need padding in its extra fields to get the same alignment.
+
+``pack_bundle`` writes ``manifest.json`` first (a streaming reader finds it at once), then every
+other regular file of the bundle directory, with zeroed times and owners: the same bundle always
+packs to the same bytes. ``unpack_bundle`` writes the members back to a directory,
+``manifest.json`` last.
+
+A packed bundle is untrusted input. Reading its index refuses, with an
+:class:`~iobundle.errors.ArchiveError` naming the archive and the member: anything but a regular
+file or a directory (symbolic and hard links, devices, FIFOs, sparse files), a name that is
+absolute, holds ``..``, a backslash, a colon or a control character, or is not in canonical form
+(a leading ``./``, as ``tar cf x.tar -C run.iobundle .`` writes, is accepted),
+a name given twice (or a file used as a directory), a member whose bytes run past the end of the
+archive or overlap another's, more than :data:`MAX_ARCHIVE_MEMBERS` members, bytes after the last
+member that are neither a tar header nor the end of the archive, and a compressed archive.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import logging
+import os
+import shutil
+import tarfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any, BinaryIO
+
+import torch
+
+from iobundle._remote import is_url, local_path, open_filesystem
+from iobundle.errors import (
+    ArchiveError,
+    BundleExistsError,
+    BundleNotFoundError,
+    BundleWriteError,
+    IntegrityError,
+    IobundleError,
+    TensorFileError,
+    UnsafeBundleError,
+)
+from iobundle.replay._tensorfile import BundleRoot, _check_member_name, _open_regular
+from iobundle.schema import MANIFEST_FILENAME, MAX_MANIFEST_BYTES
+
+__all__ = ["MAX_ARCHIVE_MEMBERS", "ArchiveRoot", "PackResult", "open_archive", "pack_bundle", "unpack_bundle"]
+
+logger = logging.getLogger(__name__)
+
+MAX_ARCHIVE_MEMBERS = 1_000_000
+"""Most entries read from a packed bundle (a bundle holds about one file per call, at most 100 000 calls)."""
+
+_BLOCK = tarfile.BLOCKSIZE
+_COPY = 4 * 1024**2
+_KINDS = {
+    tarfile.SYMTYPE: "a symbolic link",
+    tarfile.LNKTYPE: "a hard link",
+    tarfile.CHRTYPE: "a character device",
+    tarfile.BLKTYPE: "a block device",
+    tarfile.FIFOTYPE: "a FIFO",
+    tarfile.CONTTYPE: "a contiguous file",
+    tarfile.GNUTYPE_SPARSE: "a sparse file",
+}
+
+
+class _Slice(io.RawIOBase):
+    """``size`` bytes of ``f`` from ``offset`` on, as a file that ends there."""
+
+    def __init__(self, f: BinaryIO, offset: int, size: int) -> None:
+        super().__init__()
+        self._f = f
+        self._left = size
+        f.seek(offset)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = min(len(view), self._left)
+        if n <= 0:
+            return 0
+        got = self._f.readinto(view[:n])  # type: ignore[attr-defined]
+        got = got or 0
+        self._left -= got
+        return got
+
+    def close(self) -> None:
+        try:
+            self._f.close()
+        finally:
+            super().close()
+
+
+class _ArchiveMember:
+    """A member of a packed bundle; see :class:`iobundle.replay._tensorfile.MemberHandle`."""
+
+    def __init__(self, root: ArchiveRoot, name: str) -> None:
+        self.root = root
+        self.name = name
+
+    def __str__(self) -> str:
+        return f"{self.root.path}:{self.name}"
+
+    def _span(self) -> tuple[int, int]:
+        span = self.root.members.get(self.name)
+        if span is None:
+            raise TensorFileError(f"{self.name}: missing from the packed bundle '{self.root.path}'.")
+        return span
+
+    def open(self) -> tuple[BinaryIO, int]:
+        offset, size = self._span()
+        return self.root.open_slice(offset, size, self.name), size
+
+    def map(self, size: int) -> torch.Tensor | None:
+        offset, found = self._span()
+        if found != size:
+            raise IntegrityError(f"{self.name}: {found} bytes in '{self.root.path}', expected {size}.")
+        whole = self.root.mapping()
+        return None if whole is None else whole[offset : offset + size]
+
+
+class ArchiveRoot:
+    """The members of a packed bundle, indexed once; see :func:`open_archive`.
+
+    Attributes:
+        path: The archive (a local path, or a URL).
+        members: Per member name, the offset of its first byte in the archive and its size.
+        size: The archive's size when it was indexed.
+    """
+
+    def __init__(
+        self,
+        path: Path | str,
+        members: dict[str, tuple[int, int]],
+        size: int,
+        opener: Callable[[], BinaryIO],
+        local: Path | None,
+    ) -> None:
+        self.path = path
+        self.members = members
+        self.size = size
+        self._opener = opener
+        self.local = local
+        self._mapping: torch.Tensor | None = None
+        self._lock = threading.Lock()
+
+    def member(self, name: str) -> _ArchiveMember:
+        """The member ``name`` (checked like a file name of a directory bundle; it may be absent)."""
+        _check_member_name(name)
+        return _ArchiveMember(self, name)
+
+    def open_slice(self, offset: int, size: int, name: str) -> BinaryIO:
+        try:
+            f = self._opener()
+        except IobundleError:
+            raise
+        except Exception as exc:
+            raise TensorFileError(f"{name}: cannot open the packed bundle '{self.path}' ({exc}).") from exc
+        return io.BufferedReader(_Slice(f, offset, size), buffer_size=_COPY)  # type: ignore[return-value]
+
+    def mapping(self) -> torch.Tensor | None:
+        """One read-only (copy-on-write) mapping of the whole archive, made on first use; None for a remote one."""
+        if self.local is None:
+            return None
+        with self._lock:
+            if self._mapping is None:
+                fd, size = _open_regular(self.local, str(self.local))
+                os.close(fd)
+                if size != self.size:  # a mapping past the end of a file is a SIGBUS, not an exception
+                    raise IntegrityError(
+                        f"'{self.path}': {size} bytes now, {self.size} when it was opened. The file was changed."
+                    )
+                self._mapping = torch.from_file(str(self.local), shared=False, size=size, dtype=torch.uint8)
+            return self._mapping
+
+    def read(self, name: str, limit: int) -> bytes:
+        """The whole member ``name``, refused over ``limit`` bytes."""
+        offset, size = self.members[name]
+        if size > limit:
+            raise UnsafeBundleError(
+                f"'{self.path}': member {name!r} holds {size} bytes, over the limit of {limit}. "
+                "The file is corrupt or hostile."
+            )
+        with self.open_slice(offset, size, name) as f:
+            data = f.read(size)
+        if len(data) != size:
+            raise TensorFileError(f"{name}: cut short in the packed bundle '{self.path}'.")
+        return data
+
+
+def _kind(info: tarfile.TarInfo) -> str | None:
+    """What is wrong with the type of ``info`` (None: a regular file or a directory)."""
+    if info.type in _KINDS:
+        return _KINDS[info.type]
+    if info.sparse is not None or any(k.startswith("GNU.sparse") for k in info.pax_headers):
+        return "a sparse file"
+    if info.type in (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.DIRTYPE):
+        return None
+    return f"an entry of type {info.type!r}"
+
+
+def read_index(f: BinaryIO, size: int, where: str) -> dict[str, tuple[int, int]]:
+    """Read and check the index of the tar archive ``f`` of ``size`` bytes: member name -> ``(offset, size)``.
+
+    Raises:
+        ArchiveError: See the module docstring.
+    """
+    start = f.read(_BLOCK)
+    if start[:2] == b"\x1f\x8b" or start[:3] == b"BZh" or start[:6] == b"\xfd7zXZ\x00" or start[:4] == b"PK\x03\x04":
+        raise ArchiveError(
+            f"{where}: a compressed archive (or a zip). A packed bundle is an uncompressed tar file "
+            "(iobundle pack writes one); decompress it first or unpack it with the tool that made it."
+        )
+    f.seek(0)
+    try:
+        tar = tarfile.open(fileobj=f, mode="r:")  # noqa: SIM115 (closed below)
+    except tarfile.TarError as exc:
+        raise ArchiveError(
+            f"{where}: not a tar archive ({exc}). Pass a bundle directory or a file written by iobundle pack."
+        ) from exc
+    members: dict[str, tuple[int, int]] = {}
+    directories: set[str] = set()
+    spans: list[tuple[int, int, str]] = []
+    count = 0
+    try:
+        while True:
+            at = tar.offset
+            try:
+                info = tar.next()
+            except (tarfile.TarError, ValueError, OverflowError, UnicodeError) as exc:
+                raise ArchiveError(f"{where}: the entry at byte {at} is not a valid tar header ({exc}).") from exc
+            if info is None:
+                break
+            count += 1
+            if count > MAX_ARCHIVE_MEMBERS:
+                raise ArchiveError(
+                    f"{where}: more than {MAX_ARCHIVE_MEMBERS} entries (MAX_ARCHIVE_MEMBERS). "
+                    "The file is corrupt or hostile."
+                )
+            tar.members.clear()  # the index below is all we keep
+            name = info.name
+            if name.startswith("./"):  # `tar cf x.tar -C run.iobundle .` names members ./manifest.json
+                name = name[2:]
+            if name in (".", "") and info.isdir():
+                continue
+            label = f"{where}: member {name!r}"
+            kind = _kind(info)
+            if kind is not None:
+                raise ArchiveError(f"{label} is {kind}; a packed bundle holds regular files only.", member=name)
+            try:
+                _check_member_name(name)
+            except UnsafeBundleError as exc:
+                raise ArchiveError(f"{label}: {exc}", member=name) from exc
+            if str(PurePosixPath(name)) != name:
+                raise ArchiveError(f"{label} is not in canonical form (e.g. '.' or '//' in it).", member=name)
+            if name in members or name in directories:
+                raise ArchiveError(f"{label} appears twice; refusing to choose one.", member=name)
+            if info.isdir():
+                directories.add(name)
+                continue
+            if info.size < 0 or info.offset_data + info.size > size:
+                raise ArchiveError(
+                    f"{label}: {info.size} bytes from byte {info.offset_data} run past the end of the archive "
+                    f"({size} bytes). The file is truncated or hostile.",
+                    member=name,
+                )
+            members[name] = (info.offset_data, info.size)
+            spans.append((info.offset, info.offset_data + info.size, name))
+        end = tar.offset
+    finally:
+        tar.close()
+    if end < size:
+        f.seek(end)
+        block = f.read(_BLOCK)
+        if block.strip(b"\x00"):
+            raise ArchiveError(
+                f"{where}: the bytes at offset {end}, after the last member, are neither a tar header nor the "
+                "end of the archive. The file is corrupt or hostile."
+            )
+    spans.sort()
+    for (_, end_a, a), (begin_b, _, b) in itertools.pairwise(spans):
+        if begin_b < end_a:
+            raise ArchiveError(f"{where}: members {a!r} and {b!r} overlap. The file is hostile.", member=b)
+    for name in members:
+        parent = PurePosixPath(name).parent
+        while str(parent) != ".":
+            if str(parent) in members:
+                raise ArchiveError(
+                    f"{where}: member {name!r} lies under {str(parent)!r}, which is a file.", member=name
+                )
+            parent = parent.parent
+    return members
+
+
+def open_archive(location: str | os.PathLike[str]) -> tuple[ArchiveRoot, bytes]:
+    """Index the packed bundle at ``location`` (a local file or a URL); return it and its manifest's bytes.
+
+    Raises:
+        BundleNotFoundError: ``location`` does not exist or holds no ``manifest.json``.
+        ArchiveError: The archive is invalid or hostile (see the module docstring).
+        UnsafeBundleError: The manifest member is over the size limit.
+    """
+    local = local_path(location)
+    opener: Callable[[], BinaryIO]
+    if local is not None:
+        try:
+            fd, size = _open_regular(local, str(local))
+        except TensorFileError as exc:
+            raise BundleNotFoundError(f"'{location}': {exc}") from exc
+        os.close(fd)
+        where = str(local)
+
+        def opener() -> BinaryIO:
+            fd, _ = _open_regular(local, str(local))
+            return os.fdopen(fd, "rb", buffering=0)
+
+        path: Path | str = local
+    else:
+        url = str(location)
+        fs, inner = open_filesystem(url)
+        try:
+            size = int(fs.info(inner)["size"])
+        except FileNotFoundError as exc:
+            raise BundleNotFoundError(f"'{url}' does not exist.") from exc
+        where = url
+
+        def opener() -> BinaryIO:
+            return fs.open(inner, "rb")  # type: ignore[no-any-return]
+
+        path = url
+    try:
+        with opener() as f:
+            members = read_index(f, size, where)
+    except IobundleError:
+        raise
+    except OSError as exc:
+        raise ArchiveError(f"{where}: cannot be read ({exc.strerror or exc}).") from exc
+    root = ArchiveRoot(path, members, size, opener, local)
+    if MANIFEST_FILENAME not in members:
+        raise BundleNotFoundError(
+            f"'{where}' is a tar archive without {MANIFEST_FILENAME}. Is it a bundle packed by iobundle pack?"
+        )
+    return root, root.read(MANIFEST_FILENAME, MAX_MANIFEST_BYTES)
+
+
+# --------------------------------------------------------------------------- pack / unpack
+
+
+@dataclass
+class PackResult:
+    """What :func:`pack_bundle` or :func:`unpack_bundle` wrote."""
+
+    path: Path | str
+    files: int
+    bytes: int
+    seconds: float
+
+
+def _bundle_files(root: Path) -> list[str]:
+    """Member names of the bundle directory ``root``: manifest.json first, then every other file, sorted."""
+    names = []
+    for directory, dirs, files in os.walk(root):
+        dirs.sort()
+        for file in files:
+            if file.startswith(".") and file.endswith(".tmp"):
+                continue  # a writer's temporary file, never part of the bundle
+            names.append(Path(directory, file).relative_to(root).as_posix())
+    names.sort(key=lambda n: (n != MANIFEST_FILENAME, n))
+    return names
+
+
+def _tar_header(name: str, size: int) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size = size
+    info.mode = 0o644
+    info.mtime = 0
+    info.type = tarfile.REGTYPE
+    return info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="strict")
+
+
+def _copy(src: BinaryIO, dst: BinaryIO, size: int, name: str) -> None:
+    left = size
+    buffer = memoryview(bytearray(min(_COPY, max(size, 1))))
+    while left:
+        n = src.readinto(buffer[: min(left, len(buffer))])  # type: ignore[attr-defined]
+        if not n:
+            raise TensorFileError(f"{name}: changed while it was being copied (cut short).")
+        dst.write(buffer[:n])
+        left -= n
+
+
+def _kernel_copy(src: int, offset: int, dst: int, size: int) -> bool:
+    """Copy ``size`` bytes of file descriptor ``src`` from ``offset`` to ``dst``'s position in the kernel.
+
+    False (nothing copied) where the system cannot; the caller then copies through Python.
+    """
+    copy = getattr(os, "copy_file_range", None)
+    if copy is None:
+        return False
+    done = 0
+    while done < size:
+        try:
+            n = copy(src, dst, size - done, offset + done)
+        except OSError:
+            if done:
+                raise
+            return False
+        if n == 0:
+            raise TensorFileError(f"changed while it was being copied (cut short after {done} of {size} bytes).")
+        done += n
+    return True
+
+
+def _check_target(target: Path, *, overwrite: bool) -> None:
+    if target.exists() and not overwrite:
+        raise BundleExistsError(f"'{target}' already exists. Pass overwrite=True (--overwrite) or choose another path.")
+
+
+def pack_bundle(
+    bundle: str | os.PathLike[str], output: str | os.PathLike[str], *, overwrite: bool = False
+) -> PackResult:
+    """Pack the bundle directory ``bundle`` into the single file ``output`` (an uncompressed tar).
+
+    ``load_bundle``, and every ``iobundle`` command, read the packed file in place. ``output`` may
+    be a URL (with fsspec installed): the file is written locally beside nothing, then uploaded.
+
+    Raises:
+        BundleNotFoundError: ``bundle`` is not a bundle directory.
+        BundleExistsError: ``output`` exists and ``overwrite`` is False.
+        UnsafeBundleError: A file of the bundle leads outside it (a symlink).
+        BundleWriteError: ``output`` cannot be written.
+
+    Example:
+        >>> pack_bundle("run.iobundle", "run.iobundle.tar").files
+        3
+    """
+    import tempfile
+    import time
+
+    from iobundle.replay._bundle import Bundle
+
+    begin = time.perf_counter()
+    source = local_path(bundle)
+    if source is None or not source.is_dir():
+        raise BundleNotFoundError(f"'{bundle}' is not a bundle directory. Pass the folder written by observer.save().")
+    Bundle.load(source)  # a bundle, with a valid manifest whose file names stay inside it
+    root = BundleRoot(source)
+    names = _bundle_files(source)
+    remote = is_url(output) and local_path(output) is None
+    if remote:
+        staging = Path(tempfile.mkdtemp(prefix="iobundle-pack-"))
+        target = staging / "bundle.tar"
+    else:
+        target = local_path(output)  # type: ignore[assignment]
+        assert target is not None
+        _check_target(target, overwrite=overwrite)
+    tmp = target.with_name(f".{target.name}.tmp")
+    total = 0
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as out:
+            for name in names:
+                member = root.member(name)
+                fd, size = _open_regular(member, name)
+                with os.fdopen(fd, "rb", buffering=0) as f:
+                    out.write(_tar_header(name, size))
+                    out.flush()
+                    if not _kernel_copy(fd, 0, out.fileno(), size):
+                        _copy(f, out, size, name)  # type: ignore[arg-type]
+                    else:
+                        out.seek(0, os.SEEK_END)
+                out.write(b"\x00" * (-size % _BLOCK))
+                total += size
+            out.write(b"\x00" * (2 * _BLOCK))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, target)
+        if remote:
+            _upload_file(target, str(output), overwrite=overwrite)
+    except OSError as exc:
+        raise BundleWriteError(
+            f"Cannot write {target}: {exc.strerror or exc}. Check free space and permissions."
+        ) from exc
+    finally:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        if remote:
+            shutil.rmtree(target.parent, ignore_errors=True)
+    logger.info("packed %d files (%d bytes) into %s", len(names), total, output)
+    return PackResult(
+        path=output if remote else target, files=len(names), bytes=total, seconds=time.perf_counter() - begin
+    )
+
+
+def _upload_file(path: Path, url: str, *, overwrite: bool) -> None:
+    fs, inner = open_filesystem(url)
+    try:
+        if fs.exists(inner) and not overwrite:
+            raise BundleExistsError(f"'{url}' already exists. Pass overwrite=True (--overwrite) or choose another URL.")
+        parent = inner.rsplit("/", 1)[0]
+        if parent and parent != inner:
+            fs.makedirs(parent, exist_ok=True)
+        fs.put_file(str(path), inner)
+    except BundleExistsError:
+        raise
+    except Exception as exc:
+        raise BundleWriteError(f"Cannot upload to '{url}': {type(exc).__name__}: {exc}.") from exc
+
+
+def unpack_bundle(
+    archive: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    verify: bool = True,
+) -> PackResult:
+    """Write the members of the packed bundle ``archive`` to the directory ``output``, ``manifest.json`` last.
+
+    The archive is checked first (its index, its manifest, and with ``verify`` every file's size
+    and sha256), so nothing is written from a hostile or damaged archive.
+
+    Raises:
+        BundleNotFoundError: ``archive`` is not a packed bundle.
+        ArchiveError: The archive is invalid or hostile.
+        IntegrityError: A member differs from the manifest (``verify``).
+        BundleExistsError: ``output`` is not empty and ``overwrite`` is False, or it is not a bundle
+            (it is never deleted then).
+        BundleWriteError: ``output`` cannot be written.
+    """
+    import time
+
+    from iobundle.replay._bundle import Bundle
+
+    begin = time.perf_counter()
+    bundle = Bundle.load(archive, verify=verify)
+    root = bundle._store.bundle_root
+    if not isinstance(root, ArchiveRoot):
+        raise BundleNotFoundError(f"'{archive}' is a bundle directory, not a packed bundle; nothing to unpack.")
+    if verify:
+        problems = bundle.verify()
+        if problems:
+            raise IntegrityError(f"'{archive}': {len(problems)} damaged member(s): " + "; ".join(problems[:3]))
+    target = local_path(output)
+    if target is None:
+        raise BundleWriteError(f"'{output}': unpack writes to a local directory. Upload the directory afterwards.")
+    if target.exists():
+        if not target.is_dir() or target.is_symlink():
+            raise BundleExistsError(f"'{target}' exists and is not a directory. Choose another path.")
+        if any(target.iterdir()):
+            if not overwrite:
+                raise BundleExistsError(
+                    f"'{target}' already exists and is not empty. Pass overwrite=True (--overwrite) or choose another path."
+                )
+            if not (target / MANIFEST_FILENAME).is_file():
+                raise BundleExistsError(f"'{target}' is not a bundle (no {MANIFEST_FILENAME}); refusing to replace it.")
+            (target / MANIFEST_FILENAME).unlink()
+            shutil.rmtree(target)
+    names = sorted(root.members, key=lambda n: (n == MANIFEST_FILENAME, n))
+    created = not target.exists()
+    total = 0
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            offset, size = root.members[name]
+            path = target.joinpath(*PurePosixPath(name).parts)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, flags, 0o644)
+            with os.fdopen(fd, "wb") as out:
+                if root.local is not None:
+                    src, _ = _open_regular(root.local, str(root.local))
+                    try:
+                        copied = _kernel_copy(src, offset, fd, size)
+                    finally:
+                        os.close(src)
+                    if copied:
+                        continue
+                with root.open_slice(offset, size, name) as f:
+                    _copy(f, out, size, name)
+            total += size
+    except (OSError, IobundleError) as exc:
+        if created:  # what was written is no bundle (manifest.json comes last): leave nothing behind
+            shutil.rmtree(target, ignore_errors=True)
+        if isinstance(exc, IobundleError):
+            raise
+        raise BundleWriteError(
+            f"Cannot write into {target}: {exc.strerror or exc}. Check free space and permissions."
+        ) from exc
+    logger.info("unpacked %d files (%d bytes) into %s", len(names), total, target)
+    return PackResult(path=target, files=len(names), bytes=total, seconds=time.perf_counter() - begin)

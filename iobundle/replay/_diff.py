@@ -1,0 +1,220 @@
+"""Compare two bundles call by call: structure, shapes, dtypes, constants, and values within tolerances."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from iobundle._progress import ProgressCallback, notify
+from iobundle.calls import NAME_TO_DTYPE, positional_names
+from iobundle.replay._bundle import Bundle, load_bundle
+from iobundle.replay._compare import OutputCheck, Scratch, Tolerances, check_error_stat_name, compare_call
+from iobundle.replay._validate import ValidationReport, _refuse_unused
+from iobundle.schema import CallEntry, ConstNode, DictNode, Manifest, Node, ObjectNode, OpaqueNode, TensorNode
+
+__all__ = ["DiffReport", "diff_bundles"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DiffReport(ValidationReport):
+    """What :func:`diff_bundles` found: the rows and checks of a validation, plus the differences in words.
+
+    Each row (one per call position) has ``SUCCESS``, ``abs``/``rel`` (largest output errors),
+    ``inputs_abs`` (largest input difference), ``n_differences`` and ``differences`` (structure,
+    shapes, dtypes, constants, status; ``"; "``-separated). ``differences`` also holds the
+    differences of the bundles as a whole (number of calls, method).
+    """
+
+    differences: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.n_failed == 0 and not self.differences
+
+    def verdict(self) -> str:
+        same = sum(1 for r in self.rows if r["SUCCESS"])
+        text = f"{'PASS' if self.ok else 'FAIL'}: {same}/{len(self.rows)} calls alike (structure, shapes, dtypes) and within {self.criterion()}"
+        return text + (f"; {'; '.join(self.differences)}" if self.differences else "")
+
+
+@dataclass
+class _Pair:
+    path: str
+    key_a: str
+    key_b: str
+    is_input: bool
+
+
+def _shape(m: Manifest, key: str) -> str:
+    entry = m.tensors[key]
+    dtype = NAME_TO_DTYPE.get(entry.dtype)
+    return f"{'x'.join(map(str, entry.shape)) or 'scalar'} {str(dtype).replace('torch.', '') if dtype else entry.dtype}"
+
+
+def _walk(a: Node | None, b: Node | None, path: str, ma: Manifest, mb: Manifest, out: list[str], pairs: list[_Pair], is_input: bool) -> None:  # fmt: skip
+    """Compare two trees; structural differences go to ``out``, tensors of one shape and dtype to ``pairs``."""
+    if a is None or b is None:
+        if (a is None) != (b is None):
+            out.append(
+                f"{path}: {'absent' if a is None else 'present'} in A, {'absent' if b is None else 'present'} in B"
+            )
+        return
+    if a.kind != b.kind:
+        out.append(f"{path}: {a.kind} in A, {b.kind} in B")
+        return
+    if isinstance(a, TensorNode) and isinstance(b, TensorNode):
+        ea, eb = ma.tensors[a.key], mb.tensors[b.key]
+        if list(ea.shape) != list(eb.shape) or ea.dtype != eb.dtype:
+            out.append(f"{path}: {_shape(ma, a.key)} in A, {_shape(mb, b.key)} in B")
+        else:
+            pairs.append(_Pair(path, a.key, b.key, is_input))
+        return
+    if isinstance(a, ConstNode) and isinstance(b, ConstNode):
+        if a.value != b.value or type(a.value) is not type(b.value):
+            out.append(f"{path}: {a.value!r} in A, {b.value!r} in B")
+        return
+    if isinstance(a, OpaqueNode) and isinstance(b, OpaqueNode):
+        if a.type != b.type:
+            out.append(f"{path}: opaque {a.type} in A, {b.type} in B")
+        return
+    if isinstance(a, DictNode) and isinstance(b, DictNode):
+        da, db = dict(zip(a.keys, a.items)), dict(zip(b.keys, b.items))
+        for k in a.keys:
+            if k in db:
+                _walk(da[k], db[k], f"{path}.{k}" if path else str(k), ma, mb, out, pairs, is_input)
+            else:
+                out.append(f"{path}.{k}: present in A, absent in B" if path else f"{k}: present in A, absent in B")
+        out.extend(
+            f"{path}.{k}: absent in A, present in B" if path else f"{k}: absent in A, present in B"
+            for k in b.keys
+            if k not in da
+        )
+        return
+    if isinstance(a, ObjectNode) and isinstance(b, ObjectNode) and a.type != b.type:
+        out.append(f"{path}: {a.type} in A, {b.type} in B")
+        return
+    items_a, items_b = getattr(a, "items", []), getattr(b, "items", [])
+    if len(items_a) != len(items_b):
+        what = "layers/items" if isinstance(a, ObjectNode) else "items"
+        out.append(f"{path}: {len(items_a)} {what} in A, {len(items_b)} in B")
+    labels = a.context if isinstance(a, ObjectNode) and isinstance(a.context, list) else None
+    for i, (x, y) in enumerate(zip(items_a, items_b)):
+        label = labels[i] if labels is not None and i < len(labels) and isinstance(labels[i], str) else None
+        child = (f"{path}.{label}" if path else label) if label else f"{path or 'output'}[{i}]"
+        _walk(x, y, child, ma, mb, out, pairs, is_input)
+
+
+def _call_pairs(a: Bundle, b: Bundle, ca: CallEntry, cb: CallEntry, out: list[str]) -> list[_Pair]:
+    pairs: list[_Pair] = []
+    names = list(positional_names(a.manifest.signature))
+    if ca.status != cb.status:
+        out.append(f"status: {ca.status} in A, {cb.status} in B")
+    if len(ca.args) != len(cb.args):
+        out.append(f"positional arguments: {len(ca.args)} in A, {len(cb.args)} in B")
+    for i, (x, y) in enumerate(zip(ca.args, cb.args)):
+        _walk(x, y, names[i] if i < len(names) else f"args[{i}]", a.manifest, b.manifest, out, pairs, True)
+    for k in dict.fromkeys([*ca.kwargs, *cb.kwargs]):
+        _walk(ca.kwargs.get(k), cb.kwargs.get(k), k, a.manifest, b.manifest, out, pairs, True)
+    for k in dict.fromkeys([*ca.cst_kwargs, *cb.cst_kwargs]):
+        va, vb = ca.cst_kwargs.get(k), cb.cst_kwargs.get(k)
+        if va != vb or type(va) is not type(vb):
+            out.append(f"constant {k}: {va!r} in A, {vb!r} in B")
+    if ca.status == "ok" and cb.status == "ok":
+        _walk(ca.outputs, cb.outputs, "", a.manifest, b.manifest, out, pairs, False)
+    return pairs
+
+
+def _open(value: Bundle | str | os.PathLike[str]) -> Bundle:
+    return value if isinstance(value, Bundle) else load_bundle(value)
+
+
+def diff_bundles(
+    a: Bundle | str | os.PathLike[str],
+    b: Bundle | str | os.PathLike[str],
+    *,
+    atol: float = 1e-4,
+    rtol: float = 0.1,
+    output_atol: Mapping[str, float] | None = None,
+    output_rtol: Mapping[str, float] | None = None,
+    check_error_stat: str = "max",
+    error_quantile: float = 0.99,
+    on_progress: ProgressCallback | None = None,
+) -> DiffReport:
+    """Compare bundle ``a`` (the reference) with bundle ``b``, call by call.
+
+    Calls are paired by position. For each pair: the status, the structure of the inputs and
+    outputs (containers, keys, registered classes, number of cache layers), the constants, each
+    tensor's shape and dtype, then the values of the tensors that agree in shape and dtype: the
+    outputs output by output as in :func:`iobundle.replay.validate_onnx` (per-output tolerances,
+    ``check_error_stat``), the inputs with the default tolerances. A call differs when anything
+    structural differs or a value is out of tolerance. Typical uses: a capture on a GPU vs one on
+    a CPU, a capture before vs after a library upgrade.
+
+    Raises:
+        BundleError: A bundle cannot be read.
+        ToleranceError: A statistic is unknown, or a per-output tolerance names no output.
+    """
+    check_error_stat_name(check_error_stat, error_quantile)
+    begin = time.perf_counter()
+    ba, bb = _open(a), _open(b)
+    tolerances = Tolerances(atol=atol, rtol=rtol, per_output_atol=output_atol or {}, per_output_rtol=output_rtol or {})
+    overall: list[str] = []
+    sa, sb = ba.manifest.signature, bb.manifest.signature
+    if (sa.qualname or sa.method) != (sb.qualname or sb.method):
+        overall.append(f"method: {sa.qualname or sa.method} in A, {sb.qualname or sb.method} in B")
+    if [p.name for p in sa.parameters] != [p.name for p in sb.parameters]:
+        overall.append("signature: the parameters differ")
+    if len(ba.calls) != len(bb.calls):
+        overall.append(
+            f"calls: {len(ba.calls)} in A, {len(bb.calls)} in B (the first {min(len(ba.calls), len(bb.calls))} compared)"
+        )
+    rows: list[dict[str, Any]] = []
+    checks: list[OutputCheck] = []
+    scratch = Scratch()
+    n = min(len(ba.calls), len(bb.calls))
+    notify(on_progress, "diff", 0, n)
+    for i, (ca, cb) in enumerate(zip(ba.calls, bb.calls)):
+        diffs: list[str] = []
+        pairs = _call_pairs(ba, bb, ca, cb, diffs)
+        outs = [p for p in pairs if not p.is_input]
+        ins = [p for p in pairs if p.is_input]
+        row, call_checks = compare_call(
+            [ba.tensor(p.key_a) for p in outs], [bb.tensor(p.key_b) for p in outs], call_index=ca.index,
+            names=[p.path or "output" for p in outs], tolerances=tolerances, check_error_stat=check_error_stat,
+            error_quantile=error_quantile, scratch=scratch,
+        )  # fmt: skip
+        in_row, in_checks = compare_call(
+            [ba.tensor(p.key_a) for p in ins], [bb.tensor(p.key_b) for p in ins], call_index=ca.index,
+            names=[p.path for p in ins], tolerances=Tolerances(atol=atol, rtol=rtol), scratch=scratch,
+        )  # fmt: skip
+        diffs += [
+            f"input {c.name}: max abs difference {c.stats.max_abs:.3g}"
+            for c in in_checks
+            if c.success is False and c.stats
+        ]
+        checks.extend(call_checks)
+        row.update(
+            SUCCESS=bool(row["SUCCESS"]) and bool(in_row["SUCCESS"]) and not diffs,
+            index=ca.index,
+            inputs_abs=in_row["abs"],
+            n_differences=len(diffs),
+            differences="; ".join(diffs),
+            duration_torch=ca.latency,
+            duration_other=cb.latency,
+        )
+        rows.append(row)
+        logger.debug("call %d: %d differences", ca.index, len(diffs))
+        notify(on_progress, "diff", i + 1, n, f"call {ca.index}")
+    _refuse_unused(tolerances, checks)
+    report = DiffReport(
+        rows=rows, atol=atol, rtol=rtol, seconds=time.perf_counter() - begin, outputs=checks, tolerances=tolerances,
+        check_error_stat=check_error_stat, error_quantile=error_quantile, subject=str(bb.path), kind="diff",
+        differences=overall,
+    )  # fmt: skip
+    return report

@@ -1,0 +1,229 @@
+"""The content of a report (validate, run, diff) as plain data; the CLI renders it as Markdown, HTML, JSON or CSV.
+
+A :class:`Report` holds only JSON-able values (strings, numbers, lists, dicts): the environment and
+versions, one paragraph about the bundle, the verdict, the per-call rows, the per-output checks,
+the worst outputs, the error histogram and the series the charts plot. Rendering is not done here.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import platform
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from iobundle._version import __version__
+from iobundle.replay._bundle import Bundle
+from iobundle.replay._validate import ValidationReport
+
+__all__ = ["CALL_COLUMNS", "Report", "build_report", "environment"]
+
+CALL_COLUMNS = {
+    "validate": [
+        "index",
+        "status",
+        "abs",
+        "rel",
+        "mean_abs",
+        "quantile_abs",
+        "worst_output",
+        "duration_torch",
+        "ort_duration",
+    ],
+    "run": [
+        "index",
+        "status",
+        "abs",
+        "rel",
+        "mean_abs",
+        "quantile_abs",
+        "worst_output",
+        "duration_torch",
+        "duration_rerun",
+    ],
+    "diff": ["index", "status", "abs", "rel", "inputs_abs", "worst_output", "n_differences", "differences"],
+}
+"""The per-call columns a human-readable report shows, per kind (JSON and CSV carry every column)."""
+
+WORST = 10
+"""How many outputs the "worst outputs" table lists."""
+
+_PACKAGES = ("torch", "onnx", "onnxruntime", "onnxscript", "transformers", "numpy")
+
+
+def environment() -> dict[str, str]:
+    """Versions and machine of this process: python, platform, iobundle and the libraries that matter (installed ones)."""
+    env = {
+        "python": platform.python_version(),
+        "platform": platform.platform(terse=True),
+        "machine": platform.machine() or "unknown",
+        "iobundle": __version__,
+    }
+    for name in _PACKAGES:
+        try:
+            env[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        env["cuda"] = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+    return env
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def _bundle_facts(bundle: Bundle) -> dict[str, Any]:
+    m = bundle.manifest
+    statuses: dict[str, int] = {}
+    for c in m.calls:
+        statuses[c.status] = statuses.get(c.status, 0) + 1
+    p = m.producer
+    producer = {"iobundle": p.iobundle, "torch": p.torch, "python": p.python}
+    if p.transformers:
+        producer["transformers"] = p.transformers
+    return {
+        "path": str(bundle.path),
+        "format": f"{m.format} v{m.format_version}",
+        "method": m.signature.qualname or m.signature.method,
+        "calls": len(m.calls),
+        "statuses": statuses,
+        "tensors": len(m.tensors),
+        "files": len(m.files),
+        "bytes": sum(f.size for f in m.files.values()),
+        "producer": producer,
+        "devices": list(p.devices),
+        "model": m.model.class_name if m.model is not None else None,
+    }
+
+
+def _paragraph(facts: dict[str, Any]) -> str:
+    status = ", ".join(f"{n} {s}" for s, n in facts["statuses"].items()) or "none"
+    producer = ", ".join(f"{k} {v}" for k, v in facts["producer"].items())
+    text = (
+        f"`{facts['path']}` ({facts['format']}) holds {facts['calls']} recorded calls of `{facts['method']}` "
+        f"({status}): {facts['tensors']} tensors in {facts['files']} files, {_size(facts['bytes'])}. "
+        f"Recorded with {producer}"
+    )
+    text += f" on {', '.join(facts['devices'])}." if facts["devices"] else "."
+    if facts["model"]:
+        text += f" It carries its model ({facts['model']} config and weights)."
+    return text
+
+
+def _finite(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def _status(row: dict[str, Any]) -> str:
+    if row.get("SUCCESS") is True:
+        return "ok"
+    if row.get("SUCCESS") is None:
+        return "not checked"
+    return "FAIL"
+
+
+@dataclass
+class Report:
+    """Everything a report shows, as JSON-able data (see :func:`build_report`)."""
+
+    kind: str
+    title: str
+    ok: bool
+    verdict: str
+    criterion: str
+    check_error_stat: str
+    error_quantile: float
+    seconds: float
+    subject: str
+    command: str
+    environment: dict[str, str]
+    bundles: list[dict[str, Any]]
+    paragraphs: list[str]
+    columns: list[str]
+    rows: list[dict[str, Any]]
+    outputs: list[dict[str, Any]]
+    worst: list[dict[str, Any]]
+    histogram: list[tuple[str, int]]
+    per_call: list[dict[str, Any]]
+    per_output: list[dict[str, Any]]
+    differences: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The whole report as one JSON-able dict."""
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def build_report(
+    result: ValidationReport,
+    bundles: Sequence[Bundle],
+    *,
+    command: str = "",
+    worst: int = WORST,
+) -> Report:
+    """Gather what a report shows about ``result`` (from ``validate_onnx``, ``rerun_model`` or ``diff_bundles``).
+
+    Args:
+        result: The per-call rows and per-output checks.
+        bundles: The bundle the result is about (two for a diff: the reference first).
+        command: The command line that produced it, shown as is.
+        worst: How many outputs the table of the worst outputs lists.
+    """
+    kind = result.kind
+    rows = [dict(r, status=_status(r)) for r in result.rows]
+    outputs = [c.as_row() for c in result.outputs]
+
+    def badness(o: dict[str, Any]) -> tuple[int, float]:
+        return (1 if o["SUCCESS"] is False else 0, o["max_abs"] if math.isfinite(o["max_abs"]) else math.inf)
+
+    compared = [o for o in outputs if o["n"] or o["error"]]
+    worst_rows = sorted(compared, key=badness, reverse=True)[:worst]
+    per_output: dict[str, dict[str, Any]] = {}
+    for o in outputs:
+        entry = per_output.setdefault(
+            o["output"], {"output": o["output"], "max_abs": 0.0, "atol": o["atol"], "failed": 0, "calls": 0}
+        )
+        entry["max_abs"] = max(entry["max_abs"], o["max_abs"])
+        entry["calls"] += 1
+        entry["failed"] += 1 if o["SUCCESS"] is False else 0
+    per_call = [
+        {"index": r["index"], "abs": _finite(r.get("abs")), "status": r["status"], "error": r.get("error") or ""}
+        for r in rows
+    ]
+    subject = result.subject
+    facts = [_bundle_facts(b) for b in bundles]
+    paragraphs = [_paragraph(f) for f in facts]
+    what = {"validate": "validate", "run": "run (eager re-run)", "diff": "diff"}.get(kind, kind)
+    title = f"iobundle {what}: {subject}" if kind != "diff" else f"iobundle diff: {facts[0]['path']} vs {subject}"
+    return Report(
+        kind=kind,
+        title=title,
+        ok=result.ok,
+        verdict=result.verdict(),
+        criterion=result.criterion(),
+        check_error_stat=result.check_error_stat,
+        error_quantile=result.error_quantile,
+        seconds=result.seconds,
+        subject=subject,
+        command=command,
+        environment=environment(),
+        bundles=facts,
+        paragraphs=paragraphs,
+        columns=CALL_COLUMNS.get(kind, CALL_COLUMNS["validate"]),
+        rows=rows,
+        outputs=outputs,
+        worst=worst_rows,
+        histogram=result.histogram(),
+        per_call=per_call,
+        per_output=list(per_output.values()),
+        differences=list(getattr(result, "differences", [])),
+    )

@@ -1,0 +1,130 @@
+"""Re-run the eager model on the recorded inputs and compare with the recorded outputs (numerical drift)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from iobundle._progress import ProgressCallback, notify
+from iobundle.calls import RecordedCalls, build_value, positional_names, tensor_keys
+from iobundle.errors import ReplayError
+from iobundle.replay._compare import OutputCheck, Scratch, Tolerances, check_error_stat_name, compare_call, output_paths
+from iobundle.replay._export import flatten_outputs
+from iobundle.replay._validate import ValidationReport, _refuse_unused
+from iobundle.schema import CallEntry
+
+__all__ = ["rerun_model"]
+
+logger = logging.getLogger(__name__)
+
+
+def _call_arguments(
+    rc: RecordedCalls, call: CallEntry, device: str | torch.device | None
+) -> tuple[list[Any], dict[str, Any]]:
+    """The arguments the model received in ``call``: fresh copies, placeholders of ``value_if_missing`` left out."""
+
+    def tensor(key: str) -> torch.Tensor:
+        t = rc.store.get(key).clone()  # the model may change its inputs in place; the store is read-only
+        return t.to(device) if device is not None else t
+
+    names = list(positional_names(rc.signature))
+    args = []
+    for i, node in enumerate(call.args):
+        filled = i in call.filled or (i < len(names) and names[i] in call.filled)
+        args.append(None if filled else build_value(node, tensor, path=f"args[{i}]"))
+    kwargs = {k: build_value(v, tensor, path=k) for k, v in call.kwargs.items() if k not in call.filled}
+    kwargs.update(call.cst_kwargs)
+    return args, kwargs
+
+
+def rerun_model(
+    rc: RecordedCalls,
+    model: torch.nn.Module,
+    *,
+    atol: float = 1e-4,
+    rtol: float = 0.1,
+    output_atol: Mapping[str, float] | None = None,
+    output_rtol: Mapping[str, float] | None = None,
+    check_error_stat: str = "max",
+    error_quantile: float = 0.99,
+    device: str | torch.device | None = None,
+    on_progress: ProgressCallback | None = None,
+) -> ValidationReport:
+    """Call ``model`` again on the inputs of every recorded call and compare with the recorded outputs.
+
+    This measures the numerical drift between the machine (or library versions) that recorded the
+    bundle and this one: the same model, the same inputs, another run. Each call gets fresh copies
+    of its recorded inputs (the model may update a cache in place), runs under ``torch.no_grad()``,
+    and its outputs are compared output by output as in :func:`iobundle.replay.validate_onnx`.
+    A call that raises is a failed row (its ``error`` says why); failed recorded calls are skipped.
+
+    Args:
+        rc: The recorded calls.
+        model: The model; its observed method (``signature.method``) is called.
+        atol: Default absolute tolerance.
+        rtol: Default relative tolerance.
+        output_atol: Absolute tolerance per output name or ``fnmatch`` pattern.
+        output_rtol: Relative tolerance per output name or pattern.
+        check_error_stat: ``max``, ``mean``, ``median`` or ``quantile`` (see ``validate_onnx``).
+        error_quantile: The quantile of ``check_error_stat="quantile"``.
+        device: Move the inputs there first (the model must already be there), e.g. ``"cuda"``.
+        on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` after each call.
+
+    Returns:
+        A :class:`ValidationReport` with ``kind="run"``; rows carry ``duration_torch`` (at capture)
+        and ``duration_rerun`` (here).
+
+    Raises:
+        ReplayError: The model has no method named like the recorded one.
+        ToleranceError: A statistic is unknown, or a per-output tolerance names no output.
+    """
+    check_error_stat_name(check_error_stat, error_quantile)
+    method = getattr(model, rc.signature.method, None)
+    if not callable(method):
+        raise ReplayError(
+            f"The model ({type(model).__name__}) has no method {rc.signature.method!r}, the one the bundle recorded. "
+            "Pass the model whose method was observed."
+        )
+    tolerances = Tolerances(atol=atol, rtol=rtol, per_output_atol=output_atol or {}, per_output_rtol=output_rtol or {})
+    begin = time.perf_counter()
+    calls = rc.ok_calls
+    rows: list[dict[str, Any]] = []
+    checks: list[OutputCheck] = []
+    scratch = Scratch()
+    notify(on_progress, "re-run", 0, len(calls))
+    for done, call in enumerate(calls, start=1):
+        expected = [rc.store.get(k) for k in tensor_keys(call.outputs)] if call.outputs is not None else []
+        t0 = time.perf_counter()
+        row: dict[str, Any]
+        try:
+            args, kwargs = _call_arguments(rc, call, device)
+            with torch.no_grad():
+                obtained = flatten_outputs(method(*args, **kwargs))
+            error = None
+        except Exception as exc:  # a call the model cannot run is a failed row, not a crash
+            obtained, error = (
+                [],
+                f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
+            )
+        seconds = time.perf_counter() - t0
+        if error is not None:
+            row = {"SUCCESS": False, "error": error, "abs": float("nan"), "rel": float("nan"), "n": 0, "dnan": 0}
+        else:
+            row, call_checks = compare_call(
+                expected, obtained, call_index=call.index, names=output_paths(call.outputs), tolerances=tolerances,
+                check_error_stat=check_error_stat, error_quantile=error_quantile, scratch=scratch,
+            )  # fmt: skip
+            checks.extend(call_checks)
+        row.update(index=call.index, duration_torch=call.latency, duration_rerun=seconds)
+        rows.append(row)
+        logger.debug("call %d re-run in %.3fs: %s", call.index, seconds, "ok" if row["SUCCESS"] else "differs")
+        notify(on_progress, "re-run", done, len(calls), f"call {call.index}")
+    _refuse_unused(tolerances, checks)
+    return ValidationReport(
+        rows=rows, atol=atol, rtol=rtol, seconds=time.perf_counter() - begin, outputs=checks, tolerances=tolerances,
+        check_error_stat=check_error_stat, error_quantile=error_quantile, subject=type(model).__name__, kind="run",
+    )  # fmt: skip

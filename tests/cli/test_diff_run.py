@@ -1,0 +1,102 @@
+"""`iobundle diff A B` and `iobundle run BUNDLE --model|--from-bundle`: tables, reports, exit codes."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from iobundle import InputObserver
+from iobundle.cli import main
+
+FACTORIES = textwrap.dedent(
+    """
+    import torch
+
+    class Scale(torch.nn.Module):
+        def __init__(self, offset=0.0):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(4, 2)
+            self.offset = offset
+
+        def forward(self, x):
+            return self.lin(x) + self.offset
+
+    def good():
+        return Scale()
+
+    def drifted():
+        return Scale(offset=0.5)
+    """
+)
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """factories.py, and bundles of good() (a.iobundle) and drifted() (b.iobundle) on the same inputs."""
+    (tmp_path / "factories.py").write_text(FACTORIES)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import factories
+
+    for name, factory in (("a", factories.good), ("b", factories.drifted)):
+        model, observer = factory(), InputObserver()
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad(), observer(model):
+            model(torch.randn(2, 4, generator=g))
+            model(torch.randn(3, 4, generator=g))
+        observer.save(tmp_path / f"{name}.iobundle")
+    yield tmp_path
+    sys.modules.pop("factories", None)
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+class TestDiff:
+    def test_a_bundle_is_alike_itself(self, workdir, capsys):
+        code, out, _ = run(capsys, "diff", "a.iobundle", "a.iobundle")
+        assert code == 0 and "PASS: 2/2 calls alike" in out
+
+    def test_drift_fails_then_passes_with_a_looser_atol(self, workdir, capsys):
+        code, out, _ = run(capsys, "diff", "a.iobundle", "b.iobundle", "--rtol", "0")
+        assert code == 1 and "FAIL: 0/2 calls" in out and "inputs abs" in out
+        assert run(capsys, "diff", "a.iobundle", "b.iobundle", "--rtol", "0", "--atol", "output=0.6")[0] == 0
+
+    def test_report(self, workdir, capsys):
+        code, _, _ = run(capsys, "diff", "a.iobundle", "b.iobundle", "--report", "diff.md")
+        assert code == 1
+        text = (workdir / "diff.md").read_text("utf-8")
+        assert text.startswith("## iobundle diff: a.iobundle vs b.iobundle")
+        assert text.count("**Bundle.**") == 2 and "| what differs |" in text
+
+    def test_unreadable_bundle_exits_2(self, workdir, capsys):
+        code, _, err = run(capsys, "diff", "a.iobundle", "missing.iobundle")
+        assert code == 2 and err.startswith("error: ") and "missing.iobundle" in err
+
+
+class TestRun:
+    def test_same_model_passes(self, workdir, capsys):
+        code, out, _ = run(capsys, "run", "a.iobundle", "--model", "factories:good")
+        assert code == 0 and "PASS: 2/2 calls" in out and "re-run" in out
+
+    def test_drifted_model_fails_with_html_report(self, workdir, capsys):
+        code, out, _ = run(capsys, "run", "a.iobundle", "--model", "factories:drifted", "--report", "drift.html")
+        assert code == 1 and "FAIL: 0/2 calls" in out
+        html = (workdir / "drift.html").read_text("utf-8")
+        assert "iobundle run (eager re-run): Scale" in html and html.count("<svg") == 3
+
+    def test_needs_one_model_source(self, workdir, capsys):
+        assert run(capsys, "run", "a.iobundle")[0] == 2
+        code, _, err = run(capsys, "run", "a.iobundle", "--from-bundle")
+        assert code == 2 and "include_model" in err
+
+    def test_bad_device_is_a_usage_error(self, workdir, capsys):
+        code, _, err = run(capsys, "run", "a.iobundle", "--model", "factories:good", "--device", "nosuchdevice")
+        assert code == 2 and "--device nosuchdevice" in err

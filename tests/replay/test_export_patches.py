@@ -1,0 +1,177 @@
+"""The export patches added for the model zoo: what each computes, that each is scoped and put back.
+
+Fast tests on small pieces; the families they serve are exercised end to end by ``tests/zoo``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.fx.experimental._config as fx_config
+
+from iobundle.replay._patches import (
+    export_patches,
+    patch_layout_copies,
+    patch_moe_batched_experts,
+    patch_sliding_window_offsets,
+)
+
+transformers = pytest.importorskip("transformers")
+
+DYNAMIC = torch.export.Dim.DYNAMIC
+
+
+class _FusedHeads(torch.nn.Module):
+    """Falcon-style: heads cut from a fused projection, then ``transpose(1, 2).reshape``; eager-style matmuls."""
+
+    def forward(self, x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        b, q, _ = x.shape
+        heads = x.view(b, q, 4, 8)
+        cut = heads[:, :, :2, :].transpose(1, 2).reshape(b, 2, q, 8)
+        scores = torch.matmul(heads.transpose(1, 2), k.transpose(2, 3))
+        merged = (scores @ k).transpose(1, 2).contiguous()
+        return cut.sum(dim=(1, 3)) + merged.sum(dim=(2, 3))
+
+
+@pytest.mark.parametrize("traced_length", [1, 3])
+def test_layout_copies_one_program_for_every_query_length(traced_length: int) -> None:
+    model = _FusedHeads()
+    gen = torch.Generator().manual_seed(0)
+    args = (torch.randn(2, traced_length, 32, generator=gen), torch.randn(2, 4, 5, 8, generator=gen))
+    shapes = ({0: DYNAMIC, 1: DYNAMIC}, {0: DYNAMIC, 2: DYNAMIC})
+    with fx_config.patch(backed_size_oblivious=True):
+        plain = torch.export.export(model, args, dynamic_shapes=shapes)
+        with patch_layout_copies(model):
+            patched = torch.export.export(model, args, dynamic_shapes=shapes)
+    other = 3 if traced_length == 1 else 1
+    x, k = torch.randn(2, other, 32, generator=gen), torch.randn(2, 4, 7, 8, generator=gen)
+    with pytest.raises(AssertionError, match="Guard failed"):  # what the patch is for
+        plain.module()(x, k)
+    torch.testing.assert_close(patched.module()(x, k), model(x, k))
+
+
+def test_layout_copies_is_scoped() -> None:
+    x = torch.randn(2, 4, 6)[:, :, :3]  # not contiguous, yet reshape(8, 3) can be a view of it
+
+    def shares_memory(y: torch.Tensor) -> bool:
+        return y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+
+    with patch_layout_copies(torch.nn.Linear(2, 2)):
+        inside = x.reshape(8, 3)
+    outside = x.reshape(8, 3)
+    assert not shares_memory(inside) and shares_memory(outside)
+    torch.testing.assert_close(inside, outside)
+    assert not torch.overrides._get_current_function_mode_stack()
+
+
+def _sliding_layer(window: int, tokens: int, steps: list[int]) -> Any:
+    """A real sliding-window layer fed ``tokens`` then each of ``steps`` tokens through ``update``."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    layer = DynamicSlidingWindowLayer(window)
+    for n in [tokens, *steps]:
+        layer.update(torch.randn(1, 2, n, 4), torch.randn(1, 2, n, 4))
+    return layer
+
+
+@pytest.mark.parametrize(("tokens", "steps"), [(3, []), (7, [1]), (7, [1, 1, 1, 1]), (12, [1, 1]), (4, [2, 3])])
+@pytest.mark.parametrize("query_length", [1, 2])
+def test_sliding_mask_sizes_match_transformers(tokens: int, steps: list[int], query_length: int) -> None:
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    layer = _sliding_layer(8, tokens, steps)
+    expected = layer.get_mask_sizes(query_length)
+    with patch_sliding_window_offsets(torch.nn.Linear(2, 2)):
+        got = DynamicSlidingWindowLayer.get_mask_sizes(layer, query_length)
+    assert got == expected
+
+
+def test_sliding_window_offsets_sets_token_counts_and_restores() -> None:
+    import transformers.masking_utils as masking_utils
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+    cache = DynamicCache()
+    cache.layers = [_sliding_layer(8, 7, [1, 1, 1]), DynamicLayer()]
+    cache.layers[0].cumulative_length = 7  # what a rebuilt layer knows: its cached length
+    seen: list[Any] = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: Any) -> None:
+            seen.append(cache.layers[0].cumulative_length)
+
+    probe = Probe()
+    original = (DynamicSlidingWindowLayer.get_mask_sizes, masking_utils._ignore_causal_mask_sdpa)
+    with patch_sliding_window_offsets(probe):
+        probe(input_ids=torch.zeros(2, 1, dtype=torch.long), attention_mask=torch.ones(2, 11), cache=cache)
+        assert masking_utils._ignore_causal_mask_sdpa is not original[1]
+    assert seen == [10]  # 11 mask positions, 1 of them new
+    assert (DynamicSlidingWindowLayer.get_mask_sizes, masking_utils._ignore_causal_mask_sdpa) == original
+    assert not probe._forward_pre_hooks
+
+
+def _tiny_mixtral() -> Any:
+    config = transformers.MixtralConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=16,
+        vocab_size=50, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(config).eval()
+
+
+def test_moe_batched_experts_same_logits_and_restores() -> None:
+    model = _tiny_mixtral()
+    ids = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(1))
+    before = model.config._experts_implementation_internal
+    assert before != "batched_mm"
+    with torch.no_grad():
+        expected = model(ids).logits
+        with pytest.raises(RuntimeError, match="boom"), patch_moe_batched_experts(model):
+            assert model.config._experts_implementation_internal == "batched_mm"
+            torch.testing.assert_close(model(ids).logits, expected)
+            raise RuntimeError("boom")
+    assert model.config._experts_implementation_internal == before
+
+
+def test_new_patches_apply_only_where_needed() -> None:
+    names: list[str] = []
+    with export_patches(_tiny_mixtral(), dynamic=False, dynamic_batch=False, applied=names):
+        pass
+    assert names == ["moe_batched_experts"]  # ONNX needs it whatever the shapes
+    mistral = transformers.MistralForCausalLM(
+        transformers.MistralConfig(
+            hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+            intermediate_size=16, vocab_size=50, sliding_window=4,
+        )
+    )  # fmt: skip
+    names.clear()
+    with export_patches(mistral, dynamic_batch=False, applied=names):
+        pass
+    assert names == ["sdpa_without_is_causal", "layout_copies", "sliding_window_offsets"]
+    names.clear()
+    with export_patches(mistral, dynamic=False, dynamic_batch=False, applied=names):
+        pass
+    assert names == []
+
+
+def test_torch_sdpa_wrapper_matches_torch_and_zeroes_unseeing_rows() -> None:
+    from iobundle.replay._patches import patch_sdpa_without_is_causal
+
+    gen = torch.Generator().manual_seed(3)
+    query, key, value = (torch.randn(2, 4, 3, 8, generator=gen) for _ in range(3))
+    mask = torch.ones(2, 1, 3, 3, dtype=torch.bool).tril()
+    mask[0, :, 0, :] = False  # a padding query of a left-padded row: it sees no key
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    expected = sdpa(query, key, value, attn_mask=mask)
+    causal = sdpa(query, key, value, is_causal=True)
+    with patch_sdpa_without_is_causal(torch.nn.Linear(2, 2)):
+        wrapped = torch.nn.functional.scaled_dot_product_attention
+        assert wrapped is not sdpa
+        got = wrapped(query, key, value, attn_mask=mask)
+        got_causal = wrapped(query, key, value, is_causal=True)
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa
+    assert not got[0, :, 0].any()
+    torch.testing.assert_close(got[:, :, 1:], expected[:, :, 1:])
+    torch.testing.assert_close(got[1], expected[1])
+    torch.testing.assert_close(got_causal, causal)

@@ -1,0 +1,242 @@
+"""Redacted bundles: synthetic inputs of the same dtype and shape, no outputs or weights unless kept, still exportable."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from iobundle import (
+    BundleExistsError,
+    InputObserver,
+    ModelLoadError,
+    NothingToCompareError,
+    load_bundle,
+    redact_bundle,
+)
+from iobundle.cli import main
+from iobundle.replay import validate_onnx
+from iobundle.replay._redact import synthetic_like
+
+VOCAB = 50
+
+
+class TokenModel(torch.nn.Module):
+    """Embedding lookups: an id out of the vocabulary is an IndexError, so synthetic ids must stay in range."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(VOCAB, 8)
+        self.lin = torch.nn.Linear(8, 4)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, scale=1.0):
+        y = self.lin(self.emb(input_ids)) * scale
+        if position_ids is not None:
+            y = y + position_ids.unsqueeze(-1).float()
+        return y if attention_mask is None else y * attention_mask.unsqueeze(-1)
+
+
+def capture(path: Path) -> Path:
+    model, observer = TokenModel(), InputObserver()
+    with observer(model, store_n_calls=3):
+        model(
+            torch.tensor([[3, 17, 42, 8, 9]]),
+            attention_mask=torch.tensor([[0, 1, 1, 1, 1]]),
+            position_ids=torch.arange(5)[None],
+            scale=2.0,
+        )
+        model(
+            torch.tensor([[5, 6, 7], [44, 45, 46]]),
+            attention_mask=torch.ones(2, 3, dtype=torch.int64),
+            position_ids=torch.tensor([[5, 6, 7], [5, 6, 7]]),
+            scale=2.0,
+        )
+    observer.save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def original(tmp_path_factory) -> Path:
+    return capture(tmp_path_factory.mktemp("redact") / "run.iobundle")
+
+
+@pytest.fixture(scope="module")
+def redacted(original: Path) -> Path:
+    out = original.parent / "redacted.iobundle"
+    redact_bundle(original, out)
+    return out
+
+
+def _inputs(bundle) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every recorded input, in call order."""
+    pairs = []
+    for call in bundle.manifest.calls:
+        for name, node in call.kwargs.items():
+            if node.kind == "tensor":
+                pairs.append((name, bundle.tensor(node.key)))
+        for j, node in enumerate(call.args):
+            if node.kind == "tensor":
+                pairs.append((str(j), bundle.tensor(node.key)))
+    return pairs
+
+
+# --------------------------------------------------------------------------- synthetic values
+
+
+class TestSyntheticLike:
+    gen = staticmethod(lambda: torch.Generator().manual_seed(0))
+
+    def test_token_ids_stay_within_the_observed_range(self):
+        ids = torch.tensor([[3, 40, 17, 9], [22, 5, 31, 12]])
+        fake = synthetic_like(ids, self.gen())
+        assert fake.dtype == ids.dtype and fake.shape == ids.shape
+        assert int(fake.min()) >= 3 and int(fake.max()) <= 40
+        assert not torch.equal(fake, ids)
+
+    @pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.bool, torch.uint8])
+    def test_masks_stay_masks(self, dtype):
+        mask = (torch.rand(4, 64, generator=self.gen()) > 0.3).to(dtype)
+        fake = synthetic_like(mask, torch.Generator().manual_seed(1))
+        assert fake.dtype == dtype and fake.shape == mask.shape
+        assert set(fake.flatten().tolist()) <= {0, 1}  # True == 1 and False == 0 too
+        assert 0.5 < float(fake.float().mean()) < 0.9  # drawn at the observed frequency (about 0.7)
+
+    def test_all_ones_mask_stays_all_ones(self):
+        assert torch.equal(synthetic_like(torch.ones(3, 7, dtype=torch.int64), self.gen()), torch.ones(3, 7).long())
+
+    def test_additive_mask_keeps_its_two_values(self):
+        mask = torch.triu(torch.full((6, 6), float("-inf")), diagonal=1)
+        fake = synthetic_like(mask, self.gen())
+        assert set(fake.flatten().tolist()) <= {0.0, float("-inf")}
+
+    def test_positions_counting_up_are_kept(self):
+        positions = torch.arange(3, 10)[None].repeat(2, 1)
+        assert torch.equal(synthetic_like(positions, self.gen()), positions)
+
+    def test_increasing_rows_stay_increasing(self):
+        rows = torch.tensor([[0, 3, 3, 9, 20], [1, 2, 8, 8, 11]])
+        fake = synthetic_like(rows, self.gen())
+        assert bool((fake[:, 1:] >= fake[:, :-1]).all())
+        assert bool((fake.min(dim=1).values >= rows.min(dim=1).values).all())
+        assert bool((fake.max(dim=1).values <= rows.max(dim=1).values).all())
+        assert not torch.equal(fake, rows)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+    def test_floats_keep_dtype_and_scale(self, dtype):
+        x = (torch.randn(64, 64, generator=self.gen()) * 3 + 10).to(dtype)
+        fake = synthetic_like(x, torch.Generator().manual_seed(1))
+        assert fake.dtype == dtype and fake.shape == x.shape
+        assert abs(float(fake.float().mean()) - 10) < 0.5 and abs(float(fake.float().std()) - 3) < 0.5
+        assert not torch.equal(fake, x)
+
+    def test_empty_tensors_stay_empty(self):
+        fake = synthetic_like(torch.empty(1, 2, 0, 4), self.gen())
+        assert fake.shape == (1, 2, 0, 4)
+
+
+# --------------------------------------------------------------------------- redacted bundles
+
+
+def test_redacted_inputs_differ_but_keep_dtypes_shapes_and_ranges(original, redacted):
+    before, after = load_bundle(original), load_bundle(redacted)
+    pairs = list(zip(_inputs(before), _inputs(after)))
+    assert pairs
+    for (name, real), (name2, fake) in pairs:
+        assert name == name2 and real.dtype == fake.dtype and real.shape == fake.shape
+        if name == "input_ids":
+            assert int(fake.min()) >= int(real.min()) and int(fake.max()) <= int(real.max())
+            assert not torch.equal(real, fake)
+        if name == "attention_mask":
+            assert set(fake.flatten().tolist()) <= {0, 1}
+        if name == "position_ids":
+            assert bool((fake[:, 1:] > fake[:, :-1]).all())
+
+
+def test_redacted_bundle_has_no_outputs_and_says_it_is_redacted(original, redacted):
+    manifest = json.loads((redacted / "manifest.json").read_text("utf-8"))
+    assert manifest["redacted"] == {"outputs_kept": False, "model_kept": False, "seed": 0}
+    assert all(call["outputs"] is None for call in manifest["calls"])
+    bundle = load_bundle(redacted)
+    assert bundle.verify() == []
+    assert len(bundle.manifest.tensors) < len(load_bundle(original).manifest.tensors)  # outputs are gone
+    assert bundle.infer_dynamic_shapes() == load_bundle(original).infer_dynamic_shapes()
+    assert bundle.manifest.calls[0].cst_kwargs == load_bundle(original).manifest.calls[0].cst_kwargs
+
+
+def test_keep_outputs_keeps_the_recorded_outputs(original, tmp_path):
+    manifest = redact_bundle(original, tmp_path / "kept", keep_outputs=True)
+    assert manifest.redacted is not None and manifest.redacted.outputs_kept
+    before, after = load_bundle(original), load_bundle(tmp_path / "kept")
+    for i in range(before.num_obs()):
+        assert torch.equal(before.outputs(i), after.outputs(i))
+
+
+def test_same_seed_same_bundle_other_seed_other_values(original, tmp_path):
+    a = redact_bundle(original, tmp_path / "a", seed=1)
+    b = redact_bundle(original, tmp_path / "b", seed=1)
+    c = redact_bundle(original, tmp_path / "c", seed=2)
+    assert a.files == b.files and a.files != c.files
+
+
+def test_redact_refuses_a_non_empty_target(original, redacted):
+    with pytest.raises(BundleExistsError, match="overwrite"):
+        redact_bundle(original, redacted)
+
+
+def test_keep_model_without_a_stored_model_says_so(original, tmp_path):
+    with pytest.raises(ModelLoadError, match="stores no model"):
+        redact_bundle(original, tmp_path / "x", keep_model=True)
+
+
+def test_only_redacted_bundles_carry_the_field(original):
+    # Other manifests are written as before the field existed, so older iobundle versions still read them.
+    assert "redacted" not in json.loads((original / "manifest.json").read_text("utf-8"))
+    assert load_bundle(original).manifest.redacted is None
+
+
+def test_keep_model_keeps_config_and_weights(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=32,
+        vocab_size=VOCAB,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    observer = InputObserver()
+    with torch.no_grad(), observer(model, store_n_calls=2):
+        model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, min_new_tokens=2, do_sample=False)
+    observer.save(tmp_path / "llama", include_model=True)
+    dropped = redact_bundle(tmp_path / "llama", tmp_path / "no-model")
+    kept = redact_bundle(tmp_path / "llama", tmp_path / "with-model", keep_model=True)
+    assert dropped.model is None and not (tmp_path / "no-model" / "model").exists()
+    assert kept.model is not None and kept.redacted is not None and kept.redacted.model_kept
+    from iobundle.replay import load_bundle_model
+
+    rebuilt = load_bundle_model(tmp_path / "with-model")
+    assert torch.equal(rebuilt.lm_head.weight, model.lm_head.weight)
+
+
+@pytest.mark.slow
+def test_export_works_from_a_redacted_bundle_and_validate_says_nothing_to_compare(original, redacted, capsys):
+    onnx_path = redacted.parent / "redacted.onnx"
+    bundle = load_bundle(redacted)
+    bundle.to_onnx(TokenModel(), onnx_path)  # token ids in range: the embedding lookups run
+    report = bundle.export_report()
+    assert report is not None and report.ok
+    # No recorded outputs: each call of the exported program is checked against the eager model instead.
+    assert [(c.success, c.reference) for c in report.calls] == [(True, "eager"), (True, "eager")]
+    assert "2 without recorded outputs compared with the eager model" in report.summary()
+    with pytest.raises(NothingToCompareError, match="nothing to compare"):
+        validate_onnx(bundle._recorded(), onnx_path)
+    assert main(["validate", str(redacted), str(onnx_path)]) == 4
+    err = capsys.readouterr().err
+    assert "nothing to compare the model's outputs against" in err
+    # The same ONNX model validates against the original bundle.
+    assert validate_onnx(load_bundle(original)._recorded(), onnx_path).ok

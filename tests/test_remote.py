@@ -1,0 +1,169 @@
+"""Bundles at fsspec URLs: save, stream_to and load_bundle through fsspec's real in-memory filesystem.
+
+A ``scheme://`` string is a URL, never a local path: without fsspec it is a MissingDependencyError
+naming the extra to install, and nothing named ``memory:`` appears on the disk.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+fsspec = pytest.importorskip("fsspec")
+
+from iobundle import BundleExistsError, BundleNotFoundError, InputObserver, load_bundle  # noqa: E402
+from iobundle._remote import is_url, local_path  # noqa: E402
+from iobundle.replay import pack_bundle, unpack_bundle  # noqa: E402
+
+
+class Model(torch.nn.Module):
+    def forward(self, x, mask=None):
+        return x * 2 if mask is None else x * mask
+
+
+def record(observer: InputObserver, **kwargs) -> InputObserver:
+    model = Model()
+    with observer(model, **kwargs):
+        model(torch.randn(2, 3))
+        model(torch.randn(5, 3), mask=torch.ones(5, 3))
+    return observer
+
+
+@pytest.fixture
+def url():
+    """A fresh directory of fsspec's in-memory filesystem, removed afterwards."""
+    root = f"/iobundle-test-{uuid.uuid4().hex}"
+    yield f"memory://{root}"
+    fs = fsspec.filesystem("memory")
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+
+
+@pytest.fixture
+def in_tmp_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_is_url_tells_urls_from_paths():
+    assert is_url("s3://bucket/run") and is_url("memory://x") and is_url("hf://datasets/a/b")
+    assert not is_url("run.iobundle") and not is_url("C:\\runs\\x") and not is_url(Path("memory://x"))
+    assert local_path("file:///tmp/run") == Path("/tmp/run")
+    assert local_path("memory://x") is None
+
+
+def test_save_to_a_url_uploads_the_bundle_manifest_last(url, in_tmp_cwd):
+    observer = record(InputObserver())
+    observer.save(url + "/run.iobundle")
+    fs = fsspec.filesystem("memory")
+    names = sorted(fs.find(url.removeprefix("memory://")))
+    assert [n.rsplit("/run.iobundle/", 1)[1] for n in names] == [
+        "calls/000000.safetensors",
+        "calls/000001.safetensors",
+        "manifest.json",
+    ]
+    assert not any(in_tmp_cwd.iterdir()), "a URL was taken for a local path"
+
+
+def test_load_bundle_from_a_url_matches_the_local_bundle(url, tmp_path):
+    observer = record(InputObserver())
+    observer.save(tmp_path / "local")
+    observer.save(url + "/run")
+    remote, local = load_bundle(url + "/run"), load_bundle(tmp_path / "local")
+    assert remote.path == url + "/run"
+    assert remote.infer_dynamic_shapes() == local.infer_dynamic_shapes()
+    for key in local.manifest.tensors:
+        assert torch.equal(remote.tensor(key), local.tensor(key))
+    assert remote.verify() == []
+
+
+def test_remote_bundle_is_checked_like_a_local_one(url):
+    record(InputObserver()).save(url + "/run")
+    fs = fsspec.filesystem("memory")
+    path = url.removeprefix("memory://") + "/run/calls/000000.safetensors"
+    data = bytearray(fs.cat_file(path))
+    data[-1] ^= 0xFF
+    fs.pipe_file(path, bytes(data))
+    bundle = load_bundle(url + "/run")
+    assert any("calls/000000.safetensors: xxh3-128" in p for p in bundle.verify())
+
+
+def test_save_to_a_url_refuses_a_non_empty_target(url):
+    observer = record(InputObserver())
+    observer.save(url + "/run")
+    with pytest.raises(BundleExistsError, match="overwrite=True"):
+        observer.save(url + "/run")
+    observer.save(url + "/run", overwrite=True)
+    assert load_bundle(url + "/run").num_obs() == 2
+
+
+def test_stream_to_a_url_uploads_when_the_block_ends(url, in_tmp_cwd):
+    observer = record(InputObserver(), stream_to=url + "/stream")
+    bundle = load_bundle(url + "/stream")
+    assert bundle.num_obs() == 2
+    assert bundle.infer_dynamic_shapes() == observer.infer_dynamic_shapes()
+    assert not any(in_tmp_cwd.iterdir())
+
+
+def test_packed_bundle_at_a_url_is_read(url, tmp_path):
+    record(InputObserver()).save(tmp_path / "b")
+    pack_bundle(tmp_path / "b", url + "/b.tar")
+    bundle = load_bundle(url + "/b.tar")
+    assert bundle.verify() == []
+    assert bundle.num_obs() == 2
+
+
+def test_packed_bundle_at_a_url_unpacks(url, tmp_path):
+    record(InputObserver()).save(tmp_path / "b")
+    pack_bundle(tmp_path / "b", url + "/b.tar")
+    unpack_bundle(url + "/b.tar", tmp_path / "out")
+    assert load_bundle(tmp_path / "out").verify() == []
+
+
+def test_missing_url_is_not_a_bundle(url):
+    with pytest.raises(BundleNotFoundError, match="does not exist"):
+        load_bundle(url + "/nothing")
+
+
+def test_without_fsspec_a_url_is_a_missing_dependency_error(tmp_path):
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["fsspec"] = None  # as if it were not installed
+        import torch
+        from iobundle import InputObserver, MissingDependencyError, load_bundle
+        class M(torch.nn.Module):
+            def forward(self, x):
+                return x
+        m, o = M(), InputObserver()
+        with o(m):
+            m(torch.ones(1))
+        for action in (lambda: o.save("memory://x"), lambda: load_bundle("s3://bucket/run")):
+            try:
+                action()
+            except MissingDependencyError as exc:
+                print("MissingDependencyError:", exc)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2
+    assert all("pip install 'iobundle[remote]'" in line for line in lines)
+    assert "'memory://x' is a URL" in lines[0] and "'s3://bucket/run' is a URL" in lines[1]
+    assert list(tmp_path.iterdir()) == [], "a URL was taken for a local path"
+
+
+def test_overwrite_never_deletes_what_is_not_a_bundle(url):
+    fs = fsspec.filesystem("memory")
+    root = url.removeprefix("memory://") + "/precious"
+    fs.pipe_file(root + "/notes.txt", b"keep me")
+    with pytest.raises(BundleExistsError, match="not a bundle"):
+        record(InputObserver()).save(url + "/precious", overwrite=True)
+    assert fs.cat_file(root + "/notes.txt") == b"keep me"

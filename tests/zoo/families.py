@@ -1,0 +1,256 @@
+"""The model zoo: one entry per transformers family, a tiny model built from a config and how to generate with it.
+
+Nothing is downloaded: every model is built here from a config (2 layers, hidden size 32,
+random weights from a fixed seed). An entry of :data:`FAMILIES` says how to build the
+model and call ``generate()``; the harness (``tests/zoo/harness.py``) observes the model's
+``forward`` during that ``generate()``, saves a self-contained bundle
+(``include_model=True``), and exports and validates it from the bundle alone, through the
+CLI, in fresh processes.
+
+Adding a family is one entry::
+
+    Family("bert2bert", build_bert2bert, notes="...")
+
+where the builder returns ``(model, generate_kwargs)``. A family whose capture is not "observe
+``model.forward`` during ``model.generate(**kwargs)``" (an encoder and a decoder observed
+separately, a vision tower) gives ``observe``: a function of the model returning the
+modules to observe, by bundle name.
+
+A family that does not pass yet stays in the zoo with ``known_failure`` set to the reason;
+the zoo test then asserts that it still fails (so that a fix is noticed) and the support
+matrix says why. A known failure is never reported as a pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["FAMILIES", "Family", "family"]
+
+VOCAB = 100
+PAD = 0
+
+
+@dataclass(frozen=True)
+class Family:
+    """One zoo entry.
+
+    Attributes:
+        name: The family's name in the support matrix and in test ids (``llama``, ``gemma2``).
+        build: Returns ``(model, generate_kwargs)``: the model in eval mode, seeded, and the
+            keyword arguments of ``model.generate``.
+        atol: The tolerance of both checks (``ep.module()`` and onnxruntime) on every call.
+        notes: What the entry exercises (sliding window, left padding, MoE, ...), for the matrix.
+        observe: Given the model, the modules to observe by bundle name; default: the model itself.
+        store_n_calls: How many calls each observer records (at least every call of the generate()).
+        known_failure: Why the family does not pass yet; None when it must pass.
+    """
+
+    name: str
+    build: Callable[[], tuple[torch.nn.Module, dict[str, Any]]]
+    atol: float = 1e-4
+    notes: str = ""
+    observe: Callable[[torch.nn.Module], dict[str, torch.nn.Module]] | None = None
+    store_n_calls: int = 32
+    known_failure: str | None = None
+
+
+def _seeded(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(0)
+        return build().eval()
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def left_padded_prompt(length: int = 7, *, batch: int = 2, pad: int = 2, seed: int = 1) -> dict[str, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` of a batch whose first row is left-padded by ``pad`` tokens."""
+    ids = torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    if batch > 1 and pad:
+        ids[0, :pad], mask[0, :pad] = PAD, 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def greedy(new_tokens: int, **prompt: Any) -> dict[str, Any]:
+    """``generate()`` arguments: greedy, exactly ``new_tokens`` tokens."""
+    return {**prompt, "max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
+
+
+def decoder_only(
+    config_name: str,
+    model_name: str,
+    *,
+    prompt: int = 7,
+    new_tokens: int = 5,
+    pad: int = 2,
+    generate: dict[str, Any] | None = None,
+    **config: Any,
+) -> Callable[[], tuple[torch.nn.Module, dict[str, Any]]]:
+    """A builder for a tiny decoder-only model ``transformers.<model_name>(transformers.<config_name>(...))``.
+
+    Common settings (2 layers, hidden 32, 4 heads / 2 key-value heads, vocabulary 100, pad
+    token 0) are overridden by ``config``; the prompt is a batch of 2, the first row
+    left-padded by ``pad`` tokens.
+    """
+
+    def build() -> tuple[torch.nn.Module, dict[str, Any]]:
+        import transformers
+
+        settings: dict[str, Any] = {
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 64,
+            "vocab_size": VOCAB,
+            "max_position_embeddings": 128,
+            "pad_token_id": PAD,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        }
+        settings.update(config)
+        settings = {k: v for k, v in settings.items() if v is not None}
+        cfg = getattr(transformers, config_name)(**settings)
+        model = _seeded(lambda: getattr(transformers, model_name)(cfg))
+        return model, greedy(new_tokens, **left_padded_prompt(prompt, pad=pad), **(generate or {}))
+
+    return build
+
+
+def _gpt2() -> tuple[torch.nn.Module, dict[str, Any]]:
+    import transformers
+
+    cfg = transformers.GPT2Config(
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=128,
+        vocab_size=VOCAB,
+        pad_token_id=PAD,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = _seeded(lambda: transformers.GPT2LMHeadModel(cfg))
+    return model, greedy(5, **left_padded_prompt())
+
+
+FAMILIES: list[Family] = [
+    Family(
+        "llama",
+        decoder_only("LlamaConfig", "LlamaForCausalLM"),
+        notes="GQA, left-padded batch of 2",
+    ),
+    Family(
+        "llama_eager",
+        decoder_only("LlamaConfig", "LlamaForCausalLM", attn_implementation="eager"),
+        notes='attn_implementation="eager": matmul/softmax attention, no SDPA',
+    ),
+    Family(
+        "llama_static_cache",
+        decoder_only("LlamaConfig", "LlamaForCausalLM", generate={"cache_implementation": "static"}),
+        notes='cache_implementation="static": preallocated cache, token counters as tensors',
+    ),
+    Family(
+        "mistral",
+        decoder_only("MistralConfig", "MistralForCausalLM", sliding_window=6, prompt=5, new_tokens=9),
+        notes="sliding window 6, 14 tokens: past the window",
+    ),
+    Family(
+        "qwen2",
+        decoder_only("Qwen2Config", "Qwen2ForCausalLM"),
+        notes="attention biases",
+    ),
+    Family(
+        "qwen3",
+        decoder_only("Qwen3Config", "Qwen3ForCausalLM", head_dim=8),
+        notes="q/k norms",
+    ),
+    Family(
+        "phi3",
+        decoder_only("Phi3Config", "Phi3ForCausalLM", pad=2),
+        notes="fused qkv / gate_up projections",
+    ),
+    Family(
+        "gemma2",
+        decoder_only("Gemma2Config", "Gemma2ForCausalLM", head_dim=8, sliding_window=8, prompt=7, new_tokens=6),
+        notes="sliding window 8 every other layer, soft-capping, 13 tokens: past the window",
+    ),
+    Family(
+        "gemma3_text",
+        decoder_only("Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=8, sliding_window=8, prompt=7, new_tokens=6),
+        notes="hybrid cache (sliding 8 / full), 13 tokens: past the window",
+    ),
+    Family("gpt2", _gpt2, notes="learned positions, fused qkv (Conv1D)"),
+    Family(
+        "gpt_neox",
+        decoder_only("GPTNeoXConfig", "GPTNeoXForCausalLM", num_key_value_heads=None, rotary_pct=0.5),
+        notes="partial rotary, parallel residual",
+    ),
+    Family(
+        "falcon",
+        decoder_only(
+            "FalconConfig",
+            "FalconForCausalLM",
+            num_key_value_heads=None,
+            intermediate_size=None,
+            max_position_embeddings=None,
+            new_decoder_architecture=True,
+            num_kv_heads=2,
+        ),
+        notes="new decoder architecture (GQA, parallel attention)",
+    ),
+    Family(
+        "olmo2",
+        decoder_only("Olmo2Config", "Olmo2ForCausalLM"),
+        notes="post-norms, q/k norms",
+    ),
+    Family(
+        "granite",
+        decoder_only("GraniteConfig", "GraniteForCausalLM", embedding_multiplier=2.0, logits_scaling=4.0),
+        notes="embedding / residual / logits multipliers",
+    ),
+    Family(
+        "mixtral",
+        decoder_only(
+            "MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2, sliding_window=None
+        ),
+        notes="mixture of experts: 4 experts, top-2 routing (data-dependent)",
+    ),
+    Family(
+        "qwen3_moe",
+        decoder_only(
+            "Qwen3MoeConfig",
+            "Qwen3MoeForCausalLM",
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            decoder_sparse_step=1,
+        ),
+        notes="mixture of experts: 4 experts, top-2, q/k norms",
+    ),
+    Family(
+        "phi",
+        decoder_only("PhiConfig", "PhiForCausalLM", num_key_value_heads=None, partial_rotary_factor=0.5),
+        notes="partial rotary, parallel attention / MLP, LayerNorm",
+    ),
+    Family(
+        "smollm3",
+        decoder_only("SmolLM3Config", "SmolLM3ForCausalLM", no_rope_layer_interval=2),
+        notes="no rotary embedding every other layer (NoPE)",
+    ),
+]
+
+
+def family(name: str) -> Family:
+    """The zoo entry called ``name``."""
+    for entry in FAMILIES:
+        if entry.name == name:
+            return entry
+    raise KeyError(f"No zoo family {name!r}; known: {', '.join(f.name for f in FAMILIES)}")

@@ -1,0 +1,222 @@
+"""Run zoo families end to end: capture a generate() here, export and validate through the CLI in fresh processes.
+
+For each family of :mod:`families`: build the tiny model, observe ``forward`` during a real
+``generate()``, save a self-contained bundle (``include_model=True``), then run, each in a
+fresh interpreter with an empty working directory::
+
+    python -m iobundle export BUNDLE --from-bundle --batch-all -o BUNDLE.onnx
+    python -m iobundle validate BUNDLE BUNDLE.onnx --report BUNDLE.validate.json
+
+``export`` checks the exported program (``ep.module()``) on every recorded call and exits
+non-zero when one differs; ``validate`` runs onnxruntime on every recorded call. Only the
+bundle crosses the process boundary. The replays of several families run side by side
+(``jobs``), since most of their time is spent importing torch, transformers and onnxscript.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from families import Family
+
+__all__ = ["BundleResult", "FamilyResult", "capture_family", "replay_bundle", "run_families"]
+
+REPLAY_TIMEOUT_S = 900
+
+
+@dataclass
+class BundleResult:
+    """What export and validate said about one bundle of a family."""
+
+    name: str
+    calls: int = 0
+    programs: int = 0
+    traced_calls: list[int] = field(default_factory=list)
+    patches: list[str] = field(default_factory=list)
+    export_seconds: float = 0.0
+    onnx_seconds: float = 0.0
+    ep_checks: list[dict[str, Any]] = field(default_factory=list)
+    ort_rows: list[dict[str, Any]] = field(default_factory=list)
+    export_rc: int | None = None
+    validate_rc: int | None = None
+    export_output: str = ""
+    validate_output: str = ""
+
+    @property
+    def ep_max_abs(self) -> float | None:
+        values = [c["abs"] for c in self.ep_checks if c["abs"] is not None]
+        return max(values) if values else None
+
+    @property
+    def ort_max_abs(self) -> float | None:
+        values = [float(r["abs"]) for r in self.ort_rows if r.get("abs") is not None]
+        return max(values) if values else None
+
+    def failures(self, atol: float) -> list[str]:
+        """Every way this bundle falls short of "every recorded call within ``atol`` in both runtimes"."""
+        problems = []
+        if self.export_rc != 0:
+            problems.append(f"export exit code {self.export_rc}: {_tail(self.export_output)}")
+        if self.validate_rc != 0:
+            problems.append(f"validate exit code {self.validate_rc}: {_tail(self.validate_output)}")
+        if len(self.ep_checks) != self.calls:
+            problems.append(f"ep.module() checked {len(self.ep_checks)} of {self.calls} calls")
+        if len(self.ort_rows) != self.calls:
+            problems.append(f"onnxruntime checked {len(self.ort_rows)} of {self.calls} calls")
+        for c in self.ep_checks:
+            if c["status"] != "ok" or c["abs"] is None or c["abs"] > atol:
+                problems.append(f"ep.module() call {c['index']}: {c['status']} (max abs {c['abs']})")
+        for r in self.ort_rows:
+            if r.get("SUCCESS") is not True or float(r["abs"]) > atol:
+                problems.append(f"onnxruntime call {r['index']}: {r.get('error') or 'differs'} (max abs {r['abs']})")
+        return problems
+
+
+@dataclass
+class FamilyResult:
+    """A family's capture and the replay of each of its bundles."""
+
+    family: str
+    capture_seconds: float = 0.0
+    bundles: list[BundleResult] = field(default_factory=list)
+    error: str | None = None
+
+    def failures(self, atol: float) -> list[str]:
+        if self.error:
+            return [self.error]
+        return [f"{b.name}: {p}" for b in self.bundles for p in b.failures(atol)]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _tail(text: str, lines: int = 6) -> str:
+    return " | ".join(text.strip().splitlines()[-lines:])
+
+
+def capture_family(entry: Family, root: Path) -> tuple[dict[str, Path], float]:
+    """Build ``entry``'s model, observe its ``generate()``, save one self-contained bundle per observed module."""
+    from iobundle import InputObserver
+
+    begin = time.perf_counter()
+    model, kwargs = entry.build()
+    modules = entry.observe(model) if entry.observe else {entry.name: model}
+    observers = {name: InputObserver() for name in modules}
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        for name, observer in observers.items():
+            stack.enter_context(observer(modules[name], store_n_calls=entry.store_n_calls))
+        model.generate(**kwargs)
+    paths = {}
+    for name, observer in observers.items():
+        path = root / f"{name}.iobundle"
+        observer.save(path, include_model=True if modules[name] is model else model)
+        paths[name] = path
+    return paths, time.perf_counter() - begin
+
+
+def _run_cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.run(
+        [sys.executable, "-m", "iobundle", *argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=REPLAY_TIMEOUT_S,
+        check=False,
+    )
+
+
+_TRACED = re.compile(r"torch\.export: traced from call (\d+) in ([0-9.]+)s")
+_PATCH = re.compile(r"^\s*patch: (\S+)", re.MULTILINE)
+_ONNX = re.compile(r"torch\.onnx\.export: .* in ([0-9.]+)s")
+_CHECKED = re.compile(r"exported program checked on (\d+) recorded calls")
+
+
+def _parse_export(text: str, result: BundleResult) -> None:
+    """Read the export command's report: traced calls, patches, timings, one row per checked call."""
+    traced = _TRACED.findall(text)
+    result.programs = len(traced)
+    result.traced_calls = [int(i) for i, _ in traced]
+    result.export_seconds = sum(float(s) for _, s in traced)
+    result.patches = list(dict.fromkeys(_PATCH.findall(text)))
+    result.onnx_seconds = sum(float(s) for s in _ONNX.findall(text))
+    rows = []
+    in_table = False
+    for line in text.splitlines():
+        cells = line.split()
+        if cells[:2] == ["call", "status"]:
+            in_table = True
+            continue
+        if not in_table or not cells:
+            continue
+        if not cells[0].isdigit():
+            if not set(line.strip()) <= set("-+| "):
+                in_table = False
+            continue
+        index, status = int(cells[0]), cells[1]
+        numbers = [c for c in cells[2:] if _is_number(c)]
+        abs_error = float(numbers[0]) if numbers and status == "ok" else None
+        rows.append({"index": index, "status": status, "abs": abs_error, "line": line.strip()})
+    result.ep_checks = rows
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def replay_bundle(name: str, bundle: Path, work: Path) -> BundleResult:
+    """``iobundle export --from-bundle --batch-all`` then ``iobundle validate`` on ``bundle``, each in a fresh process."""
+    from iobundle.schema import load_manifest
+
+    result = BundleResult(name=name, calls=sum(1 for c in load_manifest(bundle).calls if c.status == "ok"))
+    onnx_path = bundle.with_suffix(".onnx")
+    report = bundle.with_suffix(".validate.json")
+    work.mkdir(parents=True, exist_ok=True)
+    proc = _run_cli(["export", str(bundle), "--from-bundle", "--batch-all", "-o", str(onnx_path)], work)
+    result.export_rc, result.export_output = proc.returncode, proc.stdout + proc.stderr
+    _parse_export(proc.stdout, result)
+    if not onnx_path.exists():
+        return result
+    proc = _run_cli(["validate", str(bundle), str(onnx_path), "--report", str(report)], work)
+    result.validate_rc, result.validate_output = proc.returncode, proc.stdout + proc.stderr
+    if report.exists():
+        result.ort_rows = json.loads(report.read_text("utf-8"))
+    return result
+
+
+def run_families(entries: Iterable[Family], root: Path, *, jobs: int = 2) -> dict[str, FamilyResult]:
+    """Capture every family here (one after the other), replay their bundles ``jobs`` at a time."""
+    results: dict[str, FamilyResult] = {}
+    pending: list[tuple[FamilyResult, str, Path, Path]] = []
+    for entry in entries:
+        result = results[entry.name] = FamilyResult(entry.name)
+        folder = root / entry.name
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            bundles, result.capture_seconds = capture_family(entry, folder)
+        except Exception as exc:  # a family that cannot be captured is a result, not a crash of the zoo
+            result.error = f"capture failed: {type(exc).__name__}: {exc}"
+            continue
+        pending += [(result, name, path, folder / "work") for name, path in bundles.items()]
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        done = list(pool.map(lambda job: (job[0], replay_bundle(job[1], job[2], job[3])), pending))
+    for result, bundle_result in done:
+        result.bundles.append(bundle_result)
+    return results

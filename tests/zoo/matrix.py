@@ -1,0 +1,118 @@
+"""Run the model zoo and write its support matrix into README.md (``make zoo``).
+
+Usage::
+
+    python tests/zoo/matrix.py                  # every family; README.md between the zoo markers
+    python tests/zoo/matrix.py llama gemma2     # some families; README.md untouched
+    python tests/zoo/matrix.py --json out.json  # also every result as JSON
+
+The matrix has one row per bundle: calls recorded, programs exported, patches applied, the
+torch.export and torch.onnx.export seconds, and the largest error over every recorded call
+in ``ep.module()`` and in onnxruntime. A family that fails says so, with the first reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from families import FAMILIES, Family, family
+from harness import FamilyResult, run_families
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+START, END = "<!-- zoo:start -->", "<!-- zoo:end -->"
+
+
+def _error(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1e}"
+
+
+def format_matrix(
+    entries: list[Family], results: dict[str, FamilyResult], seconds: float, cpu_seconds: float | None = None
+) -> str:
+    """The support matrix as a Markdown table, with how it was measured."""
+    import torch
+    import transformers
+
+    lines = [
+        "| family | result | calls | programs | patches | export s (torch / onnx) | max abs ep / ort | notes |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for entry in entries:
+        result = results[entry.name]
+        failures = result.failures(entry.atol)
+        status = "pass" if not failures else ("known failure" if entry.known_failure else "FAIL")
+        note = entry.notes if not failures else f"{entry.notes}; {entry.known_failure or failures[0]}"
+        note = note.replace("|", "\\|").replace("\n", " ")
+        if not result.bundles:
+            lines.append(f"| {entry.name} | {status} | - | - | - | - | - | {note} |")
+        for b in result.bundles:
+            name = entry.name if b.name == entry.name else f"{entry.name} ({b.name})"
+            lines.append(
+                f"| {name} | {status} | {b.calls} | {b.programs} | {', '.join(b.patches) or '-'} | "
+                f"{b.export_seconds:.1f} / {b.onnx_seconds:.1f} | {_error(b.ep_max_abs)} / {_error(b.ort_max_abs)} | "
+                f"{note} |"
+            )
+    passed = sum(1 for e in entries if not results[e.name].failures(e.atol))
+    lines.append("")
+    lines.append(
+        f"{passed}/{len(entries)} families pass (torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"{os.cpu_count()} CPU cores, {seconds:.0f}s wall"
+        + (f" and {cpu_seconds:.0f}s CPU" if cpu_seconds is not None else "")
+        + " for the whole zoo; `make zoo` to measure again)."
+    )
+    return "\n".join(lines)
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of the replays it waited for (the wall time depends on the machine's load)."""
+    import resource
+
+    return sum(
+        usage.ru_utime + usage.ru_stime
+        for usage in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
+    )
+
+
+def write_readme(table: str, readme: Path = README) -> None:
+    """Replace the text between the zoo markers of ``readme`` with ``table``."""
+    text = readme.read_text("utf-8")
+    if START not in text or END not in text:
+        raise SystemExit(f"{readme}: no {START} ... {END} markers to write the matrix between")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{START}\n{table}\n{END}{tail}", "utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("families", nargs="*", help="family names (default: all, and README.md is updated)")
+    parser.add_argument("--json", help="write every result to this JSON file")
+    parser.add_argument("--jobs", type=int, default=2, help="replays run side by side (default: %(default)s)")
+    parser.add_argument("--keep", help="write the bundles and ONNX files here instead of a temporary directory")
+    args = parser.parse_args(argv)
+    entries = [family(n) for n in args.families] if args.families else list(FAMILIES)
+    begin, cpu_begin = time.perf_counter(), _cpu_seconds()
+    with tempfile.TemporaryDirectory(prefix="iobundle-zoo-") as tmp:
+        root = Path(args.keep or tmp)
+        results = run_families(entries, root, jobs=args.jobs)
+    seconds, cpu = time.perf_counter() - begin, _cpu_seconds() - cpu_begin
+    table = format_matrix(entries, results, seconds, cpu)
+    print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps({k: r.to_json() for k, r in results.items()}, indent=1), "utf-8")
+    if not args.families:
+        write_readme(table)
+    unexpected = [e.name for e in entries if bool(results[e.name].failures(e.atol)) != bool(e.known_failure)]
+    return 1 if unexpected else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
