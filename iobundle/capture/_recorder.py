@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from iobundle._implementations import ATTN_IMPLEMENTATIONS, SAFE_ATTN_IMPLEMENTATION
 from iobundle._remote import local_path, open_filesystem, upload_directory
 from iobundle.calls import (
     RecordedCalls,
@@ -431,7 +432,11 @@ class CallRecorder:
         With ``include_model`` the bundle is self-contained: it also stores the model's config
         (``model/config.json``) and weights (``model/weights.safetensors``), and
         ``iobundle.replay.load_bundle_model`` rebuilds the model from them. Only
-        transformers models can be stored (a config rebuilds them).
+        transformers models can be stored (a config rebuilds them). A model that runs with an
+        attention implementation transformers does not build in (``flash_attention_2``, a hub
+        kernel, one registered with ``AttentionInterface.register``) is stored, with an
+        :class:`ObservationWarning`: the loader refuses it, so switch first with
+        ``model.set_attn_implementation('sdpa')``.
 
         ``path`` may be a URL (``s3://bucket/run.iobundle``, ``memory://run``; needs fsspec:
         ``pip install 'iobundle[remote]'``): the bundle is written to a local temporary directory,
@@ -477,6 +482,9 @@ class CallRecorder:
             entry = write_model(path, model, None if model is observed else observed)
             manifest = manifest.model_copy(update={"model": entry})
             write_manifest(path, manifest)
+            attention = entry.attn_implementation
+            if attention is not None and attention not in ATTN_IMPLEMENTATIONS:
+                self._warn(_foreign_attention_message(attention), stacklevel=2)
         logger.info("saved %d calls to %s", len(manifest.calls), path)
         return manifest
 
@@ -496,3 +504,14 @@ class CallRecorder:
             shutil.rmtree(parent, ignore_errors=True)
         logger.info("uploaded %d calls to %s", len(manifest.calls), url)
         return manifest
+
+
+def _foreign_attention_message(attention: str) -> str:
+    """The warning of ``save(include_model=...)`` for a model whose attention the loader will refuse."""
+    return (
+        f"The model runs with the attention implementation {attention!r}, which transformers does not build in "
+        f"(built-in: {', '.join(sorted(ATTN_IMPLEMENTATIONS))}; others import or fetch code): "
+        "'iobundle export/run --from-bundle' and load_bundle_model will refuse the model stored in this bundle. "
+        f"Call model.set_attn_implementation({SAFE_ATTN_IMPLEMENTATION!r}) before saving, or rebuild the model "
+        "yourself when replaying (--model MODULE:FACTORY)."
+    )

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from iobundle._atomic import fsync_dir, fsync_files, write_atomically
+from iobundle._progress import ProgressCallback, notify
 from iobundle._version import __version__
 from iobundle.calls import DeltaIndex, PinnedStager, RecordedCalls, dtype_name, tensor_keys, write_tensor_file
 from iobundle.errors import BundleExistsError, BundleWriteError, IobundleError
@@ -337,11 +338,18 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
-def save_recorded_calls(rc: RecordedCalls, path: str | os.PathLike[str], *, overwrite: bool = False) -> Manifest:
+def save_recorded_calls(
+    rc: RecordedCalls,
+    path: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    on_progress: ProgressCallback | None = None,
+) -> Manifest:
     """Write every call of ``rc`` to the bundle directory ``path`` and return the manifest.
 
     On failure the files written so far are removed: ``path`` holds no manifest, so it is never
-    taken for a complete bundle.
+    taken for a complete bundle. ``on_progress`` is called with an ``iobundle.replay.ProgressEvent``
+    (task ``"write"``) before the first call and after each one.
 
     Raises:
         BundleExistsError: ``path`` is not empty and ``overwrite`` is False.
@@ -351,9 +359,11 @@ def save_recorded_calls(rc: RecordedCalls, path: str | os.PathLike[str], *, over
     # every one read as a possible base would hold the whole bundle in memory
     writer = BundleWriter(path, overwrite=overwrite)
     try:
+        notify(on_progress, "write", 0, len(rc.calls))
         writer.write_missing_values(rc.value_if_missing, rc.store.get)
-        for call in rc.calls:
+        for done, call in enumerate(rc.calls, start=1):
             writer.write_call(call, rc.store.get)
+            notify(on_progress, "write", done, len(rc.calls), f"call {call.index}")
         return writer.write_manifest(rc)
     except BaseException:
         try:

@@ -36,6 +36,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from iobundle._progress import BYTES, ProgressCallback, notify
 from iobundle._remote import is_url, local_path, open_filesystem
 from iobundle.errors import (
     ArchiveError,
@@ -424,13 +425,24 @@ def _check_target(target: Path, *, overwrite: bool) -> None:
         raise BundleExistsError(f"'{target}' already exists. Pass overwrite=True (--overwrite) or choose another path.")
 
 
+PACK_TASK = "pack"
+UNPACK_TASK = "unpack"
+
+
 def pack_bundle(
-    bundle: str | os.PathLike[str], output: str | os.PathLike[str], *, overwrite: bool = False
+    bundle: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    on_progress: ProgressCallback | None = None,
 ) -> PackResult:
     """Pack the bundle directory ``bundle`` into the single file ``output`` (an uncompressed tar).
 
     ``load_bundle``, and every ``iobundle`` command, read the packed file in place. ``output`` may
     be a URL (with fsspec installed): the file is written locally beside nothing, then uploaded.
+
+    ``on_progress`` is called with a :class:`~iobundle.replay.ProgressEvent` (task ``"pack"``,
+    counted in bytes) before the first member and after each one, the member's name as detail.
 
     Raises:
         BundleNotFoundError: ``bundle`` is not a bundle directory.
@@ -454,6 +466,7 @@ def pack_bundle(
     Bundle.load(source)  # a bundle, with a valid manifest whose file names stay inside it
     root = BundleRoot(source)
     names = _bundle_files(source)
+    expected = sum(os.lstat(source.joinpath(*PurePosixPath(n).parts)).st_size for n in names)
     remote = is_url(output) and local_path(output) is None
     if remote:
         staging = Path(tempfile.mkdtemp(prefix="iobundle-pack-"))
@@ -464,6 +477,7 @@ def pack_bundle(
         _check_target(target, overwrite=overwrite)
     tmp = target.with_name(f".{target.name}.tmp")
     total = 0
+    notify(on_progress, PACK_TASK, 0, expected, unit=BYTES)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as out:
@@ -479,6 +493,9 @@ def pack_bundle(
                         out.seek(0, os.SEEK_END)
                 out.write(b"\x00" * (-size % _BLOCK))
                 total += size
+                notify(on_progress, PACK_TASK, total, max(expected, total), name, unit=BYTES)
+            if total != expected:  # a file changed size since it was listed: end the bar at what was copied
+                notify(on_progress, PACK_TASK, total, total, unit=BYTES)
             out.write(b"\x00" * (2 * _BLOCK))
             out.flush()
             os.fsync(out.fileno())
@@ -523,11 +540,16 @@ def unpack_bundle(
     *,
     overwrite: bool = False,
     verify: bool = True,
+    on_progress: ProgressCallback | None = None,
 ) -> PackResult:
     """Write the members of the packed bundle ``archive`` to the directory ``output``, ``manifest.json`` last.
 
     The archive is checked first (its index, its manifest, and with ``verify`` every file's size
     and sha256), so nothing is written from a hostile or damaged archive.
+
+    ``on_progress`` is called with a :class:`~iobundle.replay.ProgressEvent` for the check
+    (task ``"verify"``, with ``verify``) and the copy (task ``"unpack"``), both counted in bytes,
+    before the first file and after each one, the file's name as detail.
 
     Raises:
         BundleNotFoundError: ``archive`` is not a packed bundle.
@@ -547,7 +569,7 @@ def unpack_bundle(
     if not isinstance(root, ArchiveRoot):
         raise BundleNotFoundError(f"'{archive}' is a bundle directory, not a packed bundle; nothing to unpack.")
     if verify:
-        problems = bundle.verify()
+        problems = bundle.verify(on_progress=on_progress)
         if problems:
             raise IntegrityError(f"'{archive}': {len(problems)} damaged member(s): " + "; ".join(problems[:3]))
     target = local_path(output)
@@ -568,6 +590,8 @@ def unpack_bundle(
     names = sorted(root.members, key=lambda n: (n == MANIFEST_FILENAME, n))
     created = not target.exists()
     total = 0
+    expected = sum(size for _, size in root.members.values())
+    notify(on_progress, UNPACK_TASK, 0, expected, unit=BYTES)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         target.mkdir(parents=True, exist_ok=True)
@@ -577,17 +601,18 @@ def unpack_bundle(
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, flags, 0o644)
             with os.fdopen(fd, "wb") as out:
+                copied = False
                 if root.local is not None:
                     src, _ = _open_regular(root.local, str(root.local))
                     try:
                         copied = _kernel_copy(src, offset, fd, size)
                     finally:
                         os.close(src)
-                    if copied:
-                        continue
-                with root.open_slice(offset, size, name) as f:
-                    _copy(f, out, size, name)
+                if not copied:
+                    with root.open_slice(offset, size, name) as f:
+                        _copy(f, out, size, name)
             total += size
+            notify(on_progress, UNPACK_TASK, total, expected, name, unit=BYTES)
     except (OSError, IobundleError) as exc:
         if created:  # what was written is no bundle (manifest.json comes last): leave nothing behind
             shutil.rmtree(target, ignore_errors=True)

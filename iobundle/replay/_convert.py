@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ import numpy as np
 import onnx
 import torch
 
+from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import RecordedCalls, tensor_keys
 from iobundle.errors import BundleExistsError, BundleWriteError, ModelLoadError, ReplayError
 from iobundle.replay._export import OUTPUT_NAMES_KEY
@@ -105,12 +107,22 @@ def _prepare(target: Path, *, overwrite: bool) -> None:
         raise BundleExistsError(f"'{target}' already exists and is not empty. Pass --overwrite or choose another path.")
 
 
+CONVERT_TASK = "convert"
+
+
 def convert_to_onnx_testdata(
-    rc: RecordedCalls, model: str | os.PathLike[str], output: str | os.PathLike[str], *, overwrite: bool = False
+    rc: RecordedCalls,
+    model: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    on_progress: ProgressCallback | None = None,
 ) -> ConvertResult:
     """Write the recorded calls as ONNX test data for the model ``model`` into the directory ``output``.
 
-    Calls without recorded outputs (a redacted bundle) get inputs only.
+    Calls without recorded outputs (a redacted bundle) get inputs only. ``on_progress`` is called
+    with a :class:`~iobundle.replay.ProgressEvent` (task ``"convert"``) before the first call and
+    after each one.
 
     Raises:
         ModelLoadError: ``model`` cannot be loaded by onnx.
@@ -129,6 +141,8 @@ def convert_to_onnx_testdata(
     target = Path(output)
     _prepare(target, overwrite=overwrite)
     written: list[Path] = []
+    total = len(alignment.calls)
+    notify(on_progress, CONVERT_TASK, 0, total)
     try:
         for i, call in enumerate(alignment.calls):
             directory = target / f"test_data_set_{i}"
@@ -136,16 +150,17 @@ def convert_to_onnx_testdata(
             tensors = aligned_tensors(rc, alignment, alignment.slots[i])
             for k, (name, slot) in enumerate(mapping):
                 written.append(_write_proto(directory / f"input_{k}.pb", tensor_proto(tensors[slot], name)))
-            if call.outputs is None:
-                continue
-            expected = [rc.store.get(key) for key in tensor_keys(call.outputs)]
-            if len(expected) != len(outputs):
-                raise ReplayError(
-                    f"Recorded call {call.index} has {len(expected)} output tensors but {model} has "
-                    f"{len(outputs)} outputs ({', '.join(outputs)}). Convert with the model exported from this bundle."
-                )
-            for k, (name, t) in enumerate(zip(outputs, expected)):
-                written.append(_write_proto(directory / f"output_{k}.pb", tensor_proto(t, name)))
+            if call.outputs is not None:
+                expected = [rc.store.get(key) for key in tensor_keys(call.outputs)]
+                if len(expected) != len(outputs):
+                    raise ReplayError(
+                        f"Recorded call {call.index} has {len(expected)} output tensors but {model} has "
+                        f"{len(outputs)} outputs ({', '.join(outputs)}). "
+                        "Convert with the model exported from this bundle."
+                    )
+                for k, (name, t) in enumerate(zip(outputs, expected)):
+                    written.append(_write_proto(directory / f"output_{k}.pb", tensor_proto(t, name)))
+            notify(on_progress, CONVERT_TASK, i + 1, total, f"call {call.index}")
     except OSError as exc:
         raise BundleWriteError(f"Cannot write into {target}: {exc.strerror or exc}.") from exc
     return ConvertResult(paths=written, calls=len(alignment.calls))
@@ -205,8 +220,29 @@ def _call_arrays(rc: RecordedCalls, index: int) -> dict[str, np.ndarray]:
     return arrays
 
 
-def convert_to_npz(rc: RecordedCalls, output: str | os.PathLike[str], *, overwrite: bool = False) -> ConvertResult:
+def _write_npz(archive: zipfile.ZipFile, prefix: str, arrays: dict[str, np.ndarray]) -> None:
+    """Add ``arrays`` to an open ``.npz`` file as ``np.savez`` does (one stored ``KEY.npy`` member each).
+
+    ``np.savez`` takes every array at once; this writes one call at a time into the one file.
+    """
+    for key, array in arrays.items():
+        with archive.open(f"{prefix}{key}.npy", "w", force_zip64=True) as f:
+            np.lib.format.write_array(f, np.asanyarray(array), allow_pickle=False)
+
+
+def convert_to_npz(
+    rc: RecordedCalls,
+    output: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    on_progress: ProgressCallback | None = None,
+) -> ConvertResult:
     """Write the tensors of every ok recorded call as numpy ``.npz`` files; see the module docstring.
+
+    One call is read and written at a time, into one file per call or, for a target ending in
+    ``.npz``, into that one file. ``on_progress`` is called with a
+    :class:`~iobundle.replay.ProgressEvent` (task ``"convert"``) before the first call and after
+    each one.
 
     Raises:
         BundleExistsError: ``output`` exists (a non-empty directory, or the file) and ``overwrite`` is False.
@@ -220,21 +256,27 @@ def convert_to_npz(rc: RecordedCalls, output: str | os.PathLike[str], *, overwri
     """
     target = Path(output)
     ok = [i for i, c in enumerate(rc.calls) if c.status == "ok"]
+    notify(on_progress, CONVERT_TASK, 0, len(ok))
     try:
         if target.suffix == ".npz":
             if target.exists() and not overwrite:
                 raise BundleExistsError(f"'{target}' already exists. Pass --overwrite or choose another path.")
-            arrays = {f"call_{rc.calls[i].index:06d}/{path}": a for i in ok for path, a in _call_arrays(rc, i).items()}
             target.parent.mkdir(parents=True, exist_ok=True)
-            np.savez(target, **arrays)  # type: ignore[arg-type]
+            with zipfile.ZipFile(target, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+                for done, i in enumerate(ok, start=1):
+                    index = rc.calls[i].index
+                    _write_npz(archive, f"call_{index:06d}/", _call_arrays(rc, i))
+                    notify(on_progress, CONVERT_TASK, done, len(ok), f"call {index}")
             return ConvertResult(paths=[target], calls=len(ok))
         _prepare(target, overwrite=overwrite)
         target.mkdir(parents=True, exist_ok=True)
         paths = []
-        for i in ok:
-            path = target / f"call_{rc.calls[i].index:06d}.npz"
+        for done, i in enumerate(ok, start=1):
+            index = rc.calls[i].index
+            path = target / f"call_{index:06d}.npz"
             np.savez(path, **_call_arrays(rc, i))  # type: ignore[arg-type]
             paths.append(path)
+            notify(on_progress, CONVERT_TASK, done, len(ok), f"call {index}")
     except OSError as exc:
         raise BundleWriteError(f"Cannot write {target}: {exc.strerror or exc}.") from exc
     return ConvertResult(paths=paths, calls=len(ok))

@@ -25,6 +25,7 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
+from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import DictTensorStore, RecordedCalls, tensor_keys
 from iobundle.errors import ModelLoadError
 from iobundle.replay._bundle import Bundle
@@ -89,27 +90,40 @@ def _redact_error(call: CallEntry) -> CallEntry:
     return call.model_copy(update={"error": f"{kind}: (message removed by iobundle redact)"})
 
 
-def redact_calls(bundle: Bundle, *, keep_outputs: bool = False, seed: int = 0) -> RecordedCalls:
+REDACT_TASK = "redact"
+
+
+def redact_calls(
+    bundle: Bundle, *, keep_outputs: bool = False, seed: int = 0, on_progress: ProgressCallback | None = None
+) -> RecordedCalls:
     """The calls of ``bundle`` with synthetic inputs (and no outputs unless ``keep_outputs``), in memory.
 
     The error messages of failed calls are reduced to the exception's type (they may quote
     values). A tensor used both as an input and as an output gets its synthetic value in both.
     Write the result with ``iobundle.capture.save_recorded_calls``, or use
-    ``iobundle.redact_bundle``, which does both.
+    ``iobundle.redact_bundle``, which does both. ``on_progress`` is called with a
+    :class:`~iobundle.replay.ProgressEvent` (task ``"redact"``) before the first call and after
+    each call's inputs are made.
     """
     rc = bundle._recorded()
     generator = torch.Generator().manual_seed(seed)
-    inputs: list[str] = []
-    for entry in rc.value_if_missing:
-        inputs += tensor_keys(entry.value)
-    for call in rc.calls:
-        inputs += [k for a in call.args for k in tensor_keys(a)]
-        inputs += [k for v in call.kwargs.values() for k in tensor_keys(v)]
     tensors: dict[str, torch.Tensor] = {}
-    for key in dict.fromkeys(inputs):
-        tensors[key] = synthetic_like(rc.store.get(key), generator)
+
+    def synthesize(keys: list[str]) -> None:  # in order of first use: the same seed gives the same values
+        for key in keys:
+            if key not in tensors:
+                tensors[key] = synthetic_like(rc.store.get(key), generator)
+
+    notify(on_progress, REDACT_TASK, 0, len(rc.calls))
+    for entry in rc.value_if_missing:
+        synthesize(tensor_keys(entry.value))
+    for done, call in enumerate(rc.calls, start=1):
+        keys = [k for a in call.args for k in tensor_keys(a)]
+        keys += [k for v in call.kwargs.values() for k in tensor_keys(v)]
+        synthesize(keys)
+        notify(on_progress, REDACT_TASK, done, len(rc.calls), f"call {call.index}")
     calls = []
-    for call in rc.calls:
+    for call in rc.calls:  # after every input: a tensor that is also an input never keeps its real value
         call = _redact_error(call)
         if keep_outputs and call.outputs is not None:
             for key in tensor_keys(call.outputs):

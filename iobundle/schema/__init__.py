@@ -9,6 +9,7 @@ __all__ = [
     "JOURNAL_FILENAME",
     "MANIFEST_FILENAME",
     "MAX_EXTENSION_DEPTH",
+    "PROGRAM_INDEX_FORMAT",
     "MAX_MANIFEST_BYTES",
     "SUPPORTED_FORMAT_VERSIONS",
     "CallEntry",
@@ -26,6 +27,8 @@ __all__ = [
     "OpaqueNode",
     "ParameterEntry",
     "Producer",
+    "ProgramEntry",
+    "ProgramIndex",
     "Redaction",
     "SignatureEntry",
     "TensorEntry",
@@ -36,11 +39,13 @@ __all__ = [
     "journal_head_line",
     "load_journal",
     "load_manifest",
+    "load_program_index",
     "manifest_json_schema",
     "parse_journal",
     "parse_manifest",
     "validate_manifest",
     "write_manifest",
+    "write_program_index",
 ]
 
 import json
@@ -82,6 +87,13 @@ from iobundle.schema._manifest import (
     TensorEntry,
     TensorNode,
     TupleNode,
+)
+from iobundle.schema._programs import (
+    PROGRAM_INDEX_FORMAT,
+    ProgramEntry,
+    ProgramIndex,
+    load_program_index,
+    write_program_index,
 )
 
 

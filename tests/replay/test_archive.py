@@ -124,6 +124,34 @@ class TestPackUnpack:
         assert result.files == len(members(bundle))
         assert load_bundle(tmp_path / "out").verify() == []
 
+    def test_pack_reports_bytes_per_member_up_to_the_total(self, tmp_path, bundle):
+        events = []
+        result = pack_bundle(bundle, tmp_path / "b.tar", on_progress=events.append)
+        assert {(e.task, e.unit, e.total) for e in events} == {("pack", "bytes", result.bytes)}
+        done = [e.done for e in events]
+        assert done[0] == 0 and done[-1] == result.bytes == sum(len(d) for _, d in members(bundle))
+        assert done == sorted(done) and len(done) == result.files + 1
+        assert [e.detail for e in events[1:]] == [n for n, _ in members(bundle)]
+
+    def test_unpack_reports_the_check_then_the_copy_in_bytes(self, tmp_path, bundle, packed):
+        events = []
+        result = unpack_bundle(packed, tmp_path / "out", on_progress=events.append)
+        tasks = list(dict.fromkeys(e.task for e in events))
+        assert tasks == ["verify", "unpack"] and all(e.unit == "bytes" for e in events)
+        copy = [e for e in events if e.task == "unpack"]
+        assert [e.done for e in copy] == sorted(e.done for e in copy) and copy[0].done == 0
+        assert copy[-1].done == copy[-1].total == result.bytes == sum(len(d) for _, d in members(bundle))
+        assert len(copy) == result.files + 1 and copy[-1].detail == "manifest.json"
+        check = [e for e in events if e.task == "verify"]
+        assert check[0].done == 0 and check[-1].done == check[-1].total == sum(
+            f.size for f in load_bundle(bundle).manifest.files.values()
+        )
+
+    def test_unpack_without_verify_reports_the_copy_only(self, tmp_path, packed):
+        events = []
+        unpack_bundle(packed, tmp_path / "out", verify=False, on_progress=events.append)
+        assert {e.task for e in events} == {"unpack"}
+
     def test_pack_refuses_an_existing_file(self, tmp_path, bundle, packed):
         with pytest.raises(BundleExistsError, match="overwrite"):
             pack_bundle(bundle, packed)

@@ -122,3 +122,33 @@ def test_npz_single_file_prefixes_each_call(exported, tmp_path):
     with np.load(result.paths[0]) as data:
         assert "call_000002/kwargs.mask" in data and "call_000000/args.0" in data
         assert len(data) == 3 * 6
+
+
+def test_onnx_testdata_reports_each_call(exported, tmp_path):
+    bundle_path, onnx_path = exported
+    events = []
+    convert_to_onnx_testdata(load_bundle(bundle_path)._recorded(), onnx_path, tmp_path / "t", on_progress=events.append)
+    assert [(e.task, e.done, e.total) for e in events] == [("convert", i, 3) for i in range(4)]
+    assert [e.detail for e in events[1:]] == ["call 0", "call 1", "call 2"]
+
+
+@pytest.mark.parametrize("target", ["arrays", "all.npz"])
+def test_npz_reports_each_call(exported, tmp_path, target):
+    bundle_path, _ = exported
+    events = []
+    result = convert_to_npz(load_bundle(bundle_path)._recorded(), tmp_path / target, on_progress=events.append)
+    assert [(e.task, e.done, e.total) for e in events] == [("convert", i, 3) for i in range(4)]
+    assert result.calls == 3
+
+
+def test_npz_single_file_holds_the_same_arrays_as_the_per_call_files(exported, tmp_path):
+    bundle_path, _ = exported
+    rc = load_bundle(bundle_path)._recorded()
+    one = convert_to_npz(rc, tmp_path / "all.npz").paths[0]
+    per_call = convert_to_npz(rc, tmp_path / "arrays").paths
+    with np.load(one) as whole:
+        for path in per_call:
+            with np.load(path) as part:
+                for key in part:
+                    np.testing.assert_array_equal(whole[f"{path.stem}/{key}"], part[key])
+                    assert whole[f"{path.stem}/{key}"].dtype == part[key].dtype

@@ -181,6 +181,17 @@ def test_same_seed_same_bundle_other_seed_other_values(original, tmp_path):
     assert a.files == b.files and a.files != c.files
 
 
+def test_redact_reports_each_call_synthesized_then_written(original, tmp_path):
+    events = []
+    manifest = redact_bundle(original, tmp_path / "r", on_progress=events.append)
+    n = len(manifest.calls)
+    assert n == 2
+    assert [(e.task, e.done, e.total) for e in events] == [("redact", i, n) for i in range(n + 1)] + [
+        ("write", i, n) for i in range(n + 1)
+    ]
+    assert [e.detail for e in events if e.task == "write"][1:] == ["call 0", "call 1"]
+
+
 def test_redact_refuses_a_non_empty_target(original, redacted):
     with pytest.raises(BundleExistsError, match="overwrite"):
         redact_bundle(original, redacted)
