@@ -4,7 +4,8 @@
 - value trees (containers, scalars, tensor references, registered node types) and the
   node-type registry, transformers' caches and outputs included;
 - turning a call's ``args``/``kwargs`` into a manifest entry;
-- dtype names and the safetensors file primitives (one writer, one header reader, side by side).
+- dtype names and the safetensors file primitives (one writer, one header reader, side by side);
+- delta storage (a tensor stored as what it adds to one stored before) and the integrity hashes.
 
 Capture fills a :class:`RecordedCalls` while observing; replay builds one from a manifest.
 Neither stage is imported from here.
@@ -40,6 +41,14 @@ __all__ = [
     "replace_tensors",
     "tensor_keys",
     "transformers_pytree_nodes",
+    # Delta storage and hashes
+    "DeltaIndex",
+    "Match",
+    "PinnedStager",
+    "WRITE_HASH",
+    "extends_bytes",
+    "new_hasher",
+    "rebuild",
     # Tensor files
     "DTYPE_TO_NAME",
     "MAX_HEADER_BYTES",
@@ -56,7 +65,9 @@ import importlib
 from contextlib import AbstractContextManager
 
 from iobundle.calls._calls import DictTensorStore, RecordedCalls, TensorStore, positional_names, signature_entry
+from iobundle.calls._delta import DeltaIndex, Match, extends_bytes, rebuild
 from iobundle.calls._dtypes import DTYPE_TO_NAME, NAME_TO_DTYPE, dtype_name
+from iobundle.calls._hashing import WRITE_HASH, new_hasher
 from iobundle.calls._record import record_inputs, split_kwargs
 from iobundle.calls._registry import (
     NodeType,
@@ -65,6 +76,7 @@ from iobundle.calls._registry import (
     register_node_type,
     register_provider,
 )
+from iobundle.calls._staging import PinnedStager
 from iobundle.calls._tensorfile import (
     MAX_HEADER_BYTES,
     parse_header,

@@ -10,7 +10,6 @@ the file (and the tensor).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -22,6 +21,7 @@ import torch
 
 from iobundle._atomic import write_atomically
 from iobundle.calls._dtypes import NAME_TO_DTYPE, dtype_name
+from iobundle.calls._hashing import WRITE_HASH, new_hasher
 from iobundle.errors import TensorFileError, UnsupportedInputError
 from iobundle.schema import FileEntry
 
@@ -82,11 +82,12 @@ def write_tensor_file(
     durable: bool = True,
     on_written: Callable[[str], None] | None = None,
 ) -> FileEntry:
-    """Write ``tensors`` to ``path`` as a safetensors file and return its size and sha256.
+    """Write ``tensors`` to ``path`` as a safetensors file and return its size and hash.
 
     The file is written to a temporary name and renamed once complete, so a file with the final
-    name is always complete. The sha256 is computed while the bytes are written (by a helper
-    thread for large files, see :func:`iobundle._atomic.write_atomically`).
+    name is always complete. The hash (:data:`~iobundle.calls._hashing.WRITE_HASH`) is computed
+    while the bytes are written (by a helper thread for large files, see
+    :func:`iobundle._atomic.write_atomically`).
 
     Args:
         path: The file to write.
@@ -116,7 +117,7 @@ def write_tensor_file(
         offset += data.nbytes
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % _ALIGN)
-    digest = hashlib.sha256()
+    digest = new_hasher(WRITE_HASH)
 
     def part_done(index: int) -> None:
         if index and on_written is not None:
@@ -129,7 +130,7 @@ def write_tensor_file(
         on_part=part_done if on_written is not None else None,
         durable=durable,
     )
-    return FileEntry(size=size, sha256=digest.hexdigest())
+    return FileEntry(size=size, hash=WRITE_HASH, digest=digest.hexdigest())
 
 
 def read_exactly(f: Any, n: int, name: str, *, into: memoryview | None = None) -> bytes:

@@ -13,12 +13,11 @@ Layout::
       model/weights.safetensors   the state dict, tied weights stored once
 
 The manifest's ``model`` field (:class:`iobundle.schema.ModelEntry`) names the class,
-the observed submodule and the two files with their size and sha256.
+the observed submodule and the two files with their size and hash.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -28,6 +27,7 @@ from typing import Any
 
 import torch
 
+from iobundle.calls import WRITE_HASH, new_hasher
 from iobundle.errors import BundleWriteError, IobundleError, ObserverArgumentError
 from iobundle.schema import FileEntry, ModelEntry
 
@@ -59,13 +59,13 @@ def find_submodule(root: torch.nn.Module, target: Any) -> str | None:
 
 
 def _file_entry(path: Path) -> FileEntry:
-    digest = hashlib.sha256()
+    digest = new_hasher(WRITE_HASH)
     size = 0
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
             size += len(chunk)
-    return FileEntry(size=size, sha256=digest.hexdigest())
+    return FileEntry(size=size, hash=WRITE_HASH, digest=digest.hexdigest())
 
 
 def _config_json(model: Any) -> str:

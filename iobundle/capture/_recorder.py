@@ -113,7 +113,7 @@ class CallRecorder:
         The method may be called from several threads at once; each call is recorded whole.
 
         With ``stream_to``, each recorded call is written to that bundle directory as soon as it
-        returns, by a background thread, and the manifest is rewritten atomically after each call:
+        returns, by a background thread, and a line is appended to its ``journal.jsonl`` after each call:
         if the process dies (SIGKILL, the OOM killer, a crash of Python), the bundle holds every
         finished call but the last at most. Written snapshots leave memory (about 1.5 calls are
         held at a time); ``infer_*`` and ``save`` read them back from the bundle. Leaving the block
@@ -125,8 +125,8 @@ class CallRecorder:
         while the block runs. By default (False) files are renamed into place without fsync: the
         guarantee above holds for any death of the process, since the page cache outlives it,
         but a crash of the machine before the block is left may lose any call of the block, or
-        leave ``manifest.json`` empty (the operating system writes the data back when it chooses).
-        With True each call's file, the manifest and the directory are fsynced before the next
+        leave ``journal.jsonl`` empty (the operating system writes the data back when it chooses).
+        With True each call's file, the directory and the journal are fsynced before the next
         call is accepted, so a crash of the machine loses at most the call in flight; each call
         then waits for the disk (about 1 s per 200 MiB on a slow disk, 3 fsyncs per call).
 

@@ -5,18 +5,21 @@ Who does what:
 - The model's threads (any number) record calls. They only copy tensors (:meth:`SnapshotTable.snapshot`)
   and, when a call returns, hand it to the writer with :meth:`CallStream.submit`.
 - One writer thread per stream writes the call's new tensors to ``calls/NNNNNN.safetensors``
-  (temporary name, sha256 computed by a helper thread while writing, rename), rewrites
-  ``manifest.json`` atomically, then drops from memory the snapshots it wrote. Each snapshot's
-  buffer goes back to the pool as soon as its bytes are in the file.
+  (temporary name, XXH3-128 computed while writing, rename; a tensor that extends one written
+  recently, such as a growing KV cache, as its new part only), appends the call's line to
+  ``journal.jsonl``, then drops from memory the snapshots it wrote. Each snapshot's buffer goes
+  back to the pool as soon as its bytes are in the file, unless it is kept as the base a later
+  tensor may extend. ``manifest.json`` is written once, by :meth:`CallStream.close`.
 - With ``durable=True`` every file is fsynced before its rename (and its directory after);
   by default the fsyncs wait for :meth:`CallStream.close`, which flushes every file written.
 
 The hand-off holds one call: :meth:`CallStream.submit` waits until the writer has finished the
-previous call (its file and the manifest that lists it). The writer writes call k while the
+previous call (its file and the journal line that lists it). The writer writes call k while the
 model computes call k+1, so
 
-- a SIGKILL loses at most the call in flight; the manifest only ever lists complete files
-  (renames are atomic for every process; the page cache outlives the killed process);
+- a SIGKILL loses at most the call in flight; the journal only ever lists complete files
+  (renames are atomic for every process; the page cache outlives the killed process), and a
+  line cut short by the kill is ignored by the reader;
 - memory holds the snapshots of about 1.5 calls: while the writer drains call k, the copies of
   call k+1 wait for its buffers once the pool has lent :data:`BUDGET_CALLS` calls' worth.
 
@@ -44,6 +47,7 @@ from iobundle.calls import (
     dtype_name,
     parse_header,
     read_exactly,
+    rebuild,
     replace_tensors,
     tensor_keys,
     tensor_span,
@@ -186,6 +190,10 @@ class _OnDisk:
     shape: tuple[int, ...]
     device: str
     file_size: int
+    extends: tuple[str, int] | None = None
+    """``(key, dim)`` when the file holds only the part past the tensor ``key`` along ``dim``."""
+    stored_shape: tuple[int, ...] | None = None
+    """The shape of what the file holds, when it is not ``shape``."""
 
 
 @dataclass(frozen=True)
@@ -249,16 +257,17 @@ class _FileReader:
 
     def _read_tensor(self, f: Any, where: _OnDisk, header: dict[str, Any], data_start: int) -> torch.Tensor:
         name = str(where.path)
+        shape = where.shape if where.stored_shape is None else where.stored_shape
         begin, end = tensor_span(
             name,
             header,
             where.name,
             dtype=dtype_name(where.dtype),
-            shape=where.shape,
+            shape=shape,
             data_len=where.file_size - data_start,
             expected_by="when it was written",
         )
-        out = torch.empty(where.shape, dtype=where.dtype)
+        out = torch.empty(shape, dtype=where.dtype)
         if end > begin:
             f.seek(data_start + begin)
             read_exactly(f, end - begin, name, into=memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B"))
@@ -286,6 +295,8 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         self.pool: BufferPool | None = None
         self.journal: list[str] | None = None
         """When a list, every key stored is appended to it (to undo a recording that failed half-way)."""
+        self.retained: set[str] = set()
+        """Keys the writer keeps as bases of later extensions: their buffers are never recycled."""
 
     # -- snapshots (the model's threads) -------------------------------------------------------
 
@@ -398,13 +409,33 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
             if default:
                 return default[0]
             raise KeyError(key)
-        tensor = self._reader.read(where)
+        tensor = self._read(where)
         if where.device != "cpu":
             try:
                 tensor = tensor.to(where.device)
             except (RuntimeError, AssertionError):
                 pass  # the device is gone: the CPU copy holds the same values
         return tensor
+
+    def _read(self, where: _OnDisk) -> torch.Tensor:
+        """The tensor ``where`` describes, read from its file; an extension rebuilt from its chain."""
+        parts = []
+        while where.extends is not None:
+            base, dim = where.extends
+            parts.append((self._reader.read(where), dim))
+            with self._lock:
+                while base in self._pending:
+                    self._lock.wait()
+                found = self._disk.get(base)
+                memory = self._memory.get(base) if found is None else None
+            if found is None:
+                if memory is None:
+                    raise TensorFileError(
+                        f"{where.path}: tensor {where.name!r} extends {base!r}, which this observer no longer holds."
+                    )
+                return rebuild(memory.cpu(), parts[::-1])
+            where = found
+        return rebuild(self._reader.read(where), parts[::-1])
 
     # -- the writer's side -----------------------------------------------------------------------
 
@@ -429,15 +460,25 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
             return
         with self._lock:
             tensor = self._memory.get(key)
-            if tensor is None or key in self._lent or not _poolable(tensor):
+            if tensor is None or key in self._lent or key in self.retained or not _poolable(tensor):
                 return
             del self._memory[key]
             self._pending[key] = _Pending(dtype=tensor.dtype, shape=tuple(tensor.shape), device=str(tensor.device))
         _give_back(pool, tensor)
 
-    def written(self, keys: Iterable[str], path: Path, file_size: int) -> None:
-        """Forget the snapshots of ``keys``, now in the safetensors file ``path``; recycle their buffers."""
+    def written(
+        self,
+        keys: Iterable[str],
+        path: Path,
+        file_size: int,
+        extends: dict[str, tuple[str, int, tuple[int, ...]]] | None = None,
+    ) -> None:
+        """Forget the snapshots of ``keys``, now in the safetensors file ``path``; recycle their buffers.
+
+        ``extends`` gives, for the keys stored as extensions, ``(base key, dim, stored shape)``.
+        """
         pool = self.pool
+        extends = extends or {}
         for key in keys:
             with self._lock:
                 pending = self._pending.pop(key, None)
@@ -445,6 +486,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
                 meta = pending if pending is not None else tensor
                 if meta is None:
                     continue
+                ext = extends.get(key)
                 self._disk[key] = _OnDisk(
                     path=path,
                     name=key,
@@ -452,8 +494,10 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
                     shape=tuple(meta.shape),
                     device=str(meta.device),
                     file_size=file_size,
+                    extends=None if ext is None else (ext[0], ext[1]),
+                    stored_shape=None if ext is None else ext[2],
                 )
-                lent = key in self._lent
+                lent = key in self._lent or key in self.retained
                 self._lent.discard(key)
                 self._lock.notify_all()
             if tensor is None or pool is None:
@@ -519,8 +563,8 @@ def mark_incomplete(call: CallEntry, written: Callable[[str], bool], reason: str
 class CallStream:
     """Writes recorded calls to a bundle from a background thread, one call in flight at most.
 
-    Opening the stream writes, synchronously, the tensors of ``value_if_missing`` and a first
-    manifest (no calls): from then on the directory opens with ``load_bundle``. Calls recorded
+    Opening the stream writes, synchronously, the tensors of ``value_if_missing`` and the head of
+    ``journal.jsonl`` (the calls written so far): from then on the directory opens with ``load_bundle``. Calls recorded
     before the stream opened are submitted like new ones. Failures after opening never raise:
     :meth:`take_failures` hands them to the model's thread, which warns and marks the call incomplete.
 
@@ -558,7 +602,9 @@ class CallStream:
         self._closed = False
         self._cond = threading.Condition()
         writer.write_missing_values(rc.value_if_missing, table.for_writing, durable=durable)
-        writer.write_manifest(rc, self._written, durable=durable)
+        writer.start_journal(rc, self._written, durable=durable)
+        if writer.deltas is not None:
+            table.retained = writer.deltas.retained
         self.pool = BufferPool()
         table.pool = self.pool
         self._thread = threading.Thread(target=self._run, name=f"iobundle-writer:{self.path.name}", daemon=True)
@@ -609,7 +655,7 @@ class CallStream:
                 self.writer.sync()
             except BundleWriteError as exc:
                 error = exc
-        manifest = self.writer.write_manifest(self._rc, self.manifest_calls, durable=True)
+        manifest = self.writer.finish_journal(self._rc, self.manifest_calls)
         if error is not None:
             raise error
         return manifest
@@ -641,6 +687,7 @@ class CallStream:
 
     def _write(self, call: CallEntry) -> None:
         writer, table = self.writer, self._table
+        keys: list[str] = []
         try:
             keys = writer.write_call(call, table.for_writing, durable=self.durable, on_written=table.released)
             entry = call
@@ -653,14 +700,20 @@ class CallStream:
         else:
             if keys:
                 file = writer.tensors[keys[0]].file
-                table.written(keys, writer.path / file, writer.files[file].size)
-        with self._cond:
-            self._written.append(entry)
-            calls = list(self._written)
+                extends = {}
+                for k in keys:
+                    e = writer.tensors[k]
+                    if e.extends is not None:
+                        stored = list(e.shape)
+                        stored[e.extends.dim] -= writer.tensors[e.extends.key].shape[e.extends.dim]
+                        extends[k] = (e.extends.key, e.extends.dim, tuple(stored))
+                table.written(keys, writer.path / file, writer.files[file].size, extends)
         try:
-            writer.write_manifest(self._rc, calls, durable=self.durable)
+            writer.append_call(entry, keys, durable=self.durable)
         except Exception as exc:
             with self._cond:
                 self._failures.append(
-                    (None, f"iobundle could not rewrite the manifest of '{self.path}' ({type(exc).__name__}: {exc})")
+                    (None, f"iobundle could not append call {call.index} to the journal of '{self.path}' ({exc})")
                 )
+        with self._cond:
+            self._written.append(entry)

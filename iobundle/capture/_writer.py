@@ -1,7 +1,13 @@
-"""Write recorded calls as a bundle: ``calls/*.safetensors`` first, ``manifest.json`` last."""
+"""Write recorded calls as a bundle: ``calls/*.safetensors`` first, ``manifest.json`` last.
+
+A tensor that extends one written recently (a growing KV cache, a growing mask) is written as its
+new part only, with a reference to the tensor it extends (``TensorEntry.extends``, format
+version 2), once :class:`iobundle.calls.DeltaIndex` has checked the shared part byte for byte.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import platform
@@ -12,20 +18,24 @@ from pathlib import Path
 
 import torch
 
-from iobundle._atomic import fsync_dir, fsync_files
+from iobundle._atomic import fsync_dir, fsync_files, write_atomically
 from iobundle._progress import ProgressCallback, notify
 from iobundle._remote import clear_local_bundle
 from iobundle._version import __version__
-from iobundle.calls import RecordedCalls, dtype_name, tensor_keys, write_tensor_file
+from iobundle.calls import DeltaIndex, PinnedStager, RecordedCalls, dtype_name, tensor_keys, write_tensor_file
 from iobundle.errors import BundleExistsError, BundleWriteError, IobundleError
 from iobundle.schema import (
+    JOURNAL_FILENAME,
     MANIFEST_FILENAME,
     CallEntry,
+    Extension,
     FileEntry,
     Manifest,
     MissingValueEntry,
     Producer,
     TensorEntry,
+    journal_call_line,
+    journal_head_line,
     write_manifest,
 )
 
@@ -78,13 +88,23 @@ class BundleWriter:
         overwrite: Replace the bundle ``path`` holds: its manifest, then the files it lists (files
             beside it stay). Without it a non-empty directory is refused, and with it one that holds
             no bundle.
+        retain_all: Every tensor written may be extended by a later one (its memory is held
+            anyway, as when saving an in-memory recording); see :class:`iobundle.calls.DeltaIndex`.
+        deltas: Store tensors that extend earlier ones as their new part (format version 2).
 
     Raises:
         BundleExistsError: ``path`` is not empty and ``overwrite`` is False, or holds no bundle.
         BundleWriteError: ``path`` cannot be created or cleared.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        retain_all: bool = False,
+        deltas: bool = True,
+    ) -> None:
         self.path = Path(path)
         self.created = False
         try:
@@ -96,12 +116,18 @@ class BundleWriter:
                         f"'{self.path}' already exists and is not empty. Pass overwrite=True "
                         "(--overwrite on the command line) to replace it, or choose another path."
                     )
-                if not (self.path / MANIFEST_FILENAME).is_file():
+                if (self.path / JOURNAL_FILENAME).is_file() and not (self.path / MANIFEST_FILENAME).is_file():
+                    # a stream killed before its manifest: the journal first, then its calls/ folder
+                    (self.path / JOURNAL_FILENAME).unlink()
+                    shutil.rmtree(self.path / CALLS_DIR, ignore_errors=True)
+                elif not (self.path / MANIFEST_FILENAME).is_file():
                     raise BundleExistsError(
                         f"'{self.path}' is not a bundle (no {MANIFEST_FILENAME}); refusing to replace what it "
                         "holds. Choose another path, or empty it yourself."
                     )
-                clear_local_bundle(self.path)  # its manifest first, then the files it lists; nothing else
+                else:
+                    clear_local_bundle(self.path)  # its manifest first, then the files it lists; nothing else
+                    (self.path / JOURNAL_FILENAME).unlink(missing_ok=True)
             self.created = not self.path.exists()
             (self.path / CALLS_DIR).mkdir(parents=True, exist_ok=True)
         except IobundleError:
@@ -113,6 +139,9 @@ class BundleWriter:
         self.tensors: dict[str, TensorEntry] = {}
         self.files: dict[str, FileEntry] = {}
         self._unsynced: dict[Path, None] = {}
+        self.deltas = DeltaIndex(retain_all=retain_all) if deltas else None
+        self.stager: PinnedStager | None = None  # made for the first CUDA tensor
+        self._journal: int | None = None  # file descriptor of journal.jsonl while a stream is open
 
     def write_tensors(
         self,
@@ -132,23 +161,54 @@ class BundleWriter:
             BundleWriteError: The file cannot be written (disk full, permission denied).
             UnsupportedInputError: A tensor cannot be stored (its dtype or layout).
         """
-        new = [k for k in dict.fromkeys(keys) if k not in self.tensors]
+        keys = list(dict.fromkeys(keys))
+        new = [k for k in keys if k not in self.tensors]
+        deltas = self.deltas
+        if deltas is not None:
+            deltas.touch(keys)
         if not new:
             return []
-        todo = {k: get(k) for k in new}
+        whole = {k: get(k) for k in new}
+        todo: dict[str, torch.Tensor] = {}
+        extends: dict[str, Extension] = {}
+        cuda = [t for t in whole.values() if t.device.type == "cuda"]
+        if cuda and self.stager is None:
+            self.stager = PinnedStager()
+        pinned: list[torch.Tensor] = []
         target = self.path / file
         try:
+            # CUDA work (byte comparisons, D2H copies) runs on a side stream: the model's stream never waits
+            with self.stager.side_streams(cuda) if cuda and self.stager else contextlib.nullcontext():
+                for key, t in whole.items():
+                    match = deltas.find(t) if deltas is not None else None
+                    if match is None:
+                        todo[key] = t
+                    else:
+                        todo[key] = match.new
+                        extends[key] = Extension(key=match.key, dim=match.dim)
+                    if deltas is not None:
+                        # retained before the write: the stream must not recycle its buffer once written
+                        deltas.add(key, t, base=match.key if match else None, retain=deltas.should_retain(t))
+                if cuda and self.stager is not None:
+                    todo, pinned = self.stager.to_host(todo)
             self.files[file] = write_tensor_file(target, todo, durable=durable, on_written=on_written)
-        except IobundleError:
+        except BaseException as exc:
+            if deltas is not None:
+                deltas.forget(new)  # never written: no later tensor may extend them
+            if isinstance(exc, OSError):
+                raise BundleWriteError(
+                    f"Cannot write {target}: {exc.strerror or exc}. Check free space and permissions."
+                ) from exc
             raise
-        except OSError as exc:
-            raise BundleWriteError(
-                f"Cannot write {target}: {exc.strerror or exc}. Check free space and permissions."
-            ) from exc
-        for key, t in todo.items():
+        finally:
+            if pinned and self.stager is not None:
+                self.stager.give_back(pinned)
+        for key, t in whole.items():
             name = dtype_name(t.dtype)
             assert name is not None  # write_tensor_file refused other dtypes
-            self.tensors[key] = TensorEntry(file=file, name=key, dtype=name, shape=list(t.shape), device=str(t.device))
+            self.tensors[key] = TensorEntry(
+                file=file, name=key, dtype=name, shape=list(t.shape), device=str(t.device), extends=extends.get(key)
+            )
         if not durable:
             self._unsynced[target] = None
         logger.debug("wrote %d tensors to %s", len(todo), target)
@@ -163,9 +223,13 @@ class BundleWriter:
         on_written: Callable[[str], None] | None = None,
     ) -> list[str]:
         """Write the tensors of ``call`` not written yet to ``calls/NNNNNN.safetensors``; return their keys."""
-        return self.write_tensors(
-            call_file_name(call.index), call_keys(call), get, durable=durable, on_written=on_written
-        )
+        try:
+            return self.write_tensors(
+                call_file_name(call.index), call_keys(call), get, durable=durable, on_written=on_written
+            )
+        finally:
+            if self.deltas is not None:
+                self.deltas.end_call()
 
     def write_missing_values(
         self, entries: Iterable[MissingValueEntry], get: TensorGetter, *, durable: bool = True
@@ -210,15 +274,79 @@ class BundleWriter:
         write_manifest(self.path, manifest, durable=durable)
         return manifest
 
+    # -- the journal of a stream -------------------------------------------------------------
+
+    def start_journal(self, rc: RecordedCalls, calls: Iterable[CallEntry], *, durable: bool = True) -> None:
+        """Start ``journal.jsonl`` with what is written so far (``calls``), then remove ``manifest.json``.
+
+        From then on each call is one appended line (:meth:`append_call`) and :meth:`finish_journal`
+        writes the manifest once. Readers prefer ``manifest.json`` while both exist (they agree).
+
+        Raises:
+            BundleWriteError: The journal cannot be written.
+        """
+        path = self.path / JOURNAL_FILENAME
+        write_atomically(path, [journal_head_line(self.manifest(rc, calls))], durable=durable)
+        try:
+            (self.path / MANIFEST_FILENAME).unlink(missing_ok=True)
+            self._journal = os.open(path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            raise BundleWriteError(
+                f"Cannot open {path}: {exc.strerror or exc}. Check free space and permissions."
+            ) from exc
+
+    def append_call(self, call: CallEntry, keys: Iterable[str], *, durable: bool = True) -> None:
+        """Append the line of ``call`` (whose new tensors ``keys`` are in a complete file) to the journal.
+
+        Raises:
+            BundleWriteError: The line cannot be written.
+        """
+        fd = self._journal
+        assert fd is not None, "start_journal() first"
+        tensors = {k: self.tensors[k] for k in keys}
+        files = {e.file: self.files[e.file] for e in tensors.values()}
+        line = journal_call_line(call, tensors, files)
+        try:
+            _write_all(fd, line)
+            if durable:
+                os.fsync(fd)
+        except OSError as exc:
+            raise BundleWriteError(
+                f"Cannot append to {self.path / JOURNAL_FILENAME}: {exc.strerror or exc}. Check free space."
+            ) from exc
+
+    def finish_journal(self, rc: RecordedCalls, calls: Iterable[CallEntry]) -> Manifest:
+        """Write ``manifest.json`` (with fsync), then close and remove the journal.
+
+        Raises:
+            BundleWriteError: The manifest cannot be written (the journal is kept: the bundle still opens).
+        """
+        manifest = self.write_manifest(rc, calls, durable=True)
+        fd, self._journal = self._journal, None
+        if fd is not None:
+            os.close(fd)
+        (self.path / JOURNAL_FILENAME).unlink(missing_ok=True)
+        fsync_dir(self.path)
+        return manifest
+
     def discard(self) -> None:
         """Remove what this writer wrote (best effort), so no half-written bundle is left behind."""
         (self.path / MANIFEST_FILENAME).unlink(missing_ok=True)
+        (self.path / JOURNAL_FILENAME).unlink(missing_ok=True)
         shutil.rmtree(self.path / CALLS_DIR, ignore_errors=True)
         if self.created:
             try:
                 self.path.rmdir()
             except OSError:
                 pass
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to ``fd`` (one write normally; a killed writer may leave a prefix)."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
 
 
 def save_recorded_calls(
@@ -238,6 +366,8 @@ def save_recorded_calls(
         BundleExistsError: ``path`` is not empty and ``overwrite`` is False.
         BundleWriteError: Writing failed (disk full, permission denied); the message names the file.
     """
+    # retain_all=False: a streamed observer's store reads tensors back from its bundle, and holding
+    # every one read as a possible base would hold the whole bundle in memory
     writer = BundleWriter(path, overwrite=overwrite)
     try:
         notify(on_progress, "write", 0, len(rc.calls))

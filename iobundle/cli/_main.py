@@ -173,7 +173,7 @@ examples:
   iobundle verify run.iobundle
   iobundle verify run.iobundle -q || echo "bundle damaged"
 
-Reads every tensor file and compares its size and sha256 with the manifest.
+Reads every tensor file and compares its size and hash (XXH3-128; sha256 in format-1 bundles) with the manifest.
 Exit code 0 when all match, 1 when a file is missing or differs, 2 when the bundle
 cannot be opened.""",
 }
@@ -252,8 +252,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p = _add_command(
         subparsers,
         "verify",
-        summary="check every tensor file's size and sha256 against the manifest",
-        description="Check that every tensor file of the bundle is present and matches the size and sha256 "
+        summary="check every tensor file's size and hash against the manifest",
+        description="Check that every tensor file of the bundle is present and matches the size and hash "
         "recorded in manifest.json.",
     )
     p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
@@ -569,7 +569,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Example:
         >>> main(["verify", "run.iobundle"])
-        OK: 2 files, 536 B, sizes and sha256 match the manifest
+        OK: 2 files, 536 B, sizes and hashes match the manifest
         0
     """
     parser = _build_parser()

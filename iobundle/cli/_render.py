@@ -468,7 +468,7 @@ def format_verify(manifest: Manifest, problems: Sequence[str]) -> str:
     if problems:
         return "\n".join(problems)
     total = sum(f.size for f in manifest.files.values())
-    return f"OK: {len(manifest.files)} files, {_size(total)}, sizes and sha256 match the manifest"
+    return f"OK: {len(manifest.files)} files, {_size(total)}, sizes and hashes match the manifest"
 
 
 # --------------------------------------------------------------------------- export and validate

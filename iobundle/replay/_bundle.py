@@ -13,7 +13,14 @@ from iobundle.errors import IobundleError, UnsafeBundleError
 from iobundle.replay._api import RecordedCallsAPI
 from iobundle.replay._archive import ArchiveRoot, open_archive
 from iobundle.replay._remote import RemoteRoot
-from iobundle.replay._tensorfile import BundleTensorStore, Root, check_file, check_file_header, listed_files
+from iobundle.replay._tensorfile import (
+    BundleTensorStore,
+    Root,
+    check_file,
+    check_file_header,
+    listed_files,
+    stored_shape,
+)
 from iobundle.schema import MANIFEST_FILENAME, CallEntry, Manifest, load_manifest, parse_manifest
 
 __all__ = ["Bundle", "load_bundle"]
@@ -24,7 +31,8 @@ class Bundle(RecordedCallsAPI):
 
     Use :meth:`load` (or :func:`iobundle.load_bundle`). Loading never imports or
     unpickles anything named by the bundle; tensors are memory-mapped on first use and
-    their file's sha256 checked then (unless ``verify=False``).
+    their file's hash checked then (unless ``verify=False``). Tensors stored as extensions of
+    others (format version 2) are rebuilt on each read; shapes never read the files.
     """
 
     def __init__(self, path: Path, manifest: Manifest, *, verify: bool = True, source: Root | None = None) -> None:
@@ -49,7 +57,7 @@ class Bundle(RecordedCallsAPI):
 
         Args:
             path: The bundle directory, packed file or URL.
-            verify: Check each tensor file's sha256 the first time it is read.
+            verify: Check each tensor file's hash the first time it is read.
 
         Raises:
             BundleNotFoundError: ``path`` is not a bundle.
@@ -107,7 +115,7 @@ class Bundle(RecordedCallsAPI):
         return None if call.outputs is None else build_value(call.outputs, self._store.get)
 
     def verify(self, *, on_progress: ProgressCallback | None = None) -> list[str]:
-        """Check every file the manifest lists: size and hash, and each tensor file's header.
+        """Check every file the manifest lists: size and hash (the algorithm the manifest names), and each tensor file's header.
 
         The stored model's files (``manifest.model.files``: config and weights) are checked too.
 
@@ -149,7 +157,8 @@ def _check_references(root: Root, manifest: Manifest) -> None:
         if file is None:
             raise UnsafeBundleError(f"tensors[{key!r}].file: {entry.file!r} is not listed in the manifest's files.")
         numel = 1
-        for d in entry.shape:
+        base = None if entry.extends is None else manifest.tensors.get(entry.extends.key)
+        for d in stored_shape(entry, base):  # parse_manifest checked the extension against its base
             numel *= d
         nbytes = numel * NAME_TO_DTYPE[entry.dtype].itemsize
         if nbytes > file.size:

@@ -5,8 +5,9 @@ The order of the checks is what makes reading a hostile file safe:
 1. the file name stays inside the bundle (:func:`safe_member_path`: no absolute path, no ``..``,
    no symlink leading out, no control character);
 2. the file is a regular file (a FIFO or a device would block or never end), opened without
-   blocking, and its size is the one the manifest records; its sha256 too, the first time it
-   is read, unless verification is off;
+   blocking, and its size is the one the manifest records; its hash too (the algorithm the
+   manifest names: XXH3-128 in format version 2, sha256 in version 1), the first time it is read,
+   unless verification is off;
 3. the header length fits in the file and under
    :data:`iobundle.calls._tensorfile.MAX_HEADER_BYTES`, the header is a JSON object, and every
    tensor the manifest puts in this file is there with the manifest's dtype and shape and a byte
@@ -15,13 +16,16 @@ The order of the checks is what makes reading a hostile file safe:
 4. only then is the file memory-mapped. A mapping past the end of a file is a SIGBUS, not an
    exception, so nothing is mapped before the size checks.
 
+A tensor stored as an extension of another (format version 2, ``TensorEntry.extends``) is rebuilt
+on each read: its chain of parts (which the manifest checks bounded and acyclic) is read, each part
+checked as above, and concatenated once. Shapes never need the bytes.
+
 Mappings are made by ``torch.from_file``, which closes its file descriptor once the file is
 mapped: a bundle of many thousands of calls can be read without running out of descriptors.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import stat
@@ -31,7 +35,7 @@ from typing import Any, BinaryIO, Protocol, Union
 
 import torch
 
-from iobundle.calls import NAME_TO_DTYPE, parse_header, read_exactly, tensor_span
+from iobundle.calls import NAME_TO_DTYPE, new_hasher, parse_header, read_exactly, rebuild, tensor_span
 from iobundle.errors import IntegrityError, TensorFileError, UnsafeBundleError
 from iobundle.schema import FileEntry, Manifest, TensorEntry
 
@@ -51,7 +55,7 @@ __all__ = [
 _CHUNK = 1 << 22
 
 SMALL_FILE_BYTES = 1 << 20
-"""Tensor files up to this size are read whole, once: size, sha256 and header are checked on
+"""Tensor files up to this size are read whole, once: size, hash and header are checked on
 those bytes and the tensors view them (four opens and a memory mapping cost more than the read)."""
 
 
@@ -183,10 +187,10 @@ def _open_regular(path: Path, name: str) -> tuple[int, int]:
     return fd, info.st_size
 
 
-def sha256_file(path: Member, name: str | None = None) -> tuple[int, str]:
-    """Size and sha256 of ``path``, read in chunks."""
+def hash_file(path: Member, name: str | None = None, algorithm: str = "sha256") -> tuple[int, str]:
+    """Size and hex digest (``algorithm``, a name the manifest uses) of ``path``, read in chunks."""
     f, expected = _open_member(path, name or str(path))
-    digest = hashlib.sha256()
+    digest = new_hasher(algorithm)
     size = 0
     buffer = memoryview(bytearray(max(1, min(_CHUNK, expected + 1))))  # + 1: EOF in the same read
     try:
@@ -208,7 +212,7 @@ def listed_files(manifest: Manifest) -> dict[str, FileEntry]:
 
 
 def check_file(root: Path | Root, name: str, entry: FileEntry, *, hash_check: bool = True) -> Member:
-    """Check that bundle member ``name`` exists and has the recorded size (and sha256); return its path.
+    """Check that bundle member ``name`` exists and has the recorded size (and hash); return its path.
 
     Raises:
         UnsafeBundleError: ``name`` leads outside the bundle.
@@ -223,22 +227,23 @@ def check_file(root: Path | Root, name: str, entry: FileEntry, *, hash_check: bo
             f"{name}: {size} bytes, the manifest says {entry.size}. The file is truncated or was changed."
         )
     if hash_check:
-        size, digest = sha256_file(path, name)
+        size, digest = hash_file(path, name, entry.algorithm)
         if size != entry.size:
             raise IntegrityError(f"{name}: changed while it was being read ({size} bytes, expected {entry.size}).")
-        check_sha256(name, entry, digest)
+        check_digest(name, entry, digest)
     return path
 
 
-def check_sha256(name: str, entry: FileEntry, digest: str) -> None:
-    """Compare the sha256 ``digest`` of bundle member ``name`` with the manifest's.
+def check_digest(name: str, entry: FileEntry, digest: str) -> None:
+    """Compare the ``digest`` of bundle member ``name`` (hashed with ``entry.algorithm``) with the manifest's.
 
     Raises:
         IntegrityError: They differ.
     """
-    if digest != entry.sha256:
+    if digest != entry.hexdigest:
         raise IntegrityError(
-            f"{name}: sha256 {digest} differs from the manifest ({entry.sha256}). The file is corrupt or was changed."
+            f"{name}: {entry.algorithm} {digest} differs from the manifest ({entry.hexdigest}). "
+            "The file is corrupt or was changed."
         )
 
 
@@ -275,8 +280,19 @@ def _read_small(path: Member, name: str, entry: FileEntry, *, hash_check: bool) 
         raise IntegrityError(f"{name}: changed while it was being read ({done} bytes, expected {entry.size}).")
     del data[size:]
     if hash_check:
-        check_sha256(name, entry, hashlib.sha256(data).hexdigest())
+        hasher = new_hasher(entry.algorithm)
+        hasher.update(data)
+        check_digest(name, entry, hasher.hexdigest())
     return data
+
+
+def stored_shape(entry: TensorEntry, base: TensorEntry | None) -> list[int]:
+    """The shape of what the file holds for ``entry``: the whole tensor, or its part past ``base`` (what it extends)."""
+    if entry.extends is None or base is None:
+        return list(entry.shape)
+    shape = list(entry.shape)
+    shape[entry.extends.dim] -= base.shape[entry.extends.dim]
+    return shape
 
 
 def read_member(path: Member, name: str, size: int) -> bytearray:
@@ -368,7 +384,7 @@ class BundleTensorStore:
     Args:
         root: The bundle directory (or packed file, or URL).
         manifest: Its validated manifest (whose references :func:`iobundle.replay._bundle._check_references` checked).
-        verify: Check each file's sha256 the first time it is read. Sizes and headers are always checked.
+        verify: Check each file's hash the first time it is read. Sizes and headers are always checked.
         bundle_root: What members are resolved against, when not the directory ``root``.
     """
 
@@ -397,11 +413,18 @@ class BundleTensorStore:
         return NAME_TO_DTYPE[self._entry(key).dtype]
 
     def file_entries(self, name: str) -> dict[str, TensorEntry]:
-        """The manifest entries of the tensors stored in file ``name`` (indexed once)."""
+        """The tensors stored in file ``name`` as the file holds them (indexed once).
+
+        An extension's entry gets the shape of its stored part (and no ``extends``).
+        """
         by_file = self._by_file
         if by_file is None:
             by_file = {}
-            for key, entry in self.manifest.tensors.items():
+            tensors = self.manifest.tensors
+            for key, entry in tensors.items():
+                if entry.extends is not None:
+                    shape = stored_shape(entry, tensors[entry.extends.key])
+                    entry = entry.model_copy(update={"shape": shape, "extends": None})
                 by_file.setdefault(entry.file, {})[key] = entry
             self._by_file = by_file
         return by_file.get(name, {})
@@ -422,12 +445,25 @@ class BundleTensorStore:
             self._files[name] = opened
         return opened
 
-    def get(self, key: str) -> torch.Tensor:
+    def _stored(self, key: str) -> torch.Tensor:
+        """What the file holds for ``key``: the tensor, or its new part if it is an extension (cached views)."""
         tensor = self._cache.get(key)
         if tensor is None:
             entry = self._entry(key)
             with self._lock:
                 tensor = self._cache.get(key)
                 if tensor is None:
-                    tensor = self._cache[key] = self._open(entry.file).tensor(entry, key)
+                    stored = self.file_entries(entry.file).get(key, entry)
+                    tensor = self._cache[key] = self._open(entry.file).tensor(stored, key)
         return tensor
+
+    def get(self, key: str) -> torch.Tensor:
+        entry = self._entry(key)
+        if entry.extends is None:
+            return self._stored(key)
+        parts = []
+        while entry.extends is not None:  # the manifest's checks bound the chain and rule out cycles
+            parts.append((self._stored(key), entry.extends.dim))
+            key = entry.extends.key
+            entry = self._entry(key)
+        return rebuild(self._stored(key), parts[::-1])

@@ -5,12 +5,16 @@ from __future__ import annotations
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "HASH_ALGORITHMS",
+    "JOURNAL_FILENAME",
     "MANIFEST_FILENAME",
+    "MAX_EXTENSION_DEPTH",
     "PROGRAM_INDEX_FORMAT",
     "MAX_MANIFEST_BYTES",
     "SUPPORTED_FORMAT_VERSIONS",
     "CallEntry",
     "ConstNode",
+    "Extension",
     "DictNode",
     "FileEntry",
     "ListNode",
@@ -31,10 +35,15 @@ __all__ = [
     "TensorNode",
     "TupleNode",
     "dump_manifest",
+    "journal_call_line",
+    "journal_head_line",
+    "load_journal",
     "load_manifest",
     "load_program_index",
     "manifest_json_schema",
+    "parse_journal",
     "parse_manifest",
+    "validate_manifest",
     "write_manifest",
     "write_program_index",
 ]
@@ -42,20 +51,26 @@ __all__ = [
 import json
 
 from iobundle.schema._io import (
+    JOURNAL_FILENAME,
     MANIFEST_FILENAME,
+    MAX_EXTENSION_DEPTH,
     MAX_MANIFEST_BYTES,
     dump_manifest,
     load_manifest,
     parse_manifest,
+    validate_manifest,
     write_manifest,
 )
+from iobundle.schema._journal import journal_call_line, journal_head_line, load_journal, parse_journal
 from iobundle.schema._manifest import (
     FORMAT,
     FORMAT_VERSION,
+    HASH_ALGORITHMS,
     SUPPORTED_FORMAT_VERSIONS,
     CallEntry,
     ConstNode,
     DictNode,
+    Extension,
     FileEntry,
     ListNode,
     Manifest,
@@ -85,5 +100,5 @@ from iobundle.schema._programs import (
 def manifest_json_schema() -> str:
     """Return the JSON Schema of ``manifest.json``, as shipped in ``iobundle/schema/manifest.schema.json``."""
     schema = Manifest.model_json_schema()
-    schema["title"] = f"iobundle manifest, format_version {FORMAT_VERSION}"
+    schema["title"] = "iobundle manifest, format_version " + " and ".join(map(str, SUPPORTED_FORMAT_VERSIONS))
     return json.dumps(schema, indent=1, sort_keys=True) + "\n"

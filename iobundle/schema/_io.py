@@ -13,7 +13,12 @@ A manifest is untrusted input (bundles are attached to bug reports). Reading one
 - every tensor has at most :data:`MAX_TENSOR_RANK` dimensions (64) and a shape whose element
   count, zero dimensions ignored, stays at most :data:`MAX_TENSOR_ELEMENTS` (2**62), so that any
   shape fits a 64-bit size;
-- every dict node has as many keys as items, and no key twice.
+- every dict node has as many keys as items, and no key twice;
+- format version 1 holds no format-2 field (``extends``, ``hash``/``digest``); version 2 may also
+  record a file's hash as ``sha256`` (what version 1 wrote, e.g. a file copied from a version-1 bundle);
+- every ``extends`` (format 2) names a tensor listed *before* it (so references never form a cycle),
+  of the same dtype and rank, whose shape equals the tensor's except along ``dim``, where it is at
+  most as long; chains of extensions are at most :data:`MAX_EXTENSION_DEPTH` (100 000) long.
 
 A limit exceeded raises :class:`~iobundle.errors.UnsafeBundleError`; anything else that is wrong
 raises :class:`~iobundle.errors.ManifestError`. Both name the file and the offending field.
@@ -49,8 +54,10 @@ from iobundle.schema._manifest import (
 )
 
 __all__ = [
+    "JOURNAL_FILENAME",
     "MANIFEST_FILENAME",
     "MAX_CALLS",
+    "MAX_EXTENSION_DEPTH",
     "MAX_MANIFEST_BYTES",
     "MAX_NESTING_DEPTH",
     "MAX_TENSORS",
@@ -59,16 +66,19 @@ __all__ = [
     "dump_manifest",
     "load_manifest",
     "parse_manifest",
+    "validate_manifest",
     "write_manifest",
 ]
 
 MANIFEST_FILENAME = "manifest.json"
+JOURNAL_FILENAME = "journal.jsonl"
 MAX_MANIFEST_BYTES = 256 * 1024**2
 MAX_NESTING_DEPTH = 100
 MAX_CALLS = 100_000
 MAX_TENSORS = 10_000_000
 MAX_TENSOR_RANK = 64
 MAX_TENSOR_ELEMENTS = 2**62
+MAX_EXTENSION_DEPTH = 100_000
 
 
 def _short(value: Any, limit: int = 80) -> str:
@@ -78,17 +88,16 @@ def _short(value: Any, limit: int = 80) -> str:
 
 def _check_depth(value: Any, source: str) -> None:
     stack: list[tuple[Any, int]] = [(value, 1)]
+    push, pop = stack.extend, stack.pop
     while stack:
-        item, depth = stack.pop()
+        item, depth = pop()
         if depth > MAX_NESTING_DEPTH:
             raise UnsafeBundleError(
                 f"{source}: JSON nesting deeper than {MAX_NESTING_DEPTH} levels. "
                 "A bundle written by iobundle never nests that deep; the file is corrupt or hostile."
             )
-        if isinstance(item, dict):
-            stack.extend((v, depth + 1) for v in item.values())
-        elif isinstance(item, list):
-            stack.extend((v, depth + 1) for v in item)
+        children = item.values() if type(item) is dict else item
+        push((v, depth + 1) for v in children if type(v) is dict or type(v) is list)
 
 
 def parse_manifest(data: bytes | str, *, source: str = MANIFEST_FILENAME) -> Manifest:
@@ -110,6 +119,15 @@ def parse_manifest(data: bytes | str, *, source: str = MANIFEST_FILENAME) -> Man
         raise UnsafeBundleError(f"{source}: JSON nesting too deep to parse; the file is corrupt or hostile.") from exc
     except (ValueError, UnicodeDecodeError) as exc:
         raise ManifestError(f"{source}: not valid JSON ({exc}). Is this a bundle written by iobundle?") from exc
+    return validate_manifest(raw, source=source)
+
+
+def validate_manifest(raw: Any, *, source: str = MANIFEST_FILENAME) -> Manifest:
+    """Validate a manifest already parsed from JSON (``parse_manifest`` without the parsing).
+
+    Raises:
+        ManifestError, UnsupportedFormatVersionError, UnsafeBundleError: as :func:`parse_manifest`.
+    """
     if not isinstance(raw, dict):
         raise ManifestError(f"{source}: expected a JSON object, found {type(raw).__name__}.")
     found_format, found_version = raw.get("format"), raw.get("format_version")
@@ -157,6 +175,8 @@ def parse_manifest(data: bytes | str, *, source: str = MANIFEST_FILENAME) -> Man
     except RecursionError as exc:
         raise UnsafeBundleError(f"{source}: structure too deep to validate.") from exc
     _check_tensor_shapes(manifest, source)
+    _check_version_fields(manifest, source)
+    _check_extensions(manifest, source)
     _check_trees(manifest, source)
     return manifest
 
@@ -182,6 +202,59 @@ def _check_tensor_shapes(manifest: Manifest, source: str) -> None:
                     f"{source}: tensors[{key!r}].shape {entry.shape} is too large "
                     f"(more than {MAX_TENSOR_ELEMENTS} elements). The file is corrupt or hostile."
                 )
+
+
+def _check_version_fields(manifest: Manifest, source: str) -> None:
+    """Version 1 holds no format-2 field: no ``extends``, no ``hash``/``digest`` (version 2 may spell ``sha256``)."""
+    if manifest.format_version != 1:
+        return
+    files = [(f"files[{n!r}]", e) for n, e in manifest.files.items()]
+    if manifest.model is not None:
+        files += [(f"model.files[{n!r}]", e) for n, e in manifest.model.files.items()]
+    for where, entry in files:
+        if entry.sha256 is None:
+            raise ManifestError(
+                f"{source}: {where} records hash and digest, which format_version 1 does not use (sha256 expected)."
+            )
+    for key, tensor in manifest.tensors.items():
+        if tensor.extends is not None:
+            raise ManifestError(
+                f"{source}: tensors[{key!r}].extends is a format_version 2 field; this manifest says version 1."
+            )
+
+
+def _check_extensions(manifest: Manifest, source: str) -> None:
+    """Each extension names an earlier tensor of compatible dtype and shape; chains stay bounded."""
+    depth: dict[str, int] = {}
+    for key, entry in manifest.tensors.items():
+        ext = entry.extends
+        if ext is None:
+            depth[key] = 0
+            continue
+        where = f"{source}: tensors[{key!r}].extends"
+        base = manifest.tensors.get(ext.key)
+        if base is None or ext.key not in depth:
+            problem = "is not listed" if base is None else "is listed after it (or is itself)"
+            raise UnsafeBundleError(
+                f"{where}: tensor {ext.key!r} {problem}; an extended tensor must come earlier in tensors. "
+                "The file is corrupt or hostile."
+            )
+        if base.dtype != entry.dtype or len(base.shape) != len(entry.shape) or ext.dim >= len(entry.shape):
+            raise UnsafeBundleError(
+                f"{where}: {entry.dtype} {entry.shape} cannot extend {ext.key!r} ({base.dtype} {base.shape}) "
+                f"along dim {ext.dim}. The file is corrupt or hostile."
+            )
+        if any((b > s) if d == ext.dim else (b != s) for d, (b, s) in enumerate(zip(base.shape, entry.shape))):
+            raise UnsafeBundleError(
+                f"{where}: shape {entry.shape} does not extend {base.shape} (of {ext.key!r}) along dim {ext.dim}: "
+                "the other dimensions must be equal and this one at least as long."
+            )
+        depth[key] = depth[ext.key] + 1
+        if depth[key] > MAX_EXTENSION_DEPTH:
+            raise UnsafeBundleError(
+                f"{where}: a chain of more than {MAX_EXTENSION_DEPTH} extensions (MAX_EXTENSION_DEPTH). "
+                "The file is corrupt or hostile."
+            )
 
 
 def _check_trees(manifest: Manifest, source: str) -> None:
@@ -210,6 +283,9 @@ def _check_trees(manifest: Manifest, source: str) -> None:
 def load_manifest(bundle_dir: str | os.PathLike[str]) -> Manifest:
     """Read and validate ``bundle_dir/manifest.json``.
 
+    A bundle still being streamed, or whose writer was killed, has no ``manifest.json`` yet but a
+    ``journal.jsonl``: the manifest is then rebuilt from it (see :func:`iobundle.schema.load_journal`).
+
     Raises:
         BundleNotFoundError: ``bundle_dir`` or its manifest does not exist.
         ManifestError: The manifest is invalid (see :func:`parse_manifest`).
@@ -219,9 +295,26 @@ def load_manifest(bundle_dir: str | os.PathLike[str]) -> Manifest:
     if not root.is_dir():
         raise BundleNotFoundError(f"'{bundle_dir}' is not a directory. Pass the folder written by observer.save().")
     if not path.exists() and not path.is_symlink():
+        journal = root / JOURNAL_FILENAME
+        if journal.exists() or journal.is_symlink():
+            from iobundle.schema._journal import load_journal  # a stream still open, or whose writer died
+
+            return load_journal(root)
         raise BundleNotFoundError(
             f"No {MANIFEST_FILENAME} in '{bundle_dir}'. Is it a directory written by observer.save()?"
         )
+    data = read_member(root, path)
+    return parse_manifest(data, source=str(path))
+
+
+def read_member(root: Path, path: Path) -> bytes:
+    """The bytes of the bundle file ``path`` (``manifest.json``, ``journal.jsonl``), checked first.
+
+    Raises:
+        BundleNotFoundError: It does not exist.
+        UnsafeBundleError: It leads outside ``root``, or is over :data:`MAX_MANIFEST_BYTES`.
+        ManifestError: It is not a regular file, or cannot be read.
+    """
     try:
         inside = path.resolve().is_relative_to(root.resolve())
     except (OSError, RuntimeError, ValueError) as exc:
@@ -242,12 +335,10 @@ def load_manifest(bundle_dir: str | os.PathLike[str]) -> Manifest:
                 )
             data = f.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError as exc:
-        raise BundleNotFoundError(
-            f"No {MANIFEST_FILENAME} in '{bundle_dir}'. Is it a directory written by observer.save()?"
-        ) from exc
+        raise BundleNotFoundError(f"No {path.name} in '{root}'. Is it a directory written by observer.save()?") from exc
     except OSError as exc:
         raise ManifestError(f"{path}: cannot be read ({exc.strerror or exc}).") from exc
-    return parse_manifest(data, source=str(path))
+    return data
 
 
 def dump_manifest(manifest: Manifest) -> str:

@@ -10,11 +10,20 @@ A tree is JSON a person can read: every node is an object with a ``kind``::
     {"kind": "node", "type": "transformers.DynamicCache", "version": 1,
      "context": ..., "items": [...]}                     a registered class, by stable name
     {"kind": "opaque", "type": "mymodule.Thing"}         a value that could not be recorded
+
+Format version 2 (written since iobundle 0.2) adds, and version 1 never holds:
+
+- ``TensorEntry.extends``: the tensor is stored as its new part only, the positions past those of
+  the tensor it extends (``{"key": ..., "dim": ...}``) along one dimension; the file holds the
+  new part, ``shape`` stays the full shape;
+- ``FileEntry.hash`` + ``FileEntry.digest``: the integrity hash names its algorithm per file
+  (``"xxh3-128"`` as written, ``"sha256"`` read too) instead of ``sha256``;
+- a streamed bundle carries ``journal.jsonl`` until its writer finishes (see :mod:`iobundle.schema._journal`).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import (
     BaseModel,
@@ -27,13 +36,16 @@ from pydantic import (
     StrictInt,
     StrictStr,
     model_serializer,
+    model_validator,
 )
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "SUPPORTED_FORMAT_VERSIONS",
+    "HASH_ALGORITHMS",
     "CallEntry",
+    "Extension",
     "ConstNode",
     "DictNode",
     "FileEntry",
@@ -55,8 +67,12 @@ __all__ = [
 ]
 
 FORMAT = "iobundle"
-FORMAT_VERSION = 1
-SUPPORTED_FORMAT_VERSIONS = (1,)
+FORMAT_VERSION = 2
+SUPPORTED_FORMAT_VERSIONS = (1, 2)
+
+HASH_ALGORITHMS = {"sha256": 64, "xxh3-128": 32}
+"""Integrity hashes a format-2 file entry may name, with the length of their hex digest."""
+HashAlgorithm = Literal["sha256", "xxh3-128"]
 
 Scalar = Union[StrictBool, StrictInt, StrictFloat, StrictStr]
 DTYPES = (
@@ -69,6 +85,21 @@ DType = Literal[DTYPES]  # type: ignore[valid-type]
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
+
+
+class _OmitsUnset(_Model):
+    """Fields that only format version 2 holds are left out of the JSON while they are None,
+    so a version-1 manifest dumps as it was read."""
+
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        data = handler(self)
+        for name in self.OMIT_NONE:
+            if data.get(name, 0) is None:
+                del data[name]
+        return data
 
 
 class TensorNode(_Model):
@@ -127,21 +158,69 @@ for _model in (ListNode, TupleNode, DictNode, ObjectNode):
     _model.model_rebuild()
 
 
-class TensorEntry(_Model):
-    """Where one tensor lives: its file, its key inside that file, dtype and shape."""
+class Extension(_Model):
+    """The tensor a stored tensor extends (format version 2): ``key``'s positions come first along ``dim``.
+
+    The tensor's file holds only the positions past those of ``key`` along ``dim``; reading it
+    concatenates ``key`` (itself possibly an extension) and that new part.
+    """
+
+    key: str
+    dim: Annotated[StrictInt, Field(ge=0)]
+
+
+class TensorEntry(_OmitsUnset):
+    """Where one tensor lives: its file, its key inside that file, dtype and shape.
+
+    ``shape`` is always the whole tensor's. With ``extends`` (format version 2) the file holds the
+    new part only: ``shape`` with ``shape[extends.dim]`` less the extended tensor's.
+    """
+
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"extends"})
 
     file: str
     name: str
     dtype: DType
     shape: list[Annotated[StrictInt, Field(ge=0)]]
     device: str = "cpu"
+    extends: Extension | None = None
 
 
-class FileEntry(_Model):
-    """A tensor file of the bundle, with its size and hash checked before use."""
+class FileEntry(_OmitsUnset):
+    """A file of the bundle, with its size and hash checked before use.
+
+    Format version 1 records ``sha256``; version 2 records ``hash`` (the algorithm) and ``digest``.
+    """
+
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"sha256", "hash", "digest"})
 
     size: Annotated[StrictInt, Field(ge=0)]
-    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
+    hash: HashAlgorithm | None = None
+    digest: Annotated[str, Field(pattern=r"^[0-9a-f]{32,64}$")] | None = None
+
+    @model_validator(mode="after")
+    def _one_hash(self) -> FileEntry:
+        if self.sha256 is not None:
+            if self.hash is not None or self.digest is not None:
+                raise ValueError("give either sha256 (format version 1) or hash and digest (version 2), not both")
+        elif self.hash is None or self.digest is None:
+            raise ValueError("a file needs sha256 (format version 1) or hash and digest (version 2)")
+        elif len(self.digest) != HASH_ALGORITHMS[self.hash]:
+            raise ValueError(
+                f"a {self.hash} digest has {HASH_ALGORITHMS[self.hash]} hex digits, not {len(self.digest)}"
+            )
+        return self
+
+    @property
+    def algorithm(self) -> str:
+        """The hash algorithm of :attr:`hexdigest`."""
+        return "sha256" if self.sha256 is not None else str(self.hash)
+
+    @property
+    def hexdigest(self) -> str:
+        """The recorded digest, whichever format version wrote it."""
+        return self.sha256 if self.sha256 is not None else str(self.digest)
 
 
 class CallEntry(_Model):
@@ -238,7 +317,7 @@ class Manifest(_Model):
     """The whole of ``manifest.json``."""
 
     format: Literal["iobundle"] = FORMAT
-    format_version: Literal[1] = FORMAT_VERSION
+    format_version: Literal[1, 2] = FORMAT_VERSION
     producer: Producer
     signature: SignatureEntry
     value_if_missing: list[MissingValueEntry] = Field(default_factory=list)

@@ -217,24 +217,17 @@ class TestStreamWriteFailures:
 
     def test_nothing_can_be_written_at_all(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         target = tmp_path / "run"
-        real_manifest = _writer.write_manifest
-        opened = []
-
-        def manifest_once(path: Any, manifest: Any, **kwargs: Any) -> Any:
-            if opened:
-                enospc()
-            opened.append(True)
-            return real_manifest(path, manifest, **kwargs)
-
         monkeypatch.setattr(_writer, "write_tensor_file", enospc)
-        monkeypatch.setattr(_writer, "write_manifest", manifest_once)
+        monkeypatch.setattr(_writer, "_write_all", enospc)  # the journal's appends
+        monkeypatch.setattr(_writer, "write_manifest", enospc)  # the final manifest
         with pytest.warns(ObservationWarning) as record:
             observer, results = observe(Double(), inputs(3), stream_to=target)
         assert [torch.equal(r, x * 2) for r, x in zip(results, inputs(3))] == [True] * 3
         messages = "\n".join(str(w.message) for w in record)
-        assert "could not rewrite the manifest" in messages and "could not write the final manifest" in messages
+        assert "could not append call" in messages and "could not write the final manifest" in messages
         assert statuses(observer) == ["incomplete"] * 3
-        assert load_bundle(target).calls == []  # the manifest written when the stream opened
+        assert not (target / "manifest.json").exists()
+        assert load_bundle(target).calls == []  # the journal's head, written when the stream opened
 
     def test_permission_denied_while_streaming(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         def denied(*args: Any, **kwargs: Any) -> Any:

@@ -28,6 +28,7 @@ from iobundle.calls._tree import tensor_keys
 from iobundle.capture import _writer
 from iobundle.capture._stream import POOLED_MIN_BYTES, BufferPool, SnapshotTable
 from iobundle.capture._writer import call_keys
+from iobundle.schema import load_manifest
 
 DYN = torch.export.Dim.DYNAMIC
 
@@ -50,7 +51,8 @@ def assert_same(a: Any, b: Any) -> None:
 
 
 def manifest_calls(path: Path) -> int:
-    return len(json.loads((path / "manifest.json").read_text("utf-8"))["calls"])
+    """How many calls the bundle lists now: its manifest, or its journal while the stream is open."""
+    return len(load_manifest(path).calls)
 
 
 class Decoder(torch.nn.Module):
@@ -314,7 +316,9 @@ class TestDurability:
         files = {str(p) for p in (real / "calls").glob("*.safetensors")}
         assert len(files) == 4 and files <= set(synced)
         assert {str(real), str(real / "calls"), str(real / ".manifest.json.tmp")} <= set(synced)
-        assert synced[-2:] == [str(real / ".manifest.json.tmp"), str(real)]  # the final manifest comes last
+        # the final manifest comes last, then the directory without the journal
+        assert synced[-3:] == [str(real / ".manifest.json.tmp"), str(real), str(real)]
+        assert not (real / "journal.jsonl").exists()
         assert load_bundle(bundle).verify() == [] and manifest_calls(bundle) == 4
 
     def test_durable_fsyncs_each_call_before_the_next_is_accepted(
@@ -328,7 +332,7 @@ class TestDurability:
                 model(*args, **kwargs)
                 if i:  # call i was accepted once call i - 1 was written: fsynced before its rename
                     assert any(f.endswith(f"/calls/.{i - 1:06d}.safetensors.tmp") for f in synced)
-                    assert any(f.endswith("/.manifest.json.tmp") for f in synced)
+                    assert any(f.endswith("/journal.jsonl") for f in synced)
         assert load_bundle(bundle).verify() == [] and manifest_calls(bundle) == 4
 
 
@@ -408,19 +412,31 @@ ZYGOTE = textwrap.dedent(
     from iobundle.observer import InputObserver
 
 
-    def capture(path, size, slow, durable):
+    def capture(path, size, slow, durable, mode, calls):
         def say(text):  # one write per line: the writer thread prints too
             os.write(1, (text + "\\n").encode())
 
         if slow:
             real_replace = os.replace
 
-            def replace(src, dst):  # announce each rename, then hold the file complete but unrenamed
+            def replace(src, dst):  # announce each rename, hold the file complete but unrenamed, and after
                 say(f"rename {src}")
                 time.sleep(slow)
                 real_replace(src, dst)
+                say(f"renamed {dst}")
+                time.sleep(slow if mode in ("manifest-renamed", "reopen-renamed") else 0)
 
             os.replace = replace
+        if mode == "journal-append":
+            from iobundle.capture import _writer
+
+            def write_all(fd, data):  # hold each journal line half written
+                os.write(fd, data[: len(data) // 2])
+                say("append")
+                time.sleep(slow)
+                os.write(fd, data[len(data) // 2 :])
+
+            _writer._write_all = write_all
 
         class Doubler(torch.nn.Module):
             def forward(self, x, shared):
@@ -428,24 +444,32 @@ ZYGOTE = textwrap.dedent(
 
         shared = torch.arange(size, dtype=torch.float32)  # passed to every call: written once
         model, observer = Doubler(), InputObserver()
+        first = calls if mode.startswith(("manifest", "reopen")) else 100_000
         with observer(model, store_n_calls=100_000, stream_to=path, durable=durable):
             say("ready")
-            for i in range(100_000):
+            for i in range(first):
                 model(torch.full((size + i,), float(i)), shared)
                 say(f"done {i + 1}")
+        say("closed")
+        if mode.startswith("reopen"):  # a second block appends to the same bundle
+            with observer(model, store_n_calls=100_000, stream_to=path, durable=durable):
+                for i in range(first, 100_000):
+                    model(torch.full((size + i,), float(i)), shared)
+                    say(f"done {i + 1}")
+        time.sleep(60)
 
 
     for line in sys.stdin:
         command, *rest = line.split()
         if command == "run":
-            log, path, size, slow, durable = rest
+            log, path, size, slow, durable, mode, calls = rest
             pid = os.fork()
             if pid == 0:
                 try:
                     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
                     os.dup2(fd, 1)
                     os.dup2(os.open(log + ".stderr", os.O_WRONLY | os.O_CREAT, 0o644), 2)
-                    capture(path, int(size), float(slow), durable == "1")
+                    capture(path, int(size), float(slow), durable == "1", mode, int(calls))
                 finally:
                     os._exit(0)
             print("pid", pid, flush=True)
@@ -465,15 +489,17 @@ class Zygote:
         self.process = subprocess.Popen(
             [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
+        self._lock = threading.Lock()  # two trials may share a zygote: one request/answer at a time
 
     def _ask(self, line: str) -> str:
         assert self.process.stdin is not None and self.process.stdout is not None
-        self.process.stdin.write(line + "\n")
-        self.process.stdin.flush()
-        return self.process.stdout.readline().strip()
+        with self._lock:
+            self.process.stdin.write(line + "\n")
+            self.process.stdin.flush()
+            return self.process.stdout.readline().strip()
 
-    def run(self, log: Path, bundle: Path, size: int, slow: float, durable: bool) -> int:
-        return int(self._ask(f"run {log} {bundle} {size} {slow} {int(durable)}").split()[1])
+    def run(self, log: Path, bundle: Path, size: int, slow: float, durable: bool, mode: str, calls: int) -> int:
+        return int(self._ask(f"run {log} {bundle} {size} {slow} {int(durable)} {mode} {calls}").split()[1])
 
     def kill(self, pid: int) -> None:
         assert self._ask(f"kill {pid}") == "dead"
@@ -505,11 +531,15 @@ def wait_for(log: Path, predicate: Any, *, start: int = 0, timeout: float = 60.0
         time.sleep(0.001)
 
 
-MODES = {  # mode: (floats per tensor, seconds each rename is held)
+MODES = {  # mode: (floats per tensor, seconds each rename or append is held)
     "delay": (1000, 0.0),  # kill after a random delay
     "big": (2_000_000, 0.0),  # 8 MB tensors: kills land inside writes
     "tensor-rename": (1000, 0.1),  # kill once a tensor file is written (and fsynced if durable), not yet renamed
-    "manifest-rename": (1000, 0.1),  # kill once the new manifest is written, not yet renamed
+    "journal-append": (1000, 0.1),  # kill with a call's journal line half written
+    "manifest-rename": (1000, 0.1),  # leaving the block: kill once the final manifest is written, not yet renamed
+    "manifest-renamed": (1000, 0.1),  # leaving the block: kill once it is renamed, the journal not yet removed
+    "reopen-rename": (1000, 0.1),  # a second block: kill once the new journal is written, not yet renamed
+    "reopen-renamed": (1000, 0.1),  # a second block: kill once it is renamed, the manifest not yet removed
 }
 
 
@@ -518,25 +548,36 @@ def kill_trial(zygote: Zygote, workdir: Path, mode: str, durable: bool, rng: ran
     size, slow = MODES[mode]
     bundle, log = workdir / "run.iobundle", workdir / "child.log"
     workdir.mkdir()
-    pid = zygote.run(log, bundle, size, slow, durable)
+    k = rng.randint(1, 4)
+    pid = zygote.run(log, bundle, size, slow, durable, mode, k)
     try:
         wait_for(log, lambda line: line == "ready")
         if mode == "delay":
             time.sleep(rng.uniform(0.0, 0.3))
         elif mode == "big":
             time.sleep(rng.uniform(0.0, 1.0))
-        else:
-            k = rng.randint(1, 4)
-            suffix = f"calls/.{k:06d}.safetensors.tmp" if mode == "tensor-rename" else ".manifest.json.tmp"
+        elif mode == "journal-append":
             after = wait_for(log, lambda line: line == f"done {k}")
+            wait_for(log, lambda line: line == "append", start=after)
+        elif mode == "tensor-rename":
+            after = wait_for(log, lambda line: line == f"done {k}")
+            suffix = f"calls/.{k:06d}.safetensors.tmp"
             wait_for(log, lambda line: line.startswith("rename") and line.endswith(suffix), start=after)
+        else:
+            after = wait_for(log, lambda line: line == f"done {k}")
+            name = "manifest.json" if mode.startswith("manifest") else "journal.jsonl"
+            wanted = f"rename {bundle}/.{name}.tmp" if mode.endswith("rename") else f"renamed {bundle}/{name}"
+            wait_for(log, lambda line: line == wanted, start=after)
     finally:
         zygote.kill(pid)
-    reported = max((int(line.split()[1]) for line in read_lines(log) if line.startswith("done ")), default=0)
+    lines = read_lines(log)
+    reported = max((int(line.split()[1]) for line in lines if line.startswith("done ")), default=0)
     leftovers = sorted(p.name for p in bundle.rglob(".*.tmp"))
     loaded = load_bundle(bundle)
     n = len(loaded.calls)
-    assert n >= reported - 1, f"{mode}: {reported} calls finished but the bundle lists {n}"
+    # leaving a block waits for every call: then each one that returned is listed
+    in_flight = 0 if mode.startswith(("manifest", "reopen")) else 1
+    assert n >= reported - in_flight, f"{mode}: {reported} calls finished but the bundle lists {n}"
     assert loaded.verify() == [], mode
     assert [c.index for c in loaded.calls] == list(range(n))
     shared_keys = set()
@@ -552,7 +593,19 @@ def kill_trial(zygote: Zygote, workdir: Path, mode: str, durable: bool, rng: ran
     assert len(shared_keys) <= 1  # deduplicated: one key, in the first call's file
     if shared_keys:
         assert loaded.manifest.tensors[shared_keys.pop()].file == "calls/000000.safetensors"
-    return {"mode": mode, "durable": durable, "reported": reported, "listed": n, "unfinished_files": leftovers}
+    journal, manifest = (bundle / "journal.jsonl").exists(), (bundle / "manifest.json").exists()
+    torn = journal and not (bundle / "journal.jsonl").read_bytes().endswith(b"\n")
+    return {
+        "torn": torn,
+        "mode": mode,
+        "durable": durable,
+        "reported": reported,
+        "listed": n,
+        "unfinished_files": leftovers,
+        "state": ("journal" if journal else "")
+        + ("+" if journal and manifest else "")
+        + ("manifest" if manifest else ""),
+    }
 
 
 @pytest.mark.skipif(
@@ -562,10 +615,16 @@ def test_sigkill_at_any_moment_leaves_a_loadable_bundle(tmp_path: Path) -> None:
     script = tmp_path / "zygote.py"
     script.write_text(ZYGOTE)
     rng = random.Random(int(os.environ.get("IOBUNDLE_KILL_SEED", "5")))
-    modes = [(m, False) for m in ["delay"] * 8 + ["big"] * 6 + ["tensor-rename"] * 5 + ["manifest-rename"] * 5]
-    modes += [
-        (m, True) for m in ["delay", "big", "tensor-rename", "tensor-rename", "manifest-rename", "manifest-rename"]
+    steps = [
+        "tensor-rename",
+        "journal-append",
+        "manifest-rename",
+        "manifest-renamed",
+        "reopen-rename",
+        "reopen-renamed",
     ]
+    modes = [(m, False) for m in ["delay"] * 6 + ["big"] * 5 + steps * 3]
+    modes += [(m, True) for m in ["delay", "big", *steps]]
     trials = [(i, mode, durable, random.Random(rng.random())) for i, (mode, durable) in enumerate(modes)]
     workers = 2
     zygotes = [Zygote(script) for _ in range(workers)]
@@ -589,6 +648,7 @@ def test_sigkill_at_any_moment_leaves_a_loadable_bundle(tmp_path: Path) -> None:
             "reported": [r["reported"] for r in rs],
             "listed": [r["listed"] for r in rs],
             "killed_mid_write": sum(bool(r["unfinished_files"]) for r in rs),
+            "left": sorted({r["state"] for r in rs}),
         }
         for m, rs in by_mode.items()
     }
@@ -596,3 +656,11 @@ def test_sigkill_at_any_moment_leaves_a_loadable_bundle(tmp_path: Path) -> None:
     # the rename modes really killed inside a write: the unfinished file was left behind, unlisted
     assert all(any(".safetensors.tmp" in f for f in r["unfinished_files"]) for r in by_mode["tensor-rename"]), summary
     assert all(".manifest.json.tmp" in r["unfinished_files"] for r in by_mode["manifest-rename"]), summary
+    assert all(".journal.jsonl.tmp" in r["unfinished_files"] for r in by_mode["reopen-rename"]), summary
+    # each step of the journal's life was hit: only a journal, then both (they agree), never neither
+    assert {r["state"] for r in by_mode["journal-append"]} == {"journal"}, summary
+    assert all(r["torn"] for r in by_mode["journal-append"]), summary  # a half line, which the reader ignored
+    assert {r["state"] for r in by_mode["manifest-rename"]} == {"journal"}, summary
+    assert {r["state"] for r in by_mode["manifest-renamed"]} == {"journal+manifest"}, summary
+    assert {r["state"] for r in by_mode["reopen-rename"]} == {"manifest"}, summary
+    assert {r["state"] for r in by_mode["reopen-renamed"]} == {"journal+manifest"}, summary

@@ -234,7 +234,7 @@ class TestVerify:
         assert code == 1
         lines = out.splitlines()
         assert len(lines) == 1
-        assert lines[0].startswith("calls/000001.safetensors: sha256")
+        assert lines[0].startswith("calls/000001.safetensors: xxh3-128")
 
     def test_missing_file_is_a_failed_check(self, capsys, fresh_bundle):
         (fresh_bundle / "calls" / "000000.safetensors").unlink()

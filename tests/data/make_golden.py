@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -90,22 +91,67 @@ def make_llama_cache(path: Path) -> None:
     observer.save(path, overwrite=True)
 
 
+class Growing(torch.nn.Module):
+    """A decoder step in miniature: a per-layer cache and a mask that grow by one position per call."""
+
+    def forward(self, x, past, mask):
+        new = [torch.cat([p, x.reshape(1, 1, 1, -1).expand(1, 2, 1, 4)], dim=2) for p in past]
+        return {"y": x * mask.sum(), "past": new}
+
+
+def make_growing(path: Path) -> None:
+    """Format version 2: the cache and the mask of each call after the first stored as extensions."""
+    torch.manual_seed(0)
+    model, observer = Growing(), InputObserver()
+    past = [torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4)]
+    with observer(model, store_n_calls=4):
+        for n in (2, 3, 4, 5):
+            out = model(torch.randn(4), past, torch.ones(1, n, dtype=torch.int64))
+            past = out["past"]
+    observer.save(path, overwrite=True)
+
+
+def make_journal(path: Path) -> None:
+    """Format version 2: the growing model streamed, as a killed writer leaves it (journal.jsonl, no manifest)."""
+    from iobundle.schema import load_manifest
+
+    torch.manual_seed(0)
+    model, observer = Growing(), InputObserver()
+    past = [torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4)]
+    tmp = path.with_name(path.name + ".tmp")
+    with observer(model, store_n_calls=3, stream_to=tmp, overwrite=True):
+        for n in (2, 3, 4):
+            past = model(torch.randn(4), past, torch.ones(1, n, dtype=torch.int64))["past"]
+        while len(load_manifest(tmp).calls) < 3:  # the writer appends the last call's line
+            time.sleep(0.01)
+        shutil.copytree(tmp, path)  # the stream is still open: no manifest.json yet
+    shutil.rmtree(tmp)
+
+
 BUNDLES: dict[str, Callable[[Path], None]] = {
+    # format version 1: written before version 2 existed; this script cannot write them again
     "plain": make_plain,
     "nested": make_nested,
     "streamed": make_streamed,
     "llama_cache": make_llama_cache,
+    # format version 2
+    "growing": make_growing,
+    "journal": make_journal,
 }
+VERSION_1 = ("plain", "nested", "streamed", "llama_cache")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "names", nargs="*", default=sorted(BUNDLES), help=f"bundles to write (default: all of {sorted(BUNDLES)})"
-    )
+    parser.add_argument("names", nargs="*", help=f"bundles to write, among {sorted(BUNDLES)} (default: those missing)")
     parser.add_argument("--out", type=Path, default=HERE, help="parent directory (default: tests/data/bundles)")
     args = parser.parse_args(argv)
-    for name in args.names:
+    names = args.names or [n for n in BUNDLES if not (args.out / n).exists()]
+    for name in names:
+        if name in VERSION_1:
+            raise SystemExit(
+                f"{name} is a format-version-1 bundle: this iobundle writes version 2. Keep the committed one."
+            )
         target = args.out / name
         if target.exists():
             shutil.rmtree(target)

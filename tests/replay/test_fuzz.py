@@ -10,7 +10,6 @@ loaded, inferred from and read in full. Any exception that is not an ``IobundleE
 from __future__ import annotations
 
 import copy
-import hashlib
 import importlib.util
 import json
 import os
@@ -24,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+import xxhash
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
@@ -96,7 +96,64 @@ def _make_cache(path: Path) -> None:
     observer.save(path)
 
 
-SEEDS: dict[str, Callable[[Path], None]] = {"simple": _make_simple, "nested": _make_nested}
+def _make_growing(path: Path) -> None:
+    """Format 2 delta storage: a cache and a mask that grow by one position per call, stored as their new parts."""
+    full_k, full_v = torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4)
+
+    class Growing(torch.nn.Module):
+        def forward(self, x, past=None, mask=None):
+            return {"x": x * 2, "past": [torch.cat([p, p[:, :, -1:]], dim=2) for p in past]}
+
+    model, observer = Growing(), InputObserver()
+    with observer(model, store_n_calls=4):
+        for n in (2, 3, 4, 5):
+            model(torch.randn(1, 3), past=[full_k[:, :, :n].clone(), full_v[:, :, :n].clone()], mask=torch.ones(1, n))
+    observer.save(path)
+    manifest = json.loads((path / "manifest.json").read_text("utf-8"))
+    assert sum("extends" in t for t in manifest["tensors"].values()) >= 6  # the seed holds extensions
+
+
+def _make_journal(path: Path) -> None:
+    """The growing seed as a killed stream leaves it: ``journal.jsonl``, no ``manifest.json``."""
+    _make_growing(path)
+    (path / "journal.jsonl").write_bytes(as_journal(json.loads((path / "manifest.json").read_text("utf-8"))))
+    (path / "manifest.json").unlink()
+
+
+def as_journal(manifest: Any) -> bytes:
+    """``manifest`` as a journal: a head without calls, then one line per call with the tensors and files it adds."""
+    if not isinstance(manifest, dict) or not all(
+        isinstance(manifest.get(f), (list, dict)) for f in ("calls", "tensors", "files")
+    ):
+        return json.dumps({"journal": 1, **manifest} if isinstance(manifest, dict) else manifest).encode() + b"\n"
+    tensors, files, calls = dict(manifest["tensors"]), dict(manifest["files"]), list(manifest["calls"])
+    head = {"journal": 1, **manifest, "calls": [], "tensors": {}, "files": {}}
+    for key in list(tensors):  # value_if_missing and anything no call names stays in the head
+        entry = tensors[key]
+        if not (isinstance(entry, dict) and isinstance(entry.get("file"), str) and entry["file"][-18:-12].isdigit()):
+            head["tensors"][key] = tensors.pop(key)
+    lines = [json.dumps(head)]
+    for call in calls:
+        index = call.get("index") if isinstance(call, dict) else None
+        mine = f"calls/{index:06d}.safetensors" if isinstance(index, int) and not isinstance(index, bool) else None
+        added = {
+            k: tensors.pop(k) for k in [k for k, e in tensors.items() if isinstance(e, dict) and e.get("file") == mine]
+        }
+        lines.append(
+            json.dumps({"call": call, "tensors": added, "files": {mine: files.pop(mine)} if mine in files else {}})
+        )
+    head["tensors"].update(tensors)
+    head["files"].update(files)
+    lines[0] = json.dumps(head)
+    return "\n".join(lines).encode() + b"\n"
+
+
+SEEDS: dict[str, Callable[[Path], None]] = {
+    "simple": _make_simple,
+    "nested": _make_nested,
+    "growing": _make_growing,
+    "journal": _make_journal,
+}
 if importlib.util.find_spec("transformers") is not None:  # a test dependency; imported only when seeding
     SEEDS["cache"] = _make_cache
 
@@ -255,7 +312,7 @@ dict_keys = st.one_of(
     st.sampled_from(
         ["kind", "key", "items", "keys", "value", "type", "version", "context", "index", "status", "args", "kwargs",
          "cst_kwargs", "filled", "outputs", "latency", "file", "name", "dtype", "shape", "size", "sha256", "x", "d",
-         "t0", "t5", "mask", "evil", "calls/000002.safetensors"]
+         "t0", "t5", "mask", "evil", "calls/000002.safetensors", "extends", "dim", "hash", "digest", "journal", "call"]
     ),
     st.text(max_size=8),
 )  # fmt: skip
@@ -405,7 +462,7 @@ def retype_tensor(data: st.DataObject, bundle: Path, manifest: Any) -> None:
     (bundle / entry["file"]).write_bytes(new)
     files = manifest.get("files")
     if isinstance(files, dict) and isinstance(files.get(entry["file"]), dict):
-        files[entry["file"]] = {"size": len(new), "sha256": hashlib.sha256(new).hexdigest()}
+        files[entry["file"]] = {"size": len(new), "hash": "xxh3-128", "digest": xxhash.xxh3_128_hexdigest(new)}
 
 
 def _numel(shape: list[int]) -> int:
@@ -419,8 +476,9 @@ def _numel(shape: list[int]) -> int:
 
 
 def apply_mutations(data: st.DataObject, bundle: Path) -> None:
-    manifest_text = (bundle / "manifest.json").read_text("utf-8")
-    manifest = json.loads(manifest_text)
+    journal = not (bundle / "manifest.json").exists()
+    # a journal: mutate the manifest it describes, then write it back as a journal
+    manifest = schema_json(bundle) if journal else json.loads((bundle / "manifest.json").read_text("utf-8"))
     files = sorted(p.relative_to(bundle).as_posix() for p in (bundle / "calls").iterdir())
     n = data.draw(st.sampled_from([1, 1, 1, 2, 2, 3, 4]), label="n mutations")
     raw_edit = False
@@ -446,10 +504,10 @@ def apply_mutations(data: st.DataObject, bundle: Path) -> None:
             if data.draw(st.booleans(), label="resync") and isinstance(manifest, dict):
                 entries = manifest.get("files")
                 if isinstance(entries, dict) and isinstance(entries.get(name), dict):
-                    entries[name] = {"size": len(new), "sha256": hashlib.sha256(new).hexdigest()}
+                    entries[name] = {"size": len(new), "hash": "xxh3-128", "digest": xxhash.xxh3_128_hexdigest(new)}
         else:
             raw_edit = True
-    text = json.dumps(manifest, indent=1).encode("utf-8")
+    text = as_journal(manifest) if journal else json.dumps(manifest, indent=1).encode("utf-8")
     if raw_edit and text:
         pos = data.draw(st.integers(0, len(text) - 1), label="manifest pos")
         op = data.draw(st.sampled_from(["flip", "truncate", "insert"]), label="manifest op")
@@ -463,7 +521,14 @@ def apply_mutations(data: st.DataObject, bundle: Path) -> None:
                 + data.draw(st.sampled_from([b"[", b"{", b"]", b"}", b",", b'"', b"\\", b"\xff", b"-", b"9" * 30]))
                 + text[pos:]
             )
-    (bundle / "manifest.json").write_bytes(text)
+    (bundle / ("journal.jsonl" if journal else "manifest.json")).write_bytes(text)
+
+
+def schema_json(bundle: Path) -> Any:
+    """The manifest a journal describes, as JSON values."""
+    from iobundle.schema import dump_manifest, load_journal
+
+    return json.loads(dump_manifest(load_journal(bundle)))
 
 
 @FUZZ_SETTINGS
@@ -480,4 +545,4 @@ def test_mutated_bundles_fail_cleanly(seeds, data, seed, verify):
 
 def test_seeds_are_valid(seeds):
     """The fuzzer starts from bundles that load and replay without any error."""
-    assert set(seeds) >= {"simple", "nested"}
+    assert set(seeds) >= {"simple", "nested", "growing", "journal"}

@@ -14,11 +14,13 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import xxhash
 
 import iobundle.calls._tensorfile as capture_tensorfile
 import iobundle.replay._tensorfile as replay_tensorfile
@@ -76,12 +78,12 @@ def edit_manifest(path: Path, edit) -> None:
 
 
 def replace_tensor_file(path: Path, name: str, data: bytes, *, resync: bool = True) -> None:
-    """Overwrite a tensor file; with ``resync`` the manifest records its new size and sha256."""
+    """Overwrite a tensor file; with ``resync`` the manifest records its new size and hash."""
     (path / name).write_bytes(data)
     if resync:
 
         def edit(m: dict[str, Any]) -> None:
-            m["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            m["files"][name] = {"size": len(data), "hash": "xxh3-128", "digest": xxhash.xxh3_128_hexdigest(data)}
 
         edit_manifest(path, edit)
 
@@ -229,22 +231,22 @@ class TestFormatMarker:
             load_bundle(bundle)
 
     def test_newer_version(self, bundle):
-        edit_manifest(bundle, lambda m: m.update(format_version=2))
+        edit_manifest(bundle, lambda m: m.update(format_version=3))
         with pytest.raises(UnsupportedFormatVersionError) as info:
             load_bundle(bundle)
         message = str(info.value)
         assert "manifest.json" in message
-        assert "format_version 2 is not supported" in message
-        assert "reads format_version 1" in message
+        assert "format_version 3 is not supported" in message
+        assert "reads format_version 1, 2" in message
         assert "Upgrade iobundle" in message
-        assert info.value.found == 2
-        assert info.value.supported == (1,)
+        assert info.value.found == 3
+        assert info.value.supported == (1, 2)
 
     @pytest.mark.parametrize("value", [0, -1, "1", 1.5, True, None, [1], 10**100])
     def test_bad_version(self, bundle, value):
         edit_manifest(bundle, lambda m: m.update(format_version=value))
         with pytest.raises(
-            UnsupportedFormatVersionError, match=r"format_version .* is not supported.*reads format_version 1"
+            UnsupportedFormatVersionError, match=r"format_version .* is not supported.*reads format_version 1, 2"
         ):
             load_bundle(bundle)
 
@@ -732,6 +734,254 @@ class TestLimits:
         manifest["calls"][0]["latency"] = "__X__"
         (bundle / "manifest.json").write_text(json.dumps(manifest).replace('"__X__"', value))
         exercise(bundle)
+
+
+# --------------------------------------------------------------------------- format 2: extensions
+
+
+class Growing(torch.nn.Module):
+    def forward(self, x, past):
+        return x * 2
+
+
+def make_growing(path: Path) -> Path:
+    """Three calls whose cache grows by one position: t1 extends t0... (format version 2)."""
+    model, observer = Growing(), InputObserver()
+    full = torch.randn(1, 2, 6, 4)
+    with observer(model, store_n_calls=3):
+        for n in (3, 4, 5):
+            model(torch.randn(2), full[:, :, :n].clone())
+    observer.save(path)
+    return path
+
+
+@pytest.fixture
+def growing(tmp_path: Path) -> Path:
+    return make_growing(tmp_path / "growing")
+
+
+def extension_keys(path: Path) -> list[str]:
+    return [k for k, e in read_manifest(path)["tensors"].items() if "extends" in e]
+
+
+class TestExtensions:
+    def test_seed_has_chained_extensions(self, growing):
+        keys = extension_keys(growing)
+        tensors = read_manifest(growing)["tensors"]
+        assert len(keys) == 2 and tensors[keys[1]]["extends"]["key"] == keys[0]
+        exercise(growing)
+
+    def test_cycle_is_refused(self, growing):
+        a, b = extension_keys(growing)
+        edit_manifest(growing, lambda m: m["tensors"][a].update(extends={"key": b, "dim": 2}))
+        with pytest.raises(UnsafeBundleError, match=rf"tensors\['{a}'\]\.extends: tensor '{b}' is listed after it"):
+            load_bundle(growing)
+
+    def test_self_reference_is_refused(self, growing):
+        a = extension_keys(growing)[0]
+        edit_manifest(growing, lambda m: m["tensors"][a].update(extends={"key": a, "dim": 2}))
+        with pytest.raises(UnsafeBundleError, match="is listed after it \\(or is itself\\)"):
+            load_bundle(growing)
+
+    def test_unknown_base_is_refused(self, growing):
+        a = extension_keys(growing)[0]
+        edit_manifest(growing, lambda m: m["tensors"][a].update(extends={"key": "nowhere", "dim": 2}))
+        with pytest.raises(UnsafeBundleError, match="tensor 'nowhere' is not listed"):
+            load_bundle(growing)
+
+    @pytest.mark.parametrize("dim", [0, 3, 4, 99])
+    def test_dim_out_of_range_or_not_the_growing_one(self, growing, dim):
+        a = extension_keys(growing)[0]
+        edit_manifest(growing, lambda m: m["tensors"][a]["extends"].update(dim=dim))
+        with pytest.raises(UnsafeBundleError, match=rf"tensors\['{a}'\]\.extends"):
+            load_bundle(growing)
+
+    @pytest.mark.parametrize("dim", [-1, "2", 2.0, None, True])
+    def test_dim_of_the_wrong_type(self, growing, dim):
+        a = extension_keys(growing)[0]
+        edit_manifest(growing, lambda m: m["tensors"][a]["extends"].update(dim=dim))
+        with pytest.raises(ManifestError, match=r"extends\.dim"):
+            load_bundle(growing)
+
+    def test_wrong_dtype_is_refused(self, growing):
+        a = extension_keys(growing)[0]
+        base = read_manifest(growing)["tensors"][a]["extends"]["key"]
+        edit_manifest(growing, lambda m: m["tensors"][base].update(dtype="F16"))
+        with pytest.raises(UnsafeBundleError, match=rf"F32 \[1, 2, 4, 4\] cannot extend '{base}' \(F16"):
+            load_bundle(growing)
+
+    def test_base_longer_than_the_tensor_is_refused(self, growing):
+        a = extension_keys(growing)[0]
+        base = read_manifest(growing)["tensors"][a]["extends"]["key"]
+        edit_manifest(growing, lambda m: m["tensors"][base].update(shape=[1, 2, 9, 4]))
+        with pytest.raises(UnsafeBundleError, match="does not extend"):
+            load_bundle(growing)
+
+    def test_stored_part_disagreeing_with_the_header_is_an_error(self, growing):
+        """The header holds the new part's shape: a manifest lying about the full shape is caught."""
+        a = extension_keys(growing)[0]
+        edit_manifest(growing, lambda m: m["tensors"][a].update(shape=[1, 2, 5, 4]))
+        with pytest.raises(IobundleError, match=a):
+            exercise(growing)
+
+    def test_extends_in_a_version_1_manifest_is_refused(self, growing):
+        def edit(m):
+            m["format_version"] = 1
+            for f in m["files"].values():
+                f["sha256"] = "0" * 64
+                del f["hash"], f["digest"]
+
+        edit_manifest(growing, edit)
+        with pytest.raises(ManifestError, match="extends is a format_version 2 field"):
+            load_bundle(growing)
+
+    def test_sha256_in_a_version_2_manifest_is_checked(self, growing):
+        """Version 2 may name a file's hash sha256 (the version-1 spelling): it is checked as such."""
+        data = (growing / FILE0).read_bytes()
+
+        def edit(m, digest):
+            f = m["files"][FILE0]
+            f.pop("hash", None), f.pop("digest", None)
+            f["sha256"] = digest
+
+        edit_manifest(growing, lambda m: edit(m, hashlib.sha256(data).hexdigest()))
+        assert load_bundle(growing).verify() == []
+        edit_manifest(growing, lambda m: edit(m, "0" * 64))
+        with pytest.raises(IntegrityError, match=f"{FILE0}: sha256"):
+            load_bundle(growing).tensor(extension_keys(growing)[0])
+
+    def test_hash_and_digest_must_agree(self, growing):
+        edit_manifest(growing, lambda m: m["files"][FILE0].update(digest="0" * 64))
+        with pytest.raises(ManifestError, match="xxh3-128 digest has 32 hex digits"):
+            load_bundle(growing)
+
+    @pytest.mark.parametrize("algorithm", ["md5", "blake3", "", None])
+    def test_unknown_hash_algorithm(self, growing, algorithm):
+        edit_manifest(growing, lambda m: m["files"][FILE0].update(hash=algorithm))
+        with pytest.raises(ManifestError, match="hash"):
+            load_bundle(growing)
+
+    def test_chain_over_the_limit_is_refused(self, growing, monkeypatch):
+        monkeypatch.setattr(schema_io, "MAX_EXTENSION_DEPTH", 1)
+        with pytest.raises(UnsafeBundleError, match="a chain of more than 1 extensions"):
+            load_bundle(growing)
+
+    def test_long_chain_is_refused_before_reading(self, tmp_path, monkeypatch):
+        """Tensors each extending the previous one, past the limit: refused when the manifest is read."""
+        monkeypatch.setattr(schema_io, "MAX_EXTENSION_DEPTH", 1000)
+        path = make_growing(tmp_path / "huge")
+        manifest = read_manifest(path)
+        first = next(iter(manifest["tensors"].values()))
+        tensors = {"r": {**first, "shape": [1, 0]}}
+        tensors["r"].pop("extends", None)
+        for i in range(3000):
+            tensors[f"c{i}"] = {
+                **tensors["r"],
+                "shape": [1, i + 1],
+                "extends": {"key": "r" if i == 0 else f"c{i - 1}", "dim": 1},
+            }
+        manifest["tensors"] = tensors
+        write_manifest(path, manifest)
+        with pytest.raises(UnsafeBundleError, match="chain of more than 1000 extensions"):
+            load_bundle(path)
+
+
+# --------------------------------------------------------------------------- format 2: the journal
+
+
+def make_journal_bundle(path: Path) -> Path:
+    """A stream as a killed writer leaves it: journal.jsonl and no manifest.json."""
+    model, observer = Growing(), InputObserver()
+    full = torch.randn(1, 2, 6, 4)
+    copy = path.with_name(path.name + ".open")
+    with observer(model, store_n_calls=3, stream_to=copy):
+        for n in (3, 4, 5):
+            model(torch.randn(2), full[:, :, :n].clone())
+        while len(schema_io.load_manifest(copy).calls) < 3:  # the writer appends the last call's line
+            time.sleep(0.01)
+        shutil.copytree(copy, path)
+    return path
+
+
+@pytest.fixture
+def journal(tmp_path: Path) -> Path:
+    return make_journal_bundle(tmp_path / "journal")
+
+
+class TestJournal:
+    def test_seed_opens_from_its_journal(self, journal):
+        assert not (journal / "manifest.json").exists()
+        b = load_bundle(journal)
+        assert b.num_obs() == 3 and b.verify() == []
+        exercise(journal)
+
+    def test_a_torn_last_line_is_ignored(self, journal):
+        data = (journal / "journal.jsonl").read_bytes()
+        (journal / "journal.jsonl").write_bytes(data[:-40])
+        assert load_bundle(journal).num_obs() == 2
+
+    def test_a_bad_line_in_the_middle_is_an_error(self, journal):
+        lines = (journal / "journal.jsonl").read_bytes().split(b"\n")
+        lines[1] = lines[1][:-5]
+        (journal / "journal.jsonl").write_bytes(b"\n".join(lines))
+        with pytest.raises(ManifestError, match=r"journal\.jsonl: line 2 is not valid JSON"):
+            load_bundle(journal)
+
+    def test_no_complete_head(self, journal):
+        (journal / "journal.jsonl").write_bytes(b'{"journal": 1, "format": "iob')
+        with pytest.raises(ManifestError, match="no complete first line"):
+            load_bundle(journal)
+
+    def test_head_without_marker(self, journal):
+        lines = (journal / "journal.jsonl").read_bytes().split(b"\n")
+        lines[0] = lines[0].replace(b'"journal":1,', b"")
+        (journal / "journal.jsonl").write_bytes(b"\n".join(lines))
+        with pytest.raises(ManifestError, match="line 1 is not a journal head"):
+            load_bundle(journal)
+
+    @pytest.mark.parametrize("record", [b"[]", b"{}", b'{"call": {}, "tensors": [], "files": {}}', b"1"])
+    def test_record_of_the_wrong_shape(self, journal, record):
+        with open(journal / "journal.jsonl", "ab") as f:
+            f.write(record + b"\n")
+        with pytest.raises(ManifestError, match="is not a call record"):
+            load_bundle(journal)
+
+    def test_a_tensor_added_twice(self, journal):
+        lines = (journal / "journal.jsonl").read_bytes().split(b"\n")
+        (journal / "journal.jsonl").write_bytes(b"\n".join([*lines[:-1], lines[1], b""]))
+        with pytest.raises(ManifestError, match="a second time"):
+            load_bundle(journal)
+
+    def test_future_version_in_the_head(self, journal):
+        lines = (journal / "journal.jsonl").read_bytes().split(b"\n")
+        lines[0] = lines[0].replace(b'"format_version":2', b'"format_version":9')
+        (journal / "journal.jsonl").write_bytes(b"\n".join(lines))
+        with pytest.raises(UnsupportedFormatVersionError, match="format_version 9 is not supported"):
+            load_bundle(journal)
+
+    def test_journal_over_the_byte_limit(self, journal, monkeypatch):
+        monkeypatch.setattr(schema_io, "MAX_MANIFEST_BYTES", 100)
+        with pytest.raises(UnsafeBundleError, match=r"journal\.jsonl: \d+ bytes, over the limit"):
+            load_bundle(journal)
+
+    def test_journal_symlinked_outside(self, journal, tmp_path):
+        outside = tmp_path / "elsewhere.jsonl"
+        outside.write_bytes((journal / "journal.jsonl").read_bytes())
+        (journal / "journal.jsonl").unlink()
+        (journal / "journal.jsonl").symlink_to(outside)
+        with pytest.raises(UnsafeBundleError, match="outside the bundle"):
+            load_bundle(journal)
+
+    def test_journal_is_a_fifo(self, journal):
+        (journal / "journal.jsonl").unlink()
+        os.mkfifo(journal / "journal.jsonl")
+        with pytest.raises(ManifestError, match="not a regular file"):
+            load_bundle(journal)
+
+    def test_manifest_wins_over_the_journal(self, journal):
+        b = load_bundle(journal)
+        schema_io.write_manifest(journal, b.manifest.model_copy(update={"calls": b.manifest.calls[:1]}))
+        assert load_bundle(journal).num_obs() == 1
 
 
 def test_every_error_is_an_iobundle_error():

@@ -1,13 +1,13 @@
-"""sha256 and size checks of tensor files: on first read (``verify=True``), sizes only (``verify=False``), and ``Bundle.verify()``."""
+"""Hash (XXH3-128; sha256 in format version 1) and size checks of tensor files: on first read (``verify=True``), sizes only (``verify=False``), and ``Bundle.verify()``."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 import iobundle.replay._tensorfile as tensorfile
 from iobundle import InputObserver, load_bundle
@@ -46,7 +46,7 @@ def test_flipped_byte_is_caught_on_first_read(bundle):
     flip_last_byte(bundle / FILE1)
     b = load_bundle(bundle)  # verify=True is the default
     assert b.tensor("t0").shape == (2, 3)  # another file: fine
-    with pytest.raises(IntegrityError, match=f"{FILE1}: sha256 [0-9a-f]{{64}} differs from the manifest"):
+    with pytest.raises(IntegrityError, match=f"{FILE1}: xxh3-128 [0-9a-f]{{32}} differs from the manifest"):
         b.tensor("t2")
     with pytest.raises(IntegrityError, match=FILE1):
         b.infer_arguments(1)
@@ -56,7 +56,7 @@ def test_flipped_byte_in_header_is_caught(bundle):
     data = bytearray((bundle / FILE0).read_bytes())
     data[20] ^= 0x20  # inside the JSON header
     (bundle / FILE0).write_bytes(bytes(data))
-    with pytest.raises(IntegrityError, match=f"{FILE0}: sha256"):
+    with pytest.raises(IntegrityError, match=f"{FILE0}: xxh3-128"):
         load_bundle(bundle).tensor("t0")
 
 
@@ -86,8 +86,8 @@ def test_verify_false_still_checks_headers(bundle):
 
 def test_hash_is_checked_once_per_file(bundle, monkeypatch):
     calls = []
-    real = tensorfile.check_sha256
-    monkeypatch.setattr(tensorfile, "check_sha256", lambda *a, **k: calls.append(a) or real(*a, **k))
+    real = tensorfile.check_digest
+    monkeypatch.setattr(tensorfile, "check_digest", lambda *a, **k: calls.append(a) or real(*a, **k))
     b = load_bundle(bundle)
     for key in b.manifest.tensors:
         b.tensor(key)
@@ -104,8 +104,8 @@ def test_verify_lists_every_bad_file(bundle):
     flip_last_byte(bundle / FILE1)
     problems = load_bundle(bundle).verify()
     assert len(problems) == 2
-    assert FILE0 in problems[0] and "sha256" in problems[0]
-    assert FILE1 in problems[1] and "sha256" in problems[1]
+    assert FILE0 in problems[0] and "xxh3-128" in problems[0]
+    assert FILE1 in problems[1] and "xxh3-128" in problems[1]
 
 
 def test_verify_reports_each_kind_of_problem(bundle):
@@ -121,7 +121,7 @@ def test_verify_checks_headers_against_the_manifest(bundle):
     data = (bundle / FILE0).read_bytes().replace(b'"F32"', b'"I32"', 1)
     (bundle / FILE0).write_bytes(data)
     manifest = json.loads((bundle / "manifest.json").read_text())
-    manifest["files"][FILE0]["sha256"] = hashlib.sha256(data).hexdigest()  # a consistent, lying manifest
+    manifest["files"][FILE0]["digest"] = xxhash.xxh3_128_hexdigest(data)  # a consistent, lying manifest
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     problems = load_bundle(bundle).verify()
     assert len(problems) == 1 and f"{FILE0}: tensor 't0'" in problems[0]

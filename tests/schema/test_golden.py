@@ -1,8 +1,10 @@
 """Golden bundles: the compatibility contract. These committed bundles must keep loading, forever.
 
 They were written by ``tests/data/make_golden.py``. If a test here fails, the change broke old
-bundles: fix the change (or bump the format version and keep reading version 1), do not
-regenerate the bundles.
+bundles: fix the change (or bump the format version and keep reading the older ones), do not
+regenerate the bundles. ``plain``, ``nested``, ``streamed`` and ``llama_cache`` are format
+version 1 (sha256, every tensor whole); ``growing`` and ``journal`` are version 2 (XXH3-128,
+tensors stored as extensions of earlier ones, and a stream's journal without its manifest).
 """
 
 from __future__ import annotations
@@ -109,6 +111,22 @@ EXPECTED: dict[str, dict[str, Any]] = {
         ],
         "tensors": 15,
     },
+    "growing": {
+        "version": 2,
+        "num_obs": 4,
+        "dynamic_shapes": ({}, [{2: DYN}, {2: DYN}], {1: DYN}),
+        "arguments": [(((4,), F32), [((1, 2, n, 4), F32), ((1, 2, n, 4), F32)], ((1, n), I64)) for n in (2, 3, 4, 5)],
+        "tensors": 22,
+        "extensions": 11,
+    },
+    "journal": {
+        "version": 2,
+        "num_obs": 3,
+        "dynamic_shapes": ({}, [{2: DYN}, {2: DYN}], {1: DYN}),
+        "arguments": [(((4,), F32), [((1, 2, n, 4), F32), ((1, 2, n, 4), F32)], ((1, n), I64)) for n in (2, 3, 4)],
+        "tensors": 17,
+        "extensions": 8,
+    },
 }
 
 
@@ -143,9 +161,13 @@ class TestGolden:
     def test_format_version(self, name):
         b = load_bundle(GOLDEN / name)
         assert b.manifest.format == "iobundle"
-        assert b.manifest.format_version == 1
+        assert b.manifest.format_version == EXPECTED[name].get("version", 1)
         assert b.num_obs() == EXPECTED[name]["num_obs"]
         assert len(b.manifest.tensors) == EXPECTED[name]["tensors"]
+        extensions = sum(e.extends is not None for e in b.manifest.tensors.values())
+        assert extensions == EXPECTED[name].get("extensions", 0)
+        hashes = {f.algorithm for f in b.manifest.files.values()}
+        assert hashes == ({"sha256"} if b.manifest.format_version == 1 else {"xxh3-128"})
 
     def test_files_are_intact(self, name):
         assert load_bundle(GOLDEN / name).verify() == []
@@ -166,6 +188,29 @@ class TestGolden:
             assert torch.isfinite(t.float()).all()
         for i in range(b.num_obs()):
             b.outputs(i)
+
+
+def test_version_1_and_2_bundles_both_load():
+    """The reader keeps format version 1 while the writer writes version 2."""
+    versions = {
+        load_bundle(GOLDEN / name).manifest.format_version for name in ("plain", "streamed", "growing", "journal")
+    }
+    assert versions == {1, 2}
+
+
+@pytest.mark.parametrize("name", ["growing", "journal"])
+def test_extensions_rebuild_the_recorded_values(name):
+    """Each call's cache is the previous call's output, rebuilt bit for bit from its stored parts."""
+    b = load_bundle(GOLDEN / name)
+    assert not (GOLDEN / name / "manifest.json").exists() or name == "growing"
+    for i in range(1, b.num_obs()):
+        _, past, mask = b.infer_arguments(i)
+        before = b.outputs(i - 1)["past"]
+        assert all(torch.equal(p, q) for p, q in zip(past, before))
+        assert torch.equal(mask, torch.ones_like(mask))
+        x, previous_past, _ = b.infer_arguments(i - 1)
+        assert all(torch.equal(p[:, :, :-1], q) for p, q in zip(past, previous_past))
+        assert all(torch.equal(p[0, 0, -1], x) for p in past)
 
 
 def test_plain_values():

@@ -1,0 +1,126 @@
+"""Device-to-host copies that never make the model's CUDA stream wait.
+
+The streaming writer runs in its own thread. For the CUDA tensors of a call it
+
+1. makes a side stream (one per device, non-blocking: it never synchronises with the legacy
+   default stream the model usually runs on) its current stream, so that the byte comparisons of
+   delta storage (:class:`iobundle.calls.DeltaIndex`) and the copies run there;
+2. copies each tensor (the new part only, for an extension) into a **pinned** host buffer with
+   ``non_blocking=True`` on that side stream, and waits for an event recorded after the copies:
+   the writer thread waits, the model's stream does not;
+3. gives the pinned buffers back once the file is written, for the next call (pinning memory
+   is slow; reusing it is what makes the copy run at the bus's speed).
+
+The snapshots the copies read were made on the model's stream (a device-to-device clone, with an
+event the writer waited for): the model may change its own tensors meanwhile. CPU tensors pass
+through untouched.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["PinnedStager"]
+
+
+def _round_up(nbytes: int) -> int:
+    step = max(4096, 1 << max(nbytes.bit_length() - 4, 0))
+    return -(-nbytes // step) * step
+
+
+class PinnedStager:
+    """Pinned host buffers and a side stream per device, for the writer thread's D2H copies.
+
+    At most ``keep_bytes`` of free pinned memory is kept between calls (the largest call staged so far).
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._sizes: list[int] = []
+        self._free: list[torch.Tensor] = []
+        self._free_bytes = 0
+        self.keep_bytes = 0
+        self._lock = threading.Lock()
+
+    def stream(self, device: torch.device) -> torch.cuda.Stream:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self._streams.get(index)
+        if stream is None:
+            stream = self._streams[index] = torch.cuda.Stream(device=index)
+        return stream
+
+    @contextlib.contextmanager
+    def side_streams(self, tensors: list[torch.Tensor]) -> Iterator[None]:
+        """Make each CUDA device's side stream current (this thread only) for the block."""
+        with contextlib.ExitStack() as stack:
+            for device in {t.device for t in tensors if t.device.type == "cuda"}:
+                stack.enter_context(torch.cuda.stream(self.stream(device)))
+            yield
+
+    def _take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            i = bisect.bisect_left(self._sizes, nbytes)
+            if i < len(self._sizes) and self._sizes[i] <= 2 * nbytes:
+                del self._sizes[i]
+                self._free_bytes -= self._free[i].numel()
+                return self._free.pop(i)
+        return torch.empty(_round_up(nbytes), dtype=torch.uint8, pin_memory=True)
+
+    def give_back(self, buffers: list[torch.Tensor]) -> None:
+        """Return the pinned buffers of :meth:`to_host` (their bytes are written); keep what fits."""
+        with self._lock:
+            self.keep_bytes = max(self.keep_bytes, sum(b.numel() for b in buffers))
+            for buf in sorted(buffers, key=lambda b: b.numel()):
+                if self._free_bytes + buf.numel() > self.keep_bytes:
+                    break
+                i = bisect.bisect_left(self._sizes, buf.numel())
+                self._sizes.insert(i, buf.numel())
+                self._free.insert(i, buf)
+                self._free_bytes += buf.numel()
+
+    def to_host(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        """CPU copies of the CUDA tensors of ``tensors`` (others as they are), and the pinned buffers used.
+
+        Every copy is queued on its device's side stream, then this thread waits for all of them at once.
+        """
+        out: dict[str, torch.Tensor] = {}
+        buffers: list[torch.Tensor] = []
+        events: list[torch.cuda.Event] = []
+        used: dict[int, torch.cuda.Stream] = {}
+        for key, t in tensors.items():
+            if (
+                t.device.type != "cuda"
+                or t.numel() == 0
+                or t.layout != torch.strided
+                or t.is_quantized
+                or t.is_nested
+                or type(t) is not torch.Tensor
+            ):
+                out[key] = t  # tensor_bytes copies it (or refuses it with a clear error)
+                continue
+            stream = self.stream(t.device)
+            nbytes = t.numel() * t.element_size()
+            buf = self._take(nbytes)
+            buffers.append(buf)
+            with torch.cuda.stream(stream):
+                src = t.detach()
+                if not src.is_contiguous():
+                    src = src.contiguous()  # on the side stream
+                dst = buf[:nbytes].view(t.dtype).view(t.shape)
+                dst.copy_(src, non_blocking=True)
+                t.record_stream(stream)
+                src.record_stream(stream)
+            used[id(stream)] = stream
+            out[key] = dst
+        for stream in used.values():
+            event = torch.cuda.Event()
+            event.record(stream)
+            events.append(event)
+        for event in events:
+            event.synchronize()  # the writer thread waits; the model's stream never does
+        return out, buffers

@@ -1,0 +1,126 @@
+"""``journal.jsonl``: the per-call journal of a bundle being streamed (format version 2).
+
+While a stream is open, each call costs one appended line, not a rewrite of the whole manifest
+(whose size grows with the number of calls). ``manifest.json`` is written once, when the stream
+closes; the journal is then removed. A bundle whose writer was killed has a journal and no
+manifest: :func:`load_journal` rebuilds the manifest from it, with every call whose line is complete.
+
+The journal is JSON Lines, each line ending with ``\\n``:
+
+- line 1, the head: a manifest as JSON (``format``, ``format_version``, ``producer``, ``signature``,
+  ``value_if_missing``, the ``calls`` written before the stream opened and their ``tensors`` and
+  ``files``) plus ``"journal": 1``;
+- then one line per call: ``{"call": <call entry>, "tensors": {...}, "files": {...}}``, the tensors
+  and files that call added, appended once its tensor file is complete (renamed into place).
+
+A last line without its ``\\n`` was cut short by the writer's death: it is ignored. Everything else
+is validated as ``manifest.json`` is (:func:`iobundle.schema.validate_manifest`), limits included;
+the journal as a whole is at most :data:`~iobundle.schema.MAX_MANIFEST_BYTES`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from iobundle.errors import ManifestError, UnsafeBundleError
+from iobundle.schema._io import JOURNAL_FILENAME, MAX_CALLS, read_member, validate_manifest
+from iobundle.schema._manifest import CallEntry, FileEntry, Manifest, TensorEntry
+
+__all__ = ["JOURNAL_VERSION", "journal_call_line", "journal_head_line", "load_journal", "parse_journal"]
+
+JOURNAL_VERSION = 1
+
+
+def journal_head_line(manifest: Manifest) -> bytes:
+    """The first line of a journal: ``manifest`` (what is written so far) marked as a journal head."""
+    text = manifest.model_dump_json()
+    return b'{"journal":1,' + text[1:].encode("utf-8") + b"\n"
+
+
+def journal_call_line(call: CallEntry, tensors: dict[str, TensorEntry], files: dict[str, FileEntry]) -> bytes:
+    """The line of one call: its entry and the tensors and files it added."""
+    parts = ",".join(f"{json.dumps(k)}:{v.model_dump_json()}" for k, v in tensors.items())
+    fparts = ",".join(f"{json.dumps(k)}:{v.model_dump_json()}" for k, v in files.items())
+    return f'{{"call":{call.model_dump_json()},"tensors":{{{parts}}},"files":{{{fparts}}}}}\n'.encode()
+
+
+def _lines(data: bytes) -> Iterable[bytes]:
+    start = 0
+    while True:
+        end = data.find(b"\n", start)
+        if end < 0:
+            return  # the rest, if any, is a line cut short: ignored
+        yield data[start:end]
+        start = end + 1
+
+
+def parse_journal(data: bytes, *, source: str = JOURNAL_FILENAME) -> Manifest:
+    """Rebuild the manifest a journal describes.
+
+    Raises:
+        ManifestError: The head or a complete line is not what the writer writes.
+        UnsupportedFormatVersionError, UnsafeBundleError: as for ``manifest.json``.
+    """
+    lines = _lines(data)
+    head_line = next(iter(lines), None)
+    if head_line is None:
+        raise ManifestError(f"{source}: no complete first line; the writer died before the journal was started.")
+    head = _json(head_line, source, 1)
+    if not isinstance(head, dict) or head.pop("journal", None) != JOURNAL_VERSION:
+        raise ManifestError(f'{source}: line 1 is not a journal head (no "journal": {JOURNAL_VERSION}).')
+    calls, tensors, files = head.get("calls"), head.get("tensors"), head.get("files")
+    if not isinstance(calls, list) or not isinstance(tensors, dict) or not isinstance(files, dict):
+        raise ManifestError(f"{source}: line 1 lacks the calls, tensors and files of a manifest.")
+    for number, line in enumerate(lines, start=2):
+        record = _json(line, source, number)
+        if (
+            not isinstance(record, dict)
+            or set(record) != {"call", "tensors", "files"}
+            or not isinstance(record["tensors"], dict)
+            or not isinstance(record["files"], dict)
+        ):
+            raise ManifestError(f"{source}: line {number} is not a call record (call, tensors, files).")
+        if len(calls) >= MAX_CALLS:
+            raise UnsafeBundleError(f"{source}: more than {MAX_CALLS} calls. The file is corrupt or hostile.")
+        for field, table in (("tensors", tensors), ("files", files)):
+            for key, value in record[field].items():
+                if key in table:
+                    raise ManifestError(f"{source}: line {number} adds {field}[{key!r}] a second time.")
+                table[key] = value
+        calls.append(record["call"])
+    # the devices the calls' tensors lived on (the head knows only those written before): strings only,
+    # anything else is left for validation to refuse
+    producer = head.get("producer")
+    if isinstance(producer, dict) and isinstance(producer.get("devices"), list):
+        listed = producer["devices"]
+        if all(isinstance(d, str) for d in listed):
+            found = {
+                t.get("device") for t in tensors.values() if isinstance(t, dict) and isinstance(t.get("device"), str)
+            }
+            producer["devices"] = sorted({*listed, *found})
+    return validate_manifest(head, source=source)
+
+
+def _json(line: bytes, source: str, number: int) -> Any:
+    try:
+        return json.loads(line)
+    except RecursionError as exc:
+        raise UnsafeBundleError(f"{source}: line {number} nests too deep; the file is corrupt or hostile.") from exc
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"{source}: line {number} is not valid JSON ({exc}).") from exc
+
+
+def load_journal(bundle_dir: str | os.PathLike[str]) -> Manifest:
+    """Rebuild the manifest of ``bundle_dir`` from its ``journal.jsonl`` (see :func:`parse_journal`).
+
+    Raises:
+        BundleNotFoundError: There is no journal.
+        ManifestError, UnsafeBundleError: The journal is unreadable, too large or invalid.
+    """
+    root = Path(bundle_dir)
+    path = root / JOURNAL_FILENAME
+    return parse_journal(read_member(root, path), source=str(path))

@@ -1,0 +1,221 @@
+"""Delta storage: a tensor that extends a stored one is stored as its new part, checked bit for bit.
+
+Every way a cache changes between two calls of a real decoder must round-trip exactly: growing
+(stored as a delta), and reordered (beam search), rolled (sliding window), written in place
+(StaticCache), shortened (crop): stored whole, because the leading part is not the same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from iobundle import InputObserver, load_bundle
+from iobundle.calls import DeltaIndex, extends_bytes, rebuild
+
+
+def grow(t: torch.Tensor, n: int = 1) -> torch.Tensor:
+    return torch.cat([t, torch.randn(*t.shape[:2], n, t.shape[3]).to(t.dtype)], dim=2)
+
+
+class Step(torch.nn.Module):
+    """Takes a cache (list of per-layer tensors) and a mask; returns them, as a decoder step does."""
+
+    def forward(self, x, past, mask):
+        return {"y": x + 1, "past": list(past), "mask": mask}
+
+
+def record(tmp_path: Path, calls: list[tuple[list[torch.Tensor], torch.Tensor]], *, stream: bool) -> tuple[Any, Path]:
+    model, observer = Step(), InputObserver()
+    path = tmp_path / ("streamed" if stream else "saved")
+    with observer(model, store_n_calls=len(calls), stream_to=path if stream else None):
+        for past, mask in calls:
+            model(torch.randn(3), [p.clone() for p in past], mask.clone())
+    if not stream:
+        observer.save(path)
+    return observer, path
+
+
+def check_round_trip(observer: Any, path: Path, calls: list[tuple[list[torch.Tensor], torch.Tensor]]) -> Any:
+    """Every recorded input reads back bit for bit (bytes compared), from the bundle and from the observer."""
+    bundle = load_bundle(path)
+    assert bundle.verify() == []
+    assert bundle.num_obs() == len(calls)
+    for i, (past, mask) in enumerate(calls):
+        for source in (bundle, observer):
+            _, got_past, got_mask = source.infer_arguments(i)
+            for a, b in zip(got_past, past):
+                assert a.dtype == b.dtype and a.shape == b.shape
+                assert a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8))
+            assert torch.equal(got_mask, mask)
+    return bundle
+
+
+def extensions(bundle: Any) -> int:
+    return sum(e.extends is not None for e in bundle.manifest.tensors.values())
+
+
+def cache(n: int, layers: int = 2, dtype: torch.dtype = torch.float32, width: int = 4) -> list[torch.Tensor]:
+    return [torch.randn(1, 2, n, width).to(dtype) for _ in range(layers)]
+
+
+@pytest.fixture(params=[False, True], ids=["saved", "streamed"])
+def stream(request: pytest.FixtureRequest) -> bool:
+    return request.param
+
+
+class TestRoundTrip:
+    def test_a_growing_cache_is_stored_as_its_new_positions(self, tmp_path: Path, stream: bool) -> None:
+        past, calls = cache(3, width=64), []
+        for n in range(3, 9):
+            calls.append((past, torch.ones(1, n, dtype=torch.int64)))
+            past = [grow(p) for p in past]
+        observer, path = record(tmp_path, calls, stream=stream)
+        bundle = check_round_trip(observer, path, calls)
+        # from the second call on, both layers and the mask (streaming: from the third, once growth was seen)
+        assert extensions(bundle) >= 3 * (len(calls) - 2)
+        stored = sum(f.stat().st_size for f in (path / "calls").glob("*.safetensors"))
+        whole = sum(sum(p.numel() * 4 for p in past) + mask.numel() * 8 for past, mask in calls)
+        assert stored < whole / 2  # the repeated positions are not stored again
+
+    def test_beam_search_reorder_is_stored_whole(self, tmp_path: Path, stream: bool) -> None:
+        past = [torch.randn(3, 2, 4, 4) for _ in range(2)]
+        reordered = [grow(p.index_select(0, torch.tensor([2, 0, 0]))) for p in past]  # beams reordered, then grown
+        calls = [(past, torch.ones(3, 4)), (reordered, torch.ones(3, 5))]
+        observer, path = record(tmp_path, calls, stream=stream)
+        bundle = check_round_trip(observer, path, calls)
+        past_keys = {n.key for c in bundle.calls for n in c.args[1].items}
+        assert all(bundle.manifest.tensors[k].extends is None for k in past_keys)
+
+    def test_sliding_window_roll_is_stored_whole(self, tmp_path: Path, stream: bool) -> None:
+        past = cache(6)
+        rolled = [torch.cat([p[:, :, 1:], torch.randn(1, 2, 1, 4)], dim=2) for p in past]  # same length, shifted
+        rolled_more = [torch.cat([p[:, :, 1:], torch.randn(1, 2, 2, 4)], dim=2) for p in rolled]  # longer, shifted
+        calls = [(past, torch.ones(1, 6)), (rolled, torch.ones(1, 6)), (rolled_more, torch.ones(1, 7))]
+        observer, path = record(tmp_path, calls, stream=stream)
+        check_round_trip(observer, path, calls)
+
+    def test_static_cache_written_in_place_round_trips(self, tmp_path: Path, stream: bool) -> None:
+        static = [torch.zeros(1, 2, 8, 4) for _ in range(2)]
+        model, observer = Step(), InputObserver()
+        path, expected = tmp_path / "static", []
+        with observer(model, store_n_calls=4, stream_to=path if stream else None):
+            for i in range(4):
+                for s in static:
+                    s[:, :, i] = torch.randn(2, 4)  # one position written in place per call
+                expected.append(([s.clone() for s in static], torch.ones(1, 8)))
+                model(torch.randn(3), static, torch.ones(1, 8))
+        if not stream:
+            observer.save(path)
+        check_round_trip(observer, path, expected)
+
+    def test_crop_shortens_and_round_trips(self, tmp_path: Path, stream: bool) -> None:
+        past = cache(6)
+        cropped = [p[:, :, :4].clone() for p in past]  # DynamicCache.crop(4)
+        regrown = [grow(p, 3) for p in cropped]  # then generation goes on
+        calls = [(past, torch.ones(1, 6)), (cropped, torch.ones(1, 4)), (regrown, torch.ones(1, 7))]
+        observer, path = record(tmp_path, calls, stream=stream)
+        check_round_trip(observer, path, calls)
+
+    def test_large_growing_tensors_stream_through_the_buffer_pool(self, tmp_path: Path) -> None:
+        """Tensors above the pool's threshold: a base kept for the next call is never recycled under it."""
+        past, calls = cache(4, width=16384), []  # 512 KiB per layer, growing
+        for n in range(4, 9):
+            calls.append((past, torch.ones(1, n)))
+            past = [grow(p) for p in past]
+        observer, path = record(tmp_path, calls, stream=True)
+        bundle = check_round_trip(observer, path, calls)
+        assert extensions(bundle) >= 2 * (len(calls) - 2)
+
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.bool])
+    def test_dtypes_round_trip(self, tmp_path: Path, stream: bool, dtype: torch.dtype) -> None:
+        past, calls = [(torch.randn(1, 2, 3, 4) * 3).to(dtype) for _ in range(2)], []
+        for n in range(3, 7):
+            calls.append((past, torch.ones(1, n)))
+            past = [grow(p) for p in past]
+        observer, path = record(tmp_path, calls, stream=stream)
+        bundle = check_round_trip(observer, path, calls)
+        assert extensions(bundle) > 0
+
+
+class TestBitExactCheck:
+    def test_negative_zero_is_not_zero(self) -> None:
+        base = torch.zeros(1, 2, 3, 4)
+        grown = torch.cat([base, torch.ones(1, 2, 1, 4)], dim=2)
+        assert extends_bytes(grown, base, 2)
+        grown[0, 0, 1, 1] = -0.0  # equal as a float, different bits
+        assert torch.equal(grown[:, :, :3], base)
+        assert not extends_bytes(grown, base, 2)
+
+    def test_nan_payloads_count(self) -> None:
+        base = torch.full((2, 3), math.nan)
+        assert extends_bytes(torch.cat([base, torch.zeros(2, 1)], dim=1), base, 1)  # NaN != NaN, but same bits
+        other = base.clone()
+        other.view(torch.int32)[0, 0] ^= 1  # another NaN payload
+        assert not extends_bytes(torch.cat([other, torch.zeros(2, 1)], dim=1), base, 1)
+
+    def test_only_one_dimension_may_grow(self) -> None:
+        base = torch.randn(2, 3)
+        assert not extends_bytes(torch.randn(3, 4), base, 0)
+        assert not extends_bytes(base.double(), base, 0)
+        assert extends_bytes(torch.cat([base, torch.randn(1, 3)]), base, 0)
+
+    def test_index_picks_the_tensor_whose_bytes_match(self) -> None:
+        index = DeltaIndex(retain_all=True)
+        a, b = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)  # same shape: both are candidates
+        index.add("a", a, base=None, retain=True)
+        index.add("b", b, base=None, retain=True)
+        match = index.find(grow(a))
+        assert match is not None and match.key == "a" and match.dim == 2 and match.new.shape == (1, 2, 1, 4)
+        assert index.find(torch.randn(1, 2, 4, 4)) is None
+
+    def test_a_base_changed_in_place_is_not_used(self) -> None:
+        index = DeltaIndex(retain_all=True)
+        a = torch.randn(1, 2, 3, 4)
+        index.add("a", a, base=None, retain=True)
+        grown = grow(a)
+        a.mul_(2)  # after it was written: the file holds the old values
+        assert index.find(grown) is None
+
+    def test_rebuild_concatenates_runs_of_parts(self) -> None:
+        root = torch.arange(6).reshape(2, 3)
+        parts = [
+            (torch.arange(2).reshape(2, 1), 1),
+            (torch.arange(2).reshape(2, 1), 1),
+            (torch.zeros(1, 5, dtype=torch.int64), 0),
+        ]
+        out = rebuild(root, parts)
+        assert out.shape == (3, 5) and out[:2, :3].equal(root) and out[2].eq(0).all()
+
+
+def test_inspect_never_reads_the_bytes(tmp_path: Path) -> None:
+    """Shapes come from the manifest: an extension's parts can be gone and shapes still answer."""
+    past, calls = cache(3), []
+    for n in range(3, 6):
+        calls.append((past, torch.ones(1, n)))
+        past = [grow(p) for p in past]
+    _, path = record(tmp_path, calls, stream=False)
+    for f in (path / "calls").glob("*.safetensors"):
+        f.unlink()
+    bundle = load_bundle(path)
+    assert bundle.infer_dynamic_shapes()[1] == [{2: torch.export.Dim.DYNAMIC}] * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_cache_compared_on_device_and_round_trips(tmp_path: Path) -> None:
+    past, calls = [p.cuda() for p in cache(3)], []
+    for n in range(3, 7):
+        calls.append((past, torch.ones(1, n, device="cuda")))
+        past = [torch.cat([p, torch.randn(1, 2, 1, 4, device="cuda")], dim=2) for p in past]
+    for stream in (False, True):
+        _, path = record(tmp_path / str(stream), calls, stream=stream)
+        bundle = load_bundle(path)
+        assert extensions(bundle) > 0 and bundle.verify() == []
+        for i, (p, _) in enumerate(calls):
+            _, got, _ = bundle.infer_arguments(i)
+            assert all(torch.equal(a, b.cpu()) for a, b in zip(got, p))
