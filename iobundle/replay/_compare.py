@@ -35,6 +35,7 @@ __all__ = [
     "error_stats",
     "histogram_labels",
     "output_errors",
+    "output_leaves",
     "output_paths",
     "stat_passes",
 ]
@@ -478,11 +479,16 @@ def output_paths(node: Node | None) -> list[str]:
     (``logits``, ``past_key_values``); items of sequences and caches are indexed
     (``output[1]``, ``past_key_values[3]``); nested names are joined with dots.
     """
-    names: list[str] = []
+    return [name for name, _ in output_leaves(node)]
+
+
+def output_leaves(node: Node | None) -> list[tuple[str, TensorNode]]:
+    """Each tensor of an output tree with its :func:`output_paths` name, in flattening order."""
+    leaves: list[tuple[str, TensorNode]] = []
 
     def walk(n: Node, path: str) -> None:
         if isinstance(n, TensorNode):
-            names.append(path or "output")
+            leaves.append((path or "output", n))
             return
         if isinstance(n, DictNode):
             labels: list[Any] = list(n.keys)
@@ -500,7 +506,7 @@ def output_paths(node: Node | None) -> list[str]:
 
     if node is not None:
         walk(node, "")
-    return names
+    return leaves
 
 
 # --------------------------------------------------------------------------- one call, output by output

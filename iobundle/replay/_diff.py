@@ -12,7 +12,14 @@ from typing import Any
 from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import NAME_TO_DTYPE, positional_names
 from iobundle.replay._bundle import Bundle, load_bundle
-from iobundle.replay._compare import OutputCheck, Scratch, Tolerances, check_error_stat_name, compare_call
+from iobundle.replay._compare import (
+    OutputCheck,
+    Scratch,
+    Tolerances,
+    check_error_stat_name,
+    compare_call,
+    output_leaves,
+)
 from iobundle.replay._validate import ValidationReport, _refuse_unused
 from iobundle.schema import CallEntry, ConstNode, DictNode, Manifest, Node, ObjectNode, OpaqueNode, TensorNode
 
@@ -49,6 +56,9 @@ class _Pair:
     key_a: str
     key_b: str
     is_input: bool
+    node_a: TensorNode | None = None
+    index: int = -1
+    """The tensor's position among A's flattened outputs (outputs only)."""
 
 
 def _shape(m: Manifest, key: str) -> str:
@@ -73,7 +83,7 @@ def _walk(a: Node | None, b: Node | None, path: str, ma: Manifest, mb: Manifest,
         if list(ea.shape) != list(eb.shape) or ea.dtype != eb.dtype:
             out.append(f"{path}: {_shape(ma, a.key)} in A, {_shape(mb, b.key)} in B")
         else:
-            pairs.append(_Pair(path, a.key, b.key, is_input))
+            pairs.append(_Pair(path, a.key, b.key, is_input, node_a=a))
         return
     if isinstance(a, ConstNode) and isinstance(b, ConstNode):
         if a.value != b.value or type(a.value) is not type(b.value):
@@ -103,9 +113,12 @@ def _walk(a: Node | None, b: Node | None, path: str, ma: Manifest, mb: Manifest,
     if len(items_a) != len(items_b):
         what = "layers/items" if isinstance(a, ObjectNode) else "items"
         out.append(f"{path}: {len(items_a)} {what} in A, {len(items_b)} in B")
+    # Labels as output_paths reads them: a context names the items only when it has one label per item
+    # (a DynamicCache's ["full", "full"] names its layers, not its 2 x layers tensors).
     labels = a.context if isinstance(a, ObjectNode) and isinstance(a.context, list) else None
+    labels = labels if labels is not None and len(labels) == len(items_a) else None
     for i, (x, y) in enumerate(zip(items_a, items_b)):
-        label = labels[i] if labels is not None and i < len(labels) and isinstance(labels[i], str) else None
+        label = labels[i] if labels is not None and isinstance(labels[i], str) else None
         child = (f"{path}.{label}" if path else label) if label else f"{path or 'output'}[{i}]"
         _walk(x, y, child, ma, mb, out, pairs, is_input)
 
@@ -126,7 +139,16 @@ def _call_pairs(a: Bundle, b: Bundle, ca: CallEntry, cb: CallEntry, out: list[st
         if va != vb or type(va) is not type(vb):
             out.append(f"constant {k}: {va!r} in A, {vb!r} in B")
     if ca.status == "ok" and cb.status == "ok":
-        _walk(ca.outputs, cb.outputs, "", a.manifest, b.manifest, out, pairs, False)
+        outs: list[_Pair] = []
+        _walk(ca.outputs, cb.outputs, "", a.manifest, b.manifest, out, outs, False)
+        # Outputs are named as validate and run name them (output_paths), so one --atol NAME=... fits all three;
+        # pairs are kept in the flattening order of A's outputs.
+        leaves = output_leaves(ca.outputs)
+        index = {id(node): i for i, (_, node) in enumerate(leaves)}
+        for p in outs:
+            p.index = index.get(id(p.node_a), len(leaves))
+            p.path = leaves[p.index][0] if p.index < len(leaves) else p.path
+        pairs.extend(sorted(outs, key=lambda p: p.index))
     return pairs
 
 
