@@ -17,7 +17,6 @@ to float32. A target ending in ``.npz`` gets every call in one file, keys prefix
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,9 +29,8 @@ import torch
 
 from iobundle.calls import RecordedCalls, tensor_keys
 from iobundle.errors import BundleExistsError, BundleWriteError, ModelLoadError, ReplayError
-from iobundle.replay._export import OUTPUT_NAMES_KEY
 from iobundle.replay._inference import align_calls, aligned_tensors
-from iobundle.replay._validate import input_mapping
+from iobundle.replay._validate import input_mapping, model_label, read_metadata
 from iobundle.schema import DictNode, ListNode, Node, ObjectNode, TensorNode, TupleNode
 
 __all__ = ["ConvertResult", "convert_to_npz", "convert_to_onnx_testdata", "tensor_paths", "tensor_proto"]
@@ -122,10 +120,11 @@ def convert_to_onnx_testdata(
         PosixPath('testdata/test_data_set_0/input_0.pb')
     """
     inputs, outputs, meta = _load_graph(model)
-    if OUTPUT_NAMES_KEY in meta and json.loads(meta[OUTPUT_NAMES_KEY]) != outputs:
-        raise ReplayError(f"{model}: the outputs recorded in its metadata differ from the graph's outputs {outputs}.")
     alignment = align_calls(rc)
-    mapping = input_mapping(inputs, meta, len(alignment.owners))
+    metadata = read_metadata(meta, model_label(model), len(alignment.owners))
+    if metadata.output_names is not None and metadata.output_names != outputs:
+        raise ReplayError(f"{model}: the outputs recorded in its metadata differ from the graph's outputs {outputs}.")
+    mapping = input_mapping(inputs, metadata, len(alignment.owners))
     target = Path(output)
     _prepare(target, overwrite=overwrite)
     written: list[Path] = []
