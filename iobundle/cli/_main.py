@@ -51,7 +51,7 @@ EXIT_USAGE = 2
 EXIT_FAILED = 3
 """The bundle was read but the operation failed: calls that cannot be aligned, an export error, ..."""
 EXIT_NOTHING_TO_COMPARE = 4
-"""validate: the bundle holds no recorded outputs (redacted without them), so nothing was compared."""
+"""validate, run: the bundle holds no recorded outputs (redacted without them); diff: a bundle holds no calls."""
 
 # The first class of an error's MRO found here gives the exit code; anything else is EXIT_FAILED.
 _EXIT_CODES: dict[type[IobundleError], int] = {
@@ -76,7 +76,8 @@ exit codes:
      diff: the bundles differ)
   2  usage error, or a bundle or model that cannot be read
   3  the bundle was read but the operation failed (e.g. calls that cannot be aligned)
-  4  validate: the bundle holds no recorded outputs (iobundle redact dropped them): nothing compared
+  4  nothing compared: validate, run: the bundle holds no recorded outputs (iobundle redact dropped
+     them); diff: a bundle holds no calls
 
 environment:
   IOBUNDLE_DEBUG=1  show the full traceback of an error
@@ -130,7 +131,8 @@ call whose input was absent at capture and had to be fed a stand-in is "not chec
 differs. --report writes a Markdown report to paste into an issue (.md), a self-contained
 page with charts (.html), or every column of every call (.json, .csv), by extension.
 Exit code 0 when every call passes, 1 when one differs or fails to run, 2 when the bundle or
-the model cannot be read.""",
+the model cannot be read or a tolerance names no output, 4 when the bundle holds no recorded
+outputs (redacted): nothing compared.""",
     "demo": """\
 examples:
   iobundle demo

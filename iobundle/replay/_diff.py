@@ -11,6 +11,7 @@ from typing import Any
 
 from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import NAME_TO_DTYPE, positional_names
+from iobundle.errors import NothingToCompareError
 from iobundle.replay._bundle import Bundle, load_bundle
 from iobundle.replay._compare import (
     OutputCheck,
@@ -39,6 +40,10 @@ class DiffReport(ValidationReport):
     """
 
     differences: list[str] = field(default_factory=list)
+    outputs_compared: bool = True
+    """False when a bundle holds no recorded outputs (redacted): structure and inputs only were compared."""
+    note: str = ""
+    """Why the outputs were not compared, for the verdict."""
 
     @property
     def ok(self) -> bool:
@@ -46,7 +51,9 @@ class DiffReport(ValidationReport):
 
     def verdict(self) -> str:
         same = sum(1 for r in self.rows if r["SUCCESS"])
-        text = f"{'PASS' if self.ok else 'FAIL'}: {same}/{len(self.rows)} calls alike (structure, shapes, dtypes) and within {self.criterion()}"
+        what = f"within {self.criterion()}" if self.outputs_compared else "inputs within the default tolerances"
+        text = f"{'PASS' if self.ok else 'FAIL'}: {same}/{len(self.rows)} calls alike (structure, shapes, dtypes) and {what}"
+        text += f"; {self.note}" if self.note else ""
         return text + (f"; {'; '.join(self.differences)}" if self.differences else "")
 
 
@@ -123,7 +130,12 @@ def _walk(a: Node | None, b: Node | None, path: str, ma: Manifest, mb: Manifest,
         _walk(x, y, child, ma, mb, out, pairs, is_input)
 
 
-def _call_pairs(a: Bundle, b: Bundle, ca: CallEntry, cb: CallEntry, out: list[str]) -> list[_Pair]:
+def _has_outputs(bundle: Bundle) -> bool:
+    ok = [c for c in bundle.calls if c.status == "ok"]
+    return not ok or any(c.outputs is not None for c in ok)
+
+
+def _call_pairs(a: Bundle, b: Bundle, ca: CallEntry, cb: CallEntry, out: list[str], *, outputs: bool = True) -> list[_Pair]:  # fmt: skip
     pairs: list[_Pair] = []
     names = list(positional_names(a.manifest.signature))
     if ca.status != cb.status:
@@ -138,7 +150,7 @@ def _call_pairs(a: Bundle, b: Bundle, ca: CallEntry, cb: CallEntry, out: list[st
         va, vb = ca.cst_kwargs.get(k), cb.cst_kwargs.get(k)
         if va != vb or type(va) is not type(vb):
             out.append(f"constant {k}: {va!r} in A, {vb!r} in B")
-    if ca.status == "ok" and cb.status == "ok":
+    if ca.status == "ok" and cb.status == "ok" and outputs:
         outs: list[_Pair] = []
         _walk(ca.outputs, cb.outputs, "", a.manifest, b.manifest, out, outs, False)
         # Outputs are named as validate and run name them (output_paths), so one --atol NAME=... fits all three;
@@ -178,8 +190,14 @@ def diff_bundles(
     structural differs or a value is out of tolerance. Typical uses: a capture on a GPU vs one on
     a CPU, a capture before vs after a library upgrade.
 
+    When a bundle holds no recorded outputs (``iobundle redact`` without ``--keep-outputs``), the
+    structure and the inputs are compared, not the outputs: the report says so
+    (``outputs_compared`` is False, the verdict names the bundle), and per-output tolerances are
+    not checked against output names.
+
     Raises:
         BundleError: A bundle cannot be read.
+        NothingToCompareError: A bundle holds no calls: there is nothing to compare.
         ToleranceError: A statistic is unknown, or a per-output tolerance names no output.
     """
     check_error_stat_name(check_error_stat, error_quantile)
@@ -196,6 +214,13 @@ def diff_bundles(
         overall.append(
             f"calls: {len(ba.calls)} in A, {len(bb.calls)} in B (the first {min(len(ba.calls), len(bb.calls))} compared)"
         )
+    if not ba.calls or not bb.calls:
+        empty = ba.path if not ba.calls else bb.path
+        raise NothingToCompareError(f"The bundle '{empty}' holds no calls: there is nothing to compare.")
+    redacted = [name for name, bundle in (("A", ba), ("B", bb)) if not _has_outputs(bundle)]
+    note = ""
+    if redacted:
+        note = f"outputs not compared: {' and '.join(redacted)} {'hold' if len(redacted) > 1 else 'holds'} no recorded outputs (redacted)"
     rows: list[dict[str, Any]] = []
     checks: list[OutputCheck] = []
     scratch = Scratch()
@@ -203,7 +228,7 @@ def diff_bundles(
     notify(on_progress, "diff", 0, n)
     for i, (ca, cb) in enumerate(zip(ba.calls, bb.calls)):
         diffs: list[str] = []
-        pairs = _call_pairs(ba, bb, ca, cb, diffs)
+        pairs = _call_pairs(ba, bb, ca, cb, diffs, outputs=not redacted)
         outs = [p for p in pairs if not p.is_input]
         ins = [p for p in pairs if p.is_input]
         row, call_checks = compare_call(
@@ -233,10 +258,11 @@ def diff_bundles(
         rows.append(row)
         logger.debug("call %d: %d differences", ca.index, len(diffs))
         notify(on_progress, "diff", i + 1, n, f"call {ca.index}")
-    _refuse_unused(tolerances, checks)
+    if not redacted:
+        _refuse_unused(tolerances, checks)
     report = DiffReport(
         rows=rows, atol=atol, rtol=rtol, seconds=time.perf_counter() - begin, outputs=checks, tolerances=tolerances,
         check_error_stat=check_error_stat, error_quantile=error_quantile, subject=str(bb.path), kind="diff",
-        differences=overall,
+        differences=overall, outputs_compared=not redacted, note=note,
     )  # fmt: skip
     return report

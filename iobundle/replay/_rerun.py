@@ -14,7 +14,7 @@ from iobundle.calls import RecordedCalls, build_value, positional_names, tensor_
 from iobundle.errors import ReplayError
 from iobundle.replay._compare import OutputCheck, Scratch, Tolerances, check_error_stat_name, compare_call, output_paths
 from iobundle.replay._export import flatten_outputs
-from iobundle.replay._validate import ValidationReport, _refuse_unused
+from iobundle.replay._validate import ValidationReport, _refuse_unused, _require_outputs
 from iobundle.schema import CallEntry
 
 __all__ = ["rerun_model"]
@@ -79,10 +79,12 @@ def rerun_model(
         and ``duration_rerun`` (here).
 
     Raises:
+        NothingToCompareError: No ok call has recorded outputs (a redacted bundle), as in ``validate_onnx``.
         ReplayError: The model has no method named like the recorded one.
         ToleranceError: A statistic is unknown, or a per-output tolerance names no output.
     """
     check_error_stat_name(check_error_stat, error_quantile)
+    _require_outputs(rc)
     method = getattr(model, rc.signature.method, None)
     if not callable(method):
         raise ReplayError(
