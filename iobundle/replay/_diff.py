@@ -21,7 +21,7 @@ from iobundle.replay._compare import (
     compare_call,
     output_leaves,
 )
-from iobundle.replay._validate import ValidationReport, _refuse_unused
+from iobundle.replay._validate import ValidationReport, _refuse_unused, recorded_output_names, refuse_unknown_outputs
 from iobundle.schema import CallEntry, ConstNode, DictNode, Manifest, Node, ObjectNode, OpaqueNode, TensorNode
 
 __all__ = ["DiffReport", "diff_bundles"]
@@ -221,6 +221,9 @@ def diff_bundles(
     note = ""
     if redacted:
         note = f"outputs not compared: {' and '.join(redacted)} {'hold' if len(redacted) > 1 else 'holds'} no recorded outputs (redacted)"
+    if not redacted:  # before the comparison, not after it
+        paired = [ca for ca, cb in zip(ba.calls, bb.calls) if ca.status == cb.status == "ok"]
+        refuse_unknown_outputs(tolerances, recorded_output_names(paired))
     rows: list[dict[str, Any]] = []
     checks: list[OutputCheck] = []
     scratch = Scratch()

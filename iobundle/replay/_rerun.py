@@ -15,7 +15,13 @@ from iobundle.errors import ReplayError
 from iobundle.replay._compare import OutputCheck, Scratch, Tolerances, check_error_stat_name, compare_call, output_paths
 from iobundle.replay._export import flatten_outputs
 from iobundle.replay._inference import received_arguments
-from iobundle.replay._validate import ValidationReport, _refuse_unused, _require_outputs
+from iobundle.replay._validate import (
+    ValidationReport,
+    _refuse_unused,
+    _require_outputs,
+    recorded_output_names,
+    refuse_unknown_outputs,
+)
 
 __all__ = ["rerun_model"]
 
@@ -75,6 +81,7 @@ def rerun_model(
     tolerances = Tolerances(atol=atol, rtol=rtol, per_output_atol=output_atol or {}, per_output_rtol=output_rtol or {})
     begin = time.perf_counter()
     calls = rc.ok_calls
+    refuse_unknown_outputs(tolerances, recorded_output_names(calls))  # before the run, not after it
     rows: list[dict[str, Any]] = []
     checks: list[OutputCheck] = []
     scratch = Scratch()

@@ -218,6 +218,7 @@ def check_discrepancies(
     Raises:
         NothingToCompareError: The calls hold no recorded outputs (a redacted bundle).
         ReplayError: The model cannot be loaded or its inputs do not match the recorded calls.
+        ToleranceError: A statistic is unknown, or a per-output tolerance names no output.
 
     .. versionchanged:: 0.2
         ``output_atol``, ``output_rtol``, ``check_error_stat``, ``error_quantile``, ``on_progress``.
@@ -254,6 +255,8 @@ def _run_checks(
     mapping = input_mapping([i.name for i in session.get_inputs()], metadata, len(alignment.owners))
     output_names = metadata.output_names
     graph_outputs = output_names or [o.name for o in session.get_outputs()]
+    # A typo in a tolerance name is refused before the run, not after it.
+    refuse_unknown_outputs(tolerances, recorded_output_names(alignment.calls, graph_outputs))
     scratch = Scratch()
     rows: list[dict[str, Any]] = []
     checks: list[OutputCheck] = []
@@ -426,10 +429,35 @@ def validate_onnx(
 
 
 def _refuse_unused(tolerances: Tolerances, checks: Sequence[OutputCheck]) -> None:
-    """A per-output tolerance that matches no output is a typo: say which names exist."""
+    """A per-output tolerance that matches no compared output is a typo: say which names exist."""
     if not checks:  # nothing was compared (every run failed): the rows say why, not the tolerances
         return
-    groups = [(c.name, c.other_name or "") for c in checks]
+    refuse_unknown_outputs(tolerances, [(c.name, c.other_name or "") for c in checks])
+
+
+def recorded_output_names(calls: Sequence[Any], other_names: Sequence[str] | None = None) -> list[tuple[str, ...]]:
+    """The names of every output of ``calls`` (their :func:`output_paths`, with ``other_names`` by position).
+
+    Read from the manifest alone (no tensor is loaded), so tolerances can be checked before a run.
+    """
+    groups: dict[tuple[str, ...], None] = {}
+    for call in calls:
+        if call.outputs is None:
+            continue
+        for i, name in enumerate(output_paths(call.outputs)):
+            other = other_names[i] if other_names is not None and i < len(other_names) else ""
+            groups[(name, other)] = None
+    return list(groups)
+
+
+def refuse_unknown_outputs(tolerances: Tolerances, groups: Sequence[Sequence[str]]) -> None:
+    """Refuse a per-output tolerance that matches none of the outputs ``groups`` (each given as its names).
+
+    Raises:
+        ToleranceError: A key matches no output; the message lists the outputs.
+    """
+    if not groups:
+        return
     unused = tolerances.unused(groups)
     if unused:
         known = list(dict.fromkeys(n for g in groups for n in g if n))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from iobundle import InputObserver, ReplayError, load_bundle
+from iobundle import InputObserver, ReplayError, ToleranceError, load_bundle
 from iobundle.replay import rerun_model
 
 
@@ -125,3 +125,17 @@ def test_export_check_of_a_redacted_bundle_calls_the_eager_model_as_run_does(tmp
     calls = [(c.success, c.reference, c.absent_inputs) for c in report.calls]
     # The program is fed the placeholder, the eager model was not: the call differs and is "not checked".
     assert calls == [(True, "eager", []), (None, "eager", ["mask"])]
+
+
+def test_a_tolerance_naming_no_output_is_refused_before_the_model_runs(tmp_path):
+    model, observer = Masked(), InputObserver()
+    with torch.no_grad(), observer(model):
+        model(torch.randn(2, 4))
+    observer.save(tmp_path / "b")
+    rc = load_bundle(tmp_path / "b")._recorded()
+    seen: list[torch.Tensor] = []
+    model.forward = lambda x, mask=None: seen.append(x) or Masked.forward(model, x, mask)  # counts the calls
+    with pytest.raises(ToleranceError, match=r"'outptu' matches no output\. Outputs: output"):
+        rerun_model(rc, model, output_atol={"outptu": 1.0})
+    assert seen == []
+    assert rerun_model(rc, model, output_atol={"output": 1.0}).ok and len(seen) == 1
