@@ -254,13 +254,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "dynamic shapes, check the exported program on every recorded call, and write an ONNX file.",
     )
     p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", metavar="MODULE:FACTORY", help="a callable returning the model (your code)")
-    source.add_argument(
-        "--from-bundle",
-        action="store_true",
-        help="rebuild the model stored in the bundle (saved with include_model=True; transformers classes only)",
-    )
+    _checks.add_model_source(p)
     p.add_argument(
         "-o", "--output", metavar="MODEL.onnx", default="model.onnx", help="the ONNX file (default: %(default)s)"
     )

@@ -11,7 +11,7 @@ import sys
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from iobundle.cli._render import color_enabled
+from iobundle.cli._render import _isatty, color_enabled
 
 if TYPE_CHECKING:
     from iobundle.replay import ProgressEvent
@@ -66,10 +66,3 @@ class ProgressBars:
         if task is None:
             task = self._tasks[event.task] = self._progress.add_task(event.task, total=event.total, detail="")
         self._progress.update(task, completed=event.done, total=event.total, detail=event.detail)
-
-
-def _isatty(stream: Any) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):
-        return False

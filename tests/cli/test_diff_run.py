@@ -126,3 +126,17 @@ class TestRedacted:
         code, out, _ = run(capsys, "diff", "a.iobundle", "r.iobundle")
         assert "outputs not compared: B holds no recorded outputs" in out
         assert code == 1 and "input x: max abs difference" in out  # redacted inputs are synthetic
+
+
+def test_cli_comparison_defaults_are_replays():
+    """cli/_checks.py copies these (the CLI loads no torch for --help): the copies must stay equal."""
+    import inspect
+
+    from iobundle.cli import _checks
+    from iobundle.replay import diff_bundles, rerun_model, validate_onnx
+    from iobundle.replay._compare import ERROR_STATS
+
+    assert _checks.ERROR_STATS == ERROR_STATS
+    for function in (validate_onnx, rerun_model, diff_bundles):
+        parameters = inspect.signature(function).parameters
+        assert (parameters["atol"].default, parameters["rtol"].default) == (_checks.DEFAULT_ATOL, _checks.DEFAULT_RTOL)
