@@ -57,7 +57,8 @@ def workdir(tmp_path, monkeypatch):
         model(torch.randn(3, 4))
     observer.save(tmp_path / "run.iobundle")
     sys.modules.pop("factories", None)
-    return tmp_path
+    yield tmp_path
+    sys.modules.pop("factories", None)  # the CLI imported it again (--model factories:...): no stale module for others
 
 
 def test_export_then_validate_pass(workdir, capsys):
