@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 from iobundle.errors import BundleWriteError
 
-__all__ = ["CHUNK_BYTES", "CONCURRENT_HASH_MIN_BYTES", "fsync_files", "write_atomically"]
+__all__ = ["CHUNK_BYTES", "CONCURRENT_HASH_MIN_BYTES", "atomic_file", "fsync_files", "write_atomically"]
 
 CHUNK_BYTES = 4 * 1024**2
 """Large buffers are written in pieces of this size, each handed to ``on_chunk`` once it is written."""
@@ -27,6 +29,42 @@ CONCURRENT_HASH_MIN_BYTES = 16 * 1024**2
 max(write, hash) instead of their sum. Smaller files are written and hashed in one thread."""
 
 _DONE = object()
+
+
+@contextmanager
+def atomic_file(path: Path, *, durable: bool = True) -> Iterator[BinaryIO]:
+    """A file opened for writing whose bytes appear at ``path`` only once the block completes.
+
+    The block writes to ``.<name>.tmp`` beside ``path``; on a normal exit the file is flushed
+    (fsynced with ``durable``), renamed to ``path``, and the directory fsynced (``durable``). On
+    an exception the temporary file is removed and ``path`` is left as it was. For callers that
+    stream their bytes (``os.copy_file_range`` into ``f.fileno()`` included: flush first); see
+    :func:`write_atomically` for buffers already in memory.
+
+    Raises:
+        BundleWriteError: The file cannot be written (an ``OSError``, in the block or after it,
+            becomes one naming ``path``); an ``IobundleError`` from the block passes unchanged.
+    """
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if durable:
+            fsync_dir(path.parent)
+    except BaseException as exc:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            raise BundleWriteError(
+                f"Cannot write {path}: {exc.strerror or exc}. Check free space and permissions."
+            ) from exc
+        raise
 
 
 def write_atomically(

@@ -3,21 +3,46 @@
 A string of the form ``scheme://...`` is a URL, never a local path: without fsspec it is a
 :class:`~iobundle.errors.MissingDependencyError` naming the extra to install, instead of a local
 folder named ``scheme:``. ``file://`` URLs are plain local paths (the fast, memory-mapped path).
-Capture writes a bundle to a local staging directory and uploads it (:func:`upload_directory`,
-``manifest.json`` last, so a reader never sees a manifest before its files); replay reads the
+Capture writes a bundle to a local staging directory and uploads it (:func:`staged`, which
+uploads with :func:`upload_directory`, ``manifest.json`` last, so a reader never sees a manifest
+before its files); replay reads the
 members of a remote bundle through the filesystem's files (no memory mapping).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
-from pathlib import Path
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from iobundle.errors import BundleExistsError, BundleNotFoundError, BundleWriteError, MissingDependencyError
 
-__all__ = ["REMOTE_EXTRA", "is_url", "join_url", "local_path", "open_filesystem", "remote_kind", "upload_directory"]
+__all__ = [
+    "MANIFEST_NAME",
+    "REMOTE_EXTRA",
+    "Staging",
+    "clear_bundle",
+    "clear_local_bundle",
+    "directory_files",
+    "is_url",
+    "join_url",
+    "listed_names",
+    "local_path",
+    "open_filesystem",
+    "remote_kind",
+    "staged",
+    "upload_directory",
+    "upload_file",
+]
+
+MANIFEST_NAME = "manifest.json"
+"""The manifest's name (``iobundle.schema.MANIFEST_FILENAME``; this module stays stdlib only)."""
 
 REMOTE_EXTRA = "pip install 'iobundle[remote]'"
 
@@ -72,12 +97,96 @@ def open_filesystem(url: str) -> tuple[Any, str]:
     return fs, path
 
 
-def upload_directory(local: Path, url: str, *, overwrite: bool = False, last: str = "manifest.json") -> None:
-    """Copy every file under ``local`` to ``url``, the file ``last`` after all the others.
+def listed_names(manifest: bytes, where: str) -> list[str]:
+    """The files the bundle manifest ``manifest`` lists besides itself: tensor files, the model's files.
 
-    An existing non-empty ``url`` is refused without ``overwrite``; with it, a bundle there (it has
-    a ``last`` file) is removed, ``last`` first (what remains is never taken for a complete bundle);
-    anything else is never deleted.
+    This is what replacing a bundle deletes (:func:`clear_bundle`). Names are checked to stay inside
+    the bundle (relative, no ``..``, no backslash), since the old manifest is not trusted either.
+
+    Raises:
+        BundleExistsError: The manifest at ``where`` is not a readable bundle manifest, or names a
+            file outside the bundle: nothing is deleted then.
+    """
+    try:
+        data = json.loads(manifest)
+        names = list(data.get("files") or {})
+        model = data.get("model")
+        if isinstance(model, dict):
+            names += list(model.get("files") or {})
+    except (ValueError, AttributeError, TypeError) as exc:
+        raise BundleExistsError(
+            f"'{where}' is not a readable bundle manifest ({exc}); refusing to replace what its folder holds. "
+            "Remove the folder yourself, or choose another path."
+        ) from exc
+    for name in names:
+        parts = PurePosixPath(name).parts if isinstance(name, str) else ()
+        if not parts or name.startswith("/") or "\\" in name or ".." in parts or ":" in name:
+            raise BundleExistsError(
+                f"'{where}' lists the file {name!r}, which is not inside the bundle; refusing to replace it. "
+                "Remove the folder yourself, or choose another path."
+            )
+    return list(dict.fromkeys(names))
+
+
+def clear_bundle(
+    read: Callable[[str], bytes], remove: Callable[[str], None], *, where: str, missing_ok: type[BaseException]
+) -> list[str]:
+    """Delete the bundle whose files ``read`` and ``remove`` reach (by member name): the one overwrite rule.
+
+    ``manifest.json`` goes first (what remains is never taken for a complete bundle), then each
+    file it lists (:func:`listed_names`); nothing else is deleted, so files beside the bundle stay.
+    Folders left empty are the caller's to remove. Returns the names removed.
+
+    Raises:
+        BundleExistsError: See :func:`listed_names`.
+    """
+    names = listed_names(read(MANIFEST_NAME), where)
+    remove(MANIFEST_NAME)
+    for name in names:
+        try:
+            remove(name)
+        except missing_ok:
+            pass  # already gone: a file the old manifest listed but nobody wrote
+    return [MANIFEST_NAME, *names]
+
+
+def clear_local_bundle(root: Path) -> None:
+    """:func:`clear_bundle` for the local bundle directory ``root``, then its folders left empty.
+
+    Raises:
+        BundleExistsError: See :func:`listed_names`.
+        BundleWriteError: A listed file cannot be removed (a folder by that name, permissions).
+    """
+    try:
+        removed = clear_bundle(
+            lambda n: root.joinpath(*n.split("/")).read_bytes(),
+            lambda n: root.joinpath(*n.split("/")).unlink(),
+            where=str(root / MANIFEST_NAME),
+            missing_ok=FileNotFoundError,
+        )
+    except BundleExistsError:
+        raise  # an OSError too (FileExistsError), but the message says what to do already
+    except OSError as exc:
+        raise BundleWriteError(
+            f"Cannot remove {exc.filename or root} of the bundle being replaced: {exc.strerror or exc}. "
+            "Remove the bundle yourself, or choose another path."
+        ) from exc
+    parents = {root.joinpath(*n.split("/")).parent for n in removed}
+    for parent in sorted(parents, key=lambda p: len(p.parts), reverse=True):
+        while parent != root and root in parent.parents:
+            try:
+                parent.rmdir()  # only when empty
+            except OSError:
+                break
+            parent = parent.parent
+
+
+def upload_directory(local: Path, url: str, *, overwrite: bool = False, last: str = MANIFEST_NAME) -> None:
+    """Copy every file under ``local`` (but writers' ``.*.tmp`` files) to ``url``, ``last`` after all the others.
+
+    An existing non-empty ``url`` is refused without ``overwrite``; with it, the bundle there (it has
+    a ``last`` file) is removed by :func:`clear_bundle`: its manifest, then the files it lists;
+    anything else (files beside the bundle) is never deleted.
 
     Raises:
         BundleExistsError: ``url`` holds files and ``overwrite`` is False, or holds files but no bundle.
@@ -98,13 +207,17 @@ def upload_directory(local: Path, url: str, *, overwrite: bool = False, last: st
             manifest = join_url(root, last)
             if not fs.exists(manifest):
                 raise BundleExistsError(f"'{url}' is not a bundle (no {last}); refusing to replace what it holds.")
-            fs.rm(manifest)  # first: what remains is never taken for a complete bundle
-            fs.rm(root, recursive=True)
+            clear_bundle(
+                lambda n: fs.cat_file(join_url(root, n)),  # type: ignore[no-any-return]
+                lambda n: fs.rm_file(join_url(root, n)),
+                where=manifest,
+                missing_ok=FileNotFoundError,
+            )
         fs.makedirs(root, exist_ok=True)
-        files = sorted(p for p in local.rglob("*") if p.is_file())
-        files.sort(key=lambda p: p.relative_to(local).as_posix() == last)
-        for path in files:
-            name = path.relative_to(local).as_posix()
+        names = directory_files(local)
+        names.sort(key=lambda n: n == last)
+        for name in names:
+            path = local.joinpath(*name.split("/"))
             target = join_url(root, name)
             parent = target.rsplit("/", 1)[0]
             if parent != root.rstrip("/"):
@@ -117,6 +230,87 @@ def upload_directory(local: Path, url: str, *, overwrite: bool = False, last: st
             f"Cannot upload the bundle to '{url}': {type(exc).__name__}: {exc}. Check the URL, "
             "the credentials and the permissions."
         ) from exc
+
+
+def directory_files(root: Path) -> list[str]:
+    """The files under ``root`` as sorted ``/``-separated names, without writers' temporary ``.*.tmp`` files."""
+    names = []
+    for directory, dirs, files in os.walk(root):
+        dirs.sort()
+        for file in files:
+            if file.startswith(".") and file.endswith(".tmp"):
+                continue  # a writer's temporary file, never part of the bundle
+            names.append(Path(directory, file).relative_to(root).as_posix())
+    return sorted(names)
+
+
+def upload_file(path: Path, url: str, *, overwrite: bool = False) -> None:
+    """Copy the local file ``path`` to ``url`` (a packed bundle, say).
+
+    Raises:
+        BundleExistsError: ``url`` exists and ``overwrite`` is False.
+        BundleWriteError: The file cannot be uploaded (the message names the URL and the cause).
+        MissingDependencyError: See :func:`open_filesystem`.
+    """
+    fs, inner = open_filesystem(url)
+    try:
+        if fs.exists(inner) and not overwrite:
+            raise BundleExistsError(f"'{url}' already exists. Pass overwrite=True (--overwrite) or choose another URL.")
+        parent = inner.rsplit("/", 1)[0]
+        if parent and parent != inner:
+            fs.makedirs(parent, exist_ok=True)
+        fs.put_file(str(path), inner)
+    except BundleExistsError:
+        raise
+    except Exception as exc:
+        raise BundleWriteError(f"Cannot upload to '{url}': {type(exc).__name__}: {exc}.") from exc
+
+
+class Staging:
+    """A local temporary folder for what is bound for ``url``: write :attr:`path`, :meth:`upload`, :meth:`close`.
+
+    :attr:`path` (``<folder>/bundle``) does not exist yet: make it a bundle directory, or a file.
+    Use :func:`staged` unless the staging outlives one block (a stream kept across blocks).
+
+    Raises:
+        MissingDependencyError: See :func:`open_filesystem` (checked before anything is made).
+    """
+
+    def __init__(self, url: str, *, prefix: str = "iobundle-") -> None:
+        open_filesystem(url)  # MissingDependencyError without fsspec, before anything is written
+        self.url = url
+        self.folder = Path(tempfile.mkdtemp(prefix=prefix))
+        self.path = self.folder / "bundle"
+
+    def upload(self, *, overwrite: bool = False) -> None:
+        """Upload :attr:`path` to the URL: a directory by :func:`upload_directory`, a file by :func:`upload_file`."""
+        if self.path.is_dir():
+            upload_directory(self.path, self.url, overwrite=overwrite)
+        else:
+            upload_file(self.path, self.url, overwrite=overwrite)
+
+    def close(self) -> None:
+        """Remove the staging folder (idempotent)."""
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@contextmanager
+def staged(url: str, *, overwrite: bool = False, prefix: str = "iobundle-") -> Iterator[Path]:
+    """A local path to write what goes to ``url``; uploaded when the block completes, removed in any case.
+
+    Example:
+        >>> with staged("s3://bucket/run.iobundle", overwrite=True) as local:
+        ...     save_recorded_calls(rc, local)
+
+    Raises:
+        BundleExistsError, BundleWriteError, MissingDependencyError: See :meth:`Staging.upload`.
+    """
+    staging = Staging(url, prefix=prefix)
+    try:
+        yield staging.path
+        staging.upload(overwrite=overwrite)
+    finally:
+        staging.close()
 
 
 def remote_kind(url: str) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from iobundle import _atomic
-from iobundle._atomic import CHUNK_BYTES, CONCURRENT_HASH_MIN_BYTES, write_atomically
+from iobundle._atomic import CHUNK_BYTES, CONCURRENT_HASH_MIN_BYTES, atomic_file, write_atomically
 from iobundle.errors import BundleWriteError
 
 SMALL = [b"header", os.urandom(1000), b""]
@@ -111,3 +111,29 @@ def test_without_durable_nothing_is_fsynced(tmp_path: Path, monkeypatch: pytest.
     with pytest.raises(BundleWriteError, match="fsync called"):
         write_atomically(tmp_path / "g", SMALL, durable=True)
     assert not (tmp_path / "g").exists() and not (tmp_path / ".g.tmp").exists()
+
+
+class TestAtomicFile:
+    def test_the_bytes_appear_only_once_the_block_completes(self, tmp_path):
+        path = tmp_path / "out.bin"
+        path.write_bytes(b"old")
+        with atomic_file(path) as f:
+            f.write(b"new bytes")
+            f.flush()
+            assert path.read_bytes() == b"old"
+            assert (tmp_path / ".out.bin.tmp").read_bytes() == b"new bytes"
+        assert path.read_bytes() == b"new bytes"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["out.bin"]
+
+    def test_an_error_leaves_the_old_file_and_no_temporary(self, tmp_path):
+        path = tmp_path / "out.bin"
+        path.write_bytes(b"old")
+        with pytest.raises(RuntimeError, match="boom"), atomic_file(path) as f:
+            f.write(b"half")
+            raise RuntimeError("boom")
+        assert path.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["out.bin"]
+
+    def test_an_os_error_becomes_a_bundle_write_error_naming_the_file(self, tmp_path):
+        path = tmp_path / "missing-dir" / "out.bin"
+        with pytest.raises(BundleWriteError, match=r"out\.bin"), atomic_file(path) as f:
+            f.write(b"x")

@@ -167,3 +167,90 @@ def test_overwrite_never_deletes_what_is_not_a_bundle(url):
     with pytest.raises(BundleExistsError, match="not a bundle"):
         record(InputObserver()).save(url + "/precious", overwrite=True)
     assert fs.cat_file(root + "/notes.txt") == b"keep me"
+
+
+def test_overwrite_replaces_only_the_old_bundles_files_remote(url):
+    fs = fsspec.filesystem("memory")
+    root = url.removeprefix("memory://") + "/run"
+    big = InputObserver()
+    model = Model()
+    with big(model, store_n_calls=5):
+        for n in range(2, 7):
+            model(torch.randn(n, 3))
+    big.save(url + "/run")
+    old = set(fs.find(root))
+    fs.pipe_file(root + "/notes.txt", b"keep me")
+    fs.pipe_file(root + "/calls/README", b"keep me too")
+    record(InputObserver()).save(url + "/run", overwrite=True)
+    assert fs.cat_file(root + "/notes.txt") == b"keep me" and fs.cat_file(root + "/calls/README") == b"keep me too"
+    bundle = load_bundle(url + "/run")
+    assert bundle.num_obs() == 2 and bundle.verify() == []
+    listed = {f"{root}/{n}" for n in bundle.manifest.files} | {f"{root}/manifest.json"}
+    assert set(fs.find(root)) - listed == {root + "/notes.txt", root + "/calls/README"}  # no stale tensor file
+    assert old - listed - set(fs.find(root)), "the larger bundle's extra files are gone"
+
+
+def test_stream_to_url_respects_overwrite(url):
+    record(InputObserver()).save(url + "/live")  # another machine wrote a bundle there meanwhile
+    observer = InputObserver()
+    model = Model()
+    with observer(model, stream_to=url + "/other"):  # our stream, to an empty URL
+        model(torch.randn(2, 3))
+    fs = fsspec.filesystem("memory")
+    mine = url.removeprefix("memory://") + "/other"
+    fs.rm(mine, recursive=True)
+    record(InputObserver()).save(url + "/other")  # someone else's bundle lands where ours was
+    theirs = fs.cat_file(mine + "/manifest.json")
+    with pytest.warns(Warning, match="could not upload"), observer(model, stream_to=url + "/other"):
+        model(torch.randn(3, 3))
+    assert fs.cat_file(mine + "/manifest.json") == theirs, "a bundle this observer did not write was replaced"
+    with observer(model, stream_to=url + "/other", overwrite=True):
+        model(torch.randn(4, 3))
+    assert load_bundle(url + "/other").num_obs() == 3
+
+
+def test_stream_to_url_replaces_its_own_upload(url):
+    observer, model = InputObserver(), Model()
+    for n in (2, 3):
+        with observer(model, stream_to=url + "/live"):
+            model(torch.randn(n, 3))
+    assert load_bundle(url + "/live").num_obs() == 2
+
+
+def test_staged_uploads_on_success_and_always_removes_the_staging_folder(url, tmp_path):
+    from iobundle._remote import staged
+
+    fs = fsspec.filesystem("memory")
+    with staged(url + "/one", prefix="iobundle-test-") as local:
+        local.mkdir()
+        (local / "manifest.json").write_text("{}")
+        (local / ".half.tmp").write_text("a writer's temporary file")  # never uploaded
+        folder = local.parent
+    assert not folder.exists()
+    assert fs.cat_file(url.removeprefix("memory://") + "/one/manifest.json") == b"{}"
+    assert not fs.exists(url.removeprefix("memory://") + "/one/.half.tmp")
+    with pytest.raises(RuntimeError), staged(url + "/two") as local:
+        local.write_text("a file")
+        folder = local.parent
+        raise RuntimeError("the writer failed")
+    assert not folder.exists() and not fs.exists(url.removeprefix("memory://") + "/two")
+
+
+def test_a_listed_name_that_is_a_folder_is_a_bundle_write_error(tmp_path):
+    from iobundle._remote import clear_local_bundle
+    from iobundle.errors import BundleWriteError
+
+    (tmp_path / "calls").mkdir()
+    (tmp_path / "manifest.json").write_text('{"files": {"calls": {}}}')
+    with pytest.raises(BundleWriteError, match="calls"):
+        clear_local_bundle(tmp_path)
+    assert (tmp_path / "calls").is_dir()
+
+
+def test_an_old_manifest_naming_files_outside_is_refused_and_nothing_deleted(tmp_path):
+    from iobundle._remote import clear_local_bundle
+
+    (tmp_path / "manifest.json").write_text('{"files": {"../outside.txt": {}}}')
+    with pytest.raises(BundleExistsError, match="not inside the bundle"):
+        clear_local_bundle(tmp_path)
+    assert (tmp_path / "manifest.json").exists()

@@ -7,8 +7,6 @@ import functools
 import inspect
 import logging
 import os
-import shutil
-import tempfile
 import threading
 import time
 import warnings
@@ -19,7 +17,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from iobundle._remote import local_path, open_filesystem, upload_directory
+from iobundle._implementations import ATTN_IMPLEMENTATIONS, SAFE_ATTN_IMPLEMENTATION
+from iobundle._remote import Staging, join_url, local_path, open_filesystem, staged
 from iobundle.calls import (
     RecordedCalls,
     TensorCollector,
@@ -36,7 +35,7 @@ from iobundle.errors import (
     ObserverArgumentTypeError,
     ObserverStateError,
 )
-from iobundle.schema import CallEntry, Manifest, MissingValueEntry, Node
+from iobundle.schema import MANIFEST_FILENAME, CallEntry, Manifest, MissingValueEntry, Node
 
 __all__ = ["CallRecorder", "ObservationWarning"]
 
@@ -89,7 +88,9 @@ class CallRecorder:
         self._stream_writer: BundleWriter | None = None
         self._streamed: list[CallEntry] = []
         self._observed_model: Any = None  # the last model observed: what save(include_model=True) stores
-        self._staging: dict[str, Path] = {}  # stream_to URL -> the local directory streamed to, then uploaded
+        self._staging: dict[str, Staging] = {}  # stream_to URL -> the local directory streamed to, then uploaded
+        self._staging_overwrite: dict[str, bool] = {}  # stream_to URL -> the overwrite= of its latest block
+        self._uploaded: dict[str, bytes] = {}  # stream_to URL -> the manifest this observer uploaded there last
 
     # -- the observed method ------------------------------------------------------------------
 
@@ -238,17 +239,17 @@ class CallRecorder:
             return local
         url = str(stream_to)
         staging = self._staging.get(url)
+        self._staging_overwrite[url] = overwrite
         if staging is None:
             fs, inner = open_filesystem(url)  # MissingDependencyError without fsspec, before anything runs
             if not overwrite and fs.exists(inner) and (not fs.isdir(inner) or fs.ls(inner, detail=False)):
                 raise BundleExistsError(
                     f"'{url}' already exists and is not empty. Pass overwrite=True to replace it, or choose another URL."
                 )
-            parent = Path(tempfile.mkdtemp(prefix="iobundle-stream-"))
-            weakref.finalize(self, shutil.rmtree, parent, True)
-            staging = self._staging[url] = parent / "bundle"
-            logger.info("streaming to %s, uploaded to %s when the block ends", staging, url)
-        return staging
+            staging = self._staging[url] = Staging(url, prefix="iobundle-stream-")
+            weakref.finalize(self, staging.close)
+            logger.info("streaming to %s, uploaded to %s when the block ends", staging.path, url)
+        return staging.path
 
     def _close_stream(self, stream: CallStream) -> None:
         """Wait for the writer, write the final manifest (and upload it to its URL); problems become warnings."""
@@ -257,10 +258,14 @@ class CallRecorder:
             stream.close()
         except Exception as exc:
             messages.append(f"iobundle could not write the final manifest of '{stream.path}' ({exc}).")
-        url = next((u for u, p in self._staging.items() if p == stream.path), None)
-        if url is not None and not messages:
+        staging = next((st for st in self._staging.values() if st.path == stream.path), None)
+        if staging is not None and not messages:
+            url = staging.url
             try:
-                upload_directory(stream.path, url, overwrite=True)  # emptiness was checked when the stream opened
+                # Replace only with the user's overwrite=, or what this observer uploaded there itself.
+                overwrite = self._staging_overwrite.get(url, False) or self._holds_own_upload(url)
+                staging.upload(overwrite=overwrite)
+                self._uploaded[url] = (stream.path / MANIFEST_FILENAME).read_bytes()
             except Exception as exc:
                 messages.append(
                     f"iobundle could not upload the streamed bundle to '{url}' ({exc}); it stays in {stream.path} "
@@ -272,6 +277,17 @@ class CallRecorder:
             messages = self._apply_stream_failures(stream) + messages
         for message in messages:
             self._warn(message, stacklevel=4)
+
+    def _holds_own_upload(self, url: str) -> bool:
+        """Whether ``url`` still holds the manifest this observer uploaded there last (no one wrote since)."""
+        mine = self._uploaded.get(url)
+        if mine is None:
+            return False
+        fs, inner = open_filesystem(url)
+        try:
+            return bool(fs.cat_file(join_url(inner, MANIFEST_FILENAME)) == mine)
+        except Exception:
+            return False
 
     def _apply_stream_failures(self, stream: CallStream) -> list[str]:
         """Mark incomplete the calls the writer could not write; return the messages to warn with."""
@@ -431,7 +447,11 @@ class CallRecorder:
         With ``include_model`` the bundle is self-contained: it also stores the model's config
         (``model/config.json``) and weights (``model/weights.safetensors``), and
         ``iobundle.replay.load_bundle_model`` rebuilds the model from them. Only
-        transformers models can be stored (a config rebuilds them).
+        transformers models can be stored (a config rebuilds them). A model that runs with an
+        attention implementation transformers does not build in (``flash_attention_2``, a hub
+        kernel, one registered with ``AttentionInterface.register``) is stored, with an
+        :class:`ObservationWarning`: the loader refuses it, so switch first with
+        ``model.set_attn_implementation('sdpa')``.
 
         ``path`` may be a URL (``s3://bucket/run.iobundle``, ``memory://run``; needs fsspec:
         ``pip install 'iobundle[remote]'``): the bundle is written to a local temporary directory,
@@ -477,6 +497,9 @@ class CallRecorder:
             entry = write_model(path, model, None if model is observed else observed)
             manifest = manifest.model_copy(update={"model": entry})
             write_manifest(path, manifest)
+            attention = entry.attn_implementation
+            if attention is not None and attention not in ATTN_IMPLEMENTATIONS:
+                self._warn(_foreign_attention_message(attention), stacklevel=2)
         logger.info("saved %d calls to %s", len(manifest.calls), path)
         return manifest
 
@@ -488,11 +511,18 @@ class CallRecorder:
                 f"'{url}' is the bundle this observer streamed its calls to (stream_to=); it already holds "
                 "them. Save to another URL."
             )
-        parent = Path(tempfile.mkdtemp(prefix="iobundle-save-"))
-        try:
-            manifest = self.save(parent / "bundle", include_model=include_model)
-            upload_directory(parent / "bundle", url, overwrite=overwrite)
-        finally:
-            shutil.rmtree(parent, ignore_errors=True)
+        with staged(url, overwrite=overwrite, prefix="iobundle-save-") as local:
+            manifest = self.save(local, include_model=include_model)
         logger.info("uploaded %d calls to %s", len(manifest.calls), url)
         return manifest
+
+
+def _foreign_attention_message(attention: str) -> str:
+    """The warning of ``save(include_model=...)`` for a model whose attention the loader will refuse."""
+    return (
+        f"The model runs with the attention implementation {attention!r}, which transformers does not build in "
+        f"(built-in: {', '.join(sorted(ATTN_IMPLEMENTATIONS))}; others import or fetch code): "
+        "'iobundle export/run --from-bundle' and load_bundle_model will refuse the model stored in this bundle. "
+        f"Call model.set_attn_implementation({SAFE_ATTN_IMPLEMENTATION!r}) before saving, or rebuild the model "
+        "yourself when replaying (--model MODULE:FACTORY)."
+    )

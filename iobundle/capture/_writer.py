@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 
 from iobundle._atomic import fsync_dir, fsync_files
+from iobundle._progress import ProgressCallback, notify
+from iobundle._remote import clear_local_bundle
 from iobundle._version import __version__
 from iobundle.calls import RecordedCalls, dtype_name, tensor_keys, write_tensor_file
 from iobundle.errors import BundleExistsError, BundleWriteError, IobundleError
@@ -73,10 +75,12 @@ class BundleWriter:
 
     Args:
         path: The bundle directory; created if missing.
-        overwrite: Replace what ``path`` holds. Without it a non-empty directory is refused.
+        overwrite: Replace the bundle ``path`` holds: its manifest, then the files it lists (files
+            beside it stay). Without it a non-empty directory is refused, and with it one that holds
+            no bundle.
 
     Raises:
-        BundleExistsError: ``path`` is not empty and ``overwrite`` is False.
+        BundleExistsError: ``path`` is not empty and ``overwrite`` is False, or holds no bundle.
         BundleWriteError: ``path`` cannot be created or cleared.
     """
 
@@ -92,9 +96,12 @@ class BundleWriter:
                         f"'{self.path}' already exists and is not empty. Pass overwrite=True "
                         "(--overwrite on the command line) to replace it, or choose another path."
                     )
-                # The manifest goes first: a directory without one is never taken for a bundle.
-                (self.path / MANIFEST_FILENAME).unlink(missing_ok=True)
-                shutil.rmtree(self.path / CALLS_DIR, ignore_errors=True)
+                if not (self.path / MANIFEST_FILENAME).is_file():
+                    raise BundleExistsError(
+                        f"'{self.path}' is not a bundle (no {MANIFEST_FILENAME}); refusing to replace what it "
+                        "holds. Choose another path, or empty it yourself."
+                    )
+                clear_local_bundle(self.path)  # its manifest first, then the files it lists; nothing else
             self.created = not self.path.exists()
             (self.path / CALLS_DIR).mkdir(parents=True, exist_ok=True)
         except IobundleError:
@@ -214,11 +221,18 @@ class BundleWriter:
                 pass
 
 
-def save_recorded_calls(rc: RecordedCalls, path: str | os.PathLike[str], *, overwrite: bool = False) -> Manifest:
+def save_recorded_calls(
+    rc: RecordedCalls,
+    path: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    on_progress: ProgressCallback | None = None,
+) -> Manifest:
     """Write every call of ``rc`` to the bundle directory ``path`` and return the manifest.
 
     On failure the files written so far are removed: ``path`` holds no manifest, so it is never
-    taken for a complete bundle.
+    taken for a complete bundle. ``on_progress`` is called with an ``iobundle.replay.ProgressEvent``
+    (task ``"write"``) before the first call and after each one.
 
     Raises:
         BundleExistsError: ``path`` is not empty and ``overwrite`` is False.
@@ -226,9 +240,11 @@ def save_recorded_calls(rc: RecordedCalls, path: str | os.PathLike[str], *, over
     """
     writer = BundleWriter(path, overwrite=overwrite)
     try:
+        notify(on_progress, "write", 0, len(rc.calls))
         writer.write_missing_values(rc.value_if_missing, rc.store.get)
-        for call in rc.calls:
+        for done, call in enumerate(rc.calls, start=1):
             writer.write_call(call, rc.store.get)
+            notify(on_progress, "write", done, len(rc.calls), f"call {call.index}")
         return writer.write_manifest(rc)
     except BaseException:
         try:

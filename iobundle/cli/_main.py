@@ -24,7 +24,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from iobundle.cli import _checks, _render, _travel
+from iobundle.cli import _checks, _programs, _render, _travel
 from iobundle.errors import (
     BundleError,
     CLIError,
@@ -103,12 +103,22 @@ examples:
   iobundle export run.iobundle --model mypkg.models:build_model -o model.onnx
   iobundle export run.iobundle --model mypkg.models:build_model --batch input_ids --batch cache
   iobundle export bug-report.iobundle --from-bundle -o model.onnx
+  iobundle export t5.iobundle --from-bundle --batch-all --dynamic attention_mask:1 -o t5.onnx
 
 MODULE:FACTORY names a callable that returns the model (a torch.nn.Module). It is imported
 from YOUR environment (installed packages and the current directory) and runs your code;
 nothing is ever imported from the bundle. The model is exported with torch.export using the
 recorded arguments and dynamic shapes, the exported program is run on every recorded call,
 then torch.onnx writes the ONNX file. Exit code 1 when a recorded call is not reproduced.
+
+When one program cannot serve every call (--programs auto, the default) and the calls fall
+into phases by structure (inputs absent in some calls: the first decoder step of an
+encoder-decoder, a VLM prefill with image features), one program is exported per phase:
+MODEL.p0.onnx, MODEL.p1.onnx, ... and MODEL.programs.json, the index to give `validate`.
+--dynamic NAME:AXIS makes an axis dynamic that never varied in the recording; a warning
+names the axes that look like batch or sequence axes and are static only for that reason.
+When the batch is dynamic, the program also runs on a recorded call cut to another batch
+size and is compared with the eager model ("beyond the recorded calls").
 
 --from-bundle rebuilds the model from the config and weights a self-contained bundle carries
 (observer.save(path, include_model=True)), for the classes transformers registers in its
@@ -122,6 +132,7 @@ examples:
   iobundle validate old.iobundle new_model.onnx --report regressions.md
   iobundle validate run.iobundle model.onnx --atol logits=1e-3 --atol 1e-4 --report report.html
   iobundle validate run.iobundle model.onnx --check-error-stat quantile --error-quantile 0.999
+  iobundle validate t5.iobundle t5.programs.json
 
 Runs the ONNX model with onnxruntime on every recorded call and compares each output with
 the recorded one. With --check-error-stat max (the default) an output passes when every
@@ -130,6 +141,8 @@ or quantile, when that statistic of its errors is. A call passes when all its ou
 call whose input was absent at capture and had to be fed a stand-in is "not checked" when it
 differs. --report writes a Markdown report to paste into an issue (.md), a self-contained
 page with charts (.html), or every column of every call (.json, .csv), by extension.
+Given a program index (MODEL.programs.json, written by `export` when one program per phase
+was needed), each call runs through the program whose input structure it has.
 Exit code 0 when every call passes, 1 when one differs or fails to run, 2 when the bundle or
 the model cannot be read or a tolerance names no output, 4 when the bundle holds no recorded
 outputs (redacted): nothing compared.""",
@@ -213,8 +226,9 @@ def _build_parser() -> argparse.ArgumentParser:
         subparsers,
         "inspect",
         summary="summarise a bundle: calls, input shapes, constants, latency, dynamic shapes",
-        description="Print a table of the recorded calls (inputs with shape and dtype, constants, latency), "
-        "the versions that produced the bundle, and the inferred dynamic shapes.",
+        description="Print how the bundle is stored (a directory or one packed file, local or at a URL), its "
+        "format_version, whether it is redacted (and what it kept), a table of the recorded calls (inputs with "
+        "shape and dtype, constants, latency), the versions that produced it, and the inferred dynamic shapes.",
     )
     p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
     p.set_defaults(handler=_cmd_inspect)
@@ -227,6 +241,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
     _add_batch_flags(p)
+    _programs.add_dynamic_flag(p)
     p.add_argument(
         "--dim-names",
         action="store_true",
@@ -259,6 +274,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "-o", "--output", metavar="MODEL.onnx", default="model.onnx", help="the ONNX file (default: %(default)s)"
     )
     _add_batch_flags(p)
+    _programs.add_dynamic_flag(p)
+    _programs.add_programs_flag(p)
+    _programs.add_report_flag(p)
     p.add_argument("--no-check", action="store_true", help="write the ONNX file even if a recorded call differs")
     p.add_argument(
         "--dim-names",
@@ -267,7 +285,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance of the check (default: %(default)s)")
     p.add_argument("--rtol", type=float, default=0.1, help="relative tolerance of the check (default: %(default)s)")
-    p.set_defaults(handler=_cmd_export)
+    p.set_defaults(handler=_programs.cmd_export)
 
     p = _add_command(
         subparsers,
@@ -345,9 +363,16 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         model = describe_bundle_model(bundle)
     _render.out(
         _render.format_inspect(
-            args.bundle, bundle.manifest, dynamic_shapes=shapes, dynamic_shapes_error=shapes_error, model=model
+            args.bundle,
+            bundle.manifest,
+            dynamic_shapes=shapes,
+            dynamic_shapes_error=shapes_error,
+            model=model,
+            packed=bundle.packed,
+            remote=bundle.remote,
         )
     )
+    _programs.warn_static_dims(bundle)
     return EXIT_OK
 
 
@@ -390,7 +415,9 @@ def _batch_spec(args: argparse.Namespace, bundle: Bundle) -> set[int | str] | bo
 def _cmd_shapes(args: argparse.Namespace) -> int:
     bundle = _open_bundle(args.bundle)
     spec = _batch_spec(args, bundle)
-    shapes = bundle.infer_dynamic_shapes(set_batch_dimension_for=spec, dim_names=args.dim_names)
+    dynamic = _programs.dynamic_spec(args, bundle)
+    shapes = bundle.infer_dynamic_shapes(set_batch_dimension_for=spec, dim_names=args.dim_names, dynamic=dynamic)
+    _programs.warn_static_dims(bundle, spec, dynamic)
     if args.json:
         _render.out(_render.format_dynamic_shapes_json(shapes))
     else:
@@ -400,7 +427,8 @@ def _cmd_shapes(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     bundle = _open_bundle(args.bundle)
-    problems = bundle.verify()
+    with _checks.progress_bars(args) as bars:
+        problems = bundle.verify(on_progress=bars)
     text = _render.format_verify(bundle.manifest, problems)
     if problems or args.log_level <= logging.WARNING:
         _render.out(text)
@@ -424,27 +452,6 @@ def _quiet_exporters() -> Iterator[None]:
         finally:
             for lg, level in zip(noisy, levels):
                 lg.setLevel(level)
-
-
-def _cmd_export(args: argparse.Namespace) -> int:
-    from iobundle.replay import load_bundle_model, model_from_factory
-
-    bundle = _open_bundle(args.bundle)
-    spec = _batch_spec(args, bundle)
-    model = load_bundle_model(bundle) if args.from_bundle else model_from_factory(args.model)
-    try:
-        with _quiet_exporters(), _checks.progress_bars(args) as bars:
-            path = bundle.to_onnx(
-                model, args.output, set_batch_dimension_for=spec, check=not args.no_check, atol=args.atol,
-                rtol=args.rtol, dim_names=args.dim_names, on_progress=bars,
-            )  # fmt: skip
-    except ExportError as exc:
-        if exc.report is not None and exc.report.calls:
-            _render.out(_render.format_export(exc.report, None))
-        raise
-    report = bundle.export_report()
-    _render.out(_render.format_export(report, path))
-    return EXIT_OK if report is None or report.ok else EXIT_CHECK_FAILED
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:

@@ -1,7 +1,8 @@
 """Progress bars for the command line, drawn by rich on stderr from the library's ``on_progress`` events.
 
 Bars show only when stderr is a terminal and ``-q`` was not given; otherwise each finished task is
-a debug log line. rich is imported when the first bar is drawn.
+a debug log line. rich is imported when the first bar is drawn. A task counted in bytes
+(``unit="bytes"``: pack, unpack, verify) shows sizes and speed instead of ``done/total``.
 """
 
 from __future__ import annotations
@@ -44,12 +45,35 @@ class ProgressBars:
 
     def _start(self) -> Any:
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            MofNCompleteColumn,
+            Progress,
+            ProgressColumn,
+            TextColumn,
+            TimeElapsedColumn,
+            TransferSpeedColumn,
+        )
+
+        class CountColumn(ProgressColumn):
+            """``done/total`` for steps; sizes and speed for bytes."""
+
+            def __init__(self) -> None:
+                super().__init__()
+                self._steps = MofNCompleteColumn()
+                self._bytes = DownloadColumn()
+                self._speed = TransferSpeedColumn()
+
+            def render(self, task: Any) -> Any:
+                if task.fields.get("unit") == "bytes":
+                    return self._bytes.render(task) + " " + self._speed.render(task)
+                return self._steps.render(task)
 
         color = color_enabled(sys.stderr)
         console = Console(file=sys.stderr, no_color=not color, highlight=False)
         progress = Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("{task.description}"), BarColumn(), CountColumn(), TimeElapsedColumn(),
             TextColumn("{task.fields[detail]}"), console=console, transient=True,
         )  # fmt: skip
         progress.start()
@@ -64,5 +88,7 @@ class ProgressBars:
             self._progress = self._start()
         task = self._tasks.get(event.task)
         if task is None:
-            task = self._tasks[event.task] = self._progress.add_task(event.task, total=event.total, detail="")
+            task = self._tasks[event.task] = self._progress.add_task(
+                event.task, total=event.total, detail="", unit=event.unit
+            )
         self._progress.update(task, completed=event.done, total=event.total, detail=event.detail)

@@ -35,6 +35,8 @@ __all__ = [
     "format_inspect",
     "format_latency",
     "format_node",
+    "format_redaction",
+    "format_storage",
     "format_stored_model",
     "format_table",
     "format_tensor",
@@ -297,6 +299,22 @@ def format_stored_model(model: StoredModel) -> list[str]:
     return lines
 
 
+def format_storage(*, packed: bool, remote: bool) -> str:
+    """How a bundle is stored, in a few words: a directory, or one packed file; local or at a URL."""
+    kind = "packed: one file (iobundle pack), read in place" if packed else "a directory"
+    return f"{kind}, at a URL (fsspec)" if remote else kind
+
+
+def format_redaction(manifest: Manifest) -> str:
+    """Whether the bundle was written by ``iobundle redact``, and what it kept."""
+    marker = manifest.redacted
+    if marker is None:
+        return "no (the recorded inputs are the real ones)"
+    outputs = "kept (computed on the real inputs)" if marker.outputs_kept else "dropped"
+    model = "kept" if marker.model_kept else "not kept"
+    return f"yes: inputs synthetic (seed {marker.seed}), outputs {outputs}, model {model}"
+
+
 def format_inspect(
     path: str | Path,
     manifest: Manifest,
@@ -304,8 +322,13 @@ def format_inspect(
     dynamic_shapes: Any = None,
     dynamic_shapes_error: str | None = None,
     model: StoredModel | None = None,
+    packed: bool | None = None,
+    remote: bool = False,
 ) -> str:
-    """The report of ``iobundle inspect``: summary, stored model, one row per call, producer, dynamic shapes."""
+    """The report of ``iobundle inspect``: summary, stored model, one row per call, producer, dynamic shapes.
+
+    ``packed`` (None: unknown, no line) and ``remote`` say how the bundle is stored.
+    """
     calls = manifest.calls
     statuses: dict[str, int] = {}
     for call in calls:
@@ -314,7 +337,12 @@ def format_inspect(
     total = sum(f.size for f in manifest.files.values())
     lines = [
         f"bundle     {path}",
-        f"format     {manifest.format} v{manifest.format_version}",
+        f"format     {manifest.format}, format_version {manifest.format_version}",
+    ]
+    if packed is not None:
+        lines.append("stored     " + format_storage(packed=packed, remote=remote))
+    lines.append("redacted   " + format_redaction(manifest))
+    lines += [
         f"method     {_signature(manifest)}",
         f"calls      {len(calls)}" + (f" ({status_text})" if calls else ""),
         f"tensors    {len(manifest.tensors)} in {len(manifest.files)} files, {_size(total)}",
@@ -528,9 +556,14 @@ def format_validation(report: Any, *, quiet: bool = False) -> str:
         headers += ["recorded", "re-run"]
     else:
         headers += ["torch", "onnxruntime"]
-    lines = [
-        format_table(headers, rows, right=(0, 2, 3, 4, 5) if kind != "diff" else (0, 2, 3, 4), styles=_styled(rows))
-    ]
+    status_column = 1
+    if any("program" in r for r in report.rows):  # validated through a program index
+        headers.insert(1, "program")
+        for row, r in zip(rows, report.rows):
+            row.insert(1, str(r.get("program") or "-"))
+        status_column = 2
+    right = tuple(i for i, h in enumerate(headers) if h not in ("status", "program", "differences"))
+    lines = [format_table(headers, rows, right=right, styles=_styled(rows, status_column))]
     worst = sorted(
         (c for c in getattr(report, "outputs", []) if c.success is False),
         key=lambda c: c.stats.max_abs if c.stats is not None else float("inf"),

@@ -1,8 +1,9 @@
 """``iobundle pack | unpack | redact | convert``: bundles that travel, bug reports without private data, converters.
 
 :func:`register` adds the subcommands to the parser of :mod:`iobundle.cli._main`. Handlers import
-the library inside their body (``iobundle --help`` loads no torch) and print through
-:mod:`iobundle.cli._render`.
+the library inside their body (``iobundle --help`` loads no torch), print through
+:mod:`iobundle.cli._render`, and draw progress bars on stderr (a terminal only, not with ``-q``)
+from the library's ``on_progress`` events.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from iobundle.cli import _render
+from iobundle.cli._checks import progress_bars
 from iobundle.errors import CLIError
 
 __all__ = ["EXAMPLES", "register"]
@@ -128,7 +130,8 @@ def _speed(n: int, seconds: float) -> str:
 def _cmd_pack(args: argparse.Namespace) -> int:
     from iobundle.replay import pack_bundle
 
-    result = pack_bundle(args.bundle, args.output, overwrite=args.overwrite)
+    with progress_bars(args) as bars:
+        result = pack_bundle(args.bundle, args.output, overwrite=args.overwrite, on_progress=bars)
     _render.out(
         f"packed {result.files} files ({result.bytes} bytes) into {result.path} in {result.seconds:.2f}s "
         f"({_speed(result.bytes, result.seconds)})"
@@ -139,7 +142,10 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 def _cmd_unpack(args: argparse.Namespace) -> int:
     from iobundle.replay import unpack_bundle
 
-    result = unpack_bundle(args.archive, args.output, overwrite=args.overwrite, verify=not args.no_verify)
+    with progress_bars(args) as bars:
+        result = unpack_bundle(
+            args.archive, args.output, overwrite=args.overwrite, verify=not args.no_verify, on_progress=bars
+        )
     checked = "" if args.no_verify else ", sizes and sha256 checked"
     _render.out(
         f"unpacked {result.files} files ({result.bytes} bytes) into {result.path} in {result.seconds:.2f}s{checked}"
@@ -150,14 +156,16 @@ def _cmd_unpack(args: argparse.Namespace) -> int:
 def _cmd_redact(args: argparse.Namespace) -> int:
     from iobundle import redact_bundle
 
-    manifest = redact_bundle(
-        args.bundle,
-        args.output,
-        keep_outputs=args.keep_outputs,
-        keep_model=args.keep_model,
-        seed=args.seed,
-        overwrite=args.overwrite,
-    )
+    with progress_bars(args) as bars:
+        manifest = redact_bundle(
+            args.bundle,
+            args.output,
+            keep_outputs=args.keep_outputs,
+            keep_model=args.keep_model,
+            seed=args.seed,
+            overwrite=args.overwrite,
+            on_progress=bars,
+        )
     kept = [
         "outputs " + ("kept" if args.keep_outputs else "dropped"),
         "model " + ("kept" if manifest.model is not None else "dropped" if args.keep_model is False else "none"),
@@ -177,11 +185,15 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if args.to == "onnx-testdata":
         if not args.model:
             raise CLIError("--to onnx-testdata needs --model MODEL.onnx (its graph names the inputs and outputs).")
-        result = convert_to_onnx_testdata(bundle._recorded(), args.model, args.output, overwrite=args.overwrite)
+        with progress_bars(args) as bars:
+            result = convert_to_onnx_testdata(
+                bundle, args.model, args.output, overwrite=args.overwrite, on_progress=bars
+            )
         _render.out(f"wrote {result.calls} test data sets ({len(result.paths)} files) into {args.output}")
     else:
         if args.model:
             raise CLIError("--model is for --to onnx-testdata; --to npz writes the recorded tensors as they are.")
-        result = convert_to_npz(bundle._recorded(), args.output, overwrite=args.overwrite)
+        with progress_bars(args) as bars:
+            result = convert_to_npz(bundle, args.output, overwrite=args.overwrite, on_progress=bars)
         _render.out(f"wrote {result.calls} calls into {len(result.paths)} .npz file(s) at {args.output}")
     return 0

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import shutil
-import tempfile
-from pathlib import Path
 
-from iobundle._remote import local_path, open_filesystem, upload_directory
+from iobundle._progress import ProgressCallback
+from iobundle._remote import local_path, staged
 from iobundle.capture import save_recorded_calls
 from iobundle.replay import Bundle, copy_model_files, load_bundle, redact_calls
 from iobundle.schema import Manifest, Redaction, write_manifest
@@ -26,6 +25,7 @@ def redact_bundle(
     keep_model: bool = False,
     seed: int = 0,
     overwrite: bool = False,
+    on_progress: ProgressCallback | None = None,
 ) -> Manifest:
     """Write a copy of ``bundle`` to ``output`` whose recorded inputs are synthetic: for bug reports.
 
@@ -44,6 +44,8 @@ def redact_bundle(
         keep_model: Keep the model's config and weights stored in the bundle.
         seed: Seed of the synthetic values (the same seed gives the same bundle).
         overwrite: Replace what ``output`` holds.
+        on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` per call, for the
+            synthetic inputs (task ``"redact"``), then for the writing (task ``"write"``).
 
     Returns:
         The manifest written.
@@ -57,23 +59,13 @@ def redact_bundle(
         Redaction(outputs_kept=False, model_kept=False, seed=0)
     """
     source = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
-    rc = redact_calls(source, keep_outputs=keep_outputs, seed=seed)
+    rc = redact_calls(source, keep_outputs=keep_outputs, seed=seed, on_progress=on_progress)
     target = local_path(output)
-    staging: Path | None = None
-    if target is None:
-        open_filesystem(str(output))  # MissingDependencyError without fsspec, before anything is written
-        staging = Path(tempfile.mkdtemp(prefix="iobundle-redact-"))
-        target = staging / "bundle"
-    try:
-        manifest = save_recorded_calls(rc, target, overwrite=overwrite)
-        model = copy_model_files(source, target) if keep_model else None
+    with contextlib.nullcontext(target) if target is not None else staged(str(output), overwrite=overwrite) as local:
+        manifest = save_recorded_calls(rc, local, overwrite=overwrite, on_progress=on_progress)
+        model = copy_model_files(source, local) if keep_model else None
         marker = Redaction(outputs_kept=keep_outputs, model_kept=model is not None, seed=seed)
         manifest = manifest.model_copy(update={"model": model, "redacted": marker})
-        write_manifest(target, manifest)
-        if staging is not None:
-            upload_directory(target, str(output), overwrite=overwrite)
-    finally:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
+        write_manifest(local, manifest)
     logger.info("redacted %d calls of %s into %s", len(manifest.calls), source.path, output)
     return manifest

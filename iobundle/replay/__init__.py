@@ -8,6 +8,7 @@ run the same code. Needs torch, onnx, onnxruntime and onnxscript.
 from __future__ import annotations
 
 __all__ = [
+    "BatchCheck",
     "Bundle",
     "CallCheck",
     "ConvertResult",
@@ -16,6 +17,9 @@ __all__ = [
     "ExportReport",
     "InputCandidate",
     "ObservationInfo",
+    "Phase",
+    "ProgramSet",
+    "StaticDimHint",
     "PackResult",
     "RecordedCallsAPI",
     "OutputCheck",
@@ -33,9 +37,12 @@ __all__ = [
     "diff_bundles",
     "export_onnx",
     "export_program",
+    "export_programs",
     "load_bundle",
     "load_bundle_model",
     "model_from_factory",
+    "partition_calls",
+    "static_dim_hints",
     "pack_bundle",
     "redact_calls",
     "unpack_bundle",
@@ -50,10 +57,12 @@ from iobundle.replay._bundle import Bundle, load_bundle
 from iobundle.replay._compare import ErrorStats, OutputCheck, Tolerances
 from iobundle.replay._convert import ConvertResult, convert_to_npz, convert_to_onnx_testdata
 from iobundle.replay._diff import DiffReport, diff_bundles
+from iobundle.replay._dims import BatchCheck, StaticDimHint, static_dim_hints
 from iobundle.replay._export import CallCheck, ExportReport, export_onnx, export_program
 from iobundle.replay._factory import model_from_factory
 from iobundle.replay._info import InputCandidate, ObservationInfo
 from iobundle.replay._model_load import StoredModel, describe_bundle_model, load_bundle_model
+from iobundle.replay._phases import Phase, ProgramSet, export_programs, partition_calls
 from iobundle.replay._redact import copy_model_files, redact_calls
 from iobundle.replay._report import Report, build_report
 from iobundle.replay._rerun import rerun_model

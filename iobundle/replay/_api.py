@@ -13,8 +13,10 @@ from iobundle.calls import RecordedCalls, TensorCollector, record_inputs, replac
 from iobundle.errors import AlignmentError, InputSelectionError
 from iobundle.replay import _inference
 from iobundle.replay._dim_names import DimNamesSpec
+from iobundle.replay._dims import StaticDimHint, static_dim_hints
 from iobundle.replay._export import ExportReport, export_onnx, export_program
 from iobundle.replay._info import InputCandidate, ObservationInfo
+from iobundle.replay._phases import ProgramSet, ProgramsMode, export_programs
 from iobundle.replay._validate import ValidationReport, check_discrepancies, validate_onnx
 from iobundle.schema import CallEntry, Node, TensorNode
 
@@ -47,6 +49,8 @@ class RecordedCallsAPI:
         self,
         set_batch_dimension_for: Collection[int | str] | bool | None = None,
         dim_names: DimNamesSpec = False,
+        *,
+        dynamic: Mapping[int | str, Collection[int]] | None = None,
     ) -> tuple[Any, ...] | dict[str, Any]:
         """Infer ``dynamic_shapes`` for ``torch.export.export``.
 
@@ -67,13 +71,15 @@ class RecordedCallsAPI:
             set_batch_dimension_for: Inputs (names or positions) whose first dimension is dynamic
                 even when every call used the same batch size; True for all inputs.
             dim_names: False (``Dim.DYNAMIC``), True (derived names) or a dict of explicit names.
+            dynamic: Axes to make dynamic even if their size never varied, per input:
+                ``{"input_ids": {1}, "cache": {2}}`` (every tensor of the input with that axis).
 
         Returns:
             A tuple for positional-only calls, otherwise a dict keyed by parameter name.
 
         Raises:
             AlignmentError: The recorded calls cannot be aligned (the message says why).
-            DynamicShapeError: A tensor changes rank across calls.
+            DynamicShapeError: A tensor changes rank across calls, or ``dynamic`` names an unknown input or axis.
             InputSelectionError: ``dim_names`` names an unknown input or dimension.
 
         Example:
@@ -82,7 +88,22 @@ class RecordedCallsAPI:
             >>> observer.infer_dynamic_shapes(set_batch_dimension_for=True, dim_names=True)
             {'input_ids': {0: 'batch_size', 1: 'sequence_length'}, ...}
         """
-        return _inference.infer_dynamic_shapes(self._recorded(), set_batch_dimension_for, dim_names=dim_names)
+        return _inference.infer_dynamic_shapes(
+            self._recorded(), set_batch_dimension_for, dim_names=dim_names, dynamic=dynamic
+        )
+
+    def static_dim_hints(
+        self,
+        set_batch_dimension_for: Collection[int | str] | bool | None = None,
+        *,
+        dynamic: Mapping[int | str, Collection[int]] | None = None,
+    ) -> list[StaticDimHint]:
+        """Axes that look like batch or sequence axes and are static only because no call varied them.
+
+        Each hint names the axes and how to make them dynamic (``hint.message()``).
+        See :func:`iobundle.replay._dims.static_dim_hints`.
+        """
+        return static_dim_hints(self._recorded(), set_batch_dimension_for, dynamic)
 
     def infer_arguments(
         self,
@@ -178,6 +199,7 @@ class RecordedCallsAPI:
         rtol: float = 0.1,
         dim_names: DimNamesSpec = False,
         on_progress: ProgressCallback | None = None,
+        dynamic: Mapping[int | str, Collection[int]] | None = None,
     ) -> torch.export.ExportedProgram:
         """Export ``model`` with ``torch.export`` from the recorded calls and check it on every call.
 
@@ -186,7 +208,32 @@ class RecordedCallsAPI:
         """
         return export_program(
             self._recorded(), model, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
-            check=check, atol=atol, rtol=rtol, dim_names=dim_names, on_progress=on_progress,
+            check=check, atol=atol, rtol=rtol, dim_names=dim_names, on_progress=on_progress, dynamic=dynamic,
+        )  # fmt: skip
+
+    def export_programs(
+        self,
+        model: torch.nn.Module,
+        *,
+        programs: ProgramsMode = "auto",
+        set_batch_dimension_for: Collection[int | str] | bool | None = None,
+        dynamic: Mapping[int | str, Collection[int]] | None = None,
+        strict: bool = False,
+        check: bool = True,
+        atol: float = 1e-4,
+        rtol: float = 0.1,
+        dim_names: DimNamesSpec = False,
+        on_progress: ProgressCallback | None = None,
+    ) -> ProgramSet:
+        """Export one program for every recorded call, or one per phase when one cannot serve them all.
+
+        ``result.to_onnx(path)`` writes the ONNX file, or one per phase and their index.
+        See :func:`iobundle.replay.export_programs`.
+        """
+        return export_programs(
+            self._recorded(), model, programs=programs, set_batch_dimension_for=set_batch_dimension_for,
+            dynamic=dynamic, strict=strict, check=check, atol=atol, rtol=rtol, dim_names=dim_names,
+            on_progress=on_progress,
         )  # fmt: skip
 
     def export_report(self) -> ExportReport | None:
@@ -206,15 +253,24 @@ class RecordedCallsAPI:
         atol: float = 1e-4,
         rtol: float = 0.1,
         on_progress: ProgressCallback | None = None,
+        dynamic: Mapping[int | str, Collection[int]] | None = None,
+        programs: ProgramsMode = "one",
     ) -> str:
         """Export ``model`` to an ONNX file at ``path`` (through ``torch.export``); return the path.
 
         With ``dim_names`` (see :meth:`infer_dynamic_shapes`) the graph's symbolic dimensions bear
-        the names. See :func:`iobundle.replay.export_onnx`.
+        the names. With ``programs="auto"``, when one program cannot serve every call, one ONNX
+        file per phase is written beside ``path`` with a program index, whose path is returned
+        (see :meth:`export_programs`). See :func:`iobundle.replay.export_onnx`.
         """
+        if programs != "one":
+            return self.export_programs(
+                model, programs=programs, set_batch_dimension_for=set_batch_dimension_for, dynamic=dynamic,
+                strict=strict, check=check, atol=atol, rtol=rtol, dim_names=dim_names, on_progress=on_progress,
+            ).to_onnx(path)  # fmt: skip
         return export_onnx(
             self._recorded(), model, path, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
-            check=check, dim_names=dim_names, atol=atol, rtol=rtol, on_progress=on_progress,
+            check=check, dim_names=dim_names, atol=atol, rtol=rtol, on_progress=on_progress, dynamic=dynamic,
         )  # fmt: skip
 
     def check_discrepancies(

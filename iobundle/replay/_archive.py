@@ -6,7 +6,8 @@ straight from one memory mapping of the whole archive; standard tools read it (`
 A zip with stored members would need padding in its extra fields to get the same alignment.
 
 ``pack_bundle`` writes ``manifest.json`` first (a streaming reader finds it at once), then every
-other regular file of the bundle directory, with zeroed times and owners: the same bundle always
+file the manifest lists (tensor files, the stored model's files; nothing else the directory may
+hold), with zeroed times and owners: the same bundle always
 packs to the same bytes. ``unpack_bundle`` writes the members back to a directory,
 ``manifest.json`` last.
 
@@ -36,7 +37,9 @@ from typing import Any, BinaryIO
 
 import torch
 
-from iobundle._remote import is_url, local_path, open_filesystem
+from iobundle._atomic import atomic_file
+from iobundle._progress import BYTES, ProgressCallback, notify
+from iobundle._remote import clear_local_bundle, is_url, local_path, open_filesystem, staged
 from iobundle.errors import (
     ArchiveError,
     BundleExistsError,
@@ -47,7 +50,7 @@ from iobundle.errors import (
     TensorFileError,
     UnsafeBundleError,
 )
-from iobundle.replay._tensorfile import BundleRoot, _check_member_name, _open_regular
+from iobundle.replay._tensorfile import BundleRoot, _check_member_name, _open_regular, check_file, listed_files
 from iobundle.schema import MANIFEST_FILENAME, MAX_MANIFEST_BYTES
 
 __all__ = ["MAX_ARCHIVE_MEMBERS", "ArchiveRoot", "PackResult", "open_archive", "pack_bundle", "unpack_bundle"]
@@ -364,19 +367,6 @@ class PackResult:
     seconds: float
 
 
-def _bundle_files(root: Path) -> list[str]:
-    """Member names of the bundle directory ``root``: manifest.json first, then every other file, sorted."""
-    names = []
-    for directory, dirs, files in os.walk(root):
-        dirs.sort()
-        for file in files:
-            if file.startswith(".") and file.endswith(".tmp"):
-                continue  # a writer's temporary file, never part of the bundle
-            names.append(Path(directory, file).relative_to(root).as_posix())
-    names.sort(key=lambda n: (n != MANIFEST_FILENAME, n))
-    return names
-
-
 def _tar_header(name: str, size: int) -> bytes:
     info = tarfile.TarInfo(name)
     info.size = size
@@ -424,13 +414,24 @@ def _check_target(target: Path, *, overwrite: bool) -> None:
         raise BundleExistsError(f"'{target}' already exists. Pass overwrite=True (--overwrite) or choose another path.")
 
 
+PACK_TASK = "pack"
+UNPACK_TASK = "unpack"
+
+
 def pack_bundle(
-    bundle: str | os.PathLike[str], output: str | os.PathLike[str], *, overwrite: bool = False
+    bundle: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    on_progress: ProgressCallback | None = None,
 ) -> PackResult:
     """Pack the bundle directory ``bundle`` into the single file ``output`` (an uncompressed tar).
 
     ``load_bundle``, and every ``iobundle`` command, read the packed file in place. ``output`` may
     be a URL (with fsspec installed): the file is written locally beside nothing, then uploaded.
+
+    ``on_progress`` is called with a :class:`~iobundle.replay.ProgressEvent` (task ``"pack"``,
+    counted in bytes) before the first member and after each one, the member's name as detail.
 
     Raises:
         BundleNotFoundError: ``bundle`` is not a bundle directory.
@@ -442,7 +443,6 @@ def pack_bundle(
         >>> pack_bundle("run.iobundle", "run.iobundle.tar").files
         3
     """
-    import tempfile
     import time
 
     from iobundle.replay._bundle import Bundle
@@ -451,70 +451,53 @@ def pack_bundle(
     source = local_path(bundle)
     if source is None or not source.is_dir():
         raise BundleNotFoundError(f"'{bundle}' is not a bundle directory. Pass the folder written by observer.save().")
-    Bundle.load(source)  # a bundle, with a valid manifest whose file names stay inside it
+    manifest = Bundle.load(source).manifest  # a bundle, with a valid manifest whose file names stay inside it
     root = BundleRoot(source)
-    names = _bundle_files(source)
+    names = [MANIFEST_FILENAME, *sorted(listed_files(manifest))]
+    expected = sum(os.lstat(source.joinpath(*PurePosixPath(n).parts)).st_size for n in names)
     remote = is_url(output) and local_path(output) is None
     if remote:
-        staging = Path(tempfile.mkdtemp(prefix="iobundle-pack-"))
-        target = staging / "bundle.tar"
+        with staged(str(output), overwrite=overwrite, prefix="iobundle-pack-") as staging:
+            total = _write_tar(root, names, staging, expected=expected, on_progress=on_progress)
     else:
-        target = local_path(output)  # type: ignore[assignment]
+        target = local_path(output)
         assert target is not None
         _check_target(target, overwrite=overwrite)
-    tmp = target.with_name(f".{target.name}.tmp")
-    total = 0
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as out:
-            for name in names:
-                member = root.member(name)
-                fd, size = _open_regular(member, name)
-                with os.fdopen(fd, "rb", buffering=0) as f:
-                    out.write(_tar_header(name, size))
-                    out.flush()
-                    if not _kernel_copy(fd, 0, out.fileno(), size):
-                        _copy(f, out, size, name)  # type: ignore[arg-type]
-                    else:
-                        out.seek(0, os.SEEK_END)
-                out.write(b"\x00" * (-size % _BLOCK))
-                total += size
-            out.write(b"\x00" * (2 * _BLOCK))
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, target)
-        if remote:
-            _upload_file(target, str(output), overwrite=overwrite)
-    except OSError as exc:
-        raise BundleWriteError(
-            f"Cannot write {target}: {exc.strerror or exc}. Check free space and permissions."
-        ) from exc
-    finally:
         try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        if remote:
-            shutil.rmtree(target.parent, ignore_errors=True)
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BundleWriteError(f"Cannot create {target.parent}: {exc.strerror or exc}.") from exc
+        total = _write_tar(root, names, target, expected=expected, on_progress=on_progress)
     logger.info("packed %d files (%d bytes) into %s", len(names), total, output)
     return PackResult(
         path=output if remote else target, files=len(names), bytes=total, seconds=time.perf_counter() - begin
     )
 
 
-def _upload_file(path: Path, url: str, *, overwrite: bool) -> None:
-    fs, inner = open_filesystem(url)
-    try:
-        if fs.exists(inner) and not overwrite:
-            raise BundleExistsError(f"'{url}' already exists. Pass overwrite=True (--overwrite) or choose another URL.")
-        parent = inner.rsplit("/", 1)[0]
-        if parent and parent != inner:
-            fs.makedirs(parent, exist_ok=True)
-        fs.put_file(str(path), inner)
-    except BundleExistsError:
-        raise
-    except Exception as exc:
-        raise BundleWriteError(f"Cannot upload to '{url}': {type(exc).__name__}: {exc}.") from exc
+def _write_tar(
+    root: BundleRoot, names: list[str], target: Path, *, expected: int, on_progress: ProgressCallback | None
+) -> int:
+    """Write the members ``names`` of ``root`` as a tar file at ``target`` atomically; return their bytes."""
+    total = 0
+    notify(on_progress, PACK_TASK, 0, expected, unit=BYTES)
+    with atomic_file(target) as out:
+        for name in names:
+            member = root.member(name)
+            fd, size = _open_regular(member, name)
+            with os.fdopen(fd, "rb", buffering=0) as f:
+                out.write(_tar_header(name, size))
+                out.flush()
+                if not _kernel_copy(fd, 0, out.fileno(), size):
+                    _copy(f, out, size, name)  # type: ignore[arg-type]
+                else:
+                    out.seek(0, os.SEEK_END)
+            out.write(b"\x00" * (-size % _BLOCK))
+            total += size
+            notify(on_progress, PACK_TASK, total, max(expected, total), name, unit=BYTES)
+        if total != expected:  # the manifest is not counted in advance: end the bar at what was copied
+            notify(on_progress, PACK_TASK, total, total, unit=BYTES)
+        out.write(b"\x00" * (2 * _BLOCK))
+    return total
 
 
 def unpack_bundle(
@@ -523,16 +506,23 @@ def unpack_bundle(
     *,
     overwrite: bool = False,
     verify: bool = True,
+    on_progress: ProgressCallback | None = None,
 ) -> PackResult:
     """Write the members of the packed bundle ``archive`` to the directory ``output``, ``manifest.json`` last.
 
-    The archive is checked first (its index, its manifest, and with ``verify`` every file's size
-    and sha256), so nothing is written from a hostile or damaged archive.
+    The archive is checked first (its index, its manifest, every listed file's size, and with
+    ``verify`` its hash), so nothing is written from a hostile or damaged archive. Only the files
+    the manifest lists (tensor files, the stored model's files) are written: an archive holding any
+    other member is refused.
+
+    ``on_progress`` is called with a :class:`~iobundle.replay.ProgressEvent` for the check
+    (task ``"verify"``, with ``verify``) and the copy (task ``"unpack"``), both counted in bytes,
+    before the first file and after each one, the file's name as detail.
 
     Raises:
         BundleNotFoundError: ``archive`` is not a packed bundle.
-        ArchiveError: The archive is invalid or hostile.
-        IntegrityError: A member differs from the manifest (``verify``).
+        ArchiveError: The archive is invalid or hostile, or holds a member the manifest does not list.
+        IntegrityError: A member differs from the manifest (its size; its hash with ``verify``).
         BundleExistsError: ``output`` is not empty and ``overwrite`` is False, or it is not a bundle
             (it is never deleted then).
         BundleWriteError: ``output`` cannot be written.
@@ -546,10 +536,21 @@ def unpack_bundle(
     root = bundle._store.bundle_root
     if not isinstance(root, ArchiveRoot):
         raise BundleNotFoundError(f"'{archive}' is a bundle directory, not a packed bundle; nothing to unpack.")
+    listed = listed_files(bundle.manifest)
+    for name in root.members:
+        if name != MANIFEST_FILENAME and name not in listed:
+            raise ArchiveError(
+                f"'{archive}': member {name!r} is not a file the manifest lists (tensor or model file); "
+                "refusing to unpack an archive that holds unchecked files. Repack it with iobundle pack.",
+                member=name,
+            )
     if verify:
-        problems = bundle.verify()
+        problems = bundle.verify(on_progress=on_progress)
         if problems:
             raise IntegrityError(f"'{archive}': {len(problems)} damaged member(s): " + "; ".join(problems[:3]))
+    else:
+        for name, entry in listed.items():
+            check_file(root, name, entry, hash_check=False)  # present, with the size the manifest records
     target = local_path(output)
     if target is None:
         raise BundleWriteError(f"'{output}': unpack writes to a local directory. Upload the directory afterwards.")
@@ -563,11 +564,12 @@ def unpack_bundle(
                 )
             if not (target / MANIFEST_FILENAME).is_file():
                 raise BundleExistsError(f"'{target}' is not a bundle (no {MANIFEST_FILENAME}); refusing to replace it.")
-            (target / MANIFEST_FILENAME).unlink()
-            shutil.rmtree(target)
-    names = sorted(root.members, key=lambda n: (n == MANIFEST_FILENAME, n))
+            clear_local_bundle(target)  # its manifest, then the files it lists; files beside it stay
+    names = [*sorted(listed), MANIFEST_FILENAME]
     created = not target.exists()
     total = 0
+    expected = sum(size for _, size in root.members.values())
+    notify(on_progress, UNPACK_TASK, 0, expected, unit=BYTES)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         target.mkdir(parents=True, exist_ok=True)
@@ -577,17 +579,18 @@ def unpack_bundle(
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, flags, 0o644)
             with os.fdopen(fd, "wb") as out:
+                copied = False
                 if root.local is not None:
                     src, _ = _open_regular(root.local, str(root.local))
                     try:
                         copied = _kernel_copy(src, offset, fd, size)
                     finally:
                         os.close(src)
-                    if copied:
-                        continue
-                with root.open_slice(offset, size, name) as f:
-                    _copy(f, out, size, name)
+                if not copied:
+                    with root.open_slice(offset, size, name) as f:
+                        _copy(f, out, size, name)
             total += size
+            notify(on_progress, UNPACK_TASK, total, expected, name, unit=BYTES)
     except (OSError, IobundleError) as exc:
         if created:  # what was written is no bundle (manifest.json comes last): leave nothing behind
             shutil.rmtree(target, ignore_errors=True)

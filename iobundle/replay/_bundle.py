@@ -6,13 +6,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from iobundle._progress import BYTES, ProgressCallback, notify
 from iobundle._remote import local_path, remote_kind
 from iobundle.calls import NAME_TO_DTYPE, RecordedCalls, build_value, iter_tensor_nodes
 from iobundle.errors import IobundleError, UnsafeBundleError
 from iobundle.replay._api import RecordedCallsAPI
-from iobundle.replay._archive import open_archive
+from iobundle.replay._archive import ArchiveRoot, open_archive
 from iobundle.replay._remote import RemoteRoot
-from iobundle.replay._tensorfile import BundleTensorStore, Root, check_file, check_file_header
+from iobundle.replay._tensorfile import BundleTensorStore, Root, check_file, check_file_header, listed_files
 from iobundle.schema import MANIFEST_FILENAME, CallEntry, Manifest, load_manifest, parse_manifest
 
 __all__ = ["Bundle", "load_bundle"]
@@ -82,6 +83,16 @@ class Bundle(RecordedCallsAPI):
         return self._rc
 
     @property
+    def packed(self) -> bool:
+        """True when the bundle is one file written by ``iobundle pack`` (read in place), False for a directory."""
+        return isinstance(self._store.bundle_root, ArchiveRoot)
+
+    @property
+    def remote(self) -> bool:
+        """True when the bundle was opened from a URL (through fsspec), False for a local path."""
+        return isinstance(self.path, str)
+
+    @property
     def calls(self) -> list[CallEntry]:
         """Every recorded call, failed ones included."""
         return list(self._rc.calls)
@@ -95,19 +106,32 @@ class Bundle(RecordedCallsAPI):
         call = self._rc.ok_calls[index]
         return None if call.outputs is None else build_value(call.outputs, self._store.get)
 
-    def verify(self) -> list[str]:
-        """Check every tensor file: size, sha256 and header against the manifest.
+    def verify(self, *, on_progress: ProgressCallback | None = None) -> list[str]:
+        """Check every file the manifest lists: size and hash, and each tensor file's header.
+
+        The stored model's files (``manifest.model.files``: config and weights) are checked too.
+
+        Args:
+            on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` (task ``"verify"``,
+                counted in bytes) before the first file and after each one, the file's name as detail.
 
         Returns:
             One message per bad file, naming it (empty when every file is good).
         """
         problems = []
-        for name, entry in self.manifest.files.items():
+        files = listed_files(self.manifest)
+        total = sum(entry.size for entry in files.values())
+        done = 0
+        notify(on_progress, "verify", 0, total, unit=BYTES)
+        for name, entry in files.items():
             try:
                 path = check_file(self._store.bundle_root, name, entry, hash_check=True)
-                check_file_header(path, name, self._store.file_entries(name))
+                if name in self.manifest.files:
+                    check_file_header(path, name, self._store.file_entries(name))
             except IobundleError as exc:
                 problems.append(str(exc))
+            done += entry.size
+            notify(on_progress, "verify", done, total, name, unit=BYTES)
         return problems
 
 

@@ -11,13 +11,18 @@ ones in the graph's output order.
 **npz** (``convert_to_npz``): one ``call_NNNNNN.npz`` per recorded call (the call's index), whose keys
 are the paths of the tensors in the call: ``args.0``, ``kwargs.input_ids``,
 ``kwargs.past_key_values.3``, ``outputs.logits`` (containers by index or key, registered classes by
-field name when they have names, else by index). dtypes numpy lacks (bfloat16, float8) are widened
-to float32. A target ending in ``.npz`` gets every call in one file, keys prefixed ``call_NNNNNN/``.
+field name when they have names, else by index). Each part of a path is escaped (``%XX`` for every
+character but letters, digits, ``_`` and ``-``; a dict key ``"a.b"`` is ``a%2Eb``, ``"../x"`` is
+``%2E%2E%2Fx``), since dict keys come from the recording: a key never leaves the file or makes one
+path out of two. dtypes numpy lacks (bfloat16, float8) are widened to float32. A target ending in ``.npz`` gets every call in one file, keys prefixed ``call_NNNNNN/``.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,13 +32,22 @@ import numpy as np
 import onnx
 import torch
 
+from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import RecordedCalls, tensor_keys
 from iobundle.errors import BundleExistsError, BundleWriteError, ModelLoadError, ReplayError
+from iobundle.replay._api import RecordedCallsAPI
 from iobundle.replay._inference import align_calls, aligned_tensors
 from iobundle.replay._validate import input_mapping, model_label, read_metadata
 from iobundle.schema import DictNode, ListNode, Node, ObjectNode, TensorNode, TupleNode
 
-__all__ = ["ConvertResult", "convert_to_npz", "convert_to_onnx_testdata", "tensor_paths", "tensor_proto"]
+__all__ = [
+    "ConvertResult",
+    "convert_to_npz",
+    "convert_to_onnx_testdata",
+    "escape_key",
+    "tensor_paths",
+    "tensor_proto",
+]
 
 _ONNX_TYPES = {
     torch.float32: onnx.TensorProto.FLOAT,
@@ -84,6 +98,11 @@ def tensor_proto(tensor: torch.Tensor, name: str) -> onnx.TensorProto:
     return proto
 
 
+def _calls_of(source: RecordedCallsAPI | RecordedCalls) -> RecordedCalls:
+    """The recorded calls of a ``Bundle`` or an ``InputObserver`` (or of the calls themselves)."""
+    return source if isinstance(source, RecordedCalls) else source._recorded()
+
+
 def _load_graph(model: str | os.PathLike[str]) -> tuple[list[str], list[str], dict[str, str]]:
     path = Path(model)
     if not path.is_file():
@@ -98,27 +117,66 @@ def _load_graph(model: str | os.PathLike[str]) -> tuple[list[str], list[str], di
     return inputs, outputs, {p.key: p.value for p in proto.metadata_props}
 
 
-def _prepare(target: Path, *, overwrite: bool) -> None:
-    if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
+_TESTDATA_DIR = re.compile(r"test_data_set_[0-9]+")
+_NPZ_FILE = re.compile(r"call_[0-9]+\.npz")
+
+
+def _prepare(target: Path, *, overwrite: bool, written: re.Pattern[str]) -> None:
+    """Refuse a non-empty ``target`` without ``overwrite``; with it, remove what a previous conversion wrote.
+
+    Only the entries whose names match ``written`` (``test_data_set_N`` folders, ``call_N.npz``
+    files) are removed, so a later, smaller conversion leaves no stale call behind; anything else
+    (the model beside its test data, notes) stays.
+    """
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise BundleExistsError(f"'{target}' exists and is not a directory. Choose another path.")
+    if not any(target.iterdir()):
+        return
+    if not overwrite:
         raise BundleExistsError(f"'{target}' already exists and is not empty. Pass --overwrite or choose another path.")
+    try:
+        for entry in target.iterdir():
+            if written.fullmatch(entry.name):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+    except OSError as exc:
+        raise BundleWriteError(
+            f"Cannot remove the earlier conversion's {exc.filename or target}: {exc.strerror or exc}."
+        ) from exc
+
+
+CONVERT_TASK = "convert"
 
 
 def convert_to_onnx_testdata(
-    rc: RecordedCalls, model: str | os.PathLike[str], output: str | os.PathLike[str], *, overwrite: bool = False
+    calls: RecordedCallsAPI | RecordedCalls,
+    model: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    on_progress: ProgressCallback | None = None,
 ) -> ConvertResult:
-    """Write the recorded calls as ONNX test data for the model ``model`` into the directory ``output``.
+    """Write the recorded calls of ``calls`` as ONNX test data for the model ``model`` into the directory ``output``.
 
-    Calls without recorded outputs (a redacted bundle) get inputs only.
+    ``calls`` is a ``Bundle`` (``load_bundle(...)``) or an ``InputObserver``. Calls without
+    recorded outputs (a redacted bundle) get inputs only. ``on_progress`` is called with a
+    :class:`~iobundle.replay.ProgressEvent` (task ``"convert"``) before the first call and after each one.
 
     Raises:
         ModelLoadError: ``model`` cannot be loaded by onnx.
         ReplayError: The model's inputs do not match the recorded calls, or its outputs the recorded outputs.
-        BundleExistsError: ``output`` is not empty and ``overwrite`` is False.
+        BundleExistsError: ``output`` is not empty and ``overwrite`` is False (with it, the
+            ``test_data_set_N`` folders there are removed first; nothing else is).
 
     Example:
-        >>> convert_to_onnx_testdata(bundle._recorded(), "model.onnx", "testdata").paths[0]
+        >>> convert_to_onnx_testdata(load_bundle("run.iobundle"), "model.onnx", "testdata").paths[0]
         PosixPath('testdata/test_data_set_0/input_0.pb')
     """
+    rc = _calls_of(calls)
     inputs, outputs, meta = _load_graph(model)
     alignment = align_calls(rc)
     metadata = read_metadata(meta, model_label(model), len(alignment.owners))
@@ -126,8 +184,10 @@ def convert_to_onnx_testdata(
         raise ReplayError(f"{model}: the outputs recorded in its metadata differ from the graph's outputs {outputs}.")
     mapping = input_mapping(inputs, metadata, len(alignment.owners))
     target = Path(output)
-    _prepare(target, overwrite=overwrite)
+    _prepare(target, overwrite=overwrite, written=_TESTDATA_DIR)
     written: list[Path] = []
+    total = len(alignment.calls)
+    notify(on_progress, CONVERT_TASK, 0, total)
     try:
         for i, call in enumerate(alignment.calls):
             directory = target / f"test_data_set_{i}"
@@ -135,16 +195,17 @@ def convert_to_onnx_testdata(
             tensors = aligned_tensors(rc, alignment, alignment.slots[i])
             for k, (name, slot) in enumerate(mapping):
                 written.append(_write_proto(directory / f"input_{k}.pb", tensor_proto(tensors[slot], name)))
-            if call.outputs is None:
-                continue
-            expected = [rc.store.get(key) for key in tensor_keys(call.outputs)]
-            if len(expected) != len(outputs):
-                raise ReplayError(
-                    f"Recorded call {call.index} has {len(expected)} output tensors but {model} has "
-                    f"{len(outputs)} outputs ({', '.join(outputs)}). Convert with the model exported from this bundle."
-                )
-            for k, (name, t) in enumerate(zip(outputs, expected)):
-                written.append(_write_proto(directory / f"output_{k}.pb", tensor_proto(t, name)))
+            if call.outputs is not None:
+                expected = [rc.store.get(key) for key in tensor_keys(call.outputs)]
+                if len(expected) != len(outputs):
+                    raise ReplayError(
+                        f"Recorded call {call.index} has {len(expected)} output tensors but {model} has "
+                        f"{len(outputs)} outputs ({', '.join(outputs)}). "
+                        "Convert with the model exported from this bundle."
+                    )
+                for k, (name, t) in enumerate(zip(outputs, expected)):
+                    written.append(_write_proto(directory / f"output_{k}.pb", tensor_proto(t, name)))
+            notify(on_progress, CONVERT_TASK, i + 1, total, f"call {call.index}")
     except OSError as exc:
         raise BundleWriteError(f"Cannot write into {target}: {exc.strerror or exc}.") from exc
     return ConvertResult(paths=written, calls=len(alignment.calls))
@@ -155,8 +216,19 @@ def _write_proto(path: Path, proto: onnx.TensorProto) -> Path:
     return path
 
 
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def escape_key(key: object) -> str:
+    """``key`` as one part of a tensor path: ``%XX`` (UTF-8 bytes) for each character but ``[A-Za-z0-9_-]``."""
+    return _UNSAFE.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode("utf-8", "surrogatepass")), str(key))
+
+
 def tensor_paths(node: Node | None, prefix: str) -> Iterator[tuple[str, str]]:
-    """``(path, key)`` of every tensor of ``node``, in flattening order; see the module docstring."""
+    """``(path, key)`` of every tensor of ``node``, in flattening order; see the module docstring.
+
+    ``prefix`` is used as it is; every part added to it is escaped (:func:`escape_key`).
+    """
     if node is None:
         return
     if isinstance(node, TensorNode):
@@ -166,7 +238,7 @@ def tensor_paths(node: Node | None, prefix: str) -> Iterator[tuple[str, str]]:
             yield from tensor_paths(item, f"{prefix}.{i}")
     elif isinstance(node, DictNode):
         for key, item in zip(node.keys, node.items):
-            yield from tensor_paths(item, f"{prefix}.{key}")
+            yield from tensor_paths(item, f"{prefix}.{escape_key(key)}")
     elif isinstance(node, ObjectNode):
         context: Any = node.context
         names = (
@@ -177,7 +249,7 @@ def tensor_paths(node: Node | None, prefix: str) -> Iterator[tuple[str, str]]:
             else range(len(node.items))
         )
         for name, item in zip(names, node.items):
-            yield from tensor_paths(item, f"{prefix}.{name}")
+            yield from tensor_paths(item, f"{prefix}.{escape_key(name)}")
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
@@ -197,43 +269,79 @@ def _call_arrays(rc: RecordedCalls, index: int) -> dict[str, np.ndarray]:
     call = rc.calls[index]
     arrays: dict[str, np.ndarray] = {}
     pairs = [p for j, a in enumerate(call.args) for p in tensor_paths(a, f"args.{j}")]
-    pairs += [p for k, v in call.kwargs.items() for p in tensor_paths(v, f"kwargs.{k}")]
+    pairs += [p for k, v in call.kwargs.items() for p in tensor_paths(v, f"kwargs.{escape_key(k)}")]
     pairs += list(tensor_paths(call.outputs, "outputs"))
     for path, key in pairs:
+        if path in arrays:  # escaping makes paths unique; a recording that still repeats one is refused
+            raise ReplayError(
+                f"Recorded call {call.index}: two tensors have the npz key {path!r}; refusing to keep only one. "
+                "Convert to onnx-testdata, or record the call with distinct keys."
+            )
         arrays[path] = _numpy(rc.store.get(key))
     return arrays
 
 
-def convert_to_npz(rc: RecordedCalls, output: str | os.PathLike[str], *, overwrite: bool = False) -> ConvertResult:
-    """Write the tensors of every ok recorded call as numpy ``.npz`` files; see the module docstring.
+def _write_npz(archive: zipfile.ZipFile, prefix: str, arrays: dict[str, np.ndarray]) -> None:
+    """Add ``arrays`` to an open ``.npz`` file as ``np.savez`` does (one stored ``KEY.npy`` member each).
+
+    ``np.savez`` takes every array at once; this writes one call at a time into the one file.
+    """
+    for key, array in arrays.items():
+        with archive.open(f"{prefix}{key}.npy", "w", force_zip64=True) as f:
+            np.lib.format.write_array(f, np.asanyarray(array), allow_pickle=False)
+
+
+def convert_to_npz(
+    calls: RecordedCallsAPI | RecordedCalls,
+    output: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    on_progress: ProgressCallback | None = None,
+) -> ConvertResult:
+    """Write the tensors of every ok recorded call of ``calls`` (a ``Bundle``, an ``InputObserver``) as ``.npz`` files.
+
+    See the module docstring for the keys.
+
+    One call is read and written at a time, into one file per call or, for a target ending in
+    ``.npz``, into that one file. ``on_progress`` is called with a
+    :class:`~iobundle.replay.ProgressEvent` (task ``"convert"``) before the first call and after
+    each one.
 
     Raises:
-        BundleExistsError: ``output`` exists (a non-empty directory, or the file) and ``overwrite`` is False.
+        BundleExistsError: ``output`` exists (a non-empty directory, or the file) and ``overwrite`` is
+            False (with it, the ``call_N.npz`` files of a directory are removed first; nothing else is).
         BundleWriteError: ``output`` cannot be written.
 
     Example:
-        >>> convert_to_npz(bundle._recorded(), "arrays").paths[0]
+        >>> convert_to_npz(load_bundle("run.iobundle"), "arrays").paths[0]
         PosixPath('arrays/call_000000.npz')
         >>> sorted(numpy.load("arrays/call_000000.npz"))
         ['args.0', 'outputs']
     """
+    rc = _calls_of(calls)
     target = Path(output)
     ok = [i for i, c in enumerate(rc.calls) if c.status == "ok"]
+    notify(on_progress, CONVERT_TASK, 0, len(ok))
     try:
         if target.suffix == ".npz":
             if target.exists() and not overwrite:
                 raise BundleExistsError(f"'{target}' already exists. Pass --overwrite or choose another path.")
-            arrays = {f"call_{rc.calls[i].index:06d}/{path}": a for i in ok for path, a in _call_arrays(rc, i).items()}
             target.parent.mkdir(parents=True, exist_ok=True)
-            np.savez(target, **arrays)  # type: ignore[arg-type]
+            with zipfile.ZipFile(target, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+                for done, i in enumerate(ok, start=1):
+                    index = rc.calls[i].index
+                    _write_npz(archive, f"call_{index:06d}/", _call_arrays(rc, i))
+                    notify(on_progress, CONVERT_TASK, done, len(ok), f"call {index}")
             return ConvertResult(paths=[target], calls=len(ok))
-        _prepare(target, overwrite=overwrite)
+        _prepare(target, overwrite=overwrite, written=_NPZ_FILE)
         target.mkdir(parents=True, exist_ok=True)
         paths = []
-        for i in ok:
-            path = target / f"call_{rc.calls[i].index:06d}.npz"
+        for done, i in enumerate(ok, start=1):
+            index = rc.calls[i].index
+            path = target / f"call_{index:06d}.npz"
             np.savez(path, **_call_arrays(rc, i))  # type: ignore[arg-type]
             paths.append(path)
+            notify(on_progress, CONVERT_TASK, done, len(ok), f"call {index}")
     except OSError as exc:
         raise BundleWriteError(f"Cannot write {target}: {exc.strerror or exc}.") from exc
     return ConvertResult(paths=paths, calls=len(ok))

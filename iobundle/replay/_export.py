@@ -29,6 +29,7 @@ from iobundle.replay._dim_names import (
 )
 from iobundle.replay._inference import (
     Alignment,
+    DynamicSpec,
     align_calls,
     fed_shapes,
     flat_dynamic_dims,
@@ -49,6 +50,7 @@ __all__ = [
     "export_onnx",
     "export_program",
     "flatten_outputs",
+    "save_onnx",
 ]
 
 logger = logging.getLogger(__name__)
@@ -85,6 +87,8 @@ class ExportReport:
     options: list[str] = field(default_factory=list)
     patches: list[str] = field(default_factory=list)
     calls: list[CallCheck] = field(default_factory=list)
+    batch_check: Any = None
+    """A ``BatchCheck`` (see :mod:`iobundle.replay._dims`): the program on a batch size never recorded."""
 
     @property
     def failures(self) -> list[CallCheck]:
@@ -164,6 +168,7 @@ class _Plan:
     oblivious: bool
     dynamic_batch: bool = False
     dynamic: bool = True
+    dims: list[list[int]] = field(default_factory=list)
     dim_names: list[dict[int, str]] | None = None  # per slot, with dim_names
 
 
@@ -180,17 +185,18 @@ def _plan(
     rc: RecordedCalls,
     model: torch.nn.Module,
     batch: Collection[int | str] | bool | None,
+    dynamic: DynamicSpec = None,
     dim_names: DimNamesSpec = False,
 ) -> _Plan:
     alignment = align_calls(rc)
-    traced = choose_traced_call(rc, alignment, batch)
+    traced = choose_traced_call(rc, alignment, batch, dynamic)
     args, kwargs = infer_arguments(rc, traced, as_args_kwargs=True, alignment=alignment)
-    ds = infer_dynamic_shapes(rc, batch, dim_names=dim_names)
+    ds = infer_dynamic_shapes(rc, batch, dim_names=dim_names, dynamic=dynamic)
     slot_names = None
     if dim_names is not False:
         ds, _ = to_export_dims(ds)  # one torch.export.Dim per name: equal names, one symbol
         slot_names = name_dims(
-            rc, alignment, flat_dynamic_dims(rc, alignment, batch), dim_names, fed_shapes(rc, alignment)
+            rc, alignment, flat_dynamic_dims(rc, alignment, batch, dynamic), dim_names, fed_shapes(rc, alignment)
         )
     var_kw = rc.var_keyword
     names = set(rc.names)
@@ -202,7 +208,7 @@ def _plan(
     if flatten_var_kw and isinstance(ds, dict):
         ds = spread_var_keyword(ds, var_kw)
     # A dynamic dimension seen as 0 or 1 is specialised by torch.export unless size-oblivious.
-    dims = flat_dynamic_dims(rc, alignment, batch)
+    dims = flat_dynamic_dims(rc, alignment, batch, dynamic)
     if slot_names is not None:  # an explicitly named dimension is dynamic
         dims = [sorted({*d, *n}) for d, n in zip(dims, slot_names)]
     oblivious = False
@@ -215,11 +221,16 @@ def _plan(
     dynamic_batch = any(0 in d for d in dims)
     return _Plan(
         module, tuple(args), kwargs, ds, alignment, traced, flatten_var_kw, oblivious, dynamic_batch, any(dims),
-        slot_names,
+        dims=dims, dim_names=slot_names,
     )  # fmt: skip
 
 
-def choose_traced_call(rc: RecordedCalls, alignment: Alignment, batch: Collection[int | str] | bool | None) -> int:
+def choose_traced_call(
+    rc: RecordedCalls,
+    alignment: Alignment,
+    batch: Collection[int | str] | bool | None,
+    dynamic: DynamicSpec = None,
+) -> int:
     """The call to trace: the one that needs the fewest stand-ins and has the fewest dynamic sizes of 0 or 1.
 
     A call with every input present follows the code path most calls take (a decode step
@@ -227,7 +238,7 @@ def choose_traced_call(rc: RecordedCalls, alignment: Alignment, batch: Collectio
     gives torch.export nothing to specialise. Ties go to the earliest call, as
     ``infer_arguments`` does by default.
     """
-    dims = flat_dynamic_dims(rc, alignment, batch)
+    dims = flat_dynamic_dims(rc, alignment, batch, dynamic)
     best = alignment.best_call
     default = select_call(alignment)
 
@@ -337,11 +348,12 @@ def _export(
     batch: Any,
     strict: bool,
     report: ExportReport | None = None,
+    dynamic: DynamicSpec = None,
     dim_names: DimNamesSpec = False,
     on_progress: ProgressCallback | None = None,
 ) -> tuple[torch.export.ExportedProgram, _Plan, ExportReport]:
     notify(on_progress, "torch.export", 0, 1)
-    plan = _plan(rc, model, batch, dim_names)
+    plan = _plan(rc, model, batch, dynamic, dim_names)
     report = report or ExportReport(traced_call=plan.alignment.calls[plan.traced].index)
     begin = time.perf_counter()
     with export_context(
@@ -377,6 +389,8 @@ def export_program(
     check: bool = True,
     atol: float = 1e-4,
     rtol: float = 0.1,
+    dynamic: DynamicSpec = None,
+    check_batch: bool = True,
     dim_names: DimNamesSpec = False,
     on_progress: ProgressCallback | None = None,
 ) -> torch.export.ExportedProgram:
@@ -393,6 +407,9 @@ def export_program(
         check: Raise :class:`ExportError` when a call fails or differs beyond ``atol``/``rtol``.
         atol: Absolute tolerance of the check.
         rtol: Relative tolerance of the check.
+        dynamic: Axes to make dynamic even if their size never varied, e.g. ``{"input_ids": {1}}``.
+        check_batch: When the batch is dynamic, also run the program and ``model`` on a recorded
+            call cut to another batch size and compare them (``report.batch_check``; never raises).
         dim_names: True or a dict to name the dynamic dimensions (see ``infer_dynamic_shapes``):
             each name becomes one ``torch.export.Dim`` shared by every dimension that bears it.
         on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` when ``torch.export``
@@ -402,12 +419,17 @@ def export_program(
         ExportError: ``torch.export`` failed, or (with ``check``) a recorded call is not reproduced.
     """
     ep, plan, report = _export(
-        rc, model, batch=set_batch_dimension_for, strict=strict, dim_names=dim_names, on_progress=on_progress
-    )
+        rc, model, batch=set_batch_dimension_for, strict=strict, dynamic=dynamic, dim_names=dim_names,
+        on_progress=on_progress,
+    )  # fmt: skip
     with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
         _check_calls(
             rc, plan, ep.module(), atol=atol, rtol=rtol, report=report, eager=plan.module, on_progress=on_progress
         )
+        if check_batch and plan.dynamic_batch and report.ok:
+            from iobundle.replay._dims import check_other_batch
+
+            report.batch_check = check_other_batch(rc, plan, ep, atol=atol, rtol=rtol)
     rc.last_export_report = report
     ep.iobundle_report = report  # type: ignore[attr-defined]
     ep.iobundle_plan = plan  # type: ignore[attr-defined]
@@ -429,6 +451,7 @@ def export_onnx(
     check: bool = True,
     atol: float = 1e-4,
     rtol: float = 0.1,
+    dynamic: DynamicSpec = None,
     dim_names: DimNamesSpec = False,
     on_progress: ProgressCallback | None = None,
 ) -> str:
@@ -445,9 +468,25 @@ def export_onnx(
     """
     ep = export_program(
         rc, model, set_batch_dimension_for=set_batch_dimension_for, strict=strict, check=check, atol=atol, rtol=rtol,
+        dynamic=dynamic,
         dim_names=dim_names,
         on_progress=on_progress,
     )  # fmt: skip
+    return save_onnx(rc, ep, path, on_progress=on_progress)
+
+
+def save_onnx(
+    rc: RecordedCalls,
+    ep: torch.export.ExportedProgram,
+    path: str | os.PathLike[str],
+    *,
+    on_progress: ProgressCallback | None = None,
+) -> str:
+    """Convert a program returned by :func:`export_program` from ``rc`` to ONNX at ``path``; return the path.
+
+    Raises:
+        ExportError: ``torch.onnx.export`` failed, or the program does not take the recorded tensors.
+    """
     report: ExportReport = ep.iobundle_report  # type: ignore[attr-defined]
     sig = ep.graph_signature
     from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
@@ -467,13 +506,20 @@ def export_onnx(
     begin = time.perf_counter()
     notify(on_progress, "torch.onnx.export", 0, 1)
     try:
+        from iobundle.replay._onnx_rewrites import rewrite_for_onnx
+
+        report.options += [f"rewritten for ONNX: {r}" for r in rewrite_for_onnx(ep)]
         with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
             program = torch.onnx.export(ep, (), dynamo=True, verbose=False)
         assert program is not None
         plan: _Plan = ep.iobundle_plan  # type: ignore[attr-defined]
         if plan.dim_names is not None:
             rename_onnx_axes(program.model, onnx_axis_names(ep, inputs, plan.dim_names))
-        program.model.metadata_props[INPUT_SLOTS_KEY] = json.dumps(dict(zip(inputs, range(len(inputs)))))
+        # The ONNX graph takes the user inputs in the program's order, but may rename one (an input
+        # also returned as an output becomes ``<name>_orig``): map the ONNX names by position.
+        graph_inputs = [v.name for v in program.model.graph.inputs]
+        names = graph_inputs if len(graph_inputs) == len(inputs) else inputs
+        program.model.metadata_props[INPUT_SLOTS_KEY] = json.dumps(dict(zip(names, range(len(names)))))
         program.model.metadata_props[OUTPUT_NAMES_KEY] = json.dumps([v.name for v in program.model.graph.outputs])
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +51,11 @@ __all__ = [
 ]
 
 BatchSpec = Collection[int | str] | bool | None
+DynamicSpec = Mapping[int | str, Collection[int]] | None
+"""Axes to make dynamic even if their size never varied: ``{"input_ids": {1}, "cache": {2}}``.
+
+A key is an argument (a name, a position, or a name collected by ``**kwargs``); the axes apply
+to every tensor of that argument with enough dimensions (negative axes count from the end)."""
 
 
 @dataclass(frozen=True)
@@ -298,14 +303,45 @@ def empty_dims(alignment: Alignment) -> list[int | None]:
     return result
 
 
-def flat_dynamic_dims(rc: RecordedCalls, alignment: Alignment, batch: BatchSpec = None) -> list[list[int]]:
-    """Per slot, the dimensions whose size differs across calls (plus dim 0 where batch is forced).
+def _forced_axes(rc: RecordedCalls, alignment: Alignment, dynamic: DynamicSpec) -> dict[int | str, set[int]]:
+    """``dynamic`` keyed by the owners of :attr:`Alignment.owners` (positions of named parameters become names)."""
+    if not dynamic:
+        return {}
+    owners = set(alignment.owners)
+    result: dict[int | str, set[int]] = {}
+    for key, axes in dynamic.items():
+        owner: int | str = key
+        if isinstance(key, int) and key not in owners and key < len(rc.names) and rc.names[key] in owners:
+            owner = rc.names[key]
+        elif isinstance(key, str) and key not in owners and key in rc.names and rc.names.index(key) in owners:
+            owner = rc.names.index(key)
+        if owner not in owners:
+            inputs = ", ".join(
+                str(rc.names[o]) if isinstance(o, int) and o < len(rc.names) else str(o)
+                for o in dict.fromkeys(alignment.owners)
+            )
+            raise DynamicShapeError(
+                f"dynamic={{{key!r}: ...}}: no recorded call passes a tensor in {key!r}. Inputs holding tensors: {inputs}."
+            )
+        result.setdefault(owner, set()).update(int(a) for a in axes)
+    return result
+
+
+def flat_dynamic_dims(
+    rc: RecordedCalls, alignment: Alignment, batch: BatchSpec = None, dynamic: DynamicSpec = None
+) -> list[list[int]]:
+    """Per slot, the dimensions whose size differs across calls (plus dim 0 where batch is forced, and ``dynamic``).
 
     A slot absent from some call whose node type declares an ``empty_dim`` counts as seen with
     size 0 along it (the prefill's empty cache), so that dimension is dynamic.
+
+    Raises:
+        DynamicShapeError: A tensor changes rank, or ``dynamic`` names an input or an axis no tensor has.
     """
     result = []
     empty = empty_dims(alignment)
+    forced = _forced_axes(rc, alignment, dynamic)
+    used: dict[int | str, set[int]] = {owner: set() for owner in forced}
     for index, owner in enumerate(alignment.owners):
         shapes = [rc.store.shape(key) for s in alignment.slots if (key := s[index]) is not None]
         ranks = {len(s) for s in shapes}
@@ -323,7 +359,17 @@ def flat_dynamic_dims(rc: RecordedCalls, alignment: Alignment, batch: BatchSpec 
                 dims = sorted([*dims, empty_dim])
         if rank and _batch_forced(rc, owner, batch) and 0 not in dims:
             dims = [0, *dims]
+        for axis in forced.get(owner, ()):
+            if -rank <= axis < rank:
+                used[owner].add(axis)
+                dims = sorted({*dims, axis % rank})
         result.append(dims)
+    for owner, axes in forced.items():
+        if axes - used[owner]:
+            raise DynamicShapeError(
+                f"dynamic={{{owner!r}: {sorted(axes)}}}: no tensor of {owner!r} has axis {sorted(axes - used[owner])[0]}; "
+                "give an axis below the rank of the input's tensors."
+            )
     return result
 
 
@@ -366,6 +412,7 @@ def infer_dynamic_shapes(
     set_batch_dimension_for: BatchSpec = None,
     *,
     dim_names: DimNamesSpec = False,
+    dynamic: DynamicSpec = None,
 ) -> tuple[Any, ...] | dict[str, Any]:
     """Infer the ``dynamic_shapes`` argument of ``torch.export.export`` from the recorded calls.
 
@@ -375,13 +422,14 @@ def infer_dynamic_shapes(
             or True for every input.
         dim_names: False for ``Dim.DYNAMIC``; True or a dict for names (strings), see
             :mod:`iobundle.replay._dim_names`.
+        dynamic: Axes to make dynamic even if their size never varied (see :data:`DynamicSpec`).
 
     Returns:
         A tuple when the best call passes positional tensors only, otherwise a dict by name;
         nested like the inputs, registered classes as lists of their children.
     """
     alignment = align_calls(rc)
-    flat = flat_dynamic_dims(rc, alignment, set_batch_dimension_for)
+    flat = flat_dynamic_dims(rc, alignment, set_batch_dimension_for, dynamic)
     names = None if dim_names is False else name_dims(rc, alignment, flat, dim_names, fed_shapes(rc, alignment))
     best = alignment.best_call
     it = iter(range(len(flat)))

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from iobundle._implementations import ATTN_IMPLEMENTATIONS, EXPERTS_IMPLEMENTATIONS, SAFE_ATTN_IMPLEMENTATION
 from iobundle.errors import IobundleError, MissingDependencyError, ModelLoadError, UnsafeBundleError
 from iobundle.replay._bundle import Bundle
 from iobundle.replay._tensorfile import Root, check_file, read_member
@@ -68,15 +69,6 @@ COMPONENT_CLASSES: dict[str, tuple[str, str, str]] = {
     "WhisperEncoder": ("whisper", "whisper", "modeling_whisper"),
     "WhisperDecoder": ("whisper", "whisper", "modeling_whisper"),
 }
-
-#: Attention implementations transformers 5.24 ships in its own code: no hub kernel
-#: (``org/repo``, ``kernels-community/...``), no ``flash_attention_*`` (imports flash-attn or a
-#: hub kernel), no ``paged|...`` (the paged/continuous-batching path).
-ATTN_IMPLEMENTATIONS = frozenset({"eager", "sdpa", "flex_attention"})
-
-#: Experts (mixture-of-experts) implementations written in torch inside transformers;
-#: ``deepgemm`` and ``sonicmoe`` load hub kernels, the FP8 ones need a quantized model.
-EXPERTS_IMPLEMENTATIONS = frozenset({"eager", "grouped_mm", "batched_mm"})
 
 #: The strings a config's ``dtype`` / ``torch_dtype`` may hold (transformers does ``getattr(torch, value)``).
 DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
@@ -219,7 +211,10 @@ def _check_implementation(file: str, field: str, value: Any, allowed: frozenset[
         return
     why = f"is not a built-in {what} (allowed: {', '.join(sorted(allowed))}); others fetch or import code"
     if what == "attention implementation":
-        why += " (a model that ran with another one: call model.set_attn_implementation('sdpa') before saving)"
+        why += (
+            " (a model that ran with another one: call "
+            f"model.set_attn_implementation({SAFE_ATTN_IMPLEMENTATION!r}) before saving)"
+        )
     raise _refuse(file, field, value, why)
 
 

@@ -1,42 +1,62 @@
 """Synthetic stand-ins for a bundle's recorded inputs, so that a bundle can go into a bug report without private data.
 
 Each input tensor (call arguments and ``value_if_missing`` placeholders) is replaced by a tensor of
-the same dtype and shape, drawn from a seeded generator:
+the same dtype and shape, drawn from a seeded generator. The parameter a tensor is passed as
+decides some rules (:data:`TOKEN_ID_NAMES`, :data:`POSITION_NAMES`):
 
-- a tensor with at most two distinct values (an attention mask of 0/1, a bool mask, an additive
-  mask of 0/-inf) keeps those two values, each element drawn with the observed frequency of the
-  larger one: masks stay masks, an all-ones mask stays all ones;
-- an integer tensor whose every row increases (positions, ``cache_position``) keeps rows that
-  count up by one as they are (they only tell lengths, which the shapes tell anyway); other
-  increasing rows become sorted draws within the row's range;
-- other integer tensors (token ids) are drawn uniformly within the observed ``[min, max]``, so
-  ids stay valid for the embedding;
+- a bool tensor, and a mask (values within {0, 1}, or within {0, -inf} or {0, the dtype's lowest
+  value} for floats), keeps its two values, each element drawn with the observed frequency of the
+  larger one: masks stay masks, an all-ones mask stays all ones. Integer tensors passed as token
+  ids are never taken for masks;
+- an integer tensor passed as positions (``position_ids``, ``cache_position``) keeps rows that
+  count up by one as they are (they only tell lengths, which the shapes and the cache tell anyway);
+  so does an integer tensor passed as anything but token ids whose rows are ``0..n-1``. Other
+  increasing rows of such tensors become sorted draws within the row's range;
+- token ids and every other integer tensor are drawn uniformly within their observed
+  ``[min, max]``, so ids stay valid for the embedding. A tensor holding one value only (a decode
+  step's single token) is drawn within the range observed over every call of that parameter, or
+  within the vocabulary (``[0, vocab_size)``) for token ids when the bundle stores the model's config;
 - floating-point and complex tensors are drawn from a normal law with the observed mean and
   standard deviation (finite values only).
 
-Scalars, constants and the structure of the calls are kept; so are the recorded outputs when asked.
+Kept verbatim: the structure of the calls and every non-tensor value (``cst_kwargs``, constants
+inside containers: strings, numbers, flags); so are the recorded outputs when asked.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path, PurePosixPath
 
 import torch
 
+from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import DictTensorStore, RecordedCalls, tensor_keys
-from iobundle.errors import ModelLoadError
+from iobundle.errors import IobundleError, ModelLoadError
 from iobundle.replay._bundle import Bundle
 from iobundle.replay._tensorfile import check_file, read_member
 from iobundle.schema import CallEntry, ModelEntry
 
-__all__ = ["copy_model_files", "redact_calls", "synthetic_like"]
+__all__ = ["POSITION_NAMES", "TOKEN_ID_NAMES", "copy_model_files", "redact_calls", "synthetic_like"]
+
+TOKEN_ID_NAMES = frozenset({"input_ids", "decoder_input_ids", "labels", "token_ids", "ids"})
+"""Parameters whose integer tensors are token ids: always drawn afresh, never kept as masks or positions."""
+
+POSITION_NAMES = frozenset({"position_ids", "cache_position", "cache_positions", "decoder_position_ids"})
+"""Parameters whose rows that count up by one are kept (positions say nothing but lengths)."""
 
 
-def _two_values(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _mask_values(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The two values of a mask (see the module docstring), or None when ``t`` is no mask."""
     lo, hi = t.min(), t.max()
-    if bool(((t == lo) | (t == hi)).all()):
+    if not bool(((t == lo) | (t == hi)).all()):
+        return None
+    allowed: list[tuple[float, float]] = [(0, 1)]
+    if t.is_floating_point():
+        allowed += [(float("-inf"), 0), (float(torch.finfo(t.dtype).min), 0)]
+    if any({float(lo), float(hi)} <= {x, y} for x, y in allowed):
         return lo, hi
     return None
 
@@ -45,22 +65,42 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def synthetic_like(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """A synthetic tensor of ``t``'s dtype and shape (see the module docstring for the rules)."""
+def _is_token_ids(name: str | None) -> bool:
+    return name is not None and (name in TOKEN_ID_NAMES or name.endswith("input_ids"))
+
+
+def synthetic_like(
+    t: torch.Tensor,
+    generator: torch.Generator,
+    *,
+    name: str | None = None,
+    bounds: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """A synthetic tensor of ``t``'s dtype and shape (see the module docstring for the rules).
+
+    Args:
+        t: The recorded tensor.
+        generator: The seeded generator to draw from.
+        name: The parameter ``t`` was passed as (None when unknown): token ids and positions by name.
+        bounds: ``(low, high)`` (inclusive) to draw integers within when ``t`` holds a single value
+            (its own range would give it back): the range over every call, or the vocabulary.
+    """
     t = t.detach().cpu()
     if t.numel() == 0:
         return torch.empty(t.shape, dtype=t.dtype)
     if t.dtype == torch.bool:
         p = t.float().mean()
         return torch.rand(t.shape, generator=generator) < p
+    integer = not (t.is_floating_point() or t.is_complex())
+    token_ids = integer and _is_token_ids(name)
     work = t if not (t.is_floating_point() and t.element_size() == 1) else t.float()  # float8: no comparisons
-    pair = _two_values(work) if not t.is_complex() else None
+    pair = _mask_values(work) if not (t.is_complex() or token_ids) else None
     if pair is not None:
         lo, hi = pair
         p = (work == hi).float().mean()
         pick = torch.rand(t.shape, generator=generator) < p
         return torch.where(pick, hi, lo).to(t.dtype)
-    if t.is_floating_point() or t.is_complex():
+    if not integer:
         x = t.to(torch.complex128 if t.is_complex() else torch.float64)
         finite = x[torch.isfinite(x)]
         mean = finite.mean() if finite.numel() else torch.zeros((), dtype=x.dtype)
@@ -68,18 +108,39 @@ def synthetic_like(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         std = std.abs() if std.is_complex() else std
         noise = torch.randn(t.shape, generator=generator, dtype=x.dtype)
         return (noise * std + mean).to(t.dtype)
-    lo, hi = int(t.min()), int(t.max())
-    if t.ndim >= 1 and t.shape[-1] > 1:
+    if not token_ids and t.ndim >= 1:
         rows = _rows(t.to(torch.int64))
         steps = rows[:, 1:] - rows[:, :-1]
-        if bool((steps == 1).all()):
+        positions = name in POSITION_NAMES
+        counting = bool((steps == 1).all())
+        if counting and (positions or (t.shape[-1] > 1 and bool((rows[:, 0] == 0).all()))):
             return t.clone()  # positions: arange rows say nothing but their start and length
-        if bool((steps >= 0).all()):
+        if t.shape[-1] > 1 and bool((steps >= 0).all()):
             low, high = rows.min(dim=1, keepdim=True).values, rows.max(dim=1, keepdim=True).values
             draws = torch.rand(rows.shape, generator=generator, dtype=torch.float64)
             values = (low + (draws * (high - low + 1).double()).floor().long()).clamp(max=high)
             return values.sort(dim=1).values.reshape(t.shape).to(t.dtype)
+    lo, hi = int(t.min()), int(t.max())
+    if lo == hi and bounds is not None:  # one value seen (a decode step's token): its own range would keep it
+        lo, hi = bounds
     return torch.randint(lo, hi + 1, t.shape, generator=generator, dtype=torch.int64).to(t.dtype)
+
+
+def _vocab_size(bundle: Bundle) -> int | None:
+    """``vocab_size`` of the model config the bundle stores (a multimodal config's text part too), if any."""
+    entry = bundle.manifest.model
+    if entry is None or entry.config_file not in entry.files:
+        return None
+    try:
+        member = check_file(bundle._store.bundle_root, entry.config_file, entry.files[entry.config_file])
+        config = json.loads(read_member(member, entry.config_file, entry.files[entry.config_file].size))
+    except (IobundleError, ValueError):
+        return None  # the config is checked when the model is loaded; here it only narrows the draws
+    for part in (config, config.get("text_config") if isinstance(config, dict) else None):
+        size = part.get("vocab_size") if isinstance(part, dict) else None
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+            return size
+    return None
 
 
 def _redact_error(call: CallEntry) -> CallEntry:
@@ -89,27 +150,60 @@ def _redact_error(call: CallEntry) -> CallEntry:
     return call.model_copy(update={"error": f"{kind}: (message removed by iobundle redact)"})
 
 
-def redact_calls(bundle: Bundle, *, keep_outputs: bool = False, seed: int = 0) -> RecordedCalls:
+REDACT_TASK = "redact"
+
+
+def redact_calls(
+    bundle: Bundle, *, keep_outputs: bool = False, seed: int = 0, on_progress: ProgressCallback | None = None
+) -> RecordedCalls:
     """The calls of ``bundle`` with synthetic inputs (and no outputs unless ``keep_outputs``), in memory.
 
     The error messages of failed calls are reduced to the exception's type (they may quote
     values). A tensor used both as an input and as an output gets its synthetic value in both.
     Write the result with ``iobundle.capture.save_recorded_calls``, or use
-    ``iobundle.redact_bundle``, which does both.
+    ``iobundle.redact_bundle``, which does both. ``on_progress`` is called with a
+    :class:`~iobundle.replay.ProgressEvent` (task ``"redact"``) before the first call and after
+    each call's inputs are made.
     """
     rc = bundle._recorded()
     generator = torch.Generator().manual_seed(seed)
-    inputs: list[str] = []
+    names = rc.names
+    inputs: dict[str, str | None] = {}  # tensor key -> the parameter it was passed as
     for entry in rc.value_if_missing:
-        inputs += tensor_keys(entry.value)
+        name = entry.key if isinstance(entry.key, str) else (names[entry.key] if entry.key < len(names) else None)
+        inputs.update((k, inputs.get(k, name)) for k in tensor_keys(entry.value))
     for call in rc.calls:
-        inputs += [k for a in call.args for k in tensor_keys(a)]
-        inputs += [k for v in call.kwargs.values() for k in tensor_keys(v)]
+        for j, a in enumerate(call.args):
+            inputs.update((k, inputs.get(k, names[j] if j < len(names) else None)) for k in tensor_keys(a))
+        for name, v in call.kwargs.items():
+            inputs.update((k, inputs.get(k, name)) for k in tensor_keys(v))
+    bounds: dict[str | None, tuple[int, int]] = {}  # per parameter, the integer range over every call
+    for key, name in inputs.items():
+        t = rc.store.get(key)
+        if t.numel() and t.dtype != torch.bool and not (t.is_floating_point() or t.is_complex()):
+            lo, hi = int(t.min()), int(t.max())
+            old = bounds.get(name, (lo, hi))
+            bounds[name] = (min(lo, old[0]), max(hi, old[1]))
+    vocab = _vocab_size(bundle)
     tensors: dict[str, torch.Tensor] = {}
-    for key in dict.fromkeys(inputs):
-        tensors[key] = synthetic_like(rc.store.get(key), generator)
+
+    def synthesize(keys: list[str]) -> None:  # in order of first use: the same seed gives the same values
+        for key in keys:
+            if key not in tensors:
+                name = inputs[key]
+                span = (0, vocab - 1) if vocab is not None and _is_token_ids(name) else bounds.get(name)
+                tensors[key] = synthetic_like(rc.store.get(key), generator, name=name, bounds=span)
+
+    notify(on_progress, REDACT_TASK, 0, len(rc.calls))
+    for entry in rc.value_if_missing:
+        synthesize(tensor_keys(entry.value))
+    for done, call in enumerate(rc.calls, start=1):
+        keys = [k for a in call.args for k in tensor_keys(a)]
+        keys += [k for v in call.kwargs.values() for k in tensor_keys(v)]
+        synthesize(keys)
+        notify(on_progress, REDACT_TASK, done, len(rc.calls), f"call {call.index}")
     calls = []
-    for call in rc.calls:
+    for call in rc.calls:  # after every input: a tensor that is also an input never keeps its real value
         call = _redact_error(call)
         if keep_outputs and call.outputs is not None:
             for key in tensor_keys(call.outputs):

@@ -43,6 +43,7 @@ __all__ = [
     "BundleTensorStore",
     "check_file",
     "check_file_header",
+    "listed_files",
     "read_member",
     "safe_member_path",
 ]
@@ -196,6 +197,14 @@ def sha256_file(path: Member, name: str | None = None) -> tuple[int, str]:
     except OSError as exc:
         raise TensorFileError(f"{name or path}: cannot be read ({exc.strerror or exc}).") from exc
     return size, digest.hexdigest()
+
+
+def listed_files(manifest: Manifest) -> dict[str, FileEntry]:
+    """Every file ``manifest`` lists besides itself: its tensor files, then the stored model's files."""
+    files = dict(manifest.files)
+    if manifest.model is not None:
+        files.update(manifest.model.files)
+    return files
 
 
 def check_file(root: Path | Root, name: str, entry: FileEntry, *, hash_check: bool = True) -> Member:

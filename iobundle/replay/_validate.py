@@ -196,6 +196,10 @@ def check_discrepancies(
     ``error`` when the run failed,
     and with ``include_io`` the ``inputs`` and ``outputs`` summaries.
 
+    ``onnx_model`` may also be a program index (``*.programs.json``, written by ``iobundle export``
+    when one program cannot serve every call): each call then runs through the program whose
+    structure it has, and each row names it in a ``program`` column.
+
     With per-output tolerances or another ``check_error_stat`` than ``max``, each output is
     decided on its own (see :func:`iobundle.replay.validate_onnx`) and the rows also carry
     ``mean_abs``, ``median_abs``, ``quantile_abs`` and ``worst_output``.
@@ -249,6 +253,14 @@ def _run_checks(
 ) -> tuple[list[dict[str, Any]], list[OutputCheck]]:
     check_error_stat_name(check_error_stat, error_quantile)
     _require_outputs(rc)
+    if not isinstance(onnx_model, onnx.ModelProto) and str(onnx_model).endswith(".json"):
+        from iobundle.replay._phases import check_program_index
+
+        return check_program_index(
+            rc, onnx_model, _run_checks, tolerances=tolerances, hist=hist, progress_bar=progress_bar,
+            include_io=include_io, skip_none=skip_none, per_output=per_output, check_error_stat=check_error_stat,
+            error_quantile=error_quantile, on_progress=on_progress,
+        )  # fmt: skip
     session, meta = _session(onnx_model)
     alignment = align_calls(rc)
     metadata = read_metadata(meta, model_label(onnx_model), len(alignment.owners))

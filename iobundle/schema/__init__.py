@@ -6,6 +6,7 @@ __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST_FILENAME",
+    "PROGRAM_INDEX_FORMAT",
     "MAX_MANIFEST_BYTES",
     "SUPPORTED_FORMAT_VERSIONS",
     "CallEntry",
@@ -22,6 +23,8 @@ __all__ = [
     "OpaqueNode",
     "ParameterEntry",
     "Producer",
+    "ProgramEntry",
+    "ProgramIndex",
     "Redaction",
     "SignatureEntry",
     "TensorEntry",
@@ -29,9 +32,11 @@ __all__ = [
     "TupleNode",
     "dump_manifest",
     "load_manifest",
+    "load_program_index",
     "manifest_json_schema",
     "parse_manifest",
     "write_manifest",
+    "write_program_index",
 ]
 
 import json
@@ -67,6 +72,13 @@ from iobundle.schema._manifest import (
     TensorEntry,
     TensorNode,
     TupleNode,
+)
+from iobundle.schema._programs import (
+    PROGRAM_INDEX_FORMAT,
+    ProgramEntry,
+    ProgramIndex,
+    load_program_index,
+    write_program_index,
 )
 
 

@@ -197,7 +197,11 @@ class TestStreaming:
         assert str(target) in str(info.value)
         assert "forward" not in model.__dict__  # the method was never replaced
         assert (target / "notes.txt").read_text() == "mine"
-        run(model, observer, decoder_calls(2), stream_to=target, overwrite=True)
+        with pytest.raises(BundleExistsError, match="not a bundle"), observer(model, stream_to=target, overwrite=True):
+            pass  # overwrite replaces a bundle, never what is not one (the rule of URLs and unpack too)
+        assert (target / "notes.txt").read_text() == "mine"
+        (target / "notes.txt").unlink()
+        run(model, observer, decoder_calls(2), stream_to=target)
         assert len(load_bundle(target).calls) == 2
 
     def test_a_second_block_appends_to_the_same_bundle(self, tmp_path: Path) -> None:

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import pty
 import re
-import select
 import shutil
 import subprocess
 import sys
 import textwrap
 from html.parser import HTMLParser
-from pathlib import Path
 
 import pandas
 import pytest
@@ -226,50 +223,24 @@ def test_no_colour_when_stdout_is_not_a_terminal(cwd, capsys):
     assert "\x1b[" not in out and "\x1b[" not in err
 
 
-def _run_in_terminal(argv: list[str], cwd: Path, env: dict[str, str]) -> str:
-    """Run ``iobundle ARGV`` with stdout and stderr on a pseudo-terminal; return what it wrote."""
-    leader, follower = pty.openpty()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "iobundle", *argv], stdin=subprocess.DEVNULL, stdout=follower, stderr=follower,
-        cwd=cwd, env=env,
-    )  # fmt: skip
-    os.close(follower)
-    chunks = []
-    while True:
-        ready, _, _ = select.select([leader], [], [], 120)
-        if not ready:
-            proc.kill()
-            break
-        try:
-            data = os.read(leader, 65536)
-        except OSError:  # the child closed the terminal
-            break
-        if not data:
-            break
-        chunks.append(data)
-    proc.wait(timeout=120)
-    os.close(leader)
-    return b"".join(chunks).decode("utf-8", "replace")
-
-
 COLOUR = re.compile(r"\x1b\[[0-9;]*(?:3[0-7]|9[0-7])[0-9;]*m")
 
 
 @pytest.mark.parametrize("no_color", [False, True])
-def test_colour_and_progress_on_a_terminal_unless_no_color(cwd, no_color):
+def test_colour_and_progress_on_a_terminal_unless_no_color(cwd, no_color, terminal):
     env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "TERM")}
     env.update(TERM="xterm-256color", COLUMNS="120", PYTHONPATH=os.pathsep.join(sys.path))
     if no_color:
         env["NO_COLOR"] = "1"
-    text = _run_in_terminal(["validate", "run.iobundle", "shifted.onnx", "--rtol", "0"], cwd, env)
+    text = terminal(["validate", "run.iobundle", "shifted.onnx", "--rtol", "0"], cwd, env)
     assert "FAIL: 0/3 calls" in text
     assert bool(COLOUR.search(text)) is not no_color
     assert "validate" in text  # the progress bar's task, drawn on the terminal (stderr)
 
 
-def test_quiet_prints_only_the_verdict(cwd):
+def test_quiet_prints_only_the_verdict(cwd, terminal):
     env = dict(os.environ, TERM="xterm", PYTHONPATH=os.pathsep.join(sys.path))
-    text = _run_in_terminal(["validate", "-q", "run.iobundle", "shifted.onnx", "--rtol", "0"], cwd, env)
+    text = terminal(["validate", "-q", "run.iobundle", "shifted.onnx", "--rtol", "0"], cwd, env)
     lines = [line for line in text.replace("\r", "").splitlines() if line.strip()]
     assert len(lines) == 1 and "FAIL: 0/3 calls" in lines[0]
 

@@ -122,12 +122,57 @@ class TestPackUnpack:
         result = unpack_bundle(packed, tmp_path / "out")
         assert members(tmp_path / "out") == members(bundle)
         assert result.files == len(members(bundle))
+        assert result.bytes == sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file()) > 0
         assert load_bundle(tmp_path / "out").verify() == []
+
+    def test_pack_reports_bytes_per_member_up_to_the_total(self, tmp_path, bundle):
+        events = []
+        result = pack_bundle(bundle, tmp_path / "b.tar", on_progress=events.append)
+        assert {(e.task, e.unit, e.total) for e in events} == {("pack", "bytes", result.bytes)}
+        done = [e.done for e in events]
+        assert done[0] == 0 and done[-1] == result.bytes == sum(len(d) for _, d in members(bundle))
+        assert done == sorted(done) and len(done) == result.files + 1
+        assert [e.detail for e in events[1:]] == [n for n, _ in members(bundle)]
+
+    def test_unpack_reports_the_check_then_the_copy_in_bytes(self, tmp_path, bundle, packed):
+        events = []
+        result = unpack_bundle(packed, tmp_path / "out", on_progress=events.append)
+        tasks = list(dict.fromkeys(e.task for e in events))
+        assert tasks == ["verify", "unpack"] and all(e.unit == "bytes" for e in events)
+        copy = [e for e in events if e.task == "unpack"]
+        assert [e.done for e in copy] == sorted(e.done for e in copy) and copy[0].done == 0
+        assert copy[-1].done == copy[-1].total == result.bytes == sum(len(d) for _, d in members(bundle))
+        assert len(copy) == result.files + 1 and copy[-1].detail == "manifest.json"
+        check = [e for e in events if e.task == "verify"]
+        assert check[0].done == 0 and check[-1].done == check[-1].total == sum(
+            f.size for f in load_bundle(bundle).manifest.files.values()
+        )
+
+    def test_unpack_without_verify_reports_the_copy_only(self, tmp_path, packed):
+        events = []
+        unpack_bundle(packed, tmp_path / "out", verify=False, on_progress=events.append)
+        assert {e.task for e in events} == {"unpack"}
 
     def test_pack_refuses_an_existing_file(self, tmp_path, bundle, packed):
         with pytest.raises(BundleExistsError, match="overwrite"):
             pack_bundle(bundle, packed)
         pack_bundle(bundle, packed, overwrite=True)
+
+    def test_overwrite_keeps_files_beside_the_bundle(self, tmp_path, bundle, packed):
+        out = tmp_path / "out"
+        unpack_bundle(packed, out)
+        (out / "notes.txt").write_text("keep me")
+        (out / "calls" / "README").write_text("keep me too")
+        unpack_bundle(packed, out, overwrite=True)
+        assert (out / "notes.txt").read_text() == "keep me" and (out / "calls" / "README").read_text() == "keep me too"
+        assert load_bundle(out).verify() == []
+        model, record = Model(), InputObserver()  # a local save(overwrite=True) follows the same rule
+        with record(model):
+            model(torch.randn(2, 3))  # one call: the old bundle's second tensor file must go
+        record.save(out, overwrite=True)
+        assert (out / "notes.txt").read_text() == "keep me" and (out / "calls" / "README").read_text() == "keep me too"
+        left = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+        assert left == {"manifest.json", "notes.txt", "calls/README", *load_bundle(out).manifest.files}
 
     def test_unpack_refuses_a_non_empty_directory_and_never_deletes_a_non_bundle(self, tmp_path, packed):
         out = tmp_path / "out"
@@ -282,6 +327,33 @@ class TestHostileArchive:
             unpack_bundle(path, tmp_path / "out")
         assert not (tmp_path / "out").exists()
 
+    @pytest.mark.parametrize("verify", [True, False])
+    def test_unpack_refuses_a_member_the_manifest_does_not_list(self, tmp_path, bundle, verify):
+        entries = [*entries_of(bundle), regular("calls/extra.sh", b"#!/bin/sh\nrm -rf ~\n")]
+        path = write_tar(tmp_path / "x.tar", entries)
+        with pytest.raises(ArchiveError, match=r"'calls/extra\.sh' is not a file the manifest lists") as info:
+            unpack_bundle(path, tmp_path / "out", verify=verify)
+        assert info.value.member == "calls/extra.sh"
+        assert not (tmp_path / "out").exists()
+
+    def test_unpack_without_verify_still_checks_sizes(self, tmp_path, bundle):
+        entries = entries_of(bundle)
+        name, data = entries[1][0].name, entries[1][1]
+        entries[1] = regular(name, data + b"\x00" * 8)  # type: ignore[operator]
+        path = write_tar(tmp_path / "x.tar", entries)
+        with pytest.raises(IntegrityError, match="bytes, the manifest says"):
+            unpack_bundle(path, tmp_path / "out", verify=False)
+        assert not (tmp_path / "out").exists()
+
+    def test_pack_leaves_out_files_the_manifest_does_not_list(self, tmp_path, bundle):
+        (bundle / "notes.txt").write_text("not part of the bundle")
+        (bundle / "calls" / ".call_000009.safetensors.tmp").write_bytes(b"half written")
+        result = pack_bundle(bundle, tmp_path / "x.tar")
+        with tarfile.open(result.path) as tar:
+            names = tar.getnames()
+        assert "notes.txt" not in names and not any(n.endswith(".tmp") for n in names)
+        assert unpack_bundle(result.path, tmp_path / "out").files == len(names)
+
     def test_unpack_writes_nothing_from_a_damaged_archive(self, tmp_path, bundle):
         entries = entries_of(bundle)
         name, data = entries[1][0].name, bytearray(entries[1][1])  # type: ignore[arg-type]
@@ -364,3 +436,28 @@ def test_model_stored_in_a_packed_bundle_is_rebuilt(tmp_path):
     packed = Path(pack_bundle(tmp_path / "llama", tmp_path / "llama.tar").path)
     rebuilt = load_bundle_model(load_bundle(packed))
     assert torch.equal(rebuilt.lm_head.weight, model.lm_head.weight)
+    unpacked = unpack_bundle(packed, tmp_path / "out")
+    assert unpacked.files == 1 + len(load_bundle(packed).manifest.files) + 2  # manifest, tensors, config, weights
+
+
+def test_verify_checks_the_stored_model_files(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32
+    )
+    config.vocab_size = 50
+    model = transformers.LlamaForCausalLM(config).eval()
+    observer = InputObserver()
+    with torch.no_grad(), observer(model, store_n_calls=1):
+        model(torch.tensor([[3, 4, 5]]))
+    manifest = observer.save(tmp_path / "llama", include_model=True)
+    assert manifest.model is not None and load_bundle(tmp_path / "llama").verify() == []
+    weights = tmp_path / "llama" / manifest.model.weights_file
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    problems = load_bundle(tmp_path / "llama").verify()
+    assert len(problems) == 1 and manifest.model.weights_file in problems[0]
+    packed = pack_bundle(tmp_path / "llama", tmp_path / "llama.tar").path
+    with pytest.raises(IntegrityError, match="damaged"):
+        unpack_bundle(packed, tmp_path / "out")

@@ -57,7 +57,7 @@ def read_data_set(directory: Path, prefix: str) -> list[onnx.TensorProto]:
 def test_onnx_testdata_runs_in_onnxruntime_and_matches_the_recorded_outputs(exported, tmp_path):
     bundle_path, onnx_path = exported
     bundle = load_bundle(bundle_path)
-    result = convert_to_onnx_testdata(bundle._recorded(), onnx_path, tmp_path / "testdata")
+    result = convert_to_onnx_testdata(bundle, onnx_path, tmp_path / "testdata")
     assert result.calls == 3
     session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     graph_inputs = [i.name for i in session.get_inputs()]
@@ -82,14 +82,14 @@ def test_onnx_testdata_runs_in_onnxruntime_and_matches_the_recorded_outputs(expo
 def test_onnx_testdata_of_a_redacted_bundle_has_inputs_only(exported, tmp_path):
     bundle_path, onnx_path = exported
     redact_bundle(bundle_path, tmp_path / "redacted")
-    convert_to_onnx_testdata(load_bundle(tmp_path / "redacted")._recorded(), onnx_path, tmp_path / "td")
+    convert_to_onnx_testdata(load_bundle(tmp_path / "redacted"), onnx_path, tmp_path / "td")
     directory = tmp_path / "td" / "test_data_set_0"
     assert read_data_set(directory, "input") and not read_data_set(directory, "output")
 
 
 def test_onnx_testdata_refuses_a_missing_model_and_a_non_empty_target(exported, tmp_path):
     bundle_path, onnx_path = exported
-    rc = load_bundle(bundle_path)._recorded()
+    rc = load_bundle(bundle_path)
     with pytest.raises(ModelLoadError, match="does not exist"):
         convert_to_onnx_testdata(rc, tmp_path / "nope.onnx", tmp_path / "td")
     convert_to_onnx_testdata(rc, onnx_path, tmp_path / "td")
@@ -109,7 +109,7 @@ def test_tensor_proto_round_trips_through_onnx(dtype):
 def test_npz_has_one_file_per_call_keyed_by_tensor_paths(exported, tmp_path):
     bundle_path, _ = exported
     bundle = load_bundle(bundle_path)
-    result = convert_to_npz(bundle._recorded(), tmp_path / "arrays")
+    result = convert_to_npz(bundle, tmp_path / "arrays")
     assert [p.name for p in result.paths] == ["call_000000.npz", "call_000001.npz", "call_000002.npz"]
     with np.load(result.paths[1]) as data:
         assert sorted(data) == ["args.0", "kwargs.cache.0", "kwargs.cache.1", "kwargs.mask", "outputs.y", "outputs.z"]
@@ -118,7 +118,105 @@ def test_npz_has_one_file_per_call_keyed_by_tensor_paths(exported, tmp_path):
 
 def test_npz_single_file_prefixes_each_call(exported, tmp_path):
     bundle_path, _ = exported
-    result = convert_to_npz(load_bundle(bundle_path)._recorded(), tmp_path / "all.npz")
+    result = convert_to_npz(load_bundle(bundle_path), tmp_path / "all.npz")
     with np.load(result.paths[0]) as data:
         assert "call_000002/kwargs.mask" in data and "call_000000/args.0" in data
         assert len(data) == 3 * 6
+
+
+def test_onnx_testdata_reports_each_call(exported, tmp_path):
+    bundle_path, onnx_path = exported
+    events = []
+    convert_to_onnx_testdata(load_bundle(bundle_path), onnx_path, tmp_path / "t", on_progress=events.append)
+    assert [(e.task, e.done, e.total) for e in events] == [("convert", i, 3) for i in range(4)]
+    assert [e.detail for e in events[1:]] == ["call 0", "call 1", "call 2"]
+
+
+@pytest.mark.parametrize("target", ["arrays", "all.npz"])
+def test_npz_reports_each_call(exported, tmp_path, target):
+    bundle_path, _ = exported
+    events = []
+    result = convert_to_npz(load_bundle(bundle_path), tmp_path / target, on_progress=events.append)
+    assert [(e.task, e.done, e.total) for e in events] == [("convert", i, 3) for i in range(4)]
+    assert result.calls == 3
+
+
+def test_npz_single_file_holds_the_same_arrays_as_the_per_call_files(exported, tmp_path):
+    bundle_path, _ = exported
+    rc = load_bundle(bundle_path)
+    one = convert_to_npz(rc, tmp_path / "all.npz").paths[0]
+    per_call = convert_to_npz(rc, tmp_path / "arrays").paths
+    with np.load(one) as whole:
+        for path in per_call:
+            with np.load(path) as part:
+                for key in part:
+                    np.testing.assert_array_equal(whole[f"{path.stem}/{key}"], part[key])
+                    assert whole[f"{path.stem}/{key}"].dtype == part[key].dtype
+
+
+class DictModel(torch.nn.Module):
+    def forward(self, x, extra=None):
+        return x * 2
+
+
+def _dict_bundle(path: Path, extra: dict) -> Path:
+    model, observer = DictModel(), InputObserver()
+    with observer(model):
+        model(torch.ones(2), extra=extra)
+    observer.save(path)
+    return path
+
+
+def test_npz_keys_from_dict_keys_are_escaped_and_never_leave_the_file(tmp_path):
+    import zipfile
+
+    extra = {"../../evil": torch.ones(1), "a.b": torch.ones(2), "a": {"b": torch.ones(3)}, "/abs\\x": torch.ones(4)}
+    bundle = load_bundle(_dict_bundle(tmp_path / "run", extra))
+    one = convert_to_npz(bundle, tmp_path / "all.npz").paths[0]
+    names = zipfile.ZipFile(one).namelist()
+    assert all(".." not in n and "\\" not in n and n.count("/") == 1 for n in names), names
+    arrays = convert_to_npz(bundle, tmp_path / "arrays").paths[0]
+    with np.load(arrays) as data:
+        keys = set(data)
+        assert {"kwargs.extra.%2E%2E%2F%2E%2E%2Fevil", "kwargs.extra.a%2Eb", "kwargs.extra.a.b"} <= keys
+        assert data["kwargs.extra.a%2Eb"].shape == (2,) and data["kwargs.extra.a.b"].shape == (3,)
+    assert not (tmp_path / "evil.npy").exists() and not (tmp_path.parent / "evil.npy").exists()
+
+
+def test_npz_refuses_two_tensors_with_one_key(tmp_path):
+    from iobundle.errors import ReplayError
+
+    bundle = load_bundle(_dict_bundle(tmp_path / "run", {1: torch.ones(1), "1": torch.ones(2)}))
+    with pytest.raises(ReplayError, match=r"two tensors have the npz key 'kwargs\.extra\.1'"):
+        convert_to_npz(bundle, tmp_path / "arrays")
+
+
+def test_overwrite_removes_what_an_earlier_larger_conversion_wrote_and_nothing_else(exported, tmp_path):
+    bundle_path, onnx_path = exported
+    rc = load_bundle(bundle_path)
+    testdata, arrays = tmp_path / "testdata", tmp_path / "arrays"
+    convert_to_onnx_testdata(rc, onnx_path, testdata)
+    (testdata / "test_data_set_7").mkdir()  # from an earlier conversion of a bundle with more calls
+    (testdata / "test_data_set_7" / "input_0.pb").write_bytes(b"stale")
+    (testdata / "notes.txt").write_text("keep me")
+    with pytest.raises(BundleExistsError, match="--overwrite"):
+        convert_to_onnx_testdata(rc, onnx_path, testdata)
+    convert_to_onnx_testdata(rc, onnx_path, testdata, overwrite=True)
+    assert sorted(p.name for p in testdata.iterdir()) == ["notes.txt", *(f"test_data_set_{i}" for i in range(3))]
+
+    convert_to_npz(rc, arrays)
+    (arrays / "call_000009.npz").write_bytes(b"stale")
+    (arrays / "notes.txt").write_text("keep me")
+    convert_to_npz(rc, arrays, overwrite=True)
+    assert sorted(p.name for p in arrays.iterdir()) == [*(f"call_{i:06d}.npz" for i in range(3)), "notes.txt"]
+
+
+def test_convert_takes_a_bundle_or_an_observer(tmp_path):
+    model, observer = DictModel(), InputObserver()
+    with observer(model):
+        model(torch.ones(2))
+    from_observer = convert_to_npz(observer, tmp_path / "a.npz").paths[0]
+    observer.save(tmp_path / "run")
+    from_bundle = convert_to_npz(load_bundle(tmp_path / "run"), tmp_path / "b.npz").paths[0]
+    with np.load(from_observer) as a, np.load(from_bundle) as b:
+        assert sorted(a) == sorted(b) == ["call_000000/args.0", "call_000000/outputs"]

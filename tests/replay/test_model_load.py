@@ -629,3 +629,43 @@ def test_missing_transformers_is_a_missing_dependency_error(
         monkeypatch.undo()
         registered_model_classes.cache_clear()
     assert "LlamaForCausalLM" in registered_model_classes()
+
+
+# --------------------------------------------------------------------------- attention at save time
+
+
+@pytest.fixture(scope="module")
+def registered_attention() -> str:
+    """An attention implementation registered the public way (AttentionInterface), as a user's own would be.
+
+    transformers has no way to unregister one; the name is this test's own.
+    """
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register("iobundle_test_sdpa", sdpa_attention_forward)
+    return "iobundle_test_sdpa"
+
+
+def test_save_warns_when_the_loader_will_refuse_the_models_attention(tmp_path: Path, registered_attention) -> None:
+    from iobundle.observer import ObservationWarning
+
+    model = tiny_llama()
+    model.set_attn_implementation(registered_attention)
+    with pytest.warns(ObservationWarning, match="iobundle_test_sdpa") as caught:
+        path = capture(model, tmp_path / "custom.iobundle")
+    message = str(caught[0].message)
+    assert "--from-bundle" in message and "model.set_attn_implementation('sdpa') before saving" in message
+    assert caught[0].filename == __file__  # points at the caller's save()
+    # The warning says what the loader does: it refuses the stored model, for the same reason.
+    with pytest.raises(UnsafeBundleError, match="iobundle_test_sdpa"):
+        load_bundle_model(path)
+
+
+def test_following_the_advice_gives_a_bundle_the_loader_accepts(tmp_path: Path, registered_attention) -> None:
+    model = tiny_llama()
+    model.set_attn_implementation(registered_attention)
+    model.set_attn_implementation("sdpa")  # what the warning says to do; the ObservationWarning filter is an error
+    path = capture(model, tmp_path / "sdpa.iobundle")
+    assert load_bundle(path).manifest.model.attn_implementation == "sdpa"
+    load_bundle_model(path)

@@ -114,7 +114,36 @@ class TestSyntheticLike:
 
     def test_positions_counting_up_are_kept(self):
         positions = torch.arange(3, 10)[None].repeat(2, 1)
-        assert torch.equal(synthetic_like(positions, self.gen()), positions)
+        assert torch.equal(synthetic_like(positions, self.gen(), name="position_ids"), positions)
+        assert torch.equal(synthetic_like(torch.tensor([7]), self.gen(), name="cache_position"), torch.tensor([7]))
+        assert torch.equal(synthetic_like(torch.arange(6)[None], self.gen()), torch.arange(6)[None])
+
+    def test_token_ids_counting_up_are_drawn_afresh(self):
+        ids = torch.arange(40, 48)[None]
+        for name in ("input_ids", None):  # by name, and by structure (a row that does not start at 0)
+            fake = synthetic_like(ids, self.gen(), name=name)
+            assert not torch.equal(fake, ids) and int(fake.min()) >= 40 and int(fake.max()) <= 47
+
+    def test_one_token_is_drawn_within_the_bounds_given(self):
+        draws = {
+            int(synthetic_like(torch.tensor([[1]]), torch.Generator().manual_seed(s), name="input_ids", bounds=(0, 49)))
+            for s in range(20)
+        }
+        assert len(draws) > 5 and draws <= set(range(50))  # {0, 1} token ids are no mask either
+        wide = synthetic_like(torch.tensor([[3, 9, 4, 7]] * 16), self.gen(), name="input_ids", bounds=(0, 49))
+        assert int(wide.min()) >= 3 and int(wide.max()) <= 9  # a tensor with a range of its own keeps to it
+
+    def test_two_values_that_are_no_mask_are_drawn_afresh(self):
+        x = torch.tensor([[3.5, 7.25, 3.5, 7.25]] * 8)
+        assert not set(synthetic_like(x, self.gen()).flatten().tolist()) <= {3.5, 7.25}
+        ids = torch.tensor([[12, 30, 30, 12]] * 8)
+        fake = synthetic_like(ids, self.gen())
+        assert not set(fake.flatten().tolist()) <= {12, 30} and int(fake.min()) >= 12 and int(fake.max()) <= 30
+
+    def test_lowest_float_mask_keeps_its_two_values(self):
+        low = torch.finfo(torch.float16).min
+        mask = torch.triu(torch.full((6, 6), low, dtype=torch.float16), diagonal=1)
+        assert set(synthetic_like(mask, self.gen()).flatten().tolist()) <= {0.0, low}
 
     def test_increasing_rows_stay_increasing(self):
         rows = torch.tensor([[0, 3, 3, 9, 20], [1, 2, 8, 8, 11]])
@@ -181,6 +210,17 @@ def test_same_seed_same_bundle_other_seed_other_values(original, tmp_path):
     assert a.files == b.files and a.files != c.files
 
 
+def test_redact_reports_each_call_synthesized_then_written(original, tmp_path):
+    events = []
+    manifest = redact_bundle(original, tmp_path / "r", on_progress=events.append)
+    n = len(manifest.calls)
+    assert n == 2
+    assert [(e.task, e.done, e.total) for e in events] == [("redact", i, n) for i in range(n + 1)] + [
+        ("write", i, n) for i in range(n + 1)
+    ]
+    assert [e.detail for e in events if e.task == "write"][1:] == ["call 0", "call 1"]
+
+
 def test_redact_refuses_a_non_empty_target(original, redacted):
     with pytest.raises(BundleExistsError, match="overwrite"):
         redact_bundle(original, redacted)
@@ -221,6 +261,37 @@ def test_keep_model_keeps_config_and_weights(tmp_path):
 
     rebuilt = load_bundle_model(tmp_path / "with-model")
     assert torch.equal(rebuilt.lm_head.weight, model.lm_head.weight)
+
+
+@pytest.mark.parametrize("include_model", [False, True], ids=["observed-range", "vocabulary"])
+def test_no_generated_token_survives_redaction_at_batch_1(tmp_path, include_model):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=32,
+        vocab_size=VOCAB,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    observer = InputObserver()
+    with torch.no_grad(), observer(model, store_n_calls=8):
+        model.generate(torch.tensor([[3, 4, 5, 40]]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    observer.save(tmp_path / "llama", include_model=include_model)
+    redact_bundle(tmp_path / "llama", tmp_path / "redacted")
+
+    def decode_ids(bundle):
+        ids = [t for name, t in _inputs(bundle) if name == "input_ids"]
+        assert len(ids) == 8 and ids[0].shape == (1, 4) and all(t.shape == (1, 1) for t in ids[1:])
+        return torch.cat([t.flatten() for t in ids[1:]])
+
+    real, fake = decode_ids(load_bundle(tmp_path / "llama")), decode_ids(load_bundle(tmp_path / "redacted"))
+    assert not torch.equal(real, fake)  # the generated text is not spelled out (one draw may collide by chance)
+    assert int(fake.min()) >= 0 and int(fake.max()) < VOCAB
+    if not include_model:  # within what was observed over every call of input_ids, prompt included
+        assert int(fake.min()) >= 3 and int(fake.max()) <= max(40, int(real.max()))
 
 
 @pytest.mark.slow

@@ -163,7 +163,7 @@ def _parse_export(text: str, result: BundleResult) -> None:
         if not in_table or not cells:
             continue
         if not cells[0].isdigit():
-            if not set(line.strip()) <= set("-+| "):
+            if not set(line.strip()) <= set("-+| \u2500"):
                 in_table = False
             continue
         index, status = int(cells[0]), cells[1]
@@ -192,6 +192,9 @@ def replay_bundle(name: str, bundle: Path, work: Path) -> BundleResult:
     proc = _run_cli(["export", str(bundle), "--from-bundle", "--batch-all", "-o", str(onnx_path)], work)
     result.export_rc, result.export_output = proc.returncode, proc.stdout + proc.stderr
     _parse_export(proc.stdout, result)
+    index = onnx_path.with_suffix(".programs.json")  # one program per phase: validate through the index
+    if index.exists():
+        onnx_path = index
     if not onnx_path.exists():
         return result
     proc = _run_cli(["validate", str(bundle), str(onnx_path), "--report", str(report)], work)

@@ -1,0 +1,375 @@
+"""One program when it can serve every call, one per phase when it cannot.
+
+Some calls of a ``generate()`` loop take a code path that one traced program cannot share with
+the others without changing what the model computes: the first decoder step of an
+encoder-decoder (T5, BART) computes the cross-attention keys and values from the encoder
+output and fills the cache, later steps read them back; a VLM prefill merges image features
+(``mm_encoder_outputs``, ``token_type_ids``) that decode steps never receive. Such phases
+show in the *structure* of the calls: which inputs are absent (or hold no tensor yet) in each.
+
+:func:`partition_calls` groups the recorded calls by that structure.
+:func:`export_programs` first exports one program for every call (the default whenever it
+reproduces them all); when that fails and the calls fall into several phases, it exports one
+program per phase from that phase's calls alone (its arguments and dynamic shapes inferred
+from them) and checks each on its own calls. :meth:`ProgramSet.to_onnx` then writes one ONNX
+file, or one per phase plus a program index (:class:`iobundle.schema.ProgramIndex`) saying
+which program serves which calls, the way Optimum ships ``decoder_model.onnx`` and
+``decoder_with_past_model.onnx``. :func:`check_program_index` validates such an index: each
+call runs through the program whose structure it has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from iobundle.calls import RecordedCalls
+from iobundle.errors import ExportError, ReplayError
+from iobundle.replay._dims import owner_name
+from iobundle.replay._export import CallCheck, ExportReport, export_program, save_onnx
+from iobundle.replay._inference import Alignment, DynamicSpec, align_calls
+from iobundle.schema import ProgramEntry, ProgramIndex, load_program_index, write_program_index
+
+__all__ = [
+    "INDEX_SUFFIX",
+    "Phase",
+    "PhaseProgram",
+    "ProgramSet",
+    "ProgramsMode",
+    "call_structure",
+    "check_program_index",
+    "export_programs",
+    "partition_calls",
+    "phase_calls",
+]
+
+logger = logging.getLogger(__name__)
+
+INDEX_SUFFIX = ".programs.json"
+ProgramsMode = Literal["auto", "one", "per-phase"]
+_MODES = ("auto", "one", "per-phase")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Recorded calls of one structure.
+
+    Attributes:
+        name: ``p0``, ``p1``, ... in the order of their first call (``all`` for every call).
+        calls: The recorded indices (``CallEntry.index``) of its calls.
+        inputs: Per input, ``present``, ``absent``, ``empty`` or ``K/N`` tensors present.
+    """
+
+    name: str
+    calls: tuple[int, ...]
+    inputs: dict[str, str]
+
+    def describe(self) -> str:
+        """The inputs that are not plainly present, e.g. ``cache absent`` (``every input present`` otherwise)."""
+        odd = [f"{name} {status}" for name, status in self.inputs.items() if status != "present"]
+        return ", ".join(odd) if odd else "every input present"
+
+
+def call_structure(rc: RecordedCalls, alignment: Alignment, position: int) -> dict[str, str]:
+    """The structure of the ``position``-th aligned call: per input, which of its tensors it holds.
+
+    An input is ``absent`` when none of its tensors is there (not passed, None, a cache that
+    holds no tensor yet, or a ``value_if_missing`` placeholder), ``empty`` when every tensor it
+    holds has a zero-length dimension, ``K/N`` when only K of its N tensors are there.
+    """
+    call, slots = alignment.calls[position], alignment.slots[position]
+    filled = {str(f) for f in call.filled}
+    keys: dict[int | str, list[str | None]] = {}
+    for owner, key in zip(alignment.owners, slots):
+        keys.setdefault(owner, []).append(key)
+    result = {}
+    for owner, owned in keys.items():
+        name = owner_name(rc, owner)
+        present = [k for k in owned if k is not None]
+        if not present or name in filled or str(owner) in filled:
+            result[name] = "absent"
+        elif all(0 in rc.store.shape(k) for k in present):
+            result[name] = "empty"
+        elif len(present) < len(owned):
+            result[name] = f"{len(present)}/{len(owned)}"
+        else:
+            result[name] = "present"
+    return result
+
+
+def partition_calls(rc: RecordedCalls) -> list[Phase]:
+    """Group the ok calls by structure (:func:`call_structure`), phases in the order of their first call.
+
+    Raises:
+        AlignmentError: The recorded calls cannot be aligned.
+    """
+    alignment = align_calls(rc)
+    groups: dict[tuple[tuple[str, str], ...], list[int]] = {}
+    structures: dict[tuple[tuple[str, str], ...], dict[str, str]] = {}
+    for position, call in enumerate(alignment.calls):
+        structure = call_structure(rc, alignment, position)
+        key = tuple(structure.items())
+        groups.setdefault(key, []).append(call.index)
+        structures.setdefault(key, structure)
+    return [Phase(f"p{i}", tuple(calls), structures[key]) for i, (key, calls) in enumerate(groups.items())]
+
+
+def phase_calls(rc: RecordedCalls, indices: Collection[int]) -> RecordedCalls:
+    """The recorded calls ``indices`` (``CallEntry.index``) as recorded calls of their own (same store)."""
+    wanted = set(indices)
+    return dataclasses.replace(rc, calls=[c for c in rc.calls if c.index in wanted], version=0, last_export_report=None)
+
+
+@dataclass
+class PhaseProgram:
+    """One exported program, the phase it serves and the calls it was exported from."""
+
+    phase: Phase
+    program: torch.export.ExportedProgram
+    rc: RecordedCalls
+    dynamic: DynamicSpec = None
+    """The ``dynamic=`` axes this program was exported with (those of inputs the phase holds)."""
+
+    @property
+    def report(self) -> ExportReport:
+        report: ExportReport = self.program.iobundle_report  # type: ignore[attr-defined]
+        return report
+
+
+@dataclass
+class ProgramSet:
+    """What :func:`export_programs` exported: one program for every call, or one per phase.
+
+    Attributes:
+        programs: The programs, in the order of their first call.
+        reason: Why one program was not enough (empty when one serves every call).
+    """
+
+    programs: list[PhaseProgram]
+    reason: str = ""
+    files: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(p.report.ok for p in self.programs)
+
+    @property
+    def report(self) -> ExportReport:
+        """Every program's report merged: one check per recorded call, in recording order."""
+        if len(self.programs) == 1:
+            return self.programs[0].report
+        reports = [p.report for p in self.programs]
+        calls: list[CallCheck] = sorted((c for r in reports for c in r.calls), key=lambda c: c.index)
+        merged = ExportReport(
+            traced_call=reports[0].traced_call,
+            export_seconds=sum(r.export_seconds for r in reports),
+            check_seconds=sum(r.check_seconds for r in reports),
+            options=list(dict.fromkeys(o for r in reports for o in r.options)),
+            patches=list(dict.fromkeys(p for r in reports for p in r.patches)),
+            calls=calls,
+        )
+        onnx = [r.onnx_seconds for r in reports if r.onnx_seconds is not None]
+        merged.onnx_seconds = sum(onnx) if onnx else None
+        return merged
+
+    def to_onnx(self, path: str | os.PathLike[str]) -> str:
+        """Write the ONNX file(s); return ``path`` (one program) or the program index (several).
+
+        With several programs, ``model.onnx`` becomes ``model.p0.onnx``, ``model.p1.onnx``, ...
+        and the index ``model.programs.json``, all in the same directory.
+
+        Raises:
+            ExportError: ``torch.onnx.export`` failed on a program.
+        """
+        path = Path(path)
+        if len(self.programs) == 1:
+            only = self.programs[0]
+            self.files = [save_onnx(only.rc, only.program, path)]
+            return self.files[0]
+        stem = path.name[: -len(path.suffix)] if path.suffix in (".onnx", ".json") else path.name
+        if stem.endswith(".programs"):
+            stem = stem[: -len(".programs")]
+        entries, self.files = [], []
+        for program in self.programs:
+            file = path.parent / f"{stem}.{program.phase.name}.onnx"
+            try:
+                save_onnx(program.rc, program.program, file)
+            except ExportError as exc:
+                raise ExportError(
+                    f"Program {program.phase.name} (calls {list(program.phase.calls)}): {exc}", report=exc.report
+                ) from exc
+            self.files.append(str(file))
+            entries.append(
+                ProgramEntry(
+                    name=program.phase.name,
+                    file=file.name,
+                    calls=list(program.phase.calls),
+                    traced_call=program.report.traced_call,
+                    inputs=program.phase.inputs,
+                )
+            )
+        index_path = path.parent / f"{stem}{INDEX_SUFFIX}"
+        write_program_index(ProgramIndex(reason=self.reason, programs=entries), index_path)
+        logger.info("wrote %d programs and their index %s", len(entries), index_path)
+        return str(index_path)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def export_programs(
+    rc: RecordedCalls,
+    model: torch.nn.Module,
+    *,
+    programs: ProgramsMode = "auto",
+    set_batch_dimension_for: Collection[int | str] | bool | None = None,
+    dynamic: DynamicSpec = None,
+    strict: bool = False,
+    check: bool = True,
+    atol: float = 1e-4,
+    rtol: float = 0.1,
+    dim_names: Any = False,
+    on_progress: Any = None,
+) -> ProgramSet:
+    """Export one program that serves every recorded call, or one per phase when it cannot.
+
+    With ``programs="auto"`` (the default) one program is exported and checked on every call
+    first; only when that fails (``torch.export`` refuses, or a call is not reproduced) and
+    the calls have several structures (:func:`partition_calls`) is one program exported per
+    phase, each from its own calls and checked on them. ``"one"`` never splits;
+    ``"per-phase"`` always does. The other arguments are those of :func:`export_program`.
+
+    Raises:
+        ExportError: No program could be exported for some call, or (with ``check``) a call
+            is not reproduced by its program; the message names the phase and the call.
+    """
+    if programs not in _MODES:
+        raise ExportError(f"programs={programs!r}: use one of {', '.join(map(repr, _MODES))}.")
+    options: dict[str, Any] = dict(
+        set_batch_dimension_for=set_batch_dimension_for, dynamic=dynamic, strict=strict, atol=atol, rtol=rtol,
+        dim_names=dim_names, on_progress=on_progress,
+    )  # fmt: skip
+    phases = partition_calls(rc)
+    every = Phase("all", tuple(c.index for c in rc.ok_calls), {})
+    if programs == "one" or len(phases) == 1:
+        ep = export_program(rc, model, check=check, **options)
+        return ProgramSet([PhaseProgram(every, ep, rc, dynamic)])
+    reason = f"programs={programs!r}"
+    single: ProgramSet | None = None
+    if programs == "auto":
+        try:
+            ep = export_program(rc, model, check=True, **options)
+            single = ProgramSet([PhaseProgram(every, ep, rc, dynamic)])
+        except ExportError as exc:
+            reason = f"one program: {_first_line(exc)}"
+        if single is not None:
+            unchecked = [c.index for c in single.report.calls if c.success is None]
+            if not unchecked:
+                return single
+            # Calls fed stand-ins for absent inputs that then differ are not checked: their own
+            # phase's program, which never needs those stand-ins, may check them.
+            reason = f"one program leaves calls {unchecked} unchecked (stand-ins for absent inputs differ)"
+        logger.info("%s; exporting one program per phase (%d phases)", reason, len(phases))
+    result = ProgramSet([], reason=reason)
+    for phase in phases:
+        sub = phase_calls(rc, phase.calls)
+        phase_dynamic = _phase_dynamic(rc, phase, dynamic)
+        try:
+            ep = export_program(sub, model, check=check, **{**options, "dynamic": phase_dynamic})
+        except ExportError as exc:
+            if single is not None:  # one program with unchecked calls beats none
+                logger.info("program %s failed (%s); keeping the single program", phase.name, _first_line(exc))
+                rc.last_export_report = single.report
+                return single
+            raise ExportError(
+                f"Program {phase.name} (calls {list(phase.calls)}, {phase.describe()}): {exc}\n"
+                f"(one program for every call was tried first: {reason})",
+                report=exc.report,
+            ) from exc
+        result.programs.append(PhaseProgram(phase, ep, sub, phase_dynamic))
+    rc.last_export_report = result.report
+    return result
+
+
+def _phase_dynamic(rc: RecordedCalls, phase: Phase, dynamic: DynamicSpec) -> DynamicSpec:
+    """``dynamic`` without the inputs that hold no tensor in ``phase`` (a cache at the first step)."""
+    if not dynamic:
+        return dynamic
+    kept = {}
+    for key, axes in dynamic.items():
+        name = rc.names[key] if isinstance(key, int) and key < len(rc.names) else str(key)
+        if phase.inputs.get(name, "absent") != "absent":
+            kept[key] = axes
+    return kept
+
+
+def check_program_index(
+    rc: RecordedCalls,
+    index_path: str | os.PathLike[str],
+    run: Callable[..., tuple[list[dict[str, Any]], list[Any]]],
+    **options: Any,
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Validate every recorded call with the program of ``index_path`` whose structure it has.
+
+    Calls are assigned by structure (:func:`call_structure`), not by index, so an index also
+    validates another bundle of the same model. ``run(rc, onnx_file, **options)`` validates the
+    calls of one program (``iobundle.replay._validate``'s runner); each of its rows gets a
+    ``program`` column. A call that no program serves is a failed row saying so.
+
+    Raises:
+        ManifestError: The index cannot be read.
+        ModelLoadError: A program's ONNX file cannot be loaded.
+    """
+    index_path = Path(index_path)
+    index = load_program_index(index_path)
+    alignment = align_calls(rc)
+    assigned: dict[str, list[int]] = {p.name: [] for p in index.programs}
+    rows: list[dict[str, Any]] = []
+    checks: list[Any] = []
+    for position, call in enumerate(alignment.calls):
+        structure = call_structure(rc, alignment, position)
+        program = next((p for p in index.programs if p.inputs == structure), None)
+        if program is None:
+            odd = ", ".join(f"{k} {v}" for k, v in structure.items() if v != "present") or "every input present"
+            rows.append(
+                {
+                    "SUCCESS": False,
+                    "index": call.index,
+                    "program": None,
+                    "error": f"no program of {index_path.name} serves call {call.index} ({odd}); "
+                    f"programs: {', '.join(p.name for p in index.programs)}",
+                    "abs": float("nan"),
+                    "rel": float("nan"),
+                    "sum": float("nan"),
+                    "n": 0,
+                    "dnan": 0,
+                    **{f">{h}": 0 for h in options.get("hist", (0.1, 0.01))},
+                    "duration_torch": call.latency,
+                    "ort_duration": 0.0,
+                    "absent_inputs": "",
+                }
+            )
+            continue
+        assigned[program.name].append(call.index)
+    for program in index.programs:
+        if not assigned[program.name]:
+            continue
+        sub = phase_calls(rc, assigned[program.name])
+        try:
+            program_rows, program_checks = run(sub, index_path.parent / program.file, **options)
+        except ReplayError as exc:
+            raise type(exc)(f"{index_path.name}, program {program.name}: {exc}") from exc
+        for row in program_rows:
+            row["program"] = program.name
+        rows.extend(program_rows)
+        checks.extend(program_checks)
+    return sorted(rows, key=lambda r: r["index"]), checks

@@ -1,0 +1,118 @@
+"""The program index: which exported program serves which recorded calls. JSON only: no torch here.
+
+When one traced program cannot serve every recorded call (the first decoder step of an
+encoder-decoder, whose cross-attention cache is still empty; a VLM prefill carrying image
+features), ``iobundle export`` writes one ONNX file per phase and this index beside them::
+
+    {
+     "format": "iobundle.programs",
+     "format_version": 1,
+     "reason": "one program: torch.export failed on recorded call 2: ...",
+     "programs": [
+      {"name": "p0", "file": "t5.p0.onnx", "calls": [0], "traced_call": 0,
+       "inputs": {"attention_mask": "present", "cache": "absent", ...}},
+      {"name": "p1", "file": "t5.p1.onnx", "calls": [1, 2, 3, 4], "traced_call": 2,
+       "inputs": {"attention_mask": "present", "cache": "present", ...}}
+     ]
+    }
+
+``inputs`` is the structure a call must have to be served by the program: per input of the
+observed method, ``present`` (every tensor there), ``absent`` (not passed, None, or a cache
+holding no tensor yet), ``empty`` (zero-length tensors) or ``K/N`` (K of its N tensors
+present). ``calls`` lists the recorded calls the program was exported from and checked on.
+File names are relative to the index's directory and never leave it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path, PurePosixPath
+from typing import Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+from iobundle._atomic import write_atomically
+from iobundle.errors import ManifestError, UnsafeBundleError
+
+__all__ = [
+    "MAX_INDEX_BYTES",
+    "PROGRAM_INDEX_FORMAT",
+    "ProgramEntry",
+    "ProgramIndex",
+    "load_program_index",
+    "write_program_index",
+]
+
+PROGRAM_INDEX_FORMAT = "iobundle.programs"
+MAX_INDEX_BYTES = 16 * 1024**2
+
+
+class ProgramEntry(BaseModel):
+    """One program of the index: its ONNX file and the calls it serves."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: StrictStr = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    file: StrictStr
+    calls: list[StrictInt]
+    traced_call: StrictInt
+    inputs: dict[StrictStr, StrictStr]
+
+
+class ProgramIndex(BaseModel):
+    """Several programs exported from one bundle, one per phase of its calls."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: Literal["iobundle.programs"] = PROGRAM_INDEX_FORMAT
+    format_version: Literal[1] = 1
+    reason: StrictStr = ""
+    programs: list[ProgramEntry] = Field(min_length=1)
+
+
+def _check_file_name(name: str, where: str) -> None:
+    path = PurePosixPath(name)
+    if not name or path.is_absolute() or ".." in path.parts or "\\" in name or ":" in name:
+        raise UnsafeBundleError(f"{where}: file {name!r} must be a relative path inside the index's directory.")
+
+
+def load_program_index(path: str | os.PathLike[str]) -> ProgramIndex:
+    """Read a program index written by ``iobundle export`` (untrusted input: size, format and names checked).
+
+    Raises:
+        ManifestError: The file is missing, not JSON, not an index, or a field is invalid.
+        UnsafeBundleError: The file is too large, or a program's file name leaves the index's directory.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size > MAX_INDEX_BYTES:
+            raise UnsafeBundleError(f"{path}: {size} bytes, over the limit of {MAX_INDEX_BYTES} for a program index.")
+        data = json.loads(path.read_bytes())
+    except OSError as exc:
+        raise ManifestError(f"{path}: cannot read the program index ({exc.strerror or exc}).") from exc
+    except ValueError as exc:
+        raise ManifestError(f"{path}: not a JSON program index ({exc}).") from exc
+    if not isinstance(data, dict) or data.get("format") != PROGRAM_INDEX_FORMAT:
+        raise ManifestError(
+            f"{path}: not a program index (its 'format' is not {PROGRAM_INDEX_FORMAT!r}). "
+            "Pass an ONNX file or the .programs.json written by `iobundle export`."
+        )
+    try:
+        index = ProgramIndex.model_validate(data)
+    except pydantic.ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])
+        raise ManifestError(f"{path}: invalid program index: {problems}") from exc
+    for i, program in enumerate(index.programs):
+        _check_file_name(program.file, f"{path}: programs[{i}]")
+    return index
+
+
+def write_program_index(index: ProgramIndex, path: str | os.PathLike[str]) -> None:
+    """Write ``index`` to ``path`` atomically."""
+    for i, program in enumerate(index.programs):
+        _check_file_name(program.file, f"programs[{i}]")
+    text = json.dumps(index.model_dump(mode="json"), indent=1) + "\n"
+    write_atomically(Path(path), [text.encode("utf-8")])

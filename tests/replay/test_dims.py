@@ -1,0 +1,87 @@
+"""Dimensions beyond the recorded calls: dynamic=, static-axis hints, the batch check after export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from iobundle import InputObserver, load_bundle
+from iobundle.cli import main
+from iobundle.errors import DynamicShapeError
+
+DYN = torch.export.Dim.DYNAMIC
+
+
+class Tokens(torch.nn.Module):
+    """Ids and a mask of one length, like a text model's inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(10, 4)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.emb(input_ids) * attention_mask[..., None]
+
+
+@pytest.fixture
+def bundle(tmp_path):
+    model = Tokens().eval()
+    observer = InputObserver()
+    with torch.no_grad(), observer(model):
+        for _ in range(2):  # the same shapes twice: nothing varies
+            model(input_ids=torch.randint(0, 10, (3, 6)), attention_mask=torch.ones(3, 6, dtype=torch.long))
+    observer.save(tmp_path / "tokens.iobundle")
+    return load_bundle(tmp_path / "tokens.iobundle")
+
+
+def test_dynamic_marks_axes_that_never_varied(bundle):
+    assert bundle.infer_dynamic_shapes() == {"input_ids": {}, "attention_mask": {}}
+    shapes = bundle.infer_dynamic_shapes(dynamic={"input_ids": {1}, 1: {-1}})  # a position, a negative axis
+    assert shapes == {"input_ids": {1: DYN}, "attention_mask": {1: DYN}}
+    both = bundle.infer_dynamic_shapes(True, dynamic={"input_ids": [1]})
+    assert both == {"input_ids": {0: DYN, 1: DYN}, "attention_mask": {0: DYN}}
+
+
+def test_dynamic_errors_name_the_input_and_axis(bundle):
+    with pytest.raises(DynamicShapeError, match=r"'labels'.*Inputs holding tensors: input_ids, attention_mask"):
+        bundle.infer_dynamic_shapes(dynamic={"labels": {1}})
+    with pytest.raises(DynamicShapeError, match="no tensor of 'input_ids' has axis 2"):
+        bundle.infer_dynamic_shapes(dynamic={"input_ids": {2}})
+
+
+def test_static_dim_hints_batch_and_sequence(bundle):
+    hints = bundle.static_dim_hints()
+    assert [(h.kind, h.size, h.axes) for h in hints] == [
+        ("batch", 3, (("input_ids", 0), ("attention_mask", 0))),
+        ("sequence", 6, (("input_ids", 1), ("attention_mask", 1))),
+    ]
+    assert "--dynamic input_ids:1 --dynamic attention_mask:1" in hints[1].message()
+    assert bundle.static_dim_hints(True, dynamic={"input_ids": {1}, "attention_mask": {1}}) == []
+
+
+def test_export_checks_another_batch_size(bundle):
+    model = Tokens().eval()
+    ep = bundle.export(model, set_batch_dimension_for=True, dynamic={"input_ids": {1}, "attention_mask": {1}})
+    check = ep.iobundle_report.batch_check
+    assert (check.recorded_batch, check.batch, check.success) == (3, 2, True)
+    assert check.abs_eager == 0.0 and check.abs_recorded == 0.0
+    assert "batch 2 (call 0 cut from batch 3): ok" in check.summary()
+    assert bundle.export(model).iobundle_report.batch_check is None  # the batch is static: nothing to cut
+
+
+def test_cli_dynamic_flag_and_warnings(bundle, capsys):
+    assert main(["shapes", str(bundle.path), "--json"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: dimension 0 is 3 in every input" in err and "--dynamic input_ids:1" in err
+    assert (
+        main(["shapes", str(bundle.path), "--json", "--batch-all", "--dynamic", "0:1", "--dynamic", "attention_mask:1"])
+        == 0
+    )
+    captured = capsys.readouterr()
+    assert '"1": "DYNAMIC"' in captured.out and "warning" not in captured.err
+    assert main(["inspect", str(bundle.path)]) == 0
+    assert "looks like a sequence length" in capsys.readouterr().err
+    for bad in ("input_ids", "input_ids:x", "labels:1", "5:1"):
+        assert main(["shapes", str(bundle.path), "--dynamic", bad]) == 2
+        assert "--dynamic" in capsys.readouterr().err

@@ -1,0 +1,138 @@
+"""One program per phase: partition by input structure, export, the program index, validation through it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from iobundle import InputObserver, load_bundle
+from iobundle.errors import ExportError, ManifestError, UnsafeBundleError
+from iobundle.replay import partition_calls
+from iobundle.schema import load_program_index
+
+pytest.importorskip("onnxruntime")
+
+
+class Memory(torch.nn.Module):
+    """A first call without ``memory`` takes another branch than the later calls with it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
+        if memory is None:
+            return self.lin(x) * 2.0 + 1.0
+        return self.lin(x) + memory.mean(dim=1, keepdim=True)
+
+
+@pytest.fixture
+def bundle(tmp_path):
+    model = Memory().eval()
+    observer = InputObserver()
+    with torch.no_grad(), observer(model):
+        model(torch.randn(2, 4))
+        model(torch.randn(2, 4), memory=torch.randn(2, 3))
+        model(torch.randn(2, 4), memory=torch.randn(2, 5))
+    observer.save(tmp_path / "memory.iobundle")
+    return load_bundle(tmp_path / "memory.iobundle")
+
+
+def test_partition_by_structure(bundle):
+    phases = partition_calls(bundle._recorded())
+    assert [(p.name, p.calls) for p in phases] == [("p0", (0,)), ("p1", (1, 2))]
+    assert phases[0].inputs == {"x": "present", "memory": "absent"}
+    assert phases[1].describe() == "every input present"
+
+
+def test_one_program_leaves_the_first_call_unchecked(bundle):
+    # The stand-in for the absent memory (zeros) sends call 0 down the other branch: it differs,
+    # and a call fed a stand-in is not a numeric mismatch, so one program "passes" unchecked.
+    result = bundle.export_programs(Memory().eval(), programs="one")
+    assert len(result.programs) == 1
+    assert [c.success for c in result.report.calls] == [None, True, True]
+
+
+def test_auto_exports_one_program_per_phase_and_checks_every_call(bundle, tmp_path):
+    result = bundle.export_programs(Memory().eval())
+    assert [p.phase.calls for p in result.programs] == [(0,), (1, 2)]
+    assert "unchecked" in result.reason
+    assert [c.success for c in result.report.calls] == [True, True, True]
+    assert bundle.export_report().calls == result.report.calls
+    index_path = result.to_onnx(tmp_path / "out" / "memory.onnx")
+    assert index_path.endswith("memory.programs.json")
+    index = load_program_index(index_path)
+    assert [(p.name, p.file, p.calls) for p in index.programs] == [
+        ("p0", "memory.p0.onnx", [0]),
+        ("p1", "memory.p1.onnx", [1, 2]),
+    ]
+    rows = bundle.check_discrepancies(index_path)
+    assert [(r["index"], r["program"], r["SUCCESS"]) for r in rows] == [
+        (0, "p0", True),
+        (1, "p1", True),
+        (2, "p1", True),
+    ]
+
+
+def test_one_program_stays_the_default_when_it_serves_every_call(tmp_path):
+    model = torch.nn.Linear(4, 2).eval()
+    observer = InputObserver()
+    with torch.no_grad(), observer(model):
+        model(torch.randn(2, 4))
+        model(torch.randn(3, 4))
+    observer.save(tmp_path / "b")
+    result = load_bundle(tmp_path / "b").export_programs(model)
+    assert len(result.programs) == 1 and result.reason == ""
+    assert result.to_onnx(tmp_path / "m.onnx") == str(tmp_path / "m.onnx")
+
+
+def test_per_phase_failure_names_the_phase(bundle):
+    class Broken(Memory):
+        def forward(self, x, memory=None):
+            if memory is None:
+                return super().forward(x) + 1.0  # differs from the recording
+            return super().forward(x, memory)
+
+    with pytest.raises(ExportError, match=r"Program p0 \(calls \[0\], memory absent\)"):
+        bundle.export_programs(Broken().eval(), programs="per-phase")
+    with pytest.raises(ExportError, match="programs='some'"):
+        bundle.export_programs(Memory().eval(), programs="some")  # type: ignore[arg-type]
+
+
+def _index(tmp_path, **program):
+    entry = {"name": "p0", "file": "m.onnx", "calls": [0], "traced_call": 0, "inputs": {"x": "present"}, **program}
+    path = tmp_path / "m.programs.json"
+    path.write_text(json.dumps({"format": "iobundle.programs", "format_version": 1, "programs": [entry]}))
+    return path
+
+
+@pytest.mark.parametrize("name", ["../m.onnx", "/tmp/m.onnx", "a\\m.onnx", "C:m.onnx"])
+def test_index_refuses_files_outside_its_directory(tmp_path, name):
+    with pytest.raises(UnsafeBundleError, match="relative path inside"):
+        load_program_index(_index(tmp_path, file=name))
+
+
+def test_index_errors_name_the_file_and_field(tmp_path):
+    path = tmp_path / "x.programs.json"
+    path.write_text('{"format": "other"}')
+    with pytest.raises(ManifestError, match="not a program index"):
+        load_program_index(path)
+    with pytest.raises(ManifestError, match=r"programs\.0\.calls"):
+        load_program_index(_index(tmp_path, calls="all"))
+    with pytest.raises(ManifestError, match="cannot read"):
+        load_program_index(tmp_path / "missing.programs.json")
+
+
+def test_validate_reports_calls_no_program_serves(bundle, tmp_path):
+    result = bundle.export_programs(Memory().eval())
+    index_path = result.to_onnx(tmp_path / "memory.onnx")
+    data = json.loads(Path(index_path).read_text())
+    data["programs"] = data["programs"][1:]  # only the program for calls with memory
+    Path(index_path).write_text(json.dumps(data))
+    rows = bundle.check_discrepancies(index_path)
+    assert rows[0]["SUCCESS"] is False and "no program of memory.programs.json serves call 0" in rows[0]["error"]
+    assert [r["SUCCESS"] for r in rows[1:]] == [True, True]
