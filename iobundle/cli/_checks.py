@@ -20,11 +20,19 @@ from iobundle.errors import CLIError
 if TYPE_CHECKING:
     from iobundle.replay import Bundle, ValidationReport
 
-__all__ = ["EXAMPLES", "add_comparison_flags", "comparison_options", "register", "finish_comparison"]
+__all__ = [
+    "EXAMPLES",
+    "add_comparison_flags",
+    "add_model_source",
+    "comparison_options",
+    "register",
+    "finish_comparison",
+]
 
 logger = logging.getLogger(__name__)
 
-ERROR_STATS = ("max", "mean", "median", "quantile")  # iobundle.replay's ERROR_STATS, without importing replay
+# Copies of iobundle.replay's values, so that --help loads no torch; tests/cli/test_diff_run.py keeps them equal.
+ERROR_STATS = ("max", "mean", "median", "quantile")
 
 DEFAULT_ATOL = 1e-4
 DEFAULT_RTOL = 0.1
@@ -39,8 +47,10 @@ examples:
 Compares B with A (the reference), call by call: status, structure of inputs and outputs
 (containers, keys, cache layers), constants, each tensor's shape and dtype, then values: the
 outputs output by output with the tolerances and --check-error-stat, the inputs with the
-default tolerances. Exit code 0 when every call is alike, 1 when something differs, 2 when a
-bundle cannot be read.""",
+default tolerances. When a bundle holds no recorded outputs (redacted), the structure and the
+inputs are compared and the verdict says the outputs were not. Exit code 0 when every call is
+alike, 1 when something differs, 2 when a bundle cannot be read or a tolerance names no output,
+4 when a bundle holds no calls.""",
     "run": """\
 examples:
   iobundle run run.iobundle --model mypkg.models:build
@@ -49,8 +59,10 @@ examples:
 
 Calls the eager model again on the inputs of every recorded call (fresh copies each time) and
 compares its outputs with the recorded ones: the numerical drift between the machine or the
-library versions that recorded the bundle and this one. Same flags, reports and exit codes
-as validate.""",
+library versions that recorded the bundle and this one. Same flags and reports as validate.
+Exit code 0 when every call passes, 1 when one differs or fails to run, 2 when the bundle or
+the model cannot be read or a tolerance names no output, 4 when the bundle holds no recorded
+outputs (redacted): nothing compared.""",
 }
 
 _TOLERANCE_HELP = (
@@ -58,6 +70,17 @@ _TOLERANCE_HELP = (
     "e.g. logits or past_key_values[0], or its ONNX name; fnmatch patterns allowed); repeat the flag "
     "(default: {default:g})"
 )
+
+
+def add_model_source(p: argparse.ArgumentParser) -> None:
+    """``--model MODULE:FACTORY | --from-bundle``, one of them required (export and run)."""
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", metavar="MODULE:FACTORY", help="a callable returning the model (your code)")
+    source.add_argument(
+        "--from-bundle",
+        action="store_true",
+        help="rebuild the model stored in the bundle (saved with include_model=True; transformers classes only)",
+    )
 
 
 def add_comparison_flags(parser: argparse.ArgumentParser, *, report: bool = True) -> None:
@@ -230,13 +253,7 @@ def register(subparsers: Any, add_command: AddCommand) -> None:
         description="Call the model again on every recorded call's inputs and compare with the recorded outputs.",
     )
     p.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", metavar="MODULE:FACTORY", help="a callable returning the model (your code)")
-    source.add_argument(
-        "--from-bundle",
-        action="store_true",
-        help="rebuild the model stored in the bundle (saved with include_model=True; transformers classes only)",
-    )
+    add_model_source(p)
     p.add_argument("--device", metavar="DEVICE", help="run on this torch device (cpu, cuda, cuda:1, ...)")
     add_comparison_flags(p)
     p.set_defaults(handler=_cmd_run)

@@ -51,7 +51,7 @@ EXIT_USAGE = 2
 EXIT_FAILED = 3
 """The bundle was read but the operation failed: calls that cannot be aligned, an export error, ..."""
 EXIT_NOTHING_TO_COMPARE = 4
-"""validate: the bundle holds no recorded outputs (redacted without them), so nothing was compared."""
+"""validate, run: the bundle holds no recorded outputs (redacted without them); diff: a bundle holds no calls."""
 
 # The first class of an error's MRO found here gives the exit code; anything else is EXIT_FAILED.
 _EXIT_CODES: dict[type[IobundleError], int] = {
@@ -76,7 +76,8 @@ exit codes:
      diff: the bundles differ)
   2  usage error, or a bundle or model that cannot be read
   3  the bundle was read but the operation failed (e.g. calls that cannot be aligned)
-  4  validate: the bundle holds no recorded outputs (iobundle redact dropped them): nothing compared
+  4  nothing compared: validate, run: the bundle holds no recorded outputs (iobundle redact dropped
+     them); diff: a bundle holds no calls
 
 environment:
   IOBUNDLE_DEBUG=1  show the full traceback of an error
@@ -143,7 +144,8 @@ page with charts (.html), or every column of every call (.json, .csv), by extens
 Given a program index (MODEL.programs.json, written by `export` when one program per phase
 was needed), each call runs through the program whose input structure it has.
 Exit code 0 when every call passes, 1 when one differs or fails to run, 2 when the bundle or
-the model cannot be read.""",
+the model cannot be read or a tolerance names no output, 4 when the bundle holds no recorded
+outputs (redacted): nothing compared.""",
     "demo": """\
 examples:
   iobundle demo
@@ -267,13 +269,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "dynamic shapes, check the exported program on every recorded call, and write an ONNX file.",
     )
     p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", metavar="MODULE:FACTORY", help="a callable returning the model (your code)")
-    source.add_argument(
-        "--from-bundle",
-        action="store_true",
-        help="rebuild the model stored in the bundle (saved with include_model=True; transformers classes only)",
-    )
+    _checks.add_model_source(p)
     p.add_argument(
         "-o", "--output", metavar="MODEL.onnx", default="model.onnx", help="the ONNX file (default: %(default)s)"
     )

@@ -12,7 +12,7 @@ import sys
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from iobundle.cli._render import color_enabled
+from iobundle.cli._render import _isatty, color_enabled
 
 if TYPE_CHECKING:
     from iobundle.replay import ProgressEvent
@@ -92,10 +92,3 @@ class ProgressBars:
                 event.task, total=event.total, detail="", unit=event.unit
             )
         self._progress.update(task, completed=event.done, total=event.total, detail=event.detail)
-
-
-def _isatty(stream: Any) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):
-        return False

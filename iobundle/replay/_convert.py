@@ -19,7 +19,6 @@ path out of two. dtypes numpy lacks (bfloat16, float8) are widened to float32. A
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -37,9 +36,8 @@ from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import RecordedCalls, tensor_keys
 from iobundle.errors import BundleExistsError, BundleWriteError, ModelLoadError, ReplayError
 from iobundle.replay._api import RecordedCallsAPI
-from iobundle.replay._export import OUTPUT_NAMES_KEY
 from iobundle.replay._inference import align_calls, aligned_tensors
-from iobundle.replay._validate import input_mapping
+from iobundle.replay._validate import input_mapping, model_label, read_metadata
 from iobundle.schema import DictNode, ListNode, Node, ObjectNode, TensorNode, TupleNode
 
 __all__ = [
@@ -180,10 +178,11 @@ def convert_to_onnx_testdata(
     """
     rc = _calls_of(calls)
     inputs, outputs, meta = _load_graph(model)
-    if OUTPUT_NAMES_KEY in meta and json.loads(meta[OUTPUT_NAMES_KEY]) != outputs:
-        raise ReplayError(f"{model}: the outputs recorded in its metadata differ from the graph's outputs {outputs}.")
     alignment = align_calls(rc)
-    mapping = input_mapping(inputs, meta, len(alignment.owners))
+    metadata = read_metadata(meta, model_label(model), len(alignment.owners))
+    if metadata.output_names is not None and metadata.output_names != outputs:
+        raise ReplayError(f"{model}: the outputs recorded in its metadata differ from the graph's outputs {outputs}.")
+    mapping = input_mapping(inputs, metadata, len(alignment.owners))
     target = Path(output)
     _prepare(target, overwrite=overwrite, written=_TESTDATA_DIR)
     written: list[Path] = []

@@ -11,9 +11,17 @@ from typing import Any
 
 from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import NAME_TO_DTYPE, positional_names
+from iobundle.errors import NothingToCompareError
 from iobundle.replay._bundle import Bundle, load_bundle
-from iobundle.replay._compare import OutputCheck, Scratch, Tolerances, check_error_stat_name, compare_call
-from iobundle.replay._validate import ValidationReport, _refuse_unused
+from iobundle.replay._compare import (
+    OutputCheck,
+    Scratch,
+    Tolerances,
+    check_error_stat_name,
+    compare_call,
+    output_leaves,
+)
+from iobundle.replay._validate import ValidationReport, _refuse_unused, recorded_output_names, refuse_unknown_outputs
 from iobundle.schema import CallEntry, ConstNode, DictNode, Manifest, Node, ObjectNode, OpaqueNode, TensorNode
 
 __all__ = ["DiffReport", "diff_bundles"]
@@ -32,6 +40,10 @@ class DiffReport(ValidationReport):
     """
 
     differences: list[str] = field(default_factory=list)
+    outputs_compared: bool = True
+    """False when a bundle holds no recorded outputs (redacted): structure and inputs only were compared."""
+    note: str = ""
+    """Why the outputs were not compared, for the verdict."""
 
     @property
     def ok(self) -> bool:
@@ -39,7 +51,9 @@ class DiffReport(ValidationReport):
 
     def verdict(self) -> str:
         same = sum(1 for r in self.rows if r["SUCCESS"])
-        text = f"{'PASS' if self.ok else 'FAIL'}: {same}/{len(self.rows)} calls alike (structure, shapes, dtypes) and within {self.criterion()}"
+        what = f"within {self.criterion()}" if self.outputs_compared else "inputs within the default tolerances"
+        text = f"{'PASS' if self.ok else 'FAIL'}: {same}/{len(self.rows)} calls alike (structure, shapes, dtypes) and {what}"
+        text += f"; {self.note}" if self.note else ""
         return text + (f"; {'; '.join(self.differences)}" if self.differences else "")
 
 
@@ -49,6 +63,9 @@ class _Pair:
     key_a: str
     key_b: str
     is_input: bool
+    node_a: TensorNode | None = None
+    index: int = -1
+    """The tensor's position among A's flattened outputs (outputs only)."""
 
 
 def _shape(m: Manifest, key: str) -> str:
@@ -73,7 +90,7 @@ def _walk(a: Node | None, b: Node | None, path: str, ma: Manifest, mb: Manifest,
         if list(ea.shape) != list(eb.shape) or ea.dtype != eb.dtype:
             out.append(f"{path}: {_shape(ma, a.key)} in A, {_shape(mb, b.key)} in B")
         else:
-            pairs.append(_Pair(path, a.key, b.key, is_input))
+            pairs.append(_Pair(path, a.key, b.key, is_input, node_a=a))
         return
     if isinstance(a, ConstNode) and isinstance(b, ConstNode):
         if a.value != b.value or type(a.value) is not type(b.value):
@@ -103,14 +120,22 @@ def _walk(a: Node | None, b: Node | None, path: str, ma: Manifest, mb: Manifest,
     if len(items_a) != len(items_b):
         what = "layers/items" if isinstance(a, ObjectNode) else "items"
         out.append(f"{path}: {len(items_a)} {what} in A, {len(items_b)} in B")
+    # Labels as output_paths reads them: a context names the items only when it has one label per item
+    # (a DynamicCache's ["full", "full"] names its layers, not its 2 x layers tensors).
     labels = a.context if isinstance(a, ObjectNode) and isinstance(a.context, list) else None
+    labels = labels if labels is not None and len(labels) == len(items_a) else None
     for i, (x, y) in enumerate(zip(items_a, items_b)):
-        label = labels[i] if labels is not None and i < len(labels) and isinstance(labels[i], str) else None
+        label = labels[i] if labels is not None and isinstance(labels[i], str) else None
         child = (f"{path}.{label}" if path else label) if label else f"{path or 'output'}[{i}]"
         _walk(x, y, child, ma, mb, out, pairs, is_input)
 
 
-def _call_pairs(a: Bundle, b: Bundle, ca: CallEntry, cb: CallEntry, out: list[str]) -> list[_Pair]:
+def _has_outputs(bundle: Bundle) -> bool:
+    ok = [c for c in bundle.calls if c.status == "ok"]
+    return not ok or any(c.outputs is not None for c in ok)
+
+
+def _call_pairs(a: Bundle, b: Bundle, ca: CallEntry, cb: CallEntry, out: list[str], *, outputs: bool = True) -> list[_Pair]:  # fmt: skip
     pairs: list[_Pair] = []
     names = list(positional_names(a.manifest.signature))
     if ca.status != cb.status:
@@ -125,8 +150,17 @@ def _call_pairs(a: Bundle, b: Bundle, ca: CallEntry, cb: CallEntry, out: list[st
         va, vb = ca.cst_kwargs.get(k), cb.cst_kwargs.get(k)
         if va != vb or type(va) is not type(vb):
             out.append(f"constant {k}: {va!r} in A, {vb!r} in B")
-    if ca.status == "ok" and cb.status == "ok":
-        _walk(ca.outputs, cb.outputs, "", a.manifest, b.manifest, out, pairs, False)
+    if ca.status == "ok" and cb.status == "ok" and outputs:
+        outs: list[_Pair] = []
+        _walk(ca.outputs, cb.outputs, "", a.manifest, b.manifest, out, outs, False)
+        # Outputs are named as validate and run name them (output_paths), so one --atol NAME=... fits all three;
+        # pairs are kept in the flattening order of A's outputs.
+        leaves = output_leaves(ca.outputs)
+        index = {id(node): i for i, (_, node) in enumerate(leaves)}
+        for p in outs:
+            p.index = index.get(id(p.node_a), len(leaves))
+            p.path = leaves[p.index][0] if p.index < len(leaves) else p.path
+        pairs.extend(sorted(outs, key=lambda p: p.index))
     return pairs
 
 
@@ -156,8 +190,14 @@ def diff_bundles(
     structural differs or a value is out of tolerance. Typical uses: a capture on a GPU vs one on
     a CPU, a capture before vs after a library upgrade.
 
+    When a bundle holds no recorded outputs (``iobundle redact`` without ``--keep-outputs``), the
+    structure and the inputs are compared, not the outputs: the report says so
+    (``outputs_compared`` is False, the verdict names the bundle), and per-output tolerances are
+    not checked against output names.
+
     Raises:
         BundleError: A bundle cannot be read.
+        NothingToCompareError: A bundle holds no calls: there is nothing to compare.
         ToleranceError: A statistic is unknown, or a per-output tolerance names no output.
     """
     check_error_stat_name(check_error_stat, error_quantile)
@@ -174,6 +214,16 @@ def diff_bundles(
         overall.append(
             f"calls: {len(ba.calls)} in A, {len(bb.calls)} in B (the first {min(len(ba.calls), len(bb.calls))} compared)"
         )
+    if not ba.calls or not bb.calls:
+        empty = ba.path if not ba.calls else bb.path
+        raise NothingToCompareError(f"The bundle '{empty}' holds no calls: there is nothing to compare.")
+    redacted = [name for name, bundle in (("A", ba), ("B", bb)) if not _has_outputs(bundle)]
+    note = ""
+    if redacted:
+        note = f"outputs not compared: {' and '.join(redacted)} {'hold' if len(redacted) > 1 else 'holds'} no recorded outputs (redacted)"
+    if not redacted:  # before the comparison, not after it
+        paired = [ca for ca, cb in zip(ba.calls, bb.calls) if ca.status == cb.status == "ok"]
+        refuse_unknown_outputs(tolerances, recorded_output_names(paired))
     rows: list[dict[str, Any]] = []
     checks: list[OutputCheck] = []
     scratch = Scratch()
@@ -181,7 +231,7 @@ def diff_bundles(
     notify(on_progress, "diff", 0, n)
     for i, (ca, cb) in enumerate(zip(ba.calls, bb.calls)):
         diffs: list[str] = []
-        pairs = _call_pairs(ba, bb, ca, cb, diffs)
+        pairs = _call_pairs(ba, bb, ca, cb, diffs, outputs=not redacted)
         outs = [p for p in pairs if not p.is_input]
         ins = [p for p in pairs if p.is_input]
         row, call_checks = compare_call(
@@ -211,10 +261,11 @@ def diff_bundles(
         rows.append(row)
         logger.debug("call %d: %d differences", ca.index, len(diffs))
         notify(on_progress, "diff", i + 1, n, f"call {ca.index}")
-    _refuse_unused(tolerances, checks)
+    if not redacted:
+        _refuse_unused(tolerances, checks)
     report = DiffReport(
         rows=rows, atol=atol, rtol=rtol, seconds=time.perf_counter() - begin, outputs=checks, tolerances=tolerances,
         check_error_stat=check_error_stat, error_quantile=error_quantile, subject=str(bb.path), kind="diff",
-        differences=overall,
+        differences=overall, outputs_compared=not redacted, note=note,
     )  # fmt: skip
     return report

@@ -36,7 +36,9 @@ from iobundle.replay._inference import (
     infer_arguments,
     infer_dynamic_shapes,
     placeholder_inputs,
+    received_arguments,
     select_call,
+    spread_var_keyword,
 )
 from iobundle.schema import ObjectNode
 
@@ -204,7 +206,7 @@ def _plan(
     if flatten_var_kw or rc.signature.method != "forward":
         module = _MethodAsModule(model, rc.signature.method, _explicit_signature(rc, extra if flatten_var_kw else []))
     if flatten_var_kw and isinstance(ds, dict):
-        ds = {**{k: v for k, v in ds.items() if k != var_kw}, **ds.get(var_kw, {})}
+        ds = spread_var_keyword(ds, var_kw)
     # A dynamic dimension seen as 0 or 1 is specialised by torch.export unless size-oblivious.
     dims = flat_dynamic_dims(rc, alignment, batch, dynamic)
     if slot_names is not None:  # an explicitly named dimension is dynamic
@@ -312,17 +314,15 @@ def _check_calls(
             slots = plan.alignment.slots[i]
             check.absent_inputs = placeholder_inputs(plan.alignment, call, slots)
             args, kwargs = infer_arguments(rc, i, as_args_kwargs=True, alignment=plan.alignment)
-            if plan.flatten_var_kw and rc.var_keyword in kwargs:
-                kwargs = {**{k: v for k, v in kwargs.items() if k != rc.var_keyword}, **kwargs[rc.var_keyword]}
+            if plan.flatten_var_kw:
+                kwargs = spread_var_keyword(kwargs, rc.var_keyword)
             obtained = flatten_outputs(run(*args, **kwargs))
             if call.outputs is not None:
                 expected = [rc.store.get(k) for k in tensor_keys(call.outputs)]
             elif eager is not None:  # nothing recorded (a redacted bundle): the eager model is the reference
-                args, kwargs = infer_arguments(rc, i, as_args_kwargs=True, alignment=plan.alignment)  # fresh copies
-                if plan.flatten_var_kw and rc.var_keyword in kwargs:
-                    kwargs = {**{k: v for k, v in kwargs.items() if k != rc.var_keyword}, **kwargs[rc.var_keyword]}
+                eager_args, eager_kwargs = received_arguments(rc, call)  # fresh copies, as the model received them
                 with torch.no_grad():
-                    expected = flatten_outputs(eager(*args, **kwargs))
+                    expected = flatten_outputs(eager(*eager_args, **eager_kwargs))
                 check.reference = "eager"
             else:
                 check.error = "ran; no recorded outputs to compare with"

@@ -39,6 +39,8 @@ from iobundle.replay._dim_names import DimNamesSpec, name_dims
 from iobundle.schema import CallEntry, DictNode, ListNode, Node, NoneNode, ObjectNode, TensorNode, TupleNode
 
 __all__ = [
+    "received_arguments",
+    "spread_var_keyword",
     "Alignment",
     "align_call",
     "align_calls",
@@ -675,3 +677,34 @@ def remove_inputs(rc: RecordedCalls, names: Collection[str]) -> int:
     rc.value_if_missing = [v for v in rc.value_if_missing if v.key not in names]
     rc.touch()
     return removed
+
+
+def received_arguments(
+    rc: RecordedCalls, call: CallEntry, device: str | torch.device | None = None
+) -> tuple[list[Any], dict[str, Any]]:
+    """The arguments the model received in ``call``, to call the eager model with (``run``, the export check).
+
+    Fresh copies (the model may change its inputs in place; the store is read-only), moved to
+    ``device`` when given; the placeholders the observer filled in for absent inputs
+    (``value_if_missing``) are left out, as the model never saw them; constants included.
+    """
+
+    def tensor(key: str) -> torch.Tensor:
+        t = rc.store.get(key).clone()
+        return t.to(device) if device is not None else t
+
+    names = list(positional_names(rc.signature))
+    args = []
+    for i, node in enumerate(call.args):
+        filled = i in call.filled or (i < len(names) and names[i] in call.filled)
+        args.append(None if filled else build_value(node, tensor, path=f"args[{i}]"))
+    kwargs = {k: build_value(v, tensor, path=k) for k, v in call.kwargs.items() if k not in call.filled}
+    kwargs.update(call.cst_kwargs)
+    return args, kwargs
+
+
+def spread_var_keyword(mapping: dict[str, Any], var_keyword: str | None) -> dict[str, Any]:
+    """``mapping`` with the entries under ``**var_keyword`` spread among the others (``{**rest, **mapping[var_kw]}``)."""
+    if not var_keyword or var_keyword not in mapping:
+        return mapping
+    return {**{k: v for k, v in mapping.items() if k != var_keyword}, **mapping[var_keyword]}

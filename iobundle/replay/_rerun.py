@@ -10,35 +10,22 @@ from typing import Any
 import torch
 
 from iobundle._progress import ProgressCallback, notify
-from iobundle.calls import RecordedCalls, build_value, positional_names, tensor_keys
+from iobundle.calls import RecordedCalls, tensor_keys
 from iobundle.errors import ReplayError
 from iobundle.replay._compare import OutputCheck, Scratch, Tolerances, check_error_stat_name, compare_call, output_paths
 from iobundle.replay._export import flatten_outputs
-from iobundle.replay._validate import ValidationReport, _refuse_unused
-from iobundle.schema import CallEntry
+from iobundle.replay._inference import received_arguments
+from iobundle.replay._validate import (
+    ValidationReport,
+    _refuse_unused,
+    _require_outputs,
+    recorded_output_names,
+    refuse_unknown_outputs,
+)
 
 __all__ = ["rerun_model"]
 
 logger = logging.getLogger(__name__)
-
-
-def _call_arguments(
-    rc: RecordedCalls, call: CallEntry, device: str | torch.device | None
-) -> tuple[list[Any], dict[str, Any]]:
-    """The arguments the model received in ``call``: fresh copies, placeholders of ``value_if_missing`` left out."""
-
-    def tensor(key: str) -> torch.Tensor:
-        t = rc.store.get(key).clone()  # the model may change its inputs in place; the store is read-only
-        return t.to(device) if device is not None else t
-
-    names = list(positional_names(rc.signature))
-    args = []
-    for i, node in enumerate(call.args):
-        filled = i in call.filled or (i < len(names) and names[i] in call.filled)
-        args.append(None if filled else build_value(node, tensor, path=f"args[{i}]"))
-    kwargs = {k: build_value(v, tensor, path=k) for k, v in call.kwargs.items() if k not in call.filled}
-    kwargs.update(call.cst_kwargs)
-    return args, kwargs
 
 
 def rerun_model(
@@ -79,10 +66,12 @@ def rerun_model(
         and ``duration_rerun`` (here).
 
     Raises:
+        NothingToCompareError: No ok call has recorded outputs (a redacted bundle), as in ``validate_onnx``.
         ReplayError: The model has no method named like the recorded one.
         ToleranceError: A statistic is unknown, or a per-output tolerance names no output.
     """
     check_error_stat_name(check_error_stat, error_quantile)
+    _require_outputs(rc)
     method = getattr(model, rc.signature.method, None)
     if not callable(method):
         raise ReplayError(
@@ -92,6 +81,7 @@ def rerun_model(
     tolerances = Tolerances(atol=atol, rtol=rtol, per_output_atol=output_atol or {}, per_output_rtol=output_rtol or {})
     begin = time.perf_counter()
     calls = rc.ok_calls
+    refuse_unknown_outputs(tolerances, recorded_output_names(calls))  # before the run, not after it
     rows: list[dict[str, Any]] = []
     checks: list[OutputCheck] = []
     scratch = Scratch()
@@ -101,7 +91,7 @@ def rerun_model(
         t0 = time.perf_counter()
         row: dict[str, Any]
         try:
-            args, kwargs = _call_arguments(rc, call, device)
+            args, kwargs = received_arguments(rc, call, device)
             with torch.no_grad():
                 obtained = flatten_outputs(method(*args, **kwargs))
             error = None

@@ -61,23 +61,82 @@ def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto) -> tuple[Any,
         raise ModelLoadError(f"onnxruntime cannot load the model '{onnx_model}': {first}") from exc
 
 
-def input_mapping(names: Sequence[str], meta: dict[str, str], n_slots: int) -> list[tuple[str, int]]:
+@dataclass(frozen=True)
+class IobundleMetadata:
+    """What ``iobundle export`` wrote into a model's metadata, checked (see :func:`read_metadata`)."""
+
+    input_slots: dict[str, int] | None
+    """Graph input name -> slot of the aligned recorded inputs; None when the model carries no mapping."""
+    output_names: list[str] | None
+    """The graph outputs in the order of the recorded outputs; None when absent."""
+
+
+def read_metadata(meta: Mapping[str, str], model: str, n_slots: int) -> IobundleMetadata:
+    """Read and check the iobundle metadata of the ONNX model ``model`` (its file, for messages).
+
+    The metadata comes from a file the user gave, so nothing in it is trusted: each key must hold
+    the JSON ``iobundle export`` writes (slots: an object of integers in ``[0, n_slots)``; output
+    names: a list of strings).
+
+    Raises:
+        ModelLoadError: A key holds something else; the message names the model and the key.
+    """
+
+    def refuse(key: str, what: str) -> ModelLoadError:
+        return ModelLoadError(
+            f"ONNX model '{model}': its metadata '{key}' {what}. Re-export the model with `iobundle export`, "
+            f"or remove the key (inputs are then matched by position)."
+        )
+
+    def parse(key: str) -> Any:
+        try:
+            return json.loads(meta[key])
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise refuse(key, f"is not JSON ({exc})") from None
+
+    slots: dict[str, int] | None = None
+    if INPUT_SLOTS_KEY in meta:
+        raw = parse(INPUT_SLOTS_KEY)
+        if not isinstance(raw, dict):
+            raise refuse(INPUT_SLOTS_KEY, f"is a JSON {type(raw).__name__}, not an object of input name -> slot")
+        bad = [k for k, v in raw.items() if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < n_slots]
+        if bad:
+            raise refuse(
+                INPUT_SLOTS_KEY,
+                f"maps {bad} to {[raw[k] for k in bad]}, not to slots 0..{n_slots - 1} of the recorded inputs",
+            )
+        slots = raw
+    names: list[str] | None = None
+    if OUTPUT_NAMES_KEY in meta:
+        raw = parse(OUTPUT_NAMES_KEY)
+        if not isinstance(raw, list) or not all(isinstance(n, str) for n in raw):
+            raise refuse(OUTPUT_NAMES_KEY, "is not a JSON list of output names")
+        names = raw
+    return IobundleMetadata(input_slots=slots, output_names=names)
+
+
+def input_mapping(names: Sequence[str], metadata: IobundleMetadata, n_slots: int) -> list[tuple[str, int]]:
     """Graph input name -> aligned slot, from the metadata written at export, else by position.
 
     Validation and ``iobundle convert --to onnx-testdata`` both map recorded tensors to graph inputs here.
     """
-    if INPUT_SLOTS_KEY in meta:
-        slots = json.loads(meta[INPUT_SLOTS_KEY])
+    slots = metadata.input_slots
+    if slots is not None:
         missing = [n for n in names if n not in slots]
         if missing:
             raise ReplayError(f"ONNX inputs {missing} are not recorded inputs (mapping in the model's metadata).")
-        return [(n, int(slots[n])) for n in names]
+        return [(n, slots[n]) for n in names]
     if len(names) != n_slots:
         raise ReplayError(
             f"The ONNX model has {len(names)} inputs but the recorded calls hold {n_slots} tensors, and the model "
             "carries no iobundle input mapping. Export it with `iobundle export` to embed one."
         )
     return list(zip(names, range(n_slots)))
+
+
+def model_label(onnx_model: object) -> str:
+    """How messages name a model: its path, or ``<in-memory ONNX model>``."""
+    return os.fspath(onnx_model) if isinstance(onnx_model, (str, os.PathLike)) else "<in-memory ONNX model>"
 
 
 def _summary(tensors: Sequence[Any]) -> str:
@@ -163,6 +222,7 @@ def check_discrepancies(
     Raises:
         NothingToCompareError: The calls hold no recorded outputs (a redacted bundle).
         ReplayError: The model cannot be loaded or its inputs do not match the recorded calls.
+        ToleranceError: A statistic is unknown, or a per-output tolerance names no output.
 
     .. versionchanged:: 0.2
         ``output_atol``, ``output_rtol``, ``check_error_stat``, ``error_quantile``, ``on_progress``.
@@ -203,9 +263,12 @@ def _run_checks(
         )  # fmt: skip
     session, meta = _session(onnx_model)
     alignment = align_calls(rc)
-    mapping = input_mapping([i.name for i in session.get_inputs()], meta, len(alignment.owners))
-    output_names = json.loads(meta[OUTPUT_NAMES_KEY]) if OUTPUT_NAMES_KEY in meta else None
+    metadata = read_metadata(meta, model_label(onnx_model), len(alignment.owners))
+    mapping = input_mapping([i.name for i in session.get_inputs()], metadata, len(alignment.owners))
+    output_names = metadata.output_names
     graph_outputs = output_names or [o.name for o in session.get_outputs()]
+    # A typo in a tolerance name is refused before the run, not after it.
+    refuse_unknown_outputs(tolerances, recorded_output_names(alignment.calls, graph_outputs))
     scratch = Scratch()
     rows: list[dict[str, Any]] = []
     checks: list[OutputCheck] = []
@@ -378,10 +441,35 @@ def validate_onnx(
 
 
 def _refuse_unused(tolerances: Tolerances, checks: Sequence[OutputCheck]) -> None:
-    """A per-output tolerance that matches no output is a typo: say which names exist."""
+    """A per-output tolerance that matches no compared output is a typo: say which names exist."""
     if not checks:  # nothing was compared (every run failed): the rows say why, not the tolerances
         return
-    groups = [(c.name, c.other_name or "") for c in checks]
+    refuse_unknown_outputs(tolerances, [(c.name, c.other_name or "") for c in checks])
+
+
+def recorded_output_names(calls: Sequence[Any], other_names: Sequence[str] | None = None) -> list[tuple[str, ...]]:
+    """The names of every output of ``calls`` (their :func:`output_paths`, with ``other_names`` by position).
+
+    Read from the manifest alone (no tensor is loaded), so tolerances can be checked before a run.
+    """
+    groups: dict[tuple[str, ...], None] = {}
+    for call in calls:
+        if call.outputs is None:
+            continue
+        for i, name in enumerate(output_paths(call.outputs)):
+            other = other_names[i] if other_names is not None and i < len(other_names) else ""
+            groups[(name, other)] = None
+    return list(groups)
+
+
+def refuse_unknown_outputs(tolerances: Tolerances, groups: Sequence[Sequence[str]]) -> None:
+    """Refuse a per-output tolerance that matches none of the outputs ``groups`` (each given as its names).
+
+    Raises:
+        ToleranceError: A key matches no output; the message lists the outputs.
+    """
+    if not groups:
+        return
     unused = tolerances.unused(groups)
     if unused:
         known = list(dict.fromkeys(n for g in groups for n in g if n))

@@ -100,3 +100,43 @@ class TestRun:
     def test_bad_device_is_a_usage_error(self, workdir, capsys):
         code, _, err = run(capsys, "run", "a.iobundle", "--model", "factories:good", "--device", "nosuchdevice")
         assert code == 2 and "--device nosuchdevice" in err
+
+
+class TestRedacted:
+    """A bundle redacted without its outputs: run and validate exit 4, diff compares structure and inputs only."""
+
+    @pytest.fixture
+    def redacted(self, workdir, capsys):
+        assert main(["redact", "a.iobundle", "-o", "r.iobundle"]) == 0
+        capsys.readouterr()
+        return workdir
+
+    def test_run_exits_4_nothing_to_compare(self, redacted, capsys):
+        code, out, err = run(capsys, "run", "r.iobundle", "--model", "factories:good")
+        assert code == 4 and "there is nothing to compare" in err and "FAIL" not in out
+
+    def test_validate_exits_4_too(self, redacted, capsys):
+        assert main(["export", "a.iobundle", "--model", "factories:good", "-o", "m.onnx"]) == 0
+        code, _, err = run(capsys, "validate", "r.iobundle", "m.onnx")
+        assert code == 4 and "there is nothing to compare" in err
+
+    def test_diff_of_redacted_bundles_says_outputs_were_not_compared(self, redacted, capsys):
+        code, out, _ = run(capsys, "diff", "r.iobundle", "r.iobundle", "--atol", "nosuchoutput=1")
+        assert code == 0 and "outputs not compared: A and B hold no recorded outputs (redacted)" in out
+        code, out, _ = run(capsys, "diff", "a.iobundle", "r.iobundle")
+        assert "outputs not compared: B holds no recorded outputs" in out
+        assert code == 1 and "input x: max abs difference" in out  # redacted inputs are synthetic
+
+
+def test_cli_comparison_defaults_are_replays():
+    """cli/_checks.py copies these (the CLI loads no torch for --help): the copies must stay equal."""
+    import inspect
+
+    from iobundle.cli import _checks
+    from iobundle.replay import diff_bundles, rerun_model, validate_onnx
+    from iobundle.replay._compare import ERROR_STATS
+
+    assert _checks.ERROR_STATS == ERROR_STATS
+    for function in (validate_onnx, rerun_model, diff_bundles):
+        parameters = inspect.signature(function).parameters
+        assert (parameters["atol"].default, parameters["rtol"].default) == (_checks.DEFAULT_ATOL, _checks.DEFAULT_RTOL)

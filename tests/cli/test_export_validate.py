@@ -57,7 +57,8 @@ def workdir(tmp_path, monkeypatch):
         model(torch.randn(3, 4))
     observer.save(tmp_path / "run.iobundle")
     sys.modules.pop("factories", None)
-    return tmp_path
+    yield tmp_path
+    sys.modules.pop("factories", None)  # the CLI imported it again (--model factories:...): no stale module for others
 
 
 def test_export_then_validate_pass(workdir, capsys):
@@ -172,3 +173,31 @@ def test_export_needs_exactly_one_model_source(workdir, capsys):
     # a bundle saved without include_model cannot rebuild its model
     assert main(["export", "run.iobundle", "--from-bundle"]) == 2
     assert "include_model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("iobundle.input_slots", "{not json", "'iobundle.input_slots' is not JSON"),
+        ("iobundle.input_slots", '["x"]', "'iobundle.input_slots' is a JSON list"),
+        ("iobundle.input_slots", '{"x": "zero"}', "maps ['x'] to ['zero']"),
+        ("iobundle.input_slots", '{"x": 7}', "not to slots 0..0"),
+        ("iobundle.output_names", "[oops", "'iobundle.output_names' is not JSON"),
+        ("iobundle.output_names", '{"a": 1}', "'iobundle.output_names' is not a JSON list"),
+    ],
+)
+def test_corrupt_iobundle_metadata_exits_2_naming_the_model_and_key(workdir, capsys, key, value, message):
+    import onnx
+
+    assert main(["export", "run.iobundle", "--model", "factories:good", "-o", "good.onnx"]) == 0
+    proto = onnx.load("good.onnx")
+    assert {p.key for p in proto.metadata_props} >= {"iobundle.input_slots", "iobundle.output_names"}
+    for p in proto.metadata_props:
+        if p.key == key:
+            p.value = value
+    onnx.save(proto, "corrupt.onnx")
+    capsys.readouterr()
+    for argv in (["validate", "run.iobundle", "corrupt.onnx"], ["convert", "run.iobundle", "--to", "onnx-testdata", "td", "--model", "corrupt.onnx"]):  # fmt: skip
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ONNX model 'corrupt.onnx'") and message in err and "Traceback" not in err

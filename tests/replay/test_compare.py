@@ -272,3 +272,30 @@ def test_output_paths_name_each_tensor_of_the_tree() -> None:
     assert output_paths(TupleNode(items=[t(key="a"), TupleNode(items=[t(key="b")])])) == ["output[0]", "output[1][0]"]
     assert output_paths(DictNode(keys=["a", 3], items=[t(key="a"), t(key="b")])) == ["a", "output[3]"]
     assert output_paths(None) == []
+
+
+def test_call_row_errors_are_the_largest_of_its_outputs() -> None:
+    """One pass per output: the row's abs/rel are the per-output maxima, its mean/median/quantile over every element."""
+    import torch
+
+    from iobundle.replay._compare import compare_call
+
+    g = np.random.default_rng(3)
+    expected = [g.standard_normal((4, 5)).astype(np.float32), torch.randn(3, 7, dtype=torch.bfloat16), np.arange(6)]
+    obtained = [
+        expected[0] + g.standard_normal((4, 5)).astype(np.float32) * 1e-3,
+        expected[1] + torch.randn(3, 7, dtype=torch.bfloat16) * 0.01,
+        np.arange(6) + np.array([0, 0, 1, 0, 0, 0]),
+    ]
+    row, checks = compare_call(
+        expected, obtained, call_index=0, names=["a", "b", "c"], tolerances=Tolerances(), error_quantile=0.9
+    )
+    assert [c.dtype for c in checks] == ["float32", "bfloat16", "int64"]
+    assert row["abs"] == max(c.stats.max_abs for c in checks if c.stats)
+    assert row["rel"] == pytest.approx(max(c.stats.max_rel for c in checks if c.stats), rel=1e-6)
+    assert row["worst_output"] == "c" and row["n"] == sum(c.stats.n for c in checks if c.stats)
+    every = np.concatenate([np.abs(np.asarray(e, np.float64) - np.asarray(o, np.float64)).reshape(-1) for e, o in (
+        (expected[0], obtained[0]), (expected[1].float().numpy(), obtained[1].float().numpy()), (expected[2], obtained[2]),
+    )])  # fmt: skip
+    assert row["median_abs"] == np.median(every) and row["quantile_abs"] == np.quantile(every, 0.9)
+    assert row["mean_abs"] == pytest.approx(every.mean())

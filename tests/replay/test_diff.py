@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from iobundle import InputObserver, ToleranceError, load_bundle
 from iobundle.replay import diff_bundles
+from iobundle.replay._compare import output_paths
 
 
 class Scaled(torch.nn.Module):
@@ -82,3 +84,39 @@ def test_on_progress(tmp_path):
     events = []
     diff_bundles(record(tmp_path / "a"), record(tmp_path / "b"), on_progress=events.append)
     assert [(e.task, e.done, e.total) for e in events] == [("diff", 0, 2), ("diff", 1, 2), ("diff", 2, 2)]
+
+
+class WithCache(torch.nn.Module):
+    """Returns logits and a real transformers DynamicCache of 2 layers (context ["full", "full"], 4 tensors)."""
+
+    def __init__(self, offset: float = 0.0) -> None:
+        super().__init__()
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        for layer in range(2):
+            cache.update(x[:, None, :, :] + layer, x[:, None, :, :] * 2 + layer + self.offset, layer)
+        return {"logits": x.sum(-1), "past_key_values": cache}
+
+
+def test_cache_outputs_are_named_as_validate_names_them(tmp_path):
+    pytest.importorskip("transformers")
+    paths = []
+    for name, offset in (("a", 0.0), ("b", 1e-2)):
+        model, observer = WithCache(offset), InputObserver()
+        with torch.no_grad(), observer(model):
+            model(torch.ones(1, 3, 8))
+        observer.save(tmp_path / name)
+        paths.append(tmp_path / name)
+    a, b = paths
+    names = output_paths(load_bundle(a).calls[0].outputs)
+    assert names == ["logits", *(f"past_key_values[{i}]" for i in range(4))]
+    report = diff_bundles(a, b, rtol=0.0)
+    assert [c.name for c in report.outputs] == names
+    assert {c.name for c in report.outputs if c.success is False} == {"past_key_values[1]", "past_key_values[3]"}
+    assert report.rows[0]["worst_output"] == "past_key_values[1]"
+    loose = {"past_key_values[1]": 0.1, "past_key_values[3]": 0.1}
+    assert diff_bundles(a, b, rtol=0.0, output_atol=loose).ok

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from iobundle import InputObserver, ReplayError, load_bundle
+from iobundle import InputObserver, ReplayError, ToleranceError, load_bundle
 from iobundle.replay import rerun_model
 
 
@@ -83,3 +83,59 @@ def test_a_model_without_the_recorded_method_is_refused(bundle):
 def test_no_worst_output_when_every_output_matches_exactly(bundle):
     report = rerun_model(bundle._recorded(), InPlace().eval())
     assert [r["worst_output"] for r in report.rows] == ["", ""]
+
+
+class Masked(torch.nn.Module):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return x * 2 if mask is None else x * mask + 1
+
+
+def test_eager_calls_get_the_inputs_as_the_model_received_them(tmp_path):
+    from iobundle.replay._inference import received_arguments
+
+    model, observer = Masked(), InputObserver(value_if_missing={"mask": torch.ones(2, 4)})
+    with torch.no_grad(), observer(model):
+        model(torch.randn(2, 4), mask=torch.zeros(2, 4))
+        model(torch.randn(2, 4))  # mask absent: the observer records a placeholder the model never saw
+    observer.save(tmp_path / "b")
+    rc = load_bundle(tmp_path / "b")._recorded()
+    with_mask, without = rc.ok_calls
+    assert without.filled and "mask" not in received_arguments(rc, without)[1]
+    _, kwargs = received_arguments(rc, with_mask)
+    assert torch.equal(kwargs["mask"], torch.zeros(2, 4))
+    kwargs["mask"].add_(1)  # a fresh copy: the store is untouched
+    assert torch.equal(received_arguments(rc, with_mask)[1]["mask"], torch.zeros(2, 4))
+    assert rerun_model(rc, model, rtol=0.0, atol=0.0).ok  # run feeds None, as at capture
+
+
+def test_export_check_of_a_redacted_bundle_calls_the_eager_model_as_run_does(tmp_path):
+    """Without recorded outputs the export check's reference is the eager model on the inputs it received."""
+    from iobundle.observer import redact_bundle
+
+    model, observer = Masked(), InputObserver(value_if_missing={"mask": torch.ones(2, 4)})
+    with torch.no_grad(), observer(model):
+        model(torch.randn(2, 4), mask=torch.zeros(2, 4))
+        model(torch.randn(2, 4))  # mask absent: the model computed x * 2, not x * placeholder + 1
+    observer.save(tmp_path / "b")
+    redact_bundle(tmp_path / "b", tmp_path / "r")
+    bundle = load_bundle(tmp_path / "r")
+    bundle.to_onnx(Masked(), tmp_path / "m.onnx")
+    report = bundle.export_report()
+    assert report is not None
+    calls = [(c.success, c.reference, c.absent_inputs) for c in report.calls]
+    # The program is fed the placeholder, the eager model was not: the call differs and is "not checked".
+    assert calls == [(True, "eager", []), (None, "eager", ["mask"])]
+
+
+def test_a_tolerance_naming_no_output_is_refused_before_the_model_runs(tmp_path):
+    model, observer = Masked(), InputObserver()
+    with torch.no_grad(), observer(model):
+        model(torch.randn(2, 4))
+    observer.save(tmp_path / "b")
+    rc = load_bundle(tmp_path / "b")._recorded()
+    seen: list[torch.Tensor] = []
+    model.forward = lambda x, mask=None: seen.append(x) or Masked.forward(model, x, mask)  # counts the calls
+    with pytest.raises(ToleranceError, match=r"'outptu' matches no output\. Outputs: output"):
+        rerun_model(rc, model, output_atol={"outptu": 1.0})
+    assert seen == []
+    assert rerun_model(rc, model, output_atol={"output": 1.0}).ok and len(seen) == 1

@@ -229,3 +229,15 @@ def test_bundle_validate_and_rerun_methods(shifted):
     drift = bundle.rerun(TwoHeads(shift=1e-3).eval(), rtol=0.0)
     assert drift.kind == "run" and not drift.ok
     assert {c.name for c in drift.outputs if c.success is False} == {"logits"}
+
+
+def test_check_discrepancies_refuses_a_tolerance_naming_no_output_before_running(shifted):
+    bundle, path = shifted
+    events = []
+    with pytest.raises(ToleranceError, match=r"'logit' matches no output. Outputs: logits, "):
+        bundle.check_discrepancies(path, output_atol={"logit": 1e-2}, on_progress=events.append)
+    assert events == []  # refused before the first call ran
+    with pytest.raises(ToleranceError, match="'nope' matches no output"):
+        validate_onnx(bundle._recorded(), path, output_rtol={"nope": 1.0}, on_progress=events.append)
+    assert events == []
+    assert len(bundle.check_discrepancies(path, output_atol={"log*": 1e-2})) == 3
