@@ -1,4 +1,4 @@
-"""Shared by the CLI tests: running ``iobundle`` on a pseudo-terminal, as a user's shell does."""
+"""Shared by the CLI tests: a module of model factories for ``--model``, and running ``iobundle`` on a pseudo-terminal."""
 
 from __future__ import annotations
 
@@ -7,10 +7,50 @@ import pty
 import select
 import subprocess
 import sys
-from collections.abc import Callable
+import textwrap
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+
+FACTORIES = textwrap.dedent(
+    """
+    import torch
+
+    class Scale(torch.nn.Module):
+        def __init__(self, offset=0.0):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(4, 2)
+            self.offset = offset
+
+        def forward(self, x):
+            return self.lin(x) + self.offset
+
+    def good():
+        return Scale()
+
+    def drifted():
+        return Scale(offset=0.5)
+
+    def not_a_model():
+        return 42
+    """
+)
+
+
+@pytest.fixture
+def factories(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    """``factories.py`` in ``tmp_path`` (the CLI runs from there), imported: ``good``, ``drifted``, ``not_a_model``."""
+    (tmp_path / "factories.py").write_text(FACTORIES)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import factories as module
+
+    yield module
+    sys.modules.pop("factories", None)  # the CLI imports it again (--model factories:...): no stale module for others
+
 
 RunInTerminal = Callable[[list[str], Path, dict[str, str]], str]
 

@@ -2,46 +2,16 @@
 
 from __future__ import annotations
 
-import sys
-import textwrap
-
 import pytest
 import torch
 
 from iobundle import InputObserver
 from iobundle.cli import main
 
-FACTORIES = textwrap.dedent(
-    """
-    import torch
-
-    class Scale(torch.nn.Module):
-        def __init__(self, offset=0.0):
-            super().__init__()
-            torch.manual_seed(0)
-            self.lin = torch.nn.Linear(4, 2)
-            self.offset = offset
-
-        def forward(self, x):
-            return self.lin(x) + self.offset
-
-    def good():
-        return Scale()
-
-    def drifted():
-        return Scale(offset=0.5)
-    """
-)
-
 
 @pytest.fixture
-def workdir(tmp_path, monkeypatch):
+def workdir(tmp_path, factories):
     """factories.py, and bundles of good() (a.iobundle) and drifted() (b.iobundle) on the same inputs."""
-    (tmp_path / "factories.py").write_text(FACTORIES)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import factories
-
     for name, factory in (("a", factories.good), ("b", factories.drifted)):
         model, observer = factory(), InputObserver()
         g = torch.Generator().manual_seed(0)
@@ -49,8 +19,7 @@ def workdir(tmp_path, monkeypatch):
             model(torch.randn(2, 4, generator=g))
             model(torch.randn(3, 4, generator=g))
         observer.save(tmp_path / f"{name}.iobundle")
-    yield tmp_path
-    sys.modules.pop("factories", None)
+    return tmp_path
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

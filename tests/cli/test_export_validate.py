@@ -6,7 +6,6 @@ import csv
 import json
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -16,49 +15,18 @@ from iobundle.cli import main
 
 pytest.importorskip("onnxruntime")
 
-FACTORIES = textwrap.dedent(
-    """
-    import torch
-
-    class Scale(torch.nn.Module):
-        def __init__(self, offset=0.0):
-            super().__init__()
-            torch.manual_seed(0)
-            self.lin = torch.nn.Linear(4, 2)
-            self.offset = offset
-
-        def forward(self, x):
-            return self.lin(x) + self.offset
-
-    def good():
-        return Scale()
-
-    def wrong():
-        return Scale(offset=0.5)
-
-    def not_a_model():
-        return 42
-    """
-)
-
 
 @pytest.fixture
-def workdir(tmp_path, monkeypatch):
+def workdir(tmp_path, factories):
     """A directory holding `factories.py` and a bundle of Scale(); the CLI runs from there."""
-    (tmp_path / "factories.py").write_text(FACTORIES)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import factories
-
     model = factories.good()
     observer = InputObserver()
     with torch.no_grad(), observer(model):
         model(torch.randn(2, 4))
         model(torch.randn(3, 4))
     observer.save(tmp_path / "run.iobundle")
-    sys.modules.pop("factories", None)
+    sys.modules.pop("factories", None)  # the CLI imports it itself, as a user's run would
     yield tmp_path
-    sys.modules.pop("factories", None)  # the CLI imported it again (--model factories:...): no stale module for others
 
 
 def test_export_then_validate_pass(workdir, capsys):
@@ -72,16 +40,16 @@ def test_export_then_validate_pass(workdir, capsys):
 
 
 def test_wrong_model_exits_1(workdir, capsys):
-    assert main(["export", "run.iobundle", "--model", "factories:wrong", "-o", "wrong.onnx"]) == 1
+    assert main(["export", "run.iobundle", "--model", "factories:drifted", "-o", "drifted.onnx"]) == 1
     captured = capsys.readouterr()
     assert "FAIL" in captured.out and "does not reproduce" in captured.err
     assert "Traceback" not in captured.err
-    assert not (workdir / "wrong.onnx").exists()
+    assert not (workdir / "drifted.onnx").exists()
     # --no-check writes the file anyway; validating it fails on every call
-    assert main(["export", "run.iobundle", "--model", "factories:wrong", "-o", "wrong.onnx", "--no-check"]) == 1
-    assert (workdir / "wrong.onnx").is_file()
+    assert main(["export", "run.iobundle", "--model", "factories:drifted", "-o", "drifted.onnx", "--no-check"]) == 1
+    assert (workdir / "drifted.onnx").is_file()
     capsys.readouterr()
-    assert main(["validate", "run.iobundle", "wrong.onnx"]) == 1
+    assert main(["validate", "run.iobundle", "drifted.onnx"]) == 1
     out = capsys.readouterr().out
     assert "FAIL: 0/2 calls" in out
     assert out.count("FAIL: mismatch") == 2
