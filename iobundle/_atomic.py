@@ -56,15 +56,26 @@ def atomic_file(path: Path, *, durable: bool = True) -> Iterator[BinaryIO]:
         if durable:
             fsync_dir(path.parent)
     except BaseException as exc:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        if isinstance(exc, OSError):
-            raise BundleWriteError(
-                f"Cannot write {path}: {exc.strerror or exc}. Check free space and permissions."
-            ) from exc
+        _discard(tmp, path, exc)
         raise
+
+
+def _discard(tmp: Path, path: Path, exc: BaseException, *, wrap_errors: bool = False) -> None:
+    """Remove the temporary file of a failed atomic write; raise ``exc`` as a ``BundleWriteError`` naming ``path``.
+
+    An ``OSError`` always becomes one; with ``wrap_errors`` any other ``Exception`` (a failed
+    callback) too. Anything else returns, for the caller to re-raise unchanged.
+    """
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:
+        pass
+    if isinstance(exc, OSError):
+        raise BundleWriteError(
+            f"Cannot write {path}: {exc.strerror or exc}. Check free space and permissions."
+        ) from exc
+    if wrap_errors and isinstance(exc, Exception) and not isinstance(exc, BundleWriteError):
+        raise BundleWriteError(f"Cannot write {path}: {type(exc).__name__}: {exc}") from exc
 
 
 def write_atomically(
@@ -130,16 +141,7 @@ def write_atomically(
         if durable:
             fsync_dir(path.parent)
     except BaseException as exc:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        if isinstance(exc, OSError):
-            raise BundleWriteError(
-                f"Cannot write {path}: {exc.strerror or exc}. Check free space and permissions."
-            ) from exc
-        if isinstance(exc, Exception) and not isinstance(exc, BundleWriteError):
-            raise BundleWriteError(f"Cannot write {path}: {type(exc).__name__}: {exc}") from exc
+        _discard(tmp, path, exc, wrap_errors=True)
         raise
     return total
 
