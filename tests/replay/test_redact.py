@@ -237,7 +237,8 @@ def test_only_redacted_bundles_carry_the_field(original):
     assert load_bundle(original).manifest.redacted is None
 
 
-def test_keep_model_keeps_config_and_weights(tmp_path):
+def _tiny_llama():
+    """A seeded one-layer Llama of vocabulary ``VOCAB``, built from a config."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         hidden_size=16,
@@ -248,7 +249,11 @@ def test_keep_model_keeps_config_and_weights(tmp_path):
         vocab_size=VOCAB,
     )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_keep_model_keeps_config_and_weights(tmp_path):
+    model = _tiny_llama()
     observer = InputObserver()
     with torch.no_grad(), observer(model, store_n_calls=2):
         model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, min_new_tokens=2, do_sample=False)
@@ -265,17 +270,7 @@ def test_keep_model_keeps_config_and_weights(tmp_path):
 
 @pytest.mark.parametrize("include_model", [False, True], ids=["observed-range", "vocabulary"])
 def test_no_generated_token_survives_redaction_at_batch_1(tmp_path, include_model):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=32,
-        vocab_size=VOCAB,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = _tiny_llama()
     observer = InputObserver()
     with torch.no_grad(), observer(model, store_n_calls=8):
         model.generate(torch.tensor([[3, 4, 5, 40]]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
