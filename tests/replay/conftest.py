@@ -1,6 +1,13 @@
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)  # for the plain helper module observing.py beside the tests
 
 pytest.importorskip("onnxruntime")
 
@@ -12,4 +19,10 @@ def tensor_file_paths(request: pytest.FixtureRequest, monkeypatch: pytest.Monkey
 
     if request.param == "mapped":
         monkeypatch.setattr(_tensorfile, "SMALL_FILE_BYTES", -1)
+    return str(request.param)
+
+
+@pytest.fixture(params=["memory", "reloaded"])
+def where(request: pytest.FixtureRequest) -> str:
+    """Run a test on the observer in memory and on its bundle reloaded (see ``observing.source``)."""
     return str(request.param)

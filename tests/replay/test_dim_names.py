@@ -13,32 +13,12 @@ from typing import Any
 import onnx
 import pytest
 import torch
+from observing import Calls, observe, source
 from torch.onnx import InputObserver as ReferenceObserver
 
 from iobundle import ExportError, InputObserver, InputSelectionError, load_bundle
 
 DYN = torch.export.Dim.DYNAMIC
-Calls = list[tuple[tuple[Any, ...], dict[str, Any]]]
-
-
-def observe(model: torch.nn.Module, calls: Calls, observer: Any = None) -> Any:
-    observer = observer if observer is not None else InputObserver()
-    with observer(model, store_n_calls=len(calls)):
-        for args, kwargs in calls:
-            model(*args, **kwargs)
-    return observer
-
-
-@pytest.fixture(params=["memory", "reloaded"])
-def where(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-def source(observer: InputObserver, where: str, tmp_path: Path) -> Any:
-    if where == "memory":
-        return observer
-    observer.save(tmp_path / "run.iobundle")
-    return load_bundle(tmp_path / "run.iobundle")
 
 
 def onnx_input_dims(path: str | Path) -> dict[str, list[Any]]:

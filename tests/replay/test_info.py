@@ -11,13 +11,11 @@ from typing import Any
 
 import pytest
 import torch
+from observing import Calls, observe, source
 from torch.onnx import InputObserver as ReferenceObserver
 
 import iobundle
-from iobundle import InputObserver, load_bundle
 from iobundle.replay import InputCandidate
-
-Calls = list[tuple[tuple[Any, ...], dict[str, Any]]]
 
 
 class Optional(torch.nn.Module):
@@ -28,26 +26,6 @@ class Optional(torch.nn.Module):
 class EitherWay(torch.nn.Module):
     def forward(self, x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> torch.Tensor:
         return x if y is None else x + y
-
-
-def observe(model: torch.nn.Module, calls: Calls, observer: Any = None) -> Any:
-    observer = observer if observer is not None else InputObserver()
-    with observer(model, store_n_calls=len(calls)):
-        for args, kwargs in calls:
-            model(*args, **kwargs)
-    return observer
-
-
-@pytest.fixture(params=["memory", "reloaded"])
-def where(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-def source(observer: InputObserver, where: str, tmp_path: Path) -> Any:
-    if where == "memory":
-        return observer
-    observer.save(tmp_path / "run.iobundle")
-    return load_bundle(tmp_path / "run.iobundle")
 
 
 def shapes(tensors: list[torch.Tensor | None] | None) -> list[Any] | None:
