@@ -51,7 +51,7 @@ from iobundle.errors import (
     UnsafeBundleError,
 )
 from iobundle.replay._tensorfile import BundleRoot, _check_member_name, _open_regular, check_file, listed_files
-from iobundle.schema import MANIFEST_FILENAME, MAX_MANIFEST_BYTES
+from iobundle.schema import MANIFEST_FILENAME, MAX_MANIFEST_BYTES, dump_manifest
 
 __all__ = ["MAX_ARCHIVE_MEMBERS", "ArchiveRoot", "PackResult", "open_archive", "pack_bundle", "unpack_bundle"]
 
@@ -429,6 +429,8 @@ def pack_bundle(
 
     ``load_bundle``, and every ``iobundle`` command, read the packed file in place. ``output`` may
     be a URL (with fsspec installed): the file is written locally beside nothing, then uploaded.
+    A bundle a killed stream left (``journal.jsonl``, no ``manifest.json``) packs too: the archive's
+    ``manifest.json`` is the manifest its journal describes (every complete call).
 
     ``on_progress`` is called with a :class:`~iobundle.replay.ProgressEvent` (task ``"pack"``,
     counted in bytes) before the first member and after each one, the member's name as detail.
@@ -454,11 +456,16 @@ def pack_bundle(
     manifest = Bundle.load(source).manifest  # a bundle, with a valid manifest whose file names stay inside it
     root = BundleRoot(source)
     names = [MANIFEST_FILENAME, *sorted(listed_files(manifest))]
-    expected = sum(os.lstat(source.joinpath(*PurePosixPath(n).parts)).st_size for n in names)
+    # A stream killed before its end left journal.jsonl and no manifest.json: the archive holds the manifest
+    # the journal describes (every complete call), so it opens as any saved bundle does.
+    inline = {} if (source / MANIFEST_FILENAME).is_file() else {MANIFEST_FILENAME: dump_manifest(manifest).encode()}
+    expected = sum(
+        len(inline[n]) if n in inline else os.lstat(source.joinpath(*PurePosixPath(n).parts)).st_size for n in names
+    )
     remote = is_url(output) and local_path(output) is None
     if remote:
         with staged(str(output), overwrite=overwrite, prefix="iobundle-pack-") as staging:
-            total = _write_tar(root, names, staging, expected=expected, on_progress=on_progress)
+            total = _write_tar(root, names, inline, staging, expected=expected, on_progress=on_progress)
     else:
         target = local_path(output)
         assert target is not None
@@ -467,7 +474,7 @@ def pack_bundle(
             target.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise BundleWriteError(f"Cannot create {target.parent}: {exc.strerror or exc}.") from exc
-        total = _write_tar(root, names, target, expected=expected, on_progress=on_progress)
+        total = _write_tar(root, names, inline, target, expected=expected, on_progress=on_progress)
     logger.info("packed %d files (%d bytes) into %s", len(names), total, output)
     return PackResult(
         path=output if remote else target, files=len(names), bytes=total, seconds=time.perf_counter() - begin
@@ -475,13 +482,28 @@ def pack_bundle(
 
 
 def _write_tar(
-    root: BundleRoot, names: list[str], target: Path, *, expected: int, on_progress: ProgressCallback | None
+    root: BundleRoot,
+    names: list[str],
+    inline: dict[str, bytes],
+    target: Path,
+    *,
+    expected: int,
+    on_progress: ProgressCallback | None,
 ) -> int:
-    """Write the members ``names`` of ``root`` as a tar file at ``target`` atomically; return their bytes."""
+    """Write the members ``names`` of ``root`` as a tar file at ``target`` atomically; return their bytes.
+
+    A name in ``inline`` is written with those bytes instead of the file of that name.
+    """
     total = 0
     notify(on_progress, PACK_TASK, 0, expected, unit=BYTES)
     with atomic_file(target) as out:
         for name in names:
+            if name in inline:
+                data = inline[name]
+                out.write(_tar_header(name, len(data)) + data + b"\x00" * (-len(data) % _BLOCK))
+                total += len(data)
+                notify(on_progress, PACK_TASK, total, max(expected, total), name, unit=BYTES)
+                continue
             member = root.member(name)
             fd, size = _open_regular(member, name)
             with os.fdopen(fd, "rb", buffering=0) as f:

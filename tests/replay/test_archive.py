@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import shutil
 import tarfile
 import tempfile
 from pathlib import Path
@@ -113,6 +114,20 @@ class TestPackUnpack:
             assert all(m.isreg() for m in tar.getmembers())
         assert names[0] == "manifest.json"
         assert sorted(names) == sorted(n for n, _ in members(bundle))
+
+    def test_journal_only_bundle_packs_with_the_manifest_its_journal_describes(self, tmp_path):
+        # a stream killed before its end leaves journal.jsonl and no manifest.json (the golden "journal" bundle)
+        killed = tmp_path / "killed.iobundle"
+        shutil.copytree(Path(__file__).parents[1] / "data" / "bundles" / "journal", killed)
+        assert not (killed / "manifest.json").exists()
+        packed = pack_bundle(killed, tmp_path / "killed.iobundle.tar").path
+        with tarfile.open(packed) as tar:
+            assert tar.getnames()[0] == "manifest.json"
+            assert "journal.jsonl" not in tar.getnames()
+        directory, archive = load_bundle(killed), load_bundle(packed)
+        assert archive.manifest == directory.manifest
+        for key in directory.manifest.tensors:
+            assert torch.equal(archive.tensor(key), directory.tensor(key))
 
     def test_pack_is_deterministic(self, tmp_path, bundle, packed):
         again = pack_bundle(bundle, tmp_path / "again.tar").path
