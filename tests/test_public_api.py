@@ -81,3 +81,12 @@ def test_cli_main_is_the_console_script() -> None:
 
     assert callable(main)
     assert iobundle.cli.__all__ == ["main"]
+
+
+def test_installed_version_is_the_package_version():
+    # pyproject.toml reads the version from iobundle/_version.py: the metadata and __version__ cannot drift
+    from importlib.metadata import version
+
+    import iobundle
+
+    assert version("iobundle") == iobundle.__version__
