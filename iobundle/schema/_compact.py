@@ -249,6 +249,7 @@ _FILE_FIELDS = frozenset({"size", "hash", "digest", "tensors"})
 _OPTION_FIELDS = frozenset({"device", "name"})
 _STATUSES = frozenset({"ok", "failed", "incomplete"})
 _DTYPES = frozenset(DTYPES)
+_INT_ONLY = frozenset({int})
 _HEX = {n: re.compile(f"[0-9a-f]{{{n}}}") for n in set(HASH_ALGORITHMS.values())}
 
 # -- writing ----------------------------------------------------------------------------------
@@ -561,6 +562,7 @@ class _Reader:
         good_pairs: set[tuple[tuple[int, ...], tuple[int, ...], int]] = set()
         te_fields, ext_fields = _FIELDS[TensorEntry], _FIELDS[Extension]
         max_chain = self.max_chain
+        int_only = _INT_ONLY
         dtypes = _DTYPES
         for name, rec in raw.items():
             where = f"files[{name!r}]"
@@ -596,11 +598,8 @@ class _Reader:
                 if type(shape) is not list:
                     self.fail(f"{where}.tensors[{key!r}]", f"shape must be a list of integers, found {_short(shape)}")
                 dims = tuple(shape)
-                try:
-                    known = dims in good_shapes
-                except TypeError:  # a dimension that is not a number: refused below
-                    known = False
-                if not known:
+                # known shapes are skipped, but only a shape of ints can be one: (2.0, True) == (2, 1)
+                if dims not in good_shapes if set(map(type, dims)) <= int_only else True:
                     self.shape(dims, f"{where}.tensors[{key!r}]")
                     good_shapes.add(dims)
                 ext = row[2] if len(row) > 2 else None
