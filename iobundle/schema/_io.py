@@ -1,4 +1,4 @@
-"""Read and write ``manifest.json``: limits first, then the format marker, then pydantic.
+"""Read and write ``manifest.json``: limits first, then the format marker, then the models.
 
 A manifest is untrusted input (bundles are attached to bug reports). Reading one checks, in order:
 
@@ -19,6 +19,13 @@ A manifest is untrusted input (bundles are attached to bug reports). Reading one
 - every ``extends`` (format 2) names a tensor listed *before* it (so references never form a cycle),
   of the same dtype and rank, whose shape equals the tensor's except along ``dim``, where it is at
   most as long; chains of extensions are at most :data:`MAX_EXTENSION_DEPTH` (100 000) long.
+
+Format version 3 (:mod:`iobundle.schema._compact`, what :func:`dump_manifest` writes) is checked
+with the same rules and limits: the nesting depth and the pydantic models apply to everything but
+its bulk (``calls`` and ``files``), whose entries have a fixed shape and are checked field by field
+(each call's keys against its structure's tensor slots, each tensor row's dtype, shape and
+extension); it is then built into the same :class:`~iobundle.schema.Manifest`. The cyclic garbage
+collector is paused while a manifest is parsed (:func:`paused_gc`).
 
 A limit exceeded raises :class:`~iobundle.errors.UnsafeBundleError`; anything else that is wrong
 raises :class:`~iobundle.errors.ManifestError`. Both name the file and the offending field.
