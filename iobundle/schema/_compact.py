@@ -88,6 +88,7 @@ from iobundle.schema._manifest import (
 
 __all__ = [
     "COMPACT_VERSION",
+    "dumps",
     "DEFAULT_HASH",
     "CallRecord",
     "CallStructure",
@@ -362,8 +363,8 @@ def _file_record(file: FileEntry, default_hash: str | None) -> dict[str, Any]:
     return record
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"))
+dumps = json.JSONEncoder(separators=(",", ":")).encode
+"""Compact JSON text of plain data (one encoder: ``json.dumps`` with options builds one per call)."""
 
 
 def _model_json(model: BaseModel) -> str:
@@ -384,21 +385,21 @@ def dump_compact(manifest: Manifest, *, one_line: bool = False) -> str:
     calls: list[str] = []
     for call in manifest.calls:
         structure, record = call_record(call)
-        text = _dumps(structure)
+        text = dumps(structure)
         record["structure"] = structures.setdefault(text, len(structures))
-        calls.append(_dumps(record))
+        calls.append(dumps(record))
     files = file_records(manifest.tensors, manifest.files, default_hash=default_hash)
     nl = "" if one_line else "\n"
     head = [
-        f'"format":{_dumps(manifest.format)}',
+        f'"format":{dumps(manifest.format)}',
         f'"format_version":{COMPACT_VERSION}',
         f'"producer":{_model_json(manifest.producer)}',
         f'"signature":{_model_json(manifest.signature)}',
         f'"value_if_missing":[{",".join(_model_json(v) for v in manifest.value_if_missing)}]',
-        f'"hash":{_dumps(default_hash)}',
+        f'"hash":{dumps(default_hash)}',
         f'"structures":[{nl}{("," + nl).join(structures)}]',
         f'"calls":[{nl}{("," + nl).join(calls)}]',
-        f'"files":{{{nl}{("," + nl).join(f"{_dumps(k)}:{_dumps(v)}" for k, v in files.items())}}}',
+        f'"files":{{{nl}{("," + nl).join(f"{dumps(k)}:{dumps(v)}" for k, v in files.items())}}}',
     ]
     if manifest.model is not None:
         head.append(f'"model":{_model_json(manifest.model)}')
@@ -563,6 +564,7 @@ class _Reader:
         te_fields, ext_fields = _FIELDS[TensorEntry], _FIELDS[Extension]
         max_chain = self.max_chain
         int_only = _INT_ONLY
+        make_obj, set_slot = _new, _setattr
         dtypes = _DTYPES
         for name, rec in raw.items():
             where = f"files[{name!r}]"
@@ -588,11 +590,19 @@ class _Reader:
             for key, row in rows.items():
                 if key in info:
                     self.fail(f"{where}.tensors[{key!r}]", "a tensor listed a second time")
-                if type(row) is not list or not 2 <= len(row) <= 4:
+                n = len(row) if type(row) is list else 0
+                options = None
+                if n == 2:
+                    dtype, shape = row
+                    ext = None
+                elif n == 3:
+                    dtype, shape, ext = row
+                elif n == 4:
+                    dtype, shape, ext, options = row
+                else:
                     self.fail(
                         f"{where}.tensors[{key!r}]", f"expected [dtype, shape, extends?, options?], found {_short(row)}"
                     )
-                dtype, shape = row[0], row[1]
                 if type(dtype) is not str or dtype not in dtypes:
                     self.fail(f"{where}.tensors[{key!r}]", f"dtype {_short(dtype)} is not one of {', '.join(DTYPES)}")
                 if type(shape) is not list:
@@ -602,7 +612,6 @@ class _Reader:
                 if dims not in good_shapes if set(map(type, dims)) <= int_only else True:
                     self.shape(dims, f"{where}.tensors[{key!r}]")
                     good_shapes.add(dims)
-                ext = row[2] if len(row) > 2 else None
                 extends = None
                 depth = 0
                 if ext is not None:
@@ -610,26 +619,33 @@ class _Reader:
                     base = info.get(base_key)
                     if base is None:
                         problem = "is not listed before it" if base_key != key else "is itself"
-                        self.fail(f"{where}.tensors[{key!r}].extends", f"tensor {base_key!r} {problem}; an extended "
-                                  "tensor must come earlier (in an earlier file or earlier in this one)", unsafe=True)  # fmt: skip
-                    if (base[1], dims, dim) not in good_pairs or base[0] != dtype:
+                        self.fail(
+                            f"{where}.tensors[{key!r}].extends",
+                            f"tensor {base_key!r} {problem}; an extended "
+                            "tensor must come earlier (in an earlier file or earlier in this one)",
+                            unsafe=True,
+                        )
+                    if base[0] != dtype or (base[1], dims, dim) not in good_pairs:
                         self.compatible(base_key, base, key, dtype, dims, dim, where)
                         good_pairs.add((base[1], dims, dim))
                     depth = base[2] + 1
                     if depth > max_chain:
-                        self.fail(f"{where}.tensors[{key!r}].extends", f"a chain of more than {max_chain} "
-                                  "extensions (MAX_EXTENSION_DEPTH)", unsafe=True)  # fmt: skip
-                    extends = _new(Extension)
-                    _setattr(extends, "__dict__", {"key": base_key, "dim": dim})
-                    _setattr(extends, "__pydantic_fields_set__", ext_fields)
-                    _setattr(extends, "__pydantic_extra__", None)
-                    _setattr(extends, "__pydantic_private__", None)
+                        self.fail(
+                            f"{where}.tensors[{key!r}].extends",
+                            f"a chain of more than {max_chain} extensions (MAX_EXTENSION_DEPTH)",
+                            unsafe=True,
+                        )
+                    extends = make_obj(Extension)
+                    set_slot(extends, "__dict__", {"key": base_key, "dim": dim})
+                    set_slot(extends, "__pydantic_fields_set__", ext_fields)
+                    set_slot(extends, "__pydantic_extra__", None)
+                    set_slot(extends, "__pydantic_private__", None)
                 device, in_file = "cpu", key
-                if len(row) > 3:
-                    device, in_file = self.options(row[3], key, f"{where}.tensors[{key!r}]")
+                if options is not None:
+                    device, in_file = self.options(options, key, f"{where}.tensors[{key!r}]")
                 info[key] = (dtype, dims, depth)
-                entry = _new(TensorEntry)
-                _setattr(
+                entry = make_obj(TensorEntry)
+                set_slot(
                     entry,
                     "__dict__",
                     {
@@ -641,9 +657,9 @@ class _Reader:
                         "extends": extends,
                     },
                 )
-                _setattr(entry, "__pydantic_fields_set__", te_fields)
-                _setattr(entry, "__pydantic_extra__", None)
-                _setattr(entry, "__pydantic_private__", None)
+                set_slot(entry, "__pydantic_fields_set__", te_fields)
+                set_slot(entry, "__pydantic_extra__", None)
+                set_slot(entry, "__pydantic_private__", None)
                 tensors[key] = entry
         return files, tensors
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from iobundle.errors import ManifestError, UnsafeBundleError
-from iobundle.schema._compact import COMPACT_VERSION, call_record, dump_compact, file_records
+from iobundle.schema._compact import COMPACT_VERSION, call_record, dump_compact, dumps, file_records
 from iobundle.schema._io import JOURNAL_FILENAME, MAX_CALLS, paused_gc, read_member, validate_manifest
 from iobundle.schema._manifest import CallEntry, FileEntry, Manifest, TensorEntry
 
@@ -59,8 +59,7 @@ def journal_call_line(call: CallEntry, tensors: dict[str, TensorEntry], files: d
     structure, record = call_record(call)
     record["structure"] = structure
     records = file_records(tensors, files, default_hash=None, check_order=False)
-    line = json.dumps({"call": record, "files": records}, separators=(",", ":"))
-    return line.encode("utf-8") + b"\n"
+    return dumps({"call": record, "files": records}).encode("utf-8") + b"\n"
 
 
 def _lines(data: bytes) -> Iterable[bytes]:
