@@ -385,3 +385,19 @@ def test_random_single_byte_edits_fail_cleanly():
             except IobundleError:
                 outcomes["refused"] += 1
     assert outcomes["refused"] > outcomes["ok"] > 0
+
+
+@pytest.mark.parametrize("text", [b"", b"{", (GOLDEN / "compact_nested" / "manifest.json").read_bytes()])
+def test_parsing_leaves_the_garbage_collector_as_it_was(text):
+    import gc
+
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        try:
+            try:
+                parse_manifest(text)
+            except ManifestError:
+                pass
+            assert gc.isenabled() == enabled
+        finally:
+            gc.enable()
