@@ -88,7 +88,6 @@ from iobundle.schema._manifest import (
 
 __all__ = [
     "COMPACT_VERSION",
-    "dumps",
     "DEFAULT_HASH",
     "CallRecord",
     "CallStructure",
@@ -96,6 +95,7 @@ __all__ = [
     "FileRecord",
     "call_record",
     "dump_compact",
+    "dumps",
     "expand_compact",
     "file_records",
 ]
@@ -416,11 +416,14 @@ Builder = Callable[[list[TensorNode]], Any]
 class _Reader:
     """Checks and expands one compact manifest; errors name ``source`` and the field."""
 
-    def __init__(self, source: str, max_calls: int, max_tensors: int, max_rank: int, max_elements: int,
-                 max_chain: int) -> None:  # fmt: skip
+    def __init__(self, source: str, max_tensors: int, max_rank: int, max_elements: int, max_chain: int) -> None:
         self.source = source
-        self.max_calls, self.max_tensors = max_calls, max_tensors
-        self.max_rank, self.max_elements, self.max_chain = max_rank, max_elements, max_chain
+        self.max_tensors, self.max_rank, self.max_elements, self.max_chain = (
+            max_tensors,
+            max_rank,
+            max_elements,
+            max_chain,
+        )
 
     def too_many(self, field: str, count: int, limit: int) -> None:
         raise UnsafeBundleError(
@@ -488,8 +491,6 @@ class _Reader:
     def calls(self, raw: Any, structures: list[tuple[int, Callable[[list[str]], tuple[Any, ...]]]]) -> list[Any]:
         if not isinstance(raw, list):
             self.fail("calls", f"expected a list, found {type(raw).__name__}")
-        if len(raw) > self.max_calls:
-            self.too_many("calls", len(raw), self.max_calls)
         out = []
         n_structures = len(structures)
         call_fields = _CALL_FIELDS
@@ -736,12 +737,11 @@ def expand_compact(
         raise ManifestError(f"{source}: does not match the iobundle format:\n" + describe(exc)) from exc
     except RecursionError as exc:
         raise UnsafeBundleError(f"{source}: structure too deep to validate.") from exc
-    for field, value in (("calls", calls_raw), ("files", files_raw)):
-        if value is None:
+    for field in ("calls", "files"):
+        if field not in raw:
             raise ManifestError(f"{source}: does not match the iobundle format:\n  {field}: Field required")
     reader = _Reader(
         source,
-        limits["calls"],
         limits["tensors"],
         limits["rank"],
         limits["elements"],

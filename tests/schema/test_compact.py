@@ -233,6 +233,7 @@ HOSTILE: dict[str, tuple[Any, type[Exception], str]] = {
     "unknown top-level field": (lambda m: m.update(evil=1), ManifestError, r"evil: Extra inputs"),
     "no calls": (lambda m: m.pop("calls"), ManifestError, r"calls: Field required"),
     "calls not a list": (lambda m: m.update(calls={}), ManifestError, r"calls: expected a list"),
+    "calls null": (lambda m: m.update(calls=None), ManifestError, r"calls: expected a list, found NoneType"),
     "files not an object": (lambda m: m.update(files=[]), ManifestError, r"files: expected an object"),
     "unknown hash": (lambda m: m.update(hash="md5"), ManifestError, r"hash: Input should be"),
     "too deep": (_nest, UnsafeBundleError, r"JSON nesting deeper than 100 levels"),
