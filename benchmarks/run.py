@@ -1402,7 +1402,8 @@ def figure_7(cfg: Config, workdir: Path) -> Figure:
                 f"{tokens} new tokens: whole bundle (tensor files + manifest.json)",
                 [m["total"] / 1024],
                 note=(
-                    f"tensor files {m['tensor_files'] / 1024:,.1f} KiB, manifest {m['manifest'] / 1024:,.1f} KiB, "
+                    f"tensor files {m['tensor_files'] / 1024:,.1f} KiB, manifest {m['manifest'] / 1024:,.1f} KiB "
+                    f"({m['manifest'] / tokens:,.0f} B per call), "
                     f"{m['files']} files; distinct data {m['distinct'] / 1024:,.1f} KiB (final cache "
                     f"{m['final_cache'] / 1024:,.1f} KiB); every tensor whole would be {m['whole'] / 1024:,.1f} KiB"
                 ),

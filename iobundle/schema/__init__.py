@@ -13,6 +13,7 @@ __all__ = [
     "MAX_MANIFEST_BYTES",
     "SUPPORTED_FORMAT_VERSIONS",
     "CallEntry",
+    "CompactManifest",
     "ConstNode",
     "Extension",
     "DictNode",
@@ -49,7 +50,11 @@ __all__ = [
 ]
 
 import json
+from typing import Union
 
+from pydantic import TypeAdapter
+
+from iobundle.schema._compact import CompactManifest
 from iobundle.schema._io import (
     JOURNAL_FILENAME,
     MANIFEST_FILENAME,
@@ -98,7 +103,18 @@ from iobundle.schema._programs import (
 
 
 def manifest_json_schema() -> str:
-    """Return the JSON Schema of ``manifest.json``, as shipped in ``iobundle/schema/manifest.schema.json``."""
-    schema = Manifest.model_json_schema()
-    schema["title"] = "iobundle manifest, format_version " + " and ".join(map(str, SUPPORTED_FORMAT_VERSIONS))
+    """Return the JSON Schema of ``manifest.json``, as shipped in ``iobundle/schema/manifest.schema.json``.
+
+    One of two layouts: :class:`Manifest` for format versions 1 and 2, :class:`CompactManifest` for 3.
+    """
+    schema = TypeAdapter(Union[Manifest, CompactManifest]).json_schema()
+    defs = schema["$defs"]
+    # in memory a Manifest holds any version; as a file, its layout is that of versions 1 and 2 only
+    defs["Manifest"]["properties"]["format_version"]["enum"] = [1, 2]
+    defs["Manifest"]["properties"]["format_version"]["default"] = 2
+    schema["title"] = "iobundle manifest, format_version " + ", ".join(map(str, SUPPORTED_FORMAT_VERSIONS))
+    schema["description"] = (
+        "Format versions 1 and 2: the Manifest layout (whole call trees, one entry per tensor and per file). "
+        "Format version 3: the CompactManifest layout (call structures stored once, a tensor table per file)."
+    )
     return json.dumps(schema, indent=1, sort_keys=True) + "\n"

@@ -1,4 +1,4 @@
-"""Read and write ``manifest.json``: limits first, then the format marker, then pydantic.
+"""Read and write ``manifest.json``: limits first, then the format marker, then the models.
 
 A manifest is untrusted input (bundles are attached to bug reports). Reading one checks, in order:
 
@@ -20,6 +20,13 @@ A manifest is untrusted input (bundles are attached to bug reports). Reading one
   of the same dtype and rank, whose shape equals the tensor's except along ``dim``, where it is at
   most as long; chains of extensions are at most :data:`MAX_EXTENSION_DEPTH` (100 000) long.
 
+Format version 3 (:mod:`iobundle.schema._compact`, what :func:`dump_manifest` writes) is checked
+with the same rules and limits: the nesting depth and the pydantic models apply to everything but
+its bulk (``calls`` and ``files``), whose entries have a fixed shape and are checked field by field
+(each call's keys against its structure's tensor slots, each tensor row's dtype, shape and
+extension); it is then built into the same :class:`~iobundle.schema.Manifest`. The cyclic garbage
+collector is paused while a manifest is parsed (:func:`paused_gc`).
+
 A limit exceeded raises :class:`~iobundle.errors.UnsafeBundleError`; anything else that is wrong
 raises :class:`~iobundle.errors.ManifestError`. Both name the file and the offending field.
 Limits on tensor files (header size, byte spans) are checked by ``iobundle.replay`` when the file is read.
@@ -27,9 +34,12 @@ Limits on tensor files (header size, byte spans) are checked by ``iobundle.repla
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import stat
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +52,7 @@ from iobundle.errors import (
     UnsafeBundleError,
     UnsupportedFormatVersionError,
 )
+from iobundle.schema._compact import COMPACT_VERSION, dump_compact, expand_compact
 from iobundle.schema._manifest import (
     FORMAT,
     SUPPORTED_FORMAT_VERSIONS,
@@ -113,13 +124,33 @@ def parse_manifest(data: bytes | str, *, source: str = MANIFEST_FILENAME) -> Man
             f"{source}: {len(data)} bytes, over the limit of {MAX_MANIFEST_BYTES} bytes (MAX_MANIFEST_BYTES). "
             "The file is corrupt or hostile."
         )
+    with paused_gc():
+        try:
+            raw = json.loads(data)
+        except RecursionError as exc:
+            raise UnsafeBundleError(
+                f"{source}: JSON nesting too deep to parse; the file is corrupt or hostile."
+            ) from exc
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ManifestError(f"{source}: not valid JSON ({exc}). Is this a bundle written by iobundle?") from exc
+        return validate_manifest(raw, source=source)
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector while a manifest is parsed and built.
+
+    Parsing allocates tens of thousands of objects, none of them in a cycle; each allocation
+    threshold passed would otherwise walk every object alive (more than half of the parse time of a
+    1000-call manifest). The collector is resumed, if it was on, however the block ends.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
     try:
-        raw = json.loads(data)
-    except RecursionError as exc:
-        raise UnsafeBundleError(f"{source}: JSON nesting too deep to parse; the file is corrupt or hostile.") from exc
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ManifestError(f"{source}: not valid JSON ({exc}). Is this a bundle written by iobundle?") from exc
-    return validate_manifest(raw, source=source)
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def validate_manifest(raw: Any, *, source: str = MANIFEST_FILENAME) -> Manifest:
@@ -158,6 +189,21 @@ def validate_manifest(raw: Any, *, source: str = MANIFEST_FILENAME) -> Manifest:
             found=found_version,
             supported=SUPPORTED_FORMAT_VERSIONS,
         )
+    if found_version == COMPACT_VERSION:  # checks its bulk itself, without walking it twice
+        return expand_compact(
+            raw,
+            source=source,
+            limits={  # read now: tests lower them
+                "calls": MAX_CALLS,
+                "tensors": MAX_TENSORS,
+                "rank": MAX_TENSOR_RANK,
+                "elements": MAX_TENSOR_ELEMENTS,
+                "chain": MAX_EXTENSION_DEPTH,
+            },
+            check_depth=_check_depth,
+            check_trees=_check_tree_list,
+            describe=_describe,
+        )
     _check_depth(raw, source)
     for field, limit in (("calls", MAX_CALLS), ("tensors", MAX_TENSORS)):
         value = raw.get(field)
@@ -169,9 +215,7 @@ def validate_manifest(raw: Any, *, source: str = MANIFEST_FILENAME) -> Manifest:
     try:
         manifest = Manifest.model_validate(raw)
     except pydantic.ValidationError as exc:
-        lines = [f"  {_loc(e['loc'])}: {e['msg']}" for e in exc.errors()[:10]]
-        more = "" if exc.error_count() <= 10 else f"\n  ... and {exc.error_count() - 10} more"
-        raise ManifestError(f"{source}: does not match the iobundle format:\n" + "\n".join(lines) + more) from exc
+        raise ManifestError(f"{source}: does not match the iobundle format:\n" + _describe(exc)) from exc
     except RecursionError as exc:
         raise UnsafeBundleError(f"{source}: structure too deep to validate.") from exc
     _check_tensor_shapes(manifest, source)
@@ -179,6 +223,12 @@ def validate_manifest(raw: Any, *, source: str = MANIFEST_FILENAME) -> Manifest:
     _check_extensions(manifest, source)
     _check_trees(manifest, source)
     return manifest
+
+
+def _describe(exc: pydantic.ValidationError) -> str:
+    lines = [f"  {_loc(e['loc'])}: {e['msg']}" for e in exc.errors()[:10]]
+    more = "" if exc.error_count() <= 10 else f"\n  ... and {exc.error_count() - 10} more"
+    return "\n".join(lines) + more
 
 
 def _loc(loc: tuple[int | str, ...]) -> str:
@@ -266,7 +316,12 @@ def _check_trees(manifest: Manifest, source: str) -> None:
         trees += [(f"calls[{i}].kwargs[{k!r}]", v) for k, v in call.kwargs.items()]
         if call.outputs is not None:
             trees.append((f"calls[{i}].outputs", call.outputs))
-    stack = trees[::-1]
+    _check_tree_list(trees, source)
+
+
+def _check_tree_list(trees: Iterable[tuple[str, Node]], source: str) -> None:
+    """Every dict node has as many keys as items, and no key twice."""
+    stack = list(trees)[::-1]
     while stack:
         where, node = stack.pop()
         if isinstance(node, DictNode):
@@ -342,8 +397,15 @@ def read_member(root: Path, path: Path) -> bytes:
 
 
 def dump_manifest(manifest: Manifest) -> str:
-    """Return the manifest as indented JSON text (what ``manifest.json`` holds)."""
-    return manifest.model_dump_json(indent=1, exclude_defaults=False) + "\n"
+    """Return the manifest as the JSON text of ``manifest.json``, in the newest format version (3).
+
+    Whatever version ``manifest`` was read from, the text is format version 3 (see
+    :mod:`iobundle.schema._compact`): one line per top-level field, per call structure, per call and per file.
+
+    Raises:
+        ManifestError: The manifest cannot be written (a tensor names a file it does not list).
+    """
+    return dump_compact(manifest)
 
 
 def write_manifest(bundle_dir: str | os.PathLike[str], manifest: Manifest, *, durable: bool = True) -> Path:

@@ -1,17 +1,21 @@
-"""``journal.jsonl``: the per-call journal of a bundle being streamed (format version 2).
+"""``journal.jsonl``: the per-call journal of a bundle being streamed (format versions 2 and 3).
 
 While a stream is open, each call costs one appended line, not a rewrite of the whole manifest
 (whose size grows with the number of calls). ``manifest.json`` is written once, when the stream
 closes; the journal is then removed. A bundle whose writer was killed has a journal and no
 manifest: :func:`load_journal` rebuilds the manifest from it, with every call whose line is complete.
 
-The journal is JSON Lines, each line ending with ``\\n``:
+The journal is JSON Lines, each line ending with ``\\n``. Line 1, the head, is a manifest (what was
+written before the stream opened) plus ``"journal": 1``; its ``format_version`` says how the other
+lines read. Each following line is one call, appended once its tensor file is complete (renamed into place):
 
-- line 1, the head: a manifest as JSON (``format``, ``format_version``, ``producer``, ``signature``,
-  ``value_if_missing``, the ``calls`` written before the stream opened and their ``tensors`` and
-  ``files``) plus ``"journal": 1``;
-- then one line per call: ``{"call": <call entry>, "tensors": {...}, "files": {...}}``, the tensors
-  and files that call added, appended once its tensor file is complete (renamed into place).
+- format version 3 (written now): the manifest of :mod:`iobundle.schema._compact` on one line, then
+  ``{"call": <call record>, "files": {<name>: <file record>}}`` per call: the call's compact record,
+  whose ``structure`` is the structure itself (an object) rather than its position, and the files
+  the call added with the tensors they hold, each naming its ``hash``. Reading numbers the distinct
+  structures in the order met;
+- format version 2: the head is a version-2 manifest, then ``{"call": <call entry>, "tensors":
+  {...}, "files": {...}}`` per call, the tensors and files that call added.
 
 A last line without its ``\\n`` was cut short by the writer's death: it is ignored. Everything else
 is validated as ``manifest.json`` is (:func:`iobundle.schema.validate_manifest`), limits included;
@@ -27,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from iobundle.errors import ManifestError, UnsafeBundleError
-from iobundle.schema._io import JOURNAL_FILENAME, MAX_CALLS, read_member, validate_manifest
+from iobundle.schema._compact import COMPACT_VERSION, call_record, dump_compact, dumps, file_records
+from iobundle.schema._io import JOURNAL_FILENAME, MAX_CALLS, paused_gc, read_member, validate_manifest
 from iobundle.schema._manifest import CallEntry, FileEntry, Manifest, TensorEntry
 
 __all__ = ["JOURNAL_VERSION", "journal_call_line", "journal_head_line", "load_journal", "parse_journal"]
@@ -36,16 +41,25 @@ JOURNAL_VERSION = 1
 
 
 def journal_head_line(manifest: Manifest) -> bytes:
-    """The first line of a journal: ``manifest`` (what is written so far) marked as a journal head."""
-    text = manifest.model_dump_json()
+    """The first line of a journal: ``manifest`` (what is written so far) marked as a journal head.
+
+    Raises:
+        ManifestError: The manifest cannot be written (see :func:`iobundle.schema.dump_manifest`).
+    """
+    text = dump_compact(manifest, one_line=True)
     return b'{"journal":1,' + text[1:].encode("utf-8") + b"\n"
 
 
 def journal_call_line(call: CallEntry, tensors: dict[str, TensorEntry], files: dict[str, FileEntry]) -> bytes:
-    """The line of one call: its entry and the tensors and files it added."""
-    parts = ",".join(f"{json.dumps(k)}:{v.model_dump_json()}" for k, v in tensors.items())
-    fparts = ",".join(f"{json.dumps(k)}:{v.model_dump_json()}" for k, v in files.items())
-    return f'{{"call":{call.model_dump_json()},"tensors":{{{parts}}},"files":{{{fparts}}}}}\n'.encode()
+    """The line of one call: its record (with its structure) and the files it added, with their ``tensors``.
+
+    Raises:
+        ManifestError: A tensor names a file missing from ``files``.
+    """
+    structure, record = call_record(call)
+    record["structure"] = structure
+    records = file_records(tensors, files, default_hash=None, check_order=False)
+    return dumps({"call": record, "files": records}).encode("utf-8") + b"\n"
 
 
 def _lines(data: bytes) -> Iterable[bytes]:
@@ -65,6 +79,11 @@ def parse_journal(data: bytes, *, source: str = JOURNAL_FILENAME) -> Manifest:
         ManifestError: The head or a complete line is not what the writer writes.
         UnsupportedFormatVersionError, UnsafeBundleError: as for ``manifest.json``.
     """
+    with paused_gc():
+        return _parse_journal(data, source)
+
+
+def _parse_journal(data: bytes, source: str) -> Manifest:
     lines = _lines(data)
     head_line = next(iter(lines), None)
     if head_line is None:
@@ -72,6 +91,11 @@ def parse_journal(data: bytes, *, source: str = JOURNAL_FILENAME) -> Manifest:
     head = _json(head_line, source, 1)
     if not isinstance(head, dict) or head.pop("journal", None) != JOURNAL_VERSION:
         raise ManifestError(f'{source}: line 1 is not a journal head (no "journal": {JOURNAL_VERSION}).')
+    version = head.get("format_version")
+    if type(version) is int and version == COMPACT_VERSION:
+        return _parse_compact(head, lines, source)
+    if type(version) is not int or version not in (1, 2):
+        return validate_manifest(head, source=source)  # refuses the format or version, naming what it found
     calls, tensors, files = head.get("calls"), head.get("tensors"), head.get("files")
     if not isinstance(calls, list) or not isinstance(tensors, dict) or not isinstance(files, dict):
         raise ManifestError(f"{source}: line 1 lacks the calls, tensors and files of a manifest.")
@@ -103,6 +127,53 @@ def parse_journal(data: bytes, *, source: str = JOURNAL_FILENAME) -> Manifest:
             }
             producer["devices"] = sorted({*listed, *found})
     return validate_manifest(head, source=source)
+
+
+def _parse_compact(head: dict[str, Any], lines: Iterable[bytes], source: str) -> Manifest:
+    """A format-version-3 journal: the head's manifest plus one call record per line."""
+    structures, calls, files = head.get("structures"), head.get("calls"), head.get("files")
+    if not isinstance(structures, list) or not isinstance(calls, list) or not isinstance(files, dict):
+        raise ManifestError(f"{source}: line 1 lacks the structures, calls and files of a manifest.")
+    try:
+        known = {json.dumps(s, sort_keys=True): i for i, s in enumerate(structures)}
+        last: Any = None
+        last_index = -1
+        for number, line in enumerate(lines, start=2):
+            record = _json(line, source, number)
+            if (
+                not isinstance(record, dict)
+                or record.keys() != {"call", "files"}
+                or not isinstance(record["call"], dict)
+                or not isinstance(record["files"], dict)
+            ):
+                raise ManifestError(f"{source}: line {number} is not a call record (call, files).")
+            call, structure = record["call"], record["call"].get("structure")
+            if not isinstance(structure, dict):
+                raise ManifestError(f"{source}: line {number}: call.structure is not a structure (an object).")
+            if structure != last:
+                text = json.dumps(structure, sort_keys=True)
+                found = known.get(text)
+                if found is None:
+                    found = known[text] = len(structures)
+                    structures.append(structure)
+                last, last_index = structure, found
+            call["structure"] = last_index
+            if len(calls) >= MAX_CALLS:
+                raise UnsafeBundleError(f"{source}: more than {MAX_CALLS} calls. The file is corrupt or hostile.")
+            for name, entry in record["files"].items():
+                if name in files:
+                    raise ManifestError(f"{source}: line {number} adds files[{name!r}] a second time.")
+                files[name] = entry
+            calls.append(call)
+    except RecursionError as exc:
+        raise UnsafeBundleError(f"{source}: a line nests too deep; the file is corrupt or hostile.") from exc
+    manifest = validate_manifest(head, source=source)
+    # the devices the calls' tensors lived on: the head knows only those written before the stream
+    devices = {*manifest.producer.devices, *(e.device for e in manifest.tensors.values())}
+    if devices != set(manifest.producer.devices):
+        producer = manifest.producer.model_copy(update={"devices": sorted(devices)})
+        manifest = manifest.model_copy(update={"producer": producer})
+    return manifest
 
 
 def _json(line: bytes, source: str, number: int) -> Any:

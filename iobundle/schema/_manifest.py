@@ -19,6 +19,11 @@ Format version 2 (written since iobundle 0.2) adds, and version 1 never holds:
 - ``FileEntry.hash`` + ``FileEntry.digest``: the integrity hash names its algorithm per file
   (``"xxh3-128"`` as written, ``"sha256"`` read too) instead of ``sha256``;
 - a streamed bundle carries ``journal.jsonl`` until its writer finishes (see :mod:`iobundle.schema._journal`).
+
+Format version 3 (what iobundle writes now) stores the same content compactly: call structures
+written once, a tensor table per file, the hash algorithm named once (see
+:mod:`iobundle.schema._compact`). These models are the in-memory manifest of every version, and the
+file layout of versions 1 and 2.
 """
 
 from __future__ import annotations
@@ -67,8 +72,8 @@ __all__ = [
 ]
 
 FORMAT = "iobundle"
-FORMAT_VERSION = 2
-SUPPORTED_FORMAT_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
 
 HASH_ALGORITHMS = {"sha256": 64, "xxh3-128": 32}
 """Integrity hashes a format-2 file entry may name, with the length of their hex digest."""
@@ -314,10 +319,14 @@ class Redaction(_Model):
 
 
 class Manifest(_Model):
-    """The whole of ``manifest.json``."""
+    """The whole of ``manifest.json``, in memory: the same for every format version.
+
+    Versions 1 and 2 are this model's JSON; version 3 is :class:`iobundle.schema.CompactManifest`,
+    read into and written from this model.
+    """
 
     format: Literal["iobundle"] = FORMAT
-    format_version: Literal[1, 2] = FORMAT_VERSION
+    format_version: Literal[1, 2, 3] = FORMAT_VERSION
     producer: Producer
     signature: SignatureEntry
     value_if_missing: list[MissingValueEntry] = Field(default_factory=list)

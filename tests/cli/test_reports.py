@@ -92,7 +92,7 @@ def test_markdown_report_is_ready_for_an_issue(cwd, capsys):
     assert text.startswith("## iobundle validate: shifted.onnx\n")
     assert "❌ **FAIL: 0/3 calls within atol=0.0001 rtol=0**" in text
     assert "iobundle validate run.iobundle shifted.onnx --rtol 0 --report r.md" in text  # the command, as run
-    assert "**Bundle.** `run.iobundle` (iobundle v2) holds 3 recorded calls of `" in text
+    assert "**Bundle.** `run.iobundle` (iobundle v3) holds 3 recorded calls of `" in text
     assert re.search(r"\*\*Environment\.\*\* python [\d.]+, .*torch [\d.]+.*onnxruntime [\d.]+", text)
     calls = text.split("### Calls", 1)[1].split("###", 1)[0]
     assert calls.count("| FAIL |") == 3 and "| logits |" in calls

@@ -128,17 +128,45 @@ def make_journal(path: Path) -> None:
     shutil.rmtree(tmp)
 
 
+def make_compact_nested(path: Path) -> None:
+    """Format version 3: the nested model (two call structures, constants, dicts) plus value_if_missing."""
+    torch.manual_seed(1)
+    model, observer = Nested(), InputObserver(value_if_missing={"mask": torch.zeros(2, 4, dtype=torch.bool)})
+    with observer(model):
+        for batch in (2, 3, 4):
+            inputs = {"bias": torch.randn(4), "extra": [torch.randn(batch, 3), torch.randn(5)]}
+            if batch == 2:
+                model(torch.randn(batch, 4), inputs, n_heads=2)
+            else:
+                model(torch.randn(batch, 4), inputs, mask=torch.ones(batch, 4, dtype=torch.bool), n_heads=2)
+    observer.save(path, overwrite=True)
+
+
+def make_compact_growing(path: Path) -> None:
+    """Format version 3: the growing model (one structure, caches stored as extensions)."""
+    make_growing(path)
+
+
+def make_compact_journal(path: Path) -> None:
+    """Format version 3: the growing model streamed, as a killed writer leaves it (journal.jsonl, no manifest)."""
+    make_journal(path)
+
+
 BUNDLES: dict[str, Callable[[Path], None]] = {
     # format version 1: written before version 2 existed; this script cannot write them again
     "plain": make_plain,
     "nested": make_nested,
     "streamed": make_streamed,
     "llama_cache": make_llama_cache,
-    # format version 2
+    # format version 2: likewise, since version 3
     "growing": make_growing,
     "journal": make_journal,
+    # format version 3
+    "compact_nested": make_compact_nested,
+    "compact_growing": make_compact_growing,
+    "compact_journal": make_compact_journal,
 }
-VERSION_1 = ("plain", "nested", "streamed", "llama_cache")
+OLDER = {name: 1 for name in ("plain", "nested", "streamed", "llama_cache")} | {"growing": 2, "journal": 2}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -148,9 +176,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     names = args.names or [n for n in BUNDLES if not (args.out / n).exists()]
     for name in names:
-        if name in VERSION_1:
+        if name in OLDER:
             raise SystemExit(
-                f"{name} is a format-version-1 bundle: this iobundle writes version 2. Keep the committed one."
+                f"{name} is a format-version-{OLDER[name]} bundle: this iobundle writes version 3. "
+                "Keep the committed one."
             )
         target = args.out / name
         if target.exists():

@@ -109,8 +109,9 @@ def _make_growing(path: Path) -> None:
         for n in (2, 3, 4, 5):
             model(torch.randn(1, 3), past=[full_k[:, :, :n].clone(), full_v[:, :, :n].clone()], mask=torch.ones(1, n))
     observer.save(path)
-    manifest = json.loads((path / "manifest.json").read_text("utf-8"))
-    assert sum("extends" in t for t in manifest["tensors"].values()) >= 6  # the seed holds extensions
+    manifest = json.loads((path / "manifest.json").read_text("utf-8"))  # format version 3: tensors listed per file
+    rows = [row for f in manifest["files"].values() for row in f.get("tensors", {}).values()]
+    assert sum(len(row) > 2 and row[2] is not None for row in rows) >= 6  # the seed holds extensions
 
 
 def _make_journal(path: Path) -> None:
@@ -340,7 +341,11 @@ def mutate_json(data: st.DataObject, doc: Any) -> Any:
     """Apply one random mutation to ``doc`` (modified in place where possible); return the new document."""
     paths = json_paths(doc)
     # Mostly the parts inference reads (the format marker and the producer have their own tests).
-    focus = [p for p in paths if len(p) > 1 and p[0] in ("calls", "tensors", "signature", "value_if_missing", "files")]
+    focus = [
+        p
+        for p in paths
+        if len(p) > 1 and p[0] in ("calls", "tensors", "signature", "value_if_missing", "files", "structures")
+    ]
     if focus and data.draw(st.integers(0, 9), label="focus") > 0:
         path = data.draw(st.sampled_from(focus), label="path")
     else:

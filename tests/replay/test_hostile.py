@@ -64,7 +64,15 @@ def bundle(tmp_path: Path) -> Path:
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
-    return json.loads((path / "manifest.json").read_text("utf-8"))
+    """The manifest as format-version-2 JSON, the layout these edits address (one entry per tensor, whole trees).
+
+    The writer writes version 3 (tested in tests/schema/test_compact.py); a reader reads both.
+    """
+    manifest = json.loads((path / "manifest.json").read_text("utf-8"))
+    if manifest.get("format_version") == 3:
+        parsed = schema_io.load_manifest(path).model_copy(update={"format_version": 2})
+        manifest = json.loads(parsed.model_dump_json())
+    return manifest
 
 
 def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
@@ -231,22 +239,22 @@ class TestFormatMarker:
             load_bundle(bundle)
 
     def test_newer_version(self, bundle):
-        edit_manifest(bundle, lambda m: m.update(format_version=3))
+        edit_manifest(bundle, lambda m: m.update(format_version=4))
         with pytest.raises(UnsupportedFormatVersionError) as info:
             load_bundle(bundle)
         message = str(info.value)
         assert "manifest.json" in message
-        assert "format_version 3 is not supported" in message
-        assert "reads format_version 1, 2" in message
+        assert "format_version 4 is not supported" in message
+        assert "reads format_version 1, 2, 3" in message
         assert "Upgrade iobundle" in message
-        assert info.value.found == 3
-        assert info.value.supported == (1, 2)
+        assert info.value.found == 4
+        assert info.value.supported == (1, 2, 3)
 
     @pytest.mark.parametrize("value", [0, -1, "1", 1.5, True, None, [1], 10**100])
     def test_bad_version(self, bundle, value):
         edit_manifest(bundle, lambda m: m.update(format_version=value))
         with pytest.raises(
-            UnsupportedFormatVersionError, match=r"format_version .* is not supported.*reads format_version 1, 2"
+            UnsupportedFormatVersionError, match=r"format_version .* is not supported.*reads format_version 1, 2, 3"
         ):
             load_bundle(bundle)
 
@@ -652,7 +660,8 @@ class TestLimits:
 
     def test_nesting_beyond_parser(self, bundle):
         text = (bundle / "manifest.json").read_text()
-        text = text.replace('"value_if_missing": []', '"value_if_missing": ' + "[" * 200_000 + "]" * 200_000)
+        assert '"value_if_missing":[]' in text
+        text = text.replace('"value_if_missing":[]', '"value_if_missing":' + "[" * 200_000 + "]" * 200_000)
         (bundle / "manifest.json").write_text(text)
         with pytest.raises(UnsafeBundleError, match=r"manifest\.json: JSON nesting"):
             load_bundle(bundle)
@@ -699,8 +708,7 @@ class TestLimits:
         "literal", ["NaN", "Infinity", "-Infinity", "1e400", "-1", "2.5", "1" * 5000, "null", "[2]", '"two"', "{}"]
     )
     def test_non_integer_shape(self, bundle, literal):
-        text = (bundle / "manifest.json").read_text()
-        manifest = json.loads(text)
+        manifest = read_manifest(bundle)
         manifest["tensors"]["t0"]["shape"] = ["__SHAPE__", 3]
         (bundle / "manifest.json").write_text(json.dumps(manifest).replace('"__SHAPE__"', literal))
         with pytest.raises(ManifestError, match=r"manifest\.json") as info:
@@ -954,7 +962,8 @@ class TestJournal:
 
     def test_future_version_in_the_head(self, journal):
         lines = (journal / "journal.jsonl").read_bytes().split(b"\n")
-        lines[0] = lines[0].replace(b'"format_version":2', b'"format_version":9')
+        assert b'"format_version":3' in lines[0]
+        lines[0] = lines[0].replace(b'"format_version":3', b'"format_version":9')
         (journal / "journal.jsonl").write_bytes(b"\n".join(lines))
         with pytest.raises(UnsupportedFormatVersionError, match="format_version 9 is not supported"):
             load_bundle(journal)

@@ -4,7 +4,9 @@ They were written by ``tests/data/make_golden.py``. If a test here fails, the ch
 bundles: fix the change (or bump the format version and keep reading the older ones), do not
 regenerate the bundles. ``plain``, ``nested``, ``streamed`` and ``llama_cache`` are format
 version 1 (sha256, every tensor whole); ``growing`` and ``journal`` are version 2 (XXH3-128,
-tensors stored as extensions of earlier ones, and a stream's journal without its manifest).
+tensors stored as extensions of earlier ones, and a stream's journal without its manifest);
+``compact_nested``, ``compact_growing`` and ``compact_journal`` are version 3 (call structures
+stored once, a tensor table per file; the last one a version-3 journal without its manifest).
 """
 
 from __future__ import annotations
@@ -127,6 +129,43 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "tensors": 17,
         "extensions": 8,
     },
+    "compact_nested": {
+        "version": 3,
+        "num_obs": 3,
+        "dynamic_shapes": {
+            "x": {0: DYN},
+            "inputs": {"bias": {}, "extra": [{0: DYN}, {}]},
+            "mask": {0: DYN},
+            "n_heads": None,
+        },
+        "arguments": [
+            {
+                "x": ((n, 4), F32),
+                "inputs": {"bias": ((4,), F32), "extra": [((n, 3), F32), ((5,), F32)]},
+                "mask": ((n, 4), BOOL),  # call 0: the value_if_missing placeholder, (2, 4)
+                "n_heads": 2,
+            }
+            for n in (2, 3, 4)
+        ],
+        "tensors": 21,
+        "extensions": 1,  # call 2's all-ones mask extends call 1's along dim 0
+    },
+    "compact_growing": {
+        "version": 3,
+        "num_obs": 4,
+        "dynamic_shapes": ({}, [{2: DYN}, {2: DYN}], {1: DYN}),
+        "arguments": [(((4,), F32), [((1, 2, n, 4), F32), ((1, 2, n, 4), F32)], ((1, n), I64)) for n in (2, 3, 4, 5)],
+        "tensors": 22,
+        "extensions": 11,
+    },
+    "compact_journal": {
+        "version": 3,
+        "num_obs": 3,
+        "dynamic_shapes": ({}, [{2: DYN}, {2: DYN}], {1: DYN}),
+        "arguments": [(((4,), F32), [((1, 2, n, 4), F32), ((1, 2, n, 4), F32)], ((1, n), I64)) for n in (2, 3, 4)],
+        "tensors": 17,
+        "extensions": 8,
+    },
 }
 
 
@@ -190,19 +229,28 @@ class TestGolden:
             b.outputs(i)
 
 
-def test_version_1_and_2_bundles_both_load():
-    """The reader keeps format version 1 while the writer writes version 2."""
-    versions = {
-        load_bundle(GOLDEN / name).manifest.format_version for name in ("plain", "streamed", "growing", "journal")
-    }
-    assert versions == {1, 2}
+def test_version_1_2_and_3_bundles_all_load():
+    """The reader keeps format versions 1 and 2 while the writer writes version 3."""
+    names = ("plain", "streamed", "growing", "journal", "compact_growing", "compact_journal")
+    assert {load_bundle(GOLDEN / name).manifest.format_version for name in names} == {1, 2, 3}
 
 
-@pytest.mark.parametrize("name", ["growing", "journal"])
+@pytest.mark.parametrize(("old", "new"), [("growing", "compact_growing"), ("journal", "compact_journal")])
+def test_version_3_holds_what_version_2_held(old, new):
+    """The same recording (same seed) read from version 2 and version 3: the same calls and tensors."""
+    a, b = load_bundle(GOLDEN / old).manifest, load_bundle(GOLDEN / new).manifest
+    assert [c.model_copy(update={"latency": None}) for c in a.calls] == [
+        c.model_copy(update={"latency": None}) for c in b.calls
+    ]
+    assert a.tensors == b.tensors
+    assert {n: f.size for n, f in a.files.items()} == {n: f.size for n, f in b.files.items()}
+
+
+@pytest.mark.parametrize("name", ["growing", "journal", "compact_growing", "compact_journal"])
 def test_extensions_rebuild_the_recorded_values(name):
     """Each call's cache is the previous call's output, rebuilt bit for bit from its stored parts."""
     b = load_bundle(GOLDEN / name)
-    assert not (GOLDEN / name / "manifest.json").exists() or name == "growing"
+    assert (GOLDEN / name / "manifest.json").exists() == name.endswith("growing")
     for i in range(1, b.num_obs()):
         _, past, mask = b.infer_arguments(i)
         before = b.outputs(i - 1)["past"]

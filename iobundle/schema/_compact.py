@@ -1,0 +1,772 @@
+"""Format version 3: the compact layout of ``manifest.json`` and of the journal's lines.
+
+Versions 1 and 2 write every call's whole trees and one object per tensor and per file, indented:
+about 2.9 KiB per decoder step. Version 3 writes what repeats once. In memory nothing changes:
+reading gives the same :class:`~iobundle.schema.Manifest` (``calls``, ``tensors``, ``files``).
+
+The file is one JSON object, one line per top-level field, and one line per structure, call and file::
+
+    {"format":"iobundle","format_version":3,
+    "producer":{...},
+    "signature":{...},
+    "value_if_missing":[...],
+    "hash":"xxh3-128",
+    "structures":[
+    {"args":[{"kind":"tensor","slot":0},{"kind":"list","items":[{"kind":"tensor","slot":1}]}],"kwargs":{},
+     "outputs":{"kind":"tensor","slot":2}}],
+    "calls":[
+    {"index":0,"structure":0,"keys":["t0","t1","t2"],"latency":0.0012},
+    {"index":1,"structure":0,"keys":["t3","t2","t4"],"latency":0.0009}],
+    "files":{
+    "calls/000000.safetensors":{"size":512,"digest":"2b47...","tensors":{"t0":["I64",[1,3]],"t1":["F32",[1,2,3,8]]}},
+    "calls/000001.safetensors":{"size":300,"digest":"cb84...","tensors":{"t4":["F32",[1,2,4,8],["t2",2]]}}}}
+
+- ``structures``: what a call is besides its tensors: ``args``, ``kwargs``, ``outputs`` (omitted when
+  None), ``cst_kwargs`` and ``filled`` (omitted when empty). Trees are those of versions 1 and 2 (see
+  :mod:`iobundle.schema._manifest`), except that a tensor is a numbered slot, ``{"kind": "tensor",
+  "slot": n}``, numbered 0, 1, 2... in the order met: args, then kwargs, then outputs, depth first.
+- ``calls``: per call, ``index``, the ``structure`` it has (its position in ``structures``) and the
+  ``keys`` of its tensors, slot by slot; then ``latency``, and ``status`` and ``error`` unless the call
+  is ``"ok"``. Calls sharing tensors (a cache passed from one step to the next) share keys.
+- ``hash``: the integrity hash of every file that names none; a file entry gives ``size``, ``digest``
+  and, for another algorithm, ``hash``.
+- ``files[name].tensors``: the tensors the file holds, by key, in the order they are stored:
+  ``[dtype, shape]``, then optionally what the tensor extends, ``[key, dim]`` or ``null``, then
+  optionally ``{"device": ..., "name": ...}`` for a device other than ``"cpu"`` or a name in the
+  file other than the key. A tensor may only extend a tensor listed before it.
+
+A journal (:mod:`iobundle.schema._journal`) of format version 3 starts with this object on one line,
+plus ``"journal": 1``; each call is then one line, ``{"call": {...}, "files": {...}}``: the call's
+record with its structure written out in place of its number, and the files it added, each naming
+its ``hash``.
+
+Reading checks everything versions 1 and 2 check (limits, tensor ranks and sizes, extensions) and
+builds the trees of the calls from their structures: tensor-free parts of a structure are built once
+and shared by the calls that have it, and the tensor nodes of a key are one object.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import re
+from collections.abc import Callable, Iterable
+from typing import Annotated, Any, Literal, Union
+
+import pydantic
+from pydantic import BaseModel, Field, JsonValue, StrictInt, StrictStr, TypeAdapter
+
+from iobundle.errors import ManifestError, UnsafeBundleError
+from iobundle.schema._manifest import (
+    DTYPES,
+    FORMAT,
+    HASH_ALGORITHMS,
+    CallEntry,
+    ConstNode,
+    DictNode,
+    DType,
+    Extension,
+    FileEntry,
+    HashAlgorithm,
+    ListNode,
+    Manifest,
+    MissingValueEntry,
+    ModelEntry,
+    Node,
+    NoneNode,
+    ObjectNode,
+    OpaqueNode,
+    Producer,
+    Redaction,
+    Scalar,
+    SignatureEntry,
+    TensorEntry,
+    TensorNode,
+    TupleNode,
+    _Model,
+)
+
+__all__ = [
+    "COMPACT_VERSION",
+    "DEFAULT_HASH",
+    "CallRecord",
+    "CallStructure",
+    "CompactManifest",
+    "FileRecord",
+    "call_record",
+    "dump_compact",
+    "dumps",
+    "expand_compact",
+    "file_records",
+]
+
+COMPACT_VERSION = 3
+DEFAULT_HASH = "xxh3-128"
+
+# -- the models of the file (the JSON Schema, and the validation of everything but the bulk) -----
+
+
+class SlotTensorNode(_Model):
+    """A tensor of a structure: the call's ``keys[slot]``."""
+
+    kind: Literal["tensor"] = "tensor"
+    slot: Annotated[StrictInt, Field(ge=0)]
+
+
+class SlotListNode(_Model):
+    kind: Literal["list"] = "list"
+    items: list[SlotNode]
+
+
+class SlotTupleNode(_Model):
+    kind: Literal["tuple"] = "tuple"
+    items: list[SlotNode]
+
+
+class SlotDictNode(_Model):
+    kind: Literal["dict"] = "dict"
+    keys: list[Union[StrictStr, StrictInt]]
+    items: list[SlotNode]
+
+
+class SlotObjectNode(_Model):
+    kind: Literal["node"] = "node"
+    type: str
+    version: int
+    context: JsonValue = None
+    items: list[SlotNode]
+
+
+SlotNode = Annotated[
+    Union[SlotTensorNode, NoneNode, ConstNode, SlotListNode, SlotTupleNode, SlotDictNode, SlotObjectNode, OpaqueNode],
+    Field(discriminator="kind"),
+]
+for _model in (SlotListNode, SlotTupleNode, SlotDictNode, SlotObjectNode):
+    _model.model_rebuild()
+
+
+class CallStructure(_Model):
+    """What calls have in common besides their tensors: trees with tensor slots, constants, filled names."""
+
+    args: list[SlotNode]
+    kwargs: dict[str, SlotNode]
+    cst_kwargs: dict[str, Scalar] = Field(default_factory=dict)
+    filled: list[Union[StrictStr, StrictInt]] = Field(default_factory=list)
+    outputs: SlotNode | None = None
+
+
+class CallRecord(_Model):
+    """One call: its structure (by position) and the keys of its tensors, slot by slot."""
+
+    index: Annotated[StrictInt, Field(ge=0)]
+    structure: Annotated[StrictInt, Field(ge=0)]
+    keys: list[StrictStr]
+    status: Literal["ok", "failed", "incomplete"] = "ok"
+    error: str | None = None
+    latency: float | None = None
+
+
+Shape = list[Annotated[StrictInt, Field(ge=0)]]
+ExtendsPair = tuple[StrictStr, Annotated[StrictInt, Field(ge=0)]]
+
+
+class TensorOptions(_Model):
+    """What a tensor row says only when it is not the default."""
+
+    device: str = "cpu"
+    name: str | None = None
+
+
+TensorRow = Union[
+    tuple[DType, Shape],
+    tuple[DType, Shape, Union[ExtendsPair, None]],
+    tuple[DType, Shape, Union[ExtendsPair, None], TensorOptions],
+]
+
+
+class FileRecord(_Model):
+    """A file: its size and digest (of the manifest's ``hash`` unless it names another), and its tensors."""
+
+    size: Annotated[StrictInt, Field(ge=0)]
+    hash: HashAlgorithm | None = None
+    digest: Annotated[str, Field(pattern=r"^[0-9a-f]{32,64}$")]
+    tensors: dict[str, TensorRow] = Field(default_factory=dict)
+
+
+class CompactManifest(_Model):
+    """``manifest.json`` of format version 3 (see the module docstring)."""
+
+    format: Literal["iobundle"] = FORMAT
+    format_version: Literal[3] = COMPACT_VERSION
+    producer: Producer
+    signature: SignatureEntry
+    value_if_missing: list[MissingValueEntry] = Field(default_factory=list)
+    hash: HashAlgorithm = DEFAULT_HASH
+    structures: list[CallStructure]
+    calls: list[CallRecord]
+    files: dict[str, FileRecord]
+    model: ModelEntry | None = None
+    redacted: Redaction | None = None
+
+
+# -- fast construction of validated models ----------------------------------------------------
+
+_new = object.__new__
+_setattr = object.__setattr__
+
+
+def _make(cls: type[BaseModel], values: dict[str, Any]) -> Any:
+    """An instance of ``cls`` holding ``values`` (every field, already validated), without validating again.
+
+    Instances of a class share one ``__pydantic_fields_set__`` (pydantic copies it before any change).
+    """
+    obj = _new(cls)
+    _setattr(obj, "__dict__", values)
+    _setattr(obj, "__pydantic_fields_set__", _FIELDS[cls])
+    _setattr(obj, "__pydantic_extra__", None)
+    _setattr(obj, "__pydantic_private__", None)
+    return obj
+
+
+_NODE = TypeAdapter(Node)
+_REAL = {SlotListNode: ListNode, SlotTupleNode: TupleNode, SlotDictNode: DictNode, SlotObjectNode: ObjectNode}
+_FIELDS: dict[type[BaseModel], set[str]] = {
+    cls: set(cls.model_fields)
+    for cls in (
+        TensorNode,
+        ListNode,
+        TupleNode,
+        DictNode,
+        ObjectNode,
+        CallEntry,
+        TensorEntry,
+        Extension,
+        FileEntry,
+        Manifest,
+    )
+}
+_CALL_FIELDS = frozenset({"index", "structure", "keys", "status", "error", "latency"})
+_FILE_FIELDS = frozenset({"size", "hash", "digest", "tensors"})
+_OPTION_FIELDS = frozenset({"device", "name"})
+_STATUSES = frozenset({"ok", "failed", "incomplete"})
+_DTYPES = frozenset(DTYPES)
+_INT_ONLY = frozenset({int})
+_HEX = {n: re.compile(f"[0-9a-f]{{{n}}}") for n in set(HASH_ALGORITHMS.values())}
+
+# -- writing ----------------------------------------------------------------------------------
+
+
+def _slot_tree(node: Node, keys: list[str]) -> Any:
+    """``node`` as plain JSON data, each tensor a slot; the keys met are appended to ``keys``."""
+    kind = type(node)
+    if kind is TensorNode:
+        keys.append(node.key)  # type: ignore[union-attr]
+        return {"kind": "tensor", "slot": len(keys) - 1}
+    if kind is ListNode or kind is TupleNode:
+        return {"kind": node.kind, "items": [_slot_tree(n, keys) for n in node.items]}  # type: ignore[union-attr]
+    if kind is DictNode:
+        return {"kind": "dict", "keys": list(node.keys), "items": [_slot_tree(n, keys) for n in node.items]}  # type: ignore[union-attr]
+    if kind is ObjectNode:
+        return {
+            "kind": "node",
+            "type": node.type,  # type: ignore[union-attr]
+            "version": node.version,  # type: ignore[union-attr]
+            "context": node.context,  # type: ignore[union-attr]
+            "items": [_slot_tree(n, keys) for n in node.items],  # type: ignore[union-attr]
+        }
+    if kind is ConstNode:
+        return {"kind": "const", "value": node.value}  # type: ignore[union-attr]
+    if kind is OpaqueNode:
+        return {"kind": "opaque", "type": node.type, "reason": node.reason}  # type: ignore[union-attr]
+    return {"kind": "none"}
+
+
+def call_record(call: CallEntry) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The structure of ``call`` and its record, as plain data (the record's ``structure`` left unset)."""
+    keys: list[str] = []
+    structure: dict[str, Any] = {
+        "args": [_slot_tree(a, keys) for a in call.args],
+        "kwargs": {k: _slot_tree(v, keys) for k, v in call.kwargs.items()},
+    }
+    if call.cst_kwargs:
+        structure["cst_kwargs"] = call.cst_kwargs
+    if call.filled:
+        structure["filled"] = call.filled
+    if call.outputs is not None:
+        structure["outputs"] = _slot_tree(call.outputs, keys)
+    record: dict[str, Any] = {"index": call.index, "structure": None, "keys": keys}
+    if call.status != "ok":
+        record["status"] = call.status
+    if call.error is not None:
+        record["error"] = call.error
+    if call.latency is not None:
+        record["latency"] = call.latency
+    return structure, record
+
+
+def file_records(
+    tensors: dict[str, TensorEntry],
+    files: dict[str, FileEntry],
+    *,
+    default_hash: str | None,
+    check_order: bool = True,
+) -> dict[str, dict[str, Any]]:
+    """The file records of ``files`` with the ``tensors`` they hold, in the order of ``tensors``.
+
+    A record names its ``hash`` unless it is ``default_hash``. With ``check_order`` (a whole manifest),
+    each extended tensor must come before its extension once grouped by file; a journal line's
+    tensors extend tensors of earlier lines.
+
+    Raises:
+        ManifestError: A tensor names a file missing from ``files``, or extends a tensor that would be
+            listed after it.
+    """
+    records: dict[str, dict[str, Any]] = {}
+    listed: set[str] = set()
+    for key, entry in tensors.items():
+        record = records.get(entry.file)
+        if record is None:
+            file = files.get(entry.file)
+            if file is None:
+                raise ManifestError(f"tensors[{key!r}]: its file {entry.file!r} is not listed in files.")
+            record = records[entry.file] = _file_record(file, default_hash)
+            record["tensors"] = {}
+        row: list[Any] = [entry.dtype, entry.shape]
+        ext = entry.extends
+        if ext is not None:
+            if check_order and ext.key not in listed:
+                raise ManifestError(
+                    f"tensors[{key!r}] extends {ext.key!r}, which format version 3 would list after it "
+                    "(tensors are grouped by file). Write the base tensor's file first."
+                )
+            row.append([ext.key, ext.dim])
+        if entry.device != "cpu" or entry.name != key:
+            options: dict[str, str] = {}
+            if entry.device != "cpu":
+                options["device"] = entry.device
+            if entry.name != key:
+                options["name"] = entry.name
+            row += [None, options] if ext is None else [options]
+        record["tensors"][key] = row
+        listed.add(key)
+    for name, file in files.items():
+        if name not in records:
+            records[name] = _file_record(file, default_hash)
+    return records
+
+
+def _file_record(file: FileEntry, default_hash: str | None) -> dict[str, Any]:
+    record: dict[str, Any] = {"size": file.size}
+    if file.algorithm != default_hash:
+        record["hash"] = file.algorithm
+    record["digest"] = file.hexdigest
+    return record
+
+
+dumps = json.JSONEncoder(separators=(",", ":")).encode
+"""Compact JSON text of plain data (one encoder: ``json.dumps`` with options builds one per call)."""
+
+
+def _model_json(model: BaseModel) -> str:
+    return model.model_dump_json()
+
+
+def dump_compact(manifest: Manifest, *, one_line: bool = False) -> str:
+    """``manifest`` as format-version-3 JSON text: one line per field, structure, call and file.
+
+    With ``one_line`` the text has no line break (a journal head).
+
+    Raises:
+        ManifestError: The manifest cannot be written in format version 3 (see :func:`file_records`).
+    """
+    algorithms = [f.algorithm for f in manifest.files.values()]
+    default_hash = max(set(algorithms), key=algorithms.count) if algorithms else DEFAULT_HASH
+    structures: dict[str, int] = {}
+    calls: list[str] = []
+    for call in manifest.calls:
+        structure, record = call_record(call)
+        text = dumps(structure)
+        record["structure"] = structures.setdefault(text, len(structures))
+        calls.append(dumps(record))
+    files = file_records(manifest.tensors, manifest.files, default_hash=default_hash)
+    nl = "" if one_line else "\n"
+    head = [
+        f'"format":{dumps(manifest.format)}',
+        f'"format_version":{COMPACT_VERSION}',
+        f'"producer":{_model_json(manifest.producer)}',
+        f'"signature":{_model_json(manifest.signature)}',
+        f'"value_if_missing":[{",".join(_model_json(v) for v in manifest.value_if_missing)}]',
+        f'"hash":{dumps(default_hash)}',
+        f'"structures":[{nl}{("," + nl).join(structures)}]',
+        f'"calls":[{nl}{("," + nl).join(calls)}]',
+        f'"files":{{{nl}{("," + nl).join(f"{dumps(k)}:{dumps(v)}" for k, v in files.items())}}}',
+    ]
+    if manifest.model is not None:
+        head.append(f'"model":{_model_json(manifest.model)}')
+    if manifest.redacted is not None:
+        head.append(f'"redacted":{_model_json(manifest.redacted)}')
+    return "{" + ("," + nl).join(head) + "}" + nl
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+Builder = Callable[[list[TensorNode]], Any]
+
+
+class _Reader:
+    """Checks and expands one compact manifest; errors name ``source`` and the field."""
+
+    def __init__(self, source: str, max_tensors: int, max_rank: int, max_elements: int, max_chain: int) -> None:
+        self.source = source
+        self.max_tensors, self.max_rank, self.max_elements, self.max_chain = (
+            max_tensors,
+            max_rank,
+            max_elements,
+            max_chain,
+        )
+
+    def too_many(self, field: str, count: int, limit: int) -> None:
+        raise UnsafeBundleError(
+            f"{self.source}: {field} holds {count} entries, over the limit of {limit}. The file is corrupt or hostile."
+        )
+
+    def fail(self, where: str, problem: str, *, unsafe: bool = False) -> None:
+        cls = UnsafeBundleError if unsafe else ManifestError
+        hint = " The file is corrupt or hostile." if unsafe else ""
+        raise cls(f"{self.source}: {where}: {problem}.{hint}")
+
+    # -- structures
+
+    def compile(self, node: Any, where: str, counter: list[int]) -> tuple[Builder | None, Any]:
+        """A builder of ``node``'s tree from a call's tensor nodes (by slot), or (None, the tree) without tensors."""
+        if isinstance(node, SlotTensorNode):
+            if node.slot != counter[0]:
+                self.fail(where, f"slot {node.slot} where slot {counter[0]} comes (slots are numbered in order)")
+            counter[0] += 1
+            return operator.itemgetter(node.slot), None
+        if isinstance(node, SlotDictNode):
+            if len(node.keys) != len(node.items):
+                self.fail(where, f"a dict with {len(node.keys)} keys but {len(node.items)} items")
+            if len(set(node.keys)) != len(node.keys):
+                self.fail(where, f"a dict with a repeated key: {node.keys!r}")
+        if not isinstance(node, (SlotListNode, SlotTupleNode, SlotDictNode, SlotObjectNode)):
+            return None, node  # none, const, opaque: the same models as in a call's tree
+        parts = [self.compile(n, f"{where}.items[{j}]", counter) for j, n in enumerate(node.items)]
+        if all(b is None for b, _ in parts):
+            return None, _NODE.validate_python(node.model_dump())
+        fields = node.model_dump(exclude={"items"})
+        cls = _REAL[type(node)]
+        fields_set = _FIELDS[cls]
+
+        def build(nodes: list[TensorNode]) -> Any:
+            obj = _new(cls)
+            _setattr(obj, "__dict__", {**fields, "items": [c if b is None else b(nodes) for b, c in parts]})
+            _setattr(obj, "__pydantic_fields_set__", fields_set)
+            _setattr(obj, "__pydantic_extra__", None)
+            _setattr(obj, "__pydantic_private__", None)
+            return obj
+
+        return build, None
+
+    def structure(self, s: CallStructure, where: str) -> tuple[int, Callable[[list[TensorNode]], tuple[Any, ...]]]:
+        counter = [0]
+        args = [self.compile(a, f"{where}.args[{j}]", counter) for j, a in enumerate(s.args)]
+        kwargs = [(k, *self.compile(v, f"{where}.kwargs[{k!r}]", counter)) for k, v in s.kwargs.items()]
+        outputs = None if s.outputs is None else self.compile(s.outputs, f"{where}.outputs", counter)
+        cst, filled = s.cst_kwargs, s.filled
+
+        def build(nodes: list[TensorNode]) -> tuple[Any, ...]:
+            return (
+                [c if b is None else b(nodes) for b, c in args],
+                {k: c if b is None else b(nodes) for k, b, c in kwargs},
+                dict(cst),
+                list(filled),
+                None if outputs is None else (outputs[1] if outputs[0] is None else outputs[0](nodes)),
+            )
+
+        return counter[0], build
+
+    # -- the bulk: calls and files
+
+    def calls(self, raw: Any, structures: list[tuple[int, Callable[[list[str]], tuple[Any, ...]]]]) -> list[Any]:
+        if not isinstance(raw, list):
+            self.fail("calls", f"expected a list, found {type(raw).__name__}")
+        out = []
+        n_structures = len(structures)
+        call_fields = _CALL_FIELDS
+        nodes: dict[str, TensorNode] = {}
+        get_node = nodes.get
+        node_fields = _FIELDS[TensorNode]
+        for i, rec in enumerate(raw):
+            if type(rec) is not dict:
+                self.fail(f"calls[{i}]", f"expected an object, found {type(rec).__name__}")
+            if not rec.keys() <= call_fields:
+                self.fail(f"calls[{i}]", f"unknown field {sorted(map(str, rec.keys() - call_fields))[0]!r}")
+            index, s, keys = rec.get("index"), rec.get("structure"), rec.get("keys")
+            if type(index) is not int or index < 0:
+                self.fail(f"calls[{i}].index", f"expected an integer >= 0, found {_short(index)}")
+            if type(s) is not int or not 0 <= s < n_structures:
+                self.fail(f"calls[{i}].structure", f"{_short(s)} is not one of the {n_structures} structures")
+            n_slots, build = structures[s]
+            if type(keys) is not list or len(keys) != n_slots:
+                found = f"{len(keys)} keys" if type(keys) is list else _short(keys)
+                self.fail(f"calls[{i}].keys", f"structure {s} has {n_slots} tensor slots, found {found}")
+            tensor_nodes = []
+            for k in keys:
+                node = get_node(k) if type(k) is str else None
+                if node is None:
+                    if type(k) is not str:
+                        self.fail(f"calls[{i}].keys", f"a key must be a string, found {_short(k)}")
+                    node = nodes[k] = _new(TensorNode)
+                    _setattr(node, "__dict__", {"kind": "tensor", "key": k})
+                    _setattr(node, "__pydantic_fields_set__", node_fields)
+                    _setattr(node, "__pydantic_extra__", None)
+                    _setattr(node, "__pydantic_private__", None)
+                tensor_nodes.append(node)
+            status, error, latency = rec.get("status", "ok"), rec.get("error"), rec.get("latency")
+            if type(status) is not str or status not in _STATUSES:
+                self.fail(f"calls[{i}].status", f"{_short(status)} is not one of {sorted(_STATUSES)}")
+            if error is not None and type(error) is not str:
+                self.fail(f"calls[{i}].error", f"expected a string or null, found {_short(error)}")
+            if latency is not None and type(latency) is not float:
+                if type(latency) is not int:
+                    self.fail(f"calls[{i}].latency", f"expected a number or null, found {_short(latency)}")
+                latency = float(latency)
+            args, kwargs, cst, filled, outputs = build(tensor_nodes)
+            out.append(
+                _make(
+                    CallEntry,
+                    {
+                        "index": index,
+                        "status": status,
+                        "error": error,
+                        "args": args,
+                        "kwargs": kwargs,
+                        "cst_kwargs": cst,
+                        "filled": filled,
+                        "outputs": outputs,
+                        "latency": latency,
+                    },
+                )
+            )
+        return out
+
+    def files(self, raw: Any, default_hash: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        if not isinstance(raw, dict):
+            self.fail("files", f"expected an object, found {type(raw).__name__}")
+        count = sum(len(r["tensors"]) for r in raw.values() if type(r) is dict and type(r.get("tensors")) is dict)
+        if count > self.max_tensors:
+            self.too_many("tensors", count, self.max_tensors)
+        files: dict[str, Any] = {}
+        tensors: dict[str, Any] = {}
+        info: dict[str, tuple[str, tuple[int, ...], int]] = {}  # key -> dtype, shape, chain depth
+        good_shapes: set[tuple[int, ...]] = set()
+        good_pairs: set[tuple[tuple[int, ...], tuple[int, ...], int]] = set()
+        te_fields, ext_fields = _FIELDS[TensorEntry], _FIELDS[Extension]
+        max_chain = self.max_chain
+        int_only = _INT_ONLY
+        make_obj, set_slot = _new, _setattr
+        dtypes = _DTYPES
+        for name, rec in raw.items():
+            where = f"files[{name!r}]"
+            if type(rec) is not dict:
+                self.fail(where, f"expected an object, found {type(rec).__name__}")
+            if not rec.keys() <= _FILE_FIELDS:
+                self.fail(where, f"unknown field {sorted(rec.keys() - _FILE_FIELDS)[0]!r}")
+            size, algorithm, digest = rec.get("size"), rec.get("hash", default_hash), rec.get("digest")
+            if type(size) is not int or size < 0:
+                self.fail(f"{where}.size", f"expected an integer >= 0, found {_short(size)}")
+            if type(algorithm) is not str or algorithm not in HASH_ALGORITHMS:
+                self.fail(f"{where}.hash", f"{_short(algorithm)} is not one of {sorted(HASH_ALGORITHMS)}")
+            n = HASH_ALGORITHMS[algorithm]
+            if type(digest) is not str or not _HEX[n].fullmatch(digest):
+                self.fail(
+                    f"{where}.digest",
+                    f"expected {n} lowercase hex digits (a {algorithm} digest), found {_short(digest)}",
+                )
+            files[name] = _make(FileEntry, {"size": size, "sha256": None, "hash": algorithm, "digest": digest})
+            rows = rec.get("tensors", {})
+            if type(rows) is not dict:
+                self.fail(f"{where}.tensors", f"expected an object, found {type(rows).__name__}")
+            for key, row in rows.items():
+                if key in info:
+                    self.fail(f"{where}.tensors[{key!r}]", "a tensor listed a second time")
+                n = len(row) if type(row) is list else 0
+                options = None
+                if n == 2:
+                    dtype, shape = row
+                    ext = None
+                elif n == 3:
+                    dtype, shape, ext = row
+                elif n == 4:
+                    dtype, shape, ext, options = row
+                else:
+                    self.fail(
+                        f"{where}.tensors[{key!r}]", f"expected [dtype, shape, extends?, options?], found {_short(row)}"
+                    )
+                if type(dtype) is not str or dtype not in dtypes:
+                    self.fail(f"{where}.tensors[{key!r}]", f"dtype {_short(dtype)} is not one of {', '.join(DTYPES)}")
+                if type(shape) is not list:
+                    self.fail(f"{where}.tensors[{key!r}]", f"shape must be a list of integers, found {_short(shape)}")
+                dims = tuple(shape)
+                # known shapes are skipped, but only a shape of ints can be one: (2.0, True) == (2, 1)
+                if dims not in good_shapes if set(map(type, dims)) <= int_only else True:
+                    self.shape(dims, f"{where}.tensors[{key!r}]")
+                    good_shapes.add(dims)
+                extends = None
+                depth = 0
+                if ext is not None:
+                    base_key, dim = self.extension(ext, f"{where}.tensors[{key!r}]")
+                    base = info.get(base_key)
+                    if base is None:
+                        problem = "is not listed before it" if base_key != key else "is itself"
+                        self.fail(
+                            f"{where}.tensors[{key!r}].extends",
+                            f"tensor {base_key!r} {problem}; an extended "
+                            "tensor must come earlier (in an earlier file or earlier in this one)",
+                            unsafe=True,
+                        )
+                    if base[0] != dtype or (base[1], dims, dim) not in good_pairs:
+                        self.compatible(base_key, base, key, dtype, dims, dim, where)
+                        good_pairs.add((base[1], dims, dim))
+                    depth = base[2] + 1
+                    if depth > max_chain:
+                        self.fail(
+                            f"{where}.tensors[{key!r}].extends",
+                            f"a chain of more than {max_chain} extensions (MAX_EXTENSION_DEPTH)",
+                            unsafe=True,
+                        )
+                    extends = make_obj(Extension)
+                    set_slot(extends, "__dict__", {"key": base_key, "dim": dim})
+                    set_slot(extends, "__pydantic_fields_set__", ext_fields)
+                    set_slot(extends, "__pydantic_extra__", None)
+                    set_slot(extends, "__pydantic_private__", None)
+                device, in_file = "cpu", key
+                if options is not None:
+                    device, in_file = self.options(options, key, f"{where}.tensors[{key!r}]")
+                info[key] = (dtype, dims, depth)
+                entry = make_obj(TensorEntry)
+                set_slot(
+                    entry,
+                    "__dict__",
+                    {
+                        "file": name,
+                        "name": in_file,
+                        "dtype": dtype,
+                        "shape": shape,
+                        "device": device,
+                        "extends": extends,
+                    },
+                )
+                set_slot(entry, "__pydantic_fields_set__", te_fields)
+                set_slot(entry, "__pydantic_extra__", None)
+                set_slot(entry, "__pydantic_private__", None)
+                tensors[key] = entry
+        return files, tensors
+
+    def shape(self, dims: tuple[Any, ...], where: str) -> None:
+        if len(dims) > self.max_rank:
+            self.fail(f"{where}.shape", f"{len(dims)} dimensions, over the limit of {self.max_rank}", unsafe=True)
+        count = 1
+        for d in dims:
+            if type(d) is not int or d < 0:
+                self.fail(f"{where}.shape", f"a dimension must be an integer >= 0, found {_short(d)}")
+            count *= max(d, 1)
+            if count > self.max_elements:
+                self.fail(f"{where}.shape", f"{list(dims)} is too large (more than {self.max_elements} elements)",
+                          unsafe=True)  # fmt: skip
+
+    def extension(self, ext: Any, where: str) -> tuple[str, int]:
+        if type(ext) is not list or len(ext) != 2 or type(ext[0]) is not str or type(ext[1]) is not int or ext[1] < 0:
+            self.fail(
+                f"{where}.extends", f"expected [key, dim] (a string, an integer >= 0) or null, found {_short(ext)}"
+            )
+        return ext[0], ext[1]
+
+    def compatible(self, base_key: str, base: tuple[str, tuple[int, ...], int], key: str, dtype: str,
+                   dims: tuple[int, ...], dim: int, where: str) -> None:  # fmt: skip
+        at = f"{where}.tensors[{key!r}].extends"
+        if base[0] != dtype or len(base[1]) != len(dims) or dim >= len(dims):
+            self.fail(at, f"{dtype} {list(dims)} cannot extend {base_key!r} ({base[0]} {list(base[1])}) along dim {dim}",
+                      unsafe=True)  # fmt: skip
+        if any((b > s) if d == dim else (b != s) for d, (b, s) in enumerate(zip(base[1], dims))):
+            self.fail(at, f"shape {list(dims)} does not extend {list(base[1])} (of {base_key!r}) along dim {dim}: "
+                      "the other dimensions must be equal and this one at least as long", unsafe=True)  # fmt: skip
+
+    def options(self, options: Any, key: str, where: str) -> tuple[str, str]:
+        if type(options) is not dict or not options.keys() <= _OPTION_FIELDS:
+            self.fail(where, f"options must be an object of device and name, found {_short(options)}")
+        device, name = options.get("device", "cpu"), options.get("name", key)
+        if type(device) is not str or type(name) is not str:
+            self.fail(where, f"device and name must be strings, found {_short(options)}")
+        return device, name
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    try:
+        text = repr(value)
+    except RecursionError:
+        return "(a value nested too deep to show)"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def expand_compact(
+    raw: dict[str, Any],
+    *,
+    source: str,
+    limits: dict[str, int],
+    check_depth: Callable[[Any, str], None],
+    check_trees: Callable[[Iterable[tuple[str, Node]], str], None],
+    describe: Callable[[pydantic.ValidationError], str],
+) -> Manifest:
+    """Check a format-version-3 manifest parsed from JSON and build the in-memory :class:`Manifest`.
+
+    Everything but ``calls`` and ``files`` is checked by :class:`CompactManifest`; those two, the bulk,
+    are checked here, field by field, with the same rules.
+
+    Raises:
+        ManifestError: Something does not match the format (the message names the field).
+        UnsafeBundleError: A limit is exceeded.
+    """
+    calls_raw, files_raw = raw.get("calls"), raw.get("files")
+    head = {k: v for k, v in raw.items() if k != "calls" and k != "files"}
+    check_depth(head, source)
+    try:
+        parsed = CompactManifest.model_validate({**head, "calls": [], "files": {}})
+    except pydantic.ValidationError as exc:
+        raise ManifestError(f"{source}: does not match the iobundle format:\n" + describe(exc)) from exc
+    except RecursionError as exc:
+        raise UnsafeBundleError(f"{source}: structure too deep to validate.") from exc
+    for field in ("calls", "files"):
+        if field not in raw:
+            raise ManifestError(f"{source}: does not match the iobundle format:\n  {field}: Field required")
+    reader = _Reader(
+        source,
+        limits["tensors"],
+        limits["rank"],
+        limits["elements"],
+        limits["chain"],
+    )
+    if isinstance(calls_raw, list) and len(calls_raw) > limits["calls"]:
+        reader.too_many("calls", len(calls_raw), limits["calls"])
+    if len(parsed.structures) > limits["calls"]:
+        reader.too_many("structures", len(parsed.structures), limits["calls"])
+    check_trees([(f"value_if_missing[{i}].value", e.value) for i, e in enumerate(parsed.value_if_missing)], source)
+    structures = [reader.structure(s, f"structures[{i}]") for i, s in enumerate(parsed.structures)]
+    files, tensors = reader.files(files_raw, parsed.hash)
+    calls = reader.calls(calls_raw, structures)
+    return _make(
+        Manifest,
+        {
+            "format": FORMAT,
+            "format_version": COMPACT_VERSION,
+            "producer": parsed.producer,
+            "signature": parsed.signature,
+            "value_if_missing": parsed.value_if_missing,
+            "calls": calls,
+            "tensors": tensors,
+            "files": files,
+            "model": parsed.model,
+            "redacted": parsed.redacted,
+        },
+    )
