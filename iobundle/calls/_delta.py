@@ -15,6 +15,7 @@ their device, and only the new part is then copied to the host.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -104,10 +105,7 @@ def _extends_cpu(tensor: torch.Tensor, base: torch.Tensor, dim: int) -> bool | N
     a, b = raw_bytes(tensor), raw_bytes(base)
     if a is None or b is None:
         return None
-    shape = tensor.shape
-    rows = 1
-    for d in shape[:dim]:
-        rows *= d
+    rows = math.prod(tensor.shape[:dim])
     if rows > _MAX_ROWS:
         return None
     if rows == 0:
@@ -115,11 +113,12 @@ def _extends_cpu(tensor: torch.Tensor, base: torch.Tensor, dim: int) -> bool | N
     new_row = len(a) // rows
     old_row = len(b) // rows
     if rows == 1:
-        return a[:old_row].tobytes() == b.tobytes()
+        return a[:old_row].tobytes() == b.tobytes()  # bytes compare with memcmp; memoryviews item by item
     old = b.tobytes()
-    return all(
-        a[r * new_row : r * new_row + old_row].tobytes() == old[r * old_row : (r + 1) * old_row] for r in range(rows)
-    )
+    for r in range(rows):
+        if a[r * new_row : r * new_row + old_row].tobytes() != old[r * old_row : (r + 1) * old_row]:
+            return False
+    return True
 
 
 @dataclass(frozen=True)

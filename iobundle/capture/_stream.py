@@ -348,7 +348,12 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
     def _drop(self, tensor: torch.Tensor | None) -> None:
         """``tensor`` leaves the table without going back to the pool: stop counting its buffer."""
         pool = self.pool
-        if tensor is not None and pool is not None and tensor.device.type == "cpu":
+        if (
+            tensor is not None
+            and pool is not None
+            and tensor.numel() * tensor.element_size() >= POOLED_MIN_BYTES  # smaller ones never came from it
+            and tensor.device.type == "cpu"
+        ):
             pool.forget(tensor)
 
     # -- MutableMapping ------------------------------------------------------------------------
