@@ -65,11 +65,13 @@ from the allocator's heap, which is already warm)."""
 
 INLINE_MAX_BYTES = 256 * 1024
 """A call whose snapshots add up to less than this (and are all on the CPU) is written by the thread
-that submits it, once the writer is idle, instead of by the writer thread. Measured on the 2-core
-benchmark machine with the tiny Llama of ``benchmarks/run.py`` (about 3 KiB per call): handing such a call to
-the writer thread cost 3.2-3.6 ms of writer time per call (GIL hand-offs at every torch call and
-syscall, against a model thread that holds the GIL most of the time), writing it in place 1.3 ms,
-before the fast paths of the writer."""
+that submits it, once the writer is idle, instead of by the writer thread. A small call's writing is
+Python work that holds the GIL; in a second thread it also pays a GIL hand-off at every torch call
+and syscall against a model thread that holds the GIL most of the time. Measured on the 2-core
+benchmark machine, tiny Llama of ``benchmarks/run.py`` (about 3 KiB per call), generate() of 24
+tokens: writer time per call 3.2-3.6 ms in the thread, 1.3 ms in place (before the writer's fast
+paths; about 1.1 ms after), and with the fast paths streamed/plain medians of 1.8 in place against
+2.5 in the thread (four alternating runs each)."""
 
 BUDGET_CALLS = 1.5
 """While the writer still holds buffers of earlier calls, the pool lends at most this many times
@@ -592,7 +594,10 @@ def mark_incomplete(call: CallEntry, written: Callable[[str], bool], reason: str
 
 
 class CallStream:
-    """Writes recorded calls to a bundle from a background thread, one call in flight at most.
+    """Writes recorded calls to a bundle, one call in flight at most.
+
+    The writing runs in a background thread, or, for a small CPU call (:data:`INLINE_MAX_BYTES`),
+    in the thread that submits it.
 
     Opening the stream writes, synchronously, the tensors of ``value_if_missing`` and the head of
     ``journal.jsonl`` (the calls written so far): from then on the directory opens with ``load_bundle``. Calls recorded
