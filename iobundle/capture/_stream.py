@@ -70,7 +70,7 @@ Python work that holds the GIL; in a second thread it also pays a GIL hand-off a
 and syscall against a model thread that holds the GIL most of the time. Measured on the 2-core
 benchmark machine, tiny Llama of ``benchmarks/run.py`` (about 3 KiB per call), generate() of 24
 tokens, machine quiet: writer time per call 3.2-3.6 ms in the thread, 1.3 ms in place, streamed/plain
-2.7-2.8 against 2.1-2.2 (before the writer's fast paths). With them, machine shared with other jobs:
+2.6-2.8 against 2.1-2.2 (before the writer's fast paths). With them, machine shared with other jobs:
 medians 1.8 in place against 2.5 in the thread in one series of four alternating runs, equal within
 the noise in another. Written in place, a small call is also in the bundle as soon as it returns."""
 
