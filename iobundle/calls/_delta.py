@@ -15,10 +15,13 @@ their device, and only the new part is then copied to the host.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from iobundle.calls._tensorfile import raw_bytes
 
 __all__ = ["DeltaIndex", "Match", "extends_bytes", "rebuild"]
 
@@ -34,6 +37,12 @@ passes a full comparison."""
 MAX_DEPTH = 50_000
 """The writer stores a tensor whole rather than make a chain of extensions longer than this
 (the reader refuses chains over ``iobundle.schema.MAX_EXTENSION_DEPTH``)."""
+
+SMALL_COMPARE_BYTES = 256 * 1024
+"""CPU tensors up to this size are compared as bytes in Python (the calling thread keeps the GIL);
+larger ones, and CUDA tensors, with ``torch.equal`` (which releases it while it runs)."""
+
+_MAX_ROWS = 64  # a bytes comparison of more rows than this is left to torch.equal
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _AS_BITS: dict[torch.dtype, torch.dtype] = {}
@@ -70,15 +79,46 @@ def extends_bytes(tensor: torch.Tensor, base: torch.Tensor, dim: int) -> bool:
     n = base.shape[dim]
     if any((b > s) if d == dim else (b != s) for d, (b, s) in enumerate(zip(base.shape, tensor.shape))):
         return False
+    if n == 0:
+        return _bits(tensor) is not None and _bits(base) is not None
+    same = _extends_cpu(tensor, base, dim)
+    if same is not None:
+        return same
     a, b = _bits(tensor), _bits(base)
     if a is None or b is None:
         return False
-    if n == 0:
-        return True
     # one position first: two different tensors almost always differ there, and it is cheap
     if not torch.equal(a.narrow(dim, n - 1, 1), b.narrow(dim, n - 1, 1)):
         return False
     return torch.equal(a.narrow(dim, 0, n), b)
+
+
+def _extends_cpu(tensor: torch.Tensor, base: torch.Tensor, dim: int) -> bool | None:
+    """:func:`extends_bytes` for small contiguous CPU tensors, on their bytes; None when it does not apply.
+
+    Both tensors have the same dtype and agree on every dimension but ``dim``, where ``base`` is
+    not longer: along ``dim`` each of the ``prod(shape[:dim])`` rows of ``tensor`` must start with the
+    matching row of ``base``.
+    """
+    if base.dtype not in _AS_BITS or base.numel() * base.element_size() > SMALL_COMPARE_BYTES:
+        return None
+    a, b = raw_bytes(tensor), raw_bytes(base)
+    if a is None or b is None:
+        return None
+    rows = math.prod(tensor.shape[:dim])
+    if rows > _MAX_ROWS:
+        return None
+    if rows == 0:
+        return True
+    new_row = len(a) // rows
+    old_row = len(b) // rows
+    if rows == 1:
+        return a[:old_row].tobytes() == b.tobytes()  # bytes compare with memcmp; memoryviews item by item
+    old = b.tobytes()
+    for r in range(rows):
+        if a[r * new_row : r * new_row + old_row].tobytes() != old[r * old_row : (r + 1) * old_row]:
+            return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -126,14 +166,27 @@ class DeltaIndex:
         self._by_signature: dict[tuple[object, ...], list[str]] = {}
         self._lengths: dict[tuple[object, ...], tuple[int, int]] = {}  # signature -> (longest, generation)
         self._growing: set[tuple[object, ...]] = set()
+        self._last: tuple[torch.Tensor, list[tuple[object, ...]]] | None = None  # find's signatures, for add
+        self._cursor: dict[tuple[object, ...], int] = {}  # signature -> where its next match is likely, this call
 
     def find(self, tensor: torch.Tensor) -> Match | None:
         """A recent tensor that ``tensor`` extends (checked byte for byte), or None."""
         if tensor.dim() == 0 or tensor.dtype not in _AS_BITS or not self._by_signature:
             return None
         tried = 0
-        for dim, sig in enumerate(_signatures(tensor)):
-            for key in reversed(self._by_signature.get(sig, ())):
+        signatures = _signatures(tensor)
+        self._last = (tensor, signatures)
+        for dim, sig in enumerate(signatures):
+            keys = self._by_signature.get(sig)
+            if not keys:
+                continue
+            # The i-th tensor of a signature in this call most often extends the i-th of the last
+            # call (the layers of a cache): that one first, then the most recent first.
+            hint = self._cursor.get(sig, 0)
+            order = [hint] if hint < len(keys) else []
+            order += [i for i in range(len(keys) - 1, -1, -1) if i != hint]
+            for i in order:
+                key = keys[i]
                 head = self._heads.get(key)
                 if head is None or head.tensor.shape[dim] >= tensor.shape[dim] or head.depth >= MAX_DEPTH:
                     continue
@@ -141,6 +194,7 @@ class DeltaIndex:
                     continue  # changed in place since it was written: it no longer is what the file holds
                 tried += 1
                 if extends_bytes(tensor, head.tensor, dim):
+                    self._cursor[sig] = i + 1
                     n = head.tensor.shape[dim]
                     return Match(key=key, dim=dim, new=tensor.narrow(dim, n, tensor.shape[dim] - n))
                 if tried >= MAX_CANDIDATES:
@@ -156,7 +210,8 @@ class DeltaIndex:
     def add(self, key: str, tensor: torch.Tensor, *, base: str | None, retain: bool) -> None:
         """Record that ``key`` was written (extending ``base``, or whole); keep it as a base if ``retain``."""
         self.depth[key] = 0 if base is None else self.depth.get(base, 0) + 1
-        signatures = _signatures(tensor)
+        last, self._last = self._last, None
+        signatures = last[1] if last is not None and last[0] is tensor else _signatures(tensor)
         if not self.retain_all:  # which shapes grow: only large tensors of those are kept while streaming
             for d, sig in enumerate(signatures):
                 longest = self._lengths.get(sig)
@@ -203,6 +258,7 @@ class DeltaIndex:
             stale = [s for s, (_, g) in self._lengths.items() if g < self.generation - 1]
             for sig in stale:
                 del self._lengths[sig]
+        self._cursor.clear()
         self.generation += 1
 
 

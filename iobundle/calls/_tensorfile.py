@@ -10,6 +10,7 @@ the file (and the tensor).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import struct
@@ -19,18 +20,59 @@ from typing import Any
 
 import torch
 
-from iobundle._atomic import write_atomically
+from iobundle._atomic import fsync_dir, write_atomically
 from iobundle.calls._dtypes import NAME_TO_DTYPE, dtype_name
 from iobundle.calls._hashing import WRITE_HASH, new_hasher
-from iobundle.errors import TensorFileError, UnsupportedInputError
+from iobundle.errors import BundleWriteError, TensorFileError, UnsupportedInputError
 from iobundle.schema import FileEntry
 
-__all__ = ["MAX_HEADER_BYTES", "parse_header", "read_exactly", "tensor_bytes", "tensor_span", "write_tensor_file"]
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "parse_header",
+    "raw_bytes",
+    "read_exactly",
+    "tensor_bytes",
+    "tensor_span",
+    "write_tensor_file",
+]
 
 MAX_HEADER_BYTES = 100 * 1024**2
 """Largest safetensors header read (the safetensors library uses the same bound)."""
 
 _ALIGN = 8
+_IOV_MAX = 1024
+
+SMALL_FILE_BYTES = 16 * 1024**2
+"""Files below this size are written with one ``os.writev`` and hashed by the writing thread; larger
+ones go through :func:`iobundle._atomic.write_atomically` (pieces, hashing in a helper thread).
+A small file then costs 4 syscalls (open, writev, close, rename) and, for plain contiguous CPU
+tensors, no torch call (:func:`raw_bytes`): on the 2-core benchmark machine a tiny-Llama call's
+file took 0.36 ms of CPU instead of 0.98 ms."""
+
+
+def raw_bytes(tensor: torch.Tensor) -> memoryview | None:
+    """The bytes of a plain, contiguous CPU tensor, without a copy or a torch operation; None for any other tensor.
+
+    No torch operation means the calling thread keeps the GIL (each torch call releases and
+    retakes it, a hand-off to the model's thread when it waits). The view keeps ``tensor`` alive.
+    """
+    if (
+        type(tensor) is not torch.Tensor
+        or not tensor.is_cpu
+        or tensor.layout != torch.strided
+        or tensor.is_nested
+        or tensor.is_quantized
+        or tensor.is_conj()
+        or tensor.is_neg()
+        or not tensor.is_contiguous()
+    ):
+        return None
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    array = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    array._tensor = tensor  # type: ignore[attr-defined]  # the memory stays valid while the view lives
+    return memoryview(array).cast("B")
 
 
 def _unsupported_kind(tensor: torch.Tensor) -> str | None:
@@ -55,6 +97,9 @@ def tensor_bytes(tensor: torch.Tensor, *, name: str = "tensor") -> memoryview:
         UnsupportedInputError: The tensor has no plain dense CPU-copyable data (sparse, nested,
             quantized or meta tensors, tensor subclasses that refuse the copy).
     """
+    raw = raw_bytes(tensor)
+    if raw is not None:
+        return raw
     kind = _unsupported_kind(tensor)
     if kind is not None:
         raise UnsupportedInputError(
@@ -118,19 +163,65 @@ def write_tensor_file(
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % _ALIGN)
     digest = new_hasher(WRITE_HASH)
+    parts = [struct.pack("<Q", len(text)) + text, *payloads]
+    if offset + len(parts[0]) < SMALL_FILE_BYTES:
+        size = _write_small(path, parts, digest, durable=durable)
+        if on_written is not None:
+            for name in names:
+                on_written(name)
+    else:
 
-    def part_done(index: int) -> None:
-        if index and on_written is not None:
-            on_written(names[index - 1])  # part 0 is the header
+        def part_done(index: int) -> None:
+            if index and on_written is not None:
+                on_written(names[index - 1])  # part 0 is the header
 
-    size = write_atomically(
-        path,
-        [struct.pack("<Q", len(text)) + text, *payloads],
-        on_chunk=digest.update,
-        on_part=part_done if on_written is not None else None,
-        durable=durable,
-    )
-    return FileEntry(size=size, hash=WRITE_HASH, digest=digest.hexdigest())
+        size = write_atomically(
+            path,
+            parts,
+            on_chunk=digest.update,
+            on_part=part_done if on_written is not None else None,
+            durable=durable,
+        )
+    return FileEntry.model_construct(size=size, hash=WRITE_HASH, digest=digest.hexdigest())
+
+
+def _write_small(path: Path, parts: list[bytes | memoryview], digest: Any, *, durable: bool) -> int:
+    """Write ``parts`` to ``path`` atomically (temporary name, rename), hashing them into ``digest``; return the size.
+
+    The same guarantees as :func:`iobundle._atomic.write_atomically`, with one ``writev``.
+
+    Raises:
+        BundleWriteError: The file cannot be written; the temporary file is removed.
+    """
+    tmp = path.with_name(f".{path.name}.tmp")
+    total = 0
+    for part in parts:
+        digest.update(part)
+        total += len(part)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            done = os.writev(fd, parts) if len(parts) <= _IOV_MAX else 0
+            if done < total:  # a short write (rare on a regular file): the rest, piece by piece
+                view = memoryview(b"".join(parts))[done:]
+                while view:
+                    view = view[os.write(fd, view) :]
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        if durable:
+            fsync_dir(path.parent)
+    except OSError as exc:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise BundleWriteError(
+            f"Cannot write {path}: {exc.strerror or exc}. Check free space and permissions."
+        ) from exc
+    return total
 
 
 def read_exactly(f: Any, n: int, name: str, *, into: memoryview | None = None) -> bytes:

@@ -226,7 +226,7 @@ class CallRecorder:
         with self._lock:
             for call in rc.calls:
                 if call.index not in done:
-                    stream.submit(call)
+                    stream.submit(call, recorded_now=False)
             messages = self._apply_stream_failures(stream)
         for message in messages:
             self._warn(message, stacklevel=4)

@@ -206,7 +206,8 @@ class BundleWriter:
         for key, t in whole.items():
             name = dtype_name(t.dtype)
             assert name is not None  # write_tensor_file refused other dtypes
-            self.tensors[key] = TensorEntry(
+            # built from values checked above (a dtype name, ints, an Extension): no validation needed
+            self.tensors[key] = TensorEntry.model_construct(
                 file=file, name=key, dtype=name, shape=list(t.shape), device=str(t.device), extends=extends.get(key)
             )
         if not durable:

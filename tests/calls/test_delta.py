@@ -16,6 +16,7 @@ import torch
 
 from iobundle import InputObserver, load_bundle
 from iobundle.calls import DeltaIndex, extends_bytes, rebuild
+from iobundle.calls._delta import SMALL_COMPARE_BYTES
 
 
 def grow(t: torch.Tensor, n: int = 1) -> torch.Tensor:
@@ -142,6 +143,16 @@ class TestRoundTrip:
         assert extensions(bundle) > 0
 
 
+# Small contiguous CPU tensors are compared as bytes in Python, others with torch.equal: both
+# paths must give the same verdicts. Shapes are (rows, positions, width), growing along the positions.
+COMPARISON_PATHS = {
+    "bytes, one row": (1, 3, 4),
+    "bytes, several rows": (6, 3, 4),
+    "torch, many rows": (200, 3, 4),
+    "torch, large": (2, 3, SMALL_COMPARE_BYTES // 4),
+}
+
+
 class TestBitExactCheck:
     def test_negative_zero_is_not_zero(self) -> None:
         base = torch.zeros(1, 2, 3, 4)
@@ -180,6 +191,44 @@ class TestBitExactCheck:
         grown = grow(a)
         a.mul_(2)  # after it was written: the file holds the old values
         assert index.find(grown) is None
+
+    @pytest.mark.parametrize("shape", COMPARISON_PATHS.values(), ids=COMPARISON_PATHS.keys())
+    def test_both_comparison_paths_are_bit_exact(self, shape: tuple[int, int, int]) -> None:
+        rows, n, width = shape
+        base = torch.randn(rows, n, width)
+        grown = torch.cat([base, torch.randn(rows, 2, width)], dim=1)
+        assert extends_bytes(grown, base, 1)
+        assert not extends_bytes(grown, base.neg(), 1)
+        flipped = grown.clone()
+        flipped[rows - 1, n - 1, width - 1] = 0.0
+        base[rows - 1, n - 1, width - 1] = -0.0  # equal as floats, not as bits
+        assert not extends_bytes(flipped, base, 1)
+        base[rows - 1, n - 1, width - 1] = 0.0
+        assert extends_bytes(flipped, base, 1)
+        nan = base.clone()
+        nan[0, 0, 0] = math.nan
+        nan_grown = torch.cat([nan, torch.zeros(rows, 1, width)], dim=1)
+        assert extends_bytes(nan_grown, nan, 1)
+        other = nan.clone()
+        other.view(torch.int32)[0, 0, 0] ^= 1  # another NaN payload
+        assert not extends_bytes(nan_grown, other, 1)
+
+    def test_a_non_contiguous_base_is_compared_by_value(self) -> None:
+        full = torch.randn(4, 6)
+        base = full[:, ::2]  # not contiguous: no raw bytes, compared with torch
+        assert extends_bytes(torch.cat([base, torch.randn(4, 1)], dim=1), base, 1)
+        assert not extends_bytes(torch.cat([base + 1, torch.randn(4, 1)], dim=1), base, 1)
+
+    def test_each_layer_extends_its_own_layer(self) -> None:
+        """Four tensors of one shape (a cache's layers): each new one is matched to its own predecessor."""
+        index = DeltaIndex()
+        layers = [torch.randn(2, 2, 5, 4) for _ in range(4)]
+        for i, t in enumerate(layers):
+            index.add(f"old{i}", t, base=None, retain=True)
+        index.end_call()
+        for i, t in reversed(list(enumerate(layers))):  # in any order
+            match = index.find(grow(t))
+            assert match is not None and match.key == f"old{i}" and match.new.shape == (2, 2, 1, 4)
 
     def test_rebuild_concatenates_runs_of_parts(self) -> None:
         root = torch.arange(6).reshape(2, 3)

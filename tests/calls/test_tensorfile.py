@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import struct
 from pathlib import Path
@@ -12,8 +13,9 @@ import safetensors.torch
 import torch
 
 from iobundle import InputObserver, load_bundle
-from iobundle.calls._tensorfile import write_tensor_file
-from iobundle.errors import UnsupportedInputError
+from iobundle.calls import _tensorfile
+from iobundle.calls._tensorfile import raw_bytes, write_tensor_file
+from iobundle.errors import BundleWriteError, UnsupportedInputError
 
 DTYPES = [
     torch.bool,
@@ -238,3 +240,58 @@ class TestUnsupported:
     def test_unsupported_dtype(self, tmp_path):
         with pytest.raises(UnsupportedInputError, match=r"dtype torch\.complex32"):
             write_tensor_file(tmp_path / "f.safetensors", {"x": torch.zeros(2, dtype=torch.complex32)})
+
+
+class TestRawBytes:
+    """The writer's fast path: the bytes of a plain contiguous CPU tensor, with no torch call."""
+
+    @pytest.mark.parametrize("dtype", DTYPES + EXTRA_DTYPES, ids=str)
+    def test_raw_bytes_are_the_tensor_bytes(self, dtype):
+        t = random_tensor(dtype, (3, 5), seed=3)
+        raw = raw_bytes(t)
+        assert raw is not None and raw.tobytes() == bits(t).numpy().tobytes()
+
+    @pytest.mark.parametrize(
+        "make",
+        [
+            lambda: torch.arange(12.0).reshape(3, 4).t(),
+            lambda: torch.arange(12.0)[::2],
+            lambda: torch.tensor([1 + 2j, 3 - 1j]).conj(),
+            lambda: torch.tensor([1 + 2j, 3 - 1j]).conj().imag,
+            lambda: torch.nn.Parameter(torch.ones(3)),
+        ],
+        ids=["transposed", "strided", "lazy-conj", "lazy-neg", "subclass"],
+    )
+    def test_other_tensors_take_the_general_path(self, tmp_path, make):
+        t = make()
+        assert raw_bytes(t) is None
+        write_tensor_file(tmp_path / "f.safetensors", {"t": t})
+        loaded = safetensors.torch.load_file(tmp_path / "f.safetensors")["t"]
+        assert torch.equal(loaded, t.detach().resolve_conj().resolve_neg().contiguous())
+
+    def test_the_view_keeps_the_tensor_alive(self):
+        raw = raw_bytes(torch.arange(1000, dtype=torch.int32))
+        gc.collect()
+        torch.zeros(1000, dtype=torch.int32)  # would reuse freed memory
+        assert raw is not None and raw.tobytes() == torch.arange(1000, dtype=torch.int32).numpy().tobytes()
+
+    def test_empty_and_zero_dim(self):
+        assert raw_bytes(torch.ones(0, 3)) == b""
+        raw = raw_bytes(torch.tensor(7, dtype=torch.int16))
+        assert raw is not None and raw.tobytes() == b"\x07\x00"
+
+    def test_small_and_large_files_are_the_same_bytes(self, tmp_path, monkeypatch):
+        """A small file (one writev) and a large one (pieces, hashing in a helper thread) agree byte for byte."""
+        tensors = {f"t{i}": random_tensor(dt, (4, 3), seed=i) for i, dt in enumerate(DTYPES)}
+        small = write_tensor_file(tmp_path / "small.safetensors", tensors)
+        monkeypatch.setattr(_tensorfile, "SMALL_FILE_BYTES", 0)
+        large = write_tensor_file(tmp_path / "large.safetensors", tensors)
+        assert (tmp_path / "small.safetensors").read_bytes() == (tmp_path / "large.safetensors").read_bytes()
+        assert small == large
+        assert not list(tmp_path.glob(".*.tmp"))
+
+    def test_a_failed_small_write_leaves_nothing(self, tmp_path):
+        target = tmp_path / "missing-dir" / "f.safetensors"
+        with pytest.raises(BundleWriteError, match="missing-dir"):
+            write_tensor_file(target, {"x": torch.ones(3)})
+        assert not (tmp_path / "missing-dir").exists()

@@ -26,7 +26,7 @@ from iobundle import BundleExistsError, CaptureError, InputObserver, TensorFileE
 from iobundle.calls._tensorfile import write_tensor_file
 from iobundle.calls._tree import tensor_keys
 from iobundle.capture import _writer
-from iobundle.capture._stream import POOLED_MIN_BYTES, BufferPool, SnapshotTable
+from iobundle.capture._stream import INLINE_MAX_BYTES, POOLED_MIN_BYTES, BufferPool, SnapshotTable
 from iobundle.capture._writer import call_keys
 from iobundle.schema import load_manifest
 
@@ -103,6 +103,48 @@ class TestStreaming:
         loaded = load_bundle(bundle)
         assert [c.index for c in loaded.calls] == list(range(6))
         assert loaded.verify() == []
+
+    @staticmethod
+    def journal_writers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+        """The names of the threads that append each call's journal line (filled as calls are written)."""
+        names: list[str] = []
+        real = _writer.BundleWriter.append_call
+
+        def append_call(self: Any, *args: Any, **kwargs: Any) -> None:
+            names.append(threading.current_thread().name)
+            real(self, *args, **kwargs)
+
+        monkeypatch.setattr(_writer.BundleWriter, "append_call", append_call)
+        return names
+
+    @pytest.mark.parametrize("durable", [False, True])
+    def test_a_small_call_is_written_by_its_own_thread(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool
+    ) -> None:
+        """Small CPU calls are on disk when they return; durable ones are written by the writer thread."""
+        bundle = tmp_path / "run.iobundle"
+        writers = self.journal_writers(monkeypatch)
+        model, observer = Decoder(), InputObserver()
+        with observer(model, store_n_calls=4, stream_to=bundle, durable=durable):
+            for i, (args, kwargs) in enumerate(decoder_calls(4)):
+                model(*args, **kwargs)
+                assert manifest_calls(bundle) >= (i + 1 if not durable else i)
+        me = threading.current_thread().name
+        assert len(writers) == 4
+        assert all((name == me) != durable for name in writers), writers
+        assert load_bundle(bundle).verify() == []
+
+    def test_a_large_call_goes_to_the_writer_thread(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        bundle = tmp_path / "run.iobundle"
+        writers = self.journal_writers(monkeypatch)
+        model, observer = Decoder(), InputObserver()
+        with observer(model, store_n_calls=3, stream_to=bundle):
+            for i in range(3):
+                model(torch.zeros(1, INLINE_MAX_BYTES // 4 + i, dtype=torch.int32), torch.ones(1))
+                assert manifest_calls(bundle) >= i  # every earlier call
+        assert len(writers) == 3 and all(name.startswith("iobundle-writer") for name in writers), writers
+        loaded = load_bundle(bundle)
+        assert loaded.num_obs() == 3 and loaded.verify() == []
 
     def test_streamed_and_saved_bundles_agree(self, tmp_path: Path) -> None:
         calls = decoder_calls(5)
