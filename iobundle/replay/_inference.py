@@ -19,7 +19,7 @@ import collections
 import functools
 import weakref
 from collections.abc import Collection, Hashable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -84,6 +84,8 @@ class Alignment:
         owners: Per slot, the positional index or keyword name of the argument it belongs to.
         layout: The best call, where it holds no tensor in an argument that other calls fill,
             with that argument's structure taken from the first call that has tensors there.
+        observed_dims: Filled by :func:`flat_dynamic_dims`: per slot, the dimensions whose size
+            differs across calls (its result without batch forcing nor ``dynamic``, computed once).
     """
 
     calls: list[CallEntry]
@@ -91,6 +93,7 @@ class Alignment:
     slots: list[list[str | None]]
     owners: list[int | str]
     layout: CallEntry
+    observed_dims: list[list[int]] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def best_call(self) -> CallEntry:
@@ -536,6 +539,9 @@ def flat_dynamic_dims(
     Raises:
         DynamicShapeError: A tensor changes rank, or ``dynamic`` names an input or an axis no tensor has.
     """
+    plain = not batch and not dynamic
+    if plain and (alignment.observed_dims or not alignment.owners):
+        return [list(dims) for dims in alignment.observed_dims]
     result = []
     empty = empty_dims(alignment)
     forced = _forced_axes(rc, alignment, dynamic)
@@ -572,6 +578,8 @@ def flat_dynamic_dims(
                 f"dynamic={{{owner!r}: {sorted(axes)}}}: no tensor of {owner!r} has axis {sorted(axes - used[owner])[0]}; "
                 "give an axis below the rank of the input's tensors."
             )
+    if plain:
+        alignment.observed_dims[:] = [list(dims) for dims in result]
     return result
 
 
