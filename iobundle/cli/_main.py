@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import os
 import sys
@@ -358,7 +359,29 @@ def _open_bundle(path: str) -> Bundle:
     return load_bundle(path)
 
 
+@contextlib.contextmanager
+def _no_cyclic_collection() -> Iterator[None]:
+    """Keep Python's cyclic garbage collector off for a command whose objects all die with it.
+
+    ``inspect`` builds a manifest's objects (150,000 for 1000 calls, no cycle), prints and drops
+    them: a full collection meanwhile walks every object of the process (100-250 ms with torch
+    loaded) and frees nothing. Reference counting still frees everything; the state is restored.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    with _no_cyclic_collection():
+        return _inspect(args)
+
+
+def _inspect(args: argparse.Namespace) -> int:
     bundle = _open_bundle(args.bundle)
     shapes: Any = None
     shapes_error: str | None = None

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +69,11 @@ class Bundle(RecordedCallsAPI):
             ArchiveError: A packed bundle is not a valid archive, or holds an entry a bundle may not.
             MissingDependencyError: ``path`` is a URL and fsspec (``iobundle[remote]``) is not installed.
         """
+        with _collector_paused():
+            return cls._load(path, verify=verify)
+
+    @classmethod
+    def _load(cls, path: str | os.PathLike[str], *, verify: bool) -> Bundle:
         local = local_path(path)
         source: Root | None = None
         if local is None:  # a URL of another filesystem
@@ -186,6 +194,24 @@ def _report_unknown_key(manifest: Manifest) -> None:
                 raise UnsafeBundleError(
                     f"{where} refers to tensor {node.key!r}, which the manifest's tensors do not list."
                 )
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while a manifest's objects are built and checked.
+
+    A 1000-call manifest is some 150,000 objects and no cycle; with the collector on, building
+    them set off full collections, each of which walked every object of the process (100-250 ms
+    apiece here, with torch loaded) and freed nothing. Objects are still freed by reference
+    counting meanwhile; the previous state is restored, and collections resume afterwards.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def load_bundle(path: str | os.PathLike[str], *, verify: bool = True) -> Bundle:
