@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import re
 from pathlib import Path
 
@@ -133,3 +134,11 @@ def test_a_dtype_change_splits_a_run(capsys, tmp_path):
     out = capsys.readouterr().out
     assert [r[0] for r in _rows(out)] == ["0-1", "2-3"]
     assert "past=[2x3x4x8 f16]" in out
+
+
+def test_inspect_leaves_the_collector_on(capsys, decode_bundle):
+    assert gc.isenabled()
+    assert main(["inspect", str(decode_bundle)]) == 0
+    assert main(["inspect", str(decode_bundle / "nope")]) == 2
+    capsys.readouterr()
+    assert gc.isenabled()

@@ -1,0 +1,48 @@
+"""Opening a bundle pauses Python's cyclic collector and leaves it as it found it, on success and failure."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from iobundle import BundleNotFoundError, InputObserver, UnsafeBundleError, load_bundle
+
+
+class Double(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    model, observer = Double(), InputObserver()
+    with observer(model):
+        model(torch.ones(2, 3))
+    observer.save(tmp_path / "b")
+    return tmp_path / "b"
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_open_restores_the_collector(saved: Path, enabled: bool) -> None:
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        assert load_bundle(saved).num_obs() == 1
+        assert gc.isenabled() is enabled
+        with pytest.raises(BundleNotFoundError):
+            load_bundle(saved / "nope")
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable() if was else gc.disable()
+
+
+def test_a_refused_bundle_restores_the_collector(saved: Path) -> None:
+    (saved / "calls" / "000000.safetensors").unlink()
+    (saved / "calls" / "000000.safetensors").symlink_to("/etc/hostname")
+    assert gc.isenabled()
+    with pytest.raises(UnsafeBundleError, match="leads outside the bundle"):
+        load_bundle(saved)
+    assert gc.isenabled()
