@@ -163,7 +163,7 @@ examples:
 Shapes and dtypes come from manifest.json: no tensor data is read, so this is fast on
 bundles of any size. The dynamic shapes are those `iobundle shapes` prints. Past 20 calls,
 consecutive calls that differ only in tensor sizes share one row (a generate() loop: the
-prefill, then one row for every decode step, the growing sizes shown as a range 5..1003);
+prefill, then one row for all the decode steps, growing sizes shown as a range: 5..1003);
 --calls all lists every call.""",
     "shapes": """\
 examples:
