@@ -46,3 +46,24 @@ def test_a_refused_bundle_restores_the_collector(saved: Path) -> None:
     with pytest.raises(UnsafeBundleError, match="leads outside the bundle"):
         load_bundle(saved)
     assert gc.isenabled()
+
+
+def test_objects_frozen_by_the_caller_stay_frozen(saved: Path) -> None:
+    """A process that froze its objects (before a fork) keeps them frozen: the open leaves the permanent generation alone."""
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        assert load_bundle(saved).num_obs() == 1
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
+def test_what_the_open_built_is_long_lived(saved: Path) -> None:
+    """The manifest's objects go to the oldest generation at once; no young collection walks them again."""
+    gc.collect()
+    bundle = load_bundle(saved)
+    assert gc.get_count()[0] < 700  # the young generation is not left holding the manifest
+    assert any(obj is bundle.manifest for obj in gc.get_objects(generation=2))
+    assert gc.get_freeze_count() == 0
