@@ -1507,7 +1507,12 @@ def figure_8(cfg: Config, workdir: Path) -> Figure:
         )
     )
     fig.rows.append(
-        Row("saved_cli", "manifest.json: `iobundle inspect` (in process)", [t * 1e3 for t in samples["saved"]["cli"]])
+        Row(
+            "saved_cli",
+            "manifest.json: `iobundle inspect` (in process)",
+            [t * 1e3 for t in samples["saved"]["cli"]],
+            note="past 20 calls, one row per run of consecutive calls that differ only in tensor sizes",
+        )
     )
     fig.rows.append(
         Row(

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import io
 import json
+import operator
 import os
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
     from iobundle.schema import CallEntry, Manifest, Node, ObjectNode
 
 __all__ = [
+    "MAX_CALL_ROWS",
+    "CallRun",
+    "call_runs",
     "color_enabled",
     "dynamic_shapes_to_json",
     "err",
@@ -133,33 +137,37 @@ def _join(parts: Sequence[str], total: int, what: str = "items") -> str:
     return ", ".join(parts)
 
 
-def _items(manifest: Manifest, items: Sequence[Node], depth: int) -> str:
+TensorText = Callable[[str], str]
+"""The text of the tensor stored under a key (:func:`format_tensor` of the manifest, or a run's merged shapes)."""
+
+
+def _items(tensor: TensorText, items: Sequence[Node], depth: int) -> str:
     shown = items if len(items) <= MAX_ITEMS else items[: MAX_ITEMS - 1]
-    return _join([format_node(manifest, n, depth=depth + 1) for n in shown], len(items))
+    return _join([_node(tensor, n, depth + 1) for n in shown], len(items))
 
 
-def _object(manifest: Manifest, node: ObjectNode, depth: int) -> str:
+def _object(tensor: TensorText, node: ObjectNode, depth: int) -> str:
     name = _short_type(node.type)
     items = node.items
     layer = _LAYER_LABELS.get(node.type)
     if layer and items and len(items) % len(layer) == 0:  # a cache: its first layer and the number of layers
-        parts = [f"{label}:{format_node(manifest, n, depth=depth + 1)}" for label, n in zip(layer, items)]
+        parts = [f"{label}:{_node(tensor, n, depth + 1)}" for label, n in zip(layer, items)]
         n_layers = len(items) // len(layer)
         if n_layers > 1:
             parts.append(f"... ({n_layers} layers)")
         return f"{name}[{', '.join(parts)}]"
     labels = _CHILD_LABELS.get(node.type)
     if labels and len(labels) == len(items):
-        parts = [f"{label}:{format_node(manifest, n, depth=depth + 1)}" for label, n in zip(labels, items)]
+        parts = [f"{label}:{_node(tensor, n, depth + 1)}" for label, n in zip(labels, items)]
         return f"{name}[{', '.join(parts)}]"
     context = node.context
     if isinstance(context, list) and len(context) == len(items) and all(isinstance(k, str) for k in context):
         # a ModelOutput: the context holds the field names of the children
         fields = list(zip(context, items))
         shown = fields if len(fields) <= MAX_ITEMS else fields[: MAX_ITEMS - 1]
-        parts = [f"{k}={format_node(manifest, n, depth=depth + 1)}" for k, n in shown]
+        parts = [f"{k}={_node(tensor, n, depth + 1)}" for k, n in shown]
         return f"{name}({_join(parts, len(fields))})"
-    return f"{name}[{_items(manifest, items, depth)}]"
+    return f"{name}[{_items(tensor, items, depth)}]"
 
 
 def format_node(manifest: Manifest, node: Node, *, depth: int = 0) -> str:
@@ -168,9 +176,13 @@ def format_node(manifest: Manifest, node: Node, *, depth: int = 0) -> str:
     Tensors show shape and dtype; containers with many items show the first ones and a count;
     registered classes show their short name (caches one layer and the number of layers).
     """
+    return _node(lambda key: format_tensor(manifest, key), node, depth)
+
+
+def _node(tensor: TensorText, node: Node, depth: int) -> str:
     kind = getattr(node, "kind", None)
     if kind == "tensor":
-        return format_tensor(manifest, node.key)  # type: ignore[union-attr]
+        return tensor(node.key)  # type: ignore[union-attr]
     if kind == "none":
         return "None"
     if kind == "const":
@@ -180,17 +192,17 @@ def format_node(manifest: Manifest, node: Node, *, depth: int = 0) -> str:
     if depth >= MAX_DEPTH:
         return "{...}" if kind == "dict" else "[...]"
     if kind == "list":
-        return f"[{_items(manifest, node.items, depth)}]"  # type: ignore[union-attr]
+        return f"[{_items(tensor, node.items, depth)}]"  # type: ignore[union-attr]
     if kind == "tuple":
-        inner = _items(manifest, node.items, depth)  # type: ignore[union-attr]
+        inner = _items(tensor, node.items, depth)  # type: ignore[union-attr]
         return f"({inner},)" if len(node.items) == 1 else f"({inner})"  # type: ignore[union-attr]
     if kind == "dict":
         pairs = list(zip(node.keys, node.items))  # type: ignore[union-attr]
         shown = pairs if len(pairs) <= MAX_ITEMS else pairs[: MAX_ITEMS - 1]
-        parts = [f"{k!r}: {format_node(manifest, v, depth=depth + 1)}" for k, v in shown]
+        parts = [f"{k!r}: {_node(tensor, v, depth + 1)}" for k, v in shown]
         return f"{{{_join(parts, len(pairs))}}}"
     if kind == "node":
-        return _object(manifest, node, depth)  # type: ignore[arg-type]
+        return _object(tensor, node, depth)  # type: ignore[arg-type]
     return f"<{kind or type(node).__name__}>"
 
 
@@ -211,18 +223,172 @@ def _arg_name(manifest: Manifest, position: int) -> str:
     return f"*{var or 'args'}[{position - len(names)}]"
 
 
-def format_inputs(manifest: Manifest, call: CallEntry) -> str:
-    """``x=2x3 f32, cache=[2x4 f32]``: each input of ``call`` by name, ``(filled)`` when from value_if_missing."""
+def format_inputs(manifest: Manifest, call: CallEntry, tensor: TensorText | None = None) -> str:
+    """``x=2x3 f32, cache=[2x4 f32]``: each input of ``call`` by name, ``(filled)`` when from value_if_missing.
+
+    ``tensor`` gives the text of each tensor (by default its shape and dtype, :func:`format_tensor`).
+    """
+    if tensor is None:
+        tensor = lambda key: format_tensor(manifest, key)  # noqa: E731
     names, _ = _positional_names(manifest)
     parts = []
     for i, node in enumerate(call.args):
         name = _arg_name(manifest, i)
         filled = " (filled)" if i in call.filled or (i < len(names) and names[i] in call.filled) else ""
-        parts.append(f"{name}={format_node(manifest, node)}{filled}")
+        parts.append(f"{name}={_node(tensor, node, 0)}{filled}")
     for name, node in call.kwargs.items():
         filled = " (filled)" if name in call.filled else ""
-        parts.append(f"{name}={format_node(manifest, node)}{filled}")
+        parts.append(f"{name}={_node(tensor, node, 0)}{filled}")
     return ", ".join(parts) or "-"
+
+
+# --------------------------------------------------------------------------- runs of calls
+
+MAX_CALL_ROWS = 20
+"""``iobundle inspect`` lists up to this many calls one per row; more are summarised by runs (``--calls``)."""
+
+
+def _skeleton(node: Node, keys: list[str]) -> Any:
+    """What ``node`` shows but its tensors' shapes (compared with ``==``); appends its tensor keys to ``keys``."""
+    kind = node.kind
+    if kind == "tensor":
+        keys.append(node.key)  # type: ignore[union-attr]
+        return kind
+    if kind in ("list", "tuple"):
+        return (kind, _skeletons(node.items, keys))  # type: ignore[union-attr]
+    if kind == "dict":
+        return (kind, node.keys, _skeletons(node.items, keys))  # type: ignore[union-attr]
+    if kind == "node":
+        return (kind, node.type, node.context, _skeletons(node.items, keys))  # type: ignore[union-attr]
+    if kind == "const":
+        return (kind, type(node.value), node.value)  # type: ignore[union-attr]
+    if kind == "opaque":
+        return (kind, node.type)  # type: ignore[union-attr]
+    return kind if kind == "none" else (kind, id(node))  # an unknown kind: a run of its own
+
+
+def _skeletons(nodes: Sequence[Node], keys: list[str]) -> list[Any]:
+    """:func:`_skeleton` of each of ``nodes`` (tensors inline: most are)."""
+    result: list[Any] = []
+    for node in nodes:
+        if node.kind == "tensor":
+            keys.append(node.key)  # type: ignore[union-attr]
+            result.append("tensor")
+        else:
+            result.append(_skeleton(node, keys))
+    return result
+
+
+class CallRun:
+    """Consecutive calls that show the same row but for their tensors' sizes (and latencies).
+
+    Attributes:
+        calls: The calls, in manifest order.
+        keys: Per call, its input tensors' keys in flattening order (every call has as many, of one
+            rank and dtype position by position, and no key twice).
+    """
+
+    def __init__(self, calls: list[CallEntry], keys: list[list[str]]) -> None:
+        self.calls = calls
+        self.keys = keys
+
+    def shape_text(self, manifest: Manifest) -> TensorText:
+        """The text of each tensor of the first call, with the sizes of every call: ``1x2x5..1003x8 f32``."""
+        tensors = manifest.tensors
+        texts = {}
+        for column in zip(*self.keys):  # one tensor position, its key in every call
+            entries = list(map(tensors.__getitem__, column))
+            dims = [str(lo) if lo == hi else f"{lo}..{hi}" for lo, hi in map(_span, zip(*map(_SHAPE, entries)))]
+            texts[column[0]] = f"{'x'.join(dims) if dims else 'scalar'} {_dtype(entries[0].dtype)}"
+        return texts.__getitem__
+
+    def _split(self, manifest: Manifest) -> list[CallRun]:
+        """This run cut where a tensor position changes dtype or rank, or names a tensor the manifest lacks."""
+        tensors = manifest.tensors
+        if len(self.calls) == 1 or all(_uniform(tensors, column) for column in zip(*self.keys)):
+            return [self]
+        runs: list[CallRun] = []
+        last: Any = None
+        for call, keys in zip(self.calls, self.keys):
+            kinds = [None if (e := tensors.get(k)) is None else (e.dtype, len(e.shape)) for k in keys]
+            if runs and last == kinds and None not in kinds:
+                runs[-1].calls.append(call)
+                runs[-1].keys.append(keys)
+            else:
+                runs.append(CallRun([call], [keys]))
+            last = kinds
+        return runs
+
+
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+
+
+def _span(sizes: Sequence[int]) -> tuple[int, int]:
+    return min(sizes), max(sizes)
+
+
+def _uniform(tensors: Mapping[str, Any], keys: Sequence[str]) -> bool:
+    """Whether the tensors under ``keys`` are all listed, of one dtype and one rank."""
+    if not all(map(tensors.__contains__, keys)):
+        return False
+    entries = list(map(tensors.__getitem__, keys))
+    return len(set(map(_DTYPE, entries))) == 1 and len(set(map(len, map(_SHAPE, entries)))) == 1
+
+
+def call_runs(manifest: Manifest) -> list[CallRun]:
+    """The calls of ``manifest`` grouped into runs of consecutive calls that differ only in tensor sizes.
+
+    Two calls fall in one run when they have the same status, constants, placeholders, inputs
+    (names, containers, classes and their contexts, scalars) and, tensor by tensor, the same
+    dtype and rank. A call that passes one tensor twice is a run of its own.
+    """
+    runs: list[CallRun] = []
+    last: Any = None
+    for call in manifest.calls:
+        keys: list[str] = []
+        skeleton = (
+            call.status,
+            call.cst_kwargs,
+            call.filled,
+            _skeletons(call.args, keys),
+            list(call.kwargs),
+            _skeletons(list(call.kwargs.values()), keys),
+        )
+        unique = len(set(keys)) == len(keys)
+        if unique and runs and last == skeleton:
+            runs[-1].calls.append(call)
+            runs[-1].keys.append(keys)
+            continue
+        runs.append(CallRun([call], [keys]))
+        last = skeleton if unique else None
+    return [part for run in runs for part in run._split(manifest)]
+
+
+def _latency_range(calls: Sequence[CallEntry]) -> str:
+    known = [c.latency for c in calls if c.latency is not None]
+    if not known:
+        return "-"
+    low, high = min(known), max(known)
+    if low == high:
+        return format_latency(low)
+    return f"{format_latency(low).removesuffix(' ms')}-{format_latency(high)}"
+
+
+def _runs_table(manifest: Manifest, runs: Sequence[CallRun]) -> str:
+    rows = []
+    for run in runs:
+        first, last = run.calls[0], run.calls[-1]
+        rows.append(
+            [
+                str(first.index) if len(run.calls) == 1 else f"{first.index}-{last.index}",
+                first.status,
+                _latency_range(run.calls),
+                format_inputs(manifest, first, run.shape_text(manifest) if len(run.calls) > 1 else None),
+                ", ".join(f"{k}={v!r}" for k, v in first.cst_kwargs.items()) or "-",
+            ]
+        )
+    return format_table(["#", "status", "latency", "inputs", "constants"], rows, right=(0, 2))
 
 
 def format_latency(seconds: float | None) -> str:
@@ -324,10 +490,14 @@ def format_inspect(
     model: StoredModel | None = None,
     packed: bool | None = None,
     remote: bool = False,
+    calls_shown: str = "auto",
 ) -> str:
-    """The report of ``iobundle inspect``: summary, stored model, one row per call, producer, dynamic shapes.
+    """The report of ``iobundle inspect``: summary, stored model, the calls, producer, dynamic shapes.
 
-    ``packed`` (None: unknown, no line) and ``remote`` say how the bundle is stored.
+    ``packed`` (None: unknown, no line) and ``remote`` say how the bundle is stored. ``calls_shown``
+    is ``"all"`` (one row per call), ``"runs"`` (one row per run of consecutive calls that differ
+    only in tensor sizes, each size shown as the range it spans: ``1x2x5..1003x8 f32``, see
+    :func:`call_runs`) or ``"auto"`` (every call up to :data:`MAX_CALL_ROWS` calls, runs beyond).
     """
     calls = manifest.calls
     statuses: dict[str, int] = {}
@@ -353,7 +523,7 @@ def format_inspect(
     if model is not None:
         lines.extend(format_stored_model(model))
     lines.append("")
-    if calls:
+    if calls and (calls_shown == "all" or (calls_shown == "auto" and len(calls) <= MAX_CALL_ROWS)):
         rows = [
             [
                 str(c.index),
@@ -365,6 +535,15 @@ def format_inspect(
             for c in calls
         ]
         lines.append(format_table(["#", "status", "latency", "inputs", "constants"], rows, right=(0, 2)))
+        lines.extend(f"call {c.index} {c.status}: {c.error}" for c in calls if c.error)
+    elif calls:
+        runs = call_runs(manifest)
+        lines.append(
+            f"{len(calls)} calls in {len(runs)} run{'s' if len(runs) > 1 else ''} of consecutive calls that differ "
+            "only in tensor sizes "
+            "(a..b: the sizes a run spans; --calls all lists every call)"
+        )
+        lines.append(_runs_table(manifest, runs))
         lines.extend(f"call {c.index} {c.status}: {c.error}" for c in calls if c.error)
     else:
         lines.append("no calls recorded")

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Collection, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any
+import weakref
+from collections.abc import Collection, Hashable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
 from iobundle.calls import (
     RecordedCalls,
+    TensorStore,
     build_value,
     count_leaves,
     count_tensors,
@@ -36,9 +38,22 @@ from iobundle.calls import (
 )
 from iobundle.errors import AlignmentError, DynamicShapeError, InputSelectionError
 from iobundle.replay._dim_names import DimNamesSpec, name_dims
-from iobundle.schema import CallEntry, DictNode, ListNode, Node, NoneNode, ObjectNode, TensorNode, TupleNode
+from iobundle.schema import (
+    CallEntry,
+    ConstNode,
+    DictNode,
+    ListNode,
+    Node,
+    NoneNode,
+    ObjectNode,
+    OpaqueNode,
+    TensorNode,
+    TupleNode,
+)
 
 __all__ = [
+    "call_shape",
+    "collect_tensor_keys",
     "received_arguments",
     "spread_var_keyword",
     "Alignment",
@@ -69,6 +84,8 @@ class Alignment:
         owners: Per slot, the positional index or keyword name of the argument it belongs to.
         layout: The best call, where it holds no tensor in an argument that other calls fill,
             with that argument's structure taken from the first call that has tensors there.
+        observed_dims: Filled by :func:`flat_dynamic_dims`: per slot, the dimensions whose size
+            differs across calls (its result without batch forcing nor ``dynamic``, computed once).
     """
 
     calls: list[CallEntry]
@@ -76,6 +93,7 @@ class Alignment:
     slots: list[list[str | None]]
     owners: list[int | str]
     layout: CallEntry
+    observed_dims: list[list[int]] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def best_call(self) -> CallEntry:
@@ -125,31 +143,208 @@ def _bind_to_best(rc: RecordedCalls, call: CallEntry, best: CallEntry) -> tuple[
     return args, kwargs
 
 
-def align_calls(rc: RecordedCalls) -> Alignment:
+def _fingerprint(node: Node, keys: list[str]) -> Hashable:
+    """The structure of ``node`` with its tensor keys erased; appends those keys to ``keys`` in flattening order.
+
+    Two trees with equal fingerprints differ at most in their tensor keys and in the contexts
+    of their registered classes, which alignment never reads (see :func:`call_shape`).
+    """
+    cls = type(node)
+    if cls is TensorNode:
+        keys.append(node.key)  # type: ignore[union-attr]
+        return _TENSOR
+    if cls is NoneNode:
+        return _NONE
+    if cls is ListNode or cls is TupleNode:
+        return (cls, _fingerprints(node.items, keys))  # type: ignore[union-attr]
+    if cls is DictNode:
+        return (cls, tuple(node.keys), _fingerprints(node.items, keys))  # type: ignore[union-attr]
+    if cls is ObjectNode:
+        return (cls, node.type, node.version, _fingerprints(node.items, keys))  # type: ignore[union-attr]
+    if cls is ConstNode:
+        value = node.value  # type: ignore[union-attr]
+        return (cls, type(value), value)
+    if cls is OpaqueNode:
+        return (cls, node.type)  # type: ignore[union-attr]
+    keys.extend(tensor_keys(node))  # a subclass of a node type: the generic walk
+    return object()  # equal to nothing: a call holding one is aligned on its own
+
+
+def _fingerprints(nodes: list[Node], keys: list[str]) -> tuple[Hashable, ...]:
+    """:func:`_fingerprint` of each of ``nodes`` (tensors inline: most children are)."""
+    result: list[Hashable] = []
+    for node in nodes:
+        if type(node) is TensorNode:
+            keys.append(node.key)  # type: ignore[union-attr]
+            result.append(_TENSOR)
+        else:
+            result.append(_fingerprint(node, keys))
+    return tuple(result)
+
+
+_TENSOR, _NONE = "tensor", "none"
+_CONTAINERS = frozenset({ListNode, TupleNode, DictNode, ObjectNode})
+_LEAVES = frozenset({NoneNode, ConstNode, OpaqueNode})
+
+
+def collect_tensor_keys(node: Node, keys: list[str]) -> None:
+    """Append the tensor keys of ``node`` to ``keys`` in flattening order (``tensor_keys``, without a generator)."""
+    cls = type(node)
+    if cls is TensorNode:
+        keys.append(node.key)  # type: ignore[union-attr]
+    elif cls in _CONTAINERS:
+        for child in node.items:  # type: ignore[union-attr]
+            if type(child) is TensorNode:
+                keys.append(child.key)  # type: ignore[union-attr]
+            else:
+                collect_tensor_keys(child, keys)
+    elif cls not in _LEAVES:
+        keys.extend(tensor_keys(node))  # a subclass of a node type: the generic walk
+
+
+class _CallShape(NamedTuple):
+    """One call's inputs as a structure (hashable, tensor keys erased) and the keys it erased, in slot order."""
+
+    key: Hashable
+    keys: list[str]
+
+
+def call_shape(call: CallEntry) -> _CallShape:
+    """What alignment reads of ``call``: every input's structure and its constants; its keys apart.
+
+    Alignment (:func:`_bind_to_best`, :func:`_complete`, :func:`_match`, :func:`align_call`) reads
+    the number of positional arguments, keyword names and order, node kinds, dict keys, class
+    names, lengths and constants, never a tensor key's value nor a class's context: two calls of
+    one shape align the same way, key for key. Computed once per call entry (entries are
+    immutable) and kept while the entry lives: opening a bundle checks the keys with it, and
+    inference reuses it.
+    """
+    hit = _CALL_SHAPES.get(id(call))
+    if hit is not None and hit[0]() is call:
+        return hit[1]
+    keys: list[str] = []
+    kwargs, constants = call.kwargs, call.cst_kwargs
+    structure = (
+        _fingerprints(call.args, keys),
+        tuple(kwargs),
+        _fingerprints(list(kwargs.values()), keys) if kwargs else (),
+        tuple([(k, type(v), v) for k, v in constants.items()]) if constants else (),
+    )
+    shape = _CallShape(structure, keys)
+    ref = _EntryRef(call, _forget_shape)
+    ref.key = id(call)
+    _CALL_SHAPES[ref.key] = (ref, shape)
+    return shape
+
+
+class _EntryRef(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a call entry that remembers the ``id`` it is filed under."""
+
+    __slots__ = ("key",)
+    key: int
+
+
+_CALL_SHAPES: dict[int, tuple[_EntryRef, _CallShape]] = {}
+""":func:`call_shape` of each live call entry, by ``id``."""
+
+
+def _forget_shape(ref: _EntryRef) -> None:
+    hit = _CALL_SHAPES.get(ref.key)
+    if hit is not None and hit[0] is ref:
+        del _CALL_SHAPES[ref.key]
+
+
+def align_calls(rc: RecordedCalls, *, memo: bool = True) -> Alignment:
     """Align every ok call of ``rc`` on its best call.
+
+    The work is done once per distinct call structure (:func:`call_shape`), then each call's
+    keys are put in the slots its structure maps them to; the result is computed once per
+    version of ``rc`` (:meth:`RecordedCalls.touch` invalidates it).
+
+    Args:
+        rc: The recorded calls.
+        memo: False aligns every call on its own and caches nothing: the reference the
+            memoised path is tested against (the same result, slower on many calls).
 
     Raises:
         AlignmentError: No call was recorded, constants differ between calls, an argument holds a
             different number of tensors in two calls, or no call holds every keyword argument.
     """
+    cached = _ALIGNED.get(id(rc)) if memo else None
+    if cached is not None and cached[0]() is rc and cached[1] == _version(rc):
+        return cached[2]
     calls = rc.ok_calls
     if not calls:
         raise AlignmentError(
             "No successful call was recorded. Run the model inside `with observer(model):` "
             "(failed calls are kept in the bundle but never used for inference)."
         )
-    counts = [_n_leaves(c) for c in calls]
+    if not memo:
+        counts = [_n_leaves(c) for c in calls]
+        best_i = counts.index(max(counts))
+        layout = _layout(rc, calls, calls[best_i])
+        alignment = _new_alignment(calls, best_i, layout)
+        alignment.slots.extend(align_call(rc, alignment, call) for call in calls)
+        return alignment
+    shapes = [call_shape(c) for c in calls]
+    firsts: dict[Hashable, int] = {}  # per structure, its first call
+    for i, shape in enumerate(shapes):
+        firsts.setdefault(shape.key, i)
+    leaves = {key: _n_leaves(calls[i]) for key, i in firsts.items()}
+    counts = [leaves[shape.key] for shape in shapes]
     best_i = counts.index(max(counts))
-    layout = _layout(rc, calls, calls[best_i])
-    owners: list[int | str] = [i for i, a in enumerate(layout.args) for _ in range(count_tensors(a))]
-    owners += [k for k, v in layout.kwargs.items() for _ in range(count_tensors(v))]
-    alignment = Alignment(calls=calls, best=best_i, slots=[], owners=owners, layout=layout)
-    alignment.slots.extend(align_call(rc, alignment, call) for call in calls)
+    layout = _layout(rc, [calls[i] for i in firsts.values()], calls[best_i])
+    alignment = _new_alignment(calls, best_i, layout)
+    templates: dict[Hashable, list[int | None] | None] = {}
+    for call, shape in zip(calls, shapes):
+        if shape.key in templates:
+            template = templates[shape.key]
+            if template is not None:
+                keys = shape.keys
+                alignment.slots.append([None if i is None else keys[i] for i in template])
+                continue
+        slots = align_call(rc, alignment, call)
+        alignment.slots.append(slots)
+        if shape.key not in templates:
+            templates[shape.key] = _template(slots, shape.keys)
+    _ALIGNED[id(rc)] = (weakref.ref(rc, functools.partial(_forget, id(rc))), _version(rc), alignment)
     return alignment
 
 
+_ALIGNED: dict[int, tuple[weakref.ref[RecordedCalls], tuple[int, int, int], Alignment]] = {}
+"""The last alignment of each live :class:`RecordedCalls`, by ``id``, with the version it was computed at."""
+
+
+def _version(rc: RecordedCalls) -> tuple[int, int, int]:
+    """What invalidates a cached alignment: a touch, another list of calls, a call appended."""
+    return rc.version, id(rc.calls), len(rc.calls)
+
+
+def _forget(key: int, _: weakref.ref[RecordedCalls]) -> None:
+    _ALIGNED.pop(key, None)
+
+
+def _template(slots: list[str | None], keys: list[str]) -> list[int | None] | None:
+    """``slots`` as positions in ``keys`` (the call's keys in flattening order); None if a key repeats."""
+    positions = {key: i for i, key in enumerate(keys)}
+    if len(positions) != len(keys) or not positions.keys() >= {key for key in slots if key is not None}:
+        return None  # a tensor passed twice: which position a slot took is ambiguous, align such calls one by one
+    return [None if key is None else positions[key] for key in slots]
+
+
+def _new_alignment(calls: list[CallEntry], best_i: int, layout: CallEntry) -> Alignment:
+    owners: list[int | str] = [i for i, a in enumerate(layout.args) for _ in range(count_tensors(a))]
+    owners += [k for k, v in layout.kwargs.items() for _ in range(count_tensors(v))]
+    return Alignment(calls=calls, best=best_i, slots=[], owners=owners, layout=layout)
+
+
 def _layout(rc: RecordedCalls, calls: list[CallEntry], best: CallEntry) -> CallEntry:
-    """``best`` with the parts where it holds no tensor but another call does taken from that call."""
+    """``best`` with the parts where it holds no tensor but another call does taken from that call.
+
+    The first of ``calls`` (in order) that holds tensors in such a part gives it; a call
+    structured like one before it (:func:`call_shape`) gives nothing more, so ``calls`` may be
+    the first call of each structure only.
+    """
     args, kwargs = list(best.args), dict(best.kwargs)
     for call in calls:
         if call is best:
@@ -327,6 +522,12 @@ def _forced_axes(rc: RecordedCalls, alignment: Alignment, dynamic: DynamicSpec) 
     return result
 
 
+def _shapes(store: TensorStore, keys: list[str]) -> list[tuple[int, ...]]:
+    """The shapes of ``keys``: all at once when the store can (``store.shapes``), else one by one."""
+    many = getattr(store, "shapes", None)
+    return list(map(store.shape, keys)) if many is None else many(keys)
+
+
 def flat_dynamic_dims(
     rc: RecordedCalls, alignment: Alignment, batch: BatchSpec = None, dynamic: DynamicSpec = None
 ) -> list[list[int]]:
@@ -338,24 +539,31 @@ def flat_dynamic_dims(
     Raises:
         DynamicShapeError: A tensor changes rank, or ``dynamic`` names an input or an axis no tensor has.
     """
+    plain = not batch and not dynamic
+    if plain and (alignment.observed_dims or not alignment.owners):
+        return [list(dims) for dims in alignment.observed_dims]
     result = []
     empty = empty_dims(alignment)
     forced = _forced_axes(rc, alignment, dynamic)
     used: dict[int | str, set[int]] = {owner: set() for owner in forced}
+    columns = list(zip(*alignment.slots))  # per slot, its key in every call
     for index, owner in enumerate(alignment.owners):
-        shapes = [rc.store.shape(key) for s in alignment.slots if (key := s[index]) is not None]
-        ranks = {len(s) for s in shapes}
+        column = columns[index]
+        present = [key for key in column if key is not None]
+        shapes = _shapes(rc.store, present)
+        ranks = set(map(len, shapes))
         if len(ranks) > 1:
             raise DynamicShapeError(
                 f"Tensor {index} of argument {owner!r} has different ranks across calls: {sorted(ranks)}. "
                 "A dynamic shape cannot describe a change of rank; record calls of one rank."
             )
         rank = ranks.pop() if ranks else 0
-        dims = [d for d in range(rank) if len({s[d] for s in shapes}) > 1]
+        sizes = list(zip(*shapes))  # per dimension, its size in every call
+        dims = [d for d in range(rank) if len(set(sizes[d])) > 1]
         empty_dim = empty[index]
-        if empty_dim is not None and rank and any(s[index] is None for s in alignment.slots):
+        if empty_dim is not None and rank and len(present) < len(column):
             empty_dim %= rank
-            if empty_dim not in dims and any(s[empty_dim] != 0 for s in shapes):
+            if empty_dim not in dims and any(sizes[empty_dim]):
                 dims = sorted([*dims, empty_dim])
         if rank and _batch_forced(rc, owner, batch) and 0 not in dims:
             dims = [0, *dims]
@@ -370,6 +578,8 @@ def flat_dynamic_dims(
                 f"dynamic={{{owner!r}: {sorted(axes)}}}: no tensor of {owner!r} has axis {sorted(axes - used[owner])[0]}; "
                 "give an axis below the rank of the input's tensors."
             )
+    if plain:
+        alignment.observed_dims[:] = [list(dims) for dims in result]
     return result
 
 

@@ -26,10 +26,12 @@ mapped: a bundle of many thousands of calls can be read without running out of d
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import stat
 import threading
+from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Protocol, Union
 
@@ -120,6 +122,50 @@ class BundleRoot:
                 f"File {name!r} leads outside the bundle directory (to {resolved}); refusing to read it."
             )
         return self.path / pure
+
+    def check_members(self, names: Iterable[str]) -> None:
+        """Check every name as :meth:`member` does, with one directory listing per directory instead of one ``lstat`` per name.
+
+        A plain name (letters, digits, ``_``, ``-`` and ``.``, never a component ``.`` or ``..``)
+        in a directory that lies inside the root, and that the listing shows is not a symlink,
+        stays inside the root; any other name (a symlink, a name the listing lacks or that is
+        not plain, a directory that cannot be listed) goes through :meth:`member`.
+
+        Raises:
+            UnsafeBundleError: As :meth:`member`.
+        """
+        by_parent: dict[str, list[str]] = {}
+        for name in names:
+            if isinstance(name, str) and _PLAIN_MEMBER.fullmatch(name):
+                parent, _, base = name.rpartition("/")
+                by_parent.setdefault(parent, []).append(base)
+            else:
+                self.member(name)
+        for parent, bases in by_parent.items():
+            plain = self._plain_entries(parent)
+            for base in bases:
+                if base not in plain:
+                    self.member(f"{parent}/{base}" if parent else base)
+
+    def _plain_entries(self, parent: str) -> frozenset[str]:
+        """Names in directory ``parent`` that are not symlinks, when the directory lies inside the root (else none)."""
+        try:
+            if self._real is None:
+                self._real = os.path.realpath(self.path)
+            real = self._dirs.get(parent or ".")
+            if real is None:
+                real = self._dirs[parent or "."] = os.path.realpath(os.path.join(self._real, parent or "."))
+            root = self._real
+            if real != root and not real.startswith(root if root.endswith(os.sep) else root + os.sep):
+                return frozenset()  # member() says where it leads
+            with os.scandir(real) as entries:
+                return frozenset(e.name for e in entries if not e.is_symlink())
+        except (OSError, RuntimeError, ValueError):
+            return frozenset()  # member() reports it, name by name
+
+
+_PLAIN_MEMBER = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9_.-]*/)*[A-Za-z0-9_][A-Za-z0-9_.-]*")
+"""A relative path of plain components: no ``.`` or ``..``, no separator but ``/``, no colon or control character."""
 
 
 class Root(Protocol):
@@ -396,6 +442,7 @@ class BundleTensorStore:
         self._files: dict[str, _OpenFile] = {}
         self._by_file: dict[str, dict[str, TensorEntry]] | None = None
         self._cache: dict[str, torch.Tensor] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}  # filled by check_sizes()
         self._lock = threading.Lock()
 
     def _entry(self, key: str) -> TensorEntry:
@@ -407,10 +454,49 @@ class BundleTensorStore:
             ) from None
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._entry(key).shape)
+        shape = self._shapes.get(key) if isinstance(key, str) else None
+        return tuple(self._entry(key).shape) if shape is None else shape
 
     def dtype(self, key: str) -> torch.dtype:
         return NAME_TO_DTYPE[self._entry(key).dtype]
+
+    def shapes(self, keys: list[str]) -> list[tuple[int, ...]]:
+        """``[shape(key) for key in keys]``, looked up in one pass (what inference compares across calls)."""
+        try:
+            return list(map(self._shapes.__getitem__, keys))
+        except (KeyError, TypeError):
+            return [self.shape(key) for key in keys]  # raises for an unknown key
+
+    def check_sizes(self) -> None:
+        """Check that every tensor lives in a listed file that is large enough for what it stores; index the shapes.
+
+        An extension (format version 2) stores the part past the tensor it extends. Nothing is
+        read: the sizes are the manifest's, and each file's real size is checked when it is opened.
+
+        Raises:
+            UnsafeBundleError: A tensor lives in an unlisted file or needs more bytes than its file has.
+        """
+        tensors = self.manifest.tensors
+        sizes = {name: file.size for name, file in self.manifest.files.items()}
+        itemsize = {name: dtype.itemsize for name, dtype in NAME_TO_DTYPE.items()}
+        shapes = self._shapes
+        prod = math.prod
+        for key, entry in tensors.items():
+            size = sizes.get(entry.file)
+            if size is None:
+                raise UnsafeBundleError(f"tensors[{key!r}].file: {entry.file!r} is not listed in the manifest's files.")
+            shape = entry.shape
+            nbytes = prod(shape) * itemsize[entry.dtype]
+            extends = entry.extends
+            if extends is not None and nbytes and (base := tensors.get(extends.key)) is not None:
+                length = shape[extends.dim]  # the manifest's checks: the base is no longer along dim
+                nbytes = nbytes // length * (length - base.shape[extends.dim])
+            if nbytes > size:
+                raise UnsafeBundleError(
+                    f"tensors[{key!r}]: {entry.dtype} {entry.shape} needs {nbytes} bytes but its file "
+                    f"{entry.file!r} has {size}."
+                )
+            shapes[key] = tuple(shape)
 
     def file_entries(self, name: str) -> dict[str, TensorEntry]:
         """The tensors stored in file ``name`` as the file holds them (indexed once).
