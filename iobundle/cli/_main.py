@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import logging
 import os
 import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from iobundle._collector import collector_paused
 from iobundle.cli import _checks, _programs, _render, _travel
 from iobundle.errors import (
     BundleError,
@@ -359,25 +359,8 @@ def _open_bundle(path: str) -> Bundle:
     return load_bundle(path)
 
 
-@contextlib.contextmanager
-def _no_cyclic_collection() -> Iterator[None]:
-    """Keep Python's cyclic garbage collector off for a command whose objects all die with it.
-
-    ``inspect`` builds a manifest's objects (150,000 for 1000 calls, no cycle), prints and drops
-    them: a full collection meanwhile walks every object of the process (100-250 ms with torch
-    loaded) and frees nothing. Reference counting still frees everything; the state is restored.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    with _no_cyclic_collection():
+    with collector_paused():  # every object it builds dies with the command
         return _inspect(args)
 
 

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from iobundle._collector import collector_paused
 from iobundle._progress import BYTES, ProgressCallback, notify
 from iobundle._remote import local_path, remote_kind
 from iobundle.calls import RecordedCalls, build_value, iter_tensor_nodes
@@ -69,7 +67,7 @@ class Bundle(RecordedCallsAPI):
             ArchiveError: A packed bundle is not a valid archive, or holds an entry a bundle may not.
             MissingDependencyError: ``path`` is a URL and fsspec (``iobundle[remote]``) is not installed.
         """
-        with _collector_paused():
+        with collector_paused(promote=True):
             return cls._load(path, verify=verify)
 
     @classmethod
@@ -194,31 +192,6 @@ def _report_unknown_key(manifest: Manifest) -> None:
                 raise UnsafeBundleError(
                     f"{where} refers to tensor {node.key!r}, which the manifest's tensors do not list."
                 )
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while a manifest's objects are built and checked.
-
-    A 1000-call manifest is some 150,000 objects and no cycle; with the collector on, building
-    them set off full collections, each of which walked every object of the process (100-250 ms
-    apiece here, with torch loaded) and freed nothing. Objects are still freed by reference
-    counting meanwhile; the previous state is restored, and collections resume afterwards. What
-    was built then goes straight to the oldest generation (``gc.freeze()`` and ``gc.unfreeze()``,
-    unless the process froze objects itself), instead of being walked by the next young collection.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            if gc.get_freeze_count() == 0:  # nobody froze objects on purpose (before a fork): ours to use
-                # Move what was built (and every other tracked object) straight to the oldest generation:
-                # two list splices, where the next young collection would walk all 150,000 objects once more.
-                gc.freeze()
-                gc.unfreeze()
-            gc.enable()
 
 
 def load_bundle(path: str | os.PathLike[str], *, verify: bool = True) -> Bundle:

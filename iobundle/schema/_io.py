@@ -25,7 +25,7 @@ with the same rules and limits: the nesting depth and the pydantic models apply 
 its bulk (``calls`` and ``files``), whose entries have a fixed shape and are checked field by field
 (each call's keys against its structure's tensor slots, each tensor row's dtype, shape and
 extension); it is then built into the same :class:`~iobundle.schema.Manifest`. The cyclic garbage
-collector is paused while a manifest is parsed (:func:`paused_gc`).
+collector is paused while a manifest is parsed (:func:`iobundle._collector.collector_paused`).
 
 A limit exceeded raises :class:`~iobundle.errors.UnsafeBundleError`; anything else that is wrong
 raises :class:`~iobundle.errors.ManifestError`. Both name the file and the offending field.
@@ -34,18 +34,17 @@ Limits on tensor files (header size, byte spans) are checked by ``iobundle.repla
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import os
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import pydantic
 
 from iobundle._atomic import write_atomically
+from iobundle._collector import collector_paused
 from iobundle.errors import (
     BundleNotFoundError,
     ManifestError,
@@ -124,7 +123,7 @@ def parse_manifest(data: bytes | str, *, source: str = MANIFEST_FILENAME) -> Man
             f"{source}: {len(data)} bytes, over the limit of {MAX_MANIFEST_BYTES} bytes (MAX_MANIFEST_BYTES). "
             "The file is corrupt or hostile."
         )
-    with paused_gc():
+    with collector_paused():
         try:
             raw = json.loads(data)
         except RecursionError as exc:
@@ -134,23 +133,6 @@ def parse_manifest(data: bytes | str, *, source: str = MANIFEST_FILENAME) -> Man
         except (ValueError, UnicodeDecodeError) as exc:
             raise ManifestError(f"{source}: not valid JSON ({exc}). Is this a bundle written by iobundle?") from exc
         return validate_manifest(raw, source=source)
-
-
-@contextlib.contextmanager
-def paused_gc() -> Iterator[None]:
-    """Pause the cyclic garbage collector while a manifest is parsed and built.
-
-    Parsing allocates tens of thousands of objects, none of them in a cycle; each allocation
-    threshold passed would otherwise walk every object alive (more than half of the parse time of a
-    1000-call manifest). The collector is resumed, if it was on, however the block ends.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def validate_manifest(raw: Any, *, source: str = MANIFEST_FILENAME) -> Manifest:

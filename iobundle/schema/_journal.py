@@ -30,9 +30,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from iobundle._collector import collector_paused
 from iobundle.errors import ManifestError, UnsafeBundleError
 from iobundle.schema._compact import COMPACT_VERSION, call_record, dump_compact, dumps, file_records
-from iobundle.schema._io import JOURNAL_FILENAME, MAX_CALLS, paused_gc, read_member, validate_manifest
+from iobundle.schema._io import JOURNAL_FILENAME, MAX_CALLS, read_member, validate_manifest
 from iobundle.schema._manifest import CallEntry, FileEntry, Manifest, TensorEntry
 
 __all__ = ["JOURNAL_VERSION", "journal_call_line", "journal_head_line", "load_journal", "parse_journal"]
@@ -79,7 +80,7 @@ def parse_journal(data: bytes, *, source: str = JOURNAL_FILENAME) -> Manifest:
         ManifestError: The head or a complete line is not what the writer writes.
         UnsupportedFormatVersionError, UnsafeBundleError: as for ``manifest.json``.
     """
-    with paused_gc():
+    with collector_paused():
         return _parse_journal(data, source)
 
 
