@@ -1443,6 +1443,7 @@ def figure_8(cfg: Config, workdir: Path) -> Figure:
 
     from iobundle import InputObserver, load_bundle
     from iobundle.cli import main as cli_main
+    from iobundle.schema import load_journal, load_manifest
 
     calls = cfg.open_many_calls
     fig = Figure(
@@ -1468,13 +1469,22 @@ def figure_8(cfg: Config, workdir: Path) -> Figure:
         return observer
 
     saved, journal = workdir / "many-saved.iobundle", workdir / "many-journal.iobundle"
+    v2 = workdir / "many-v2.iobundle"
     record(None).save(saved)
     shutil.copytree(saved, journal)  # the same calls as a killed stream leaves them: journal only
     (journal / "journal.jsonl").write_bytes(_as_journal(saved))
     (journal / "manifest.json").unlink()
+    shutil.copytree(saved, v2)  # the same calls as format version 2 wrote them (whole trees, indented)
+    (v2 / "manifest.json").write_text(
+        load_manifest(saved).model_copy(update={"format_version": 2}).model_dump_json(indent=1)
+    )
 
-    def opener(path: Path) -> Callable[[int], dict[str, float]]:
+    def opener(path: Path, parse: Callable[[Path], Any]) -> Callable[[int], dict[str, float]]:
         def run(rep: int) -> dict[str, float]:
+            begin = time.perf_counter()
+            parsed = parse(path)
+            parsing = time.perf_counter() - begin
+            del parsed
             begin = time.perf_counter()
             bundle = load_bundle(path)
             n = bundle.num_obs()
@@ -1486,18 +1496,26 @@ def figure_8(cfg: Config, workdir: Path) -> Figure:
             cli = time.perf_counter() - begin
             if n != calls or code != 0:
                 raise RuntimeError(f"{path}: {n} calls, inspect exit code {code}")
-            return {"t": opened, "cli": cli}
+            return {"t": opened, "cli": cli, "parse": parsing}
 
         return run
 
     try:
         samples = _run_interleaved(
-            cfg.reps_open_many, {"saved": opener(saved), "journal": opener(journal)}, warmup=cfg.warmup
+            cfg.reps_open_many,
+            {
+                "saved": opener(saved, load_manifest),
+                "journal": opener(journal, load_journal),
+                "v2": opener(v2, load_manifest),
+            },
+            warmup=cfg.warmup,
         )
         manifest_kib = (saved / "manifest.json").stat().st_size / 1024
+        v2_kib = (v2 / "manifest.json").stat().st_size / 1024
     finally:
         _remove(saved)
         _remove(journal)
+        _remove(v2)
     fig.rows.append(
         Row(
             "saved",
@@ -1527,6 +1545,31 @@ def figure_8(cfg: Config, workdir: Path) -> Figure:
             "journal.jsonl only: `iobundle inspect` (in process)",
             [t * 1e3 for t in samples["journal"]["cli"]],
         )
+    )
+    fig.rows.append(
+        Row(
+            "saved_parse",
+            "manifest.json: load_manifest alone (the part of the open above that parses)",
+            [t * 1e3 for t in samples["saved"]["parse"]],
+        )
+    )
+    fig.rows.append(
+        Row(
+            "journal_parse",
+            "journal.jsonl only: load_journal alone",
+            [t * 1e3 for t in samples["journal"]["parse"]],
+        )
+    )
+    fig.rows.append(
+        Row(
+            "v2",
+            "the same calls as format version 2: load_bundle + num_obs + infer_dynamic_shapes",
+            [t * 1e3 for t in samples["v2"]["t"]],
+            note=f"manifest {v2_kib:,.0f} KiB",
+        )
+    )
+    fig.rows.append(
+        Row("v2_parse", "format version 2: load_manifest alone", [t * 1e3 for t in samples["v2"]["parse"]])
     )
     _fill_ratios(fig, "saved")
     for variant in ("saved", "saved_cli", "journal", "journal_cli"):
