@@ -180,10 +180,11 @@ class DeltaIndex:
             keys = self._by_signature.get(sig)
             if not keys:
                 continue
-            # The i-th tensor of a signature in this call most often extends the i-th of the last
-            # call (the layers of a cache): that one first, then the most recent first.
-            hint = self._cursor.get(sig, 0)
-            order = [hint] if hint < len(keys) else []
+            # The most recent first: the longest base (the last call's layer, not an older one it extends
+            # too). Once a tensor of this signature matched in this call, the next one most often extends
+            # the key after that match (the next layer of a cache): that one first.
+            hint = self._cursor.get(sig)
+            order = [hint] if hint is not None and hint < len(keys) else []
             order += [i for i in range(len(keys) - 1, -1, -1) if i != hint]
             for i in order:
                 key = keys[i]

@@ -83,6 +83,29 @@ class TestRoundTrip:
         whole = sum(sum(p.numel() * 4 for p in past) + mask.numel() * 8 for past, mask in calls)
         assert stored < whole / 2  # the repeated positions are not stored again
 
+    def test_each_step_extends_the_step_before_it(self, tmp_path: Path, stream: bool) -> None:
+        # a decode loop: each call's cache is the previous call's output grown by one position, so
+        # every extension must take the previous step as its base (one new position stored), not an
+        # older step that it extends too
+        class Decoder(torch.nn.Module):
+            def forward(self, x, past):
+                return [torch.cat([p, p[:, :, -1:] + x], dim=2) for p in past]
+
+        model, observer = Decoder(), InputObserver()
+        path = tmp_path / ("streamed" if stream else "saved")
+        past = cache(4, layers=3)
+        with observer(model, store_n_calls=8, stream_to=path if stream else None):
+            for i in range(8):
+                past = model(torch.tensor(float(i)), past)
+        if not stream:
+            observer.save(path)
+        tensors = load_bundle(path).manifest.tensors
+        grown = [(k, e) for k, e in tensors.items() if e.extends is not None]
+        assert len(grown) >= 3 * 6  # every layer from the second step on (streaming: once growth was seen)
+        for key, entry in grown:
+            base = tensors[entry.extends.key]
+            assert entry.shape[2] - base.shape[2] == 1, f"{key} extends {entry.extends.key}: {base.shape} -> {entry.shape}"
+
     def test_beam_search_reorder_is_stored_whole(self, tmp_path: Path, stream: bool) -> None:
         past = [torch.randn(3, 2, 4, 4) for _ in range(2)]
         reordered = [grow(p.index_select(0, torch.tensor([2, 0, 0]))) for p in past]  # beams reordered, then grown
