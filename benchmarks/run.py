@@ -1516,61 +1516,25 @@ def figure_8(cfg: Config, workdir: Path) -> Figure:
         _remove(saved)
         _remove(journal)
         _remove(v2)
-    fig.rows.append(
-        Row(
-            "saved",
-            "manifest.json: load_bundle + num_obs + infer_dynamic_shapes",
-            [t * 1e3 for t in samples["saved"]["t"]],
-            note=f"manifest {manifest_kib:,.0f} KiB",
-        )
-    )
-    fig.rows.append(
-        Row(
+    open_all = "load_bundle + num_obs + infer_dynamic_shapes"
+    rows = [  # row id, variant, sample, label, note
+        ("saved", "saved", "t", f"manifest.json: {open_all}", f"manifest {manifest_kib:,.0f} KiB"),
+        (
             "saved_cli",
+            "saved",
+            "cli",
             "manifest.json: `iobundle inspect` (in process)",
-            [t * 1e3 for t in samples["saved"]["cli"]],
-            note="past 20 calls, one row per run of consecutive calls that differ only in tensor sizes",
-        )
-    )
-    fig.rows.append(
-        Row(
-            "journal",
-            "journal.jsonl only (killed stream): load_bundle + num_obs + infer_dynamic_shapes",
-            [t * 1e3 for t in samples["journal"]["t"]],
-        )
-    )
-    fig.rows.append(
-        Row(
-            "journal_cli",
-            "journal.jsonl only: `iobundle inspect` (in process)",
-            [t * 1e3 for t in samples["journal"]["cli"]],
-        )
-    )
-    fig.rows.append(
-        Row(
-            "saved_parse",
-            "manifest.json: load_manifest alone (the part of the open above that parses)",
-            [t * 1e3 for t in samples["saved"]["parse"]],
-        )
-    )
-    fig.rows.append(
-        Row(
-            "journal_parse",
-            "journal.jsonl only: load_journal alone",
-            [t * 1e3 for t in samples["journal"]["parse"]],
-        )
-    )
-    fig.rows.append(
-        Row(
-            "v2",
-            "the same calls as format version 2: load_bundle + num_obs + infer_dynamic_shapes",
-            [t * 1e3 for t in samples["v2"]["t"]],
-            note=f"manifest {v2_kib:,.0f} KiB",
-        )
-    )
-    fig.rows.append(
-        Row("v2_parse", "format version 2: load_manifest alone", [t * 1e3 for t in samples["v2"]["parse"]])
-    )
+            "past 20 calls, one row per run of consecutive calls that differ only in tensor sizes",
+        ),
+        ("journal", "journal", "t", f"journal.jsonl only (killed stream): {open_all}", ""),
+        ("journal_cli", "journal", "cli", "journal.jsonl only: `iobundle inspect` (in process)", ""),
+        ("saved_parse", "saved", "parse", "manifest.json: load_manifest alone (the part of the open above that parses)", ""),
+        ("journal_parse", "journal", "parse", "journal.jsonl only: load_journal alone", ""),
+        ("v2", "v2", "t", f"the same calls as format version 2: {open_all}", f"manifest {v2_kib:,.0f} KiB"),
+        ("v2_parse", "v2", "parse", "format version 2: load_manifest alone", ""),
+    ]
+    for row_id, variant, sample, label, note in rows:
+        fig.rows.append(Row(row_id, label, [t * 1e3 for t in samples[variant][sample]], note=note))
     _fill_ratios(fig, "saved")
     for variant in ("saved", "saved_cli", "journal", "journal_cli"):
         med = statistics.median(fig.row(variant).samples or [float("nan")])
