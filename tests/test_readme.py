@@ -36,12 +36,19 @@ def test_docs_home_page_shows_the_same_five_minutes():
     assert five_minute_snippets(ROOT / "docs" / "index.md") == five_minute_snippets()
 
 
-def test_readme_links_lead_to_files_of_the_repository():
+def _anchors(page: Path) -> set[str]:
+    """The anchors of a Markdown page's headings, as mkdocs (and GitHub) spell them."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(encoding="utf-8"), flags=re.M)
+    return {re.sub(r"[\s]+", "-", re.sub(r"[^\w\s-]", "", h.strip().lower())) for h in headings}
+
+
+def test_readme_links_lead_to_files_and_headings_of_the_repository():
     text = README.read_text(encoding="utf-8")
-    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
-    local = [link for link in links if "://" not in link]
-    assert "docs/cli.md" in local and "docs/design.md" in local
-    assert [link for link in local if not (ROOT / link).is_file()] == []
+    links = re.findall(r"\]\(([^)#\s]+)(#[^)]*)?\)", text)
+    local = [(path, anchor[1:]) for path, anchor in links if "://" not in path]
+    assert ("docs/cli.md", "") in local and "docs/design.md" in {path for path, _ in local}
+    assert [path for path, _ in local if not (ROOT / path).is_file()] == []
+    assert [(p, a) for p, a in local if a and a not in _anchors(ROOT / p)] == []
 
 
 def test_readme_names_the_extra_that_brings_transformers():
