@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first: the CPU wheel these machines carry; a bare `torch` would pull a CUDA build
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,docs]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -27,9 +27,14 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
 
-# The model zoo (tests/zoo): every family exported and validated from its bundle; the matrix goes into README.md
+# The model zoo (tests/zoo): every family exported and validated from its bundle; the matrix goes into docs/llm.md
 zoo: $(STAMP)
 	$(PY) tests/zoo/matrix.py
+
+# The documentation site (mkdocs.yml, docs/) into site/; strict: a broken link or a bad docstring fails
+.PHONY: docs
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 fuzz: $(STAMP)
 	IOBUNDLE_FUZZ_EXAMPLES=5000 $(PY) -m pytest -q tests/replay/test_fuzz.py
@@ -38,4 +43,4 @@ schema: $(STAMP)
 	$(PY) -c "from iobundle.schema import manifest_json_schema as s; open('iobundle/schema/manifest.schema.json','w').write(s())"
 
 clean:
-	rm -rf $(VENV) demo-output .pytest_cache .ruff_cache
+	rm -rf $(VENV) demo-output site .pytest_cache .ruff_cache

@@ -39,6 +39,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):  # run as a script: sys.path[0] is benchmarks/, the repository root is not
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 MIB = 1024**2
 
 
@@ -160,7 +163,7 @@ def decode_checks(device: Any, reps: int, workdir: Path, new_tokens: int) -> dic
     except ImportError as exc:
         out["tiny_llama"] = {"skipped": f"transformers unavailable ({exc})"}
         return out
-    from run import tiny_llama  # benchmarks/ is this script's directory
+    from benchmarks.capture_cost import tiny_llama
 
     llama = tiny_llama().to(device)
     register_cache_pytrees_for_model(llama)  # the reference needs it to flatten a DynamicCache
@@ -188,7 +191,7 @@ def decode_step_checks(device: Any, reps: int, workdir: Path, steps: int) -> dic
     from iobundle import InputObserver
 
     try:
-        from run import tiny_llama  # benchmarks/ is this script's directory
+        from benchmarks.capture_cost import tiny_llama
     except ImportError as exc:
         return {"skipped": f"transformers unavailable ({exc})"}
     llama = tiny_llama().to(device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import subprocess
@@ -100,3 +101,23 @@ def test_gpu_check_code_paths_run_on_cpu():
         assert {"plain", "reference", "iobundle"} <= variants.keys()
         assert all("median" in v for v in variants.values()), variants
     assert {"pageable_prefaulted_copy", "iobundle_tensor_bytes", "iobundle_in_memory_snapshot"} <= result["d2h"].keys()
+
+
+def test_benchmarks_use_only_public_faces_of_iobundle():
+    """No ``iobundle.X._y``: the private modules behind a public face move without notice."""
+    private = []
+    for path in sorted(BENCHMARKS.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "iobundle" and any(p.startswith("_") and p != "__version__" for p in parts):
+                    private.append(f"{path.name}:{node.lineno} {name}")
+    assert private == []
+
+
+def test_no_benchmark_module_over_800_lines():
+    lengths = {p.name: len(p.read_text("utf-8").splitlines()) for p in BENCHMARKS.glob("*.py")}
+    assert len(lengths) > 2 and {n: k for n, k in lengths.items() if k > 800} == {}

@@ -62,7 +62,6 @@ class TensorCollector:
 
     Args:
         snapshot: ``tensor -> stored copy``; called once per distinct tensor.
-        prefix: Prefix of the keys handed out.
     """
 
     def __init__(self, snapshot: Callable[[torch.Tensor], torch.Tensor]) -> None:

@@ -1,9 +1,9 @@
-"""Run the model zoo and write its support matrix into README.md (``make zoo``).
+"""Run the model zoo and write its support matrix into docs/llm.md (``make zoo``).
 
 Usage::
 
-    python tests/zoo/matrix.py                  # every family; README.md between the zoo markers
-    python tests/zoo/matrix.py llama gemma2     # some families; README.md untouched
+    python tests/zoo/matrix.py                  # every family; docs/llm.md between the zoo markers
+    python tests/zoo/matrix.py llama gemma2     # some families; docs/llm.md untouched
     python tests/zoo/matrix.py --json out.json  # also every result as JSON
 
 The matrix has one row per bundle: calls recorded, programs exported, patches applied, the
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from families import FAMILIES, Family, family
 from harness import FamilyResult, run_families
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "llm.md"
 START, END = "<!-- zoo:start -->", "<!-- zoo:end -->"
 
 
@@ -81,19 +81,19 @@ def _cpu_seconds() -> float:
     )
 
 
-def write_readme(table: str, readme: Path = README) -> None:
-    """Replace the text between the zoo markers of ``readme`` with ``table``."""
-    text = readme.read_text("utf-8")
+def write_page(table: str, page: Path = PAGE) -> None:
+    """Replace the text between the zoo markers of ``page`` with ``table``."""
+    text = page.read_text("utf-8")
     if START not in text or END not in text:
-        raise SystemExit(f"{readme}: no {START} ... {END} markers to write the matrix between")
+        raise SystemExit(f"{page}: no {START} ... {END} markers to write the matrix between")
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{START}\n{table}\n{END}{tail}", "utf-8")
+    page.write_text(f"{head}{START}\n{table}\n{END}{tail}", "utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("families", nargs="*", help="family names (default: all, and README.md is updated)")
+    parser.add_argument("families", nargs="*", help="family names (default: all, and docs/llm.md is updated)")
     parser.add_argument("--json", help="write every result to this JSON file")
     parser.add_argument("--jobs", type=int, default=2, help="replays run side by side (default: %(default)s)")
     parser.add_argument("--keep", help="write the bundles and ONNX files here instead of a temporary directory")
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({k: r.to_json() for k, r in results.items()}, indent=1), "utf-8")
     if not args.families:
-        write_readme(table)
+        write_page(table)
     unexpected = [e.name for e in entries if bool(results[e.name].failures(e.atol)) != bool(e.known_failure)]
     return 1 if unexpected else 0
 

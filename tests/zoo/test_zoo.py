@@ -6,7 +6,7 @@ CLI in fresh processes (``iobundle export BUNDLE --from-bundle --batch-all`` che
 ``ep.module()`` on every recorded call; ``iobundle validate`` runs onnxruntime on every
 recorded call), two at a time. A family passes when both commands succeed and every
 recorded call is within the family's tolerance in both runtimes. ``make zoo`` runs the same
-harness and writes the support matrix into README.md.
+harness and writes the support matrix into docs/llm.md.
 """
 
 from __future__ import annotations
