@@ -164,11 +164,13 @@ class RecordedCallsAPI:
 
         Returns:
             How many inputs were removed, summed over the calls (0 when the inputs are parameters
-            no call passed).
+            no call passed, or names that are neither parameters nor recorded inputs: a
+            ``UserWarning`` names those, as yobx HEAD returns 0 for them).
 
         Raises:
-            InputSelectionError: A name is unknown, or removing it is impossible because of ``*args``
-                (the message names the variadic parameter); a ``ValueError`` and an ``AlignmentError``.
+            InputSelectionError: A position outside the signature, an item neither a name nor a
+                position, or a removal impossible because of ``*args`` (the message names the variadic
+                parameter); a ``ValueError`` and an ``AlignmentError``.
         """
         rc = self._recorded()
         selected = [names] if isinstance(names, (str, int)) else list(names)
