@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import torch
 
+from iobundle._remote import resolve_output
 from iobundle.calls import RecordedCalls
 from iobundle.errors import ExportError, ReplayError
 from iobundle.replay._dims import owner_name
@@ -188,7 +189,8 @@ class ProgramSet:
         Raises:
             ExportError: ``torch.onnx.export`` failed on a program.
         """
-        path = Path(path)
+        path = resolve_output(path, remote=False, what="to_onnx")
+        assert isinstance(path, Path)
         if len(self.programs) == 1:
             only = self.programs[0]
             self.files = [save_onnx(only.rc, only.program, path)]
