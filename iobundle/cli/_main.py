@@ -381,7 +381,9 @@ def refuse_damaged(bundle: Bundle, where: str) -> None:
     """
     problems = damaged_files(bundle, where)
     if problems:
-        more = f" (and {len(problems) - 1} more files: `iobundle verify {where}` lists them)" if len(problems) > 1 else ""
+        more = (
+            f" (and {len(problems) - 1} more files: `iobundle verify {where}` lists them)" if len(problems) > 1 else ""
+        )
         raise TensorFileError(problems[0] + more)
 
 

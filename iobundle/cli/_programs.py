@@ -74,12 +74,16 @@ def _check_writable(path: str, flag: str, *, overwrite: bool) -> None:
         if os.path.isdir(path):
             raise BundleExistsError(f"{flag} {path}: a directory is there. Give a file name.")
         if not overwrite:
-            raise BundleExistsError(f"{flag} {path}: the file exists. Pass --overwrite to replace it, or choose another path.")
+            raise BundleExistsError(
+                f"{flag} {path}: the file exists. Pass --overwrite to replace it, or choose another path."
+            )
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):  # written into folders made on the way: the first existing one must be writable
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise BundleWriteError(f"{flag} {path}: cannot write into {parent} (not a writable directory). Choose another path.")
+        raise BundleWriteError(
+            f"{flag} {path}: cannot write into {parent} (not a writable directory). Choose another path."
+        )
 
 
 def _check_export_output(args: argparse.Namespace) -> str:
@@ -181,7 +185,9 @@ def dynamic_spec(args: argparse.Namespace, bundle: Bundle) -> dict[int | str, se
 
 def _max_rank(bundle: Bundle, name: str) -> int | None:
     """The highest rank among the tensors recorded for input ``name`` in any call (None when it holds none)."""
-    positional = [p.name for p in bundle.manifest.signature.parameters if p.kind in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")]
+    positional = [
+        p.name for p in bundle.manifest.signature.parameters if p.kind in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")
+    ]
     tensors = bundle.manifest.tensors
     ranks: list[int] = []
 
@@ -284,7 +290,9 @@ def cmd_export(args: argparse.Namespace) -> int:
                 check=not args.no_check, atol=atol, rtol=rtol, dim_names=args.dim_names,
                 on_progress=bars,
             )  # fmt: skip
-            onnx_task = "torch.onnx.export" + (f" ({len(result.programs)} programs)" if len(result.programs) > 1 else "")
+            onnx_task = "torch.onnx.export" + (
+                f" ({len(result.programs)} programs)" if len(result.programs) > 1 else ""
+            )
             bars(ProgressEvent(onnx_task, 0, 1))
             path = result.to_onnx(output)
             bars(ProgressEvent(onnx_task, 1, 1))

@@ -220,9 +220,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         if not args.model:
             raise CLIError("--to onnx-testdata needs --model MODEL.onnx (its graph names the inputs and outputs).")
         with progress_bars(args) as bars:
-            result = convert_to_onnx_testdata(
-                bundle, args.model, output, overwrite=args.overwrite, on_progress=bars
-            )
+            result = convert_to_onnx_testdata(bundle, args.model, output, overwrite=args.overwrite, on_progress=bars)
         _render.out(f"wrote {result.calls} test data sets ({len(result.paths)} files) into {args.output}")
     else:
         if args.model:

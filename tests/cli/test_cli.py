@@ -278,7 +278,9 @@ class TestErrors:
         lines = err.splitlines()
         assert len(lines) == 2
         assert lines[0].startswith("error: ") and "nope" in lines[0]
-        assert lines[1].startswith("hint: check the path") and lines[1].endswith("(IOBUNDLE_DEBUG=1 shows the full traceback)")
+        assert lines[1].startswith("hint: check the path") and lines[1].endswith(
+            "(IOBUNDLE_DEBUG=1 shows the full traceback)"
+        )
 
     def test_directory_without_manifest(self, capsys, tmp_path):
         code, _, err = run(capsys, "inspect", tmp_path)
@@ -320,7 +322,14 @@ class TestHelp:
     def test_top_level_help_documents_commands_and_exit_codes(self, capsys):
         code, out, _ = run(capsys, "--help")
         assert code == 0
-        for word in ("inspect", "shapes", "verify", "examples:", "exit codes (the same in every command):", "IOBUNDLE_DEBUG"):
+        for word in (
+            "inspect",
+            "shapes",
+            "verify",
+            "examples:",
+            "exit codes (the same in every command):",
+            "IOBUNDLE_DEBUG",
+        ):
             assert word in out
         assert "  1  a check failed" in out and "  2  usage error" in out
 
