@@ -98,7 +98,8 @@ HINTS: dict[type[IobundleError], str] = {
     AlignmentError: "`iobundle inspect BUNDLE` shows the recorded calls; record calls that agree on their constants "
     "and structure",
     DynamicShapeError: "`iobundle inspect BUNDLE` shows each call's shapes; record calls of one rank per input",
-    ExportError: "the lines above say which step or call failed; --no-check writes the ONNX file anyway",
+    ExportError: "-v shows the exporter's own log lines; when recorded calls differ, the table above names them "
+    "and --no-check writes the ONNX file anyway",
     NothingToCompareError: "record the bundle with its outputs (or `iobundle redact --keep-outputs`); "
     "`iobundle export` still checks the program against the eager model",
 }

@@ -1,8 +1,9 @@
 """The command's logging: iobundle's loggers on stderr at the level -v/-q ask for, third-party noise kept off.
 
 Without ``-v``, the warnings and log lines of the libraries iobundle drives (torch's logging
-lines, deprecation notices, onnxscript's chatter) do not reach stderr; their errors still do, and
-iobundle's own warnings always show. torch resets its loggers when it is imported, which the
+lines, its error lines with a traceback of a failed trace, deprecation notices, onnxscript's
+chatter) do not reach stderr: iobundle says what failed in its own error line, and its own
+warnings always show. torch resets its loggers when it is imported, which the
 commands do late (``iobundle --help`` never loads it): :func:`silence_libraries` is called again
 once it is loaded (when a bundle is opened, when a progress bar starts).
 """
@@ -19,10 +20,10 @@ from typing import Any
 __all__ = ["THIRD_PARTY_LOGGERS", "configure_logging", "silence_libraries"]
 
 THIRD_PARTY_LOGGERS = ("torch", "onnx", "onnxscript", "onnx_ir", "onnxruntime", "transformers", "fsspec")
-"""Loggers of the libraries iobundle drives: their lines below ERROR reach stderr with -v only."""
+"""Loggers of the libraries iobundle drives: their lines (but CRITICAL ones) reach stderr with -v only."""
 
 _silenced: list[tuple[logging.Logger, int]] | None = None
-"""While a command runs without -v: the loggers set to ERROR and their previous levels; None otherwise."""
+"""While a command runs without -v: the loggers set to CRITICAL and their previous levels; None otherwise."""
 
 
 class _CLILogHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -42,14 +43,14 @@ class _CLILogHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
 
 def silence_libraries() -> None:
-    """Set the third-party loggers to ERROR again (a no-op with -v, or outside a command)."""
+    """Set the third-party loggers to CRITICAL again (a no-op with -v, or outside a command)."""
     if _silenced is None:
         return
     for name in THIRD_PARTY_LOGGERS:
         lg = logging.getLogger(name)
-        if lg.level != logging.ERROR:
+        if lg.level != logging.CRITICAL:
             _silenced.append((lg, lg.level))
-            lg.setLevel(logging.ERROR)
+            lg.setLevel(logging.CRITICAL)
 
 
 @contextlib.contextmanager

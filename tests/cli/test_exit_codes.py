@@ -7,6 +7,7 @@ a bad manifest, a path that does not exist) and its code is compared with the RE
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from collections.abc import Callable, Iterator
@@ -17,11 +18,17 @@ import torch
 
 from iobundle import InputObserver
 from iobundle.cli import main
-from iobundle.cli._exits import EXIT_DAMAGED, EXIT_OK, EXIT_USAGE
+from iobundle.cli._exits import EXIT_CHECK_FAILED, EXIT_DAMAGED, EXIT_OK, EXIT_USAGE
 
 pytest.importorskip("onnxruntime")
 
 README = Path(__file__).parents[2] / "README.md"
+
+WRONG_SHAPE = """
+
+def wrong_shape():
+    return torch.nn.Linear(5, 2)  # the recorded x is n x 4
+"""
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +38,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory, factories_source: str) -> 
     The ONNX model is exported once, with ``-q`` and two ``--report`` files, which the tests below check.
     """
     root = tmp_path_factory.mktemp("exit_codes")
-    (root / "factories.py").write_text(factories_source)
+    (root / "factories.py").write_text(factories_source + WRONG_SHAPE)
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(root)
         mp.syspath_prepend(str(root))
@@ -289,3 +296,54 @@ def test_pack_and_redact_upload_to_a_url(packed, capsys, writer):
     capsys.readouterr()
     assert fsspec.filesystem("memory").exists(url.split("://", 1)[1])
     assert main(["verify", url, "-q"]) == EXIT_OK
+
+
+# --------------------------------------------------------------------------- errors that help
+
+
+class _Other(torch.nn.Module):
+    def forward(self, x):
+        return x + 1
+
+
+def test_validate_against_another_bundles_model_says_the_mismatch_in_one_line(cwd, tmp_path, capsys):
+    observer = InputObserver()
+    model = _Other()
+    with observer(model):
+        model(torch.ones(2, 3, 4, dtype=torch.int64))
+    observer.save(tmp_path / "other.iobundle")
+    assert main(["validate", str(tmp_path / "other.iobundle"), "model.onnx"]) == EXIT_USAGE
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 2 and captured.out == ""
+    assert lines[0] == (
+        "error: model.onnx does not fit the bundle: x takes float of rank 2, the bundle holds int64 of rank 3. "
+        "Give the ONNX model exported from this bundle (iobundle export BUNDLE ...)."
+    )
+    assert "ONNXRuntimeError" not in captured.err and lines[1].startswith("hint: check MODULE:FACTORY")
+
+
+def test_each_error_class_has_a_hint_that_says_what_to_do(cwd, damaged, capsys):
+    hints = {}
+    for argv in (
+        ["verify", "nope.iobundle"],
+        ["shapes", damaged["truncated tensor file"]],
+        ["pack", "run.iobundle", "-o", "model.onnx"],
+    ):
+        main(argv)
+        hints[argv[0]] = capsys.readouterr().err.splitlines()[-1]
+    assert hints["verify"].startswith("hint: check the path")
+    assert hints["shapes"].startswith("hint: run `iobundle verify BUNDLE`")
+    assert hints["pack"].startswith("hint: pass --overwrite")
+
+
+def test_third_party_log_lines_stay_off_stderr_unless_verbose(cwd, tmp_path, capfd):
+    argv = ["export", "run.iobundle", "--model", "factories:wrong_shape", "-o", str(tmp_path / "w.onnx")]
+    assert main(argv) == EXIT_CHECK_FAILED
+    lines = capfd.readouterr().err.splitlines()
+    assert lines[0].startswith("error: torch.export failed on recorded call 0") and lines[-1].startswith("hint: -v")
+    assert not any(re.match(r"[EWI]\d{4} ", line) for line in lines)  # torch's own log lines
+    assert not any("fake_tensor.py" in line or "Traceback" in line for line in lines)
+    sys.modules.pop("factories", None)
+    assert main([*argv, "-v"]) == EXIT_CHECK_FAILED
+    assert "fake_tensor.py" in capfd.readouterr().err  # torch's own error lines, with -v
