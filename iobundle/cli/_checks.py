@@ -68,7 +68,7 @@ the model cannot be read or a tolerance names no output, 4 when the bundle holds
 outputs (redacted): nothing compared.""",
 }
 
-_TOLERANCE_HELP = (
+TOLERANCE_HELP = (
     "{what} tolerance: VALUE for every output, or NAME=VALUE for one output (its name in the output tree, "
     "e.g. logits or past_key_values[0], or its ONNX name; fnmatch patterns allowed); repeat the flag "
     "(default: {default:g})"
@@ -94,14 +94,14 @@ def add_comparison_flags(parser: argparse.ArgumentParser, *, report: bool = True
         action="append",
         metavar="[NAME=]VALUE",
         default=None,
-        help=_TOLERANCE_HELP.format(what="absolute", default=DEFAULT_ATOL),
+        help=TOLERANCE_HELP.format(what="absolute", default=DEFAULT_ATOL),
     )
     group.add_argument(
         "--rtol",
         action="append",
         metavar="[NAME=]VALUE",
         default=None,
-        help=_TOLERANCE_HELP.format(what="relative", default=DEFAULT_RTOL),
+        help=TOLERANCE_HELP.format(what="relative", default=DEFAULT_RTOL),
     )
     group.add_argument(
         "--check-error-stat",

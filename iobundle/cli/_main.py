@@ -296,12 +296,12 @@ def _build_parser() -> argparse.ArgumentParser:
         help="name the graph's dynamic dimensions (batch_size, past_sequence_length, ...), as shapes --dim-names prints",
     )
     p.add_argument(
-        "--atol", action="append", metavar="VALUE",
-        help=f"absolute tolerance of the check (default: {_checks.DEFAULT_ATOL:g})",
+        "--atol", action="append", metavar="[NAME=]VALUE",
+        help="the check's " + _checks.TOLERANCE_HELP.format(what="absolute", default=_checks.DEFAULT_ATOL),
     )  # fmt: skip
     p.add_argument(
-        "--rtol", action="append", metavar="VALUE",
-        help=f"relative tolerance of the check (default: {_checks.DEFAULT_RTOL:g})",
+        "--rtol", action="append", metavar="[NAME=]VALUE",
+        help="the check's " + _checks.TOLERANCE_HELP.format(what="relative", default=_checks.DEFAULT_RTOL),
     )  # fmt: skip
     p.set_defaults(handler=_programs.cmd_export)
 

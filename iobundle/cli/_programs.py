@@ -250,19 +250,6 @@ def _with_batch_check(text: str, report: Any) -> str:
     return f"{text}\nbeyond the recorded calls: {check.summary()}"
 
 
-def _tolerance(values: list[str] | None, flag: str, default: float) -> float:
-    """export's --atol/--rtol: one VALUE (the check of the exported program compares every output with it)."""
-    value, per_output = _checks.tolerances(values, flag, default)
-    if per_output:
-        name = next(iter(per_output))
-        raise CLIError(
-            f"{flag} {name}={per_output[name]:g}: export checks the exported program with one tolerance for every "
-            f"output; give {flag} VALUE here, and per-output tolerances to validate: "
-            f"iobundle validate BUNDLE MODEL.onnx {flag} {name}={per_output[name]:g}."
-        )
-    return value
-
-
 def cmd_export(args: argparse.Namespace) -> int:
     """``iobundle export``: one program, or one per phase (``--programs``), checked on every call.
 
@@ -271,8 +258,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     """
     from iobundle.cli._main import EXIT_CHECK_FAILED, EXIT_OK, _batch_spec, _open_bundle, refuse_damaged
 
-    atol = _tolerance(args.atol, "--atol", _checks.DEFAULT_ATOL)
-    rtol = _tolerance(args.rtol, "--rtol", _checks.DEFAULT_RTOL)
+    atol, output_atol = _checks.tolerances(args.atol, "--atol", _checks.DEFAULT_ATOL)
+    rtol, output_rtol = _checks.tolerances(args.rtol, "--rtol", _checks.DEFAULT_RTOL)
     output = _check_export_output(args)
     reports = _export_report_paths(args.report)
     bundle = _open_bundle(args.bundle)
@@ -287,8 +274,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         with _checks.progress_bars(args, stages=True) as bars:
             result = bundle.export_programs(
                 model, programs=args.programs, set_batch_dimension_for=spec, dynamic=dynamic,
-                check=not args.no_check, atol=atol, rtol=rtol, dim_names=args.dim_names,
-                on_progress=bars,
+                check=not args.no_check, atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
+                dim_names=args.dim_names, on_progress=bars,
             )  # fmt: skip
             onnx_task = "torch.onnx.export" + (
                 f" ({len(result.programs)} programs)" if len(result.programs) > 1 else ""

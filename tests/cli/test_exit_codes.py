@@ -180,7 +180,7 @@ def test_shapes_dynamic_axis_out_of_range_is_a_usage_error_naming_the_input(cwd,
         (["validate", "run.iobundle", "model.onnx", "--atol", "abc"], "is not a number"),
         (["validate", "run.iobundle", "model.onnx", "--report", "r.txt"], "extension picks the format"),
         (["export", "run.iobundle", "--model", "factories:good", "-o", "x.onnx", "--report", "e.md"], "as JSON"),
-        (["export", "run.iobundle", "--model", "factories:good", "-o", "x.onnx", "--atol", "logits=1"], "validate"),
+        (["export", "run.iobundle", "--model", "factories:good", "-o", "x.onnx", "--atol", "logits=1"], "output"),
         (["shapes", "run.iobundle", "--batch", "nope"], "not an input"),
     ],
 )
@@ -197,6 +197,13 @@ def test_bad_flag_values_exit_2_before_any_work(cwd, capsys, argv, message):
 def test_export_quiet_prints_the_verdict_and_writes_every_report(workdir):
     reports = [json.loads((workdir / name).read_text()) for name in ("a.json", "b.json")]
     assert reports[0] == reports[1] and reports[0]["ok"] is True and reports[0]["output"] == "model.onnx"
+
+
+def test_export_takes_per_output_tolerances_like_validate(cwd, tmp_path, capsys):
+    argv = ["export", "run.iobundle", "--model", "factories:drifted", "-o", str(tmp_path / "d.onnx"), "-q"]
+    assert main(argv) == EXIT_CHECK_FAILED  # off by 0.5 everywhere
+    assert main([*argv, "--atol", "output=0.6", "--rtol", "0"]) == EXIT_OK
+    assert capsys.readouterr().out.splitlines()[-1].startswith("PASS: 2/2 recorded calls reproduced")
 
 
 def test_export_refuses_an_existing_output_before_tracing(cwd, capsys):
