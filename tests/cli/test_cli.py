@@ -331,7 +331,7 @@ class TestHelp:
             "IOBUNDLE_DEBUG",
         ):
             assert word in out
-        assert "  1  a check failed" in out and "  2  usage error" in out
+        assert "  1    a check failed" in out and "  2    usage error" in out and "  5    the bundle is damaged" in out
 
     @pytest.mark.parametrize("command", ["inspect", "shapes", "verify"])
     def test_each_command_has_examples(self, capsys, command):
