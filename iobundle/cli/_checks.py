@@ -52,8 +52,8 @@ Compares B with A (the reference), call by call: status, structure of inputs and
 outputs output by output with the tolerances and --check-error-stat, the inputs with the
 default tolerances. When a bundle holds no recorded outputs (redacted), the structure and the
 inputs are compared and the verdict says the outputs were not. Exit code 0 when every call is
-alike, 1 when something differs, 2 when a bundle cannot be read or a tolerance names no output,
-4 when a bundle holds no calls.""",
+alike, 1 when something differs, 2 when a bundle does not exist or a tolerance names no output,
+4 when a bundle holds no calls, 5 when one is damaged.""",
     "run": """\
 examples:
   iobundle run run.iobundle --model mypkg.models:build
@@ -63,9 +63,9 @@ examples:
 Calls the eager model again on the inputs of every recorded call (fresh copies each time) and
 compares its outputs with the recorded ones: the numerical drift between the machine or the
 library versions that recorded the bundle and this one. Same flags and reports as validate.
-Exit code 0 when every call passes, 1 when one differs or fails to run, 2 when the bundle or
-the model cannot be read or a tolerance names no output, 4 when the bundle holds no recorded
-outputs (redacted): nothing compared.""",
+Exit code 0 when every call passes, 1 when one differs or fails to run, 2 when the bundle does
+not exist, the model cannot be loaded or a tolerance names no output, 4 when the bundle holds no
+recorded outputs (redacted): nothing compared, 5 when the bundle is damaged.""",
 }
 
 TOLERANCE_HELP = (

@@ -107,7 +107,9 @@ MODULE:FACTORY names a callable that returns the model (a torch.nn.Module). It i
 from YOUR environment (installed packages and the current directory) and runs your code;
 nothing is ever imported from the bundle. The model is exported with torch.export using the
 recorded arguments and dynamic shapes, the exported program is run on every recorded call,
-then torch.onnx writes the ONNX file. Exit code 1 when a recorded call is not reproduced.
+then torch.onnx writes the ONNX file; each step's line is printed as it ends. -o is checked
+(not there unless --overwrite, writable) before anything is traced. Exit code 1 when a recorded
+call is not reproduced, 2 on a bad flag or an existing -o, 5 when the bundle is damaged.
 
 When one program cannot serve every call (--programs auto, the default) and the calls fall
 into phases by structure (inputs absent in some calls: the first decoder step of an
@@ -141,9 +143,10 @@ differs. --report writes a Markdown report to paste into an issue (.md), a self-
 page with charts (.html), or every column of every call (.json, .csv), by extension.
 Given a program index (MODEL.programs.json, written by `export` when one program per phase
 was needed), each call runs through the program whose input structure it has.
-Exit code 0 when every call passes, 1 when one differs or fails to run, 2 when the bundle or
-the model cannot be read or a tolerance names no output, 4 when the bundle holds no recorded
-outputs (redacted): nothing compared.""",
+Exit code 0 when every call passes, 1 when one differs or fails to run, 2 when the bundle does
+not exist, the model cannot be loaded or does not fit the bundle, or a tolerance names no
+output, 4 when the bundle holds no recorded outputs (redacted): nothing compared, 5 when the
+bundle is damaged.""",
     "demo": """\
 examples:
   iobundle demo
@@ -157,8 +160,8 @@ examples:
   iobundle inspect run.iobundle
   iobundle inspect run.iobundle --calls all | less -S
 
-Shapes and dtypes come from manifest.json: no tensor data is read, so this is fast on
-bundles of any size. The dynamic shapes are those `iobundle shapes` prints. Past 20 calls,
+Shapes and dtypes come from manifest.json: no tensor data is read (each listed file's size and
+header are checked: a missing or truncated one is named, exit code 5). The dynamic shapes are those `iobundle shapes` prints. Past 20 calls,
 consecutive calls that differ only in tensor sizes share one row (a generate() loop: the
 prefill, then one row for all the decode steps, growing sizes shown as a range: 5..1003);
 --calls all lists every call.""",
@@ -177,8 +180,8 @@ examples:
   iobundle verify run.iobundle -q || echo "bundle damaged"
 
 Reads every tensor file and compares its size and hash (XXH3-128; sha256 in format-1 bundles) with the manifest.
-Exit code 0 when all match, 1 when a file is missing or differs, 2 when the bundle
-cannot be opened.""",
+Exit code 0 when all match, 5 when a file is missing or differs or the manifest is invalid (a
+damaged bundle: the code every command gives it), 2 when the path does not exist.""",
 }
 
 
