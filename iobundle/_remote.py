@@ -2,7 +2,9 @@
 
 A string of the form ``scheme://...`` is a URL, never a local path: without fsspec it is a
 :class:`~iobundle.errors.MissingDependencyError` naming the extra to install, instead of a local
-folder named ``scheme:``. ``file://`` URLs are plain local paths (the fast, memory-mapped path).
+folder named ``scheme:``. ``file://`` URLs are plain local paths (the fast, memory-mapped path):
+``file:///abs`` and ``file://localhost/abs`` are ``/abs``. Every output (a bundle, a packed file, an
+ONNX model, converted calls) goes through :func:`resolve_output`.
 Capture writes a bundle to a local staging directory and uploads it (:func:`staged`, which
 uploads with :func:`upload_directory`, ``manifest.json`` last, so a reader never sees a manifest
 before its files); replay reads the
@@ -36,6 +38,7 @@ __all__ = [
     "local_path",
     "open_filesystem",
     "remote_kind",
+    "resolve_output",
     "staged",
     "upload_directory",
     "upload_file",
@@ -46,6 +49,17 @@ MANIFEST_NAME = "manifest.json"
 
 REMOTE_EXTRA = "pip install 'iobundle[remote]'"
 
+# The extra (or package) that brings a filesystem's fsspec implementation, by protocol.
+_PROTOCOL_EXTRAS = {
+    "s3": "pip install 'iobundle[s3]'",
+    "s3a": "pip install 'iobundle[s3]'",
+    "gs": "pip install 'iobundle[remote]' gcsfs",
+    "gcs": "pip install 'iobundle[remote]' gcsfs",
+    "az": "pip install 'iobundle[remote]' adlfs",
+    "abfs": "pip install 'iobundle[remote]' adlfs",
+    "hf": "pip install 'iobundle[remote]' huggingface_hub",
+}
+
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 
 
@@ -55,13 +69,52 @@ def is_url(location: object) -> bool:
 
 
 def local_path(location: str | os.PathLike[str]) -> Path | None:
-    """``location`` as a local path, or None when it is a URL of another filesystem (``file://x`` is ``x``)."""
+    """``location`` as a local path, or None when it is a URL of another filesystem.
+
+    ``file:///abs`` and ``file://localhost/abs`` are ``/abs``; ``file://x`` (no host) is ``x``.
+    """
     if not is_url(location):
         return Path(location)
     assert isinstance(location, str)
     if location.lower().startswith("file://"):
-        return Path(location[len("file://") :])
+        rest = location[len("file://") :]
+        if rest.lower().startswith("localhost/"):
+            rest = rest[len("localhost") :]
+        return Path(rest)
     return None
+
+
+def resolve_output(location: str | os.PathLike[str], *, remote: bool, what: str = "this output") -> Path | str:
+    """Where an output goes: a local :class:`~pathlib.Path`, or a URL (a ``str``) whose filesystem is installed.
+
+    A ``scheme://`` string is never taken for a local path (no folder ``scheme:`` is ever made).
+
+    Args:
+        location: A path, a ``file://`` URL, or a URL of another filesystem.
+        remote: Whether the writer can upload (pack, redact, save); when False a URL of another
+            filesystem is refused.
+        what: How messages name the output (``"export -o"``).
+
+    Raises:
+        BundleWriteError: ``location`` is a URL of another filesystem and the writer writes local files only.
+        MissingDependencyError: fsspec, or the filesystem's implementation, is not installed, or the
+            protocol is unknown (the message names what to install).
+    """
+    local = local_path(location)
+    if local is not None:
+        return local
+    url = str(location)
+    if not remote:
+        raise BundleWriteError(
+            f"'{url}': {what} writes local files only. Give a local path (or a file:// URL), then upload "
+            "what it writes."
+        )
+    open_filesystem(url)
+    return url
+
+
+def _protocol(url: str) -> str:
+    return url.split("://", 1)[0].lower()
 
 
 def join_url(url: str, name: str) -> str:
@@ -76,23 +129,26 @@ def open_filesystem(url: str) -> tuple[Any, str]:
         MissingDependencyError: fsspec (``iobundle[remote]``), or the filesystem's own package
             (``s3fs`` for ``s3://``, ...), is not installed, or the protocol is unknown.
     """
+    extra = _PROTOCOL_EXTRAS.get(_protocol(url), REMOTE_EXTRA)
     try:
         import fsspec
     except ImportError as exc:
         raise MissingDependencyError(
             f"'{url}' is a URL: reading and writing bundles at URLs needs fsspec. Install it with "
-            f"{REMOTE_EXTRA} (and the filesystem's package, e.g. s3fs for s3://), or pass a local path."
+            f"{extra}, or pass a local path."
         ) from exc
     try:
         fs, path = fsspec.core.url_to_fs(url)
     except ImportError as exc:
         raise MissingDependencyError(
-            f"'{url}': fsspec needs another package for this filesystem ({exc}). Install it, then try again."
+            f"'{url}': fsspec needs another package for {_protocol(url)}:// ({exc}). Install it with {extra}, "
+            "then try again."
         ) from exc
     except ValueError as exc:
         raise MissingDependencyError(
-            f"'{url}': fsspec does not know this protocol ({exc}). Install the package that provides it "
-            "(see fsspec's list of known implementations), or pass a local path."
+            f"'{url}': {_protocol(url)}:// is not a protocol fsspec knows ({exc}). Check the URL, or install the "
+            f"package that provides it ({REMOTE_EXTRA} brings fsspec; s3:// needs 'iobundle[s3]'), or pass a "
+            "local path."
         ) from exc
     return fs, path
 

@@ -25,8 +25,8 @@ Every error a user can trigger is a subclass of :class:`IobundleError`, so
     │   └── UnsupportedInputError(TypeError)   .call_index, .arg_path
     └── ReplayError
         ├── AlignmentError(RuntimeError)       recorded calls do not line up
-        │   └── InputSelectionError(ValueError)  remove_inputs / dim_names / infer_arguments: an unknown
-        │                                        name, a variadic, an argument of the wrong kind
+        │   └── InputSelectionError(ValueError)  remove_inputs / dim_names / infer_arguments: a position
+        │                                        outside the signature, a variadic, an argument of the wrong kind
         ├── DynamicShapeError(RuntimeError)    calls disagree on a tensor's rank
         ├── ModelLoadError                     a model (MODULE:FACTORY, an ONNX file) cannot be loaded
         ├── ExportError                        torch.export / torch.onnx failed, or .report says which calls differ
@@ -55,9 +55,10 @@ a tensor changes rank across calls                 DynamicShapeError            
 method the model lacks; a ``value_if_missing``
 name or position outside the signature
 a ``value_if_missing`` key of the wrong type       ObserverArgumentTypeError     TypeError
-``remove_inputs`` of an unknown name or of a       InputSelectionError           ValueError (and
-variadic that cannot go; ``infer_arguments`` of                                  RuntimeError, as an
-an unexpected type; a bad ``dim_names``                                          AlignmentError)
+``remove_inputs`` of a position outside the        InputSelectionError           ValueError (and
+signature or of a variadic that cannot go;                                       RuntimeError, as an
+``infer_arguments`` of an unexpected type; a                                     AlignmentError)
+bad ``dim_names``
 a value that cannot be recorded                    UnsupportedInputError         TypeError
 =================================================  ============================  ========================
 

@@ -172,10 +172,13 @@ class TestReplaySide:
             with pytest.raises(ValueError, match="Unexpected type str"):
                 source.infer_arguments("invalid_string")
 
-    def test_remove_inputs_of_an_unknown_name_is_a_value_error(self, tmp_path: Path) -> None:
+    def test_remove_inputs_of_an_unknown_name_removes_nothing_and_warns(self, tmp_path: Path) -> None:
         for source in sources(observed(Add(), [((torch.ones(2, 3),), {})]), tmp_path):
-            with pytest.raises(ValueError, match="nope"):
-                source.remove_inputs(["nope"])
+            before = source.infer_dynamic_shapes()
+            with pytest.warns(UserWarning, match="'nope'.*neither parameters") as record:
+                assert source.remove_inputs(["nope"]) == 0
+            assert record[0].filename == __file__  # points at the caller's line
+            assert source.infer_dynamic_shapes() == before
 
     def test_remove_inputs_blocked_by_a_variadic_is_a_value_error(self, tmp_path: Path) -> None:
         calls = [((torch.ones(2, 3), torch.ones(2, 3)), {}), ((torch.ones(4, 3), torch.ones(4, 3)), {})]

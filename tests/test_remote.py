@@ -155,7 +155,7 @@ def test_without_fsspec_a_url_is_a_missing_dependency_error(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert len(lines) == 2
-    assert all("pip install 'iobundle[remote]'" in line for line in lines)
+    assert "pip install 'iobundle[remote]'" in lines[0] and "pip install 'iobundle[s3]'" in lines[1]
     assert "'memory://x' is a URL" in lines[0] and "'s3://bucket/run' is a URL" in lines[1]
     assert list(tmp_path.iterdir()) == [], "a URL was taken for a local path"
 

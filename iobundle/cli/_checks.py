@@ -27,6 +27,9 @@ __all__ = [
     "comparison_options",
     "register",
     "finish_comparison",
+    "progress_bars",
+    "quiet",
+    "tolerances",
 ]
 
 logger = logging.getLogger(__name__)
@@ -49,8 +52,8 @@ Compares B with A (the reference), call by call: status, structure of inputs and
 outputs output by output with the tolerances and --check-error-stat, the inputs with the
 default tolerances. When a bundle holds no recorded outputs (redacted), the structure and the
 inputs are compared and the verdict says the outputs were not. Exit code 0 when every call is
-alike, 1 when something differs, 2 when a bundle cannot be read or a tolerance names no output,
-4 when a bundle holds no calls.""",
+alike, 1 when something differs, 2 when a bundle does not exist or a tolerance names no output,
+4 when a bundle holds no calls, 5 when one is damaged.""",
     "run": """\
 examples:
   iobundle run run.iobundle --model mypkg.models:build
@@ -60,12 +63,12 @@ examples:
 Calls the eager model again on the inputs of every recorded call (fresh copies each time) and
 compares its outputs with the recorded ones: the numerical drift between the machine or the
 library versions that recorded the bundle and this one. Same flags and reports as validate.
-Exit code 0 when every call passes, 1 when one differs or fails to run, 2 when the bundle or
-the model cannot be read or a tolerance names no output, 4 when the bundle holds no recorded
-outputs (redacted): nothing compared.""",
+Exit code 0 when every call passes, 1 when one differs or fails to run, 2 when the bundle does
+not exist, the model cannot be loaded or a tolerance names no output, 4 when the bundle holds no
+recorded outputs (redacted): nothing compared, 5 when the bundle is damaged.""",
 }
 
-_TOLERANCE_HELP = (
+TOLERANCE_HELP = (
     "{what} tolerance: VALUE for every output, or NAME=VALUE for one output (its name in the output tree, "
     "e.g. logits or past_key_values[0], or its ONNX name; fnmatch patterns allowed); repeat the flag "
     "(default: {default:g})"
@@ -91,14 +94,14 @@ def add_comparison_flags(parser: argparse.ArgumentParser, *, report: bool = True
         action="append",
         metavar="[NAME=]VALUE",
         default=None,
-        help=_TOLERANCE_HELP.format(what="absolute", default=DEFAULT_ATOL),
+        help=TOLERANCE_HELP.format(what="absolute", default=DEFAULT_ATOL),
     )
     group.add_argument(
         "--rtol",
         action="append",
         metavar="[NAME=]VALUE",
         default=None,
-        help=_TOLERANCE_HELP.format(what="relative", default=DEFAULT_RTOL),
+        help=TOLERANCE_HELP.format(what="relative", default=DEFAULT_RTOL),
     )
     group.add_argument(
         "--check-error-stat",
@@ -117,11 +120,15 @@ def add_comparison_flags(parser: argparse.ArgumentParser, *, report: bool = True
     )
     if report:
         group.add_argument(
-            "--report", metavar="FILE", help="also write a report: .md (for an issue), .html (charts), .json or .csv"
+            "--report",
+            action="append",
+            default=[],
+            metavar="FILE",
+            help="also write a report: .md (for an issue), .html (charts), .json or .csv; repeat for several files",
         )
 
 
-def _tolerances(values: list[str] | None, flag: str, default: float) -> tuple[float, dict[str, float]]:
+def tolerances(values: list[str] | None, flag: str, default: float) -> tuple[float, dict[str, float]]:
     value, per_output = default, {}
     for item in values or []:
         name, sep, number = item.rpartition("=")
@@ -148,14 +155,14 @@ def comparison_options(args: argparse.Namespace) -> dict[str, Any]:
     Raises:
         CLIError: A tolerance is not a number, a quantile is out of range, or --report has an unknown extension.
     """
-    atol, output_atol = _tolerances(args.atol, "--atol", DEFAULT_ATOL)
-    rtol, output_rtol = _tolerances(args.rtol, "--rtol", DEFAULT_RTOL)
+    atol, output_atol = tolerances(args.atol, "--atol", DEFAULT_ATOL)
+    rtol, output_rtol = tolerances(args.rtol, "--rtol", DEFAULT_RTOL)
     if not 0.0 <= args.error_quantile <= 1.0:
         raise CLIError(f"--error-quantile {args.error_quantile:g}: give a quantile between 0 and 1 (e.g. 0.99).")
-    if getattr(args, "report", None):
+    for path in getattr(args, "report", None) or []:
         from iobundle.cli._reports import report_format
 
-        report_format(args.report)  # refuse a bad extension before the work
+        report_format(path)  # refuse a bad extension before the work
     return {
         "atol": atol,
         "rtol": rtol,
@@ -166,9 +173,9 @@ def comparison_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def progress_bars(args: argparse.Namespace) -> ProgressBars:
-    """Bars on stderr unless -q (and only on a terminal)."""
-    return ProgressBars(enabled=getattr(args, "log_level", logging.WARNING) <= logging.WARNING)
+def progress_bars(args: argparse.Namespace, *, stages: bool = False) -> ProgressBars:
+    """Bars on stderr unless -q (and only on a terminal); with ``stages``, a line on stdout as each step ends."""
+    return ProgressBars(enabled=not quiet(args), stages=stages and not quiet(args))
 
 
 def quiet(args: argparse.Namespace) -> bool:
@@ -183,13 +190,16 @@ def command_line(args: argparse.Namespace) -> str:
 def finish_comparison(args: argparse.Namespace, result: ValidationReport, bundles: list[Bundle]) -> int:
     """Print the table and verdict, write --report, and return the exit code (0 pass, 1 fail)."""
     _render.out(_render.format_validation(result, quiet=quiet(args)))
-    if getattr(args, "report", None):
+    paths = getattr(args, "report", None) or []
+    if paths:
         from iobundle.cli._reports import write_report
         from iobundle.replay import build_report
 
-        write_report(build_report(result, bundles, command=command_line(args)), args.report)
-        if not quiet(args):
-            _render.out(f"report written to {args.report}")
+        report = build_report(result, bundles, command=command_line(args))
+        for path in paths:
+            write_report(report, path)
+            if not quiet(args):
+                _render.out(f"report written to {path}")
     return 0 if result.ok else 1
 
 

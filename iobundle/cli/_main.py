@@ -17,68 +17,65 @@ report files (:mod:`iobundle.cli._reports`: Markdown, HTML, JSON, CSV).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from iobundle._collector import collector_paused
 from iobundle.cli import _checks, _programs, _render, _travel
-from iobundle.errors import (
-    BundleError,
-    CLIError,
-    ExportError,
-    IobundleError,
-    ModelLoadError,
-    NothingToCompareError,
-    ReplayError,
-    ToleranceError,
+from iobundle.cli._exits import (
+    DEBUG_ENV,
+    EXIT_CHECK_FAILED,
+    EXIT_DAMAGED,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_NOTHING_TO_COMPARE,
+    EXIT_OK,
+    EXIT_USAGE,
+    exit_code_for,
+    hint_for,
 )
+from iobundle.cli._logs import configure_logging, silence_libraries
+from iobundle.errors import CLIError, IobundleError, ReplayError, TensorFileError
 
 if TYPE_CHECKING:
     from iobundle.replay import Bundle
 
-__all__ = ["EXIT_CHECK_FAILED", "EXIT_FAILED", "EXIT_NOTHING_TO_COMPARE", "EXIT_OK", "EXIT_USAGE", "main"]
+__all__ = [
+    "EXIT_CHECK_FAILED",
+    "EXIT_DAMAGED",
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_NOTHING_TO_COMPARE",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "exit_code_for",
+    "main",
+]
 
 logger = logging.getLogger(__name__)
-
-EXIT_OK = 0
-EXIT_CHECK_FAILED = 1
-"""A check the user asked for failed: a corrupt file (verify), outputs that differ (validate)."""
-EXIT_USAGE = 2
-"""Bad command line, or a path that is not a readable bundle (argparse also exits with 2)."""
-EXIT_FAILED = 3
-"""The bundle was read but the operation failed: calls that cannot be aligned, an export error, ..."""
-EXIT_NOTHING_TO_COMPARE = 4
-"""validate, run: the bundle holds no recorded outputs (redacted without them); diff: a bundle holds no calls."""
-
-# The first class of an error's MRO found here gives the exit code; anything else is EXIT_FAILED.
-_EXIT_CODES: dict[type[IobundleError], int] = {
-    CLIError: EXIT_USAGE,
-    BundleError: EXIT_USAGE,
-    ModelLoadError: EXIT_USAGE,
-    ExportError: EXIT_CHECK_FAILED,
-    NothingToCompareError: EXIT_NOTHING_TO_COMPARE,
-    ToleranceError: EXIT_USAGE,
-}
-
-DEBUG_ENV = "IOBUNDLE_DEBUG"
 
 _DESCRIPTION = """\
 Inspect, check and replay iobundle bundles: the calls a PyTorch model received,
 recorded with iobundle.InputObserver and saved with observer.save(PATH)."""
 
 _EXIT_HELP = """\
-exit codes:
-  0  success (validate, run, export: every recorded call reproduced; diff: the bundles are alike)
-  1  a check failed (verify: a file is corrupt; validate, run, export: a call differs or fails to run;
-     diff: the bundles differ)
-  2  usage error, or a bundle or model that cannot be read
-  3  the bundle was read but the operation failed (e.g. calls that cannot be aligned)
-  4  nothing compared: validate, run: the bundle holds no recorded outputs (iobundle redact dropped
-     them); diff: a bundle holds no calls
+exit codes (the same in every command):
+  0    success (validate, run, export: every recorded call reproduced; diff: the bundles are alike;
+       verify, inspect: every listed file is there)
+  1    a check failed: validate, run, export: a call differs or fails to run (export: or the export
+       failed); diff: the bundles differ
+  2    usage error: a flag or its value, a path or URL that does not exist, an output that exists
+       (without --overwrite) or cannot be written, an unknown URL protocol, a missing optional
+       dependency, a model that cannot be loaded or does not fit the bundle
+  3    the bundle was read but the operation failed (e.g. calls that cannot be aligned)
+  4    nothing compared: validate, run: the bundle holds no recorded outputs (iobundle redact dropped
+       them); diff: a bundle holds no calls
+  5    the bundle is damaged: manifest.json invalid, a listed file missing, truncated or changed, a
+       packed file that is not a valid archive
+  130  interrupted (Ctrl-C); what was printed stays printed
 
 environment:
   IOBUNDLE_DEBUG=1  show the full traceback of an error
@@ -110,7 +107,9 @@ MODULE:FACTORY names a callable that returns the model (a torch.nn.Module). It i
 from YOUR environment (installed packages and the current directory) and runs your code;
 nothing is ever imported from the bundle. The model is exported with torch.export using the
 recorded arguments and dynamic shapes, the exported program is run on every recorded call,
-then torch.onnx writes the ONNX file. Exit code 1 when a recorded call is not reproduced.
+then torch.onnx writes the ONNX file; each step's line is printed as it ends. -o is checked
+(not there unless --overwrite, writable) before anything is traced. Exit code 1 when a recorded
+call is not reproduced, 2 on a bad flag or an existing -o, 5 when the bundle is damaged.
 
 When one program cannot serve every call (--programs auto, the default) and the calls fall
 into phases by structure (inputs absent in some calls: the first decoder step of an
@@ -144,9 +143,10 @@ differs. --report writes a Markdown report to paste into an issue (.md), a self-
 page with charts (.html), or every column of every call (.json, .csv), by extension.
 Given a program index (MODEL.programs.json, written by `export` when one program per phase
 was needed), each call runs through the program whose input structure it has.
-Exit code 0 when every call passes, 1 when one differs or fails to run, 2 when the bundle or
-the model cannot be read or a tolerance names no output, 4 when the bundle holds no recorded
-outputs (redacted): nothing compared.""",
+Exit code 0 when every call passes, 1 when one differs or fails to run, 2 when the bundle does
+not exist, the model cannot be loaded or does not fit the bundle, or a tolerance names no
+output, 4 when the bundle holds no recorded outputs (redacted): nothing compared, 5 when the
+bundle is damaged.""",
     "demo": """\
 examples:
   iobundle demo
@@ -160,8 +160,8 @@ examples:
   iobundle inspect run.iobundle
   iobundle inspect run.iobundle --calls all | less -S
 
-Shapes and dtypes come from manifest.json: no tensor data is read, so this is fast on
-bundles of any size. The dynamic shapes are those `iobundle shapes` prints. Past 20 calls,
+Shapes and dtypes come from manifest.json: no tensor data is read (each listed file's size and
+header are checked: a missing or truncated one is named, exit code 5). The dynamic shapes are those `iobundle shapes` prints. Past 20 calls,
 consecutive calls that differ only in tensor sizes share one row (a generate() loop: the
 prefill, then one row for all the decode steps, growing sizes shown as a range: 5..1003);
 --calls all lists every call.""",
@@ -180,8 +180,8 @@ examples:
   iobundle verify run.iobundle -q || echo "bundle damaged"
 
 Reads every tensor file and compares its size and hash (XXH3-128; sha256 in format-1 bundles) with the manifest.
-Exit code 0 when all match, 1 when a file is missing or differs, 2 when the bundle
-cannot be opened.""",
+Exit code 0 when all match, 5 when a file is missing or differs or the manifest is invalid (a
+damaged bundle: the code every command gives it), 2 when the path does not exist.""",
 }
 
 
@@ -197,8 +197,11 @@ def _add_logging_flags(parser: argparse.ArgumentParser, *, top_level: bool) -> N
     # Subcommands leave the value unset unless given, so `iobundle -v inspect B` keeps the top-level count.
     default: Any = 0 if top_level else argparse.SUPPRESS
     group = parser.add_argument_group("logging")
-    group.add_argument("-v", "--verbose", action="count", default=default, help="more log messages (-vv: debug)")
-    group.add_argument("-q", "--quiet", action="count", default=default, help="only errors")
+    group.add_argument(
+        "-v", "--verbose", action="count", default=default,
+        help="more: info messages, and the warnings and log lines of torch, onnx, ... (-vv: debug)",
+    )  # fmt: skip
+    group.add_argument("-q", "--quiet", action="count", default=default, help="the verdict only (and errors)")
 
 
 def _add_command(
@@ -284,6 +287,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "-o", "--output", metavar="MODEL.onnx", default="model.onnx", help="the ONNX file (default: %(default)s)"
     )
+    p.add_argument("--overwrite", action="store_true", help="replace MODEL.onnx (and its program index) if it exists")
     _add_batch_flags(p)
     _programs.add_dynamic_flag(p)
     _programs.add_programs_flag(p)
@@ -294,8 +298,14 @@ def _build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="name the graph's dynamic dimensions (batch_size, past_sequence_length, ...), as shapes --dim-names prints",
     )
-    p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance of the check (default: %(default)s)")
-    p.add_argument("--rtol", type=float, default=0.1, help="relative tolerance of the check (default: %(default)s)")
+    p.add_argument(
+        "--atol", action="append", metavar="[NAME=]VALUE",
+        help="the check's " + _checks.TOLERANCE_HELP.format(what="absolute", default=_checks.DEFAULT_ATOL),
+    )  # fmt: skip
+    p.add_argument(
+        "--rtol", action="append", metavar="[NAME=]VALUE",
+        help="the check's " + _checks.TOLERANCE_HELP.format(what="relative", default=_checks.DEFAULT_RTOL),
+    )  # fmt: skip
     p.set_defaults(handler=_programs.cmd_export)
 
     p = _add_command(
@@ -356,7 +366,28 @@ def _open_bundle(path: str) -> Bundle:
     from iobundle import load_bundle
 
     logger.debug("opening %s", path)
-    return load_bundle(path)
+    bundle = load_bundle(path)
+    silence_libraries()  # torch is imported now, and resets its loggers when it is
+    return bundle
+
+
+def damaged_files(bundle: Bundle, where: str) -> list[str]:
+    """One line per listed file that is missing or has the wrong size (no hashing: only the headers are read)."""
+    return [f"{where}: {problem}" for problem in bundle.verify(hashes=False)]
+
+
+def refuse_damaged(bundle: Bundle, where: str) -> None:
+    """Raise when a listed file is missing or has the wrong size, so a damaged bundle exits with one code.
+
+    Raises:
+        TensorFileError: The first bad file, with a count of the others.
+    """
+    problems = damaged_files(bundle, where)
+    if problems:
+        more = (
+            f" (and {len(problems) - 1} more files: `iobundle verify {where}` lists them)" if len(problems) > 1 else ""
+        )
+        raise TensorFileError(problems[0] + more)
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -389,8 +420,11 @@ def _inspect(args: argparse.Namespace) -> int:
             calls_shown=args.calls,
         )
     )
+    problems = damaged_files(bundle, args.bundle)
+    for problem in problems:
+        _render.out(f"damaged    {problem}")
     _programs.warn_static_dims(bundle)
-    return EXIT_OK
+    return EXIT_DAMAGED if problems else EXIT_OK
 
 
 def _batch_spec(args: argparse.Namespace, bundle: Bundle) -> set[int | str] | bool | None:
@@ -433,6 +467,7 @@ def _cmd_shapes(args: argparse.Namespace) -> int:
     bundle = _open_bundle(args.bundle)
     spec = _batch_spec(args, bundle)
     dynamic = _programs.dynamic_spec(args, bundle)
+    refuse_damaged(bundle, args.bundle)
     shapes = bundle.infer_dynamic_shapes(set_batch_dimension_for=spec, dim_names=args.dim_names, dynamic=dynamic)
     _programs.warn_static_dims(bundle, spec, dynamic)
     if args.json:
@@ -445,34 +480,26 @@ def _cmd_shapes(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     bundle = _open_bundle(args.bundle)
     with _checks.progress_bars(args) as bars:
-        problems = bundle.verify(on_progress=bars)
-    text = _render.format_verify(bundle.manifest, problems)
-    if problems or args.log_level <= logging.WARNING:
-        _render.out(text)
-    return EXIT_CHECK_FAILED if problems else EXIT_OK
+        problems = [f"{args.bundle}: {p}" for p in bundle.verify(on_progress=bars)]
+    _render.out(_render.format_verify(bundle.manifest, problems, quiet=_checks.quiet(args)))
+    return EXIT_DAMAGED if problems else EXIT_OK
 
 
-@contextlib.contextmanager
-def _quiet_exporters() -> Iterator[None]:
-    """Silence the exporters' own chatter (deprecation notices, skipped optional ops); errors still show."""
-    import warnings
+def _check_program_index(path: str) -> None:
+    """A program index given as the model is the model's file: when it cannot be read, the model cannot (exit 2)."""
+    from iobundle.errors import BundleError, ModelLoadError
+    from iobundle.schema import load_program_index
 
-    noisy = [logging.getLogger(name) for name in ("torch.onnx", "torch.export", "torch._export", "onnxscript")]
-    levels = [lg.level for lg in noisy]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        for lg in noisy:
-            lg.setLevel(logging.ERROR)
-        try:
-            yield
-        finally:
-            for lg, level in zip(noisy, levels):
-                lg.setLevel(level)
+    try:
+        load_program_index(path)
+    except BundleError as exc:
+        raise ModelLoadError(f"{exc} (the model given to validate)") from exc
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     options = _checks.comparison_options(args)
+    if str(args.model).endswith(".json") and os.path.isfile(args.model):
+        _check_program_index(args.model)
     bundle = _open_bundle(args.bundle)
     with _checks.progress_bars(args) as bars:
         report = bundle.validate(args.model, on_progress=bars, **options)
@@ -531,47 +558,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- main
 
 
-class _CLILogHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """Writes to the current ``sys.stderr`` (which tests replace) in ``LEVEL name: message`` form."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-
-    @property  # type: ignore[override]
-    def stream(self) -> Any:
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value: Any) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def _logging(verbose: int, quiet: int) -> Iterator[int]:
-    """Send the ``iobundle`` loggers to stderr at the level -v/-q ask for; undo it on exit (main() may be called again)."""
-    level = min(max(logging.WARNING - 10 * verbose + 10 * quiet, logging.DEBUG), logging.CRITICAL)
-    package_logger = logging.getLogger("iobundle")
-    handler, previous = _CLILogHandler(), package_logger.level
-    package_logger.addHandler(handler)
-    package_logger.setLevel(level)
-    try:
-        yield level
-    finally:
-        package_logger.removeHandler(handler)
-        package_logger.setLevel(previous)
-
-
 def _debug() -> bool:
     return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
-
-
-def exit_code_for(exc: IobundleError) -> int:
-    """The exit code for an error: see ``_EXIT_CODES``."""
-    for cls in type(exc).__mro__:
-        if cls in _EXIT_CODES:
-            return _EXIT_CODES[cls]
-    return EXIT_FAILED
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -591,21 +579,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, or a usage error argparse already printed
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    with _logging(args.verbose, args.quiet) as args.log_level:
+    with configure_logging(args.verbose, args.quiet) as args.log_level:
         try:
             return int(args.handler(args))
         except IobundleError as exc:
             _render.err(f"error: {exc}")
             if _debug():
                 raise
-            if isinstance(exc, CLIError):  # a usage error: the traceback would not help
-                _render.err(f"hint: see 'iobundle {args.command} --help'")
-            else:
-                _render.err(f"hint: set {DEBUG_ENV}=1 for the full traceback")
+            _render.err(f"hint: {hint_for(exc, args.command)}")
             return exit_code_for(exc)
         except KeyboardInterrupt:
-            _render.err("error: interrupted")
-            return 130
+            _render.err("error: interrupted (what was printed above stays true)")
+            return EXIT_INTERRUPTED
         except BrokenPipeError:  # `iobundle inspect B | head`: the reader left, nothing left to say
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from iobundle.cli import _checks, _render
@@ -44,10 +45,60 @@ def add_dynamic_flag(parser: argparse.ArgumentParser) -> None:
 def add_report_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--report",
+        action="append",
+        default=[],
         metavar="FILE.json",
-        help="also write the export report as JSON: per program its calls, input structure, traced call, "
-        "patches, timings, one check per call and the check beyond the recorded calls",
+        help="also write the export report as JSON (a .json file name; repeat for several files): per program "
+        "its calls, input structure, traced call, patches, timings, one check per call and the check beyond "
+        "the recorded calls",
     )
+
+
+def _export_report_paths(values: list[str]) -> list[str]:
+    """The --report files of export, refused (before any work) unless they are .json."""
+    for path in values:
+        if os.path.splitext(path)[1].lower() != ".json":
+            raise CLIError(
+                f"--report {path}: export writes its report as JSON; give a .json file name "
+                "(the Markdown, HTML and CSV reports are validate's: iobundle validate BUNDLE MODEL.onnx --report FILE)."
+            )
+        _check_writable(path, "--report", overwrite=True)
+    return values
+
+
+def _check_writable(path: str, flag: str, *, overwrite: bool) -> None:
+    """Refuse an output that exists (without --overwrite) or whose folder cannot be written, before any work."""
+    from iobundle.errors import BundleExistsError, BundleWriteError
+
+    if os.path.lexists(path):
+        if os.path.isdir(path):
+            raise BundleExistsError(f"{flag} {path}: a directory is there. Give a file name.")
+        if not overwrite:
+            raise BundleExistsError(
+                f"{flag} {path}: the file exists. Pass --overwrite to replace it, or choose another path."
+            )
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):  # written into folders made on the way: the first existing one must be writable
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise BundleWriteError(
+            f"{flag} {path}: cannot write into {parent} (not a writable directory). Choose another path."
+        )
+
+
+def _check_export_output(args: argparse.Namespace) -> str:
+    """``-o`` resolved (a URL of another filesystem refused) and checked: not there unless --overwrite, writable."""
+    from iobundle._remote import resolve_output
+
+    target = str(resolve_output(args.output, remote=False, what="iobundle export -o"))
+    _check_writable(target, "-o", overwrite=args.overwrite)
+    root, ext = os.path.splitext(target)
+    stem = root if ext in (".onnx", ".json") else target
+    stem = stem[: -len(".programs")] if stem.endswith(".programs") else stem
+    index = stem + ".programs.json"  # what --programs per-phase writes beside it
+    if index != target and os.path.lexists(index):
+        _check_writable(index, "-o", overwrite=args.overwrite)
+    return target
 
 
 def export_report_json(result: Any, path: str) -> dict[str, Any]:
@@ -107,6 +158,7 @@ def dynamic_spec(args: argparse.Namespace, bundle: Bundle) -> dict[int | str, se
         if not sep or not name or not axes:
             raise CLIError(f"--dynamic {value}: expected NAME:AXIS (e.g. --dynamic input_ids:1 or cache:2).")
         key: int | str = name
+        shown = name
         if name.isdigit():
             position = int(name)
             if position >= len(positional):
@@ -114,14 +166,47 @@ def dynamic_spec(args: argparse.Namespace, bundle: Bundle) -> dict[int | str, se
                     f"--dynamic {value}: {bundle.manifest.signature.method}() has {len(positional)} positional "
                     f"parameters ({', '.join(positional) or 'none'}); give a position below {len(positional)} or a name."
                 )
-            key = positional[position]
+            key = shown = positional[position]
         elif name not in names and name not in recorded:
             raise CLIError(
                 f"--dynamic {value}: {name!r} is not an input of {bundle.manifest.signature.method}(). "
                 f"Inputs: {', '.join(names + sorted(recorded - set(names)))}."
             )
+        rank = _max_rank(bundle, key)
+        if rank is not None and any(not -rank <= a < rank for a in axes):
+            bad = next(a for a in sorted(axes) if not -rank <= a < rank)
+            raise CLIError(
+                f"--dynamic {value}: input {shown!r} has no axis {bad}: its tensors have at most {rank} "
+                f"dimensions; give an axis between 0 and {rank - 1}."
+            )
         spec.setdefault(key, set()).update(axes)
     return spec
+
+
+def _max_rank(bundle: Bundle, name: str) -> int | None:
+    """The highest rank among the tensors recorded for input ``name`` in any call (None when it holds none)."""
+    positional = [
+        p.name for p in bundle.manifest.signature.parameters if p.kind in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")
+    ]
+    tensors = bundle.manifest.tensors
+    ranks: list[int] = []
+
+    def walk(node: Any) -> None:
+        kind = getattr(node, "kind", None)
+        if kind == "tensor":
+            entry = tensors.get(node.key)
+            if entry is not None:
+                ranks.append(len(entry.shape))
+        for item in getattr(node, "items", None) or ():
+            walk(item)
+
+    for call in bundle.manifest.calls:
+        node = call.kwargs.get(name)
+        if node is None and name in positional and positional.index(name) < len(call.args):
+            node = call.args[positional.index(name)]
+        if node is not None:
+            walk(node)
+    return max(ranks) if ranks else None
 
 
 def warn_static_dims(bundle: Bundle, batch: Any = None, dynamic: Any = None) -> None:
@@ -166,38 +251,67 @@ def _with_batch_check(text: str, report: Any) -> str:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """``iobundle export``: one program, or one per phase (``--programs``), checked on every call."""
-    from iobundle.cli._main import EXIT_CHECK_FAILED, EXIT_OK, _batch_spec, _open_bundle, _quiet_exporters
-    from iobundle.replay import load_bundle_model, model_from_factory, static_dim_hints
+    """``iobundle export``: one program, or one per phase (``--programs``), checked on every call.
 
+    Every flag and the output are checked before anything is traced; each step's line is
+    printed as it ends (``-q``: only the verdict).
+    """
+    from iobundle.cli._main import EXIT_CHECK_FAILED, EXIT_OK, _batch_spec, _open_bundle, refuse_damaged
+
+    atol, output_atol = _checks.tolerances(args.atol, "--atol", _checks.DEFAULT_ATOL)
+    rtol, output_rtol = _checks.tolerances(args.rtol, "--rtol", _checks.DEFAULT_RTOL)
+    output = _check_export_output(args)
+    reports = _export_report_paths(args.report)
     bundle = _open_bundle(args.bundle)
     spec = _batch_spec(args, bundle)
     dynamic = dynamic_spec(args, bundle)
+    refuse_damaged(bundle, args.bundle)
+    from iobundle.replay import ProgressEvent, load_bundle_model, model_from_factory, static_dim_hints
+
     model = load_bundle_model(bundle) if args.from_bundle else model_from_factory(args.model)
+    quiet = _checks.quiet(args)
     try:
-        with _quiet_exporters(), _checks.progress_bars(args) as bars:
+        with _checks.progress_bars(args, stages=True) as bars:
             result = bundle.export_programs(
                 model, programs=args.programs, set_batch_dimension_for=spec, dynamic=dynamic,
-                check=not args.no_check, atol=args.atol, rtol=args.rtol, dim_names=args.dim_names,
-                on_progress=bars,
+                check=not args.no_check, atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
+                dim_names=args.dim_names, on_progress=bars,
             )  # fmt: skip
-            path = result.to_onnx(args.output)
+            onnx_task = "torch.onnx.export" + (
+                f" ({len(result.programs)} programs)" if len(result.programs) > 1 else ""
+            )
+            bars(ProgressEvent(onnx_task, 0, 1))
+            path = result.to_onnx(output)
+            bars(ProgressEvent(onnx_task, 1, 1))
     except ExportError as exc:
-        if exc.report is not None and exc.report.calls:
+        if exc.report is not None and exc.report.calls and not quiet:
             _render.out(_render.format_export(exc.report, None))
         raise
-    _render.out(format_programs(result, path))
-    if args.report:
+    if not quiet:
+        _render.out(format_programs(result, path))
+    for report in reports:
         import json
 
         try:
-            with open(args.report, "w", encoding="utf-8") as f:
+            with open(report, "w", encoding="utf-8") as f:
                 json.dump(export_report_json(result, path), f, indent=1, default=str)
         except OSError as exc:
-            raise CLIError(f"--report {args.report}: cannot write it ({exc.strerror or exc}).") from exc
-    for program in result.programs:
-        prefix = f"program {program.phase.name}: " if len(result.programs) > 1 else ""
-        _warn(static_dim_hints(program.rc, spec, program.dynamic), prefix)
+            raise CLIError(f"--report {report}: cannot write it ({exc.strerror or exc}).") from exc
+        if not quiet:
+            _render.out(f"report written to {report}")
+    if not quiet:
+        for program in result.programs:
+            prefix = f"program {program.phase.name}: " if len(result.programs) > 1 else ""
+            _warn(static_dim_hints(program.rc, spec, program.dynamic), prefix)
     checks = [p.report.batch_check for p in result.programs if p.report.batch_check is not None]
     ok = result.ok and (args.no_check or all(c.success is not False for c in checks))
+    _render.out(_render.format_verdict(_export_verdict(result, path, ok, checked=not args.no_check), ok))
     return EXIT_OK if ok else EXIT_CHECK_FAILED
+
+
+def _export_verdict(result: Any, path: str, ok: bool, *, checked: bool) -> str:
+    calls = [c for p in result.programs for c in p.report.calls]
+    reproduced = sum(1 for c in calls if c.success)
+    what = f"{reproduced}/{len(calls)} recorded calls reproduced" if checked else "not checked (--no-check)"
+    programs = f"{len(result.programs)} programs, " if len(result.programs) > 1 else ""
+    return f"{'PASS' if ok else 'FAIL'}: {programs}{what}; written to {path}"

@@ -69,8 +69,9 @@ _CHILD_LABELS = {"transformers.EncoderDecoderCache": ("self", "cross")}
 
 
 def out(text: str = "") -> None:
-    """Write ``text`` and a newline to stdout."""
+    """Write ``text`` and a newline to stdout, flushed: on a pipe too, each line shows when its step ends."""
     sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def _isatty(stream: Any) -> bool:
@@ -107,8 +108,9 @@ def render(renderable: Any, *, stream: Any = None) -> str:
 
 
 def err(text: str) -> None:
-    """Write ``text`` and a newline to stderr."""
+    """Write ``text`` and a newline to stderr, flushed."""
     sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 # --------------------------------------------------------------------------- trees
@@ -642,10 +644,11 @@ def format_dynamic_shapes_json(dynamic_shapes: Any) -> str:
 # --------------------------------------------------------------------------- verify
 
 
-def format_verify(manifest: Manifest, problems: Sequence[str]) -> str:
-    """``OK: ...`` when every file matches the manifest, else one line per bad file."""
+def format_verify(manifest: Manifest, problems: Sequence[str], *, quiet: bool = False) -> str:
+    """``OK: ...`` when every file matches the manifest, else one line per bad file and ``DAMAGED: ...``."""
     if problems:
-        return "\n".join(problems)
+        verdict = f"DAMAGED: {len(problems)} of {len(manifest.files)} files differ from the manifest"
+        return verdict if quiet else "\n".join([*problems, verdict])
     total = sum(f.size for f in manifest.files.values())
     return f"OK: {len(manifest.files)} files, {_size(total)}, sizes and hashes match the manifest"
 

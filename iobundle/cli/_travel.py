@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from iobundle.cli import _render
-from iobundle.cli._checks import progress_bars
+from iobundle.cli._checks import progress_bars, quiet
 from iobundle.errors import CLIError
 
 __all__ = ["EXAMPLES", "register"]
@@ -77,6 +77,10 @@ def register(subparsers: Any, add_command: AddCommand) -> None:
     p.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
     p.add_argument("-o", "--output", metavar="FILE", required=True, help="the packed file (a path or a URL)")
     p.add_argument("--overwrite", action="store_true", help="replace FILE if it exists")
+    p.add_argument(
+        "--no-verify", action="store_true",
+        help="pack without checking first that every file has the size and hash the manifest records",
+    )  # fmt: skip
     p.set_defaults(handler=_cmd_pack)
 
     p = add_command(
@@ -127,11 +131,36 @@ def _speed(n: int, seconds: float) -> str:
     return f"{n / max(seconds, 1e-9) / 1e6:.0f} MB/s"
 
 
+def _output(args: argparse.Namespace, *, remote: bool) -> str:
+    """``-o`` (or OUTPUT) through the one resolver of paths and URLs, before any work (see :mod:`iobundle._remote`)."""
+    from iobundle._remote import resolve_output
+
+    return str(resolve_output(args.output, remote=remote, what=f"iobundle {args.command}"))
+
+
 def _cmd_pack(args: argparse.Namespace) -> int:
+    from iobundle import load_bundle
+    from iobundle.cli._main import refuse_damaged
+    from iobundle.errors import IntegrityError
     from iobundle.replay import pack_bundle
 
+    output = _output(args, remote=True)
+    bundle = load_bundle(args.bundle)
+    if args.no_verify:
+        refuse_damaged(bundle, args.bundle)  # sizes only: a missing file cannot be packed
+    else:
+        with progress_bars(args) as bars:
+            problems = bundle.verify(on_progress=bars)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise IntegrityError(
+                f"{args.bundle}: {problems[0].rstrip('.')}{more}; nothing packed. `iobundle verify {args.bundle}` lists the "
+                "damaged files; --no-verify packs a bundle whose files changed anyway."
+            )
+        if not quiet(args):
+            _render.out(f"verified {len(bundle.manifest.files)} tensor files: sizes and hashes match the manifest")
     with progress_bars(args) as bars:
-        result = pack_bundle(args.bundle, args.output, overwrite=args.overwrite, on_progress=bars)
+        result = pack_bundle(args.bundle, output, overwrite=args.overwrite, on_progress=bars)
     _render.out(
         f"packed {result.files} files ({result.bytes} bytes) into {result.path} in {result.seconds:.2f}s "
         f"({_speed(result.bytes, result.seconds)})"
@@ -142,9 +171,10 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 def _cmd_unpack(args: argparse.Namespace) -> int:
     from iobundle.replay import unpack_bundle
 
+    output = _output(args, remote=False)
     with progress_bars(args) as bars:
         result = unpack_bundle(
-            args.archive, args.output, overwrite=args.overwrite, verify=not args.no_verify, on_progress=bars
+            args.archive, output, overwrite=args.overwrite, verify=not args.no_verify, on_progress=bars
         )
     checked = "" if args.no_verify else ", sizes and sha256 checked"
     _render.out(
@@ -156,10 +186,11 @@ def _cmd_unpack(args: argparse.Namespace) -> int:
 def _cmd_redact(args: argparse.Namespace) -> int:
     from iobundle import redact_bundle
 
+    output = _output(args, remote=True)
     with progress_bars(args) as bars:
         manifest = redact_bundle(
             args.bundle,
-            args.output,
+            output,
             keep_outputs=args.keep_outputs,
             keep_model=args.keep_model,
             seed=args.seed,
@@ -179,21 +210,22 @@ def _cmd_redact(args: argparse.Namespace) -> int:
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     from iobundle import load_bundle
+    from iobundle.cli._main import refuse_damaged
     from iobundle.replay import convert_to_npz, convert_to_onnx_testdata
 
+    output = _output(args, remote=False)
     bundle = load_bundle(args.bundle)
+    refuse_damaged(bundle, args.bundle)
     if args.to == "onnx-testdata":
         if not args.model:
             raise CLIError("--to onnx-testdata needs --model MODEL.onnx (its graph names the inputs and outputs).")
         with progress_bars(args) as bars:
-            result = convert_to_onnx_testdata(
-                bundle, args.model, args.output, overwrite=args.overwrite, on_progress=bars
-            )
+            result = convert_to_onnx_testdata(bundle, args.model, output, overwrite=args.overwrite, on_progress=bars)
         _render.out(f"wrote {result.calls} test data sets ({len(result.paths)} files) into {args.output}")
     else:
         if args.model:
             raise CLIError("--model is for --to onnx-testdata; --to npz writes the recorded tensors as they are.")
         with progress_bars(args) as bars:
-            result = convert_to_npz(bundle, args.output, overwrite=args.overwrite, on_progress=bars)
+            result = convert_to_npz(bundle, output, overwrite=args.overwrite, on_progress=bars)
         _render.out(f"wrote {result.calls} calls into {len(result.paths)} .npz file(s) at {args.output}")
     return 0

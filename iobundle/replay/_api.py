@@ -164,11 +164,13 @@ class RecordedCallsAPI:
 
         Returns:
             How many inputs were removed, summed over the calls (0 when the inputs are parameters
-            no call passed).
+            no call passed, or names that are neither parameters nor recorded inputs: a
+            ``UserWarning`` names those, as yobx HEAD returns 0 for them).
 
         Raises:
-            InputSelectionError: A name is unknown, or removing it is impossible because of ``*args``
-                (the message names the variadic parameter); a ``ValueError`` and an ``AlignmentError``.
+            InputSelectionError: A position outside the signature, an item neither a name nor a
+                position, or a removal impossible because of ``*args`` (the message names the variadic
+                parameter); a ``ValueError`` and an ``AlignmentError``.
         """
         rc = self._recorded()
         selected = [names] if isinstance(names, (str, int)) else list(names)
@@ -224,16 +226,19 @@ class RecordedCallsAPI:
         rtol: float = 0.1,
         dim_names: DimNamesSpec = False,
         on_progress: ProgressCallback | None = None,
+        output_atol: Mapping[str, float] | None = None,
+        output_rtol: Mapping[str, float] | None = None,
     ) -> ProgramSet:
         """Export one program for every recorded call, or one per phase when one cannot serve them all.
 
         ``result.to_onnx(path)`` writes the ONNX file, or one per phase and their index.
+        ``output_atol``/``output_rtol`` give per-output tolerances of the check, as ``validate`` takes them.
         See :func:`iobundle.replay.export_programs`.
         """
         return export_programs(
             self._recorded(), model, programs=programs, set_batch_dimension_for=set_batch_dimension_for,
             dynamic=dynamic, strict=strict, check=check, atol=atol, rtol=rtol, dim_names=dim_names,
-            on_progress=on_progress,
+            on_progress=on_progress, output_atol=output_atol, output_rtol=output_rtol,
         )  # fmt: skip
 
     def export_report(self) -> ExportReport | None:

@@ -121,12 +121,14 @@ class Bundle(RecordedCallsAPI):
         call = self._rc.ok_calls[index]
         return None if call.outputs is None else build_value(call.outputs, self._store.get)
 
-    def verify(self, *, on_progress: ProgressCallback | None = None) -> list[str]:
+    def verify(self, *, hashes: bool = True, on_progress: ProgressCallback | None = None) -> list[str]:
         """Check every file the manifest lists: size and hash (the algorithm the manifest names), and each tensor file's header.
 
         The stored model's files (``manifest.model.files``: config and weights) are checked too.
 
         Args:
+            hashes: Hash each file; False checks only that it is there with its size and header
+                (what ``iobundle inspect`` does: no file is read past its header).
             on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` (task ``"verify"``,
                 counted in bytes) before the first file and after each one, the file's name as detail.
 
@@ -140,7 +142,7 @@ class Bundle(RecordedCallsAPI):
         notify(on_progress, "verify", 0, total, unit=BYTES)
         for name, entry in files.items():
             try:
-                path = check_file(self._store.bundle_root, name, entry, hash_check=True)
+                path = check_file(self._store.bundle_root, name, entry, hash_check=hashes)
                 if name in self.manifest.files:
                     check_file_header(path, name, self._store.file_entries(name))
             except IobundleError as exc:

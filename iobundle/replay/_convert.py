@@ -33,6 +33,7 @@ import onnx
 import torch
 
 from iobundle._progress import ProgressCallback, notify
+from iobundle._remote import resolve_output
 from iobundle.calls import RecordedCalls, tensor_keys
 from iobundle.errors import BundleExistsError, BundleWriteError, ModelLoadError, ReplayError
 from iobundle.replay._api import RecordedCallsAPI
@@ -183,7 +184,8 @@ def convert_to_onnx_testdata(
     if metadata.output_names is not None and metadata.output_names != outputs:
         raise ReplayError(f"{model}: the outputs recorded in its metadata differ from the graph's outputs {outputs}.")
     mapping = input_mapping(inputs, metadata, len(alignment.owners))
-    target = Path(output)
+    target = resolve_output(output, remote=False, what="convert")
+    assert isinstance(target, Path)
     _prepare(target, overwrite=overwrite, written=_TESTDATA_DIR)
     written: list[Path] = []
     total = len(alignment.calls)
@@ -319,7 +321,8 @@ def convert_to_npz(
         ['args.0', 'outputs']
     """
     rc = _calls_of(calls)
-    target = Path(output)
+    target = resolve_output(output, remote=False, what="convert")
+    assert isinstance(target, Path)
     ok = [i for i, c in enumerate(rc.calls) if c.status == "ok"]
     notify(on_progress, CONVERT_TASK, 0, len(ok))
     try:

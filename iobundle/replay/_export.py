@@ -8,7 +8,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,8 +17,8 @@ import torch
 
 from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import RecordedCalls, TensorCollector, record_value, tensor_keys
-from iobundle.errors import ExportError
-from iobundle.replay._compare import compare_outputs
+from iobundle.errors import ExportError, ToleranceError
+from iobundle.replay._compare import Comparison, Tolerances, compare_outputs, output_paths
 from iobundle.replay._dim_names import (
     DimNamesSpec,
     name_dims,
@@ -303,6 +303,7 @@ def _check_calls(
     report: ExportReport,
     eager: Any = None,
     on_progress: ProgressCallback | None = None,
+    tolerances: Tolerances | None = None,
 ) -> None:
     begin = time.perf_counter()
     total = len(plan.alignment.calls)
@@ -329,7 +330,10 @@ def _check_calls(
                 check.seconds = time.perf_counter() - t0
                 report.calls.append(check)
                 continue
-            cmp = compare_outputs(expected, obtained, atol=atol, rtol=rtol)
+            if tolerances is not None and call.outputs is not None:
+                cmp = _compare_per_output(expected, obtained, output_paths(call.outputs), tolerances)
+            else:
+                cmp = compare_outputs(expected, obtained, atol=atol, rtol=rtol)
             check.success, check.abs, check.rel, check.error = cmp.success, cmp.abs, cmp.rel, cmp.error
             if check.absent_inputs and not cmp.success:
                 check.success = None  # fed a stand-in the model never saw: not a numeric mismatch
@@ -339,6 +343,33 @@ def _check_calls(
         report.calls.append(check)
         notify(on_progress, CHECK_TASK, i + 1, total, f"call {call.index}")
     report.check_seconds = time.perf_counter() - begin
+
+
+def _compare_per_output(
+    expected: list[Any], obtained: list[Any], names: list[str], tolerances: Tolerances
+) -> Comparison:
+    """:func:`compare_outputs` output by output, each with its tolerances (``--atol logits=1e-3``)."""
+    if len(expected) != len(obtained) or len(names) != len(expected):
+        return compare_outputs(expected, obtained, atol=tolerances.atol, rtol=tolerances.rtol)
+    result = Comparison()
+    for name, e, o in zip(names, expected, obtained):
+        atol, rtol = tolerances.for_output(name)
+        one = compare_outputs([e], [o], atol=atol, rtol=rtol)
+        result.abs, result.rel = max(result.abs, one.abs), max(result.rel, one.rel)
+        if not one.success and result.success:
+            result.success, result.error = (
+                False,
+                one.error or f"{name}: out of tolerance (atol={atol:g}, rtol={rtol:g})",
+            )
+    return result
+
+
+def _refuse_unknown_tolerances(rc: RecordedCalls, tolerances: Tolerances) -> None:
+    names = [[name] for call in rc.ok_calls if call.outputs is not None for name in output_paths(call.outputs)]
+    unused = tolerances.unused(names)
+    if unused and names:
+        known = ", ".join(dict.fromkeys(n[0] for n in names))
+        raise ToleranceError(f"Tolerances for {unused} match no recorded output. Recorded outputs: {known}.")
 
 
 def _export(
@@ -393,6 +424,8 @@ def export_program(
     check_batch: bool = True,
     dim_names: DimNamesSpec = False,
     on_progress: ProgressCallback | None = None,
+    output_atol: Mapping[str, float] | None = None,
+    output_rtol: Mapping[str, float] | None = None,
 ) -> torch.export.ExportedProgram:
     """Export ``model`` with the inferred arguments and dynamic shapes, then run every recorded call through it.
 
@@ -414,18 +447,29 @@ def export_program(
             each name becomes one ``torch.export.Dim`` shared by every dimension that bears it.
         on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` when ``torch.export``
             starts and ends, and after each recorded call is checked.
+        output_atol: Per-output absolute tolerances of the check, keyed by output name (its path in
+            the output tree: ``logits``, ``past_key_values.0``) or ``fnmatch`` pattern, as validate takes them.
+        output_rtol: Per-output relative tolerances, likewise.
 
     Raises:
         ExportError: ``torch.export`` failed, or (with ``check``) a recorded call is not reproduced.
+        ToleranceError: A per-output tolerance names no recorded output (before anything is traced).
     """
+    tolerances = None
+    if output_atol or output_rtol:
+        tolerances = Tolerances(
+            atol=atol, rtol=rtol, per_output_atol=output_atol or {}, per_output_rtol=output_rtol or {}
+        )
+        _refuse_unknown_tolerances(rc, tolerances)
     ep, plan, report = _export(
         rc, model, batch=set_batch_dimension_for, strict=strict, dynamic=dynamic, dim_names=dim_names,
         on_progress=on_progress,
     )  # fmt: skip
     with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
         _check_calls(
-            rc, plan, ep.module(), atol=atol, rtol=rtol, report=report, eager=plan.module, on_progress=on_progress
-        )
+            rc, plan, ep.module(), atol=atol, rtol=rtol, report=report, eager=plan.module, on_progress=on_progress,
+            tolerances=tolerances,
+        )  # fmt: skip
         if check_batch and plan.dynamic_batch and report.ok:
             from iobundle.replay._dims import check_other_batch
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import warnings
 import weakref
 from collections.abc import Collection, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -828,12 +829,15 @@ def remove_inputs(rc: RecordedCalls, names: Collection[str]) -> int:
 
     A positional argument followed by others in a call moves those to keywords.
 
+    A name that is neither a parameter nor a recorded input removes nothing (yobx HEAD does the
+    same); a ``UserWarning`` names it, since it is often a typo.
+
     Returns:
         How many inputs were removed, summed over the calls (0 when no call passed any).
 
     Raises:
-        InputSelectionError: A name is not a parameter, or removing it would need to pass an argument
-            that follows ``*args`` by keyword (the message names the variadic).
+        InputSelectionError: Removing a name would need to pass an argument that follows ``*args`` by
+            keyword (the message names the variadic).
     """
     names = set(names)
     params = set(rc.names)
@@ -841,8 +845,11 @@ def remove_inputs(rc: RecordedCalls, names: Collection[str]) -> int:
         n for n in names if n not in params and not any(n in c.kwargs or n in c.cst_kwargs for c in rc.calls)
     )
     if unknown:
-        raise InputSelectionError(
-            f"remove_inputs: {unknown} are neither parameters of {rc.signature.method} nor recorded inputs."
+        warnings.warn(
+            f"remove_inputs: {unknown} are neither parameters of {rc.signature.method} nor recorded inputs; "
+            "nothing was removed for them. Check the spelling against the signature.",
+            UserWarning,
+            stacklevel=3,
         )
     pos_names = list(positional_names(rc.signature))
     var = rc.var_positional

@@ -23,13 +23,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from iobundle._remote import resolve_output
 from iobundle.calls import RecordedCalls
 from iobundle.errors import ExportError, ReplayError
 from iobundle.replay._dims import owner_name
@@ -188,7 +189,8 @@ class ProgramSet:
         Raises:
             ExportError: ``torch.onnx.export`` failed on a program.
         """
-        path = Path(path)
+        path = resolve_output(path, remote=False, what="to_onnx")
+        assert isinstance(path, Path)
         if len(self.programs) == 1:
             only = self.programs[0]
             self.files = [save_onnx(only.rc, only.program, path)]
@@ -239,6 +241,8 @@ def export_programs(
     rtol: float = 0.1,
     dim_names: Any = False,
     on_progress: Any = None,
+    output_atol: Mapping[str, float] | None = None,
+    output_rtol: Mapping[str, float] | None = None,
 ) -> ProgramSet:
     """Export one program that serves every recorded call, or one per phase when it cannot.
 
@@ -256,7 +260,7 @@ def export_programs(
         raise ExportError(f"programs={programs!r}: use one of {', '.join(map(repr, _MODES))}.")
     options: dict[str, Any] = dict(
         set_batch_dimension_for=set_batch_dimension_for, dynamic=dynamic, strict=strict, atol=atol, rtol=rtol,
-        dim_names=dim_names, on_progress=on_progress,
+        dim_names=dim_names, on_progress=on_progress, output_atol=output_atol, output_rtol=output_rtol,
     )  # fmt: skip
     phases = partition_calls(rc)
     every = Phase("all", tuple(c.index for c in rc.ok_calls), {})

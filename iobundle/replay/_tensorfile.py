@@ -521,13 +521,16 @@ class BundleTensorStore:
             entry = self.manifest.files.get(name)
             if entry is None:
                 raise TensorFileError(f"File {name!r} is used by a tensor but not listed in the manifest's files.")
-            if entry.size <= SMALL_FILE_BYTES:
-                path = self.bundle_root.member(name)
-                data = _read_small(path, name, entry, hash_check=self.verify)
-                opened = _OpenFile.from_bytes(name, data, self.file_entries(name))
-            else:
-                path = check_file(self.bundle_root, name, entry, hash_check=self.verify)
-                opened = _OpenFile(name, path, self.file_entries(name))
+            try:
+                if entry.size <= SMALL_FILE_BYTES:
+                    path = self.bundle_root.member(name)
+                    data = _read_small(path, name, entry, hash_check=self.verify)
+                    opened = _OpenFile.from_bytes(name, data, self.file_entries(name))
+                else:
+                    path = check_file(self.bundle_root, name, entry, hash_check=self.verify)
+                    opened = _OpenFile(name, path, self.file_entries(name))
+            except TensorFileError as exc:  # say which bundle: a command may read two (diff)
+                raise type(exc)(f"{exc} (bundle '{self.root}')") from exc
             self._files[name] = opened
         return opened
 

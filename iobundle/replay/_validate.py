@@ -17,7 +17,7 @@ import torch
 
 from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import RecordedCalls, tensor_keys
-from iobundle.errors import ModelLoadError, NothingToCompareError, ReplayError, ToleranceError
+from iobundle.errors import ModelLoadError, NothingToCompareError, ToleranceError
 from iobundle.replay._compare import (
     OutputCheck,
     Scratch,
@@ -124,14 +124,54 @@ def input_mapping(names: Sequence[str], metadata: IobundleMetadata, n_slots: int
     if slots is not None:
         missing = [n for n in names if n not in slots]
         if missing:
-            raise ReplayError(f"ONNX inputs {missing} are not recorded inputs (mapping in the model's metadata).")
+            raise ModelLoadError(
+                f"ONNX inputs {missing} are not recorded inputs (mapping in the model's metadata): the model was "
+                "exported from another bundle."
+            )
         return [(n, slots[n]) for n in names]
     if len(names) != n_slots:
-        raise ReplayError(
+        raise ModelLoadError(
             f"The ONNX model has {len(names)} inputs but the recorded calls hold {n_slots} tensors, and the model "
             "carries no iobundle input mapping. Export it with `iobundle export` to embed one."
         )
     return list(zip(names, range(n_slots)))
+
+
+# onnxruntime's name of each element type a bundle may hold (NodeArg.type is "tensor(<name>)").
+_ORT_TYPES = {
+    torch.float32: "float", torch.float64: "double", torch.float16: "float16", torch.bfloat16: "bfloat16",
+    torch.int64: "int64", torch.int32: "int32", torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8",
+    torch.bool: "bool", torch.complex64: "complex64", torch.complex128: "complex128",
+}  # fmt: skip
+
+
+def refuse_mismatched_inputs(
+    rc: RecordedCalls, alignment: Any, session: Any, mapping: Sequence[tuple[str, int]], label: str
+) -> None:
+    """Compare each graph input's element type and rank with the recorded tensors it is fed, before any run.
+
+    Raises:
+        ModelLoadError: Some differ (one line naming each input): the model was not exported from this bundle.
+    """
+    inputs = {i.name: i for i in session.get_inputs()}
+    columns = list(zip(*alignment.slots)) if alignment.slots else []
+    problems = []
+    for name, slot in mapping:
+        key = next((k for k in columns[slot] if k is not None), None) if slot < len(columns) else None
+        graph = inputs.get(name)
+        if key is None or graph is None:
+            continue
+        dtype, rank = rc.store.dtype(key), len(rc.store.shape(key))
+        wanted = str(graph.type).removeprefix("tensor(").removesuffix(")")
+        graph_rank = len(graph.shape) if isinstance(graph.shape, list) else None
+        recorded = _ORT_TYPES.get(dtype, str(dtype).replace("torch.", ""))
+        if wanted != recorded or (graph_rank is not None and graph_rank != rank):
+            problems.append(f"{name} takes {wanted} of rank {graph_rank}, the bundle holds {recorded} of rank {rank}")
+    if problems:
+        raise ModelLoadError(
+            f"{label} does not fit the bundle: {'; '.join(problems)}. Give the ONNX model exported from this "
+            "bundle (iobundle export BUNDLE ...)."
+        )
 
 
 def model_label(onnx_model: object) -> str:
@@ -221,7 +261,7 @@ def check_discrepancies(
 
     Raises:
         NothingToCompareError: The calls hold no recorded outputs (a redacted bundle).
-        ReplayError: The model cannot be loaded or its inputs do not match the recorded calls.
+        ModelLoadError: The model cannot be loaded, or its inputs do not fit the recorded calls (names, element types, ranks; a ReplayError).
         ToleranceError: A statistic is unknown, or a per-output tolerance names no output.
 
     .. versionchanged:: 0.2
@@ -265,6 +305,7 @@ def _run_checks(
     alignment = align_calls(rc)
     metadata = read_metadata(meta, model_label(onnx_model), len(alignment.owners))
     mapping = input_mapping([i.name for i in session.get_inputs()], metadata, len(alignment.owners))
+    refuse_mismatched_inputs(rc, alignment, session, mapping, model_label(onnx_model))
     output_names = metadata.output_names
     graph_outputs = output_names or [o.name for o in session.get_outputs()]
     # A typo in a tolerance name is refused before the run, not after it.
@@ -413,7 +454,7 @@ def validate_onnx(
     be within ``atol``, or that of the relative errors within ``rtol``.
 
     Raises:
-        ReplayError: The model cannot be loaded or its inputs do not match the recorded calls.
+        ModelLoadError: The model cannot be loaded, or its inputs do not fit the recorded calls (names, element types, ranks; a ReplayError).
         ToleranceError: A statistic is unknown, or a per-output tolerance names no output.
 
     Example:

@@ -330,6 +330,10 @@ def load_manifest(bundle_dir: str | os.PathLike[str]) -> Manifest:
     root = Path(bundle_dir)
     path = root / MANIFEST_FILENAME
     if not root.is_dir():
+        if not os.path.lexists(root):
+            raise BundleNotFoundError(
+                f"'{bundle_dir}' does not exist. Pass the folder written by observer.save() (or a packed file, or a URL)."
+            )
         raise BundleNotFoundError(f"'{bundle_dir}' is not a directory. Pass the folder written by observer.save().")
     if not path.exists() and not path.is_symlink():
         journal = root / JOURNAL_FILENAME

@@ -40,6 +40,12 @@ FACTORIES = textwrap.dedent(
 )
 
 
+@pytest.fixture(scope="session")
+def factories_source() -> str:
+    """The text of ``factories.py``, for module-scoped fixtures that write it themselves."""
+    return FACTORIES
+
+
 @pytest.fixture
 def factories(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
     """``factories.py`` in ``tmp_path`` (the CLI runs from there), imported: ``good``, ``drifted``, ``not_a_model``."""

@@ -94,11 +94,26 @@ class TestInspect:
         assert "cache={'w': 2x3 f32}" in out
 
     def test_reads_no_tensor_data(self, capsys, fresh_bundle):
-        for file in (fresh_bundle / "calls").iterdir():
-            file.unlink()
+        for file in (fresh_bundle / "calls").iterdir():  # same size, last data byte changed: only a hash sees it
+            data = bytearray(file.read_bytes())
+            data[-1] ^= 0xFF
+            file.write_bytes(bytes(data))
         code, out, err = run(capsys, "inspect", fresh_bundle)
         assert code == 0, err
-        assert "{0: Dim.DYNAMIC}" in out
+        assert "{0: Dim.DYNAMIC}" in out and "damaged" not in out
+        assert run(capsys, "verify", fresh_bundle)[0] == 5
+
+    def test_says_which_listed_files_are_missing_or_the_wrong_size(self, capsys, fresh_bundle):
+        first, second = sorted((fresh_bundle / "calls").iterdir())
+        first.unlink()
+        second.write_bytes(second.read_bytes()[:-3])
+        code, out, err = run(capsys, "inspect", fresh_bundle)
+        assert code == 5, err
+        assert "{0: Dim.DYNAMIC}" in out  # the rest of the report is still printed
+        damaged = [line for line in out.splitlines() if line.startswith("damaged")]
+        assert len(damaged) == 2
+        assert f"{first.name}: missing" in damaged[0] and str(fresh_bundle) in damaged[0]
+        assert f"{second.name}: " in damaged[1] and "truncated" in damaged[1]
 
     def test_failed_call_shows_its_error(self, capsys, tmp_path):
         class Failing(torch.nn.Module):
@@ -209,7 +224,7 @@ class TestShapes:
         assert code == 3
         assert out == ""
         assert err.startswith("error: Calls") and "different constants" in err
-        assert "hint: set IOBUNDLE_DEBUG=1" in err
+        assert "hint: `iobundle inspect BUNDLE` shows the recorded calls" in err and "IOBUNDLE_DEBUG=1" in err
 
 
 # --------------------------------------------------------------------------- verify
@@ -221,9 +236,9 @@ class TestVerify:
         assert code == 0
         assert out.startswith("OK: 2 files")
 
-    def test_quiet_good_bundle_prints_nothing(self, capsys, fresh_bundle):
+    def test_quiet_good_bundle_prints_the_verdict_only(self, capsys, fresh_bundle):
         code, out, err = run(capsys, "verify", "-q", fresh_bundle)
-        assert (code, out, err) == (0, "", "")
+        assert (code, out.splitlines(), err) == (0, ["OK: 2 files, 440 B, sizes and hashes match the manifest"], "")
 
     def test_flipped_byte_names_the_file(self, capsys, fresh_bundle):
         target = fresh_bundle / "calls" / "000001.safetensors"
@@ -231,21 +246,22 @@ class TestVerify:
         data[-1] ^= 0xFF
         target.write_bytes(bytes(data))
         code, out, _ = run(capsys, "verify", fresh_bundle)
-        assert code == 1
+        assert code == 5
         lines = out.splitlines()
-        assert len(lines) == 1
-        assert lines[0].startswith("calls/000001.safetensors: xxh3-128")
+        assert len(lines) == 2
+        assert lines[0].startswith(f"{fresh_bundle}: calls/000001.safetensors: xxh3-128")
+        assert lines[1] == "DAMAGED: 1 of 2 files differ from the manifest"
 
     def test_missing_file_is_a_failed_check(self, capsys, fresh_bundle):
         (fresh_bundle / "calls" / "000000.safetensors").unlink()
         code, out, _ = run(capsys, "verify", fresh_bundle)
-        assert code == 1
-        assert out.splitlines() == ["calls/000000.safetensors: missing from the bundle."]
+        assert code == 5
+        assert out.splitlines()[0] == f"{fresh_bundle}: calls/000000.safetensors: missing from the bundle."
 
-    def test_unreadable_manifest_exits_2(self, capsys, fresh_bundle):
+    def test_unreadable_manifest_exits_5(self, capsys, fresh_bundle):
         (fresh_bundle / "manifest.json").write_text("{not json", encoding="utf-8")
         code, out, err = run(capsys, "verify", fresh_bundle)
-        assert code == 2
+        assert code == 5
         assert out == ""
         assert err.startswith("error: ") and "manifest.json" in err
 
@@ -262,7 +278,9 @@ class TestErrors:
         lines = err.splitlines()
         assert len(lines) == 2
         assert lines[0].startswith("error: ") and "nope" in lines[0]
-        assert lines[1] == "hint: set IOBUNDLE_DEBUG=1 for the full traceback"
+        assert lines[1].startswith("hint: check the path") and lines[1].endswith(
+            "(IOBUNDLE_DEBUG=1 shows the full traceback)"
+        )
 
     def test_directory_without_manifest(self, capsys, tmp_path):
         code, _, err = run(capsys, "inspect", tmp_path)
@@ -304,9 +322,16 @@ class TestHelp:
     def test_top_level_help_documents_commands_and_exit_codes(self, capsys):
         code, out, _ = run(capsys, "--help")
         assert code == 0
-        for word in ("inspect", "shapes", "verify", "examples:", "exit codes:", "IOBUNDLE_DEBUG"):
+        for word in (
+            "inspect",
+            "shapes",
+            "verify",
+            "examples:",
+            "exit codes (the same in every command):",
+            "IOBUNDLE_DEBUG",
+        ):
             assert word in out
-        assert "  1  a check failed" in out and "  2  usage error" in out
+        assert "  1    a check failed" in out and "  2    usage error" in out and "  5    the bundle is damaged" in out
 
     @pytest.mark.parametrize("command", ["inspect", "shapes", "verify"])
     def test_each_command_has_examples(self, capsys, command):
@@ -399,7 +424,7 @@ def test_export_from_bundle_refuses_a_config_that_selects_code(capsys, model_bun
     path = Path(shutil.copytree(model_bundle, tmp_path / "hostile.iobundle"))
     _plant_in_config(path, "attn_implementation", "kernels-community/flash-attn2")
     code, _, err = run(capsys, "export", path, "--from-bundle", "-o", tmp_path / "model.onnx")
-    assert code == 2
+    assert code == 5  # an unsafe bundle
     first = err.splitlines()[0]
     assert first.startswith("error: model/config.json: attn_implementation = 'kernels-community/flash-attn2'")
     assert "--model MODULE:FACTORY" in first

@@ -58,12 +58,12 @@ def test_wrong_model_exits_1(workdir, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["export", "missing.iobundle", "--model", "factories:good"], "not a directory"),
+        (["export", "missing.iobundle", "--model", "factories:good"], "does not exist"),
         (["export", "run.iobundle", "--model", "factories"], "expected MODULE:FACTORY"),
         (["export", "run.iobundle", "--model", "nosuchmodule:build"], "cannot import 'nosuchmodule'"),
         (["export", "run.iobundle", "--model", "factories:missing"], "has no attribute"),
         (["export", "run.iobundle", "--model", "factories:not_a_model"], "not a torch.nn.Module"),
-        (["validate", "missing.iobundle", "good.onnx"], "not a directory"),
+        (["validate", "missing.iobundle", "good.onnx"], "does not exist"),
         (["validate", "run.iobundle", "missing.onnx"], "does not exist"),
         (["validate", "run.iobundle", "factories.py"], "cannot load the model"),
         (["validate", "run.iobundle", "x.onnx", "--report", "r.txt"], "--report r.txt"),

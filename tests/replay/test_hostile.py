@@ -196,8 +196,8 @@ class TestManifestText:
         with pytest.raises(BundleNotFoundError, match=r"No manifest\.json"):
             load_bundle(bundle)
 
-    def test_not_a_directory(self, tmp_path):
-        with pytest.raises(BundleNotFoundError, match="is not a directory"):
+    def test_a_path_that_does_not_exist(self, tmp_path):
+        with pytest.raises(BundleNotFoundError, match="nope' does not exist"):
             load_bundle(tmp_path / "nope")
 
     def test_manifest_is_a_directory(self, bundle):
