@@ -69,6 +69,7 @@ __all__ = [
     "TensorEntry",
     "TensorNode",
     "TupleNode",
+    "duplicate_call_index",
 ]
 
 FORMAT = "iobundle"
@@ -226,6 +227,14 @@ class FileEntry(_OmitsUnset):
     def hexdigest(self) -> str:
         """The recorded digest, whichever format version wrote it."""
         return self.sha256 if self.sha256 is not None else str(self.digest)
+
+
+def duplicate_call_index(index: int, first: int) -> str:
+    """The problem of a call whose ``index`` is already the index of ``calls[first]`` (every format version)."""
+    return (
+        f"{index} is also the index of calls[{first}]; each recorded call has its own index "
+        "(its tensor file and every converted file are named after it). The file is corrupt or hostile"
+    )
 
 
 class CallEntry(_Model):
