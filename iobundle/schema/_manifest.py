@@ -314,7 +314,8 @@ class Redaction(_Model):
 
     Synthetic values have the dtype and shape of the recorded ones; integers stay within the
     observed range, two-valued tensors (masks) keep their two values, and rows that increased
-    (positions) still do. Scalar constants and the structure are kept as recorded.
+    (positions) still do; a tensor of one value gets other values. Scalar constants and the
+    structure are kept as recorded.
 
     Attributes:
         outputs_kept: The recorded outputs were kept (``--keep-outputs``); otherwise there are none.
