@@ -107,7 +107,9 @@ def test_markdown_report_is_ready_for_an_issue(cwd, capsys):
     assert calls.count("| FAIL |") == 3 and "| logits |" in calls
     worst = text.split("### Worst outputs", 1)[1].split("###", 1)[0]
     first = [line for line in worst.splitlines() if line.startswith("| ")][1]  # after the header
-    assert re.search(r"`logits( \([^)]*\))?`", first) and re.search(r"\| [235]x3 \| float32 \|", first) and "FAIL" in first
+    assert (
+        re.search(r"`logits( \([^)]*\))?`", first) and re.search(r"\| [235]x3 \| float32 \|", first) and "FAIL" in first
+    )
     assert "### Absolute error histogram" in text and "| (0.0001, 0.001] |" in text
 
 
