@@ -536,7 +536,7 @@ class _CLILogHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
     def __init__(self) -> None:
         super().__init__()
-        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        self.setFormatter(_render.PlainLogFormatter("%(levelname)s %(name)s: %(message)s"))
 
     @property  # type: ignore[override]
     def stream(self) -> Any:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import operator
 import os
 import shutil
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_CALL_ROWS",
     "CallRun",
+    "PlainLogFormatter",
     "call_runs",
     "color_enabled",
     "dynamic_shapes_to_json",
@@ -120,6 +122,15 @@ def err(text: str) -> None:
     What goes there (errors, warnings) quotes bundle strings: none of them may drive the terminal.
     """
     sys.stderr.write(terminal_text(text, keep_newlines=True) + "\n")
+
+
+class PlainLogFormatter(logging.Formatter):
+    """A log formatter whose messages (which may quote bundle strings) show control characters as escapes."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        # a copy: other handlers (pytest's, the user's) see the record as logged
+        escaped = logging.makeLogRecord({**record.__dict__, "message": terminal_text(record.message)})
+        return super().formatMessage(escaped)
 
 
 def plain(text: Any) -> str:

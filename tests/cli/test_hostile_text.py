@@ -211,6 +211,8 @@ def test_inspect_draws_every_bundle_string_as_text(cwd, capsys):
     out = capsys.readouterr().out
     check_terminal(out)
     assert "\\x1b]8;;http://x" in out  # the OSC 8 link, shown
+    assert "model      # C\\x1b]0;t\\x07 <img src=x onerror=alert(1)> [bold]m[/bold]" in out  # the stored model
+    assert "call 1 failed: ValueError: # heading \\x1b]0;title\\x07" in out  # its error message
     for line in out.splitlines():  # the qualname's line break stayed in its line
         assert not line.startswith("# heading")
 
@@ -230,6 +232,16 @@ def test_errors_draw_names_as_text(cwd, capsys):
     assert main(["inspect", "missing \x1b]0;t\x07 \x9b2J"]) == 2
     err = capsys.readouterr().err
     assert not CONTROL.search(err) and "\\x1b]0;t\\x07" in err and "\\x9b2J" in err
+
+
+def test_log_records_draw_names_as_text(cwd, capsys):
+    import logging
+
+    from iobundle.cli._render import PlainLogFormatter
+
+    record = logging.LogRecord("iobundle.replay", logging.WARNING, __file__, 1, "key %s", (HOSTILE,), None)
+    text = PlainLogFormatter("%(levelname)s %(name)s: %(message)s").format(record)
+    assert not CONTROL.search(text) and "\\x1b]0;title\\x07" in text and "\\n" in text
 
 
 @pytest.mark.parametrize("no_color", [False, True])
