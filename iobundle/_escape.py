@@ -12,8 +12,9 @@ into its output as it is, but through the function of its output kind.
 - :func:`markdown_text` and :func:`markdown_code`: Markdown (CommonMark and GitHub tables): text
   with every character that has a meaning somewhere backslash-escaped (``\\ ` * _ { } [ ] < > ( ) #
   + - . ! | ~ : @ & = $``: no emphasis, link, image, autolink, heading, list, raw HTML, entity,
-  math or table cell comes out of it; ``, ; ' " ? % / ^`` mean nothing and stay), or a code span (:func:`markdown_code_block`:
-  a fenced block) whose backtick fence is longer than any backtick run inside; all on one line.
+  math or table cell comes out of it; ``, ; ' " ? % / ^`` mean nothing and stay), or a code span
+  (:func:`markdown_code_block`: a fenced block) whose backtick fence is longer than any backtick
+  run inside; all on one line.
 - :func:`csv_cell`: CSV. A cell a spreadsheet would take as a formula (starting with ``=``, ``+``,
   ``-``, ``@``, a tab or a carriage return) gets a leading ``'``, as OWASP recommends; the csv
   module quotes the rest.

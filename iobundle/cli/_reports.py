@@ -10,7 +10,7 @@
   ``pandas.read_csv`` (non-finite numbers become null / empty).
 
 Strings from the bundles are drawn as text in every format, through :mod:`iobundle._escape`:
-Markdown escapes every punctuation character and puts names in code spans whose fence no
+Markdown escapes every character with a meaning and puts names in code spans whose fence no
 backtick inside can close, on one line; HTML escapes ``& < > " '``; a CSV cell a spreadsheet would
 take as a formula (``= + - @``, tab, carriage return first) starts with ``'``; JSON holds them as data.
 
