@@ -21,12 +21,12 @@ decides some rules (:data:`TOKEN_ID_NAMES`, :data:`POSITION_NAMES`):
   standard deviation (finite values only). A tensor holding one value only (no spread) is drawn
   around it at its own scale, and no element takes that value.
 
-Kept verbatim: the structure of the calls, the observed method's signature, the producer
-(versions, device names), every non-tensor value (``cst_kwargs``, constants inside containers:
-strings, numbers, flags), the type of a failed call's exception, the rows of positions that count
-up by one, and a mask holding one of its two values only (all ones stays all ones); so are the
-recorded outputs and the stored model when asked. Every other input tensor gets values other than
-the recorded ones.
+Kept verbatim: the structure of the calls, the observed method's signature, each call's status
+and latency, every non-tensor value (``cst_kwargs``, constants inside containers: strings,
+numbers, flags), the type of a failed call's exception, the rows of positions that count up by
+one, and a mask holding one of its two values only (all ones stays all ones); so are the recorded
+outputs and the stored model when asked. Every other input tensor gets values other than the
+recorded ones. The bundle writer records its own producer (the redacting machine's versions).
 """
 
 from __future__ import annotations

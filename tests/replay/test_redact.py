@@ -355,3 +355,23 @@ def test_constant_inputs_are_redacted_into_other_values(tmp_path):
     assert {name for name, _ in _inputs(after)} == {"0", "scale", "offset"}
     files = b"".join(p.read_bytes() for p in (tmp_path / "out.iobundle" / "calls").iterdir())
     assert torch.full((1, 4), 0.125).numpy().tobytes() not in files  # not byte for byte either
+
+
+def test_what_is_kept_verbatim_is_what_the_readme_lists(tmp_path):
+    source = capture(tmp_path / "run.iobundle")
+    manifest = json.loads((source / "manifest.json").read_text("utf-8"))
+    manifest["producer"]["torch"] = "a private build"
+    (source / "manifest.json").write_text(json.dumps(manifest), "utf-8")
+    redact_bundle(source, tmp_path / "out.iobundle")
+    before, after = load_bundle(source).manifest, load_bundle(tmp_path / "out.iobundle").manifest
+    assert after.signature == before.signature
+    assert [(c.status, c.latency, c.cst_kwargs, c.filled) for c in after.calls] == [
+        (c.status, c.latency, c.cst_kwargs, c.filled) for c in before.calls
+    ]
+    assert after.producer.torch == torch.__version__ != before.producer.torch  # the redacting machine's
+    kept = [
+        name
+        for (name, b), (_, a) in zip(_inputs(load_bundle(source)), _inputs(load_bundle(tmp_path / "out.iobundle")))
+        if torch.equal(a, b)
+    ]
+    assert sorted(kept) == ["attention_mask", "position_ids", "position_ids"]  # an all-ones mask, two arange rows
