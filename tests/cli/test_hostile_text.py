@@ -9,6 +9,7 @@ the csv module and the json module, and as the bytes a terminal receives.
 from __future__ import annotations
 
 import csv
+import hashlib
 import html
 import io
 import json
@@ -75,20 +76,27 @@ def _edit(path: Path, **fields: object) -> None:
 
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory) -> Path:
-    """``a`` and ``b`` (outputs apart, constants differ), ``c`` (a with a failed call and a stored model)."""
+    """``a`` and ``b`` (outputs apart, constants differ), ``c`` (a with a failed call and a stored model), ``d`` (c
+    with a class transformers registers, so that its config is read)."""
     tmp = tmp_path_factory.mktemp("hostile_text")
     _record(tmp / "a", 0.0, "mode " + HOSTILE)
     _record(tmp / "b", 0.5, "other")
     _edit(tmp / "a", producer__torch=HOSTILE, producer__devices=[HOSTILE], signature__qualname=HOSTILE)
     shutil.copytree(tmp / "a", tmp / "c")
+    config = json.dumps({"model_type": HOSTILE, "architectures": [HOSTILE]}).encode()
+    (tmp / "c" / "model").mkdir()
+    (tmp / "c" / "model" / "config.json").write_bytes(config)
     files = {
-        "model/config.json": {"size": 2, "sha256": "0" * 64},
+        "model/config.json": {"size": len(config), "sha256": hashlib.sha256(config).hexdigest()},
         "model/weights.safetensors": {"size": 8, "sha256": "0" * 64},
     }
     _edit(tmp / "c", failed_call="ValueError: " + HOSTILE)
     raw = json.loads((tmp / "c" / "manifest.json").read_text("utf-8"))
     raw["model"] = {"class_name": MODEL_CLASS, "attn_implementation": HOSTILE, "files": files}
     (tmp / "c" / "manifest.json").write_text(json.dumps(raw), "utf-8")
+    shutil.copytree(tmp / "c", tmp / "d")  # a class transformers has: its config's strings are read
+    raw["model"].update(class_name="LlamaForCausalLM", attn_implementation=None)
+    (tmp / "d" / "manifest.json").write_text(json.dumps(raw), "utf-8")
     return tmp
 
 
@@ -211,10 +219,17 @@ def test_inspect_draws_every_bundle_string_as_text(cwd, capsys):
     out = capsys.readouterr().out
     check_terminal(out)
     assert "\\x1b]8;;http://x" in out  # the OSC 8 link, shown
-    assert "model      # C\\x1b]0;t\\x07 <img src=x onerror=alert(1)> [bold]m[/bold]" in out  # the stored model
+    assert (
+        "model      # C\\x1b]0;t\\x07 <img src=x onerror=alert(1)> [bold]m[/bold] (model_type ?, attention # heading"
+        in out
+    )
     assert "call 1 failed: ValueError: # heading \\x1b]0;title\\x07" in out  # its error message
     for line in out.splitlines():  # the qualname's line break stayed in its line
         assert not line.startswith("# heading")
+    assert main(["inspect", "d"]) == 0
+    out = capsys.readouterr().out
+    check_terminal(out)
+    assert "(model_type # heading \\x1b]0;title\\x07" in out  # a string of the stored config
 
 
 def test_diff_and_validate_on_the_terminal_draw_bundle_strings_as_text(cwd, capsys):
