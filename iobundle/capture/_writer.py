@@ -142,6 +142,7 @@ class BundleWriter:
         self.deltas = DeltaIndex(retain_all=retain_all) if deltas else None
         self.stager: PinnedStager | None = None  # made for the first CUDA tensor
         self._journal: int | None = None  # file descriptor of journal.jsonl while a stream is open
+        self._call_indices: set[int] = set()
 
     def write_tensors(
         self,
@@ -223,7 +224,17 @@ class BundleWriter:
         durable: bool = True,
         on_written: Callable[[str], None] | None = None,
     ) -> list[str]:
-        """Write the tensors of ``call`` not written yet to ``calls/NNNNNN.safetensors``; return their keys."""
+        """Write the tensors of ``call`` not written yet to ``calls/NNNNNN.safetensors``; return their keys.
+
+        Raises:
+            BundleWriteError: A call with the same index was written before (its file would be replaced).
+        """
+        if call.index in self._call_indices:
+            raise BundleWriteError(
+                f"Call {call.index} is written twice into '{self.path}': its file {call_file_name(call.index)} "
+                "would replace the first one's. Each call of a bundle needs its own index."
+            )
+        self._call_indices.add(call.index)
         try:
             return self.write_tensors(
                 call_file_name(call.index), call_keys(call), get, durable=durable, on_written=on_written

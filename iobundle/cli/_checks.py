@@ -216,7 +216,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         result = diff_bundles(a, b, on_progress=bars, **options)
     if result.differences and not quiet(args):
         for line in result.differences:
-            _render.out(f"bundles differ: {line}")
+            _render.out(_render.plain(f"bundles differ: {line}"))
     return finish_comparison(args, result, [a, b])
 
 

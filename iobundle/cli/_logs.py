@@ -17,6 +17,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from iobundle.cli._render import PlainLogFormatter
+
 __all__ = ["THIRD_PARTY_LOGGERS", "configure_logging", "silence_libraries"]
 
 THIRD_PARTY_LOGGERS = ("torch", "onnx", "onnxscript", "onnx_ir", "onnxruntime", "transformers", "fsspec")
@@ -31,7 +33,7 @@ class _CLILogHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
     def __init__(self) -> None:
         super().__init__()
-        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        self.setFormatter(PlainLogFormatter("%(levelname)s %(name)s: %(message)s"))
 
     @property  # type: ignore[override]
     def stream(self) -> Any:

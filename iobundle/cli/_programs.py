@@ -230,12 +230,14 @@ def format_programs(result: Any, path: str) -> str:
         text = _render.format_export(result.programs[0].report, path)
         return _with_batch_check(text, result.programs[0].report)
     lines = [
-        f"{len(result.programs)} programs, one per phase of the calls ({result.reason})",
+        _render.plain(f"{len(result.programs)} programs, one per phase of the calls ({result.reason})"),
     ]
     for program, file in zip(result.programs, result.files or [None] * len(result.programs)):
         phase = program.phase
         lines.append("")
-        lines.append(f"program {phase.name}: calls {', '.join(map(str, phase.calls))} ({phase.describe()})")
+        lines.append(
+            _render.plain(f"program {phase.name}: calls {', '.join(map(str, phase.calls))} ({phase.describe()})")
+        )
         lines.append(_with_batch_check(_render.format_export(program.report, file), program.report))
     if result.files:
         lines.append("")
@@ -247,7 +249,7 @@ def _with_batch_check(text: str, report: Any) -> str:
     check = getattr(report, "batch_check", None)
     if check is None:
         return text
-    return f"{text}\nbeyond the recorded calls: {check.summary()}"
+    return f"{text}\n" + _render.plain(f"beyond the recorded calls: {check.summary()}")
 
 
 def cmd_export(args: argparse.Namespace) -> int:

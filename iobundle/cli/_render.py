@@ -5,6 +5,11 @@ the only places that write. Tables are drawn by rich (imported on first use, so 
 never pays for it): in colour on a terminal, plain when stdout is a pipe or a file, or when
 ``NO_COLOR`` is set; on a pipe nothing is wrapped (``iobundle inspect B | less -S``).
 
+Strings from a bundle (qualnames, names and keys, constants, error messages, the producer,
+stored model names) are drawn as text: control characters and escape sequences become visible
+escapes (``\\x1b``, :func:`iobundle._escape.terminal_text`) in every table cell and every line
+that carries one, with colour or without, on a terminal or a pipe; rich never reads markup in them.
+
 Nothing here imports torch, nor even the schema's pydantic models: trees are read through
 their ``kind`` field, shapes and dtypes come from the manifest, and ``torch.export.Dim``
 objects are recognised by their attributes.
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import operator
 import os
 import shutil
@@ -22,6 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from iobundle._escape import terminal_text
+
 if TYPE_CHECKING:
     from iobundle.replay import StoredModel
     from iobundle.schema import CallEntry, Manifest, Node, ObjectNode
@@ -29,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_CALL_ROWS",
     "CallRun",
+    "PlainLogFormatter",
     "call_runs",
     "color_enabled",
     "dynamic_shapes_to_json",
@@ -46,6 +55,7 @@ __all__ = [
     "format_tensor",
     "format_verify",
     "out",
+    "plain",
     "render",
 ]
 
@@ -108,9 +118,26 @@ def render(renderable: Any, *, stream: Any = None) -> str:
 
 
 def err(text: str) -> None:
-    """Write ``text`` and a newline to stderr, flushed."""
-    sys.stderr.write(text + "\n")
+    """Write ``text`` and a newline to stderr (flushed), its control characters but line breaks shown as escapes.
+
+    What goes there (errors, warnings) quotes bundle strings: none of them may drive the terminal.
+    """
+    sys.stderr.write(terminal_text(text, keep_newlines=True) + "\n")
     sys.stderr.flush()
+
+
+class PlainLogFormatter(logging.Formatter):
+    """A log formatter whose messages (which may quote bundle strings) show control characters as escapes."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        # a copy: other handlers (pytest's, the user's) see the record as logged
+        escaped = logging.makeLogRecord({**record.__dict__, "message": terminal_text(record.message)})
+        return super().formatMessage(escaped)
+
+
+def plain(text: Any) -> str:
+    """``str(text)`` with control characters and escape sequences shown as visible escapes (for a bundle string)."""
+    return terminal_text(text)
 
 
 # --------------------------------------------------------------------------- trees
@@ -178,7 +205,7 @@ def format_node(manifest: Manifest, node: Node, *, depth: int = 0) -> str:
     Tensors show shape and dtype; containers with many items show the first ones and a count;
     registered classes show their short name (caches one layer and the number of layers).
     """
-    return _node(lambda key: format_tensor(manifest, key), node, depth)
+    return plain(_node(lambda key: format_tensor(manifest, key), node, depth))
 
 
 def _node(tensor: TensorText, node: Node, depth: int) -> str:
@@ -241,7 +268,7 @@ def format_inputs(manifest: Manifest, call: CallEntry, tensor: TensorText | None
     for name, node in call.kwargs.items():
         filled = " (filled)" if name in call.filled else ""
         parts.append(f"{name}={_node(tensor, node, 0)}{filled}")
-    return ", ".join(parts) or "-"
+    return plain(", ".join(parts) or "-")
 
 
 # --------------------------------------------------------------------------- runs of calls
@@ -420,12 +447,12 @@ def format_table(
 
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold")
     for i, header in enumerate(headers):
-        table.add_column(header, justify="right" if i in right else "left", no_wrap=i in right)
+        table.add_column(plain(header), justify="right" if i in right else "left", no_wrap=i in right)
     for i, row in enumerate(rows):
         cells = []
         for j, cell in enumerate(row):
             style = styles[i][j] if styles is not None and j < len(styles[i]) else None
-            cells.append(Text(str(cell), style=style or ""))
+            cells.append(Text(plain(cell), style=style or ""))
         table.add_row(*cells)
     return render(table)
 
@@ -446,7 +473,7 @@ def _signature(manifest: Manifest) -> str:
         default = f"={p.default!r}" if p.has_default else ""
         parts.append(f"{prefix}{p.name}{default}")
     qualname = manifest.signature.qualname or manifest.signature.method
-    return f"{qualname}({', '.join(parts)})"
+    return plain(f"{qualname}({', '.join(parts)})")
 
 
 def format_stored_model(model: StoredModel) -> list[str]:
@@ -464,7 +491,7 @@ def format_stored_model(model: StoredModel) -> list[str]:
         )
     else:
         lines.append(f"           refused by --from-bundle: {model.refused}")
-    return lines
+    return [plain(line) for line in lines]
 
 
 def format_storage(*, packed: bool, remote: bool) -> str:
@@ -508,7 +535,7 @@ def format_inspect(
     status_text = ", ".join(f"{n} {s}" for s, n in statuses.items())
     total = sum(f.size for f in manifest.files.values())
     lines = [
-        f"bundle     {path}",
+        plain(f"bundle     {path}"),
         f"format     {manifest.format}, format_version {manifest.format_version}",
     ]
     if packed is not None:
@@ -521,7 +548,7 @@ def format_inspect(
     ]
     for entry in manifest.value_if_missing:
         key = entry.key if isinstance(entry.key, str) else _arg_name(manifest, entry.key)
-        lines.append(f"if missing {key}={format_node(manifest, entry.value)}")
+        lines.append(plain(f"if missing {key}={format_node(manifest, entry.value)}"))
     if model is not None:
         lines.extend(format_stored_model(model))
     lines.append("")
@@ -537,7 +564,7 @@ def format_inspect(
             for c in calls
         ]
         lines.append(format_table(["#", "status", "latency", "inputs", "constants"], rows, right=(0, 2)))
-        lines.extend(f"call {c.index} {c.status}: {c.error}" for c in calls if c.error)
+        lines.extend(plain(f"call {c.index} {c.status}: {c.error}") for c in calls if c.error)
     elif calls:
         runs = call_runs(manifest)
         lines.append(
@@ -546,21 +573,21 @@ def format_inspect(
             "(a..b: the sizes a run spans; --calls all lists every call)"
         )
         lines.append(_runs_table(manifest, runs))
-        lines.extend(f"call {c.index} {c.status}: {c.error}" for c in calls if c.error)
+        lines.extend(plain(f"call {c.index} {c.status}: {c.error}") for c in calls if c.error)
     else:
         lines.append("no calls recorded")
     producer = manifest.producer
     versions = [f"iobundle {producer.iobundle}", f"torch {producer.torch}", f"python {producer.python}"]
     if producer.transformers:
         versions.append(f"transformers {producer.transformers}")
-    lines += ["", "producer   " + ", ".join(versions)]
+    lines += ["", plain("producer   " + ", ".join(versions))]
     if producer.devices:
-        lines.append("devices    " + ", ".join(producer.devices))
+        lines.append(plain("devices    " + ", ".join(producer.devices)))
     lines += ["", "dynamic shapes (inferred from the calls; Dim.DYNAMIC where sizes differ)"]
     if dynamic_shapes_error is not None:
-        lines.append(f"  error: {dynamic_shapes_error}")
+        lines.append(plain(f"  error: {dynamic_shapes_error}"))
     else:
-        lines.extend("  " + line for line in format_dynamic_shapes(dynamic_shapes).splitlines())
+        lines.extend(plain("  " + line) for line in format_dynamic_shapes(dynamic_shapes).splitlines())
     return "\n".join(lines)
 
 
@@ -619,7 +646,7 @@ def _pretty(value: Any, indent: int) -> list[str]:
 
 def format_dynamic_shapes(dynamic_shapes: Any) -> str:
     """Python-like text of a ``dynamic_shapes`` structure: ``{'x': {0: Dim.DYNAMIC}}``, split when long."""
-    return "\n".join(_pretty(dynamic_shapes, 0))
+    return "\n".join(map(plain, _pretty(dynamic_shapes, 0)))
 
 
 def dynamic_shapes_to_json(dynamic_shapes: Any) -> Any:
@@ -648,7 +675,7 @@ def format_verify(manifest: Manifest, problems: Sequence[str], *, quiet: bool = 
     """``OK: ...`` when every file matches the manifest, else one line per bad file and ``DAMAGED: ...``."""
     if problems:
         verdict = f"DAMAGED: {len(problems)} of {len(manifest.files)} files differ from the manifest"
-        return verdict if quiet else "\n".join([*problems, verdict])
+        return verdict if quiet else "\n".join([*map(plain, problems), verdict])
     total = sum(f.size for f in manifest.files.values())
     return f"OK: {len(manifest.files)} files, {_size(total)}, sizes and hashes match the manifest"
 
@@ -682,7 +709,7 @@ def format_verdict(text: str, ok: bool) -> str:
     """The verdict line, bold green or bold red on a terminal."""
     from rich.text import Text
 
-    return render(Text(text, style="bold green" if ok else "bold red"))
+    return render(Text(plain(text), style="bold green" if ok else "bold red"))
 
 
 def format_export(report: Any, onnx_path: str | None) -> str:

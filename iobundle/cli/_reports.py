@@ -9,13 +9,17 @@
 - ``.json`` / ``.csv``: the per-call rows, every column, ready for ``pandas.read_json`` /
   ``pandas.read_csv`` (non-finite numbers become null / empty).
 
+Strings from the bundles are drawn as text in every format, through :mod:`iobundle._escape`:
+Markdown escapes every character with a meaning and puts names in code spans whose fence no
+backtick inside can close, on one line; HTML escapes ``& < > " '``; a CSV cell a spreadsheet would
+take as a formula (``= + - @``, tab, carriage return first) starts with ``'``; JSON holds them as data.
+
 Nothing here imports torch: the report is plain data.
 """
 
 from __future__ import annotations
 
 import csv
-import html
 import io
 import json
 import math
@@ -23,6 +27,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from iobundle._escape import csv_cell, html_text, markdown_code, markdown_code_block, markdown_text
 from iobundle.errors import CLIError
 
 if TYPE_CHECKING:
@@ -113,10 +118,11 @@ def _clean_row(row: dict[str, Any]) -> dict[str, Any]:
 def _csv(rows: Sequence[dict[str, Any]]) -> str:
     columns = list(dict.fromkeys(k for r in rows for k in r))
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
-    writer.writeheader()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow([csv_cell(c) for c in columns])
     for r in rows:
-        writer.writerow({k: "" if v is None else v for k, v in _clean_row(r).items()})
+        clean = _clean_row(r)
+        writer.writerow([csv_cell("" if clean.get(c) is None else clean[c]) for c in columns])
     return buffer.getvalue()
 
 
@@ -169,37 +175,48 @@ def _env_line(report: Report) -> str:
 # --------------------------------------------------------------------------- markdown
 
 
-def _md_escape(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
 def _md_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> list[str]:
-    lines = ["| " + " | ".join(_md_escape(h) for h in headers) + " |"]
+    """A GitHub table; ``headers`` are plain text, ``rows`` hold Markdown cells (escaped by the caller)."""
+    lines = ["| " + " | ".join(markdown_text(h) for h in headers) + " |"]
     lines.append("|" + "|".join("---:" if i in right else "---" for i in range(len(headers))) + "|")
-    lines += ["| " + " | ".join(_md_escape(c) for c in r) + " |" for r in rows]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
     return lines
 
 
-def _worst_rows(report: Report) -> list[list[str]]:
-    return [
-        [
-            str(o["call"]),
-            f"`{o['output']}`" + (f" (`{o['onnx_name']}`)" if o["onnx_name"] else ""),
-            o["shape"],
-            o["dtype"],
-            _number(o["max_abs"]),
-            _number(o["mean_abs"]),
-            _number(o["quantile_abs"]),
-            _number(o["max_rel"]),
-            f"{o['atol']:g} / {o['rtol']:g}",
+_WORST_KINDS = ("number", "code", "text", "text", *["number"] * 5, "text")
+
+
+def _worst_cells(report: Report) -> list[list[tuple[str, str]]]:
+    """The worst-output rows as ``(kind, text)`` cells: ``"code"`` (the name), ``"text"`` or ``"number"`` (formatted here)."""
+    rows = []
+    for o in report.worst:
+        name = f"{o['output']} ({o['onnx_name']})" if o["onnx_name"] else o["output"]
+        status = (
             "ok"
             if o["SUCCESS"]
             else "not checked"
             if o["SUCCESS"] is None
-            else f"FAIL{': ' + o['error'] if o['error'] else ''}",
-        ]
-        for o in report.worst
-    ]
+            else f"FAIL{': ' + o['error'] if o['error'] else ''}"
+        )
+        cells = [str(o["call"]), name, o["shape"], o["dtype"], _number(o["max_abs"]), _number(o["mean_abs"])]
+        cells += [_number(o["quantile_abs"]), _number(o["max_rel"]), f"{o['atol']:g} / {o['rtol']:g}", status]
+        rows.append([(_WORST_KINDS[j], c) for j, c in enumerate(cells)])
+    return rows
+
+
+_TEXT_COLUMNS = ("status", "worst_output", "differences")
+
+
+def _md_cell(column: str, row: dict[str, Any]) -> str:
+    """A cell of the calls table: text escaped, numbers (formatted here) as they are."""
+    text = _cell(column, row)
+    return markdown_text(text) if column in _TEXT_COLUMNS or isinstance(row.get(column), str) else text
+
+
+def _md_piece(kind: str, text: str, *, table: bool = False) -> str:
+    if kind == "number":
+        return text
+    return markdown_code(text, table=table) if kind == "code" else markdown_text(text)
 
 
 _WORST_HEADERS = [
@@ -218,37 +235,45 @@ _WORST_HEADERS = [
 
 def _markdown(report: Report) -> str:
     mark = "✅" if report.ok else "❌"
-    verdict = report.verdict.replace("*", "\\*")
-    lines = [f"## {report.title}", "", f"{mark} **{verdict}** ({report.seconds:.2f}s)", ""]
+    lines = [
+        f"## {markdown_text(report.title)}",
+        "",
+        f"{mark} **{markdown_text(report.verdict)}** ({report.seconds:.2f}s)",
+        "",
+    ]
     if report.command:
-        lines += ["```", report.command, "```", ""]
-    lines += ["**Bundle.** " + p for p in report.paragraphs]
-    lines += ["", f"**Environment.** {_env_line(report)}.", ""]
+        lines += [markdown_code_block(report.command), ""]
+    lines += ["**Bundle.** " + "".join(_md_piece(kind, text) for kind, text in p) for p in report.paragraphs]
+    lines += ["", f"**Environment.** {_env_line(report)}.", ""]  # this process's versions: no bundle text
     if report.differences:
         lines += ["### Differences between the bundles", ""]
-        lines += [f"- {d}" for d in report.differences] + [""]
+        lines += [f"- {markdown_text(d)}" for d in report.differences] + [""]
     lines += ["### Calls", ""]
     headers = [_header(report, c) for c in report.columns]
-    rows = [[_cell(c, r) for c in report.columns] for r in report.rows]
+    rows = [[_md_cell(c, r) for c in report.columns] for r in report.rows]
     right = [i for i, c in enumerate(report.columns) if c not in ("status", "worst_output", "differences")]
     lines += _md_table(headers, rows, right)
     if report.worst:
         q = f"q = the {report.error_quantile:g} quantile"
-        lines += ["", f"### Worst outputs (by max abs error; {q})", ""]
-        lines += _md_table(_WORST_HEADERS, _worst_rows(report), right=(0, 4, 5, 6, 7))
+        lines += ["", f"### Worst outputs (by max abs error; {markdown_text(q)})", ""]
+        worst = [[_md_piece(kind, text, table=True) for kind, text in r] for r in _worst_cells(report)]
+        lines += _md_table(_WORST_HEADERS, worst, right=(0, 4, 5, 6, 7))
     if any(count for _, count in report.histogram):
         total = sum(c for _, c in report.histogram)
         top = max(c for _, c in report.histogram)
         lines += ["", "### Absolute error histogram (every element of every output)", ""]
         hist_rows = [
-            [label, str(count), f"{100.0 * count / total:.1f}%", "█" * (round(20 * count / top) if count else 0)]
+            [
+                label,
+                str(count),
+                f"{100.0 * count / total:.1f}%",
+                "█" * (round(20 * count / top) if count else 0),
+            ]
             for label, count in report.histogram
         ]
         lines += _md_table(["abs error", "elements", "share", ""], hist_rows, right=(1, 2))
-    lines += [
-        "",
-        f"<sub>Criterion: {report.criterion}. Written by iobundle {report.environment.get('iobundle', '')}.</sub>",
-    ]
+    written = f"Criterion: {report.criterion}. Written by iobundle {report.environment.get('iobundle', '')}."
+    lines += ["", f"<sub>{markdown_text(written)}</sub>"]
     return "\n".join(lines) + "\n"
 
 
@@ -270,14 +295,11 @@ svg text{font:11px system-ui,sans-serif;fill:#1f2328}.muted{color:#57606a;font-s
 _COLORS = {"ok": "#2da44e", "FAIL": "#cf222e", "not checked": "#bf8700"}
 
 
-def _esc(value: Any) -> str:
-    return html.escape(str(value), quote=True)
+_esc = html_text
 
 
-def _code_spans(text: str) -> str:
-    """Escape ``text`` for HTML, Markdown-style `code` spans becoming <code> elements."""
-    pieces = _esc(text).split("`")
-    return "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(pieces))
+def _html_piece(kind: str, text: str) -> str:
+    return f"<code>{_esc(text)}</code>" if kind == "code" else _esc(text)
 
 
 def _html_table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence[int] = (), row_classes: Sequence[str] | None = None) -> str:  # fmt: skip
@@ -455,7 +477,7 @@ def _html(report: Report) -> str:
     if report.command:
         body.append(f"<pre>{_esc(report.command)}</pre>")
     body.append("<h2>Bundle</h2>")
-    body += [f"<p>{_code_spans(p)}</p>" for p in report.paragraphs]
+    body += ["<p>" + "".join(_html_piece(kind, text) for kind, text in p) + "</p>" for p in report.paragraphs]
     body.append("<h2>Environment</h2>")
     body.append(_html_table(["", "version"], [[k, v] for k, v in report.environment.items()]))
     if report.differences:
@@ -478,7 +500,7 @@ def _html(report: Report) -> str:
         body.append(
             f'<h2>Worst outputs</h2><p class="muted">By max abs error; q is the {report.error_quantile:g} quantile.</p>'
         )
-        worst = [[c.replace("`", "") for c in r] for r in _worst_rows(report)]
+        worst = [[text for _, text in r] for r in _worst_cells(report)]
         body.append(_html_table(_WORST_HEADERS, worst, numeric=(0, 4, 5, 6, 7)))
     if any(count for _, count in report.histogram):
         body.append("<h2>Absolute error histogram</h2>")

@@ -104,6 +104,18 @@ def _calls_of(source: RecordedCallsAPI | RecordedCalls) -> RecordedCalls:
     return source if isinstance(source, RecordedCalls) else source._recorded()
 
 
+def _refuse_repeated_indices(rc: RecordedCalls) -> None:
+    """Files are named after the calls' indices: two calls with one index would write one file twice."""
+    seen: set[int] = set()
+    for call in rc.calls:
+        if call.index in seen:
+            raise ReplayError(
+                f"Two recorded calls have the index {call.index}; their converted files would collide. "
+                "Each call needs its own index (a bundle loaded by iobundle always has that)."
+            )
+        seen.add(call.index)
+
+
 def _load_graph(model: str | os.PathLike[str]) -> tuple[list[str], list[str], dict[str, str]]:
     path = Path(model)
     if not path.is_file():
@@ -310,6 +322,7 @@ def convert_to_npz(
     each one.
 
     Raises:
+        ReplayError: Two calls have the same index (their files, or members, would collide).
         BundleExistsError: ``output`` exists (a non-empty directory, or the file) and ``overwrite`` is
             False (with it, the ``call_N.npz`` files of a directory are removed first; nothing else is).
         BundleWriteError: ``output`` cannot be written.
@@ -321,6 +334,7 @@ def convert_to_npz(
         ['args.0', 'outputs']
     """
     rc = _calls_of(calls)
+    _refuse_repeated_indices(rc)
     target = resolve_output(output, remote=False, what="convert")
     assert isinstance(target, Path)
     ok = [i for i, c in enumerate(rc.calls) if c.status == "ok"]

@@ -14,13 +14,19 @@ decides some rules (:data:`TOKEN_ID_NAMES`, :data:`POSITION_NAMES`):
   increasing rows of such tensors become sorted draws within the row's range;
 - token ids and every other integer tensor are drawn uniformly within their observed
   ``[min, max]``, so ids stay valid for the embedding. A tensor holding one value only (a decode
-  step's single token) is drawn within the range observed over every call of that parameter, or
-  within the vocabulary (``[0, vocab_size)``) for token ids when the bundle stores the model's config;
+  step's single token, a constant) is drawn within the range observed over every call of that
+  parameter, or within the vocabulary (``[0, vocab_size)``) for token ids when the bundle stores the
+  model's config, or else among its value's two neighbours, and never takes that value;
 - floating-point and complex tensors are drawn from a normal law with the observed mean and
-  standard deviation (finite values only).
+  standard deviation (finite values only). A tensor holding one value only (no spread) is drawn
+  around it at its own scale, and no element takes that value.
 
-Kept verbatim: the structure of the calls and every non-tensor value (``cst_kwargs``, constants
-inside containers: strings, numbers, flags); so are the recorded outputs when asked.
+Kept verbatim: the structure of the calls, the observed method's signature, each call's status
+and latency, every non-tensor value (``cst_kwargs``, constants inside containers: strings,
+numbers, flags), the type of a failed call's exception, the rows of positions that count up by
+one, and a mask holding one of its two values only (all ones stays all ones); so are the recorded
+outputs and the stored model when asked. Every other input tensor gets values other than the
+recorded ones. The bundle writer records its own producer (the redacting machine's versions).
 """
 
 from __future__ import annotations
@@ -101,13 +107,8 @@ def synthetic_like(
         pick = torch.rand(t.shape, generator=generator) < p
         return torch.where(pick, hi, lo).to(t.dtype)
     if not integer:
-        x = t.to(torch.complex128 if t.is_complex() else torch.float64)
-        finite = x[torch.isfinite(x)]
-        mean = finite.mean() if finite.numel() else torch.zeros((), dtype=x.dtype)
-        std = finite.std() if finite.numel() > 1 else torch.ones((), dtype=torch.float64)
-        std = std.abs() if std.is_complex() else std
-        noise = torch.randn(t.shape, generator=generator, dtype=x.dtype)
-        return (noise * std + mean).to(t.dtype)
+        return _synthetic_floats(t, generator)
+    lo, hi = int(t.min()), int(t.max())
     if not token_ids and t.ndim >= 1:
         rows = _rows(t.to(torch.int64))
         steps = rows[:, 1:] - rows[:, :-1]
@@ -115,15 +116,50 @@ def synthetic_like(
         counting = bool((steps == 1).all())
         if counting and (positions or (t.shape[-1] > 1 and bool((rows[:, 0] == 0).all()))):
             return t.clone()  # positions: arange rows say nothing but their start and length
-        if t.shape[-1] > 1 and bool((steps >= 0).all()):
+        if lo != hi and t.shape[-1] > 1 and bool((steps >= 0).all()):
             low, high = rows.min(dim=1, keepdim=True).values, rows.max(dim=1, keepdim=True).values
+            flat = high == low  # a row of one value: its own range would give it back
+            low, high = torch.where(flat, lo, low), torch.where(flat, hi, high)
             draws = torch.rand(rows.shape, generator=generator, dtype=torch.float64)
             values = (low + (draws * (high - low + 1).double()).floor().long()).clamp(max=high)
             return values.sort(dim=1).values.reshape(t.shape).to(t.dtype)
-    lo, hi = int(t.min()), int(t.max())
-    if lo == hi and bounds is not None:  # one value seen (a decode step's token): its own range would keep it
-        lo, hi = bounds
+    if lo == hi:
+        return _other_integers(t, lo, bounds, generator)
     return torch.randint(lo, hi + 1, t.shape, generator=generator, dtype=torch.int64).to(t.dtype)
+
+
+def _synthetic_floats(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Normal draws with the observed mean and spread; a tensor of one value never gets that value back."""
+    x = t.to(torch.complex128 if t.is_complex() else torch.float64)
+    finite = x[torch.isfinite(x)]
+    mean = finite.mean() if finite.numel() else torch.zeros((), dtype=x.dtype)
+    constant = finite.numel() == x.numel() and bool((finite == finite[0]).all())
+    std = finite.std() if finite.numel() > 1 and not constant else torch.ones((), dtype=torch.float64)
+    std = std.abs() if std.is_complex() else std
+    if constant:  # no spread to keep: draw at the value's own scale
+        std = torch.clamp(mean.abs().to(torch.float64), min=1.0)
+    noise = torch.randn(t.shape, generator=generator, dtype=x.dtype)
+    out = (noise * std + mean).to(t.dtype)
+    if not constant:
+        return out
+    back = out.to(x.dtype)  # compared in 64 bits: float8 has no comparisons
+    other = -mean if bool(mean != 0) else torch.ones((), dtype=x.dtype)
+    return torch.where(back == x, other, back).to(t.dtype)  # rounding may land on the recorded value
+
+
+def _other_integers(
+    t: torch.Tensor, value: int, bounds: tuple[int, int] | None, generator: torch.Generator
+) -> torch.Tensor:
+    """Integers of ``t``'s shape, none equal to ``value`` (the one value ``t`` holds), within ``bounds`` if it has others."""
+    lo, hi = bounds if bounds is not None else (value, value)
+    if lo == hi == value:  # nothing else seen: the neighbours the dtype holds
+        info = torch.iinfo(t.dtype)
+        lo, hi = max(value - 1, info.min), min(value + 1, info.max)
+    inside = lo <= value <= hi
+    draws = torch.randint(lo, hi + (0 if inside else 1), t.shape, generator=generator, dtype=torch.int64)
+    if inside:
+        draws = draws + (draws >= value).long()  # [lo, hi] without value
+    return draws.to(t.dtype)
 
 
 def _vocab_size(bundle: Bundle) -> int | None:

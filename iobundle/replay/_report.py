@@ -106,18 +106,26 @@ def _bundle_facts(bundle: Bundle) -> dict[str, Any]:
     }
 
 
-def _paragraph(facts: dict[str, Any]) -> str:
+def _paragraph(facts: dict[str, Any]) -> list[list[str]]:
+    """The paragraph about one bundle, as pieces ``[kind, text]``: ``"code"`` (a path, a name) or ``"text"``.
+
+    The pieces hold the bundle's strings as they are: each renderer escapes them for its format.
+    """
     status = ", ".join(f"{n} {s}" for s, n in facts["statuses"].items()) or "none"
     producer = ", ".join(f"{k} {v}" for k, v in facts["producer"].items())
     text = (
-        f"`{facts['path']}` ({facts['format']}) holds {facts['calls']} recorded calls of `{facts['method']}` "
-        f"({status}): {facts['tensors']} tensors in {facts['files']} files, {_size(facts['bytes'])}. "
+        f" ({status}): {facts['tensors']} tensors in {facts['files']} files, {_size(facts['bytes'])}. "
         f"Recorded with {producer}"
     )
     text += f" on {', '.join(facts['devices'])}." if facts["devices"] else "."
     if facts["model"]:
         text += f" It carries its model ({facts['model']} config and weights)."
-    return text
+    return [
+        ["code", facts["path"]],
+        ["text", f" ({facts['format']}) holds {facts['calls']} recorded calls of "],
+        ["code", facts["method"]],
+        ["text", text],
+    ]
 
 
 def _finite(value: Any) -> float | None:
@@ -134,7 +142,12 @@ def _status(row: dict[str, Any]) -> str:
 
 @dataclass
 class Report:
-    """Everything a report shows, as JSON-able data (see :func:`build_report`)."""
+    """Everything a report shows, as JSON-able data (see :func:`build_report`).
+
+    Strings from the bundles (names, paths, producer versions, error messages) are kept as they
+    are; the renderers escape them. ``paragraphs`` holds one paragraph per bundle as pieces
+    ``[kind, text]``, ``kind`` ``"code"`` (a path or a name, shown as code) or ``"text"``.
+    """
 
     kind: str
     title: str
@@ -148,7 +161,7 @@ class Report:
     command: str
     environment: dict[str, str]
     bundles: list[dict[str, Any]]
-    paragraphs: list[str]
+    paragraphs: list[list[list[str]]]
     columns: list[str]
     rows: list[dict[str, Any]]
     outputs: list[dict[str, Any]]

@@ -84,6 +84,7 @@ from iobundle.schema._manifest import (
     TensorNode,
     TupleNode,
     _Model,
+    duplicate_call_index,
 )
 
 __all__ = [
@@ -497,6 +498,7 @@ class _Reader:
         nodes: dict[str, TensorNode] = {}
         get_node = nodes.get
         node_fields = _FIELDS[TensorNode]
+        seen: dict[int, int] = {}
         for i, rec in enumerate(raw):
             if type(rec) is not dict:
                 self.fail(f"calls[{i}]", f"expected an object, found {type(rec).__name__}")
@@ -505,6 +507,9 @@ class _Reader:
             index, s, keys = rec.get("index"), rec.get("structure"), rec.get("keys")
             if type(index) is not int or index < 0:
                 self.fail(f"calls[{i}].index", f"expected an integer >= 0, found {_short(index)}")
+            first = seen.setdefault(index, i)
+            if first != i:
+                self.fail(f"calls[{i}].index", duplicate_call_index(index, first))
             if type(s) is not int or not 0 <= s < n_structures:
                 self.fail(f"calls[{i}].structure", f"{_short(s)} is not one of the {n_structures} structures")
             n_slots, build = structures[s]

@@ -13,6 +13,7 @@ A manifest is untrusted input (bundles are attached to bug reports). Reading one
 - every tensor has at most :data:`MAX_TENSOR_RANK` dimensions (64) and a shape whose element
   count, zero dimensions ignored, stays at most :data:`MAX_TENSOR_ELEMENTS` (2**62), so that any
   shape fits a 64-bit size;
+- no two calls have the same ``index`` (their tensor files and converted files are named after it);
 - every dict node has as many keys as items, and no key twice;
 - format version 1 holds no format-2 field (``extends``, ``hash``/``digest``); version 2 may also
   record a file's hash as ``sha256`` (what version 1 wrote, e.g. a file copied from a version-1 bundle);
@@ -61,6 +62,7 @@ from iobundle.schema._manifest import (
     Node,
     ObjectNode,
     TupleNode,
+    duplicate_call_index,
 )
 
 __all__ = [
@@ -200,6 +202,7 @@ def validate_manifest(raw: Any, *, source: str = MANIFEST_FILENAME) -> Manifest:
         raise ManifestError(f"{source}: does not match the iobundle format:\n" + _describe(exc)) from exc
     except RecursionError as exc:
         raise UnsafeBundleError(f"{source}: structure too deep to validate.") from exc
+    _check_call_indices(manifest, source)
     _check_tensor_shapes(manifest, source)
     _check_version_fields(manifest, source)
     _check_extensions(manifest, source)
@@ -218,6 +221,14 @@ def _loc(loc: tuple[int | str, ...]) -> str:
     for part in loc:
         text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
     return text or "(top level)"
+
+
+def _check_call_indices(manifest: Manifest, source: str) -> None:
+    seen: dict[int, int] = {}
+    for i, call in enumerate(manifest.calls):
+        first = seen.setdefault(call.index, i)
+        if first != i:
+            raise ManifestError(f"{source}: calls[{i}].index: {duplicate_call_index(call.index, first)}.")
 
 
 def _check_tensor_shapes(manifest: Manifest, source: str) -> None:

@@ -69,6 +69,7 @@ __all__ = [
     "TensorEntry",
     "TensorNode",
     "TupleNode",
+    "duplicate_call_index",
 ]
 
 FORMAT = "iobundle"
@@ -228,6 +229,14 @@ class FileEntry(_OmitsUnset):
         return self.sha256 if self.sha256 is not None else str(self.digest)
 
 
+def duplicate_call_index(index: int, first: int) -> str:
+    """The problem of a call whose ``index`` is already the index of ``calls[first]`` (every format version)."""
+    return (
+        f"{index} is also the index of calls[{first}]; each recorded call has its own index "
+        "(its tensor file and every converted file are named after it). The file is corrupt or hostile"
+    )
+
+
 class CallEntry(_Model):
     """One recorded call of the observed method."""
 
@@ -305,7 +314,8 @@ class Redaction(_Model):
 
     Synthetic values have the dtype and shape of the recorded ones; integers stay within the
     observed range, two-valued tensors (masks) keep their two values, and rows that increased
-    (positions) still do. Scalar constants and the structure are kept as recorded.
+    (positions) still do; a tensor of one value gets other values. Scalar constants and the
+    structure are kept as recorded.
 
     Attributes:
         outputs_kept: The recorded outputs were kept (``--keep-outputs``); otherwise there are none.

@@ -20,7 +20,11 @@ features), ``iobundle export`` writes one ONNX file per phase and this index bes
 observed method, ``present`` (every tensor there), ``absent`` (not passed, None, or a cache
 holding no tensor yet), ``empty`` (zero-length tensors) or ``K/N`` (K of its N tensors
 present). ``calls`` lists the recorded calls the program was exported from and checked on.
-File names are relative to the index's directory and never leave it.
+
+The index is data with rules, checked on load and on write: each ``file`` is an ONNX file
+(``*.onnx``, never another index: an index has no depth) relative to the index's directory
+and never leaving it; program names are unique; call numbers are non-negative and each call
+belongs to one program only.
 """
 
 from __future__ import annotations
@@ -78,11 +82,42 @@ def _check_file_name(name: str, where: str) -> None:
         raise UnsafeBundleError(f"{where}: file {name!r} must be a relative path inside the index's directory.")
 
 
+def _check_rules(index: ProgramIndex, where: str) -> None:
+    names: set[str] = set()
+    owner: dict[int, str] = {}
+    for i, program in enumerate(index.programs):
+        field = f"{where}programs[{i}]"
+        _check_file_name(program.file, field)
+        if PurePosixPath(program.file).suffix != ".onnx":
+            raise ManifestError(
+                f"{field}.file: {program.file!r} is not an ONNX file. A program index names *.onnx files only, "
+                "never another index; export again with `iobundle export`."
+            )
+        if program.name in names:
+            raise ManifestError(
+                f"{field}.name: {program.name!r} names two programs; each program of an index has its own name."
+            )
+        names.add(program.name)
+        if program.traced_call < 0:
+            raise ManifestError(f"{field}.traced_call: {program.traced_call} is negative; call numbers start at 0.")
+        for call in program.calls:
+            if call < 0:
+                raise ManifestError(f"{field}.calls: {call} is negative; call numbers start at 0.")
+            if call in owner:
+                raise ManifestError(
+                    f"{field}.calls: call {call} is listed twice (also by program {owner[call]!r}); "
+                    "each recorded call belongs to one program."
+                )
+            owner[call] = program.name
+
+
 def load_program_index(path: str | os.PathLike[str]) -> ProgramIndex:
     """Read a program index written by ``iobundle export`` (untrusted input: size, format and names checked).
 
     Raises:
-        ManifestError: The file is missing, not JSON, not an index, or a field is invalid.
+        ManifestError: The file is missing, not JSON, not an index, or a field is invalid: a program's
+            file is not an ONNX file, two programs share a name, or a call number is negative or
+            listed twice (the message names the file and the field).
         UnsafeBundleError: The file is too large, or a program's file name leaves the index's directory.
     """
     path = Path(path)
@@ -105,14 +140,12 @@ def load_program_index(path: str | os.PathLike[str]) -> ProgramIndex:
     except pydantic.ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])
         raise ManifestError(f"{path}: invalid program index: {problems}") from exc
-    for i, program in enumerate(index.programs):
-        _check_file_name(program.file, f"{path}: programs[{i}]")
+    _check_rules(index, f"{path}: ")
     return index
 
 
 def write_program_index(index: ProgramIndex, path: str | os.PathLike[str]) -> None:
-    """Write ``index`` to ``path`` atomically."""
-    for i, program in enumerate(index.programs):
-        _check_file_name(program.file, f"programs[{i}]")
+    """Write ``index`` to ``path`` atomically, after checking the rules :func:`load_program_index` checks."""
+    _check_rules(index, f"{path}: ")
     text = json.dumps(index.model_dump(mode="json"), indent=1) + "\n"
     write_atomically(Path(path), [text.encode("utf-8")])

@@ -42,7 +42,7 @@ class TestDiff:
         code, _, _ = run(capsys, "diff", "a.iobundle", "b.iobundle", "--report", "diff.md")
         assert code == 1
         text = (workdir / "diff.md").read_text("utf-8")
-        assert text.startswith("## iobundle diff: a.iobundle vs b.iobundle")
+        assert text.startswith("## iobundle diff\\: a\\.iobundle vs b\\.iobundle")  # Markdown-escaped
         assert text.count("**Bundle.**") == 2 and "| what differs |" in text
 
     def test_unreadable_bundle_exits_2(self, workdir, capsys):

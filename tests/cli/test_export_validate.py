@@ -100,8 +100,8 @@ def test_validate_report_formats(workdir, capsys, suffix):
         rows = list(csv.DictReader(text.splitlines()))
         assert [r["SUCCESS"] for r in rows] == ["True", "True"]
     else:
-        assert text.startswith("## iobundle validate: good.onnx")
-        assert "**PASS: 2/2 calls within atol=0.0001 rtol=0.1**" in text
+        assert text.startswith("## iobundle validate\\: good\\.onnx")  # Markdown-escaped
+        assert "**PASS\\: 2/2 calls within atol\\=0\\.0001 rtol\\=0\\.1**" in text
         assert "| call | status | max abs |" in text
 
 

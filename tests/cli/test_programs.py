@@ -82,3 +82,20 @@ def test_validate_a_broken_index_exits_2(workdir, capsys):
     (workdir / "bad.programs.json").write_text('{"format": "iobundle.programs", "programs": []}')
     assert main(["validate", "run.iobundle", "bad.programs.json"]) == 2
     assert "invalid program index" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("programs", "field"),
+    [
+        ([{"file": "loop.programs.json"}], "programs[0].file"),
+        ([{}, {"file": "n.onnx", "calls": [1]}], "programs[1].name"),
+        ([{"calls": [0, -1]}], "programs[0].calls"),
+    ],
+)
+def test_validate_an_index_breaking_its_rules_exits_2_naming_the_field(workdir, capsys, programs, field):
+    entry = {"name": "p0", "file": "m.onnx", "calls": [0], "traced_call": 0, "inputs": {"x": "present"}}
+    data = {"format": "iobundle.programs", "format_version": 1, "programs": [{**entry, **p} for p in programs]}
+    (workdir / "loop.programs.json").write_text(json.dumps(data))
+    assert main(["validate", "run.iobundle", "loop.programs.json"]) == 2
+    err = capsys.readouterr().err
+    assert f"loop.programs.json: {field}" in err and "Traceback" not in err

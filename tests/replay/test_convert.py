@@ -11,7 +11,7 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from iobundle import BundleExistsError, InputObserver, ModelLoadError, load_bundle, redact_bundle
+from iobundle import BundleExistsError, InputObserver, ModelLoadError, ReplayError, load_bundle, redact_bundle
 from iobundle.replay import convert_to_npz, convert_to_onnx_testdata, validate_onnx
 from iobundle.replay._convert import tensor_proto
 
@@ -220,3 +220,33 @@ def test_convert_takes_a_bundle_or_an_observer(tmp_path):
     from_bundle = convert_to_npz(load_bundle(tmp_path / "run"), tmp_path / "b.npz").paths[0]
     with np.load(from_observer) as a, np.load(from_bundle) as b:
         assert sorted(a) == sorted(b) == ["call_000000/args.0", "call_000000/outputs"]
+
+
+def _repeat_first_index(observer: InputObserver) -> None:
+    rc = observer._recorded()
+    rc.calls[1] = rc.calls[1].model_copy(update={"index": rc.calls[0].index})
+
+
+@pytest.mark.parametrize("target", ["arrays", "all.npz"])
+def test_npz_refuses_two_calls_with_one_index(tmp_path, target):
+    model, observer = torch.nn.Linear(4, 2), InputObserver()
+    with observer(model):
+        model(torch.randn(1, 4))
+        model(torch.randn(2, 4))
+    _repeat_first_index(observer)
+    with pytest.raises(ReplayError, match="Two recorded calls have the index 0"):
+        convert_to_npz(observer, tmp_path / target)
+    assert not (tmp_path / target).exists()
+
+
+def test_onnx_testdata_names_its_folders_by_position_so_calls_never_collide(tmp_path):
+    model, observer = torch.nn.Linear(4, 2), InputObserver()
+    with observer(model):
+        model(torch.randn(1, 4))
+        model(torch.randn(2, 4))
+    observer.to_onnx(model, tmp_path / "m.onnx")
+    _repeat_first_index(observer)
+    result = convert_to_onnx_testdata(observer, tmp_path / "m.onnx", tmp_path / "td")
+    assert result.calls == 2
+    shapes = [[tuple(t.dims) for t in read_data_set(tmp_path / "td" / f"test_data_set_{i}", "input")] for i in (0, 1)]
+    assert shapes == [[(1, 4)], [(2, 4)]]

@@ -136,3 +136,60 @@ def test_validate_reports_calls_no_program_serves(bundle, tmp_path):
     rows = bundle.check_discrepancies(index_path)
     assert rows[0]["SUCCESS"] is False and "no program of memory.programs.json serves call 0" in rows[0]["error"]
     assert [r["SUCCESS"] for r in rows[1:]] == [True, True]
+
+
+def _write_index(path, *programs):
+    path.write_text(json.dumps({"format": "iobundle.programs", "format_version": 1, "programs": list(programs)}))
+    return path
+
+
+def _entry(name="p0", file="m.onnx", calls=(0,), traced_call=0):
+    return {"name": name, "file": file, "calls": list(calls), "traced_call": traced_call, "inputs": {"x": "present"}}
+
+
+def test_index_naming_itself_is_refused(tmp_path, bundle):
+    path = _write_index(tmp_path / "self.programs.json", _entry(file="self.programs.json"))
+    with pytest.raises(ManifestError, match=r"self\.programs\.json: programs\[0\]\.file: .* not an ONNX file"):
+        load_program_index(path)
+    with pytest.raises(ManifestError, match="never another index"):
+        bundle.check_discrepancies(path)
+
+
+def test_two_indexes_naming_each_other_are_refused(tmp_path, bundle):
+    a = _write_index(tmp_path / "a.programs.json", _entry(file="b.programs.json"))
+    _write_index(tmp_path / "b.programs.json", _entry(file="a.programs.json"))
+    with pytest.raises(ManifestError, match=r"a\.programs\.json: programs\[0\]\.file"):
+        bundle.check_discrepancies(a)
+
+
+def test_duplicate_program_names_are_refused(tmp_path, bundle):
+    result = bundle.export_programs(Memory().eval())
+    index_path = Path(result.to_onnx(tmp_path / "memory.onnx"))
+    data = json.loads(index_path.read_text())
+    data["programs"][1]["name"] = "p0"
+    index_path.write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match=r"programs\[1\]\.name: 'p0' names two programs"):
+        bundle.check_discrepancies(index_path)
+
+
+@pytest.mark.parametrize(
+    ("programs", "match"),
+    [
+        ([_entry(calls=(-1,))], r"programs\[0\]\.calls: -1 is negative"),
+        ([_entry(traced_call=-2)], r"programs\[0\]\.traced_call: -2 is negative"),
+        ([_entry(calls=(0, 0))], r"programs\[0\]\.calls: call 0 is listed twice"),
+        ([_entry(), _entry(name="p1", file="n.onnx", calls=(1, 0))], r"programs\[1\]\.calls: call 0 .*'p0'"),
+    ],
+)
+def test_negative_and_repeated_call_numbers_are_refused(tmp_path, programs, match):
+    with pytest.raises(ManifestError, match=match):
+        load_program_index(_write_index(tmp_path / "m.programs.json", *programs))
+
+
+def test_writing_an_index_checks_the_same_rules(tmp_path):
+    from iobundle.schema import ProgramEntry, ProgramIndex, write_program_index
+
+    entry = ProgramEntry.model_validate(_entry())
+    with pytest.raises(ManifestError, match=r"programs\[1\]\.name"):
+        write_program_index(ProgramIndex(programs=[entry, entry]), tmp_path / "m.programs.json")
+    assert not (tmp_path / "m.programs.json").exists()

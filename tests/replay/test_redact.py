@@ -161,6 +161,32 @@ class TestSyntheticLike:
         assert abs(float(fake.float().mean()) - 10) < 0.5 and abs(float(fake.float().std()) - 3) < 0.5
         assert not torch.equal(fake, x)
 
+    @pytest.mark.parametrize(
+        "dtype",
+        [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.complex64],
+    )
+    @pytest.mark.parametrize("shape", [(1,), (3, 5)])
+    def test_a_float_tensor_of_one_value_never_keeps_it(self, dtype, shape):
+        value = 0.375 + 2j if dtype.is_complex else 0.375
+        t = torch.full(shape, value, dtype=dtype)
+        fake = synthetic_like(t, self.gen())
+        wide = torch.complex128 if dtype.is_complex else torch.float64
+        assert fake.dtype == dtype and fake.shape == t.shape
+        assert not bool((fake.to(wide) == t.to(wide)).any())
+
+    @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int8, torch.uint8])
+    @pytest.mark.parametrize(("bounds", "allowed"), [(None, {6, 8}), ((7, 7), {6, 8}), ((3, 9), {3, 4, 5, 6, 8, 9})])
+    def test_an_integer_tensor_of_one_value_never_keeps_it(self, dtype, bounds, allowed):
+        t = torch.full((4, 6), 7, dtype=dtype)
+        values = set(synthetic_like(t, self.gen(), bounds=bounds).flatten().tolist())
+        assert values <= allowed and 7 not in values
+
+    def test_rows_of_one_value_each_are_drawn_afresh(self):
+        rows = torch.tensor([[5] * 8, [2] * 8])
+        fake = synthetic_like(rows, self.gen())
+        assert not torch.equal(fake[0], rows[0]) and not torch.equal(fake[1], rows[1])
+        assert bool((fake[:, 1:] >= fake[:, :-1]).all()) and int(fake.min()) >= 2 and int(fake.max()) <= 5
+
     def test_empty_tensors_stay_empty(self):
         fake = synthetic_like(torch.empty(1, 2, 0, 4), self.gen())
         assert fake.shape == (1, 2, 0, 4)
@@ -306,3 +332,46 @@ def test_export_works_from_a_redacted_bundle_and_validate_says_nothing_to_compar
     assert "nothing to compare the model's outputs against" in err
     # The same ONNX model validates against the original bundle.
     assert validate_onnx(load_bundle(original)._recorded(), onnx_path).ok
+
+
+def test_constant_inputs_are_redacted_into_other_values(tmp_path):
+    class Scaled(torch.nn.Module):
+        def forward(self, x, scale, offset):
+            return x * scale + offset.float().sum()
+
+    model, observer = Scaled(), InputObserver()
+    scale, offset = torch.full((1, 4), 0.125), torch.full((3,), 5, dtype=torch.int64)
+    with observer(model):
+        for n in (2, 3):
+            model(torch.randn(n, 4), scale=scale, offset=offset)  # the same values in every call
+    observer.save(tmp_path / "run.iobundle")
+    redact_bundle(tmp_path / "run.iobundle", tmp_path / "out.iobundle")
+    after = load_bundle(tmp_path / "out.iobundle")
+    for name, t in _inputs(after):
+        if name == "scale":
+            assert t.dtype == torch.float32 and not bool((t == 0.125).any())
+        elif name == "offset":
+            assert t.dtype == torch.int64 and not bool((t == 5).any())
+    assert {name for name, _ in _inputs(after)} == {"0", "scale", "offset"}
+    files = b"".join(p.read_bytes() for p in (tmp_path / "out.iobundle" / "calls").iterdir())
+    assert torch.full((1, 4), 0.125).numpy().tobytes() not in files  # not byte for byte either
+
+
+def test_what_is_kept_verbatim_is_what_the_readme_lists(tmp_path):
+    source = capture(tmp_path / "run.iobundle")
+    manifest = json.loads((source / "manifest.json").read_text("utf-8"))
+    manifest["producer"]["torch"] = "a private build"
+    (source / "manifest.json").write_text(json.dumps(manifest), "utf-8")
+    redact_bundle(source, tmp_path / "out.iobundle")
+    before, after = load_bundle(source).manifest, load_bundle(tmp_path / "out.iobundle").manifest
+    assert after.signature == before.signature
+    assert [(c.status, c.latency, c.cst_kwargs, c.filled) for c in after.calls] == [
+        (c.status, c.latency, c.cst_kwargs, c.filled) for c in before.calls
+    ]
+    assert after.producer.torch == torch.__version__ != before.producer.torch  # the redacting machine's
+    kept = [
+        name
+        for (name, b), (_, a) in zip(_inputs(load_bundle(source)), _inputs(load_bundle(tmp_path / "out.iobundle")))
+        if torch.equal(a, b)
+    ]
+    assert sorted(kept) == ["attention_mask", "position_ids", "position_ids"]  # an all-ones mask, two arange rows
