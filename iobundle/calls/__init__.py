@@ -77,7 +77,7 @@ from iobundle.calls._registry import (
     register_provider,
 )
 from iobundle.calls._staging import PinnedStager
-from iobundle.calls._tensorfile import (
+from iobundle.calls._tensorfile_write import (
     MAX_HEADER_BYTES,
     parse_header,
     read_exactly,

@@ -11,13 +11,13 @@ import torch
 from iobundle._progress import ProgressCallback
 from iobundle.calls import RecordedCalls, TensorCollector, record_inputs, replace_tensors, tensor_keys
 from iobundle.errors import AlignmentError, InputSelectionError
-from iobundle.replay import _inference
-from iobundle.replay._dim_names import DimNamesSpec
-from iobundle.replay._dims import StaticDimHint, static_dim_hints
-from iobundle.replay._export import ExportReport, export_onnx, export_program
-from iobundle.replay._info import InputCandidate, ObservationInfo
-from iobundle.replay._phases import ProgramSet, ProgramsMode, export_programs
-from iobundle.replay._validate import ValidationReport, check_discrepancies, validate_onnx
+from iobundle.replay.check._validate import ValidationReport, check_discrepancies, validate_onnx
+from iobundle.replay.export._dims import StaticDimHint, static_dim_hints
+from iobundle.replay.export._export import ExportReport, export_onnx, export_program
+from iobundle.replay.export._phases import ProgramSet, ProgramsMode, export_programs
+from iobundle.replay.infer import _inference
+from iobundle.replay.infer._dim_names import DimNamesSpec
+from iobundle.replay.infer._info import InputCandidate, ObservationInfo
 from iobundle.schema import CallEntry, Node, TensorNode
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ class RecordedCallsAPI:
         """Axes that look like batch or sequence axes and are static only because no call varied them.
 
         Each hint names the axes and how to make them dynamic (``hint.message()``).
-        See :func:`iobundle.replay._dims.static_dim_hints`.
+        See :func:`iobundle.replay.export._dims.static_dim_hints`.
         """
         return static_dim_hints(self._recorded(), set_batch_dimension_for, dynamic)
 
@@ -339,7 +339,7 @@ class RecordedCallsAPI:
 
         .. versionadded:: 0.2
         """
-        from iobundle.replay._rerun import rerun_model
+        from iobundle.replay.check._rerun import rerun_model
 
         return rerun_model(
             self._recorded(), model, atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,

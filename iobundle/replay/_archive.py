@@ -40,6 +40,7 @@ import torch
 from iobundle._atomic import atomic_file
 from iobundle._progress import BYTES, ProgressCallback, notify
 from iobundle._remote import clear_local_bundle, is_url, local_path, open_filesystem, staged
+from iobundle.calls._tensorfile_read import BundleRoot, _check_member_name, _open_regular, check_file, listed_files
 from iobundle.errors import (
     ArchiveError,
     BundleExistsError,
@@ -50,7 +51,6 @@ from iobundle.errors import (
     TensorFileError,
     UnsafeBundleError,
 )
-from iobundle.replay._tensorfile import BundleRoot, _check_member_name, _open_regular, check_file, listed_files
 from iobundle.schema import MANIFEST_FILENAME, MAX_MANIFEST_BYTES, dump_manifest
 
 __all__ = ["MAX_ARCHIVE_MEMBERS", "ArchiveRoot", "PackResult", "open_archive", "pack_bundle", "unpack_bundle"]
@@ -103,7 +103,7 @@ class _Slice(io.RawIOBase):
 
 
 class _ArchiveMember:
-    """A member of a packed bundle; see :class:`iobundle.replay._tensorfile.MemberHandle`."""
+    """A member of a packed bundle; see :class:`iobundle.calls._tensorfile_read.MemberHandle`."""
 
     def __init__(self, root: ArchiveRoot, name: str) -> None:
         self.root = root

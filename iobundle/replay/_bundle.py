@@ -10,12 +10,7 @@ from iobundle._collector import collector_paused
 from iobundle._progress import BYTES, ProgressCallback, notify
 from iobundle._remote import local_path, remote_kind
 from iobundle.calls import RecordedCalls, build_value, iter_tensor_nodes
-from iobundle.errors import IobundleError, UnsafeBundleError
-from iobundle.replay._api import RecordedCallsAPI
-from iobundle.replay._archive import ArchiveRoot, open_archive
-from iobundle.replay._inference import call_shape, collect_tensor_keys
-from iobundle.replay._remote import RemoteRoot
-from iobundle.replay._tensorfile import (
+from iobundle.calls._tensorfile_read import (
     BundleRoot,
     BundleTensorStore,
     Root,
@@ -23,6 +18,11 @@ from iobundle.replay._tensorfile import (
     check_file_header,
     listed_files,
 )
+from iobundle.errors import IobundleError, UnsafeBundleError
+from iobundle.replay._api import RecordedCallsAPI
+from iobundle.replay._archive import ArchiveRoot, open_archive
+from iobundle.replay._remote import RemoteRoot
+from iobundle.replay.infer._inference import call_shape, collect_tensor_keys
 from iobundle.schema import MANIFEST_FILENAME, CallEntry, Manifest, load_manifest, parse_manifest
 
 __all__ = ["Bundle", "load_bundle"]

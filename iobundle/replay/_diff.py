@@ -13,7 +13,7 @@ from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import NAME_TO_DTYPE, positional_names
 from iobundle.errors import NothingToCompareError
 from iobundle.replay._bundle import Bundle, load_bundle
-from iobundle.replay._compare import (
+from iobundle.replay.check._compare import (
     OutputCheck,
     Scratch,
     Tolerances,
@@ -21,7 +21,12 @@ from iobundle.replay._compare import (
     compare_call,
     output_leaves,
 )
-from iobundle.replay._validate import ValidationReport, _refuse_unused, recorded_output_names, refuse_unknown_outputs
+from iobundle.replay.check._validate import (
+    ValidationReport,
+    _refuse_unused,
+    recorded_output_names,
+    refuse_unknown_outputs,
+)
 from iobundle.schema import CallEntry, ConstNode, DictNode, Manifest, Node, ObjectNode, OpaqueNode, TensorNode
 
 __all__ = ["DiffReport", "diff_bundles"]

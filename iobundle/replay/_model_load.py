@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from iobundle._implementations import ATTN_IMPLEMENTATIONS, EXPERTS_IMPLEMENTATIONS, SAFE_ATTN_IMPLEMENTATION
+from iobundle.calls._tensorfile_read import Root, check_file, read_member
 from iobundle.errors import IobundleError, MissingDependencyError, ModelLoadError, UnsafeBundleError
 from iobundle.replay._bundle import Bundle
-from iobundle.replay._tensorfile import Root, check_file, read_member
 from iobundle.schema import ModelEntry
 
 __all__ = [

@@ -13,8 +13,8 @@ import safetensors.torch
 import torch
 
 from iobundle import InputObserver, load_bundle
-from iobundle.calls import _tensorfile
-from iobundle.calls._tensorfile import raw_bytes, write_tensor_file
+from iobundle.calls import _tensorfile_write as _tensorfile
+from iobundle.calls._tensorfile_write import raw_bytes, write_tensor_file
 from iobundle.errors import BundleWriteError, UnsupportedInputError
 
 DTYPES = [

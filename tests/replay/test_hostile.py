@@ -22,8 +22,8 @@ import pytest
 import torch
 import xxhash
 
-import iobundle.calls._tensorfile as capture_tensorfile
-import iobundle.replay._tensorfile as replay_tensorfile
+import iobundle.calls._tensorfile_read as replay_tensorfile
+import iobundle.calls._tensorfile_write as capture_tensorfile
 import iobundle.schema._io as schema_io
 from iobundle import InputObserver, load_bundle
 from iobundle.errors import (

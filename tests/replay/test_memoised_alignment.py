@@ -15,7 +15,7 @@ import torch
 from observing import Calls, observe, source
 
 from iobundle import AlignmentError, InputObserver
-from iobundle.replay import _inference
+from iobundle.replay.infer import _inference
 
 
 class Decoder(torch.nn.Module):

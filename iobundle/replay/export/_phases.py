@@ -32,9 +32,9 @@ import torch
 
 from iobundle.calls import RecordedCalls
 from iobundle.errors import ExportError, ReplayError
-from iobundle.replay._dims import owner_name
-from iobundle.replay._export import CallCheck, ExportReport, export_program, save_onnx
-from iobundle.replay._inference import Alignment, DynamicSpec, align_calls
+from iobundle.replay.export._dims import owner_name
+from iobundle.replay.export._export import CallCheck, ExportReport, export_program, save_onnx
+from iobundle.replay.infer._inference import Alignment, DynamicSpec, align_calls
 from iobundle.schema import ProgramEntry, ProgramIndex, load_program_index, write_program_index
 
 __all__ = [
@@ -322,7 +322,7 @@ def check_program_index(
 
     Calls are assigned by structure (:func:`call_structure`), not by index, so an index also
     validates another bundle of the same model. ``run(rc, onnx_file, **options)`` validates the
-    calls of one program (``iobundle.replay._validate``'s runner); each of its rows gets a
+    calls of one program (``iobundle.replay.check._validate``'s runner); each of its rows gets a
     ``program`` column. A call that no program serves is a failed row saying so.
 
     Raises:

@@ -34,9 +34,9 @@ import torch
 
 from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import DictTensorStore, RecordedCalls, tensor_keys
+from iobundle.calls._tensorfile_read import check_file, read_member
 from iobundle.errors import IobundleError, ModelLoadError
 from iobundle.replay._bundle import Bundle
-from iobundle.replay._tensorfile import check_file, read_member
 from iobundle.schema import CallEntry, ModelEntry
 
 __all__ = ["POSITION_NAMES", "TOKEN_ID_NAMES", "copy_model_files", "redact_calls", "synthetic_like"]

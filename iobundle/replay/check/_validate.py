@@ -18,7 +18,7 @@ import torch
 from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import RecordedCalls, tensor_keys
 from iobundle.errors import ModelLoadError, NothingToCompareError, ReplayError, ToleranceError
-from iobundle.replay._compare import (
+from iobundle.replay.check._compare import (
     OutputCheck,
     Scratch,
     Tolerances,
@@ -27,8 +27,8 @@ from iobundle.replay._compare import (
     histogram_labels,
     output_paths,
 )
-from iobundle.replay._export import INPUT_SLOTS_KEY, OUTPUT_NAMES_KEY
-from iobundle.replay._inference import align_calls, aligned_tensors, placeholder_inputs
+from iobundle.replay.export._export import INPUT_SLOTS_KEY, OUTPUT_NAMES_KEY
+from iobundle.replay.infer._inference import align_calls, aligned_tensors, placeholder_inputs
 
 __all__ = ["ValidationReport", "check_discrepancies", "validate_onnx"]
 
@@ -254,7 +254,7 @@ def _run_checks(
     check_error_stat_name(check_error_stat, error_quantile)
     _require_outputs(rc)
     if not isinstance(onnx_model, onnx.ModelProto) and str(onnx_model).endswith(".json"):
-        from iobundle.replay._phases import check_program_index
+        from iobundle.replay.export._phases import check_program_index
 
         return check_program_index(
             rc, onnx_model, _run_checks, tolerances=tolerances, hist=hist, progress_bar=progress_bar,

@@ -9,10 +9,10 @@ The order of the checks is what makes reading a hostile file safe:
    manifest names: XXH3-128 in format version 2, sha256 in version 1), the first time it is read,
    unless verification is off;
 3. the header length fits in the file and under
-   :data:`iobundle.calls._tensorfile.MAX_HEADER_BYTES`, the header is a JSON object, and every
+   :data:`iobundle.calls._tensorfile_write.MAX_HEADER_BYTES`, the header is a JSON object, and every
    tensor the manifest puts in this file is there with the manifest's dtype and shape and a byte
    span inside the data area of exactly the right length (the checks
-   :mod:`iobundle.calls._tensorfile` shares with the streaming observer's read-back);
+   :mod:`iobundle.calls._tensorfile_write` shares with the streaming observer's read-back);
 4. only then is the file memory-mapped. A mapping past the end of a file is a SIGBUS, not an
    exception, so nothing is mapped before the size checks.
 

@@ -37,7 +37,7 @@ from iobundle.calls import (
     tensor_keys,
 )
 from iobundle.errors import AlignmentError, DynamicShapeError, InputSelectionError
-from iobundle.replay._dim_names import DimNamesSpec, name_dims
+from iobundle.replay.infer._dim_names import DimNamesSpec, name_dims
 from iobundle.schema import (
     CallEntry,
     ConstNode,
@@ -631,7 +631,7 @@ def infer_dynamic_shapes(
         set_batch_dimension_for: Names or positions whose dim 0 is dynamic even if constant,
             or True for every input.
         dim_names: False for ``Dim.DYNAMIC``; True or a dict for names (strings), see
-            :mod:`iobundle.replay._dim_names`.
+            :mod:`iobundle.replay.infer._dim_names`.
         dynamic: Axes to make dynamic even if their size never varied (see :data:`DynamicSpec`).
 
     Returns:

@@ -15,7 +15,7 @@ import torch.utils._pytree as torch_pytree
 
 from iobundle.calls import RecordedCalls, build_value, tensor_keys
 from iobundle.errors import AlignmentError
-from iobundle.replay import _inference
+from iobundle.replay.infer import _inference
 from iobundle.schema import CallEntry
 
 __all__ = ["InputCandidate", "ObservationInfo"]

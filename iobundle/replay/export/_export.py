@@ -18,8 +18,8 @@ import torch
 from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import RecordedCalls, TensorCollector, record_value, tensor_keys
 from iobundle.errors import ExportError
-from iobundle.replay._compare import compare_outputs
-from iobundle.replay._dim_names import (
+from iobundle.replay.check._compare import compare_outputs
+from iobundle.replay.infer._dim_names import (
     DimNamesSpec,
     name_dims,
     named_dims_hint,
@@ -27,7 +27,7 @@ from iobundle.replay._dim_names import (
     rename_onnx_axes,
     to_export_dims,
 )
-from iobundle.replay._inference import (
+from iobundle.replay.infer._inference import (
     Alignment,
     DynamicSpec,
     align_calls,
@@ -88,7 +88,7 @@ class ExportReport:
     patches: list[str] = field(default_factory=list)
     calls: list[CallCheck] = field(default_factory=list)
     batch_check: Any = None
-    """A ``BatchCheck`` (see :mod:`iobundle.replay._dims`): the program on a batch size never recorded."""
+    """A ``BatchCheck`` (see :mod:`iobundle.replay.export._dims`): the program on a batch size never recorded."""
 
     @property
     def failures(self) -> list[CallCheck]:
@@ -270,7 +270,7 @@ def export_context(
 ) -> Iterator[None]:
     """Everything export and the checks need, scoped: pytree registrations, size-oblivious mode.
 
-    With ``model`` (tracing only), the patches of :mod:`iobundle.replay._patches` that apply
+    With ``model`` (tracing only), the patches of :mod:`iobundle.replay.export._patches` that apply
     to it are entered too and listed by name on ``report.patches``.
     """
     with contextlib.ExitStack() as stack:
@@ -285,7 +285,7 @@ def export_context(
             stack.enter_context(fx_config.patch(backed_size_oblivious=True))
             report.options.append("backed_size_oblivious=True (a dynamic dimension was observed as 0 or 1)")
         if model is not None:
-            from iobundle.replay._patches import export_patches
+            from iobundle.replay.export._patches import export_patches
 
             stack.enter_context(
                 export_patches(model, dynamic=dynamic, dynamic_batch=dynamic_batch, applied=report.patches)
@@ -427,7 +427,7 @@ def export_program(
             rc, plan, ep.module(), atol=atol, rtol=rtol, report=report, eager=plan.module, on_progress=on_progress
         )
         if check_batch and plan.dynamic_batch and report.ok:
-            from iobundle.replay._dims import check_other_batch
+            from iobundle.replay.export._dims import check_other_batch
 
             report.batch_check = check_other_batch(rc, plan, ep, atol=atol, rtol=rtol)
     rc.last_export_report = report
@@ -506,7 +506,7 @@ def save_onnx(
     begin = time.perf_counter()
     notify(on_progress, "torch.onnx.export", 0, 1)
     try:
-        from iobundle.replay._onnx_rewrites import rewrite_for_onnx
+        from iobundle.replay.export._onnx_rewrites import rewrite_for_onnx
 
         report.options += [f"rewritten for ONNX: {r}" for r in rewrite_for_onnx(ep)]
         with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):

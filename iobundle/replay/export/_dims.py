@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from iobundle.calls import RecordedCalls, tensor_keys
-from iobundle.replay._compare import compare_outputs
-from iobundle.replay._inference import BatchSpec, DynamicSpec, align_calls, flat_dynamic_dims, infer_arguments
+from iobundle.replay.check._compare import compare_outputs
+from iobundle.replay.infer._inference import BatchSpec, DynamicSpec, align_calls, flat_dynamic_dims, infer_arguments
 
 if TYPE_CHECKING:
-    from iobundle.replay._export import _Plan
+    from iobundle.replay.export._export import _Plan
 
 __all__ = ["BatchCheck", "StaticDimHint", "check_other_batch", "owner_name", "static_dim_hints"]
 
@@ -194,7 +194,7 @@ def check_other_batch(
     features are flattened across the batch), the check is inconclusive (``success=None``).
     Never raises: a failure is reported on the result.
     """
-    from iobundle.replay._export import flatten_outputs
+    from iobundle.replay.export._export import flatten_outputs
 
     alignment, index = plan.alignment, plan.traced
     call = alignment.calls[index]

@@ -12,16 +12,23 @@ import torch
 from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import RecordedCalls, tensor_keys
 from iobundle.errors import ReplayError
-from iobundle.replay._compare import OutputCheck, Scratch, Tolerances, check_error_stat_name, compare_call, output_paths
-from iobundle.replay._export import flatten_outputs
-from iobundle.replay._inference import received_arguments
-from iobundle.replay._validate import (
+from iobundle.replay.check._compare import (
+    OutputCheck,
+    Scratch,
+    Tolerances,
+    check_error_stat_name,
+    compare_call,
+    output_paths,
+)
+from iobundle.replay.check._validate import (
     ValidationReport,
     _refuse_unused,
     _require_outputs,
     recorded_output_names,
     refuse_unknown_outputs,
 )
+from iobundle.replay.export._export import flatten_outputs
+from iobundle.replay.infer._inference import received_arguments
 
 __all__ = ["rerun_model"]
 

@@ -1,0 +1,1 @@
+"""replay's export room (its public face comes in the next commit)."""

@@ -1,0 +1,1 @@
+"""Bundles leaving the machine (its public face comes in the next commit)."""
