@@ -40,7 +40,7 @@ import torch
 from iobundle._atomic import atomic_file
 from iobundle._progress import BYTES, ProgressCallback, notify
 from iobundle._remote import clear_local_bundle, is_url, local_path, open_filesystem, staged
-from iobundle.calls._tensorfile_read import BundleRoot, _check_member_name, _open_regular, check_file, listed_files
+from iobundle.calls import BundleRoot, check_file, check_member_name, listed_files, open_regular
 from iobundle.errors import (
     ArchiveError,
     BundleExistsError,
@@ -157,7 +157,7 @@ class ArchiveRoot:
 
     def member(self, name: str) -> _ArchiveMember:
         """The member ``name`` (checked like a file name of a directory bundle; it may be absent)."""
-        _check_member_name(name)
+        check_member_name(name)
         return _ArchiveMember(self, name)
 
     def open_slice(self, offset: int, size: int, name: str) -> BinaryIO:
@@ -175,7 +175,7 @@ class ArchiveRoot:
             return None
         with self._lock:
             if self._mapping is None:
-                fd, size = _open_regular(self.local, str(self.local))
+                fd, size = open_regular(self.local, str(self.local))
                 os.close(fd)
                 if size != self.size:  # a mapping past the end of a file is a SIGBUS, not an exception
                     raise IntegrityError(
@@ -259,7 +259,7 @@ def read_index(f: BinaryIO, size: int, where: str) -> dict[str, tuple[int, int]]
             if kind is not None:
                 raise ArchiveError(f"{label} is {kind}; a packed bundle holds regular files only.", member=name)
             try:
-                _check_member_name(name)
+                check_member_name(name)
             except UnsafeBundleError as exc:
                 raise ArchiveError(f"{label}: {exc}", member=name) from exc
             if str(PurePosixPath(name)) != name:
@@ -315,14 +315,14 @@ def open_archive(location: str | os.PathLike[str]) -> tuple[ArchiveRoot, bytes]:
     opener: Callable[[], BinaryIO]
     if local is not None:
         try:
-            fd, size = _open_regular(local, str(local))
+            fd, size = open_regular(local, str(local))
         except TensorFileError as exc:
             raise BundleNotFoundError(f"'{location}': {exc}") from exc
         os.close(fd)
         where = str(local)
 
         def opener() -> BinaryIO:
-            fd, _ = _open_regular(local, str(local))
+            fd, _ = open_regular(local, str(local))
             return os.fdopen(fd, "rb", buffering=0)
 
         path: Path | str = local
@@ -505,7 +505,7 @@ def _write_tar(
                 notify(on_progress, PACK_TASK, total, max(expected, total), name, unit=BYTES)
                 continue
             member = root.member(name)
-            fd, size = _open_regular(member, name)
+            fd, size = open_regular(member, name)
             with os.fdopen(fd, "rb", buffering=0) as f:
                 out.write(_tar_header(name, size))
                 out.flush()
@@ -603,7 +603,7 @@ def unpack_bundle(
             with os.fdopen(fd, "wb") as out:
                 copied = False
                 if root.local is not None:
-                    src, _ = _open_regular(root.local, str(root.local))
+                    src, _ = open_regular(root.local, str(root.local))
                     try:
                         copied = _kernel_copy(src, offset, fd, size)
                     finally:

@@ -1,1 +1,16 @@
-"""Bundles leaving the machine (its public face comes in the next commit)."""
+"""Bundles leaving the machine: convert to other formats, redact. On top of replay's public face."""
+
+from __future__ import annotations
+
+__all__ = [
+    # Convert
+    "ConvertResult",
+    "convert_to_npz",
+    "convert_to_onnx_testdata",
+    # Redact
+    "copy_model_files",
+    "redact_calls",
+]
+
+from iobundle.travel._convert import ConvertResult, convert_to_npz, convert_to_onnx_testdata
+from iobundle.travel._redact import copy_model_files, redact_calls

@@ -18,7 +18,7 @@ def tensor_file_paths(request: pytest.FixtureRequest, monkeypatch: pytest.Monkey
     from iobundle.calls import _tensorfile_read as _tensorfile
 
     if request.param == "mapped":
-        monkeypatch.setattr(_tensorfile, "SMALL_FILE_BYTES", -1)
+        monkeypatch.setattr(_tensorfile, "READ_WHOLE_BYTES", -1)
     return str(request.param)
 
 

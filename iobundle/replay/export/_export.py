@@ -16,48 +16,42 @@ from typing import Any
 import torch
 
 from iobundle._progress import ProgressCallback, notify
-from iobundle.calls import RecordedCalls, TensorCollector, record_value, tensor_keys
+from iobundle.calls import RecordedCalls, tensor_keys
 from iobundle.errors import ExportError
-from iobundle.replay.check._compare import compare_outputs
-from iobundle.replay.infer._dim_names import (
-    DimNamesSpec,
-    name_dims,
-    named_dims_hint,
-    onnx_axis_names,
-    rename_onnx_axes,
-    to_export_dims,
-)
-from iobundle.replay.infer._inference import (
+from iobundle.replay.check import INPUT_SLOTS_KEY, OUTPUT_NAMES_KEY, compare_outputs, flatten_outputs
+from iobundle.replay.export._dims import _Plan, check_other_batch
+from iobundle.replay.infer import (
     Alignment,
+    DimNamesSpec,
     DynamicSpec,
     align_calls,
     fed_shapes,
     flat_dynamic_dims,
     infer_arguments,
     infer_dynamic_shapes,
+    name_dims,
+    named_dims_hint,
+    onnx_axis_names,
     placeholder_inputs,
     received_arguments,
+    rename_onnx_axes,
     select_call,
     spread_var_keyword,
+    to_export_dims,
 )
 from iobundle.schema import ObjectNode
 
 __all__ = [
-    "INPUT_SLOTS_KEY",
-    "OUTPUT_NAMES_KEY",
     "CallCheck",
     "ExportReport",
     "export_onnx",
     "export_program",
-    "flatten_outputs",
     "save_onnx",
 ]
 
 logger = logging.getLogger(__name__)
 
 CHECK_TASK = "check exported program"
-INPUT_SLOTS_KEY = "iobundle.input_slots"
-OUTPUT_NAMES_KEY = "iobundle.output_names"
 
 
 @dataclass
@@ -106,13 +100,6 @@ class ExportReport:
         return f"{n_ok}/{len(self.calls)} recorded calls reproduced (traced call {self.traced_call}{note})"
 
 
-def flatten_outputs(value: Any) -> list[torch.Tensor]:
-    """The tensors of an output value, in the order recorded outputs are stored."""
-    collector = TensorCollector(lambda t: t)
-    node = record_value(value, collector, path="output", on_opaque=lambda *_: None)
-    return [collector.tensors[k] for k in tensor_keys(node)]
-
-
 class _MethodAsModule(torch.nn.Module):
     """Exposes ``model.<method>`` as ``forward`` with an explicit signature (no ``**kwargs``).
 
@@ -154,22 +141,6 @@ def _explicit_signature(rc: RecordedCalls, extra: list[str]) -> inspect.Signatur
             params.append(inspect.Parameter(p.name, kind))
     params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in extra]
     return inspect.Signature(params)
-
-
-@dataclass
-class _Plan:
-    module: torch.nn.Module
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    dynamic_shapes: Any
-    alignment: Alignment
-    traced: int
-    flatten_var_kw: bool
-    oblivious: bool
-    dynamic_batch: bool = False
-    dynamic: bool = True
-    dims: list[list[int]] = field(default_factory=list)
-    dim_names: list[dict[int, str]] | None = None  # per slot, with dim_names
 
 
 def _uses_transformers(rc: RecordedCalls) -> bool:
@@ -427,8 +398,6 @@ def export_program(
             rc, plan, ep.module(), atol=atol, rtol=rtol, report=report, eager=plan.module, on_progress=on_progress
         )
         if check_batch and plan.dynamic_batch and report.ok:
-            from iobundle.replay.export._dims import check_other_batch
-
             report.batch_check = check_other_batch(rc, plan, ep, atol=atol, rtol=rtol)
     rc.last_export_report = report
     ep.iobundle_report = report  # type: ignore[attr-defined]
