@@ -135,10 +135,6 @@ def test_no_cycle_between_parts() -> None:
     assert cycle is None, " -> ".join(cycle or [])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="three pairs left: cli._main<->cli._programs, replay._archive<->replay._bundle, schema._io<->schema._journal",
-)
 def test_no_cycle_between_modules() -> None:
     graph = module_graph(PACKAGE_ROOT)
     assert {"iobundle.replay", "iobundle.replay.infer", "iobundle.cli._main"} <= set(graph)

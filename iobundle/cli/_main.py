@@ -26,6 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 from iobundle._collector import collector_paused
 from iobundle.cli import _checks, _programs, _render, _travel
+from iobundle.cli._exit import EXIT_CHECK_FAILED, EXIT_FAILED, EXIT_NOTHING_TO_COMPARE, EXIT_OK, EXIT_USAGE
+from iobundle.cli._programs import batch_spec as _batch_spec
+from iobundle.cli._programs import open_bundle as _open_bundle
 from iobundle.errors import (
     BundleError,
     CLIError,
@@ -38,21 +41,11 @@ from iobundle.errors import (
 )
 
 if TYPE_CHECKING:
-    from iobundle.replay import Bundle
+    pass
 
 __all__ = ["EXIT_CHECK_FAILED", "EXIT_FAILED", "EXIT_NOTHING_TO_COMPARE", "EXIT_OK", "EXIT_USAGE", "main"]
 
 logger = logging.getLogger(__name__)
-
-EXIT_OK = 0
-EXIT_CHECK_FAILED = 1
-"""A check the user asked for failed: a corrupt file (verify), outputs that differ (validate)."""
-EXIT_USAGE = 2
-"""Bad command line, or a path that is not a readable bundle (argparse also exits with 2)."""
-EXIT_FAILED = 3
-"""The bundle was read but the operation failed: calls that cannot be aligned, an export error, ..."""
-EXIT_NOTHING_TO_COMPARE = 4
-"""validate, run: the bundle holds no recorded outputs (redacted without them); diff: a bundle holds no calls."""
 
 # The first class of an error's MRO found here gives the exit code; anything else is EXIT_FAILED.
 _EXIT_CODES: dict[type[IobundleError], int] = {
@@ -352,13 +345,6 @@ def _version() -> str:
 # --------------------------------------------------------------------------- handlers
 
 
-def _open_bundle(path: str) -> Bundle:
-    from iobundle import load_bundle
-
-    logger.debug("opening %s", path)
-    return load_bundle(path)
-
-
 def _cmd_inspect(args: argparse.Namespace) -> int:
     with collector_paused():  # every object it builds dies with the command
         return _inspect(args)
@@ -393,42 +379,6 @@ def _inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _batch_spec(args: argparse.Namespace, bundle: Bundle) -> set[int | str] | bool | None:
-    """Turn --batch/--batch-all into ``set_batch_dimension_for``; positions of named parameters become names."""
-    if args.batch_all and args.batch:
-        raise CLIError("Cannot use both --batch and --batch-all. Use --batch-all for every input, or --batch NAME.")
-    if args.batch_all:
-        return True
-    if not args.batch:
-        return None
-    signature = bundle.manifest.signature.parameters
-    names = [p.name for p in signature]
-    positional = [p.name for p in signature if p.kind in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")]
-    has_varargs = any(p.kind == "VAR_POSITIONAL" for p in signature)
-    recorded = {k for c in bundle.manifest.calls for k in c.kwargs}
-    spec: set[int | str] = set()
-    for item in (part.strip() for value in args.batch for part in value.split(",")):
-        if not item:
-            continue
-        if item.lstrip("-").isdigit():
-            position = int(item)
-            if position < 0 or (position >= len(positional) and not has_varargs):
-                raise CLIError(
-                    f"--batch {item}: {bundle.manifest.signature.method}() has {len(positional)} positional "
-                    f"parameters ({', '.join(positional) or 'none'}); give a position below {len(positional)} or a name."
-                )
-            # A position of a named parameter becomes its name, so that it also applies when passed by keyword.
-            spec.add(positional[position] if position < len(positional) else position)
-        elif item in names or item in recorded:
-            spec.add(item)
-        else:
-            raise CLIError(
-                f"--batch {item}: not an input of {bundle.manifest.signature.method}(). "
-                f"Inputs: {', '.join(names + sorted(recorded - set(names)))}."
-            )
-    return spec
-
-
 def _cmd_shapes(args: argparse.Namespace) -> int:
     bundle = _open_bundle(args.bundle)
     spec = _batch_spec(args, bundle)
@@ -450,25 +400,6 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if problems or args.log_level <= logging.WARNING:
         _render.out(text)
     return EXIT_CHECK_FAILED if problems else EXIT_OK
-
-
-@contextlib.contextmanager
-def _quiet_exporters() -> Iterator[None]:
-    """Silence the exporters' own chatter (deprecation notices, skipped optional ops); errors still show."""
-    import warnings
-
-    noisy = [logging.getLogger(name) for name in ("torch.onnx", "torch.export", "torch._export", "onnxscript")]
-    levels = [lg.level for lg in noisy]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        for lg in noisy:
-            lg.setLevel(logging.ERROR)
-        try:
-            yield
-        finally:
-            for lg, level in zip(noisy, levels):
-                lg.setLevel(level)
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:

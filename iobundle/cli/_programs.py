@@ -8,10 +8,13 @@ Registered from :mod:`iobundle.cli._main`: :func:`add_dynamic_flag` on ``shapes`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from iobundle.cli import _checks, _render
+from iobundle.cli._exit import EXIT_CHECK_FAILED, EXIT_OK
 from iobundle.errors import CLIError, ExportError, ReplayError
 
 if TYPE_CHECKING:
@@ -21,9 +24,12 @@ __all__ = [
     "add_dynamic_flag",
     "add_programs_flag",
     "add_report_flag",
+    "batch_spec",
     "cmd_export",
     "dynamic_spec",
     "export_report_json",
+    "open_bundle",
+    "quiet_exporters",
     "warn_static_dims",
 ]
 
@@ -167,15 +173,14 @@ def _with_batch_check(text: str, report: Any) -> str:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """``iobundle export``: one program, or one per phase (``--programs``), checked on every call."""
-    from iobundle.cli._main import EXIT_CHECK_FAILED, EXIT_OK, _batch_spec, _open_bundle, _quiet_exporters
     from iobundle.replay import load_bundle_model, model_from_factory, static_dim_hints
 
-    bundle = _open_bundle(args.bundle)
-    spec = _batch_spec(args, bundle)
+    bundle = open_bundle(args.bundle)
+    spec = batch_spec(args, bundle)
     dynamic = dynamic_spec(args, bundle)
     model = load_bundle_model(bundle) if args.from_bundle else model_from_factory(args.model)
     try:
-        with _quiet_exporters(), _checks.progress_bars(args) as bars:
+        with quiet_exporters(), _checks.progress_bars(args) as bars:
             result = bundle.export_programs(
                 model, programs=args.programs, set_batch_dimension_for=spec, dynamic=dynamic,
                 check=not args.no_check, atol=args.atol, rtol=args.rtol, dim_names=args.dim_names,
@@ -201,3 +206,65 @@ def cmd_export(args: argparse.Namespace) -> int:
     checks = [p.report.batch_check for p in result.programs if p.report.batch_check is not None]
     ok = result.ok and (args.no_check or all(c.success is not False for c in checks))
     return EXIT_OK if ok else EXIT_CHECK_FAILED
+
+
+def open_bundle(path: str) -> Bundle:
+    from iobundle import load_bundle
+
+    logger.debug("opening %s", path)
+    return load_bundle(path)
+
+
+def batch_spec(args: argparse.Namespace, bundle: Bundle) -> set[int | str] | bool | None:
+    """Turn --batch/--batch-all into ``set_batch_dimension_for``; positions of named parameters become names."""
+    if args.batch_all and args.batch:
+        raise CLIError("Cannot use both --batch and --batch-all. Use --batch-all for every input, or --batch NAME.")
+    if args.batch_all:
+        return True
+    if not args.batch:
+        return None
+    signature = bundle.manifest.signature.parameters
+    names = [p.name for p in signature]
+    positional = [p.name for p in signature if p.kind in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")]
+    has_varargs = any(p.kind == "VAR_POSITIONAL" for p in signature)
+    recorded = {k for c in bundle.manifest.calls for k in c.kwargs}
+    spec: set[int | str] = set()
+    for item in (part.strip() for value in args.batch for part in value.split(",")):
+        if not item:
+            continue
+        if item.lstrip("-").isdigit():
+            position = int(item)
+            if position < 0 or (position >= len(positional) and not has_varargs):
+                raise CLIError(
+                    f"--batch {item}: {bundle.manifest.signature.method}() has {len(positional)} positional "
+                    f"parameters ({', '.join(positional) or 'none'}); give a position below {len(positional)} or a name."
+                )
+            # A position of a named parameter becomes its name, so that it also applies when passed by keyword.
+            spec.add(positional[position] if position < len(positional) else position)
+        elif item in names or item in recorded:
+            spec.add(item)
+        else:
+            raise CLIError(
+                f"--batch {item}: not an input of {bundle.manifest.signature.method}(). "
+                f"Inputs: {', '.join(names + sorted(recorded - set(names)))}."
+            )
+    return spec
+
+
+@contextlib.contextmanager
+def quiet_exporters() -> Iterator[None]:
+    """Silence the exporters' own chatter (deprecation notices, skipped optional ops); errors still show."""
+    import warnings
+
+    noisy = [logging.getLogger(name) for name in ("torch.onnx", "torch.export", "torch._export", "onnxscript")]
+    levels = [lg.level for lg in noisy]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for lg in noisy:
+            lg.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for lg, level in zip(noisy, levels):
+                lg.setLevel(level)

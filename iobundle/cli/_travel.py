@@ -128,7 +128,7 @@ def _speed(n: int, seconds: float) -> str:
 
 
 def _cmd_pack(args: argparse.Namespace) -> int:
-    from iobundle.replay import pack_bundle
+    from iobundle.travel import pack_bundle
 
     with progress_bars(args) as bars:
         result = pack_bundle(args.bundle, args.output, overwrite=args.overwrite, on_progress=bars)
@@ -140,7 +140,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 
 
 def _cmd_unpack(args: argparse.Namespace) -> int:
-    from iobundle.replay import unpack_bundle
+    from iobundle.travel import unpack_bundle
 
     with progress_bars(args) as bars:
         result = unpack_bundle(
@@ -179,7 +179,7 @@ def _cmd_redact(args: argparse.Namespace) -> int:
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     from iobundle import load_bundle
-    from iobundle.replay import convert_to_npz, convert_to_onnx_testdata
+    from iobundle.travel import convert_to_npz, convert_to_onnx_testdata
 
     bundle = load_bundle(args.bundle)
     if args.to == "onnx-testdata":

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __all__ = [
+    "ArchiveRoot",
     "BatchCheck",
     "Bundle",
     "CallCheck",
@@ -59,7 +60,7 @@ __all__ = [
 if TYPE_CHECKING:
     from iobundle._progress import ProgressEvent
     from iobundle.replay._api import RecordedCallsAPI
-    from iobundle.replay._archive import PackResult, pack_bundle, unpack_bundle
+    from iobundle.replay._archive import ArchiveRoot
     from iobundle.replay._bundle import Bundle, load_bundle
     from iobundle.replay._diff import DiffReport, diff_bundles
     from iobundle.replay._factory import model_from_factory
@@ -91,6 +92,7 @@ if TYPE_CHECKING:
 
 # iobundle.travel's names are forwarded by name only: travel sits on top of replay.
 _LAZY = {
+    "ArchiveRoot": "iobundle.replay._archive",
     "BatchCheck": "iobundle.replay.export",
     "Bundle": "iobundle.replay._bundle",
     "CallCheck": "iobundle.replay.export",
@@ -101,7 +103,7 @@ _LAZY = {
     "InputCandidate": "iobundle.replay.infer",
     "ObservationInfo": "iobundle.replay.infer",
     "OutputCheck": "iobundle.replay.check",
-    "PackResult": "iobundle.replay._archive",
+    "PackResult": "iobundle.travel",
     "Phase": "iobundle.replay.export",
     "ProgramSet": "iobundle.replay.export",
     "ProgressEvent": "iobundle._progress",
@@ -124,12 +126,12 @@ _LAZY = {
     "load_bundle": "iobundle.replay._bundle",
     "load_bundle_model": "iobundle.replay._model_load",
     "model_from_factory": "iobundle.replay._factory",
-    "pack_bundle": "iobundle.replay._archive",
+    "pack_bundle": "iobundle.travel",
     "partition_calls": "iobundle.replay.export",
     "redact_calls": "iobundle.travel",
     "rerun_model": "iobundle.replay.check",
     "static_dim_hints": "iobundle.replay.export",
-    "unpack_bundle": "iobundle.replay._archive",
+    "unpack_bundle": "iobundle.travel",
     "validate_onnx": "iobundle.replay.check",
 }
 
