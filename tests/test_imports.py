@@ -181,6 +181,32 @@ def test_checks_catch_a_private_import_and_a_cycle(tmp_path: Path) -> None:
     assert find_cycle(part_graph(root)) == ["pkg.a", "pkg.b", "pkg.a"]
 
 
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return (
+        ".".join(parts[:3])
+        if len(parts) > 2 and parts[1] == "replay" and not parts[2].startswith("_")
+        else ".".join(parts[:2])
+    )
+
+
+@pytest.mark.parametrize(
+    ("room", "never_imports"),
+    [
+        ("iobundle.replay.infer", {"iobundle.replay", "iobundle.replay.check", "iobundle.replay.export"}),
+        ("iobundle.replay.check", {"iobundle.replay", "iobundle.replay.export"}),
+        ("iobundle.replay.export", {"iobundle.replay"}),
+        ("iobundle.replay", {"iobundle.travel"}),
+    ],
+)
+def test_replay_rooms_import_one_way(room: str, never_imports: set[str]) -> None:
+    """replay (Bundle) -> export -> check -> infer, and travel on top of replay."""
+    graph = module_graph(PACKAGE_ROOT)
+    found = {_room(b) for a, imported in graph.items() if _room(a) == room for b in imported}
+    assert room in {_room(m) for m in graph}
+    assert found & never_imports == set()
+
+
 def test_module_check_catches_a_cycle_inside_one_part(tmp_path: Path) -> None:
     """Three modules of one part that import each other in a ring, one of them lazily, are a cycle."""
     root = _write_package(
