@@ -11,7 +11,9 @@ converting and redacting are :mod:`iobundle.travel`'s (its names are still reach
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from iobundle._lazy import lazy_names
 
 __all__ = [
     "ArchiveRoot",
@@ -136,12 +138,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'iobundle.replay' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _LAZY)
