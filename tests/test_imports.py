@@ -7,7 +7,8 @@ under ``TYPE_CHECKING``. Two rules:
   another part goes through ``X``'s public face;
 - the parts of the package (``iobundle.<name>``: ``schema``, ``calls``, ``capture``, ``replay``,
   ``observer``, ``cli``, ...; the facade ``iobundle/__init__.py`` is a part of its own) import
-  each other without a cycle.
+  each other without a cycle, and so do its modules: no two modules import each other, directly
+  or through others.
 """
 
 from __future__ import annotations
@@ -88,6 +89,16 @@ def part_graph(root: Path) -> dict[str, set[str]]:
     return graph
 
 
+def module_graph(root: Path) -> dict[str, set[str]]:
+    """Which modules of ``root``'s package each module imports (a package stands for its ``__init__.py``)."""
+    graph: dict[str, set[str]] = {}
+    for importer, module, _ in imports(root):
+        graph.setdefault(importer, set())
+        if (module == root.name or module.startswith(root.name + ".")) and module != importer:
+            graph[importer].add(module)
+    return graph
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """Return one cycle of ``graph`` as a path ``[a, b, ..., a]``, or None."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
@@ -120,6 +131,13 @@ def test_no_cycle_between_parts() -> None:
     assert {"iobundle.schema", "iobundle.calls", "iobundle.capture", "iobundle.replay", "iobundle.observer"} <= set(
         graph
     )
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_no_cycle_between_modules() -> None:
+    graph = module_graph(PACKAGE_ROOT)
+    assert {"iobundle.replay", "iobundle.replay.infer", "iobundle.cli._main"} <= set(graph)
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle or [])
 
@@ -161,3 +179,45 @@ def test_checks_catch_a_private_import_and_a_cycle(tmp_path: Path) -> None:
         "pkg.b._impl (line 2) imports pkg.a._impl: import it from pkg.a's public face instead"
     ]
     assert find_cycle(part_graph(root)) == ["pkg.a", "pkg.b", "pkg.a"]
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return (
+        ".".join(parts[:3])
+        if len(parts) > 2 and parts[1] == "replay" and not parts[2].startswith("_")
+        else ".".join(parts[:2])
+    )
+
+
+@pytest.mark.parametrize(
+    ("room", "never_imports"),
+    [
+        ("iobundle.replay.infer", {"iobundle.replay", "iobundle.replay.check", "iobundle.replay.export"}),
+        ("iobundle.replay.check", {"iobundle.replay", "iobundle.replay.export"}),
+        ("iobundle.replay.export", {"iobundle.replay"}),
+        ("iobundle.replay", {"iobundle.travel"}),
+    ],
+)
+def test_replay_rooms_import_one_way(room: str, never_imports: set[str]) -> None:
+    """replay (Bundle) -> export -> check -> infer, and travel on top of replay."""
+    graph = module_graph(PACKAGE_ROOT)
+    found = {_room(b) for a, imported in graph.items() if _room(a) == room for b in imported}
+    assert room in {_room(m) for m in graph}
+    assert found & never_imports == set()
+
+
+def test_module_check_catches_a_cycle_inside_one_part(tmp_path: Path) -> None:
+    """Three modules of one part that import each other in a ring, one of them lazily, are a cycle."""
+    root = _write_package(
+        tmp_path / "pkg",
+        {
+            "__init__.py": "",
+            "a/__init__.py": "",
+            "a/_one.py": "from pkg.a._two import f\n",
+            "a/_two.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a._three import g\n",
+            "a/_three.py": "def g():\n    from pkg.a import _one\n    return _one\n",
+        },
+    )
+    assert find_cycle(part_graph(root)) is None
+    assert find_cycle(module_graph(root)) == ["pkg.a._one", "pkg.a._two", "pkg.a._three", "pkg.a._one"]

@@ -46,6 +46,31 @@ def test_cli_help_does_not_load_torch() -> None:
     assert [name for name in ("torch", "pydantic", "rich") if name in loaded] == []
 
 
-def test_replay_imports() -> None:
-    """The top layer imports at all (the lower layers are checked above)."""
-    assert "torch" in _loaded_after("import iobundle.replay")
+def test_replay_imports_without_onnx() -> None:
+    """``import iobundle.replay`` is cheap: its names are imported when first used."""
+    loaded = _loaded_after("import iobundle.replay\nassert iobundle.replay.Bundle")
+    assert "torch" in loaded
+    assert [name for name in (*ONNX_STACK, "transformers") if name in loaded] == []
+
+
+def test_reading_a_plain_bundle_imports_no_onnx_nor_transformers(tmp_path) -> None:
+    """Open a plain-tensor bundle, infer its dynamic shapes and arguments: no onnx, no transformers."""
+    path = tmp_path / "plain.iobundle"
+    loaded = _loaded_after(
+        "import torch\n"
+        "from iobundle.capture import CallRecorder\n"
+        "model = torch.nn.Linear(4, 2)\n"
+        "rec = CallRecorder()\n"
+        "with rec(model, store_n_calls=3):\n"
+        "    for n in (2, 3, 5):\n"
+        "        model(torch.randn(n, 4))\n"
+        f"rec.save({str(path)!r})\n"
+        "import sys\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] in ('onnx', 'onnxruntime', 'onnxscript', 'transformers')]\n"
+        "from iobundle.replay import load_bundle\n"
+        f"bundle = load_bundle({str(path)!r})\n"
+        "shapes = bundle.infer_dynamic_shapes()\n"
+        "assert shapes, shapes\n"
+        "assert bundle.infer_arguments() is not None"
+    )
+    assert [name for name in (*ONNX_STACK, "transformers") if name in loaded] == []

@@ -4,7 +4,8 @@
 - value trees (containers, scalars, tensor references, registered node types) and the
   node-type registry, transformers' caches and outputs included;
 - turning a call's ``args``/``kwargs`` into a manifest entry;
-- dtype names and the safetensors file primitives (one writer, one header reader, side by side);
+- dtype names and the safetensors file primitives: one writer (``_tensorfile_write``) and one
+  reader of untrusted bundle members (``_tensorfile_read``: names, sizes, hashes, mapped tensors), side by side;
 - delta storage (a tensor stored as what it adds to one stored before) and the integrity hashes.
 
 Capture fills a :class:`RecordedCalls` while observing; replay builds one from a manifest.
@@ -59,6 +60,16 @@ __all__ = [
     "tensor_bytes",
     "tensor_span",
     "write_tensor_file",
+    # Reading bundle members (untrusted bytes)
+    "BundleRoot",
+    "BundleTensorStore",
+    "Root",
+    "check_file",
+    "check_file_header",
+    "check_member_name",
+    "listed_files",
+    "open_regular",
+    "read_sized_member",
 ]
 
 import importlib
@@ -77,7 +88,18 @@ from iobundle.calls._registry import (
     register_provider,
 )
 from iobundle.calls._staging import PinnedStager
-from iobundle.calls._tensorfile import (
+from iobundle.calls._tensorfile_read import (
+    BundleRoot,
+    BundleTensorStore,
+    Root,
+    check_file,
+    check_file_header,
+    check_member_name,
+    listed_files,
+    open_regular,
+    read_sized_member,
+)
+from iobundle.calls._tensorfile_write import (
     MAX_HEADER_BYTES,
     parse_header,
     read_exactly,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from iobundle.calls._tensorfile import raw_bytes
+from iobundle.calls._tensorfile_write import raw_bytes
 
 __all__ = ["DeltaIndex", "Match", "extends_bytes", "rebuild"]
 

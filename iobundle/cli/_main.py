@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from iobundle._collector import collector_paused
 from iobundle.cli import _checks, _programs, _render, _travel
@@ -37,11 +37,11 @@ from iobundle.cli._exits import (
     exit_code_for,
     hint_for,
 )
-from iobundle.cli._logs import configure_logging, silence_libraries
-from iobundle.errors import CLIError, IobundleError, ReplayError, TensorFileError
-
-if TYPE_CHECKING:
-    from iobundle.replay import Bundle
+from iobundle.cli._logs import configure_logging
+from iobundle.cli._programs import batch_spec as _batch_spec
+from iobundle.cli._programs import damaged_files, refuse_damaged
+from iobundle.cli._programs import open_bundle as _open_bundle
+from iobundle.errors import CLIError, IobundleError, ReplayError
 
 __all__ = [
     "EXIT_CHECK_FAILED",
@@ -362,34 +362,6 @@ def _version() -> str:
 # --------------------------------------------------------------------------- handlers
 
 
-def _open_bundle(path: str) -> Bundle:
-    from iobundle import load_bundle
-
-    logger.debug("opening %s", path)
-    bundle = load_bundle(path)
-    silence_libraries()  # torch is imported now, and resets its loggers when it is
-    return bundle
-
-
-def damaged_files(bundle: Bundle, where: str) -> list[str]:
-    """One line per listed file that is missing or has the wrong size (no hashing: only the headers are read)."""
-    return [f"{where}: {problem}" for problem in bundle.verify(hashes=False)]
-
-
-def refuse_damaged(bundle: Bundle, where: str) -> None:
-    """Raise when a listed file is missing or has the wrong size, so a damaged bundle exits with one code.
-
-    Raises:
-        TensorFileError: The first bad file, with a count of the others.
-    """
-    problems = damaged_files(bundle, where)
-    if problems:
-        more = (
-            f" (and {len(problems) - 1} more files: `iobundle verify {where}` lists them)" if len(problems) > 1 else ""
-        )
-        raise TensorFileError(problems[0] + more)
-
-
 def _cmd_inspect(args: argparse.Namespace) -> int:
     with collector_paused():  # every object it builds dies with the command
         return _inspect(args)
@@ -425,42 +397,6 @@ def _inspect(args: argparse.Namespace) -> int:
         _render.out(f"damaged    {problem}")
     _programs.warn_static_dims(bundle)
     return EXIT_DAMAGED if problems else EXIT_OK
-
-
-def _batch_spec(args: argparse.Namespace, bundle: Bundle) -> set[int | str] | bool | None:
-    """Turn --batch/--batch-all into ``set_batch_dimension_for``; positions of named parameters become names."""
-    if args.batch_all and args.batch:
-        raise CLIError("Cannot use both --batch and --batch-all. Use --batch-all for every input, or --batch NAME.")
-    if args.batch_all:
-        return True
-    if not args.batch:
-        return None
-    signature = bundle.manifest.signature.parameters
-    names = [p.name for p in signature]
-    positional = [p.name for p in signature if p.kind in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")]
-    has_varargs = any(p.kind == "VAR_POSITIONAL" for p in signature)
-    recorded = {k for c in bundle.manifest.calls for k in c.kwargs}
-    spec: set[int | str] = set()
-    for item in (part.strip() for value in args.batch for part in value.split(",")):
-        if not item:
-            continue
-        if item.lstrip("-").isdigit():
-            position = int(item)
-            if position < 0 or (position >= len(positional) and not has_varargs):
-                raise CLIError(
-                    f"--batch {item}: {bundle.manifest.signature.method}() has {len(positional)} positional "
-                    f"parameters ({', '.join(positional) or 'none'}); give a position below {len(positional)} or a name."
-                )
-            # A position of a named parameter becomes its name, so that it also applies when passed by keyword.
-            spec.add(positional[position] if position < len(positional) else position)
-        elif item in names or item in recorded:
-            spec.add(item)
-        else:
-            raise CLIError(
-                f"--batch {item}: not an input of {bundle.manifest.signature.method}(). "
-                f"Inputs: {', '.join(names + sorted(recorded - set(names)))}."
-            )
-    return spec
 
 
 def _cmd_shapes(args: argparse.Namespace) -> int:

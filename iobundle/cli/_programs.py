@@ -1,8 +1,9 @@
-"""``--dynamic``, the static-axis warnings, and ``iobundle export`` with one program per phase.
+"""``--dynamic``, the static-axis warnings, ``iobundle export`` with one program per phase, and opening a bundle.
 
 Registered from :mod:`iobundle.cli._main`: :func:`add_dynamic_flag` on ``shapes`` and
 ``export``, :func:`add_programs_flag` and :func:`cmd_export` on ``export``,
-:func:`warn_static_dims` after ``inspect``, ``shapes`` and ``export``.
+:func:`warn_static_dims` after ``inspect``, ``shapes`` and ``export``; :func:`open_bundle`,
+:func:`refuse_damaged` and :func:`batch_spec` serve every command that reads a bundle.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from iobundle.cli import _checks, _render
-from iobundle.errors import CLIError, ExportError, ReplayError
+from iobundle.cli._exits import EXIT_CHECK_FAILED, EXIT_OK
+from iobundle.cli._logs import silence_libraries
+from iobundle.errors import CLIError, ExportError, ReplayError, TensorFileError
 
 if TYPE_CHECKING:
     from iobundle.replay import Bundle
@@ -22,9 +25,13 @@ __all__ = [
     "add_dynamic_flag",
     "add_programs_flag",
     "add_report_flag",
+    "batch_spec",
     "cmd_export",
     "dynamic_spec",
     "export_report_json",
+    "damaged_files",
+    "open_bundle",
+    "refuse_damaged",
     "warn_static_dims",
 ]
 
@@ -258,14 +265,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     Every flag and the output are checked before anything is traced; each step's line is
     printed as it ends (``-q``: only the verdict).
     """
-    from iobundle.cli._main import EXIT_CHECK_FAILED, EXIT_OK, _batch_spec, _open_bundle, refuse_damaged
-
     atol, output_atol = _checks.tolerances(args.atol, "--atol", _checks.DEFAULT_ATOL)
     rtol, output_rtol = _checks.tolerances(args.rtol, "--rtol", _checks.DEFAULT_RTOL)
     output = _check_export_output(args)
     reports = _export_report_paths(args.report)
-    bundle = _open_bundle(args.bundle)
-    spec = _batch_spec(args, bundle)
+    bundle = open_bundle(args.bundle)
+    spec = batch_spec(args, bundle)
     dynamic = dynamic_spec(args, bundle)
     refuse_damaged(bundle, args.bundle)
     from iobundle.replay import ProgressEvent, load_bundle_model, model_from_factory, static_dim_hints
@@ -317,3 +322,67 @@ def _export_verdict(result: Any, path: str, ok: bool, *, checked: bool) -> str:
     what = f"{reproduced}/{len(calls)} recorded calls reproduced" if checked else "not checked (--no-check)"
     programs = f"{len(result.programs)} programs, " if len(result.programs) > 1 else ""
     return f"{'PASS' if ok else 'FAIL'}: {programs}{what}; written to {path}"
+
+
+def open_bundle(path: str) -> Bundle:
+    from iobundle import load_bundle
+
+    logger.debug("opening %s", path)
+    bundle = load_bundle(path)
+    silence_libraries()  # torch is imported now, and resets its loggers when it is
+    return bundle
+
+
+def damaged_files(bundle: Bundle, where: str) -> list[str]:
+    """One line per listed file that is missing or has the wrong size (no hashing: only the headers are read)."""
+    return [f"{where}: {problem}" for problem in bundle.verify(hashes=False)]
+
+
+def refuse_damaged(bundle: Bundle, where: str) -> None:
+    """Raise when a listed file is missing or has the wrong size, so a damaged bundle exits with one code.
+
+    Raises:
+        TensorFileError: The first bad file, with a count of the others.
+    """
+    problems = damaged_files(bundle, where)
+    if problems:
+        more = (
+            f" (and {len(problems) - 1} more files: `iobundle verify {where}` lists them)" if len(problems) > 1 else ""
+        )
+        raise TensorFileError(problems[0] + more)
+
+
+def batch_spec(args: argparse.Namespace, bundle: Bundle) -> set[int | str] | bool | None:
+    """Turn --batch/--batch-all into ``set_batch_dimension_for``; positions of named parameters become names."""
+    if args.batch_all and args.batch:
+        raise CLIError("Cannot use both --batch and --batch-all. Use --batch-all for every input, or --batch NAME.")
+    if args.batch_all:
+        return True
+    if not args.batch:
+        return None
+    signature = bundle.manifest.signature.parameters
+    names = [p.name for p in signature]
+    positional = [p.name for p in signature if p.kind in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")]
+    has_varargs = any(p.kind == "VAR_POSITIONAL" for p in signature)
+    recorded = {k for c in bundle.manifest.calls for k in c.kwargs}
+    spec: set[int | str] = set()
+    for item in (part.strip() for value in args.batch for part in value.split(",")):
+        if not item:
+            continue
+        if item.lstrip("-").isdigit():
+            position = int(item)
+            if position < 0 or (position >= len(positional) and not has_varargs):
+                raise CLIError(
+                    f"--batch {item}: {bundle.manifest.signature.method}() has {len(positional)} positional "
+                    f"parameters ({', '.join(positional) or 'none'}); give a position below {len(positional)} or a name."
+                )
+            # A position of a named parameter becomes its name, so that it also applies when passed by keyword.
+            spec.add(positional[position] if position < len(positional) else position)
+        elif item in names or item in recorded:
+            spec.add(item)
+        else:
+            raise CLIError(
+                f"--batch {item}: not an input of {bundle.manifest.signature.method}(). "
+                f"Inputs: {', '.join(names + sorted(recorded - set(names)))}."
+            )
+    return spec

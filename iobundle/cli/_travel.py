@@ -140,9 +140,9 @@ def _output(args: argparse.Namespace, *, remote: bool) -> str:
 
 def _cmd_pack(args: argparse.Namespace) -> int:
     from iobundle import load_bundle
-    from iobundle.cli._main import refuse_damaged
+    from iobundle.cli._programs import refuse_damaged
     from iobundle.errors import IntegrityError
-    from iobundle.replay import pack_bundle
+    from iobundle.travel import pack_bundle
 
     output = _output(args, remote=True)
     bundle = load_bundle(args.bundle)
@@ -169,7 +169,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 
 
 def _cmd_unpack(args: argparse.Namespace) -> int:
-    from iobundle.replay import unpack_bundle
+    from iobundle.travel import unpack_bundle
 
     output = _output(args, remote=False)
     with progress_bars(args) as bars:
@@ -210,8 +210,8 @@ def _cmd_redact(args: argparse.Namespace) -> int:
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     from iobundle import load_bundle
-    from iobundle.cli._main import refuse_damaged
-    from iobundle.replay import convert_to_npz, convert_to_onnx_testdata
+    from iobundle.cli._programs import refuse_damaged
+    from iobundle.travel import convert_to_npz, convert_to_onnx_testdata
 
     output = _output(args, remote=False)
     bundle = load_bundle(args.bundle)

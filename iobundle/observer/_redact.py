@@ -9,8 +9,9 @@ import os
 from iobundle._progress import ProgressCallback
 from iobundle._remote import local_path, staged
 from iobundle.capture import save_recorded_calls
-from iobundle.replay import Bundle, copy_model_files, load_bundle, redact_calls
+from iobundle.replay import Bundle, load_bundle
 from iobundle.schema import Manifest, Redaction, write_manifest
+from iobundle.travel import copy_model_files, redact_calls
 
 __all__ = ["redact_bundle"]
 

@@ -2,12 +2,21 @@
 
 :class:`RecordedCallsAPI` is the inference, export and validation API over recorded calls;
 :class:`Bundle` offers it from disk and :class:`iobundle.InputObserver` from memory, so both
-run the same code. Needs torch, onnx, onnxruntime and onnxscript.
+run the same code. Needs torch; onnx,
+onnxruntime and onnxscript only to export and validate. The names below are imported when first
+used: ``import iobundle.replay`` and opening a bundle load no onnx. Each job is a room with its own
+public face: :mod:`iobundle.replay.infer`, :mod:`iobundle.replay.export`, :mod:`iobundle.replay.check`;
+converting and redacting are :mod:`iobundle.travel`'s (its names are still reachable from here).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from iobundle._lazy import lazy_names
+
 __all__ = [
+    "ArchiveRoot",
     "BatchCheck",
     "Bundle",
     "CallCheck",
@@ -50,20 +59,83 @@ __all__ = [
     "validate_onnx",
 ]
 
-from iobundle._progress import ProgressEvent
-from iobundle.replay._api import RecordedCallsAPI
-from iobundle.replay._archive import PackResult, pack_bundle, unpack_bundle
-from iobundle.replay._bundle import Bundle, load_bundle
-from iobundle.replay._compare import ErrorStats, OutputCheck, Tolerances
-from iobundle.replay._convert import ConvertResult, convert_to_npz, convert_to_onnx_testdata
-from iobundle.replay._diff import DiffReport, diff_bundles
-from iobundle.replay._dims import BatchCheck, StaticDimHint, static_dim_hints
-from iobundle.replay._export import CallCheck, ExportReport, export_onnx, export_program
-from iobundle.replay._factory import model_from_factory
-from iobundle.replay._info import InputCandidate, ObservationInfo
-from iobundle.replay._model_load import StoredModel, describe_bundle_model, load_bundle_model
-from iobundle.replay._phases import Phase, ProgramSet, export_programs, partition_calls
-from iobundle.replay._redact import copy_model_files, redact_calls
-from iobundle.replay._report import Report, build_report
-from iobundle.replay._rerun import rerun_model
-from iobundle.replay._validate import ValidationReport, check_discrepancies, validate_onnx
+if TYPE_CHECKING:
+    from iobundle._progress import ProgressEvent
+    from iobundle.replay._api import RecordedCallsAPI
+    from iobundle.replay._archive import ArchiveRoot
+    from iobundle.replay._bundle import Bundle, load_bundle
+    from iobundle.replay._diff import DiffReport, diff_bundles
+    from iobundle.replay._factory import model_from_factory
+    from iobundle.replay._model_load import StoredModel, describe_bundle_model, load_bundle_model
+    from iobundle.replay._report import Report, build_report
+    from iobundle.replay.check import (
+        ErrorStats,
+        OutputCheck,
+        Tolerances,
+        ValidationReport,
+        check_discrepancies,
+        rerun_model,
+        validate_onnx,
+    )
+    from iobundle.replay.export import (
+        BatchCheck,
+        CallCheck,
+        ExportReport,
+        Phase,
+        ProgramSet,
+        StaticDimHint,
+        export_onnx,
+        export_program,
+        export_programs,
+        partition_calls,
+        static_dim_hints,
+    )
+    from iobundle.replay.infer import InputCandidate, ObservationInfo
+
+# iobundle.travel's names are forwarded by name only: travel sits on top of replay.
+_LAZY = {
+    "ArchiveRoot": "iobundle.replay._archive",
+    "BatchCheck": "iobundle.replay.export",
+    "Bundle": "iobundle.replay._bundle",
+    "CallCheck": "iobundle.replay.export",
+    "ConvertResult": "iobundle.travel",
+    "DiffReport": "iobundle.replay._diff",
+    "ErrorStats": "iobundle.replay.check",
+    "ExportReport": "iobundle.replay.export",
+    "InputCandidate": "iobundle.replay.infer",
+    "ObservationInfo": "iobundle.replay.infer",
+    "OutputCheck": "iobundle.replay.check",
+    "PackResult": "iobundle.travel",
+    "Phase": "iobundle.replay.export",
+    "ProgramSet": "iobundle.replay.export",
+    "ProgressEvent": "iobundle._progress",
+    "RecordedCallsAPI": "iobundle.replay._api",
+    "Report": "iobundle.replay._report",
+    "StaticDimHint": "iobundle.replay.export",
+    "StoredModel": "iobundle.replay._model_load",
+    "Tolerances": "iobundle.replay.check",
+    "ValidationReport": "iobundle.replay.check",
+    "build_report": "iobundle.replay._report",
+    "check_discrepancies": "iobundle.replay.check",
+    "convert_to_npz": "iobundle.travel",
+    "convert_to_onnx_testdata": "iobundle.travel",
+    "copy_model_files": "iobundle.travel",
+    "describe_bundle_model": "iobundle.replay._model_load",
+    "diff_bundles": "iobundle.replay._diff",
+    "export_onnx": "iobundle.replay.export",
+    "export_program": "iobundle.replay.export",
+    "export_programs": "iobundle.replay.export",
+    "load_bundle": "iobundle.replay._bundle",
+    "load_bundle_model": "iobundle.replay._model_load",
+    "model_from_factory": "iobundle.replay._factory",
+    "pack_bundle": "iobundle.travel",
+    "partition_calls": "iobundle.replay.export",
+    "redact_calls": "iobundle.travel",
+    "rerun_model": "iobundle.replay.check",
+    "static_dim_hints": "iobundle.replay.export",
+    "unpack_bundle": "iobundle.travel",
+    "validate_onnx": "iobundle.replay.check",
+}
+
+
+__getattr__ = lazy_names(__name__, _LAZY)

@@ -11,13 +11,19 @@ import torch
 from iobundle._progress import ProgressCallback
 from iobundle.calls import RecordedCalls, TensorCollector, record_inputs, replace_tensors, tensor_keys
 from iobundle.errors import AlignmentError, InputSelectionError
-from iobundle.replay import _inference
-from iobundle.replay._dim_names import DimNamesSpec
-from iobundle.replay._dims import StaticDimHint, static_dim_hints
-from iobundle.replay._export import ExportReport, export_onnx, export_program
-from iobundle.replay._info import InputCandidate, ObservationInfo
-from iobundle.replay._phases import ProgramSet, ProgramsMode, export_programs
-from iobundle.replay._validate import ValidationReport, check_discrepancies, validate_onnx
+from iobundle.replay import infer
+from iobundle.replay.check import ValidationReport, check_discrepancies, validate_onnx
+from iobundle.replay.export import (
+    ExportReport,
+    ProgramSet,
+    ProgramsMode,
+    StaticDimHint,
+    export_onnx,
+    export_program,
+    export_programs,
+    static_dim_hints,
+)
+from iobundle.replay.infer import DimNamesSpec, InputCandidate, ObservationInfo
 from iobundle.schema import CallEntry, Node, TensorNode
 
 if TYPE_CHECKING:
@@ -88,7 +94,7 @@ class RecordedCallsAPI:
             >>> observer.infer_dynamic_shapes(set_batch_dimension_for=True, dim_names=True)
             {'input_ids': {0: 'batch_size', 1: 'sequence_length'}, ...}
         """
-        return _inference.infer_dynamic_shapes(
+        return infer.infer_dynamic_shapes(
             self._recorded(), set_batch_dimension_for, dim_names=dim_names, dynamic=dynamic
         )
 
@@ -101,7 +107,7 @@ class RecordedCallsAPI:
         """Axes that look like batch or sequence axes and are static only because no call varied them.
 
         Each hint names the axes and how to make them dynamic (``hint.message()``).
-        See :func:`iobundle.replay._dims.static_dim_hints`.
+        See :func:`iobundle.replay.export._dims.static_dim_hints`.
         """
         return static_dim_hints(self._recorded(), set_batch_dimension_for, dynamic)
 
@@ -135,7 +141,7 @@ class RecordedCallsAPI:
         if isinstance(index_or_args_or_kwargs, InputCandidate) and index_or_args_or_kwargs.call is not None:
             index_or_args_or_kwargs = _candidate_index(rc, index_or_args_or_kwargs)
         if index_or_args_or_kwargs is None or isinstance(index_or_args_or_kwargs, int):
-            return _inference.infer_arguments(rc, index_or_args_or_kwargs, flat=flat, as_args_kwargs=as_args_kwargs)
+            return infer.infer_arguments(rc, index_or_args_or_kwargs, flat=flat, as_args_kwargs=as_args_kwargs)
         if isinstance(index_or_args_or_kwargs, tuple):
             args, kwargs = index_or_args_or_kwargs, {}
         elif isinstance(index_or_args_or_kwargs, dict):
@@ -149,13 +155,13 @@ class RecordedCallsAPI:
                 "infer_arguments; pass a call index (int), positional inputs (tuple), keyword inputs (dict) or "
                 "an InputCandidate."
             )
-        alignment = _inference.align_calls(rc)
+        alignment = infer.align_calls(rc)
         collector = TensorCollector(lambda t: t)
         call = record_inputs(rc, collector, args, kwargs, index=len(rc.calls), on_opaque=_refuse_opaque)
         prefix = "\x01"  # recorded keys never start with it
         extra = {prefix + k: t for k, t in collector.tensors.items()}
-        slots = _inference.align_call(rc, alignment, _prefix_keys(call, prefix))
-        return _inference.infer_arguments(
+        slots = infer.align_call(rc, alignment, _prefix_keys(call, prefix))
+        return infer.infer_arguments(
             rc, alignment=alignment, slots=slots, extra=extra, flat=flat, as_args_kwargs=as_args_kwargs
         )
 
@@ -188,7 +194,7 @@ class RecordedCallsAPI:
                     )
                 item = rc.names[item]
             as_names.append(item)
-        return _inference.remove_inputs(rc, as_names)
+        return infer.remove_inputs(rc, as_names)
 
     def export(
         self,
@@ -344,7 +350,7 @@ class RecordedCallsAPI:
 
         .. versionadded:: 0.2
         """
-        from iobundle.replay._rerun import rerun_model
+        from iobundle.replay.check import rerun_model
 
         return rerun_model(
             self._recorded(), model, atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,

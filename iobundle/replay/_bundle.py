@@ -9,20 +9,22 @@ from typing import Any
 from iobundle._collector import collector_paused
 from iobundle._progress import BYTES, ProgressCallback, notify
 from iobundle._remote import local_path, remote_kind
-from iobundle.calls import RecordedCalls, build_value, iter_tensor_nodes
+from iobundle.calls import (
+    BundleRoot,
+    BundleTensorStore,
+    RecordedCalls,
+    Root,
+    build_value,
+    check_file,
+    check_file_header,
+    iter_tensor_nodes,
+    listed_files,
+)
 from iobundle.errors import IobundleError, UnsafeBundleError
 from iobundle.replay._api import RecordedCallsAPI
 from iobundle.replay._archive import ArchiveRoot, open_archive
-from iobundle.replay._inference import call_shape, collect_tensor_keys
 from iobundle.replay._remote import RemoteRoot
-from iobundle.replay._tensorfile import (
-    BundleRoot,
-    BundleTensorStore,
-    Root,
-    check_file,
-    check_file_header,
-    listed_files,
-)
+from iobundle.replay.infer import call_shape, collect_tensor_keys
 from iobundle.schema import MANIFEST_FILENAME, CallEntry, Manifest, load_manifest, parse_manifest
 
 __all__ = ["Bundle", "load_bundle"]

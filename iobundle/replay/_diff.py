@@ -13,15 +13,18 @@ from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import NAME_TO_DTYPE, positional_names
 from iobundle.errors import NothingToCompareError
 from iobundle.replay._bundle import Bundle, load_bundle
-from iobundle.replay._compare import (
+from iobundle.replay.check import (
     OutputCheck,
     Scratch,
     Tolerances,
+    ValidationReport,
     check_error_stat_name,
     compare_call,
     output_leaves,
+    recorded_output_names,
+    refuse_unknown_outputs,
+    refuse_unused,
 )
-from iobundle.replay._validate import ValidationReport, _refuse_unused, recorded_output_names, refuse_unknown_outputs
 from iobundle.schema import CallEntry, ConstNode, DictNode, Manifest, Node, ObjectNode, OpaqueNode, TensorNode
 
 __all__ = ["DiffReport", "diff_bundles"]
@@ -262,7 +265,7 @@ def diff_bundles(
         logger.debug("call %d: %d differences", ca.index, len(diffs))
         notify(on_progress, "diff", i + 1, n, f"call {ca.index}")
     if not redacted:
-        _refuse_unused(tolerances, checks)
+        refuse_unused(tolerances, checks)
     report = DiffReport(
         rows=rows, atol=atol, rtol=rtol, seconds=time.perf_counter() - begin, outputs=checks, tolerances=tolerances,
         check_error_stat=check_error_stat, error_quantile=error_quantile, subject=str(bb.path), kind="diff",

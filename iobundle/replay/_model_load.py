@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from iobundle._implementations import ATTN_IMPLEMENTATIONS, EXPERTS_IMPLEMENTATIONS, SAFE_ATTN_IMPLEMENTATION
+from iobundle.calls import Root, check_file, read_sized_member
 from iobundle.errors import IobundleError, MissingDependencyError, ModelLoadError, UnsafeBundleError
 from iobundle.replay._bundle import Bundle
-from iobundle.replay._tensorfile import Root, check_file, read_member
 from iobundle.schema import ModelEntry
 
 __all__ = [
@@ -333,7 +333,7 @@ def _read_config(root: Root, entry: ModelEntry) -> dict[str, Any]:
         )
     path = check_file(root, name, file, hash_check=True)
     try:
-        config = json.loads(path.read_bytes() if isinstance(path, Path) else read_member(path, name, file.size))
+        config = json.loads(path.read_bytes() if isinstance(path, Path) else read_sized_member(path, name, file.size))
     except RecursionError as exc:
         raise UnsafeBundleError(f"{name}: JSON nested too deeply to read.") from exc
     except (OSError, ValueError) as exc:
@@ -391,7 +391,7 @@ def _load_weights(root: Root, model: torch.nn.Module, entry: ModelEntry) -> None
 
         with tempfile.TemporaryDirectory(prefix="iobundle-weights-") as tmp:
             path = Path(tmp, "weights.safetensors")
-            path.write_bytes(read_member(member, name, file.size))
+            path.write_bytes(read_sized_member(member, name, file.size))
             _load_weights_file(path, name, model, entry)
         return
     _load_weights_file(member, name, model, entry)

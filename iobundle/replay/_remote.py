@@ -7,15 +7,15 @@ from typing import Any, BinaryIO
 import torch
 
 from iobundle._remote import join_url, open_filesystem
+from iobundle.calls import check_member_name
 from iobundle.errors import BundleNotFoundError, ManifestError, TensorFileError, UnsafeBundleError
-from iobundle.replay._tensorfile import _check_member_name
 from iobundle.schema import MANIFEST_FILENAME, MAX_MANIFEST_BYTES
 
 __all__ = ["RemoteRoot"]
 
 
 class _RemoteMember:
-    """A file of a bundle directory at a URL; see :class:`iobundle.replay._tensorfile.MemberHandle`."""
+    """A file of a bundle directory at a URL; see :class:`iobundle.calls._tensorfile_read.MemberHandle`."""
 
     def __init__(self, root: RemoteRoot, name: str) -> None:
         self.root = root
@@ -53,7 +53,7 @@ class RemoteRoot:
         self.fs, self.inner = open_filesystem(url)
 
     def member(self, name: str) -> _RemoteMember:
-        _check_member_name(name)
+        check_member_name(name)
         return _RemoteMember(self, name)
 
     def read_manifest(self) -> bytes:

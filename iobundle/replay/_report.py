@@ -17,7 +17,7 @@ from typing import Any
 
 from iobundle._version import __version__
 from iobundle.replay._bundle import Bundle
-from iobundle.replay._validate import ValidationReport
+from iobundle.replay.check import ValidationReport
 
 __all__ = ["CALL_COLUMNS", "Report", "build_report", "environment"]
 

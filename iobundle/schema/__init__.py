@@ -61,12 +61,12 @@ from iobundle.schema._io import (
     MAX_EXTENSION_DEPTH,
     MAX_MANIFEST_BYTES,
     dump_manifest,
-    load_manifest,
     parse_manifest,
     validate_manifest,
     write_manifest,
 )
 from iobundle.schema._journal import journal_call_line, journal_head_line, load_journal, parse_journal
+from iobundle.schema._load import load_manifest
 from iobundle.schema._manifest import (
     FORMAT,
     FORMAT_VERSION,

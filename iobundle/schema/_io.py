@@ -76,7 +76,6 @@ __all__ = [
     "MAX_TENSOR_ELEMENTS",
     "MAX_TENSOR_RANK",
     "dump_manifest",
-    "load_manifest",
     "parse_manifest",
     "validate_manifest",
     "write_manifest",
@@ -326,37 +325,6 @@ def _check_tree_list(trees: Iterable[tuple[str, Node]], source: str) -> None:
                 raise ManifestError(f"{source}: {where} is a dict with a repeated key: {node.keys!r}.")
         if isinstance(node, (ListNode, TupleNode, DictNode, ObjectNode)):
             stack.extend((f"{where}.items[{j}]", n) for j, n in reversed(list(enumerate(node.items))))
-
-
-def load_manifest(bundle_dir: str | os.PathLike[str]) -> Manifest:
-    """Read and validate ``bundle_dir/manifest.json``.
-
-    A bundle still being streamed, or whose writer was killed, has no ``manifest.json`` yet but a
-    ``journal.jsonl``: the manifest is then rebuilt from it (see :func:`iobundle.schema.load_journal`).
-
-    Raises:
-        BundleNotFoundError: ``bundle_dir`` or its manifest does not exist.
-        ManifestError: The manifest is invalid (see :func:`parse_manifest`).
-    """
-    root = Path(bundle_dir)
-    path = root / MANIFEST_FILENAME
-    if not root.is_dir():
-        if not os.path.lexists(root):
-            raise BundleNotFoundError(
-                f"'{bundle_dir}' does not exist. Pass the folder written by observer.save() (or a packed file, or a URL)."
-            )
-        raise BundleNotFoundError(f"'{bundle_dir}' is not a directory. Pass the folder written by observer.save().")
-    if not path.exists() and not path.is_symlink():
-        journal = root / JOURNAL_FILENAME
-        if journal.exists() or journal.is_symlink():
-            from iobundle.schema._journal import load_journal  # a stream still open, or whose writer died
-
-            return load_journal(root)
-        raise BundleNotFoundError(
-            f"No {MANIFEST_FILENAME} in '{bundle_dir}'. Is it a directory written by observer.save()?"
-        )
-    data = read_member(root, path)
-    return parse_manifest(data, source=str(path))
 
 
 def read_member(root: Path, path: Path) -> bytes:

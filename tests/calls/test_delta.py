@@ -104,7 +104,9 @@ class TestRoundTrip:
         assert len(grown) >= 3 * 6  # every layer from the second step on (streaming: once growth was seen)
         for key, entry in grown:
             base = tensors[entry.extends.key]
-            assert entry.shape[2] - base.shape[2] == 1, f"{key} extends {entry.extends.key}: {base.shape} -> {entry.shape}"
+            assert entry.shape[2] - base.shape[2] == 1, (
+                f"{key} extends {entry.extends.key}: {base.shape} -> {entry.shape}"
+            )
 
     def test_beam_search_reorder_is_stored_whole(self, tmp_path: Path, stream: bool) -> None:
         past = [torch.randn(3, 2, 4, 4) for _ in range(2)]

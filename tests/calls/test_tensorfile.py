@@ -13,8 +13,8 @@ import safetensors.torch
 import torch
 
 from iobundle import InputObserver, load_bundle
-from iobundle.calls import _tensorfile
-from iobundle.calls._tensorfile import raw_bytes, write_tensor_file
+from iobundle.calls import _tensorfile_write as _tensorfile
+from iobundle.calls._tensorfile_write import raw_bytes, write_tensor_file
 from iobundle.errors import BundleWriteError, UnsupportedInputError
 
 DTYPES = [
@@ -284,7 +284,7 @@ class TestRawBytes:
         """A small file (one writev) and a large one (pieces, hashing in a helper thread) agree byte for byte."""
         tensors = {f"t{i}": random_tensor(dt, (4, 3), seed=i) for i, dt in enumerate(DTYPES)}
         small = write_tensor_file(tmp_path / "small.safetensors", tensors)
-        monkeypatch.setattr(_tensorfile, "SMALL_FILE_BYTES", 0)
+        monkeypatch.setattr(_tensorfile, "ONE_WRITE_BYTES", 0)
         large = write_tensor_file(tmp_path / "large.safetensors", tensors)
         assert (tmp_path / "small.safetensors").read_bytes() == (tmp_path / "large.safetensors").read_bytes()
         assert small == large

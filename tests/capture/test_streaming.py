@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from iobundle import BundleExistsError, CaptureError, InputObserver, TensorFileError, load_bundle
-from iobundle.calls._tensorfile import write_tensor_file
+from iobundle.calls._tensorfile_write import write_tensor_file
 from iobundle.calls._tree import tensor_keys
 from iobundle.capture import _writer
 from iobundle.capture._stream import INLINE_MAX_BYTES, POOLED_MIN_BYTES, BufferPool, SnapshotTable

@@ -355,7 +355,7 @@ class TestHelp:
     def test_verbose_shows_debug_messages_on_stderr(self, capsys, fresh_bundle):
         code, _, err = run(capsys, "-vv", "verify", fresh_bundle)
         assert code == 0
-        assert f"DEBUG iobundle.cli._main: opening {fresh_bundle}" in err
+        assert f"DEBUG iobundle.cli._programs: opening {fresh_bundle}" in err
 
 
 # --- a bundle that stores its model -----------------------------------------------------------

@@ -31,7 +31,7 @@ from iobundle.errors import (
 from iobundle.replay import pack_bundle, unpack_bundle
 from iobundle.schema import FORMAT_VERSION
 
-BIG = (600, 600)  # 1.4 MB: over SMALL_FILE_BYTES, so its file is memory-mapped, not read whole
+BIG = (600, 600)  # 1.4 MB: over READ_WHOLE_BYTES, so its file is memory-mapped, not read whole
 
 
 class Model(torch.nn.Module):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from iobundle.replay._compare import Comparison, Scratch, compare_outputs
+from iobundle.replay.check._compare import Comparison, Scratch, compare_outputs
 
 
 def reference(expected: Sequence[Any], obtained: Sequence[Any], *, atol: float, rtol: float) -> Comparison:
@@ -148,7 +148,7 @@ def test_scratch_is_reused_across_sizes() -> None:
 
 @pytest.mark.parametrize("chunk", [1, 5, 64])
 def test_pieces_agree_with_the_whole(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
-    from iobundle.replay import _compare
+    from iobundle.replay.check import _compare
 
     monkeypatch.setattr(_compare, "CHUNK_ELEMENTS", chunk)
     for case in sorted(CASES):
@@ -169,7 +169,7 @@ def test_pieces_agree_with_the_whole(monkeypatch: pytest.MonkeyPatch, chunk: int
 
 from iobundle import ToleranceError  # noqa: E402
 from iobundle.replay import ErrorStats, Tolerances  # noqa: E402
-from iobundle.replay._compare import (  # noqa: E402
+from iobundle.replay.check._compare import (  # noqa: E402
     check_error_stat_name,
     error_stats,
     histogram_labels,
@@ -278,7 +278,7 @@ def test_call_row_errors_are_the_largest_of_its_outputs() -> None:
     """One pass per output: the row's abs/rel are the per-output maxima, its mean/median/quantile over every element."""
     import torch
 
-    from iobundle.replay._compare import compare_call
+    from iobundle.replay.check._compare import compare_call
 
     g = np.random.default_rng(3)
     expected = [g.standard_normal((4, 5)).astype(np.float32), torch.randn(3, 7, dtype=torch.bfloat16), np.arange(6)]

@@ -10,7 +10,7 @@ import torch
 
 from iobundle import InputObserver, ToleranceError, load_bundle
 from iobundle.replay import diff_bundles
-from iobundle.replay._compare import output_paths
+from iobundle.replay.check._compare import output_paths
 
 
 class Scaled(torch.nn.Module):

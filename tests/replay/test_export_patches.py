@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.fx.experimental._config as fx_config
 
-from iobundle.replay._patches import (
+from iobundle.replay.export._patches import (
     export_patches,
     patch_layout_copies,
     patch_moe_batched_experts,
@@ -156,7 +156,7 @@ def test_new_patches_apply_only_where_needed() -> None:
 
 
 def test_torch_sdpa_wrapper_matches_torch_and_zeroes_unseeing_rows() -> None:
-    from iobundle.replay._patches import patch_sdpa_without_is_causal
+    from iobundle.replay.export._patches import patch_sdpa_without_is_causal
 
     gen = torch.Generator().manual_seed(3)
     query, key, value = (torch.randn(2, 4, 3, 8, generator=gen) for _ in range(3))

@@ -22,8 +22,8 @@ import pytest
 import torch
 import xxhash
 
-import iobundle.calls._tensorfile as capture_tensorfile
-import iobundle.replay._tensorfile as replay_tensorfile
+import iobundle.calls._tensorfile_read as replay_tensorfile
+import iobundle.calls._tensorfile_write as capture_tensorfile
 import iobundle.schema._io as schema_io
 from iobundle import InputObserver, load_bundle
 from iobundle.errors import (
@@ -36,6 +36,7 @@ from iobundle.errors import (
     UnsafeBundleError,
     UnsupportedFormatVersionError,
 )
+from iobundle.schema import load_manifest
 
 # every test runs through both ways of opening a tensor file (small files read whole, large ones mapped)
 pytestmark = pytest.mark.usefixtures("tensor_file_paths")
@@ -70,7 +71,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
     """
     manifest = json.loads((path / "manifest.json").read_text("utf-8"))
     if manifest.get("format_version") == 3:
-        parsed = schema_io.load_manifest(path).model_copy(update={"format_version": 2})
+        parsed = load_manifest(path).model_copy(update={"format_version": 2})
         manifest = json.loads(parsed.model_dump_json())
     return manifest
 
@@ -905,7 +906,7 @@ def make_journal_bundle(path: Path) -> Path:
     with observer(model, store_n_calls=3, stream_to=copy):
         for n in (3, 4, 5):
             model(torch.randn(2), full[:, :, :n].clone())
-        while len(schema_io.load_manifest(copy).calls) < 3:  # the writer appends the last call's line
+        while len(load_manifest(copy).calls) < 3:  # the writer appends the last call's line
             time.sleep(0.01)
         shutil.copytree(copy, path)
     return path

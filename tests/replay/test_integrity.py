@@ -9,7 +9,7 @@ import pytest
 import torch
 import xxhash
 
-import iobundle.replay._tensorfile as tensorfile
+import iobundle.calls._tensorfile_read as tensorfile
 from iobundle import InputObserver, load_bundle
 from iobundle.errors import IntegrityError, TensorFileError
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from iobundle import InputObserver
-from iobundle.replay._patches import (
+from iobundle.replay.export._patches import (
     PATCHES,
     export_patches,
     patch_contiguous_last_token,

@@ -15,7 +15,7 @@ import torch
 from observing import Calls, observe, source
 
 from iobundle import AlignmentError, InputObserver
-from iobundle.replay import _inference
+from iobundle.replay import infer
 
 
 class Decoder(torch.nn.Module):
@@ -53,7 +53,7 @@ def _record(calls: Calls) -> InputObserver:
     return observer
 
 
-def _same(memoised: _inference.Alignment, reference: _inference.Alignment) -> None:
+def _same(memoised: infer.Alignment, reference: infer.Alignment) -> None:
     assert memoised.slots == reference.slots
     assert memoised.owners == reference.owners
     assert memoised.best == reference.best
@@ -66,13 +66,13 @@ def test_memoised_alignment_is_the_reference_on_a_mixed_recording(where: str, tm
     recorded = source(_record(_decode_calls()), where, tmp_path)
     rc = recorded._recorded()
     assert [c.status for c in rc.calls].count("failed") == 1
-    memoised = _inference.align_calls(rc)
-    reference = _inference.align_calls(rc, memo=False)
+    memoised = infer.align_calls(rc)
+    reference = infer.align_calls(rc, memo=False)
     _same(memoised, reference)
-    structures = {_inference.call_shape(c).key for c in rc.ok_calls}
+    structures = {infer.call_shape(c).key for c in rc.ok_calls}
     assert 1 < len(structures) < len(rc.ok_calls)  # decode steps share one; the memo had work to share
     for call, slots in zip(memoised.calls, memoised.slots):
-        assert _inference.align_call(rc, reference, call) == slots  # each call aligned on its own
+        assert infer.align_call(rc, reference, call) == slots  # each call aligned on its own
     shared = memoised.slots[-2]  # the call passing one tensor four times keeps the key in every slot
     assert len({shared[i] for i, owner in enumerate(memoised.owners) if owner == "past"}) == 1
 
@@ -81,18 +81,18 @@ def test_memoised_alignment_is_the_reference_on_a_mixed_recording(where: str, tm
 def test_inference_from_the_memo_matches_the_reference(where: str, tmp_path: Path) -> None:
     recorded = source(_record(_decode_calls()), where, tmp_path)
     rc = recorded._recorded()
-    reference = _inference.align_calls(rc, memo=False)
+    reference = infer.align_calls(rc, memo=False)
     expected = {
-        "dims": _inference.flat_dynamic_dims(rc, reference),
-        "batch": _inference.flat_dynamic_dims(rc, reference, True),
-        "fed": _inference.fed_shapes(rc, reference),
-        "args": [t.shape for t in _inference.infer_arguments(rc, flat=True, alignment=reference)],
+        "dims": infer.flat_dynamic_dims(rc, reference),
+        "batch": infer.flat_dynamic_dims(rc, reference, True),
+        "fed": infer.fed_shapes(rc, reference),
+        "args": [t.shape for t in infer.infer_arguments(rc, flat=True, alignment=reference)],
     }
     assert recorded.infer_dynamic_shapes(dim_names=True)  # through the memo
-    memoised = _inference.align_calls(rc)
-    assert _inference.flat_dynamic_dims(rc, memoised) == expected["dims"]
-    assert _inference.flat_dynamic_dims(rc, memoised, True) == expected["batch"]
-    assert _inference.fed_shapes(rc, memoised) == expected["fed"]
+    memoised = infer.align_calls(rc)
+    assert infer.flat_dynamic_dims(rc, memoised) == expected["dims"]
+    assert infer.flat_dynamic_dims(rc, memoised, True) == expected["batch"]
+    assert infer.fed_shapes(rc, memoised) == expected["fed"]
     assert [t.shape for t in recorded.infer_arguments(flat=True)] == expected["args"]
 
 
@@ -106,9 +106,9 @@ def test_alignment_errors_are_the_reference_ones(tmp_path: Path) -> None:
     ]
     rc = source(observe(Decoder(), calls), "bundle", tmp_path)._recorded()
     with pytest.raises(AlignmentError) as reference:
-        _inference.align_calls(rc, memo=False)
+        infer.align_calls(rc, memo=False)
     with pytest.raises(AlignmentError) as memoised:
-        _inference.align_calls(rc)
+        infer.align_calls(rc)
     assert str(memoised.value) == str(reference.value)
     assert "call 0" in str(memoised.value) and "call 2" in str(memoised.value)
 
@@ -119,16 +119,16 @@ def test_the_cached_alignment_follows_the_calls() -> None:
     with observer(model, store_n_calls=10):
         model(torch.ones(1, 2, dtype=torch.int64), attention_mask=torch.ones(1, 2))
     rc = observer._recorded()
-    first = _inference.align_calls(rc)
-    assert _inference.align_calls(rc) is first  # cached while the calls stay the same
+    first = infer.align_calls(rc)
+    assert infer.align_calls(rc) is first  # cached while the calls stay the same
     with observer(model, store_n_calls=10):
         model(torch.ones(1, 3, dtype=torch.int64), attention_mask=torch.ones(1, 3))
-    second = _inference.align_calls(rc)
-    assert len(second.calls) == 2 and second.slots == _inference.align_calls(rc, memo=False).slots
+    second = infer.align_calls(rc)
+    assert len(second.calls) == 2 and second.slots == infer.align_calls(rc, memo=False).slots
     assert observer.infer_dynamic_shapes() == {
         "input_ids": {1: torch.export.Dim.DYNAMIC},
         "attention_mask": {1: torch.export.Dim.DYNAMIC},
     }
     observer.remove_inputs(["attention_mask"])
-    assert _inference.align_calls(rc).owners == [0]
+    assert infer.align_calls(rc).owners == [0]
     assert observer.infer_dynamic_shapes() == ({1: torch.export.Dim.DYNAMIC},)

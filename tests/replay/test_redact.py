@@ -18,7 +18,7 @@ from iobundle import (
 )
 from iobundle.cli import main
 from iobundle.replay import validate_onnx
-from iobundle.replay._redact import synthetic_like
+from iobundle.travel._redact import synthetic_like
 
 VOCAB = 50
 

@@ -91,7 +91,7 @@ class Masked(torch.nn.Module):
 
 
 def test_eager_calls_get_the_inputs_as_the_model_received_them(tmp_path):
-    from iobundle.replay._inference import received_arguments
+    from iobundle.replay.infer import received_arguments
 
     model, observer = Masked(), InputObserver(value_if_missing={"mask": torch.ones(2, 4)})
     with torch.no_grad(), observer(model):

@@ -39,10 +39,9 @@ from pathlib import Path, PurePosixPath
 import torch
 
 from iobundle._progress import ProgressCallback, notify
-from iobundle.calls import DictTensorStore, RecordedCalls, tensor_keys
+from iobundle.calls import DictTensorStore, RecordedCalls, check_file, read_sized_member, tensor_keys
 from iobundle.errors import IobundleError, ModelLoadError
-from iobundle.replay._bundle import Bundle
-from iobundle.replay._tensorfile import check_file, read_member
+from iobundle.replay import Bundle
 from iobundle.schema import CallEntry, ModelEntry
 
 __all__ = ["POSITION_NAMES", "TOKEN_ID_NAMES", "copy_model_files", "redact_calls", "synthetic_like"]
@@ -169,7 +168,7 @@ def _vocab_size(bundle: Bundle) -> int | None:
         return None
     try:
         member = check_file(bundle._store.bundle_root, entry.config_file, entry.files[entry.config_file])
-        config = json.loads(read_member(member, entry.config_file, entry.files[entry.config_file].size))
+        config = json.loads(read_sized_member(member, entry.config_file, entry.files[entry.config_file].size))
     except (IobundleError, ValueError):
         return None  # the config is checked when the model is loaded; here it only narrows the draws
     for part in (config, config.get("text_config") if isinstance(config, dict) else None):
@@ -273,5 +272,5 @@ def copy_model_files(bundle: Bundle, target: str | os.PathLike[str]) -> ModelEnt
         if isinstance(member, Path):
             shutil.copyfile(member, path)
         else:
-            path.write_bytes(read_member(member, name, file.size))
+            path.write_bytes(read_sized_member(member, name, file.size))
     return entry

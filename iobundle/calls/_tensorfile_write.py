@@ -42,7 +42,7 @@ MAX_HEADER_BYTES = 100 * 1024**2
 _ALIGN = 8
 _IOV_MAX = 1024
 
-SMALL_FILE_BYTES = 16 * 1024**2
+ONE_WRITE_BYTES = 16 * 1024**2
 """Files below this size are written with one ``os.writev`` and hashed by the writing thread; larger
 ones go through :func:`iobundle._atomic.write_atomically` (pieces, hashing in a helper thread).
 A small file then costs 4 syscalls (open, writev, close, rename) and, for plain contiguous CPU
@@ -164,7 +164,7 @@ def write_tensor_file(
     text += b" " * (-len(text) % _ALIGN)
     digest = new_hasher(WRITE_HASH)
     parts = [struct.pack("<Q", len(text)) + text, *payloads]
-    if offset + len(parts[0]) < SMALL_FILE_BYTES:
+    if offset + len(parts[0]) < ONE_WRITE_BYTES:
         size = _write_small(path, parts, digest, durable=durable)
         if on_written is not None:
             for name in names:

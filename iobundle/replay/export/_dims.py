@@ -15,28 +15,26 @@ from __future__ import annotations
 
 import collections
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from iobundle.calls import RecordedCalls, tensor_keys
-from iobundle.replay._compare import compare_outputs
-from iobundle.replay._inference import BatchSpec, DynamicSpec, align_calls, flat_dynamic_dims, infer_arguments
+from iobundle.replay.check import compare_outputs, flatten_outputs
+from iobundle.replay.infer import (
+    Alignment,
+    BatchSpec,
+    DynamicSpec,
+    align_calls,
+    flat_dynamic_dims,
+    infer_arguments,
+    owner_name,
+)
 
-if TYPE_CHECKING:
-    from iobundle.replay._export import _Plan
-
-__all__ = ["BatchCheck", "StaticDimHint", "check_other_batch", "owner_name", "static_dim_hints"]
+__all__ = ["BatchCheck", "StaticDimHint", "check_other_batch", "static_dim_hints"]
 
 logger = logging.getLogger(__name__)
-
-
-def owner_name(rc: RecordedCalls, owner: int | str) -> str:
-    """The name of an argument of :attr:`Alignment.owners` (a parameter name, else its position)."""
-    if isinstance(owner, int) and owner < len(rc.names):
-        return rc.names[owner]
-    return str(owner)
 
 
 @dataclass(frozen=True)
@@ -194,8 +192,6 @@ def check_other_batch(
     features are flattened across the batch), the check is inconclusive (``success=None``).
     Never raises: a failure is reported on the result.
     """
-    from iobundle.replay._export import flatten_outputs
-
     alignment, index = plan.alignment, plan.traced
     call = alignment.calls[index]
     tensors = infer_arguments(rc, index, flat=True, alignment=alignment)
@@ -242,3 +238,21 @@ def check_other_batch(
         result.success, result.error = False, _first_line(exc)
     logger.info("beyond the recorded calls: %s", result.summary())
     return result
+
+
+@dataclass
+class _Plan:
+    """What one export runs: the module, the traced call's arguments, its dynamic shapes and dims."""
+
+    module: torch.nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    dynamic_shapes: Any
+    alignment: Alignment
+    traced: int
+    flatten_var_kw: bool
+    oblivious: bool
+    dynamic_batch: bool = False
+    dynamic: bool = True
+    dims: list[list[int]] = field(default_factory=list)
+    dim_names: list[dict[int, str]] | None = None  # per slot, with dim_names

@@ -14,16 +14,15 @@ program per phase from that phase's calls alone (its arguments and dynamic shape
 from them) and checks each on its own calls. :meth:`ProgramSet.to_onnx` then writes one ONNX
 file, or one per phase plus a program index (:class:`iobundle.schema.ProgramIndex`) saying
 which program serves which calls, the way Optimum ships ``decoder_model.onnx`` and
-``decoder_with_past_model.onnx``. :func:`check_program_index` validates such an index: each
+``decoder_with_past_model.onnx``. :func:`iobundle.replay.check.validate_onnx` validates such an index: each
 call runs through the program whose structure it has.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -32,11 +31,10 @@ import torch
 
 from iobundle._remote import resolve_output
 from iobundle.calls import RecordedCalls
-from iobundle.errors import ExportError, ReplayError
-from iobundle.replay._dims import owner_name
-from iobundle.replay._export import CallCheck, ExportReport, export_program, save_onnx
-from iobundle.replay._inference import Alignment, DynamicSpec, align_calls
-from iobundle.schema import ProgramEntry, ProgramIndex, load_program_index, write_program_index
+from iobundle.errors import ExportError
+from iobundle.replay.export._export import CallCheck, ExportReport, export_program, save_onnx
+from iobundle.replay.infer import DynamicSpec, align_calls, call_structure, phase_calls
+from iobundle.schema import ProgramEntry, ProgramIndex, write_program_index
 
 __all__ = [
     "INDEX_SUFFIX",
@@ -44,11 +42,8 @@ __all__ = [
     "PhaseProgram",
     "ProgramSet",
     "ProgramsMode",
-    "call_structure",
-    "check_program_index",
     "export_programs",
     "partition_calls",
-    "phase_calls",
 ]
 
 logger = logging.getLogger(__name__)
@@ -78,33 +73,6 @@ class Phase:
         return ", ".join(odd) if odd else "every input present"
 
 
-def call_structure(rc: RecordedCalls, alignment: Alignment, position: int) -> dict[str, str]:
-    """The structure of the ``position``-th aligned call: per input, which of its tensors it holds.
-
-    An input is ``absent`` when none of its tensors is there (not passed, None, a cache that
-    holds no tensor yet, or a ``value_if_missing`` placeholder), ``empty`` when every tensor it
-    holds has a zero-length dimension, ``K/N`` when only K of its N tensors are there.
-    """
-    call, slots = alignment.calls[position], alignment.slots[position]
-    filled = {str(f) for f in call.filled}
-    keys: dict[int | str, list[str | None]] = {}
-    for owner, key in zip(alignment.owners, slots):
-        keys.setdefault(owner, []).append(key)
-    result = {}
-    for owner, owned in keys.items():
-        name = owner_name(rc, owner)
-        present = [k for k in owned if k is not None]
-        if not present or name in filled or str(owner) in filled:
-            result[name] = "absent"
-        elif all(0 in rc.store.shape(k) for k in present):
-            result[name] = "empty"
-        elif len(present) < len(owned):
-            result[name] = f"{len(present)}/{len(owned)}"
-        else:
-            result[name] = "present"
-    return result
-
-
 def partition_calls(rc: RecordedCalls) -> list[Phase]:
     """Group the ok calls by structure (:func:`call_structure`), phases in the order of their first call.
 
@@ -120,12 +88,6 @@ def partition_calls(rc: RecordedCalls) -> list[Phase]:
         groups.setdefault(key, []).append(call.index)
         structures.setdefault(key, structure)
     return [Phase(f"p{i}", tuple(calls), structures[key]) for i, (key, calls) in enumerate(groups.items())]
-
-
-def phase_calls(rc: RecordedCalls, indices: Collection[int]) -> RecordedCalls:
-    """The recorded calls ``indices`` (``CallEntry.index``) as recorded calls of their own (same store)."""
-    wanted = set(indices)
-    return dataclasses.replace(rc, calls=[c for c in rc.calls if c.index in wanted], version=0, last_export_report=None)
 
 
 @dataclass
@@ -314,66 +276,3 @@ def _phase_dynamic(rc: RecordedCalls, phase: Phase, dynamic: DynamicSpec) -> Dyn
         if phase.inputs.get(name, "absent") != "absent":
             kept[key] = axes
     return kept
-
-
-def check_program_index(
-    rc: RecordedCalls,
-    index_path: str | os.PathLike[str],
-    run: Callable[..., tuple[list[dict[str, Any]], list[Any]]],
-    **options: Any,
-) -> tuple[list[dict[str, Any]], list[Any]]:
-    """Validate every recorded call with the program of ``index_path`` whose structure it has.
-
-    Calls are assigned by structure (:func:`call_structure`), not by index, so an index also
-    validates another bundle of the same model. ``run(rc, onnx_file, **options)`` validates the
-    calls of one program (``iobundle.replay._validate``'s runner); each of its rows gets a
-    ``program`` column. A call that no program serves is a failed row saying so.
-
-    Raises:
-        ManifestError: The index cannot be read.
-        ModelLoadError: A program's ONNX file cannot be loaded.
-    """
-    index_path = Path(index_path)
-    index = load_program_index(index_path)
-    alignment = align_calls(rc)
-    assigned: dict[str, list[int]] = {p.name: [] for p in index.programs}
-    rows: list[dict[str, Any]] = []
-    checks: list[Any] = []
-    for position, call in enumerate(alignment.calls):
-        structure = call_structure(rc, alignment, position)
-        program = next((p for p in index.programs if p.inputs == structure), None)
-        if program is None:
-            odd = ", ".join(f"{k} {v}" for k, v in structure.items() if v != "present") or "every input present"
-            rows.append(
-                {
-                    "SUCCESS": False,
-                    "index": call.index,
-                    "program": None,
-                    "error": f"no program of {index_path.name} serves call {call.index} ({odd}); "
-                    f"programs: {', '.join(p.name for p in index.programs)}",
-                    "abs": float("nan"),
-                    "rel": float("nan"),
-                    "sum": float("nan"),
-                    "n": 0,
-                    "dnan": 0,
-                    **{f">{h}": 0 for h in options.get("hist", (0.1, 0.01))},
-                    "duration_torch": call.latency,
-                    "ort_duration": 0.0,
-                    "absent_inputs": "",
-                }
-            )
-            continue
-        assigned[program.name].append(call.index)
-    for program in index.programs:
-        if not assigned[program.name]:
-            continue
-        sub = phase_calls(rc, assigned[program.name])
-        try:
-            program_rows, program_checks = run(sub, index_path.parent / program.file, **options)
-        except ReplayError as exc:
-            raise type(exc)(f"{index_path.name}, program {program.name}: {exc}") from exc
-        for row in program_rows:
-            row["program"] = program.name
-        rows.extend(program_rows)
-        checks.extend(program_checks)
-    return sorted(rows, key=lambda r: r["index"]), checks

@@ -36,9 +36,9 @@ from iobundle._progress import ProgressCallback, notify
 from iobundle._remote import resolve_output
 from iobundle.calls import RecordedCalls, tensor_keys
 from iobundle.errors import BundleExistsError, BundleWriteError, ModelLoadError, ReplayError
-from iobundle.replay._api import RecordedCallsAPI
-from iobundle.replay._inference import align_calls, aligned_tensors
-from iobundle.replay._validate import input_mapping, model_label, read_metadata
+from iobundle.replay import RecordedCallsAPI
+from iobundle.replay.check import input_mapping, model_label, read_metadata
+from iobundle.replay.infer import align_calls, aligned_tensors
 from iobundle.schema import DictNode, ListNode, Node, ObjectNode, TensorNode, TupleNode
 
 __all__ = [

@@ -9,10 +9,10 @@ The order of the checks is what makes reading a hostile file safe:
    manifest names: XXH3-128 in format version 2, sha256 in version 1), the first time it is read,
    unless verification is off;
 3. the header length fits in the file and under
-   :data:`iobundle.calls._tensorfile.MAX_HEADER_BYTES`, the header is a JSON object, and every
+   :data:`iobundle.calls._tensorfile_write.MAX_HEADER_BYTES`, the header is a JSON object, and every
    tensor the manifest puts in this file is there with the manifest's dtype and shape and a byte
    span inside the data area of exactly the right length (the checks
-   :mod:`iobundle.calls._tensorfile` shares with the streaming observer's read-back);
+   :mod:`iobundle.calls._tensorfile_write` shares with the streaming observer's read-back);
 4. only then is the file memory-mapped. A mapping past the end of a file is a SIGBUS, not an
    exception, so nothing is mapped before the size checks.
 
@@ -37,7 +37,10 @@ from typing import Any, BinaryIO, Protocol, Union
 
 import torch
 
-from iobundle.calls import NAME_TO_DTYPE, new_hasher, parse_header, read_exactly, rebuild, tensor_span
+from iobundle.calls._delta import rebuild
+from iobundle.calls._dtypes import NAME_TO_DTYPE
+from iobundle.calls._hashing import new_hasher
+from iobundle.calls._tensorfile_write import parse_header, read_exactly, tensor_span
 from iobundle.errors import IntegrityError, TensorFileError, UnsafeBundleError
 from iobundle.schema import FileEntry, Manifest, TensorEntry
 
@@ -50,13 +53,13 @@ __all__ = [
     "check_file",
     "check_file_header",
     "listed_files",
-    "read_member",
+    "read_sized_member",
     "safe_member_path",
 ]
 
 _CHUNK = 1 << 22
 
-SMALL_FILE_BYTES = 1 << 20
+READ_WHOLE_BYTES = 1 << 20
 """Tensor files up to this size are read whole, once: size, hash and header are checked on
 those bytes and the tensors view them (four opens and a memory mapping cost more than the read)."""
 
@@ -65,7 +68,7 @@ _CONTROL_OR_SURROGATE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 """Unicode categories Cc (control) and Cs (surrogate), exactly."""
 
 
-def _check_member_name(name: str) -> PurePosixPath:
+def check_member_name(name: str) -> PurePosixPath:
     if not isinstance(name, str) or not name:
         raise UnsafeBundleError(f"File name {name!r} in the manifest is empty or not a string.")
     pure = PurePosixPath(name)
@@ -103,7 +106,7 @@ class BundleRoot:
         """Resolve the bundle member ``name``, refusing anything that leaves the root; see :func:`safe_member_path`."""
         pure = self._names.get(name) if isinstance(name, str) else None
         if pure is None:
-            pure = self._names[name] = _check_member_name(name)
+            pure = self._names[name] = check_member_name(name)
         try:
             if self._real is None:
                 self._real = os.path.realpath(self.path)
@@ -206,14 +209,14 @@ Member = Union[Path, MemberHandle]
 
 
 def _open_member(path: Member, name: str) -> tuple[BinaryIO, int]:
-    """Open a member for reading: ``(file, size)``; see :func:`_open_regular`."""
+    """Open a member for reading: ``(file, size)``; see :func:`open_regular`."""
     if isinstance(path, Path):
-        fd, size = _open_regular(path, name)
+        fd, size = open_regular(path, name)
         return os.fdopen(fd, "rb", buffering=0), size
     return path.open()
 
 
-def _open_regular(path: Path, name: str) -> tuple[int, int]:
+def open_regular(path: Path, name: str) -> tuple[int, int]:
     """Open ``path`` read-only without blocking; return ``(fd, size)``. Refuses anything but a regular file."""
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
     try:
@@ -305,7 +308,7 @@ def _read_header(path: Member, name: str) -> tuple[dict[str, Any], int, int]:
 
 
 def _read_small(path: Member, name: str, entry: FileEntry, *, hash_check: bool) -> bytearray:
-    """The whole bundle member ``name`` (at most :data:`SMALL_FILE_BYTES`), checked as :func:`check_file` does."""
+    """The whole bundle member ``name`` (at most :data:`READ_WHOLE_BYTES`), checked as :func:`check_file` does."""
     f, size = _open_member(path, name)
     if size != entry.size:
         f.close()
@@ -341,7 +344,7 @@ def stored_shape(entry: TensorEntry, base: TensorEntry | None) -> list[int]:
     return shape
 
 
-def read_member(path: Member, name: str, size: int) -> bytearray:
+def read_sized_member(path: Member, name: str, size: int) -> bytearray:
     """The ``size`` bytes of member ``name``."""
     f, found = _open_member(path, name)
     if found != size:
@@ -389,7 +392,7 @@ class _OpenFile:
                 else:
                     self.data = path.map(size)
                     if self.data is None:  # not mappable (a remote file): read once, tensors view the bytes
-                        self.data = torch.frombuffer(read_member(path, name, size), dtype=torch.uint8)
+                        self.data = torch.frombuffer(read_sized_member(path, name, size), dtype=torch.uint8)
             except (RuntimeError, OSError, ValueError) as exc:
                 raise TensorFileError(f"{name}: cannot be memory-mapped ({exc}).") from exc
 
@@ -522,7 +525,7 @@ class BundleTensorStore:
             if entry is None:
                 raise TensorFileError(f"File {name!r} is used by a tensor but not listed in the manifest's files.")
             try:
-                if entry.size <= SMALL_FILE_BYTES:
+                if entry.size <= READ_WHOLE_BYTES:
                     path = self.bundle_root.member(name)
                     data = _read_small(path, name, entry, hash_check=self.verify)
                     opened = _OpenFile.from_bytes(name, data, self.file_entries(name))

@@ -15,7 +15,7 @@ import torch.utils._pytree as torch_pytree
 
 from iobundle.calls import RecordedCalls, build_value, tensor_keys
 from iobundle.errors import AlignmentError
-from iobundle.replay import _inference
+from iobundle.replay.infer import _align
 from iobundle.schema import CallEntry
 
 __all__ = ["InputCandidate", "ObservationInfo"]
@@ -27,12 +27,12 @@ class _AlignmentCache:
     def __init__(self, rc: RecordedCalls) -> None:
         self.rc = rc
         self._version = -1
-        self._result: _inference.Alignment | AlignmentError | None = None
+        self._result: _align.Alignment | AlignmentError | None = None
 
-    def get(self) -> _inference.Alignment | AlignmentError:
+    def get(self) -> _align.Alignment | AlignmentError:
         if self._result is None or self._version != self.rc.version:
             try:
-                self._result = _inference.align_calls(self.rc)
+                self._result = _align.align_calls(self.rc)
             except AlignmentError as exc:
                 self._result = exc
             self._version = self.rc.version

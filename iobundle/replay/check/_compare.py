@@ -14,12 +14,15 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from iobundle.errors import ToleranceError
 from iobundle.schema import DictNode, ListNode, Node, ObjectNode, TensorNode, TupleNode
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "ERROR_STATS",
@@ -33,6 +36,7 @@ __all__ = [
     "compare_call",
     "compare_outputs",
     "error_stats",
+    "flatten_outputs",
     "histogram_labels",
     "output_errors",
     "output_leaves",
@@ -634,3 +638,12 @@ def compare_call(
     if cmp.error is None and not cmp.dnan:
         row["SUCCESS"] = all(c.success is not False for c in checks)
     return row, checks
+
+
+def flatten_outputs(value: Any) -> list[torch.Tensor]:
+    """The tensors of an output value, in the order recorded outputs are stored."""
+    from iobundle.calls import TensorCollector, record_value, tensor_keys
+
+    collector = TensorCollector(lambda t: t)
+    node = record_value(value, collector, path="output", on_opaque=lambda *_: None)
+    return [collector.tensors[k] for k in tensor_keys(node)]

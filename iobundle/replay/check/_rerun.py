@@ -12,16 +12,23 @@ import torch
 from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import RecordedCalls, tensor_keys
 from iobundle.errors import ReplayError
-from iobundle.replay._compare import OutputCheck, Scratch, Tolerances, check_error_stat_name, compare_call, output_paths
-from iobundle.replay._export import flatten_outputs
-from iobundle.replay._inference import received_arguments
-from iobundle.replay._validate import (
+from iobundle.replay.check._compare import (
+    OutputCheck,
+    Scratch,
+    Tolerances,
+    check_error_stat_name,
+    compare_call,
+    flatten_outputs,
+    output_paths,
+)
+from iobundle.replay.check._validate import (
     ValidationReport,
-    _refuse_unused,
     _require_outputs,
     recorded_output_names,
     refuse_unknown_outputs,
+    refuse_unused,
 )
+from iobundle.replay.infer import received_arguments
 
 __all__ = ["rerun_model"]
 
@@ -113,7 +120,7 @@ def rerun_model(
         rows.append(row)
         logger.debug("call %d re-run in %.3fs: %s", call.index, seconds, "ok" if row["SUCCESS"] else "differs")
         notify(on_progress, "re-run", done, len(calls), f"call {call.index}")
-    _refuse_unused(tolerances, checks)
+    refuse_unused(tolerances, checks)
     return ValidationReport(
         rows=rows, atol=atol, rtol=rtol, seconds=time.perf_counter() - begin, outputs=checks, tolerances=tolerances,
         check_error_stat=check_error_stat, error_quantile=error_quantile, subject=type(model).__name__, kind="run",

@@ -41,7 +41,7 @@ from iobundle.errors import InputSelectionError
 from iobundle.schema import Node, ObjectNode, TensorNode
 
 if TYPE_CHECKING:
-    from iobundle.replay._inference import Alignment
+    from iobundle.replay.infer._align import Alignment
 
 __all__ = ["DimNamesSpec", "name_dims", "named_dims_hint", "onnx_axis_names", "rename_onnx_axes", "to_export_dims"]
 

@@ -9,16 +9,18 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnx
 import torch
+
+if TYPE_CHECKING:
+    import onnx
 
 from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import RecordedCalls, tensor_keys
-from iobundle.errors import ModelLoadError, NothingToCompareError, ToleranceError
-from iobundle.replay._compare import (
+from iobundle.errors import ModelLoadError, NothingToCompareError, ReplayError, ToleranceError
+from iobundle.replay.check._compare import (
     OutputCheck,
     Scratch,
     Tolerances,
@@ -27,12 +29,22 @@ from iobundle.replay._compare import (
     histogram_labels,
     output_paths,
 )
-from iobundle.replay._export import INPUT_SLOTS_KEY, OUTPUT_NAMES_KEY
-from iobundle.replay._inference import align_calls, aligned_tensors, placeholder_inputs
+from iobundle.replay.infer import align_calls, aligned_tensors, call_structure, phase_calls, placeholder_inputs
+from iobundle.schema import load_program_index
+
+# ONNX metadata that export writes and validation reads back.
+INPUT_SLOTS_KEY = "iobundle.input_slots"
+OUTPUT_NAMES_KEY = "iobundle.output_names"
+
 
 __all__ = ["ValidationReport", "check_discrepancies", "validate_onnx"]
 
 logger = logging.getLogger(__name__)
+
+
+def _is_proto(value: object) -> bool:
+    """Whether ``value`` is a loaded ``onnx.ModelProto`` (onnx is imported only when some model is one)."""
+    return type(value).__name__ == "ModelProto" and type(value).__module__.startswith("onnx")
 
 
 def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto) -> tuple[Any, dict[str, str]]:
@@ -40,6 +52,8 @@ def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto) -> tuple[Any,
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    import onnx
+
     proto = getattr(onnx_model, "model_proto", None)  # a torch.onnx.ONNXProgram, as torch's observer takes
     if isinstance(proto, onnx.ModelProto):
         onnx_model = proto
@@ -293,11 +307,9 @@ def _run_checks(
 ) -> tuple[list[dict[str, Any]], list[OutputCheck]]:
     check_error_stat_name(check_error_stat, error_quantile)
     _require_outputs(rc)
-    if not isinstance(onnx_model, onnx.ModelProto) and str(onnx_model).endswith(".json"):
-        from iobundle.replay._phases import check_program_index
-
+    if not _is_proto(onnx_model) and str(onnx_model).endswith(".json"):
         return check_program_index(
-            rc, onnx_model, _run_checks, tolerances=tolerances, hist=hist, progress_bar=progress_bar,
+            rc, onnx_model, tolerances=tolerances, hist=hist, progress_bar=progress_bar,
             include_io=include_io, skip_none=skip_none, per_output=per_output, check_error_stat=check_error_stat,
             error_quantile=error_quantile, on_progress=on_progress,
         )  # fmt: skip
@@ -473,15 +485,15 @@ def validate_onnx(
         skip_none=True, per_output=True, check_error_stat=check_error_stat, error_quantile=error_quantile,
         on_progress=on_progress,
     )  # fmt: skip
-    _refuse_unused(tolerances, checks)
-    subject = str(onnx_model) if not isinstance(onnx_model, onnx.ModelProto) else "an onnx.ModelProto"
+    refuse_unused(tolerances, checks)
+    subject = str(onnx_model) if not _is_proto(onnx_model) else "an onnx.ModelProto"
     return ValidationReport(
         rows=rows, atol=atol, rtol=rtol, seconds=time.perf_counter() - begin, outputs=checks,
         tolerances=tolerances, check_error_stat=check_error_stat, error_quantile=error_quantile, subject=subject,
     )  # fmt: skip
 
 
-def _refuse_unused(tolerances: Tolerances, checks: Sequence[OutputCheck]) -> None:
+def refuse_unused(tolerances: Tolerances, checks: Sequence[OutputCheck]) -> None:
     """A per-output tolerance that matches no compared output is a typo: say which names exist."""
     if not checks:  # nothing was compared (every run failed): the rows say why, not the tolerances
         return
@@ -519,3 +531,64 @@ def refuse_unknown_outputs(tolerances: Tolerances, groups: Sequence[Sequence[str
             f"Per-output tolerance for {', '.join(map(repr, unused))} matches no output. Outputs: {shown}. "
             "Use one of these names or an fnmatch pattern (e.g. 'past_key_values*')."
         )
+
+
+def check_program_index(
+    rc: RecordedCalls,
+    index_path: str | os.PathLike[str],
+    **options: Any,
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Validate every recorded call with the program of ``index_path`` whose structure it has.
+
+    Calls are assigned by structure (:func:`call_structure`), not by index, so an index also
+    validates another bundle of the same model. The calls of each program are validated with
+    ``options`` as one ONNX file is; each of its rows gets a ``program`` column. A call that no program serves is a failed row saying so.
+
+    Raises:
+        ManifestError: The index cannot be read.
+        ModelLoadError: A program's ONNX file cannot be loaded.
+    """
+    index_path = Path(index_path)
+    index = load_program_index(index_path)
+    alignment = align_calls(rc)
+    assigned: dict[str, list[int]] = {p.name: [] for p in index.programs}
+    rows: list[dict[str, Any]] = []
+    checks: list[Any] = []
+    for position, call in enumerate(alignment.calls):
+        structure = call_structure(rc, alignment, position)
+        program = next((p for p in index.programs if p.inputs == structure), None)
+        if program is None:
+            odd = ", ".join(f"{k} {v}" for k, v in structure.items() if v != "present") or "every input present"
+            rows.append(
+                {
+                    "SUCCESS": False,
+                    "index": call.index,
+                    "program": None,
+                    "error": f"no program of {index_path.name} serves call {call.index} ({odd}); "
+                    f"programs: {', '.join(p.name for p in index.programs)}",
+                    "abs": float("nan"),
+                    "rel": float("nan"),
+                    "sum": float("nan"),
+                    "n": 0,
+                    "dnan": 0,
+                    **{f">{h}": 0 for h in options.get("hist", (0.1, 0.01))},
+                    "duration_torch": call.latency,
+                    "ort_duration": 0.0,
+                    "absent_inputs": "",
+                }
+            )
+            continue
+        assigned[program.name].append(call.index)
+    for program in index.programs:
+        if not assigned[program.name]:
+            continue
+        sub = phase_calls(rc, assigned[program.name])
+        try:
+            program_rows, program_checks = _run_checks(sub, index_path.parent / program.file, **options)
+        except ReplayError as exc:
+            raise type(exc)(f"{index_path.name}, program {program.name}: {exc}") from exc
+        for row in program_rows:
+            row["program"] = program.name
+        rows.extend(program_rows)
+        checks.extend(program_checks)
+    return sorted(rows, key=lambda r: r["index"]), checks

@@ -16,48 +16,50 @@ from typing import Any
 import torch
 
 from iobundle._progress import ProgressCallback, notify
-from iobundle.calls import RecordedCalls, TensorCollector, record_value, tensor_keys
+from iobundle.calls import RecordedCalls, tensor_keys
 from iobundle.errors import ExportError, ToleranceError
-from iobundle.replay._compare import Comparison, Tolerances, compare_outputs, output_paths
-from iobundle.replay._dim_names import (
-    DimNamesSpec,
-    name_dims,
-    named_dims_hint,
-    onnx_axis_names,
-    rename_onnx_axes,
-    to_export_dims,
+from iobundle.replay.check import (
+    INPUT_SLOTS_KEY,
+    OUTPUT_NAMES_KEY,
+    Comparison,
+    Tolerances,
+    compare_outputs,
+    flatten_outputs,
+    output_paths,
 )
-from iobundle.replay._inference import (
+from iobundle.replay.export._dims import _Plan, check_other_batch
+from iobundle.replay.infer import (
     Alignment,
+    DimNamesSpec,
     DynamicSpec,
     align_calls,
     fed_shapes,
     flat_dynamic_dims,
     infer_arguments,
     infer_dynamic_shapes,
+    name_dims,
+    named_dims_hint,
+    onnx_axis_names,
     placeholder_inputs,
     received_arguments,
+    rename_onnx_axes,
     select_call,
     spread_var_keyword,
+    to_export_dims,
 )
 from iobundle.schema import ObjectNode
 
 __all__ = [
-    "INPUT_SLOTS_KEY",
-    "OUTPUT_NAMES_KEY",
     "CallCheck",
     "ExportReport",
     "export_onnx",
     "export_program",
-    "flatten_outputs",
     "save_onnx",
 ]
 
 logger = logging.getLogger(__name__)
 
 CHECK_TASK = "check exported program"
-INPUT_SLOTS_KEY = "iobundle.input_slots"
-OUTPUT_NAMES_KEY = "iobundle.output_names"
 
 
 @dataclass
@@ -88,7 +90,7 @@ class ExportReport:
     patches: list[str] = field(default_factory=list)
     calls: list[CallCheck] = field(default_factory=list)
     batch_check: Any = None
-    """A ``BatchCheck`` (see :mod:`iobundle.replay._dims`): the program on a batch size never recorded."""
+    """A ``BatchCheck`` (see :mod:`iobundle.replay.export._dims`): the program on a batch size never recorded."""
 
     @property
     def failures(self) -> list[CallCheck]:
@@ -104,13 +106,6 @@ class ExportReport:
         eager = sum(1 for c in self.calls if c.reference == "eager")
         note = f"; {eager} without recorded outputs compared with the eager model" if eager else ""
         return f"{n_ok}/{len(self.calls)} recorded calls reproduced (traced call {self.traced_call}{note})"
-
-
-def flatten_outputs(value: Any) -> list[torch.Tensor]:
-    """The tensors of an output value, in the order recorded outputs are stored."""
-    collector = TensorCollector(lambda t: t)
-    node = record_value(value, collector, path="output", on_opaque=lambda *_: None)
-    return [collector.tensors[k] for k in tensor_keys(node)]
 
 
 class _MethodAsModule(torch.nn.Module):
@@ -154,22 +149,6 @@ def _explicit_signature(rc: RecordedCalls, extra: list[str]) -> inspect.Signatur
             params.append(inspect.Parameter(p.name, kind))
     params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in extra]
     return inspect.Signature(params)
-
-
-@dataclass
-class _Plan:
-    module: torch.nn.Module
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    dynamic_shapes: Any
-    alignment: Alignment
-    traced: int
-    flatten_var_kw: bool
-    oblivious: bool
-    dynamic_batch: bool = False
-    dynamic: bool = True
-    dims: list[list[int]] = field(default_factory=list)
-    dim_names: list[dict[int, str]] | None = None  # per slot, with dim_names
 
 
 def _uses_transformers(rc: RecordedCalls) -> bool:
@@ -270,7 +249,7 @@ def export_context(
 ) -> Iterator[None]:
     """Everything export and the checks need, scoped: pytree registrations, size-oblivious mode.
 
-    With ``model`` (tracing only), the patches of :mod:`iobundle.replay._patches` that apply
+    With ``model`` (tracing only), the patches of :mod:`iobundle.replay.export._patches` that apply
     to it are entered too and listed by name on ``report.patches``.
     """
     with contextlib.ExitStack() as stack:
@@ -285,7 +264,7 @@ def export_context(
             stack.enter_context(fx_config.patch(backed_size_oblivious=True))
             report.options.append("backed_size_oblivious=True (a dynamic dimension was observed as 0 or 1)")
         if model is not None:
-            from iobundle.replay._patches import export_patches
+            from iobundle.replay.export._patches import export_patches
 
             stack.enter_context(
                 export_patches(model, dynamic=dynamic, dynamic_batch=dynamic_batch, applied=report.patches)
@@ -471,8 +450,6 @@ def export_program(
             tolerances=tolerances,
         )  # fmt: skip
         if check_batch and plan.dynamic_batch and report.ok:
-            from iobundle.replay._dims import check_other_batch
-
             report.batch_check = check_other_batch(rc, plan, ep, atol=atol, rtol=rtol)
     rc.last_export_report = report
     ep.iobundle_report = report  # type: ignore[attr-defined]
@@ -550,7 +527,7 @@ def save_onnx(
     begin = time.perf_counter()
     notify(on_progress, "torch.onnx.export", 0, 1)
     try:
-        from iobundle.replay._onnx_rewrites import rewrite_for_onnx
+        from iobundle.replay.export._onnx_rewrites import rewrite_for_onnx
 
         report.options += [f"rewritten for ONNX: {r}" for r in rewrite_for_onnx(ep)]
         with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):

@@ -1,0 +1,64 @@
+"""Check a model against recorded calls: compare outputs, validate an ONNX model, re-run a model.
+
+Below ``export`` (which compares its programs with these tools) and above ``infer``.
+Validation needs onnx and onnxruntime.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    # Compare outputs
+    "Comparison",
+    "ErrorStats",
+    "OutputCheck",
+    "Scratch",
+    "Tolerances",
+    "check_error_stat_name",
+    "compare_call",
+    "compare_outputs",
+    "flatten_outputs",
+    "output_leaves",
+    "output_paths",
+    "refuse_unknown_outputs",
+    "refuse_unused",
+    # Validate an ONNX model
+    "INPUT_SLOTS_KEY",
+    "OUTPUT_NAMES_KEY",
+    "ValidationReport",
+    "check_discrepancies",
+    "input_mapping",
+    "model_label",
+    "read_metadata",
+    "recorded_output_names",
+    "validate_onnx",
+    # Re-run a model
+    "rerun_model",
+]
+
+from iobundle.replay.check._compare import (
+    Comparison,
+    ErrorStats,
+    OutputCheck,
+    Scratch,
+    Tolerances,
+    check_error_stat_name,
+    compare_call,
+    compare_outputs,
+    flatten_outputs,
+    output_leaves,
+    output_paths,
+)
+from iobundle.replay.check._rerun import rerun_model
+from iobundle.replay.check._validate import (
+    INPUT_SLOTS_KEY,
+    OUTPUT_NAMES_KEY,
+    ValidationReport,
+    check_discrepancies,
+    input_mapping,
+    model_label,
+    read_metadata,
+    recorded_output_names,
+    refuse_unknown_outputs,
+    refuse_unused,
+    validate_onnx,
+)

@@ -1,0 +1,29 @@
+"""Export recorded calls' model: torch.export and ONNX, programs per phase, scoped patches, batch checks.
+
+On top of ``infer`` and ``check`` (each exported program is checked against the recorded calls).
+ONNX export needs onnx and onnxscript, imported when a program is converted.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    # Export one program
+    "CallCheck",
+    "ExportReport",
+    "export_onnx",
+    "export_program",
+    # Programs per phase
+    "Phase",
+    "ProgramSet",
+    "ProgramsMode",
+    "export_programs",
+    "partition_calls",
+    # Dimensions and the batch check
+    "BatchCheck",
+    "StaticDimHint",
+    "static_dim_hints",
+]
+
+from iobundle.replay.export._dims import BatchCheck, StaticDimHint, static_dim_hints
+from iobundle.replay.export._export import CallCheck, ExportReport, export_onnx, export_program
+from iobundle.replay.export._phases import Phase, ProgramSet, ProgramsMode, export_programs, partition_calls

@@ -1,0 +1,77 @@
+"""Align recorded calls and infer from them: ``torch.export`` arguments, dynamic shapes, dim names.
+
+Works on :class:`iobundle.calls.RecordedCalls` (from memory or from a bundle) and needs torch
+only: never onnx, onnxruntime or transformers (unless the calls hold transformers objects).
+Each stage is a module: align (``_align``), dynamic shapes (``_dynamic``), arguments
+(``_arguments``), dim names (``_dim_names``), what the calls hold (``_info``).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    # Align calls
+    "Alignment",
+    "align_call",
+    "align_calls",
+    "call_shape",
+    "call_structure",
+    "collect_tensor_keys",
+    "owner_name",
+    "phase_calls",
+    # Dynamic shapes and dim names
+    "BatchSpec",
+    "DimNamesSpec",
+    "DynamicSpec",
+    "empty_dims",
+    "fed_shapes",
+    "flat_dynamic_dims",
+    "infer_dynamic_shapes",
+    "name_dims",
+    "named_dims_hint",
+    "onnx_axis_names",
+    "rename_onnx_axes",
+    "to_export_dims",
+    # Arguments
+    "aligned_tensors",
+    "infer_arguments",
+    "placeholder_inputs",
+    "received_arguments",
+    "remove_inputs",
+    "select_call",
+    "spread_var_keyword",
+    # What the calls hold
+    "InputCandidate",
+    "ObservationInfo",
+]
+
+from iobundle.replay.infer._align import (
+    Alignment,
+    BatchSpec,
+    DynamicSpec,
+    align_call,
+    align_calls,
+    call_shape,
+    call_structure,
+    collect_tensor_keys,
+    owner_name,
+    phase_calls,
+)
+from iobundle.replay.infer._arguments import (
+    aligned_tensors,
+    infer_arguments,
+    placeholder_inputs,
+    received_arguments,
+    remove_inputs,
+    select_call,
+    spread_var_keyword,
+)
+from iobundle.replay.infer._dim_names import (
+    DimNamesSpec,
+    name_dims,
+    named_dims_hint,
+    onnx_axis_names,
+    rename_onnx_axes,
+    to_export_dims,
+)
+from iobundle.replay.infer._dynamic import empty_dims, fed_shapes, flat_dynamic_dims, infer_dynamic_shapes
+from iobundle.replay.infer._info import InputCandidate, ObservationInfo

@@ -1,0 +1,21 @@
+"""Bundles leaving the machine: pack into one file and unpack, convert to other formats, redact. On top of replay's public face."""
+
+from __future__ import annotations
+
+__all__ = [
+    # Convert
+    "ConvertResult",
+    "convert_to_npz",
+    "convert_to_onnx_testdata",
+    # Pack and unpack
+    "PackResult",
+    "pack_bundle",
+    "unpack_bundle",
+    # Redact
+    "copy_model_files",
+    "redact_calls",
+]
+
+from iobundle.travel._convert import ConvertResult, convert_to_npz, convert_to_onnx_testdata
+from iobundle.travel._pack import PackResult, pack_bundle, unpack_bundle
+from iobundle.travel._redact import copy_model_files, redact_calls

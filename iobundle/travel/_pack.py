@@ -1,0 +1,305 @@
+"""Pack a bundle into one tar file and unpack it back: a bundle leaving the machine.
+
+``pack_bundle`` writes ``manifest.json`` first (a streaming reader finds it at once), then every
+file the manifest lists (tensor files, the stored model's files; nothing else the directory may
+hold), with zeroed times and owners: the same bundle always packs to the same bytes.
+``unpack_bundle`` writes the members back to a directory, ``manifest.json`` last. Reading a packed
+bundle (untrusted bytes) is replay's: :func:`iobundle.replay.load_bundle` opens one in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import BinaryIO
+
+from iobundle._atomic import atomic_file
+from iobundle._progress import BYTES, ProgressCallback, notify
+from iobundle._remote import clear_local_bundle, is_url, local_path, staged
+from iobundle.calls import BundleRoot, check_file, listed_files, open_regular
+from iobundle.errors import (
+    ArchiveError,
+    BundleExistsError,
+    BundleNotFoundError,
+    BundleWriteError,
+    IntegrityError,
+    IobundleError,
+    TensorFileError,
+)
+from iobundle.replay import ArchiveRoot, Bundle
+from iobundle.schema import MANIFEST_FILENAME, dump_manifest
+
+__all__ = ["PackResult", "pack_bundle", "unpack_bundle"]
+
+logger = logging.getLogger(__name__)
+
+_BLOCK = tarfile.BLOCKSIZE
+_COPY = 4 * 1024**2
+
+
+@dataclass
+class PackResult:
+    """What :func:`pack_bundle` or :func:`unpack_bundle` wrote."""
+
+    path: Path | str
+    files: int
+    bytes: int
+    seconds: float
+
+
+def _tar_header(name: str, size: int) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size = size
+    info.mode = 0o644
+    info.mtime = 0
+    info.type = tarfile.REGTYPE
+    return info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="strict")
+
+
+def _copy(src: BinaryIO, dst: BinaryIO, size: int, name: str) -> None:
+    left = size
+    buffer = memoryview(bytearray(min(_COPY, max(size, 1))))
+    while left:
+        n = src.readinto(buffer[: min(left, len(buffer))])  # type: ignore[attr-defined]
+        if not n:
+            raise TensorFileError(f"{name}: changed while it was being copied (cut short).")
+        dst.write(buffer[:n])
+        left -= n
+
+
+def _kernel_copy(src: int, offset: int, dst: int, size: int) -> bool:
+    """Copy ``size`` bytes of file descriptor ``src`` from ``offset`` to ``dst``'s position in the kernel.
+
+    False (nothing copied) where the system cannot; the caller then copies through Python.
+    """
+    copy = getattr(os, "copy_file_range", None)
+    if copy is None:
+        return False
+    done = 0
+    while done < size:
+        try:
+            n = copy(src, dst, size - done, offset + done)
+        except OSError:
+            if done:
+                raise
+            return False
+        if n == 0:
+            raise TensorFileError(f"changed while it was being copied (cut short after {done} of {size} bytes).")
+        done += n
+    return True
+
+
+def _check_target(target: Path, *, overwrite: bool) -> None:
+    if target.exists() and not overwrite:
+        raise BundleExistsError(f"'{target}' already exists. Pass overwrite=True (--overwrite) or choose another path.")
+
+
+PACK_TASK = "pack"
+UNPACK_TASK = "unpack"
+
+
+def pack_bundle(
+    bundle: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    on_progress: ProgressCallback | None = None,
+) -> PackResult:
+    """Pack the bundle directory ``bundle`` into the single file ``output`` (an uncompressed tar).
+
+    ``load_bundle``, and every ``iobundle`` command, read the packed file in place. ``output`` may
+    be a URL (with fsspec installed): the file is written locally beside nothing, then uploaded.
+    A bundle a killed stream left (``journal.jsonl``, no ``manifest.json``) packs too: the archive's
+    ``manifest.json`` is the manifest its journal describes (every complete call).
+
+    ``on_progress`` is called with a :class:`~iobundle.replay.ProgressEvent` (task ``"pack"``,
+    counted in bytes) before the first member and after each one, the member's name as detail.
+
+    Raises:
+        BundleNotFoundError: ``bundle`` is not a bundle directory.
+        BundleExistsError: ``output`` exists and ``overwrite`` is False.
+        UnsafeBundleError: A file of the bundle leads outside it (a symlink).
+        BundleWriteError: ``output`` cannot be written.
+
+    Example:
+        >>> pack_bundle("run.iobundle", "run.iobundle.tar").files
+        3
+    """
+    import time
+
+    begin = time.perf_counter()
+    source = local_path(bundle)
+    if source is None or not source.is_dir():
+        raise BundleNotFoundError(f"'{bundle}' is not a bundle directory. Pass the folder written by observer.save().")
+    manifest = Bundle.load(source).manifest  # a bundle, with a valid manifest whose file names stay inside it
+    root = BundleRoot(source)
+    names = [MANIFEST_FILENAME, *sorted(listed_files(manifest))]
+    # A stream killed before its end left journal.jsonl and no manifest.json: the archive holds the manifest
+    # the journal describes (every complete call), so it opens as any saved bundle does.
+    inline = {} if (source / MANIFEST_FILENAME).is_file() else {MANIFEST_FILENAME: dump_manifest(manifest).encode()}
+    expected = sum(
+        len(inline[n]) if n in inline else os.lstat(source.joinpath(*PurePosixPath(n).parts)).st_size for n in names
+    )
+    remote = is_url(output) and local_path(output) is None
+    if remote:
+        with staged(str(output), overwrite=overwrite, prefix="iobundle-pack-") as staging:
+            total = _write_tar(root, names, inline, staging, expected=expected, on_progress=on_progress)
+    else:
+        target = local_path(output)
+        assert target is not None
+        _check_target(target, overwrite=overwrite)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BundleWriteError(f"Cannot create {target.parent}: {exc.strerror or exc}.") from exc
+        total = _write_tar(root, names, inline, target, expected=expected, on_progress=on_progress)
+    logger.info("packed %d files (%d bytes) into %s", len(names), total, output)
+    return PackResult(
+        path=output if remote else target, files=len(names), bytes=total, seconds=time.perf_counter() - begin
+    )
+
+
+def _write_tar(
+    root: BundleRoot,
+    names: list[str],
+    inline: dict[str, bytes],
+    target: Path,
+    *,
+    expected: int,
+    on_progress: ProgressCallback | None,
+) -> int:
+    """Write the members ``names`` of ``root`` as a tar file at ``target`` atomically; return their bytes.
+
+    A name in ``inline`` is written with those bytes instead of the file of that name.
+    """
+    total = 0
+    notify(on_progress, PACK_TASK, 0, expected, unit=BYTES)
+    with atomic_file(target) as out:
+        for name in names:
+            if name in inline:
+                data = inline[name]
+                out.write(_tar_header(name, len(data)) + data + b"\x00" * (-len(data) % _BLOCK))
+                total += len(data)
+                notify(on_progress, PACK_TASK, total, max(expected, total), name, unit=BYTES)
+                continue
+            member = root.member(name)
+            fd, size = open_regular(member, name)
+            with os.fdopen(fd, "rb", buffering=0) as f:
+                out.write(_tar_header(name, size))
+                out.flush()
+                if not _kernel_copy(fd, 0, out.fileno(), size):
+                    _copy(f, out, size, name)  # type: ignore[arg-type]
+                else:
+                    out.seek(0, os.SEEK_END)
+            out.write(b"\x00" * (-size % _BLOCK))
+            total += size
+            notify(on_progress, PACK_TASK, total, max(expected, total), name, unit=BYTES)
+        if total != expected:  # the manifest is not counted in advance: end the bar at what was copied
+            notify(on_progress, PACK_TASK, total, total, unit=BYTES)
+        out.write(b"\x00" * (2 * _BLOCK))
+    return total
+
+
+def unpack_bundle(
+    archive: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    verify: bool = True,
+    on_progress: ProgressCallback | None = None,
+) -> PackResult:
+    """Write the members of the packed bundle ``archive`` to the directory ``output``, ``manifest.json`` last.
+
+    The archive is checked first (its index, its manifest, every listed file's size, and with
+    ``verify`` its hash), so nothing is written from a hostile or damaged archive. Only the files
+    the manifest lists (tensor files, the stored model's files) are written: an archive holding any
+    other member is refused.
+
+    ``on_progress`` is called with a :class:`~iobundle.replay.ProgressEvent` for the check
+    (task ``"verify"``, with ``verify``) and the copy (task ``"unpack"``), both counted in bytes,
+    before the first file and after each one, the file's name as detail.
+
+    Raises:
+        BundleNotFoundError: ``archive`` is not a packed bundle.
+        ArchiveError: The archive is invalid or hostile, or holds a member the manifest does not list.
+        IntegrityError: A member differs from the manifest (its size; its hash with ``verify``).
+        BundleExistsError: ``output`` is not empty and ``overwrite`` is False, or it is not a bundle
+            (it is never deleted then).
+        BundleWriteError: ``output`` cannot be written.
+    """
+    import time
+
+    begin = time.perf_counter()
+    bundle = Bundle.load(archive, verify=verify)
+    root = bundle._store.bundle_root
+    if not isinstance(root, ArchiveRoot):
+        raise BundleNotFoundError(f"'{archive}' is a bundle directory, not a packed bundle; nothing to unpack.")
+    listed = listed_files(bundle.manifest)
+    for name in root.members:
+        if name != MANIFEST_FILENAME and name not in listed:
+            raise ArchiveError(
+                f"'{archive}': member {name!r} is not a file the manifest lists (tensor or model file); "
+                "refusing to unpack an archive that holds unchecked files. Repack it with iobundle pack.",
+                member=name,
+            )
+    if verify:
+        problems = bundle.verify(on_progress=on_progress)
+        if problems:
+            raise IntegrityError(f"'{archive}': {len(problems)} damaged member(s): " + "; ".join(problems[:3]))
+    else:
+        for name, entry in listed.items():
+            check_file(root, name, entry, hash_check=False)  # present, with the size the manifest records
+    target = local_path(output)
+    if target is None:
+        raise BundleWriteError(f"'{output}': unpack writes to a local directory. Upload the directory afterwards.")
+    if target.exists():
+        if not target.is_dir() or target.is_symlink():
+            raise BundleExistsError(f"'{target}' exists and is not a directory. Choose another path.")
+        if any(target.iterdir()):
+            if not overwrite:
+                raise BundleExistsError(
+                    f"'{target}' already exists and is not empty. Pass overwrite=True (--overwrite) or choose another path."
+                )
+            if not (target / MANIFEST_FILENAME).is_file():
+                raise BundleExistsError(f"'{target}' is not a bundle (no {MANIFEST_FILENAME}); refusing to replace it.")
+            clear_local_bundle(target)  # its manifest, then the files it lists; files beside it stay
+    names = [*sorted(listed), MANIFEST_FILENAME]
+    created = not target.exists()
+    total = 0
+    expected = sum(size for _, size in root.members.values())
+    notify(on_progress, UNPACK_TASK, 0, expected, unit=BYTES)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            offset, size = root.members[name]
+            path = target.joinpath(*PurePosixPath(name).parts)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, flags, 0o644)
+            with os.fdopen(fd, "wb") as out:
+                copied = False
+                if root.local is not None:
+                    src, _ = open_regular(root.local, str(root.local))
+                    try:
+                        copied = _kernel_copy(src, offset, fd, size)
+                    finally:
+                        os.close(src)
+                if not copied:
+                    with root.open_slice(offset, size, name) as f:
+                        _copy(f, out, size, name)
+            total += size
+            notify(on_progress, UNPACK_TASK, total, expected, name, unit=BYTES)
+    except (OSError, IobundleError) as exc:
+        if created:  # what was written is no bundle (manifest.json comes last): leave nothing behind
+            shutil.rmtree(target, ignore_errors=True)
+        if isinstance(exc, IobundleError):
+            raise
+        raise BundleWriteError(
+            f"Cannot write into {target}: {exc.strerror or exc}. Check free space and permissions."
+        ) from exc
+    logger.info("unpacked %d files (%d bytes) into %s", len(names), total, target)
+    return PackResult(path=target, files=len(names), bytes=total, seconds=time.perf_counter() - begin)
