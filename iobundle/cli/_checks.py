@@ -18,7 +18,7 @@ from iobundle.cli._progress import ProgressBars
 from iobundle.errors import CLIError
 
 if TYPE_CHECKING:
-    from iobundle.replay import Bundle, ValidationReport
+    from iobundle.replay import Bundle, Tolerances, ValidationReport
 
 __all__ = [
     "EXAMPLES",
@@ -149,12 +149,14 @@ def tolerances(values: list[str] | None, flag: str, default: float) -> tuple[flo
     return value, per_output
 
 
-def comparison_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The keyword arguments of ``validate_onnx``/``rerun_model``/``diff_bundles`` from the flags.
+def comparison_options(args: argparse.Namespace) -> Tolerances:
+    """The one comparison value of ``validate``/``run``/``diff`` from the flags.
 
     Raises:
         CLIError: A tolerance is not a number, a quantile is out of range, or --report has an unknown extension.
     """
+    from iobundle.replay import Tolerances
+
     atol, output_atol = tolerances(args.atol, "--atol", DEFAULT_ATOL)
     rtol, output_rtol = tolerances(args.rtol, "--rtol", DEFAULT_RTOL)
     if not 0.0 <= args.error_quantile <= 1.0:
@@ -163,14 +165,10 @@ def comparison_options(args: argparse.Namespace) -> dict[str, Any]:
         from iobundle.cli._reports import report_format
 
         report_format(path)  # refuse a bad extension before the work
-    return {
-        "atol": atol,
-        "rtol": rtol,
-        "output_atol": output_atol,
-        "output_rtol": output_rtol,
-        "check_error_stat": args.check_error_stat,
-        "error_quantile": args.error_quantile,
-    }
+    return Tolerances.build(
+        atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
+        check_error_stat=args.check_error_stat, error_quantile=args.error_quantile,
+    )  # fmt: skip
 
 
 def progress_bars(args: argparse.Namespace, *, stages: bool = False) -> ProgressBars:
@@ -213,7 +211,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     options = comparison_options(args)
     a, b = load_bundle(args.a), load_bundle(args.b)
     with progress_bars(args) as bars:
-        result = diff_bundles(a, b, on_progress=bars, **options)
+        result = diff_bundles(a, b, on_progress=bars, tolerances=options)
     if result.differences and not quiet(args):
         for line in result.differences:
             _render.out(_render.plain(f"bundles differ: {line}"))
@@ -236,7 +234,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             ) from exc
     model.eval()
     with progress_bars(args) as bars:
-        result = bundle.rerun(model, device=args.device, on_progress=bars, **options)
+        result = bundle.rerun(model, device=args.device, on_progress=bars, tolerances=options)
     return finish_comparison(args, result, [bundle])
 
 

@@ -12,7 +12,7 @@ from iobundle._progress import ProgressCallback
 from iobundle.calls import RecordedCalls, TensorCollector, record_inputs, replace_tensors, tensor_keys
 from iobundle.errors import AlignmentError, InputSelectionError
 from iobundle.replay import infer
-from iobundle.replay.check import ValidationReport, check_discrepancies, validate_onnx
+from iobundle.replay.check import Tolerances, ValidationReport, check_discrepancies, validate_onnx
 from iobundle.replay.export import (
     ExportReport,
     ProgramSet,
@@ -299,17 +299,23 @@ class RecordedCallsAPI:
         check_error_stat: str = "max",
         error_quantile: float = 0.99,
         on_progress: ProgressCallback | None = None,
+        tolerances: Tolerances | None = None,
     ) -> list[dict[str, Any]]:
         """Run ``onnx_model`` with onnxruntime on every recorded call and compare with the recorded outputs.
 
-        ``onnx_model`` is a path, an ``onnx.ModelProto`` or a ``torch.onnx.ONNXProgram``.
+        ``onnx_model`` is a path, an ``onnx.ModelProto`` or a ``torch.onnx.ONNXProgram``. The
+        tolerance and statistic keywords build one :class:`~iobundle.replay.Tolerances`, or give
+        it as ``tolerances``.
 
         See :func:`iobundle.replay.check_discrepancies` (per-output tolerances, error statistics, progress).
         """
+        tolerances = tolerances or Tolerances.build(
+            atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
+            check_error_stat=check_error_stat, error_quantile=error_quantile,
+        )  # fmt: skip
         return check_discrepancies(
-            self._recorded(), onnx_model, atol=atol, rtol=rtol, hist=hist, progress_bar=progress_bar,
-            include_io=include_io, skip_none=skip_none, output_atol=output_atol, output_rtol=output_rtol,
-            check_error_stat=check_error_stat, error_quantile=error_quantile, on_progress=on_progress,
+            self._recorded(), onnx_model, hist=hist, progress_bar=progress_bar, include_io=include_io,
+            skip_none=skip_none, on_progress=on_progress, tolerances=tolerances,
         )  # fmt: skip
 
     def validate(
@@ -323,15 +329,17 @@ class RecordedCallsAPI:
         check_error_stat: str = "max",
         error_quantile: float = 0.99,
         on_progress: ProgressCallback | None = None,
+        tolerances: Tolerances | None = None,
     ) -> ValidationReport:
         """Validate ``onnx_model`` on every recorded call, output by output; see :func:`iobundle.replay.validate_onnx`.
 
         .. versionadded:: 0.2
         """
-        return validate_onnx(
-            self._recorded(), onnx_model, atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
-            check_error_stat=check_error_stat, error_quantile=error_quantile, on_progress=on_progress,
+        tolerances = tolerances or Tolerances.build(
+            atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
+            check_error_stat=check_error_stat, error_quantile=error_quantile,
         )  # fmt: skip
+        return validate_onnx(self._recorded(), onnx_model, on_progress=on_progress, tolerances=tolerances)
 
     def rerun(
         self,
@@ -345,6 +353,7 @@ class RecordedCallsAPI:
         error_quantile: float = 0.99,
         device: str | torch.device | None = None,
         on_progress: ProgressCallback | None = None,
+        tolerances: Tolerances | None = None,
     ) -> ValidationReport:
         """Re-run the eager ``model`` on every recorded call's inputs; see :func:`iobundle.replay.rerun_model`.
 
@@ -352,10 +361,11 @@ class RecordedCallsAPI:
         """
         from iobundle.replay.check import rerun_model
 
-        return rerun_model(
-            self._recorded(), model, atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
-            check_error_stat=check_error_stat, error_quantile=error_quantile, device=device, on_progress=on_progress,
+        tolerances = tolerances or Tolerances.build(
+            atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
+            check_error_stat=check_error_stat, error_quantile=error_quantile,
         )  # fmt: skip
+        return rerun_model(self._recorded(), model, device=device, on_progress=on_progress, tolerances=tolerances)
 
 
 def _candidate_index(rc: RecordedCalls, candidate: InputCandidate) -> int:

@@ -288,7 +288,7 @@ def test_call_row_errors_are_the_largest_of_its_outputs() -> None:
         np.arange(6) + np.array([0, 0, 1, 0, 0, 0]),
     ]
     row, checks = compare_call(
-        expected, obtained, call_index=0, names=["a", "b", "c"], tolerances=Tolerances(), error_quantile=0.9
+        expected, obtained, call_index=0, names=["a", "b", "c"], tolerances=Tolerances(error_quantile=0.9)
     )
     assert [c.dtype for c in checks] == ["float32", "bfloat16", "int64"]
     assert row["abs"] == max(c.stats.max_abs for c in checks if c.stats)
