@@ -25,6 +25,7 @@ __all__ = [
     "add_comparison_flags",
     "add_model_source",
     "comparison_options",
+    "export_tolerances",
     "register",
     "finish_comparison",
     "progress_bars",
@@ -149,6 +150,19 @@ def tolerances(values: list[str] | None, flag: str, default: float) -> tuple[flo
     return value, per_output
 
 
+def export_tolerances(args: argparse.Namespace) -> Tolerances:
+    """The comparison value of ``export``'s check from its ``--atol`` / ``--rtol`` flags.
+
+    Raises:
+        CLIError: A tolerance is not a number.
+    """
+    from iobundle.replay import Tolerances
+
+    atol, output_atol = tolerances(args.atol, "--atol", DEFAULT_ATOL)
+    rtol, output_rtol = tolerances(args.rtol, "--rtol", DEFAULT_RTOL)
+    return Tolerances.build(atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol)
+
+
 def comparison_options(args: argparse.Namespace) -> Tolerances:
     """The one comparison value of ``validate``/``run``/``diff`` from the flags.
 
@@ -157,8 +171,7 @@ def comparison_options(args: argparse.Namespace) -> Tolerances:
     """
     from iobundle.replay import Tolerances
 
-    atol, output_atol = tolerances(args.atol, "--atol", DEFAULT_ATOL)
-    rtol, output_rtol = tolerances(args.rtol, "--rtol", DEFAULT_RTOL)
+    base = export_tolerances(args)
     if not 0.0 <= args.error_quantile <= 1.0:
         raise CLIError(f"--error-quantile {args.error_quantile:g}: give a quantile between 0 and 1 (e.g. 0.99).")
     for path in getattr(args, "report", None) or []:
@@ -166,7 +179,7 @@ def comparison_options(args: argparse.Namespace) -> Tolerances:
 
         report_format(path)  # refuse a bad extension before the work
     return Tolerances.build(
-        atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
+        atol=base.atol, rtol=base.rtol, output_atol=base.per_output_atol, output_rtol=base.per_output_rtol,
         check_error_stat=args.check_error_stat, error_quantile=args.error_quantile,
     )  # fmt: skip
 

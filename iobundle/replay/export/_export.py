@@ -404,6 +404,7 @@ def export_program(
     on_progress: ProgressCallback | None = None,
     output_atol: Mapping[str, float] | None = None,
     output_rtol: Mapping[str, float] | None = None,
+    tolerances: Tolerances | None = None,
 ) -> torch.export.ExportedProgram:
     """Export ``model`` with the inferred arguments and dynamic shapes, then run every recorded call through it.
 
@@ -428,12 +429,14 @@ def export_program(
         output_atol: Per-output absolute tolerances of the check, keyed by output name (its path in
             the output tree: ``logits``, ``past_key_values.0``) or ``fnmatch`` pattern, as validate takes them.
         output_rtol: Per-output relative tolerances, likewise.
+        tolerances: The comparison as one value (tolerances by dtype and per output); when given,
+            ``atol``, ``rtol``, ``output_atol`` and ``output_rtol`` are ignored.
 
     Raises:
         ExportError: ``torch.export`` failed, or (with ``check``) a recorded call is not reproduced.
         ToleranceError: A per-output tolerance names no recorded output (before anything is traced).
     """
-    tolerances = Tolerances.build(atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol)
+    tolerances = tolerances or Tolerances.build(atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol)
     if tolerances.per_output:
         _refuse_unknown_tolerances(rc, tolerances)
     ep, plan, report = _export(
@@ -445,7 +448,7 @@ def export_program(
             rc, plan, ep.module(), tolerances=tolerances, report=report, eager=plan.module, on_progress=on_progress
         )
         if check_batch and plan.dynamic_batch and report.ok:
-            report.batch_check = check_other_batch(rc, plan, ep, atol=atol, rtol=rtol)
+            report.batch_check = check_other_batch(rc, plan, ep, atol=tolerances.atol, rtol=tolerances.rtol)
     rc.last_export_report = report
     ep.iobundle_report = report  # type: ignore[attr-defined]
     ep.iobundle_plan = plan  # type: ignore[attr-defined]
