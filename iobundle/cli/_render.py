@@ -109,7 +109,7 @@ def render(renderable: Any, *, stream: Any = None) -> str:
 
     target = sys.stdout if stream is None else stream
     color = color_enabled(target)
-    width = shutil.get_terminalformat_size().columns if _isatty(target) else 100_000
+    width = shutil.get_terminal_size().columns if _isatty(target) else 100_000
     buffer = io.StringIO()
     console = Console(
         file=buffer, width=width, force_terminal=color, no_color=not color, color_system="standard" if color else None,
