@@ -234,17 +234,19 @@ class RecordedCallsAPI:
         on_progress: ProgressCallback | None = None,
         output_atol: Mapping[str, float] | None = None,
         output_rtol: Mapping[str, float] | None = None,
+        tolerances: Tolerances | None = None,
     ) -> ProgramSet:
         """Export one program for every recorded call, or one per phase when one cannot serve them all.
 
         ``result.to_onnx(path)`` writes the ONNX file, or one per phase and their index.
-        ``output_atol``/``output_rtol`` give per-output tolerances of the check, as ``validate`` takes them.
+        ``output_atol``/``output_rtol`` give per-output tolerances of the check, as ``validate`` takes them;
+        ``tolerances`` gives the whole comparison as one value instead.
         See :func:`iobundle.replay.export_programs`.
         """
         return export_programs(
             self._recorded(), model, programs=programs, set_batch_dimension_for=set_batch_dimension_for,
             dynamic=dynamic, strict=strict, check=check, atol=atol, rtol=rtol, dim_names=dim_names,
-            on_progress=on_progress, output_atol=output_atol, output_rtol=output_rtol,
+            on_progress=on_progress, output_atol=output_atol, output_rtol=output_rtol, tolerances=tolerances,
         )  # fmt: skip
 
     def export_report(self) -> ExportReport | None:

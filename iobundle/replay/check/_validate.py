@@ -80,7 +80,9 @@ def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto) -> Session:
 
     A half-precision model (bfloat16, float16) that the provider has no kernel for is loaded as
     its float32 copy (:func:`float32_copy`, in memory): the graph the user deploys, with its
-    values widened, so validation still compares it with the recorded outputs.
+    values widened, so validation still compares it with the recorded outputs. So is a model
+    with a bfloat16 input (e.g. a cache recorded under ``torch.autocast``): numpy has no bfloat16
+    to feed it with.
     """
     import onnx
     import onnxruntime as ort
@@ -94,11 +96,14 @@ def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto) -> Session:
         if isinstance(onnx_model, onnx.ModelProto):
             meta = {p.key: p.value for p in onnx_model.metadata_props}
             try:
-                return Session(_open_session(ort, onnx_model.SerializeToString(), options), meta)
+                session = _open_session(ort, onnx_model.SerializeToString(), options)
             except Exception as exc:
                 if not _no_half_support(exc) or not half_types(onnx_model):
                     raise
                 return _widened_session(ort, onnx_model, options, meta)
+            if _bfloat16_inputs(session):
+                return _widened_session(ort, onnx_model, options, meta)
+            return Session(session, meta)
         path = Path(onnx_model)
         if not path.is_file():
             raise ModelLoadError(f"ONNX model '{path}' does not exist.")
@@ -111,12 +116,19 @@ def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto) -> Session:
             if not half_types(loaded):
                 raise
             return _widened_session(ort, loaded, options, {p.key: p.value for p in loaded.metadata_props})
-        return Session(session, dict(session.get_modelmeta().custom_metadata_map))
+        meta = dict(session.get_modelmeta().custom_metadata_map)
+        if _bfloat16_inputs(session):
+            return _widened_session(ort, onnx.load(str(path)), options, meta)
+        return Session(session, meta)
     except ModelLoadError:
         raise
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"onnxruntime cannot load the model '{onnx_model}': {first}") from exc
+
+
+def _bfloat16_inputs(session: Any) -> bool:
+    return any(i.type == "tensor(bfloat16)" for i in session.get_inputs())
 
 
 def _widened_session(ort: Any, model: onnx.ModelProto, options: Any, meta: dict[str, str]) -> Session:
