@@ -72,7 +72,7 @@ recorded outputs (redacted): nothing compared, 5 when the bundle is damaged.""",
 TOLERANCE_HELP = (
     "{what} tolerance: VALUE for every output, or NAME=VALUE for one output (its name in the output tree, "
     "e.g. logits or past_key_values[0], or its ONNX name; fnmatch patterns allowed); repeat the flag "
-    "(default: {default:g})"
+    "(default: {default:g}; float16 and bfloat16 outputs get their dtype's, looser: see the tolerance table in the docs)"
 )
 
 
