@@ -7,6 +7,8 @@ from typing import Any
 
 RESULTS_BEGIN = "<!-- results:begin (written by benchmarks/run.py; edit outside these markers) -->"
 RESULTS_END = "<!-- results:end -->"
+LARGE_BEGIN = "<!-- large:begin (written by benchmarks/large.py; edit outside these markers) -->"
+LARGE_END = "<!-- large:end -->"
 # -- output -----------------------------------------------------------------------------------------
 
 
@@ -98,12 +100,23 @@ figures (decode-loop overhead, D2H throughput of the snapshot) where a GPU is pr
 
 
 def write_markdown(path: Path, table: str) -> None:
-    block = f"{RESULTS_BEGIN}\n{table}{RESULTS_END}\n"
+    write_block(path, table, RESULTS_BEGIN, RESULTS_END)
+
+
+def write_block(path: Path, table: str, begin: str, end: str) -> None:
+    """Put ``table`` between the markers ``begin`` and ``end`` of ``path``, keeping the text around them.
+
+    A file without these markers gains the block at its end; a missing file is created with the header.
+    """
+    block = f"{begin}\n{table}{end}\n"
     if path.exists():
         text = path.read_text("utf-8")
-        if RESULTS_BEGIN in text and RESULTS_END in text:
-            head, rest = text.split(RESULTS_BEGIN, 1)
-            _, tail = rest.split(RESULTS_END, 1)
+        if begin in text and end in text:
+            head, rest = text.split(begin, 1)
+            _, tail = rest.split(end, 1)
             path.write_text(head + block + tail.lstrip("\n"), "utf-8")
+            return
+        if begin != RESULTS_BEGIN:
+            path.write_text(text.rstrip("\n") + "\n\n" + block, "utf-8")
             return
     path.write_text(BENCHMARKS_HEADER + block, "utf-8")
