@@ -58,6 +58,10 @@ logger = logging.getLogger(__name__)
 CHECK_TASK = "check exported program"
 INPUT_SLOTS_KEY = "iobundle.input_slots"
 OUTPUT_NAMES_KEY = "iobundle.output_names"
+# Weights from this size on are saved as external data (MODEL.onnx.data beside MODEL.onnx): written
+# tensor by tensor, where an inline save first builds the whole protobuf, then its serialised bytes,
+# two more copies of the weights (benchmarks/large.py measured the export's peak at 4.7x the weights).
+EXTERNAL_DATA_BYTES = 256 * 1024**2
 
 
 @dataclass
@@ -523,7 +527,8 @@ def save_onnx(
         program.model.metadata_props[OUTPUT_NAMES_KEY] = json.dumps([v.name for v in program.model.graph.outputs])
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        program.save(str(path))
+        weights = sum(v.const_value.nbytes for v in program.model.graph.initializers.values() if v.const_value is not None)
+        program.save(str(path), external_data=weights >= EXTERNAL_DATA_BYTES)
     except ExportError:
         raise
     except Exception as exc:
