@@ -464,7 +464,8 @@ def export_onnx(
     The ONNX file carries, in its metadata, which recorded tensor feeds which graph input and
     the order of the outputs, so validation maps them through the exported program's
     signature rather than by guessing from names. With ``dim_names``, the graph's symbolic
-    dimensions bear the names (``batch_size``, ``past_sequence_length``, ...).
+    dimensions bear the names (``batch_size``, ``past_sequence_length``, ...). Weights of 256 MiB
+    or more are saved as external data, ``<path>.data`` beside the file.
 
     Raises:
         ExportError: ``torch.export`` or ``torch.onnx.export`` failed, or (with ``check``) the
@@ -487,6 +488,8 @@ def save_onnx(
     on_progress: ProgressCallback | None = None,
 ) -> str:
     """Convert a program returned by :func:`export_program` from ``rc`` to ONNX at ``path``; return the path.
+
+    Weights of 256 MiB or more are saved as external data, ``<path>.data`` beside the file.
 
     Raises:
         ExportError: ``torch.onnx.export`` failed, or the program does not take the recorded tensors.
