@@ -95,6 +95,8 @@ raw file writes, safetensors, `torch.save` and a bare onnxruntime loop (GitHub i
 Run `make bench` (about eight minutes on two busy cores; `--only 1c,7` for single figures) to refresh the block below;
 `benchmarks/results.json` holds every sample. `benchmarks/gpu_check.py` measures the CUDA
 figures (decode-loop overhead, D2H throughput of the snapshot) where a GPU is present.
+`make bench-large` (`benchmarks/large.py`, not in `make bench` nor CI) writes the real-size block at
+the end: a Llama-shaped decoder captured, exported and validated from its bundle at 201M–606M parameters.
 
 """
 
