@@ -417,20 +417,25 @@ def _load_weights_file(path: Path, name: str, model: torch.nn.Module, entry: Mod
                         floating[0]
                     ]
                 )
-            targets = model.state_dict()
+            targets, stored = model.state_dict(), set(keys)
             unexpected = [k for k in keys if k not in targets]
             # a tied weight is stored once: the names sharing its storage are loaded with it
             loaded = {targets[k].untyped_storage().data_ptr() for k in keys if k in targets}
-            missing = [k for k in targets if k not in keys and targets[k].untyped_storage().data_ptr() not in loaded]
+            missing = [k for k in targets if k not in stored and targets[k].untyped_storage().data_ptr() not in loaded]
             if missing or unexpected:
-                raise ModelLoadError(f"{name}: missing weights {missing[:5]}, unexpected {unexpected[:5]}.")
+                raise ModelLoadError(
+                    f"{name}: missing weights {missing[:5]}, unexpected {unexpected[:5]}: they do not match the "
+                    f"{entry.class_name} that {entry.config_file} builds. Save the bundle again with "
+                    "observer.save(path, include_model=True), or build the model yourself."
+                )
             with torch.no_grad():
                 for key in keys:
                     tensor, target = f.get_tensor(key), targets[key]
                     if tensor.shape != target.shape:
                         raise ModelLoadError(
                             f"{name}: weight {key} has shape {list(tensor.shape)}, the model's "
-                            f"{entry.class_name} built from {entry.config_file} expects {list(target.shape)}."
+                            f"{entry.class_name} built from {entry.config_file} expects {list(target.shape)}. Save "
+                            "the bundle again with observer.save(path, include_model=True), or build the model yourself."
                         )
                     target.copy_(tensor)
                     del tensor
