@@ -186,9 +186,9 @@ def _capture_tensor_model(
                 f"{statistics.median(s['flush']) * 1e3:.1f} ms (medians)."
             )
     _capture_targets(fig, with_floor=fig.id == "1a")
-    if fig.id != "1a" and streaming:
+    if streaming:
         r = _ratio_between(fig, "streaming", "larger_floor")
-        fig.notes.append(f"streaming / larger floor = {r:.2f} (no target on this figure).")
+        fig.notes.append(f"streaming without the flush / larger floor = {r:.2f} (no target).")
     fig.notes.append(
         "The raw write floor writes the call's bytes with one write() per tensor to a file created for the "
         "call (no fsync, as streaming without durable mode), the way streaming creates files."
@@ -210,14 +210,15 @@ def _ratio_between(fig: Figure, a: str, b: str) -> float | None:
 
 def _capture_targets(fig: Figure, *, with_floor: bool) -> None:
     if with_floor:
-        r = _ratio_between(fig, "streaming", "larger_floor")
+        # incl. the flush: the raw write floor writes every byte inside the call, streaming partly after it
+        r = _ratio_between(fig, "streaming_flush", "larger_floor") if streaming_supported() else None
         fig.targets.append(
             Target(
-                "streaming / larger floor (copy into warm buffers; raw write to new files)",
+                "streaming incl. the flush / larger floor (copy into warm buffers; raw write to new files)",
                 r,
                 "≤ 1.15",
                 at_most(r, 1.15),
-                "streaming",
+                "streaming_flush",
                 "" if r is not None else "streaming capture not available",
             )
         )

@@ -50,7 +50,9 @@ def test_quick_run_reports_every_figure(tmp_path):
     rows_1a = {r["variant"]: r for r in figures["1a"]["rows"]}
     larger = [max(a, b) for a, b in zip(rows_1a["floor"]["samples"], rows_1a["write_floor"]["samples"])]
     assert rows_1a["larger_floor"]["samples"] == larger
-    assert figures["1a"]["targets"][0]["check"].startswith("streaming / larger floor")
+    floor_target = figures["1a"]["targets"][0]
+    assert floor_target["check"].startswith("streaming incl. the flush / larger floor")
+    assert floor_target["row"] == "streaming_flush"
     # 1e: microseconds per decode call on the recording thread, unobserved vs in memory vs streaming
     rows_1e = {r["variant"]: r for r in figures["1e"]["rows"]}
     assert rows_1e.keys() == {"plain", "iobundle", "streaming"}
