@@ -25,6 +25,8 @@ transformers = pytest.importorskip("transformers")
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
+pytestmark = pytest.mark.xdist_group("half-precision")  # one worker captures and exports every bundle once
+
 DTYPES = ("bfloat16", "float16")
 COPY = "bfloat16 program validated through a float32 copy"
 
