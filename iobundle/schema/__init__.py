@@ -11,6 +11,7 @@ __all__ = [
     "MAX_EXTENSION_DEPTH",
     "PROGRAM_INDEX_FORMAT",
     "MAX_MANIFEST_BYTES",
+    "MEMBER_NAME_RULE",
     "SUPPORTED_FORMAT_VERSIONS",
     "CallEntry",
     "CompactManifest",
@@ -36,6 +37,7 @@ __all__ = [
     "TensorNode",
     "TupleNode",
     "dump_manifest",
+    "is_member_name",
     "journal_call_line",
     "journal_head_line",
     "load_journal",
@@ -93,6 +95,7 @@ from iobundle.schema._manifest import (
     TensorNode,
     TupleNode,
 )
+from iobundle.schema._names import MEMBER_NAME_RULE, is_member_name
 from iobundle.schema._programs import (
     PROGRAM_INDEX_FORMAT,
     ProgramEntry,
