@@ -70,12 +70,16 @@ __all__ = [
     "listed_files",
     "open_regular",
     "read_sized_member",
+    # The stored model config
+    "MAX_CONFIG_BYTES",
+    "read_stored_config",
 ]
 
 import importlib
 from contextlib import AbstractContextManager
 
 from iobundle.calls._calls import DictTensorStore, RecordedCalls, TensorStore, positional_names, signature_entry
+from iobundle.calls._config import MAX_CONFIG_BYTES, read_stored_config
 from iobundle.calls._delta import DeltaIndex, Match, extends_bytes, rebuild
 from iobundle.calls._dtypes import DTYPE_TO_NAME, NAME_TO_DTYPE, dtype_name
 from iobundle.calls._hashing import WRITE_HASH, new_hasher
