@@ -29,6 +29,7 @@ __all__ = [
     "NodeType",
     "TensorCollector",
     "build_value",
+    "call_key",
     "count_leaves",
     "count_tensors",
     "find_node_type",
@@ -41,6 +42,7 @@ __all__ = [
     "register_provider",
     "replace_tensors",
     "tensor_keys",
+    "tree_key",
     "transformers_pytree_nodes",
     # Delta storage and hashes
     "DeltaIndex",
@@ -125,6 +127,7 @@ from iobundle.calls._tree import (
     replace_tensors,
     tensor_keys,
 )
+from iobundle.schema import call_key, tree_key
 
 # transformers' node types register themselves the first time one of its classes is met (or named).
 register_provider("transformers", lambda: importlib.import_module("iobundle.calls._transformers").register_all())

@@ -36,6 +36,7 @@ __all__ = [
     "TensorEntry",
     "TensorNode",
     "TupleNode",
+    "call_key",
     "dump_manifest",
     "is_member_name",
     "journal_call_line",
@@ -46,6 +47,7 @@ __all__ = [
     "manifest_json_schema",
     "parse_journal",
     "parse_manifest",
+    "tree_key",
     "validate_manifest",
     "write_manifest",
     "write_program_index",
@@ -103,6 +105,7 @@ from iobundle.schema._programs import (
     load_program_index,
     write_program_index,
 )
+from iobundle.schema._structure import call_key, tree_key
 
 
 def manifest_json_schema() -> str:

@@ -42,6 +42,7 @@ from iobundle.schema import (
     OpaqueNode,
     TensorNode,
     TupleNode,
+    call_key,
 )
 
 __all__ = [
@@ -130,46 +131,6 @@ def _bind_to_best(rc: RecordedCalls, call: CallEntry, best: CallEntry) -> tuple[
     return args, kwargs
 
 
-def _fingerprint(node: Node, keys: list[str]) -> Hashable:
-    """The structure of ``node`` with its tensor keys erased; appends those keys to ``keys`` in flattening order.
-
-    Two trees with equal fingerprints differ at most in their tensor keys and in the contexts
-    of their registered classes, which alignment never reads (see :func:`call_shape`).
-    """
-    cls = type(node)
-    if cls is TensorNode:
-        keys.append(node.key)  # type: ignore[union-attr]
-        return _TENSOR
-    if cls is NoneNode:
-        return _NONE
-    if cls is ListNode or cls is TupleNode:
-        return (cls, _fingerprints(node.items, keys))  # type: ignore[union-attr]
-    if cls is DictNode:
-        return (cls, tuple(node.keys), _fingerprints(node.items, keys))  # type: ignore[union-attr]
-    if cls is ObjectNode:
-        return (cls, node.type, node.version, _fingerprints(node.items, keys))  # type: ignore[union-attr]
-    if cls is ConstNode:
-        value = node.value  # type: ignore[union-attr]
-        return (cls, type(value), value)
-    if cls is OpaqueNode:
-        return (cls, node.type)  # type: ignore[union-attr]
-    keys.extend(tensor_keys(node))  # a subclass of a node type: the generic walk
-    return object()  # equal to nothing: a call holding one is aligned on its own
-
-
-def _fingerprints(nodes: list[Node], keys: list[str]) -> tuple[Hashable, ...]:
-    """:func:`_fingerprint` of each of ``nodes`` (tensors inline: most children are)."""
-    result: list[Hashable] = []
-    for node in nodes:
-        if type(node) is TensorNode:
-            keys.append(node.key)  # type: ignore[union-attr]
-            result.append(_TENSOR)
-        else:
-            result.append(_fingerprint(node, keys))
-    return tuple(result)
-
-
-_TENSOR, _NONE = "tensor", "none"
 _CONTAINERS = frozenset({ListNode, TupleNode, DictNode, ObjectNode})
 _LEAVES = frozenset({NoneNode, ConstNode, OpaqueNode})
 
@@ -201,8 +162,9 @@ def call_shape(call: CallEntry) -> _CallShape:
 
     Alignment (:func:`_bind_to_best`, :func:`_complete`, :func:`_match`, :func:`align_call`) reads
     the number of positional arguments, keyword names and order, node kinds, dict keys, class
-    names, lengths and constants, never a tensor key's value nor a class's context: two calls of
-    one shape align the same way, key for key. Computed once per call entry (entries are
+    names, lengths and constants, never a tensor key's value: two calls of one structure
+    (``iobundle.schema.call_key``, which holds all that and more) align the same way, key for
+    key. Computed once per call entry (entries are
     immutable) and kept while the entry lives: opening a bundle checks the keys with it, and
     inference reuses it.
     """
@@ -210,13 +172,7 @@ def call_shape(call: CallEntry) -> _CallShape:
     if hit is not None and hit[0]() is call:
         return hit[1]
     keys: list[str] = []
-    kwargs, constants = call.kwargs, call.cst_kwargs
-    structure = (
-        _fingerprints(call.args, keys),
-        tuple(kwargs),
-        _fingerprints(list(kwargs.values()), keys) if kwargs else (),
-        tuple([(k, type(v), v) for k, v in constants.items()]) if constants else (),
-    )
+    structure = call_key(call, keys)
     shape = _CallShape(structure, keys)
     ref = _EntryRef(call, _forget_shape)
     ref.key = id(call)
