@@ -44,6 +44,12 @@ __all__ = [
     "tensor_keys",
     "tree_key",
     "transformers_pytree_nodes",
+    # Tensor paths (what reports show and --atol NAME=... takes)
+    "OUTPUT_ROOT",
+    "child_path",
+    "item_labels",
+    "path_matches",
+    "tensor_paths",
     # Delta storage and hashes
     "DeltaIndex",
     "Match",
@@ -85,6 +91,7 @@ from iobundle.calls._config import MAX_CONFIG_BYTES, read_stored_config
 from iobundle.calls._delta import DeltaIndex, Match, extends_bytes, rebuild
 from iobundle.calls._dtypes import DTYPE_TO_NAME, NAME_TO_DTYPE, dtype_name
 from iobundle.calls._hashing import WRITE_HASH, new_hasher
+from iobundle.calls._paths import OUTPUT_ROOT, child_path, item_labels, path_matches, tensor_paths
 from iobundle.calls._record import record_inputs, split_kwargs
 from iobundle.calls._registry import (
     NodeType,

@@ -14,7 +14,11 @@ def _call(index: int, *, k: str = "t", const=1, context=None, outputs: bool = Tr
     return CallEntry(
         index=index,
         args=[TensorNode(key=f"{k}0")],
-        kwargs={"mask": DictNode(keys=["a"], items=[TensorNode(key=f"{k}1")]), "cache": cache, "n": ConstNode(value=const)},
+        kwargs={
+            "mask": DictNode(keys=["a"], items=[TensorNode(key=f"{k}1")]),
+            "cache": cache,
+            "n": ConstNode(value=const),
+        },
         outputs=TupleNode(items=[TensorNode(key=f"{k}3")]) if outputs else None,
         **extra,
     )
