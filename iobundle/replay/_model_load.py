@@ -418,6 +418,19 @@ class StoredModel:
     refused: str | None
 
 
+def _stored_config(bundle: Bundle, entry: ModelEntry) -> tuple[frozenset[str], dict[str, Any]]:
+    """The model types ``entry``'s class is registered for, and its stored config (class and attention checked first)."""
+    types = _check_class_name(entry.class_name)
+    _check_implementation(
+        "manifest.json",
+        "model.attn_implementation",
+        entry.attn_implementation,
+        ATTN_IMPLEMENTATIONS,
+        "attention implementation",
+    )
+    return types, read_stored_config(bundle._store.bundle_root, entry)
+
+
 def describe_bundle_model(bundle: Bundle | str | os.PathLike[str]) -> StoredModel | None:
     """Describe the model stored in ``bundle`` (None when it stores none), without building it.
 
@@ -439,15 +452,7 @@ def describe_bundle_model(bundle: Bundle | str | os.PathLike[str]) -> StoredMode
     model_type: str | None = None
     refused: str | None = None
     try:
-        _check_class_name(entry.class_name)
-        _check_implementation(
-            "manifest.json",
-            "model.attn_implementation",
-            entry.attn_implementation,
-            ATTN_IMPLEMENTATIONS,
-            "attention implementation",
-        )
-        config_dict = read_stored_config(bundle._store.bundle_root, entry)
+        _, config_dict = _stored_config(bundle, entry)
         value = config_dict.get("model_type")
         model_type = value if isinstance(value, str) else None
         _check_config_dict(entry.config_file, config_dict)
@@ -496,15 +501,7 @@ def load_bundle_model(bundle: Bundle | str | os.PathLike[str]) -> torch.nn.Modul
             f"The bundle '{bundle.path}' stores no model. Save it with observer.save(path, include_model=True), "
             "or build the model yourself."
         )
-    types = _check_class_name(entry.class_name)
-    _check_implementation(
-        "manifest.json",
-        "model.attn_implementation",
-        entry.attn_implementation,
-        ATTN_IMPLEMENTATIONS,
-        "attention implementation",
-    )
-    config_dict = read_stored_config(bundle._store.bundle_root, entry)
+    types, config_dict = _stored_config(bundle, entry)
     _check_config_dict(entry.config_file, config_dict)  # before the class's module is imported
     cls = _model_class(entry.class_name)
     _check_model_type(cls, config_dict, entry, types)
