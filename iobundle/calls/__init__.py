@@ -30,6 +30,7 @@ __all__ = [
     "TensorCollector",
     "build_value",
     "call_key",
+    "collect_tensor_keys",
     "count_leaves",
     "count_tensors",
     "find_node_type",
@@ -134,7 +135,7 @@ from iobundle.calls._tree import (
     replace_tensors,
     tensor_keys,
 )
-from iobundle.schema import call_key, tree_key
+from iobundle.schema import call_key, collect_tensor_keys, tree_key
 
 # transformers' node types register themselves the first time one of its classes is met (or named).
 register_provider("transformers", lambda: importlib.import_module("iobundle.calls._transformers").register_all())

@@ -28,6 +28,7 @@ from iobundle.schema import (
     OpaqueNode,
     TensorNode,
     TupleNode,
+    collect_tensor_keys,
 )
 
 __all__ = [
@@ -197,7 +198,7 @@ def iter_tensor_nodes(node: Node) -> Iterator[TensorNode]:
 
 
 def tensor_keys(node: Node) -> list[str]:
-    return [t.key for t in iter_tensor_nodes(node)]
+    return collect_tensor_keys(node, [])
 
 
 def count_tensors(node: Node) -> int:

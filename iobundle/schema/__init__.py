@@ -37,6 +37,7 @@ __all__ = [
     "TensorNode",
     "TupleNode",
     "call_key",
+    "collect_tensor_keys",
     "dump_manifest",
     "is_member_name",
     "journal_call_line",
@@ -105,7 +106,7 @@ from iobundle.schema._programs import (
     load_program_index,
     write_program_index,
 )
-from iobundle.schema._structure import call_key, tree_key
+from iobundle.schema._structure import call_key, collect_tensor_keys, tree_key
 
 
 def manifest_json_schema() -> str:

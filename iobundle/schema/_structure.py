@@ -14,22 +14,11 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
-from iobundle.schema._manifest import (
-    CallEntry,
-    ConstNode,
-    DictNode,
-    ListNode,
-    Node,
-    NoneNode,
-    ObjectNode,
-    OpaqueNode,
-    TensorNode,
-    TupleNode,
-)
+from iobundle.schema._manifest import CallEntry, Node
 
-__all__ = ["call_key", "tree_key"]
+__all__ = ["call_key", "collect_tensor_keys", "tree_key"]
 
-_TENSOR, _NONE = "tensor", "none"
+_CONTAINERS = frozenset({"list", "tuple", "dict", "node"})
 
 
 def _frozen(value: Any) -> Hashable:
@@ -44,47 +33,50 @@ def _frozen(value: Any) -> Hashable:
 
 def tree_key(node: Node, keys: list[str]) -> Hashable:
     """The structure of ``node`` with its tensor keys erased; appends those keys to ``keys`` in flattening order."""
-    cls = type(node)
-    if cls is TensorNode:
+    kind = node.kind
+    if kind == "tensor":
         keys.append(node.key)  # type: ignore[union-attr]
-        return _TENSOR
-    if cls is NoneNode:
-        return _NONE
-    if cls is ListNode or cls is TupleNode:
-        return (cls, _tree_keys(node.items, keys))  # type: ignore[union-attr]
-    if cls is DictNode:
-        return (cls, tuple(node.keys), _tree_keys(node.items, keys))  # type: ignore[union-attr]
-    if cls is ObjectNode:
+        return kind
+    if kind == "none":
+        return kind
+    if kind == "list" or kind == "tuple":
+        return (kind, _tree_keys(node.items, keys))  # type: ignore[union-attr]
+    if kind == "dict":
+        return (kind, tuple(node.keys), _tree_keys(node.items, keys))  # type: ignore[union-attr]
+    if kind == "node":
         context = node.context  # type: ignore[union-attr]
         frozen = context if context is None else _frozen(context)
-        return (cls, node.type, node.version, frozen, _tree_keys(node.items, keys))  # type: ignore[union-attr]
-    if cls is ConstNode:
+        return (kind, node.type, node.version, frozen, _tree_keys(node.items, keys))  # type: ignore[union-attr]
+    if kind == "const":
         value = node.value  # type: ignore[union-attr]
-        return (cls, type(value), value)
-    if cls is OpaqueNode:
-        return (cls, node.type, node.reason)  # type: ignore[union-attr]
-    _walk_keys(node, keys)  # a subclass of a node type: the generic walk
-    return object()  # equal to nothing: a call holding one is a structure of its own
-
-
-def _walk_keys(node: Node, keys: list[str]) -> None:
-    if isinstance(node, TensorNode):
-        keys.append(node.key)
-    elif isinstance(node, (ListNode, TupleNode, DictNode, ObjectNode)):
-        for child in node.items:
-            _walk_keys(child, keys)
+        return (kind, type(value), value)
+    return (kind, node.type, node.reason)  # type: ignore[union-attr]  # opaque
 
 
 def _tree_keys(nodes: list[Node], keys: list[str]) -> tuple[Hashable, ...]:
     """:func:`tree_key` of each of ``nodes`` (tensors inline: most children are)."""
     result: list[Hashable] = []
     for node in nodes:
-        if type(node) is TensorNode:
+        if node.kind == "tensor":
             keys.append(node.key)  # type: ignore[union-attr]
-            result.append(_TENSOR)
+            result.append("tensor")
         else:
             result.append(tree_key(node, keys))
     return tuple(result)
+
+
+def collect_tensor_keys(node: Node, keys: list[str]) -> list[str]:
+    """Append the tensor keys of ``node`` to ``keys`` in flattening order; return ``keys``."""
+    kind = node.kind
+    if kind == "tensor":
+        keys.append(node.key)  # type: ignore[union-attr]
+    elif kind in _CONTAINERS:
+        for child in node.items:  # type: ignore[union-attr]
+            if child.kind == "tensor":
+                keys.append(child.key)  # type: ignore[union-attr]
+            else:
+                collect_tensor_keys(child, keys)
+    return keys
 
 
 def call_key(call: CallEntry, keys: list[str], *, outputs: bool = False) -> Hashable:

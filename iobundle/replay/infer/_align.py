@@ -33,13 +33,11 @@ from iobundle.calls import (
 from iobundle.errors import AlignmentError
 from iobundle.schema import (
     CallEntry,
-    ConstNode,
     DictNode,
     ListNode,
     Node,
     NoneNode,
     ObjectNode,
-    OpaqueNode,
     TensorNode,
     TupleNode,
     call_key,
@@ -50,7 +48,6 @@ __all__ = [
     "align_call",
     "align_calls",
     "call_shape",
-    "collect_tensor_keys",
 ]
 
 BatchSpec = Collection[int | str] | bool | None
@@ -129,25 +126,6 @@ def _bind_to_best(rc: RecordedCalls, call: CallEntry, best: CallEntry) -> tuple[
             param = pos_names[i] if i < len(pos_names) else None
             args.append(kwargs.pop(param) if param is not None and param in kwargs else NoneNode())
     return args, kwargs
-
-
-_CONTAINERS = frozenset({ListNode, TupleNode, DictNode, ObjectNode})
-_LEAVES = frozenset({NoneNode, ConstNode, OpaqueNode})
-
-
-def collect_tensor_keys(node: Node, keys: list[str]) -> None:
-    """Append the tensor keys of ``node`` to ``keys`` in flattening order (``tensor_keys``, without a generator)."""
-    cls = type(node)
-    if cls is TensorNode:
-        keys.append(node.key)  # type: ignore[union-attr]
-    elif cls in _CONTAINERS:
-        for child in node.items:  # type: ignore[union-attr]
-            if type(child) is TensorNode:
-                keys.append(child.key)  # type: ignore[union-attr]
-            else:
-                collect_tensor_keys(child, keys)
-    elif cls not in _LEAVES:
-        keys.extend(tensor_keys(node))  # a subclass of a node type: the generic walk
 
 
 class _CallShape(NamedTuple):
