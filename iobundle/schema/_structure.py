@@ -12,23 +12,19 @@ appended to a list, in flattening order (inputs, then outputs), by the same walk
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any
 
-from iobundle.schema._manifest import CallEntry, Node
+from iobundle.schema._manifest import CallEntry, Node, TensorNode
 
 __all__ = ["call_key", "collect_tensor_keys", "tree_key"]
 
 _CONTAINERS = frozenset({"list", "tuple", "dict", "node"})
 
 
-def _frozen(value: Any) -> Hashable:
-    """A JSON value as a hashable key that tells ``1``, ``1.0`` and ``True`` apart."""
-    cls = type(value)
-    if cls is list:
-        return (list, tuple(map(_frozen, value)))
-    if cls is dict:
-        return (dict, tuple((k, _frozen(v)) for k, v in value.items()))
-    return (cls, value)
+def _frozen(context: object) -> Hashable:
+    """A context as a hashable value that tells JSON values apart (``1``, ``1.0``, ``True``, ``"1"``)."""
+    if type(context) is list and all(type(v) is str for v in context):
+        return tuple(context)  # a cache's layer kinds: the common case, kept cheap
+    return repr(context)  # distinct for distinct JSON values (a tuple never equals a str)
 
 
 def tree_key(node: Node, keys: list[str]) -> Hashable:
@@ -57,7 +53,7 @@ def _tree_keys(nodes: list[Node], keys: list[str]) -> tuple[Hashable, ...]:
     """:func:`tree_key` of each of ``nodes`` (tensors inline: most children are)."""
     result: list[Hashable] = []
     for node in nodes:
-        if node.kind == "tensor":
+        if type(node) is TensorNode:
             keys.append(node.key)  # type: ignore[union-attr]
             result.append("tensor")
         else:
