@@ -84,6 +84,21 @@ def local_path(location: str | os.PathLike[str]) -> Path | None:
     return None
 
 
+def require_existing(location: str | os.PathLike[str]) -> None:
+    """Refuse a local ``location`` that does not exist (a URL is checked when it is opened).
+
+    Cheap (one ``lstat``, no import): the command line calls it before it loads torch.
+
+    Raises:
+        BundleNotFoundError: Nothing is at the local path ``location``.
+    """
+    local = local_path(location)
+    if local is not None and not os.path.lexists(local):
+        raise BundleNotFoundError(
+            f"'{location}' does not exist. Pass the folder written by observer.save() (or a packed file, or a URL)."
+        )
+
+
 def resolve_output(location: str | os.PathLike[str], *, remote: bool, what: str = "this output") -> Path | str:
     """Where an output goes: a local :class:`~pathlib.Path`, or a URL (a ``str``) whose filesystem is installed.
 
