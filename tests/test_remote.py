@@ -254,3 +254,12 @@ def test_an_old_manifest_naming_files_outside_is_refused_and_nothing_deleted(tmp
     with pytest.raises(BundleExistsError, match="not inside the bundle"):
         clear_local_bundle(tmp_path)
     assert (tmp_path / "manifest.json").exists()
+
+
+def test_an_old_manifest_naming_a_file_with_a_control_character_is_refused_and_nothing_deleted(tmp_path):
+    from iobundle._remote import clear_local_bundle
+
+    (tmp_path / "manifest.json").write_text('{"files": {"calls/\\u001b[2J.safetensors": {}}}')
+    with pytest.raises(BundleExistsError, match="not inside the bundle"):
+        clear_local_bundle(tmp_path)
+    assert (tmp_path / "manifest.json").exists()
