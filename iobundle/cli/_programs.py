@@ -13,7 +13,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from iobundle._remote import require_existing
+from iobundle._locations import require_existing
 from iobundle.cli import _checks, _render
 from iobundle.cli._exits import EXIT_CHECK_FAILED, EXIT_OK
 from iobundle.cli._logs import silence_libraries

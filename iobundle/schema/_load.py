@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from iobundle._remote import require_existing
+from iobundle._locations import require_existing
 from iobundle.errors import BundleNotFoundError
 from iobundle.schema._io import JOURNAL_FILENAME, MANIFEST_FILENAME, parse_manifest, read_member
 from iobundle.schema._journal import load_journal
