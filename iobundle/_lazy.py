@@ -1,12 +1,16 @@
-"""Public names imported when first used: the module ``__getattr__`` of a cheap facade."""
+"""Imports paid for when first used: the module ``__getattr__`` of a cheap facade, a module imported on first use."""
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from types import ModuleType
+from typing import Any, Generic, TypeVar
 
-__all__ = ["lazy_names"]
+K = TypeVar("K")
+V = TypeVar("V")
+
+__all__ = ["LazyMapping", "lazy_module", "lazy_names"]
 
 
 def lazy_names(facade: str, where: Mapping[str, str]) -> Callable[[str], Any]:
@@ -22,3 +26,58 @@ def lazy_names(facade: str, where: Mapping[str, str]) -> Callable[[str], Any]:
         return getattr(importlib.import_module(module), name)
 
     return __getattr__
+
+
+class _LazyModule(ModuleType):
+    """Stands for a module until one of its attributes is read (see :func:`lazy_module`)."""
+
+    def __init__(self, name: str, namespace: dict[str, Any], alias: str) -> None:
+        super().__init__(name)
+        self.__dict__.update(_lazy_namespace=namespace, _lazy_alias=alias)
+
+    def __getattr__(self, attr: str) -> Any:
+        module = importlib.import_module(self.__name__)
+        namespace = self.__dict__["_lazy_namespace"]
+        if namespace.get(self.__dict__["_lazy_alias"]) is self:
+            namespace[self.__dict__["_lazy_alias"]] = module  # from now on the importer uses the module itself
+        return getattr(module, attr)
+
+
+def lazy_module(name: str, namespace: dict[str, Any], alias: str | None = None) -> Any:
+    """A stand-in for the module ``name`` that imports it when one of its attributes is first read.
+
+    A module imports a heavy dependency this way when only some of its functions use it, so that
+    importing the module (to read a manifest, check a file's size or hash) does not load it::
+
+        if TYPE_CHECKING:
+            import torch
+        else:
+            torch = lazy_module("torch", globals())
+
+    On first use the stand-in imports ``name`` and puts the module in its place in ``namespace``
+    (under ``alias``, by default the last part of ``name``), so later uses cost nothing. The
+    stand-in is never put into ``sys.modules``: ``name`` is there only once it is imported.
+    """
+    return _LazyModule(name, namespace, alias or name.rpartition(".")[2])
+
+
+class LazyMapping(Mapping[K, V], Generic[K, V]):
+    """A read-only mapping built by ``build`` on its first use (a table keyed by a heavy module's objects)."""
+
+    def __init__(self, build: Callable[[], Mapping[K, V]]) -> None:
+        self._build: Callable[[], Mapping[K, V]] | None = build
+        self._data: Mapping[K, V] = {}
+
+    def _table(self) -> Mapping[K, V]:
+        if self._build is not None:
+            self._data, self._build = self._build(), None
+        return self._data
+
+    def __getitem__(self, key: K) -> V:
+        return self._table()[key]
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -23,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from iobundle._locations import is_url, local_path
 from iobundle.errors import BundleExistsError, BundleNotFoundError, BundleWriteError, MissingDependencyError
 from iobundle.schema import MEMBER_NAME_RULE, is_member_name
 
@@ -60,30 +60,6 @@ _PROTOCOL_EXTRAS = {
     "abfs": "pip install 'iobundle[remote]' adlfs",
     "hf": "pip install 'iobundle[remote]' huggingface_hub",
 }
-
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
-
-
-def is_url(location: object) -> bool:
-    """Whether ``location`` is a URL (a ``str`` starting with ``scheme://``); ``file://`` counts as one."""
-    return isinstance(location, str) and _URL.match(location) is not None
-
-
-def local_path(location: str | os.PathLike[str]) -> Path | None:
-    """``location`` as a local path, or None when it is a URL of another filesystem.
-
-    ``file:///abs`` and ``file://localhost/abs`` are ``/abs``; ``file://x`` (no host) is ``x``.
-    """
-    if not is_url(location):
-        return Path(location)
-    assert isinstance(location, str)
-    if location.lower().startswith("file://"):
-        rest = location[len("file://") :]
-        if rest.lower().startswith("localhost/"):
-            rest = rest[len("localhost") :]
-        return Path(rest)
-    return None
-
 
 def resolve_output(location: str | os.PathLike[str], *, remote: bool, what: str = "this output") -> Path | str:
     """Where an output goes: a local :class:`~pathlib.Path`, or a URL (a ``str``) whose filesystem is installed.

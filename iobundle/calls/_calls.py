@@ -12,11 +12,15 @@ import inspect
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-
+from iobundle._lazy import lazy_module
 from iobundle.schema import CallEntry, MissingValueEntry, ParameterEntry, SignatureEntry
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
 
 __all__ = ["DictTensorStore", "RecordedCalls", "TensorStore", "positional_names", "signature_entry"]
 

@@ -18,10 +18,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
+from iobundle._lazy import LazyMapping, lazy_module
 from iobundle.calls._tensorfile_write import raw_bytes
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
 
 __all__ = ["DeltaIndex", "Match", "extends_bytes", "rebuild"]
 
@@ -44,14 +49,19 @@ larger ones, and CUDA tensors, with ``torch.equal`` (which releases it while it 
 
 _MAX_ROWS = 64  # a bytes comparison of more rows than this is left to torch.equal
 
-_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_AS_BITS: dict[torch.dtype, torch.dtype] = {}
-for _dtype in (
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64,
-    torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64,
-    *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n)),
-):  # fmt: skip
-    _AS_BITS[_dtype] = _SAME_WIDTH_INT[_dtype.itemsize]
+
+def _as_bits_table() -> dict[torch.dtype, torch.dtype]:
+    """Each dtype compared bit for bit, and the integer dtype of its width."""
+    same_width_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    dtypes = (
+        torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64,
+        torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64,
+        *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n)),
+    )  # fmt: skip
+    return {dtype: same_width_int[dtype.itemsize] for dtype in dtypes}
+
+
+_AS_BITS: LazyMapping[torch.dtype, torch.dtype] = LazyMapping(_as_bits_table)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor | None:

@@ -1,34 +1,55 @@
-"""torch dtypes and their safetensors names, shared by the writer and the reader."""
+"""torch dtypes and their safetensors names, shared by the writer and the reader.
+
+The names and sizes are plain data (reading a manifest or checking a file's size needs no torch);
+the tables of torch dtypes are built, importing torch, the first time one is used.
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-__all__ = ["DTYPE_TO_NAME", "NAME_TO_DTYPE", "dtype_name"]
+from iobundle._lazy import LazyMapping
 
-DTYPE_TO_NAME: dict[torch.dtype, str] = {
-    torch.bool: "BOOL",
-    torch.uint8: "U8",
-    torch.int8: "I8",
-    torch.int16: "I16",
-    torch.uint16: "U16",
-    torch.int32: "I32",
-    torch.uint32: "U32",
-    torch.int64: "I64",
-    torch.uint64: "U64",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float32: "F32",
-    torch.float64: "F64",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
-    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
-    torch.float8_e8m0fnu: "F8_E8M0",
-    torch.complex64: "C64",
-    torch.complex128: "C128",
-}
-NAME_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_NAME.items()}
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DTYPE_TO_NAME", "ITEMSIZES", "NAME_TO_DTYPE", "dtype_name"]
+
+_DTYPES = (  # the torch dtype's name, its safetensors name, bytes per element
+    ("bool", "BOOL", 1),
+    ("uint8", "U8", 1),
+    ("int8", "I8", 1),
+    ("int16", "I16", 2),
+    ("uint16", "U16", 2),
+    ("int32", "I32", 4),
+    ("uint32", "U32", 4),
+    ("int64", "I64", 8),
+    ("uint64", "U64", 8),
+    ("float16", "F16", 2),
+    ("bfloat16", "BF16", 2),
+    ("float32", "F32", 4),
+    ("float64", "F64", 8),
+    ("float8_e4m3fn", "F8_E4M3", 1),
+    ("float8_e5m2", "F8_E5M2", 1),
+    ("float8_e4m3fnuz", "F8_E4M3FNUZ", 1),
+    ("float8_e5m2fnuz", "F8_E5M2FNUZ", 1),
+    ("float8_e8m0fnu", "F8_E8M0", 1),
+    ("complex64", "C64", 8),
+    ("complex128", "C128", 16),
+)
+
+ITEMSIZES: dict[str, int] = {name: size for _, name, size in _DTYPES}
+"""Bytes per element of each safetensors dtype name a bundle may hold."""
+
+
+def _dtype_to_name() -> dict[torch.dtype, str]:
+    import torch
+
+    return {getattr(torch, attr): name for attr, name, _ in _DTYPES}
+
+
+DTYPE_TO_NAME: LazyMapping[torch.dtype, str] = LazyMapping(_dtype_to_name)
+NAME_TO_DTYPE: LazyMapping[str, torch.dtype] = LazyMapping(lambda: {v: k for k, v in DTYPE_TO_NAME.items()})
 
 
 def dtype_name(dtype: torch.dtype) -> str | None:

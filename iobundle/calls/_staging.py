@@ -22,8 +22,15 @@ import bisect
 import contextlib
 import threading
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import torch
+from iobundle._lazy import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
+
 
 __all__ = ["PinnedStager"]
 

@@ -33,16 +33,20 @@ import stat
 import threading
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO, Protocol, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, Union
 
-import torch
-
+from iobundle._lazy import lazy_module
 from iobundle.calls._delta import rebuild
-from iobundle.calls._dtypes import NAME_TO_DTYPE
+from iobundle.calls._dtypes import ITEMSIZES, NAME_TO_DTYPE
 from iobundle.calls._hashing import new_hasher
 from iobundle.calls._tensorfile_write import parse_header, read_exactly, tensor_span
 from iobundle.errors import IntegrityError, TensorFileError, UnsafeBundleError
 from iobundle.schema import MEMBER_NAME_RULE, FileEntry, Manifest, TensorEntry, is_member_name
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
 
 __all__ = [
     "BundleRoot",
@@ -469,7 +473,7 @@ class BundleTensorStore:
         """
         tensors = self.manifest.tensors
         sizes = {name: file.size for name, file in self.manifest.files.items()}
-        itemsize = {name: dtype.itemsize for name, dtype in NAME_TO_DTYPE.items()}
+        itemsize = ITEMSIZES
         shapes = self._shapes
         prod = math.prod
         for key, entry in tensors.items():

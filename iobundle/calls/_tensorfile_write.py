@@ -16,15 +16,19 @@ import os
 import struct
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from iobundle._atomic import fsync_dir, write_atomically
-from iobundle.calls._dtypes import NAME_TO_DTYPE, dtype_name
+from iobundle._lazy import lazy_module
+from iobundle.calls._dtypes import ITEMSIZES, dtype_name
 from iobundle.calls._hashing import WRITE_HASH, new_hasher
 from iobundle.errors import BundleWriteError, TensorFileError, UnsupportedInputError
 from iobundle.schema import FileEntry
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -320,7 +324,7 @@ def tensor_span(
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
         raise TensorFileError(f"{name}: {label} has invalid data_offsets {offsets!r}.")
     begin, end = offsets
-    expected = NAME_TO_DTYPE[dtype].itemsize
+    expected = ITEMSIZES[dtype]
     for d in shape:
         expected *= d
     if not 0 <= begin <= end <= data_len or end - begin != expected:

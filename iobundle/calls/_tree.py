@@ -10,11 +10,9 @@ from __future__ import annotations
 import json
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.utils._pytree as torch_pytree
-
+from iobundle._lazy import lazy_module
 from iobundle.calls._paths import OUTPUT_ROOT, child_path, item_labels
 from iobundle.calls._registry import find_node_type, lookup_node_type
 from iobundle.errors import AlignmentError, UnsafeBundleError
@@ -30,6 +28,13 @@ from iobundle.schema import (
     TupleNode,
     collect_tensor_keys,
 )
+
+if TYPE_CHECKING:
+    import torch
+    import torch.utils._pytree as torch_pytree
+else:
+    torch = lazy_module("torch", globals())
+    torch_pytree = lazy_module("torch.utils._pytree", globals(), "torch_pytree")
 
 __all__ = [
     "NONE_NODE",

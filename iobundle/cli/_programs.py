@@ -13,6 +13,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from iobundle._locations import require_existing
 from iobundle.cli import _checks, _render
 from iobundle.cli._exits import EXIT_CHECK_FAILED, EXIT_OK
 from iobundle.cli._logs import silence_libraries
@@ -323,6 +324,7 @@ def _export_verdict(result: Any, path: str, ok: bool, *, checked: bool) -> str:
 
 
 def open_bundle(path: str) -> Bundle:
+    require_existing(path)  # before the imports opening a bundle pays for
     from iobundle import load_bundle
 
     logger.debug("opening %s", path)

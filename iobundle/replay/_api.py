@@ -6,28 +6,25 @@ import os
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
-import torch
-
+from iobundle._lazy import lazy_module
 from iobundle._progress import ProgressCallback
 from iobundle.calls import RecordedCalls, TensorCollector, record_inputs, replace_tensors, tensor_keys
 from iobundle.errors import AlignmentError, InputSelectionError
 from iobundle.replay import infer
-from iobundle.replay.check import Tolerances, ValidationReport, check_discrepancies, validate_onnx
-from iobundle.replay.export import (
-    ExportReport,
-    ProgramSet,
-    ProgramsMode,
-    StaticDimHint,
-    export_onnx,
-    export_program,
-    export_programs,
-    static_dim_hints,
-)
 from iobundle.replay.infer import DimNamesSpec, InputCandidate, ObservationInfo
 from iobundle.schema import CallEntry, Node, TensorNode
 
 if TYPE_CHECKING:
     import onnx
+    import torch
+
+    from iobundle.replay import check, export
+    from iobundle.replay.check import Tolerances, ValidationReport
+    from iobundle.replay.export import ExportReport, ProgramSet, ProgramsMode, StaticDimHint
+else:  # exporting and checking need torch (and onnx): opening a bundle does not
+    torch = lazy_module("torch", globals())
+    check = lazy_module("iobundle.replay.check", globals())
+    export = lazy_module("iobundle.replay.export", globals())
 
 __all__ = ["RecordedCallsAPI"]
 
@@ -109,7 +106,7 @@ class RecordedCallsAPI:
         Each hint names the axes and how to make them dynamic (``hint.message()``).
         See :func:`iobundle.replay.export._dims.static_dim_hints`.
         """
-        return static_dim_hints(self._recorded(), set_batch_dimension_for, dynamic)
+        return export.static_dim_hints(self._recorded(), set_batch_dimension_for, dynamic)
 
     def infer_arguments(
         self,
@@ -214,7 +211,7 @@ class RecordedCallsAPI:
         ``dim_names`` (see :meth:`infer_dynamic_shapes`) turns each name into one shared
         ``torch.export.Dim``. See :func:`iobundle.replay.export_program`.
         """
-        return export_program(
+        return export.export_program(
             self._recorded(), model, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
             check=check, atol=atol, rtol=rtol, dim_names=dim_names, on_progress=on_progress, dynamic=dynamic,
         )  # fmt: skip
@@ -243,7 +240,7 @@ class RecordedCallsAPI:
         ``tolerances`` gives the whole comparison as one value instead.
         See :func:`iobundle.replay.export_programs`.
         """
-        return export_programs(
+        return export.export_programs(
             self._recorded(), model, programs=programs, set_batch_dimension_for=set_batch_dimension_for,
             dynamic=dynamic, strict=strict, check=check, atol=atol, rtol=rtol, dim_names=dim_names,
             on_progress=on_progress, output_atol=output_atol, output_rtol=output_rtol, tolerances=tolerances,
@@ -281,7 +278,7 @@ class RecordedCallsAPI:
                 model, programs=programs, set_batch_dimension_for=set_batch_dimension_for, dynamic=dynamic,
                 strict=strict, check=check, atol=atol, rtol=rtol, dim_names=dim_names, on_progress=on_progress,
             ).to_onnx(path)  # fmt: skip
-        return export_onnx(
+        return export.export_onnx(
             self._recorded(), model, path, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
             check=check, dim_names=dim_names, atol=atol, rtol=rtol, on_progress=on_progress, dynamic=dynamic,
         )  # fmt: skip
@@ -311,11 +308,11 @@ class RecordedCallsAPI:
 
         See :func:`iobundle.replay.check_discrepancies` (per-output tolerances, error statistics, progress).
         """
-        tolerances = tolerances or Tolerances.build(
+        tolerances = tolerances or check.Tolerances.build(
             atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
             check_error_stat=check_error_stat, error_quantile=error_quantile,
         )  # fmt: skip
-        return check_discrepancies(
+        return check.check_discrepancies(
             self._recorded(), onnx_model, hist=hist, progress_bar=progress_bar, include_io=include_io,
             skip_none=skip_none, on_progress=on_progress, tolerances=tolerances,
         )  # fmt: skip
@@ -337,11 +334,11 @@ class RecordedCallsAPI:
 
         .. versionadded:: 0.2
         """
-        tolerances = tolerances or Tolerances.build(
+        tolerances = tolerances or check.Tolerances.build(
             atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
             check_error_stat=check_error_stat, error_quantile=error_quantile,
         )  # fmt: skip
-        return validate_onnx(self._recorded(), onnx_model, on_progress=on_progress, tolerances=tolerances)
+        return check.validate_onnx(self._recorded(), onnx_model, on_progress=on_progress, tolerances=tolerances)
 
     def rerun(
         self,
@@ -363,7 +360,7 @@ class RecordedCallsAPI:
         """
         from iobundle.replay.check import rerun_model
 
-        tolerances = tolerances or Tolerances.build(
+        tolerances = tolerances or check.Tolerances.build(
             atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
             check_error_stat=check_error_stat, error_quantile=error_quantile,
         )  # fmt: skip

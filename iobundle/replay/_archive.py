@@ -31,10 +31,9 @@ import tarfile
 import threading
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-import torch
-
+from iobundle._lazy import lazy_module
 from iobundle._remote import local_path, open_filesystem
 from iobundle.calls import check_member_name, open_regular
 from iobundle.errors import (
@@ -46,6 +45,11 @@ from iobundle.errors import (
     UnsafeBundleError,
 )
 from iobundle.schema import MANIFEST_FILENAME, MAX_MANIFEST_BYTES
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
 
 __all__ = ["MAX_ARCHIVE_MEMBERS", "ArchiveRoot", "open_archive", "read_index"]
 

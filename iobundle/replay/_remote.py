@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-import torch
-
+from iobundle._lazy import lazy_module
 from iobundle._remote import join_url, open_filesystem
 from iobundle.calls import check_member_name
 from iobundle.errors import BundleNotFoundError, ManifestError, TensorFileError, UnsafeBundleError
 from iobundle.schema import MANIFEST_FILENAME, MAX_MANIFEST_BYTES
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
 
 __all__ = ["RemoteRoot"]
 

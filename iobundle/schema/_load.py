@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from iobundle._locations import require_existing
 from iobundle.errors import BundleNotFoundError
 from iobundle.schema._io import JOURNAL_FILENAME, MANIFEST_FILENAME, parse_manifest, read_member
 from iobundle.schema._journal import load_journal
@@ -26,10 +27,7 @@ def load_manifest(bundle_dir: str | os.PathLike[str]) -> Manifest:
     root = Path(bundle_dir)
     path = root / MANIFEST_FILENAME
     if not root.is_dir():
-        if not os.path.lexists(root):
-            raise BundleNotFoundError(
-                f"'{bundle_dir}' does not exist. Pass the folder written by observer.save() (or a packed file, or a URL)."
-            )
+        require_existing(bundle_dir)
         raise BundleNotFoundError(f"'{bundle_dir}' is not a directory. Pass the folder written by observer.save().")
     if not path.exists() and not path.is_symlink():
         journal = root / JOURNAL_FILENAME

@@ -37,7 +37,7 @@ from iobundle._remote import resolve_output
 from iobundle.calls import RecordedCalls, tensor_keys
 from iobundle.errors import BundleExistsError, BundleWriteError, ModelLoadError, ReplayError
 from iobundle.replay import RecordedCallsAPI
-from iobundle.replay.check import input_mapping, model_label, read_metadata
+from iobundle.replay.check import input_mapping, model_label, output_mapping, output_paths, read_metadata
 from iobundle.replay.infer import align_calls, aligned_tensors
 from iobundle.schema import DictNode, ListNode, Node, ObjectNode, TensorNode, TupleNode
 
@@ -196,6 +196,7 @@ def convert_to_onnx_testdata(
     if metadata.output_names is not None and metadata.output_names != outputs:
         raise ReplayError(f"{model}: the outputs recorded in its metadata differ from the graph's outputs {outputs}.")
     mapping = input_mapping(inputs, metadata, len(alignment.owners))
+    by_name = output_mapping(outputs, metadata, model_label(model))
     target = resolve_output(output, remote=False, what="convert")
     assert isinstance(target, Path)
     _prepare(target, overwrite=overwrite, written=_TESTDATA_DIR)
@@ -211,6 +212,10 @@ def convert_to_onnx_testdata(
                 written.append(_write_proto(directory / f"input_{k}.pb", tensor_proto(tensors[slot], name)))
             if call.outputs is not None:
                 expected = [rc.store.get(key) for key in tensor_keys(call.outputs)]
+                if by_name is not None:
+                    expected = _by_graph_output(
+                        call.index, dict(zip(output_paths(call.outputs), expected)), by_name, outputs, model
+                    )
                 if len(expected) != len(outputs):
                     raise ReplayError(
                         f"Recorded call {call.index} has {len(expected)} output tensors but {model} has "
@@ -223,6 +228,20 @@ def convert_to_onnx_testdata(
     except OSError as exc:
         raise BundleWriteError(f"Cannot write into {target}: {exc.strerror or exc}.") from exc
     return ConvertResult(paths=written, calls=len(alignment.calls))
+
+
+def _by_graph_output(
+    index: int, recorded: dict[str, Any], by_name: dict[str, str], outputs: list[str], model: object
+) -> list[Any]:
+    """The recorded outputs of call ``index`` (by name) in the order of the graph ``outputs`` they are mapped to."""
+    graph_to_recorded = {graph: name for name, graph in by_name.items()}
+    missing = [o for o in outputs if graph_to_recorded.get(o) not in recorded]
+    if missing:
+        raise ReplayError(
+            f"Recorded call {index} has no output for the outputs {', '.join(missing)} of {model} (its recorded "
+            f"outputs: {', '.join(recorded)}). Convert with the model exported from this bundle."
+        )
+    return [recorded[graph_to_recorded[o]] for o in outputs]
 
 
 def _write_proto(path: Path, proto: onnx.TensorProto) -> Path:

@@ -152,6 +152,8 @@ def test_export_needs_exactly_one_model_source(workdir, capsys):
         ("iobundle.input_slots", '{"x": 7}', "not to slots 0..0"),
         ("iobundle.output_names", "[oops", "'iobundle.output_names' is not JSON"),
         ("iobundle.output_names", '{"a": 1}', "'iobundle.output_names' is not a JSON list"),
+        ("iobundle.output_paths", '["output"]', "'iobundle.output_paths' is not a JSON object"),
+        ("iobundle.output_paths", '{"a": "output", "b": "output"}', "names the recorded outputs ['output'] more"),
     ],
 )
 def test_corrupt_iobundle_metadata_exits_2_naming_the_model_and_key(workdir, capsys, key, value, message):
@@ -159,7 +161,7 @@ def test_corrupt_iobundle_metadata_exits_2_naming_the_model_and_key(workdir, cap
 
     assert main(["export", "run.iobundle", "--model", "factories:good", "-o", "good.onnx"]) == 0
     proto = onnx.load("good.onnx")
-    assert {p.key for p in proto.metadata_props} >= {"iobundle.input_slots", "iobundle.output_names"}
+    assert {p.key for p in proto.metadata_props} >= {"iobundle.input_slots", "iobundle.output_names", "iobundle.output_paths"}
     for p in proto.metadata_props:
         if p.key == key:
             p.value = value

@@ -36,6 +36,7 @@ from iobundle.schema import load_program_index
 # ONNX metadata that export writes and validation reads back.
 INPUT_SLOTS_KEY = "iobundle.input_slots"
 OUTPUT_NAMES_KEY = "iobundle.output_names"
+OUTPUT_PATHS_KEY = "iobundle.output_paths"
 
 
 __all__ = ["ValidationReport", "check_discrepancies", "validate_onnx"]
@@ -145,6 +146,9 @@ class IobundleMetadata:
     """Graph input name -> slot of the aligned recorded inputs; None when the model carries no mapping."""
     output_names: list[str] | None
     """The graph outputs in the order of the recorded outputs; None when absent."""
+    output_paths: dict[str, str] | None = None
+    """Graph output name -> the name of the recorded output it reproduces (:func:`output_paths`); None in
+    models exported before outputs were named, whose outputs are matched by position."""
 
 
 def read_metadata(meta: Mapping[str, str], model: str, n_slots: int) -> IobundleMetadata:
@@ -152,7 +156,7 @@ def read_metadata(meta: Mapping[str, str], model: str, n_slots: int) -> Iobundle
 
     The metadata comes from a file the user gave, so nothing in it is trusted: each key must hold
     the JSON ``iobundle export`` writes (slots: an object of integers in ``[0, n_slots)``; output
-    names: a list of strings).
+    names: a list of strings; output paths: an object of strings, no two alike).
 
     Raises:
         ModelLoadError: A key holds something else; the message names the model and the key.
@@ -188,7 +192,16 @@ def read_metadata(meta: Mapping[str, str], model: str, n_slots: int) -> Iobundle
         if not isinstance(raw, list) or not all(isinstance(n, str) for n in raw):
             raise refuse(OUTPUT_NAMES_KEY, "is not a JSON list of output names")
         names = raw
-    return IobundleMetadata(input_slots=slots, output_names=names)
+    paths: dict[str, str] | None = None
+    if OUTPUT_PATHS_KEY in meta:
+        raw = parse(OUTPUT_PATHS_KEY)
+        if not isinstance(raw, dict) or not all(isinstance(v, str) for v in raw.values()):
+            raise refuse(OUTPUT_PATHS_KEY, "is not a JSON object of graph output name -> recorded output name")
+        twice = sorted({v for v in raw.values() if list(raw.values()).count(v) > 1})
+        if twice:
+            raise refuse(OUTPUT_PATHS_KEY, f"names the recorded outputs {twice} more than once")
+        paths = raw
+    return IobundleMetadata(input_slots=slots, output_names=names, output_paths=paths)
 
 
 def input_mapping(names: Sequence[str], metadata: IobundleMetadata, n_slots: int) -> list[tuple[str, int]]:
@@ -211,6 +224,28 @@ def input_mapping(names: Sequence[str], metadata: IobundleMetadata, n_slots: int
             "carries no iobundle input mapping. Export it with `iobundle export` to embed one."
         )
     return list(zip(names, range(n_slots)))
+
+
+def output_mapping(graph_outputs: Sequence[str], metadata: IobundleMetadata, model: str) -> dict[str, str] | None:
+    """Recorded output name -> graph output name, from the metadata written at export.
+
+    None for a model that carries no such mapping (exported before outputs were named after the
+    recorded ones): its outputs are matched by position.
+
+    Raises:
+        ModelLoadError: The mapping names an output the graph does not have.
+    """
+    paths = metadata.output_paths
+    if paths is None:
+        return None
+    unknown = [n for n in paths if n not in graph_outputs]
+    if unknown:
+        raise ModelLoadError(
+            f"ONNX model '{model}': its metadata '{OUTPUT_PATHS_KEY}' names {unknown}, which are not outputs of the "
+            f"graph ({', '.join(graph_outputs)}). Re-export the model with `iobundle export`, or remove the key "
+            "(outputs are then matched by position)."
+        )
+    return {recorded: graph for graph, recorded in paths.items()}
 
 
 # onnxruntime's name of each element type a bundle may hold (NodeArg.type is "tensor(<name>)").
@@ -395,10 +430,14 @@ def _run_checks(
     metadata = read_metadata(meta, model_label(onnx_model), len(alignment.owners))
     mapping = input_mapping([i.name for i in session.get_inputs()], metadata, len(alignment.owners))
     refuse_mismatched_inputs(rc, alignment, session, mapping, model_label(onnx_model), widened)
+    session_outputs = [o.name for o in session.get_outputs()]
+    by_name = output_mapping(session_outputs, metadata, model_label(onnx_model))
     output_names = metadata.output_names
-    graph_outputs = output_names or [o.name for o in session.get_outputs()]
+    graph_outputs = output_names or session_outputs
     # A typo in a tolerance name is refused before the run, not after it.
-    refuse_unknown_outputs(tolerances, recorded_output_names(alignment.calls, graph_outputs))
+    refuse_unknown_outputs(
+        tolerances, recorded_output_names(alignment.calls, graph_outputs if by_name is None else by_name)
+    )
     scratch = Scratch()
     rows: list[dict[str, Any]] = []
     checks: list[OutputCheck] = []
@@ -418,21 +457,24 @@ def _run_checks(
         tensors = aligned_tensors(rc, alignment, slots)
         feeds = {name: _to_numpy(tensors[slot], widened) for name, slot in mapping}
         expected = [rc.store.get(k) for k in tensor_keys(call.outputs)] if call.outputs else []
+        names = output_paths(call.outputs)
+        fetch, other_names, error = _fetched_outputs(names, by_name, output_names, graph_outputs, session_outputs)
         row: dict[str, Any] = {}
         begin = time.perf_counter()
-        try:
-            obtained = session.run(output_names, feeds)
-            error = None
-        except Exception as exc:
-            obtained, error = None, str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        obtained = None
+        if error is None:
+            try:
+                obtained = session.run(fetch, feeds)
+            except Exception as exc:
+                error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         ort_duration = time.perf_counter() - begin
         if error is not None or obtained is None:
             row.update(SUCCESS=False, error=error, abs=float("nan"), rel=float("nan"), sum=float("nan"), n=0, dnan=0)
             row.update({f">{h}": 0 for h in hist})
         else:
             cmp_row, call_checks = compare_call(
-                expected, obtained, call_index=call.index, names=output_paths(call.outputs), tolerances=tolerances,
-                hist=hist, skip_none=skip_none, scratch=scratch, per_output=per_output, other_names=graph_outputs,
+                expected, obtained, call_index=call.index, names=names, tolerances=tolerances, hist=hist,
+                skip_none=skip_none, scratch=scratch, per_output=per_output, other_names=other_names,
             )  # fmt: skip
             row.update(cmp_row)
             checks.extend(call_checks)
@@ -460,6 +502,30 @@ def _run_checks(
         logger.debug("call %d: %s", call.index, "ok" if row["SUCCESS"] else row.get("error") or "differs")
         notify(on_progress, "validate", len(rows), total, f"call {call.index}")
     return rows, checks
+
+
+def _fetched_outputs(
+    names: Sequence[str],
+    by_name: Mapping[str, str] | None,
+    output_names: list[str] | None,
+    graph_outputs: Sequence[str],
+    session_outputs: Sequence[str],
+) -> tuple[list[str] | None, Sequence[str], str | None]:
+    """The graph outputs to fetch for a call whose recorded outputs are ``names``, their names, and why not.
+
+    By name when the model maps its outputs (:func:`output_mapping`), else by position.
+    """
+    if by_name is None or not names:
+        return output_names, graph_outputs, None
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        why = (
+            f"the recorded outputs {', '.join(missing)} are not outputs of the model (its outputs: "
+            f"{', '.join(session_outputs)}); validate with the model exported from this bundle"
+        )
+        return None, [], why
+    fetch = [by_name[n] for n in names]
+    return fetch, fetch, None
 
 
 @dataclass
@@ -605,8 +671,13 @@ def refuse_unused(tolerances: Tolerances, checks: Sequence[OutputCheck]) -> None
     refuse_unknown_outputs(tolerances, [(c.name, c.other_name or "") for c in checks])
 
 
-def recorded_output_names(calls: Sequence[Any], other_names: Sequence[str] | None = None) -> list[tuple[str, ...]]:
-    """The names of every output of ``calls`` (their :func:`output_paths`, with ``other_names`` by position).
+def recorded_output_names(
+    calls: Sequence[Any], other_names: Sequence[str] | Mapping[str, str] | None = None
+) -> list[tuple[str, ...]]:
+    """The names of every output of ``calls``: their :func:`output_paths`, each with its other name.
+
+    ``other_names`` are the model's names of the outputs: a list by position, or a mapping from
+    the recorded name (:func:`output_mapping`).
 
     Read from the manifest alone (no tensor is loaded), so tolerances can be checked before a run.
     """
@@ -615,7 +686,10 @@ def recorded_output_names(calls: Sequence[Any], other_names: Sequence[str] | Non
         if call.outputs is None:
             continue
         for i, name in enumerate(output_paths(call.outputs)):
-            other = other_names[i] if other_names is not None and i < len(other_names) else ""
+            if isinstance(other_names, Mapping):
+                other = other_names.get(name, "")
+            else:
+                other = other_names[i] if other_names is not None and i < len(other_names) else ""
             groups[(name, other)] = None
     return list(groups)
 

@@ -21,6 +21,7 @@ from iobundle.errors import ExportError, ToleranceError
 from iobundle.replay.check import (
     INPUT_SLOTS_KEY,
     OUTPUT_NAMES_KEY,
+    OUTPUT_PATHS_KEY,
     Comparison,
     Tolerances,
     compare_outputs,
@@ -480,9 +481,11 @@ def export_onnx(
 ) -> str:
     """Export ``model`` to ONNX at ``path`` through ``torch.export`` (checked on every call first).
 
-    The ONNX file carries, in its metadata, which recorded tensor feeds which graph input and
-    the order of the outputs, so validation maps them through the exported program's
-    signature rather than by guessing from names. With ``dim_names``, the graph's symbolic
+    The graph's outputs are named after the recorded outputs (``logits``, the names validation
+    reports and ``output_atol`` takes; see :func:`iobundle.replay.check.output_paths`). The ONNX
+    file carries, in its metadata, which recorded tensor feeds which graph input and which
+    recorded output each graph output reproduces, so validation maps them through the exported
+    program's signature rather than by guessing from names. With ``dim_names``, the graph's symbolic
     dimensions bear the names (``batch_size``, ``past_sequence_length``, ...). Weights of 256 MiB
     or more are saved as external data, ``<path>.data`` beside the file.
 
@@ -541,8 +544,15 @@ def save_onnx(
         plan: _Plan = ep.iobundle_plan  # type: ignore[attr-defined]
         if plan.dim_names is not None:
             rename_onnx_axes(program.model, onnx_axis_names(ep, inputs, plan.dim_names))
+        # Outputs are named after the recorded outputs they reproduce, and the metadata maps them.
+        recorded = _recorded_names(plan, len(program.model.graph.outputs))
+        if recorded is not None:
+            from iobundle.replay.export._onnx_names import name_graph_inputs, name_graph_outputs
+
+            program.model.metadata_props[OUTPUT_PATHS_KEY] = json.dumps(name_graph_outputs(program.model, recorded))
+            name_graph_inputs(program.model, inputs)
         # The ONNX graph takes the user inputs in the program's order, but may rename one (an input
-        # also returned as an output becomes ``<name>_orig``): map the ONNX names by position.
+        # also returned as an output may stay ``<name>_orig``): map the ONNX names by position.
         graph_inputs = [v.name for v in program.model.graph.inputs]
         names = graph_inputs if len(graph_inputs) == len(inputs) else inputs
         program.model.metadata_props[INPUT_SLOTS_KEY] = json.dumps(dict(zip(names, range(len(names)))))
@@ -562,3 +572,14 @@ def save_onnx(
     notify(on_progress, "torch.onnx.export", 1, 1)
     logger.info("exported %s (%d inputs, %d outputs)", path, len(inputs), len(outputs))
     return str(path)
+
+
+def _recorded_names(plan: _Plan, n_outputs: int) -> list[str] | None:
+    """The recorded outputs' names (:func:`output_paths`) of the traced call, else of the first call that has
+    ``n_outputs`` of them; None when no call does (a redacted bundle): the graph keeps its node names."""
+    calls = [plan.alignment.calls[plan.traced], *plan.alignment.calls]
+    for call in calls:
+        names = output_paths(call.outputs) if call.outputs is not None else []
+        if len(names) == n_outputs and len(set(names)) == n_outputs:
+            return names
+    return None

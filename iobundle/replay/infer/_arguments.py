@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Collection, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from iobundle._lazy import lazy_module
 from iobundle.calls import (
     RecordedCalls,
     build_value,
@@ -22,6 +21,11 @@ from iobundle.schema import (
     Node,
     TensorNode,
 )
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
 
 
 def aligned_tensors(

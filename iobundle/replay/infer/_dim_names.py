@@ -34,11 +34,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
+from iobundle._lazy import lazy_module
 from iobundle.calls import RecordedCalls
 from iobundle.errors import InputSelectionError
 from iobundle.schema import Node, ObjectNode, TensorNode
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
 
 if TYPE_CHECKING:
     from iobundle.replay.infer._align import Alignment

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from iobundle._lazy import lazy_module
 from iobundle.calls import (
     RecordedCalls,
     TensorStore,
@@ -20,6 +19,11 @@ from iobundle.schema import (
     ObjectNode,
     TensorNode,
 )
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
 
 
 def _batch_forced(rc: RecordedCalls, owner: int | str, spec: BatchSpec) -> bool:

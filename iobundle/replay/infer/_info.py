@@ -8,15 +8,20 @@ bundle loaded from disk alike.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.utils._pytree as torch_pytree
-
+from iobundle._lazy import lazy_module
 from iobundle.calls import RecordedCalls, build_value, tensor_keys
 from iobundle.errors import AlignmentError
 from iobundle.replay.infer import _align
 from iobundle.schema import CallEntry
+
+if TYPE_CHECKING:
+    import torch
+    import torch.utils._pytree as torch_pytree
+else:
+    torch = lazy_module("torch", globals())
+    torch_pytree = lazy_module("torch.utils._pytree", globals(), "torch_pytree")
 
 __all__ = ["InputCandidate", "ObservationInfo"]
 
