@@ -17,12 +17,14 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from iobundle._paths import FILE, LINK, MISSING, Tree, link_message
 from iobundle.errors import BundleExistsError, BundleNotFoundError, BundleWriteError, MissingDependencyError
 
 __all__ = [
@@ -209,32 +211,55 @@ def clear_bundle(
 def clear_local_bundle(root: Path) -> None:
     """:func:`clear_bundle` for the local bundle directory ``root``, then its folders left empty.
 
+    Every file is reached from ``root``'s descriptor without following a link (:class:`iobundle._paths.Tree`),
+    and every listed file is checked before anything is removed: a bundle whose ``calls/`` (or any
+    listed file, or the manifest) is a link, or whose listed name is a folder, is refused whole, so
+    nothing outside ``root`` is ever removed.
+
     Raises:
-        BundleExistsError: See :func:`listed_names`.
-        BundleWriteError: A listed file cannot be removed (a folder by that name, permissions).
+        BundleExistsError: See :func:`listed_names`; or a listed file or a folder above it is a link
+            or not a regular file (nothing is removed then).
+        BundleWriteError: A listed file cannot be removed (permissions).
     """
-    try:
-        removed = clear_bundle(
-            lambda n: root.joinpath(*n.split("/")).read_bytes(),
-            lambda n: root.joinpath(*n.split("/")).unlink(),
-            where=str(root / MANIFEST_NAME),
-            missing_ok=FileNotFoundError,
-        )
-    except BundleExistsError:
-        raise  # an OSError too (FileExistsError), but the message says what to do already
-    except OSError as exc:
-        raise BundleWriteError(
-            f"Cannot remove {exc.filename or root} of the bundle being replaced: {exc.strerror or exc}. "
-            "Remove the bundle yourself, or choose another path."
-        ) from exc
-    parents = {root.joinpath(*n.split("/")).parent for n in removed}
-    for parent in sorted(parents, key=lambda p: len(p.parts), reverse=True):
-        while parent != root and root in parent.parents:
-            try:
-                parent.rmdir()  # only when empty
-            except OSError:
-                break
-            parent = parent.parent
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+    with Tree(root, error=BundleExistsError) as tree:
+
+        def read(name: str) -> bytes:
+            fd = tree.open(name, flags)
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise BundleExistsError(f"'{root / name}' is not a regular file; refusing to replace the bundle.")
+                return f.read()
+
+        def check_then_remove(names: list[str]) -> None:
+            for name in names:  # all checked first: a refusal removes nothing
+                kind = tree.kind(name)
+                if kind not in (FILE, MISSING):
+                    raise BundleExistsError(
+                        f"Cannot replace the bundle in '{root}': "
+                        + (link_message(root / name) if kind == LINK else f"'{root / name}' is not a regular file.")
+                        + " Remove the bundle yourself, or choose another path."
+                    )
+
+        def remove(name: str) -> None:
+            if name == MANIFEST_NAME:
+                check_then_remove([MANIFEST_NAME, *listed])
+            tree.unlink(name)
+
+        try:
+            listed = listed_names(read(MANIFEST_NAME), str(root / MANIFEST_NAME))
+            removed = clear_bundle(read, remove, where=str(root / MANIFEST_NAME), missing_ok=FileNotFoundError)
+        except BundleExistsError:
+            raise  # an OSError too (FileExistsError), but the message says what to do already
+        except OSError as exc:
+            raise BundleWriteError(
+                f"Cannot remove {exc.filename or root} of the bundle being replaced: {exc.strerror or exc}. "
+                "Remove the bundle yourself, or choose another path."
+            ) from exc
+        folders = {tuple(n.split("/"))[:-1] for n in removed}
+        for parts in sorted(folders, key=len, reverse=True):
+            while parts and tree.rmdir(parts):  # only when empty
+                parts = parts[:-1]
 
 
 def upload_directory(local: Path, url: str, *, overwrite: bool = False, last: str = MANIFEST_NAME) -> None:
