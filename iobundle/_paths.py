@@ -34,6 +34,7 @@ __all__ = [
     "Tree",
     "check_relative_name",
     "link_message",
+    "reported_link",
 ]
 
 FILE, DIR, LINK, OTHER, MISSING = "file", "dir", "link", "other", "missing"
@@ -48,7 +49,7 @@ _ROOT_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC
 def link_message(path: object) -> str:
     """The reason every refusal of a link gives."""
     return (
-        f"'{path}' is a symbolic link; a bundle holds only its own files and folders, never links "
+        f"'{path}' is a symbolic link; iobundle never follows a link inside a bundle or an index's folder "
         "(one may lead outside it). Replace the link by a copy of what it points to."
     )
 
@@ -64,6 +65,11 @@ def check_relative_name(name: object, where: str, *, error: type[IobundleError] 
     if not parts or name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts):  # type: ignore[union-attr]
         raise error(f"{where}: {name!r} is not a relative path inside its folder (absolute, '..', '.' or backslash).")
     return parts
+
+
+def reported_link(info: object) -> bool:
+    """Whether an fsspec ``info()`` dictionary says its entry is a symbolic link (where the filesystem can tell)."""
+    return isinstance(info, dict) and (info.get("islink") is True or info.get("type") == "link")
 
 
 def _kind(entry: os.DirEntry[str]) -> str:

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from iobundle._paths import FILE, LINK, MISSING, Tree, link_message
+from iobundle._paths import FILE, LINK, MISSING, Tree, check_relative_name, link_message, reported_link
 from iobundle.errors import BundleExistsError, BundleNotFoundError, BundleWriteError, MissingDependencyError
 
 __all__ = [
@@ -288,6 +288,8 @@ def upload_directory(local: Path, url: str, *, overwrite: bool = False, last: st
             manifest = join_url(root, last)
             if not fs.exists(manifest):
                 raise BundleExistsError(f"'{url}' is not a bundle (no {last}); refusing to replace what it holds.")
+            listed = listed_names(fs.cat_file(manifest), manifest)
+            _refuse_remote_links(fs, root, [last, *listed], url)  # all checked first: a refusal removes nothing
             clear_bundle(
                 lambda n: fs.cat_file(join_url(root, n)),  # type: ignore[no-any-return]
                 lambda n: fs.rm_file(join_url(root, n)),
@@ -311,6 +313,26 @@ def upload_directory(local: Path, url: str, *, overwrite: bool = False, last: st
             f"Cannot upload the bundle to '{url}': {type(exc).__name__}: {exc}. Check the URL, "
             "the credentials and the permissions."
         ) from exc
+
+
+def _refuse_remote_links(fs: Any, root: str, names: list[str], url: str) -> None:
+    """Refuse to replace the bundle at ``url`` when the filesystem reports a listed file, or a folder above one, as a link."""
+    seen: set[str] = set()
+    for name in names:
+        parts = check_relative_name(name, f"'{url}'", error=BundleExistsError)
+        for i in range(1, len(parts) + 1):
+            path = join_url(root, "/".join(parts[:i]))
+            if path in seen:
+                continue
+            seen.add(path)
+            try:
+                info = fs.info(path)
+            except FileNotFoundError:
+                break
+            if reported_link(info):
+                raise BundleExistsError(
+                    f"Cannot replace the bundle at '{url}': {link_message(path)} Remove it yourself, or choose another URL."
+                )
 
 
 def directory_files(root: Path) -> list[str]:
