@@ -349,7 +349,9 @@ class TestFileNames:
         monkeypatch.setattr(os, "scandir", lambda p=".": listed.append(p) or real(p))
         resolved = []
         real_realpath = os.path.realpath
-        monkeypatch.setattr(os.path, "realpath", lambda p, *a, **k: resolved.append(str(p)) or real_realpath(p, *a, **k))
+        monkeypatch.setattr(
+            os.path, "realpath", lambda p, *a, **k: resolved.append(str(p)) or real_realpath(p, *a, **k)
+        )
         exercise(bundle)
         assert load_bundle(bundle).verify() == []
         # one listing of calls/ per bundle (two bundles here), none per file; no realpath at all
