@@ -38,7 +38,7 @@ from typing import Any, BinaryIO, Protocol, Union
 
 import torch
 
-from iobundle._paths import Tree, link_message
+from iobundle._paths import LINK, Tree, link_message
 from iobundle.calls._delta import rebuild
 from iobundle.calls._dtypes import NAME_TO_DTYPE
 from iobundle.calls._hashing import new_hasher
@@ -107,7 +107,8 @@ class BundleRoot:
         """Resolve the bundle member ``name``, refusing a link on any component; see :func:`safe_member_path`."""
         parts = self._names.get(name) if isinstance(name, str) else None
         if parts is None:
-            parts = self._names[name] = check_member_name(name).parts
+            plain = isinstance(name, str) and _PLAIN_MEMBER.fullmatch(name)
+            parts = self._names[name] = tuple(name.split("/")) if plain else check_member_name(name).parts
         try:
             return self._tree.check_file(parts, where=f"File {name!r}")
         except OSError as exc:
@@ -121,8 +122,24 @@ class BundleRoot:
         Raises:
             UnsafeBundleError: As :meth:`member`.
         """
-        for name in names:
-            self.member(name)
+        names_cache, tree = self._names, self._tree
+        try:
+            for name in names:
+                parts = names_cache.get(name) if isinstance(name, str) else None
+                if parts is None:
+                    plain = isinstance(name, str) and _PLAIN_MEMBER.fullmatch(name)
+                    parts = names_cache[name] = tuple(name.split("/")) if plain else check_member_name(name).parts
+                if tree.listing(parts[:-1]).get(parts[-1]) in (LINK, None):  # a link, or made since: in full
+                    self.member(name)
+        except OSError as exc:
+            raise UnsafeBundleError(f"Files of the bundle cannot be listed: {exc}.") from exc
+        finally:
+            tree.close()
+
+
+_PLAIN_MEMBER = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9_.-]*/)*[A-Za-z0-9_][A-Za-z0-9_.-]*")
+"""A relative path of plain components: no ``.`` or ``..``, no separator but ``/``, no colon or control
+character; such a name needs no further check of its text (:func:`check_member_name`)."""
 
 
 class Root(Protocol):
