@@ -3,7 +3,8 @@
 The order of the checks is what makes reading a hostile file safe:
 
 1. the file name stays inside the bundle (:func:`safe_member_path`: no absolute path, no ``..``,
-   no symlink leading out, no control character);
+   no control character) and no component of it is a symbolic link (:class:`iobundle._paths.Tree`:
+   its folders opened without following one, its file opened with ``O_NOFOLLOW``);
 2. the file is a regular file (a FIFO or a device would block or never end), opened without
    blocking, and its size is the one the manifest records; its hash too (the algorithm the
    manifest names: XXH3-128 in format version 2, sha256 in version 1), the first time it is read,
@@ -155,7 +156,7 @@ def safe_member_path(root: Path | Root, name: str) -> Member:
 
     Raises:
         UnsafeBundleError: ``name`` is absolute, contains ``..``, a backslash, a colon or a control
-            character, or resolves (through a symlink) outside ``root``.
+            character, or it (or a folder above it) is a symbolic link.
     """
     return (BundleRoot(root) if isinstance(root, Path) else root).member(name)
 
