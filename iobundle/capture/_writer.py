@@ -312,7 +312,8 @@ class BundleWriter:
         write_atomically(path, [journal_head_line(self.manifest(rc, calls))], durable=durable)
         try:
             (self.path / MANIFEST_FILENAME).unlink(missing_ok=True)
-            self._journal = os.open(path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_CLOEXEC", 0))
+            flags = os.O_WRONLY | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+            self._journal = os.open(path, flags)  # never through a link swapped in after the atomic write
         except OSError as exc:
             raise BundleWriteError(
                 f"Cannot open {path}: {exc.strerror or exc}. Check free space and permissions."
