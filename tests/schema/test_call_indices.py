@@ -35,7 +35,7 @@ def test_a_journal_repeating_a_call_index_is_refused(name, version):
         parse_journal(b"".join(lines), source="journal.jsonl")
 
 
-def test_loading_and_converting_a_bundle_with_a_repeated_index_exits_2(tmp_path, capsys):
+def test_loading_and_converting_a_bundle_with_a_repeated_index_exits_as_damaged(tmp_path, capsys):
     pytest.importorskip("onnx")
     from iobundle.cli import main
 
@@ -44,6 +44,6 @@ def test_loading_and_converting_a_bundle_with_a_repeated_index_exits_2(tmp_path,
     raw = json.loads((bundle / "manifest.json").read_text("utf-8"))
     raw["calls"][1]["index"] = 0
     (bundle / "manifest.json").write_text(json.dumps(raw))
-    assert main(["convert", str(bundle), "--to", "npz", str(tmp_path / "out.npz")]) == 2
+    assert main(["convert", str(bundle), "--to", "npz", str(tmp_path / "out.npz")]) == 5  # a damaged bundle
     assert "calls[1].index" in capsys.readouterr().err
     assert not (tmp_path / "out.npz").exists()
