@@ -103,6 +103,7 @@ class BundleRoot:
         self.path = path
         self._tree = Tree(path)
         self._names: dict[str, tuple[str, ...]] = {}
+        self._lock = threading.RLock()  # the tree's descriptors are opened and closed by one reader at a time
 
     def member(self, name: str) -> Path:
         """Resolve the bundle member ``name``, refusing a link on any component; see :func:`safe_member_path`."""
@@ -110,12 +111,13 @@ class BundleRoot:
         if parts is None:
             plain = isinstance(name, str) and _PLAIN_MEMBER.fullmatch(name)
             parts = self._names[name] = tuple(name.split("/")) if plain else check_member_name(name).parts
-        try:
-            return self._tree.check_file(parts, where=f"File {name!r}")
-        except OSError as exc:
-            raise UnsafeBundleError(f"File {name!r} cannot be resolved inside the bundle: {exc}.") from exc
-        finally:
-            self._tree.close()  # the listings stay: a bundle held open holds no descriptor
+        with self._lock:
+            try:
+                return self._tree.check_file(parts, where=f"File {name!r}")
+            except OSError as exc:
+                raise UnsafeBundleError(f"File {name!r} cannot be resolved inside the bundle: {exc}.") from exc
+            finally:
+                self._tree.close()  # the listings stay: a bundle held open holds no descriptor
 
     def check_members(self, names: Iterable[str]) -> None:
         """Check every name as :meth:`member` does: one listing per folder, one lookup per name.
@@ -124,18 +126,19 @@ class BundleRoot:
             UnsafeBundleError: As :meth:`member`.
         """
         names_cache, tree = self._names, self._tree
-        try:
-            for name in names:
-                parts = names_cache.get(name) if isinstance(name, str) else None
-                if parts is None:
-                    plain = isinstance(name, str) and _PLAIN_MEMBER.fullmatch(name)
-                    parts = names_cache[name] = tuple(name.split("/")) if plain else check_member_name(name).parts
-                if tree.listing(parts[:-1]).get(parts[-1]) in (LINK, None):  # a link, or made since: in full
-                    self.member(name)
-        except OSError as exc:
-            raise UnsafeBundleError(f"Files of the bundle cannot be listed: {exc}.") from exc
-        finally:
-            tree.close()
+        with self._lock:
+            try:
+                for name in names:
+                    parts = names_cache.get(name) if isinstance(name, str) else None
+                    if parts is None:
+                        plain = isinstance(name, str) and _PLAIN_MEMBER.fullmatch(name)
+                        parts = names_cache[name] = tuple(name.split("/")) if plain else check_member_name(name).parts
+                    if tree.listing(parts[:-1]).get(parts[-1]) in (LINK, None):  # a link, or made since: in full
+                        self.member(name)
+            except OSError as exc:
+                raise UnsafeBundleError(f"Files of the bundle cannot be listed: {exc}.") from exc
+            finally:
+                tree.close()
 
 
 _PLAIN_MEMBER = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9_.-]*/)*[A-Za-z0-9_][A-Za-z0-9_.-]*")
