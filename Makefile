@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench fuzz schema zoo clean
+.PHONY: demo test lint bench bench-large fuzz schema zoo clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
+
+# Real sizes (not CI): a Llama-shaped decoder at 12, 24 and 48 layers (201M to 606M parameters, float32),
+# captured, exported and validated from its bundle, one process per stage; writes the large block of BENCHMARKS.md
+bench-large: $(STAMP)
+	nice $(PY) benchmarks/large.py
 
 # The model zoo (tests/zoo): every family exported and validated from its bundle; the matrix goes into docs/llm.md
 zoo: $(STAMP)

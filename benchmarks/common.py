@@ -35,6 +35,7 @@ class Config:
     llama_store: int = 40
     llama_long_tokens: int = 200
     llama_long_reps: int = 3
+    decode_steps: int = 48  # figure 1e
     size_tokens: int = 100  # figure 7: bundle bytes for N and 2N new tokens
     hash_mib: int = 256
     open_many_calls: int = 1000
@@ -65,6 +66,7 @@ QUICK = Config(
     llama_store=5,
     llama_long_tokens=6,
     llama_long_reps=1,
+    decode_steps=4,
     size_tokens=4,
     hash_mib=8,
     open_many_calls=50,
@@ -82,7 +84,7 @@ QUICK = Config(
     warmup=False,
 )
 
-FIGURES = ("1a", "1b", "1c", "1d", "2", "3", "3r", "4", "5", "6", "7", "8")
+FIGURES = ("1a", "1b", "1c", "1d", "1e", "2", "3", "3r", "4", "5", "6", "7", "8")
 
 
 # -- statistics and result records -----------------------------------------------------------

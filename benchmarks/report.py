@@ -7,6 +7,8 @@ from typing import Any
 
 RESULTS_BEGIN = "<!-- results:begin (written by benchmarks/run.py; edit outside these markers) -->"
 RESULTS_END = "<!-- results:end -->"
+LARGE_BEGIN = "<!-- large:begin (written by benchmarks/large.py; edit outside these markers) -->"
+LARGE_END = "<!-- large:end -->"
 # -- output -----------------------------------------------------------------------------------------
 
 
@@ -93,17 +95,30 @@ raw file writes, safetensors, `torch.save` and a bare onnxruntime loop (GitHub i
 Run `make bench` (about eight minutes on two busy cores; `--only 1c,7` for single figures) to refresh the block below;
 `benchmarks/results.json` holds every sample. `benchmarks/gpu_check.py` measures the CUDA
 figures (decode-loop overhead, D2H throughput of the snapshot) where a GPU is present.
+`make bench-large` (`benchmarks/large.py`, not in `make bench` nor CI) writes the real-size block at
+the end: a Llama-shaped decoder captured, exported and validated from its bundle at 201M–606M parameters.
 
 """
 
 
 def write_markdown(path: Path, table: str) -> None:
-    block = f"{RESULTS_BEGIN}\n{table}{RESULTS_END}\n"
+    write_block(path, table, RESULTS_BEGIN, RESULTS_END)
+
+
+def write_block(path: Path, table: str, begin: str, end: str) -> None:
+    """Put ``table`` between the markers ``begin`` and ``end`` of ``path``, keeping the text around them.
+
+    A file without these markers gains the block at its end; a missing file is created with the header.
+    """
+    block = f"{begin}\n{table}{end}\n"
     if path.exists():
         text = path.read_text("utf-8")
-        if RESULTS_BEGIN in text and RESULTS_END in text:
-            head, rest = text.split(RESULTS_BEGIN, 1)
-            _, tail = rest.split(RESULTS_END, 1)
+        if begin in text and end in text:
+            head, rest = text.split(begin, 1)
+            _, tail = rest.split(end, 1)
             path.write_text(head + block + tail.lstrip("\n"), "utf-8")
+            return
+        if begin != RESULTS_BEGIN:
+            path.write_text(text.rstrip("\n") + "\n\n" + block, "utf-8")
             return
     path.write_text(BENCHMARKS_HEADER + block, "utf-8")

@@ -11,7 +11,9 @@ ratios are medians of the per-repetition ratios), one module per family:
 
 - ``capture_cost.py``, 1a-1d: recorded-call cost: plain call, a pre-faulted copy floor,
   ``torch.onnx.InputObserver``, iobundle in memory, iobundle streaming to disk; on an elementwise
-  model, a Linear and a tiny Llama ``generate()`` (short and long);
+  model, a Linear and a tiny Llama ``generate()`` (short and long); 1a and 1b with a second floor, the raw
+  write of the same bytes to a new file per call; 1e: the time a decode step spends in the observed call
+  on the recording thread (µs), unobserved vs in memory vs streaming;
 - ``memory.py``, 2: peak RSS growth while recording many calls (one subprocess per variant);
 - ``storage.py``, 3, 3r, 4, 6: bundle write throughput vs a raw sequential write,
   ``safetensors.torch.save_file`` and ``torch.save`` (every variant fsyncs), read throughput
@@ -42,7 +44,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: sys.path[0] is benchmarks/, the repository root is not
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.capture_cost import figure_1a, figure_1b, figure_1c
+from benchmarks.capture_cost import figure_1a, figure_1b, figure_1c, figure_1e
 from benchmarks.common import (
     FIGURES,
     FULL,
@@ -100,6 +102,7 @@ def run(cfg: Config, workdir: Path, only: set[str], log: Callable[[str], None]) 
         ("1b", lambda: figure_1b(cfg, workdir)),
         ("1c", lambda: figure_1c(cfg, workdir)),
         ("1d", lambda: figure_1c(cfg, workdir, long=True)),
+        ("1e", lambda: figure_1e(cfg, workdir)),
         ("2", lambda: figure_2(cfg, workdir)),
         ("3", lambda: None),  # figure 3 and 3r together, below
         ("4", lambda: figure_4(cfg, workdir)),

@@ -15,7 +15,7 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("transformers")
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-FIGURES = {"1a", "1b", "1c", "1d", "2", "3", "3r", "4", "5", "6", "7", "8"}
+FIGURES = {"1a", "1b", "1c", "1d", "1e", "2", "3", "3r", "4", "5", "6", "7", "8"}
 
 
 @pytest.mark.slow
@@ -40,13 +40,27 @@ def test_quick_run_reports_every_figure(tmp_path):
             if row["available"]:
                 assert row["min"] <= row["median"] <= row["max"], (fig["id"], row["variant"])
                 assert row["ratio"] is not None and row["ratio"] > 0, (fig["id"], row["variant"])
-    for fig_id in ("1a", "1b", "1c", "1d", "2", "3", "4", "5", "6", "7", "8"):
+    for fig_id in ("1a", "1b", "1c", "1d", "1e", "2", "3", "4", "5", "6", "7", "8"):
         assert figures[fig_id]["targets"], fig_id
         for target in figures[fig_id]["targets"]:
             assert target["met"] in (True, False, None)
             assert (target["met"] is None) == (target["ratio"] is None) or target["target"] == "(no target)", target
     variants_1a = {r["variant"] for r in figures["1a"]["rows"]}
-    assert {"plain", "floor", "reference", "iobundle", "streaming"} <= variants_1a
+    assert {"plain", "floor", "write_floor", "larger_floor", "reference", "iobundle", "streaming"} <= variants_1a
+    rows_1a = {r["variant"]: r for r in figures["1a"]["rows"]}
+    larger = [max(a, b) for a, b in zip(rows_1a["floor"]["samples"], rows_1a["write_floor"]["samples"])]
+    assert rows_1a["larger_floor"]["samples"] == larger
+    floor_target = figures["1a"]["targets"][0]
+    assert floor_target["check"].startswith("streaming incl. the flush / larger floor")
+    assert floor_target["row"] == "streaming_flush"
+    # 1e: microseconds per decode call on the recording thread, unobserved vs in memory vs streaming
+    rows_1e = {r["variant"]: r for r in figures["1e"]["rows"]}
+    assert rows_1e.keys() == {"plain", "iobundle", "streaming"}
+    assert figures["1e"]["unit"].startswith("µs per decode call")
+    assert [t["row"] for t in figures["1e"]["targets"]] == ["iobundle", "streaming"]
+    if results["streaming_available"]:
+        target = figures["1e"]["targets"][1]
+        assert target["target"] == "≤ 300 µs" and target["met"] == (target["ratio"] <= 300)
     assert results["streaming_available"] == figures["1a"]["rows"][-1]["available"]
     table = (out / "BENCHMARKS.md").read_text("utf-8")
     assert "| figure | check | ratio | target | met? |" in table
@@ -121,3 +135,61 @@ def test_benchmarks_use_only_public_faces_of_iobundle():
 def test_no_benchmark_module_over_800_lines():
     lengths = {p.name: len(p.read_text("utf-8").splitlines()) for p in BENCHMARKS.glob("*.py")}
     assert len(lengths) > 2 and {n: k for n, k in lengths.items() if k > 800} == {}
+
+
+TINY_DECODER = ["--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2", "--vocab", "256"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--layers", "4,2"], "distinct positive layer counts in increasing order"),
+        (["--layers", "2,x"], "give layer counts as integers"),
+        (["--hidden", "100", "--heads", "16"], "must be a multiple of the heads"),
+        (["--new-tokens", "0"], "--new-tokens 0: give a positive integer"),
+    ],
+)
+def test_large_benchmark_refuses_bad_arguments(args, message):
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "large.py"), *args], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert proc.returncode == 2
+    assert message in proc.stderr
+
+
+@pytest.mark.slow
+def test_large_benchmark_runs_end_to_end_on_a_tiny_decoder(tmp_path):
+    # make bench-large at a tiny size: capture, export and validate, each stage in its own process
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "large.py"), *TINY_DECODER, "--layers", "1,2", "--new-tokens", "3",
+         "--out", str(out), "--workdir", str(tmp_path / "w")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results_large.json").read_text("utf-8"))
+    assert [s["layers"] for s in results["sizes"]] == [1, 2]
+    one, two = results["sizes"]
+    per_layer = two["params"] - one["params"]  # q, k, v, o, the MLP's three and two norms
+    assert per_layer == 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64
+    for size in results["sizes"]:
+        assert size["weight_bytes"] == 4 * size["params"]  # float32
+        assert size["onnx_bytes"] > size["weight_bytes"] and size["bundle_bytes"] > size["weight_bytes"]
+        stages = size["stages"]
+        assert stages.keys() == {"capture", "export", "validate"}
+        assert stages["capture"]["calls"] == 3
+        assert stages["validate"]["verdict"].startswith("PASS: 3/3 calls")
+        for out_stage in stages.values():
+            assert out_stage["seconds"] > 0 and out_stage["rss_peak"] >= out_stage["rss_baseline"]
+            assert out_stage["peak_over_weights"] == out_stage["rss_peak"] / size["weight_bytes"]
+        phases = [p["phase"] for p in stages["export"]["phases"]]
+        for phase in ("load model from the bundle", "torch.export", "check on every recorded call",
+                      "torch.onnx.export (translation)", "ONNX save"):  # fmt: skip
+            assert phase in phases
+    assert [(g["stage"], g["layers"]) for g in results["growth"]] == [
+        ("capture", [1, 2]), ("export", [1, 2]), ("validate", [1, 2])
+    ]  # fmt: skip
+    table = (out / "BENCHMARKS.md").read_text("utf-8")
+    assert "<!-- large:begin" in table and table.rstrip().endswith("<!-- large:end -->")
+    assert "| layers | params | weights |" in table and "Growth with the number of layers" in table

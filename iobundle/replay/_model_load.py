@@ -399,24 +399,50 @@ def _load_weights(root: Root, model: torch.nn.Module, entry: ModelEntry) -> None
 
 def _load_weights_file(path: Path, name: str, model: torch.nn.Module, entry: ModelEntry) -> None:
     from safetensors import safe_open
-    from safetensors.torch import load_model
 
+    # One tensor at a time into the model's own parameters: loading the whole file first (as
+    # safetensors.torch.load_model does) holds the weights twice, plus the file's mapped pages.
     try:
-        with safe_open(str(path), framework="pt") as f:
+        try:
+            handle = safe_open(str(path), framework="pt", backend="pread")  # read(), no mapping
+        except TypeError:  # safetensors before 0.8 maps the file
+            handle = safe_open(str(path), framework="pt")
+        with handle as f:
             keys = list(f.keys())
             dtypes = {f.get_slice(k).get_dtype() for k in keys}
-        floating = [d for d in ("F64", "F32", "BF16", "F16") if d in dtypes]
-        if floating:
-            model.to(
-                {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[floating[0]]
-            )
-        missing, unexpected = load_model(model, str(path), strict=True)
+            floating = [d for d in ("F64", "F32", "BF16", "F16") if d in dtypes]
+            if floating:
+                model.to(
+                    {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[
+                        floating[0]
+                    ]
+                )
+            targets, stored = model.state_dict(), set(keys)
+            unexpected = [k for k in keys if k not in targets]
+            # a tied weight is stored once: the names sharing its storage are loaded with it
+            loaded = {targets[k].untyped_storage().data_ptr() for k in keys if k in targets}
+            missing = [k for k in targets if k not in stored and targets[k].untyped_storage().data_ptr() not in loaded]
+            if missing or unexpected:
+                raise ModelLoadError(
+                    f"{name}: missing weights {missing[:5]}, unexpected {unexpected[:5]}: they do not match the "
+                    f"{entry.class_name} that {entry.config_file} builds. Save the bundle again with "
+                    "observer.save(path, include_model=True), or build the model yourself."
+                )
+            with torch.no_grad():
+                for key in keys:
+                    tensor, target = f.get_tensor(key), targets[key]
+                    if tensor.shape != target.shape:
+                        raise ModelLoadError(
+                            f"{name}: weight {key} has shape {list(tensor.shape)}, the model's "
+                            f"{entry.class_name} built from {entry.config_file} expects {list(target.shape)}. Save "
+                            "the bundle again with observer.save(path, include_model=True), or build the model yourself."
+                        )
+                    target.copy_(tensor)
+                    del tensor
     except IobundleError:
         raise
     except Exception as exc:
         raise ModelLoadError(f"Cannot load the weights {name} into {entry.class_name}: {exc}") from exc
-    if missing or unexpected:  # strict=True raises first; kept for safetensors versions that do not
-        raise ModelLoadError(f"{name}: missing weights {missing[:5]}, unexpected {unexpected[:5]}.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -144,6 +144,23 @@ def test_onnx_inputs_mapped_through_the_program_signature(tmp_path, model_module
     assert len(json.loads(meta["iobundle.output_names"])) == 3
 
 
+def test_weights_over_the_threshold_take_the_external_data_path_and_validate(tmp_path, model_module, monkeypatch):
+    # The threshold (256 MiB) lowered to one byte: a tiny model takes the path of a large one.
+    from iobundle.replay import export_onnx
+
+    toy_models, _ = model_module
+    bundle = tmp_path / "run.iobundle"
+    _capture(toy_models.nested(), bundle)
+    b = load_bundle(bundle)
+    small = b.to_onnx(toy_models.nested(), tmp_path / "small" / "m.onnx")
+    assert sorted(p.name for p in Path(small).parent.iterdir()) == ["m.onnx"]  # inline below the threshold
+    monkeypatch.setattr(sys.modules[export_onnx.__module__], "EXTERNAL_DATA_BYTES", 1)
+    path = b.to_onnx(toy_models.nested(), tmp_path / "large" / "m.onnx")
+    assert sorted(p.name for p in Path(path).parent.iterdir()) == ["m.onnx", "m.onnx.data"]
+    # (onnxscript keeps tensors of a few bytes inline even then: these tiny weights stay in m.onnx)
+    assert b.validate(path).ok
+
+
 def test_wrong_model_fails_the_export_check_with_a_report(tmp_path, model_module):
     toy_models, _ = model_module
     bundle = tmp_path / "run.iobundle"

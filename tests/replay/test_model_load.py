@@ -154,6 +154,51 @@ def test_tampered_weights_are_refused(llama_bundle: tuple[Any, Path]) -> None:
         load_bundle_model(path)
 
 
+def rewrite_weights(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Replace the stored weights by ``tensors``, with the manifest's size and hash updated (not tampering)."""
+    from safetensors.torch import save_file
+
+    from iobundle.calls import WRITE_HASH, new_hasher
+
+    weights = path / "model" / "weights.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(weights))
+    data = weights.read_bytes()
+    digest = new_hasher(WRITE_HASH)
+    digest.update(data)
+    manifest = json.loads((path / "manifest.json").read_text("utf-8"))
+    manifest["model"]["files"]["model/weights.safetensors"] = {
+        "size": len(data), "hash": WRITE_HASH, "digest": digest.hexdigest()
+    }  # fmt: skip
+    (path / "manifest.json").write_text(json.dumps(manifest), "utf-8")
+
+
+def test_weight_of_another_shape_is_refused_by_name(llama_bundle: tuple[Any, Path]) -> None:
+    model, path = llama_bundle
+    tensors = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied: stored once
+    tensors["model.norm.weight"] = torch.ones(17)
+    rewrite_weights(path, tensors)
+    with pytest.raises(ModelLoadError, match=r"weight model\.norm\.weight has shape \[17\].*expects \[16\]"):
+        load_bundle_model(path)
+
+
+def test_missing_and_unexpected_weights_are_refused_by_name(llama_bundle: tuple[Any, Path]) -> None:
+    model, path = llama_bundle
+    tensors = {k: v for k, v in model.state_dict().items() if k not in ("lm_head.weight", "model.norm.weight")}
+    tensors["extra.weight"] = torch.ones(3)
+    rewrite_weights(path, tensors)
+    with pytest.raises(ModelLoadError, match=r"missing weights \['model\.norm\.weight'\], unexpected \['extra\.weight'\]"):
+        load_bundle_model(path)
+
+
+def test_a_tied_weight_stored_under_its_other_name_loads(llama_bundle: tuple[Any, Path]) -> None:
+    model, path = llama_bundle
+    tensors = {k: v for k, v in model.state_dict().items() if k != "model.embed_tokens.weight"}
+    rewrite_weights(path, tensors)
+    rebuilt = load_bundle_model(path)
+    assert rebuilt.model.embed_tokens.weight is rebuilt.lm_head.weight
+    torch.testing.assert_close(rebuilt.model.embed_tokens.weight, model.lm_head.weight, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("field", ["config_file", "weights_file"])
 def test_model_files_must_stay_inside_the_bundle(llama_bundle: tuple[Any, Path], field: str) -> None:
     _, path = llama_bundle

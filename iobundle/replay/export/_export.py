@@ -60,6 +60,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CHECK_TASK = "check exported program"
+# Weights from this size on are saved as external data (MODEL.onnx.data beside MODEL.onnx): written
+# tensor by tensor, where an inline save first builds the whole protobuf, then its serialised bytes,
+# two more copies of the weights (benchmarks/large.py measured the export's peak at 4.7x the weights).
+EXTERNAL_DATA_BYTES = 256 * 1024**2
 
 
 @dataclass
@@ -481,7 +485,8 @@ def export_onnx(
     The ONNX file carries, in its metadata, which recorded tensor feeds which graph input and
     the order of the outputs, so validation maps them through the exported program's
     signature rather than by guessing from names. With ``dim_names``, the graph's symbolic
-    dimensions bear the names (``batch_size``, ``past_sequence_length``, ...).
+    dimensions bear the names (``batch_size``, ``past_sequence_length``, ...). Weights of 256 MiB
+    or more are saved as external data, ``<path>.data`` beside the file.
 
     Raises:
         ExportError: ``torch.export`` or ``torch.onnx.export`` failed, or (with ``check``) the
@@ -504,6 +509,8 @@ def save_onnx(
     on_progress: ProgressCallback | None = None,
 ) -> str:
     """Convert a program returned by :func:`export_program` from ``rc`` to ONNX at ``path``; return the path.
+
+    Weights of 256 MiB or more are saved as external data, ``<path>.data`` beside the file.
 
     Raises:
         ExportError: ``torch.onnx.export`` failed, or the program does not take the recorded tensors.
@@ -544,7 +551,8 @@ def save_onnx(
         program.model.metadata_props[OUTPUT_NAMES_KEY] = json.dumps([v.name for v in program.model.graph.outputs])
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        program.save(str(path))
+        weights = sum(v.const_value.nbytes for v in program.model.graph.initializers.values() if v.const_value is not None)
+        program.save(str(path), external_data=weights >= EXTERNAL_DATA_BYTES)
     except ExportError:
         raise
     except Exception as exc:
