@@ -271,6 +271,18 @@ def test_validate_refuses_an_index_entry_reached_through_a_link(clean, exported,
     assert snapshot(outside) == before
 
 
+def test_save_onnx_never_writes_through_a_linked_external_data_file(clean, exported, tmp_path):
+    from iobundle import load_bundle
+    from iobundle.errors import BundleExistsError
+
+    outside = tmp_path / "users.bin"
+    outside.write_bytes(b"mine")
+    (tmp_path / "model.onnx.data").symlink_to(outside)
+    with pytest.raises(BundleExistsError, match=r"model\.onnx\.data' is a symbolic link"):
+        load_bundle(clean).to_onnx(Twice(), tmp_path / "model.onnx")
+    assert outside.read_bytes() == b"mine" and not (tmp_path / "model.onnx").exists()
+
+
 def test_export_overwrite_never_writes_through_a_linked_output(clean, exported, tmp_path, capsys, monkeypatch):
     outside = tmp_path / "users.onnx"
     shutil.copy(exported / "good.onnx", outside)
