@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# pytest-xdist workers: one per core of these 2-core machines (the zoo's replays are subprocesses of them)
+TEST_WORKERS ?= 2
 
 .PHONY: demo test lint bench bench-large fuzz schema zoo clean
 
@@ -19,7 +21,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check iobundle tests benchmarks tools
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 lint: $(STAMP)
 	$(PY) -m ruff check iobundle tests benchmarks tools

@@ -4,7 +4,7 @@ One test per family of ``families.FAMILIES``. The families selected for a run ar
 in this process (tiny models, nothing downloaded), then each bundle is replayed through the
 CLI in fresh processes (``iobundle export BUNDLE --from-bundle --batch-all`` checks
 ``ep.module()`` on every recorded call; ``iobundle validate`` runs onnxruntime on every
-recorded call), two at a time. A family passes when both commands succeed and every
+recorded call), two at a time (under pytest-xdist: one family per worker at a time). A family passes when both commands succeed and every
 recorded call is within the family's tolerance in both runtimes. ``make zoo`` runs the same
 harness and writes the support matrix into docs/llm.md.
 """
@@ -12,7 +12,7 @@ harness and writes the support matrix into docs/llm.md.
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 from families import FAMILIES, Family
@@ -24,20 +24,36 @@ JOBS = int(os.environ.get("IOBUNDLE_ZOO_JOBS", "2"))
 
 
 @pytest.fixture(scope="session")
-def zoo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, FamilyResult]:
-    """Run every family selected in this session (``-k`` respected) at once, replays side by side."""
+def zoo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Callable[[Family], FamilyResult]:
+    """A family's result, each family captured and replayed once per test process.
+
+    In one process, the first test runs every family selected in this session (``-k``
+    respected) at once, replays side by side. Under pytest-xdist a worker does not know which
+    tests it will get: each test runs its own family, the workers side by side.
+    """
+    root = tmp_path_factory.mktemp("zoo")
+    results: dict[str, FamilyResult] = {}
     selected = {
         item.callspec.params["entry"].name
         for item in request.session.items
         if hasattr(item, "callspec") and isinstance(item.callspec.params.get("entry"), Family)
     }
-    entries = [f for f in FAMILIES if f.name in selected]
-    return run_families(entries, tmp_path_factory.mktemp("zoo"), jobs=JOBS)
+
+    def result(entry: Family) -> FamilyResult:
+        if entry.name not in results:
+            if os.environ.get("PYTEST_XDIST_WORKER"):
+                batch = [entry]
+            else:
+                batch = [f for f in FAMILIES if f.name in selected and f.name not in results]
+            results.update(run_families(batch, root, jobs=JOBS))
+        return results[entry.name]
+
+    return result
 
 
 @pytest.mark.parametrize("entry", FAMILIES, ids=[f.name for f in FAMILIES])
-def test_family_exports_and_validates_from_bundle(entry: Family, zoo: dict[str, Any]) -> None:
-    result = zoo[entry.name]
+def test_family_exports_and_validates_from_bundle(entry: Family, zoo: Callable[[Family], FamilyResult]) -> None:
+    result = zoo(entry)
     failures = result.failures(entry.atol)
     if entry.known_failure:
         # Documented in the matrix and reported as an expected failure, never as a pass; when it

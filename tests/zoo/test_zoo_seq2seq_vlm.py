@@ -198,36 +198,50 @@ def capture_vlm(root: Path, name: str, model: Any, prompt: list[int], pixel_valu
     return path
 
 
-def capture_all(root: Path) -> dict[str, Job]:
-    jobs: dict[str, Job] = {}
-    for name, build, pad in (("t5", tiny_t5, 0), ("bart", tiny_bart, 1), ("marian", tiny_marian, 99)):
+SEQ2SEQ = {"t5": (tiny_t5, 0), "bart": (tiny_bart, 1), "marian": (tiny_marian, 99)}  # builder, pad token
+
+
+def capture(name: str, root: Path, captured: Callable[[str], dict[str, Job]]) -> dict[str, Job]:
+    """The jobs of the capture ``name``, its bundles written under ``root``; ``captured`` gives another capture's."""
+    if name in SEQ2SEQ:
+        build, pad = SEQ2SEQ[name]
         decoder, encoder = capture_seq2seq(root, name, build(), [_padded_batch((7, 5), 1, pad)])
-        jobs[f"{name}_decoder"] = Job(decoder, programs=2, min_calls=5)
-        jobs[f"{name}_encoder"] = Job(encoder)
-    # Two generate() calls with different source lengths: the decoder programs serve both.
-    (root / "two").mkdir()
-    two, _ = capture_seq2seq(root / "two", "t5", tiny_t5(), [_padded_batch((7, 5), 1, 0), _padded_batch((4, 3), 2, 0)])
-    jobs["t5_two_source_lengths"] = Job(two, programs=2, min_calls=10)
-    # One generate() call, the encoder length made dynamic by hand: validated on the other lengths.
-    jobs["t5_dynamic_flag"] = Job(
-        jobs["t5_decoder"].bundle, programs=2, min_calls=10, validate_with=two,
-        extra=["--dynamic", "attention_mask:1", "--dynamic", "encoder_outputs:1", "--dynamic", "cache:2"],
-    )  # fmt: skip
-    decoder, encoder = capture_whisper(root)
-    jobs["whisper_decoder"] = Job(decoder, min_calls=5)
-    jobs["whisper_encoder"] = Job(encoder)
-    gemma = capture_vlm(
-        root, "gemma3_vlm", tiny_gemma3_vlm(), [2, 5, 6, 98, *[GEMMA3_IMAGE_TOKEN] * 4, 99, 7, 8],
-        torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(4)),
-        token_type_ids=torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0]]),
-    )  # fmt: skip
-    jobs["gemma3_vlm"] = Job(gemma, programs=2, min_calls=5)
-    smol = capture_vlm(
-        root, "smolvlm", tiny_smolvlm(), [2, 5, 6, *[SMOLVLM_IMAGE_TOKEN] * 4, 7, 8],
-        torch.randn(1, 1, 3, 28, 28, generator=torch.Generator().manual_seed(5)),
-    )  # fmt: skip
-    jobs["smolvlm"] = Job(smol, programs=2, min_calls=5)
-    return jobs
+        return {f"{name}_decoder": Job(decoder, programs=2, min_calls=5), f"{name}_encoder": Job(encoder)}
+    if name == "t5_two":
+        # Two generate() calls with different source lengths: the decoder programs serve both.
+        two, _ = capture_seq2seq(root, "t5", tiny_t5(), [_padded_batch((7, 5), 1, 0), _padded_batch((4, 3), 2, 0)])
+        # One generate() call, the encoder length made dynamic by hand: validated on the other lengths.
+        dynamic = Job(
+            captured("t5")["t5_decoder"].bundle, programs=2, min_calls=10, validate_with=two,
+            extra=["--dynamic", "attention_mask:1", "--dynamic", "encoder_outputs:1", "--dynamic", "cache:2"],
+        )  # fmt: skip
+        return {"t5_two_source_lengths": Job(two, programs=2, min_calls=10), "t5_dynamic_flag": dynamic}
+    if name == "whisper":
+        decoder, encoder = capture_whisper(root)
+        return {"whisper_decoder": Job(decoder, min_calls=5), "whisper_encoder": Job(encoder)}
+    if name == "gemma3_vlm":
+        gemma = capture_vlm(
+            root, "gemma3_vlm", tiny_gemma3_vlm(), [2, 5, 6, 98, *[GEMMA3_IMAGE_TOKEN] * 4, 99, 7, 8],
+            torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(4)),
+            token_type_ids=torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0]]),
+        )  # fmt: skip
+        return {"gemma3_vlm": Job(gemma, programs=2, min_calls=5)}
+    if name == "smolvlm":
+        smol = capture_vlm(
+            root, "smolvlm", tiny_smolvlm(), [2, 5, 6, *[SMOLVLM_IMAGE_TOKEN] * 4, 7, 8],
+            torch.randn(1, 1, 3, 28, 28, generator=torch.Generator().manual_seed(5)),
+        )  # fmt: skip
+        return {"smolvlm": Job(smol, programs=2, min_calls=5)}
+    raise KeyError(name)
+
+
+CAPTURE_OF = {  # job -> the capture that makes its bundles
+    **{f"{n}_{part}": n for n in [*SEQ2SEQ, "whisper"] for part in ("decoder", "encoder")},
+    "t5_two_source_lengths": "t5_two",
+    "t5_dynamic_flag": "t5_two",
+    "gemma3_vlm": "gemma3_vlm",
+    "smolvlm": "smolvlm",
+}
 
 
 # --------------------------------------------------------------------------- replay through the CLI
@@ -266,17 +280,41 @@ def replay(name: str, job: Job, root: Path) -> dict[str, Any]:
     return result
 
 
-@pytest.fixture(scope="module")
-def replayed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+@pytest.fixture(scope="session")
+def replayed(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, Any]]:
+    """A job's replay (see :func:`replay`), each capture and each replay done once per test process.
+
+    In one process, the first test captures everything and replays every job, two at a time.
+    Under pytest-xdist each test replays its own job (the workers side by side), and the tests
+    that share a capture share an ``xdist_group``, so that one worker captures it once.
+    """
     root = tmp_path_factory.mktemp("zoo_seq2seq_vlm")
-    jobs = capture_all(root)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = dict(zip(jobs, pool.map(lambda item: replay(item[0], item[1], root), jobs.items())))
-    for name, job in jobs.items():
-        results[name]["job"] = job
-    summary = {k: {kk: vv for kk, vv in v.items() if kk not in ("job",)} for k, v in results.items()}
-    (root / "results.json").write_text(json.dumps(summary, indent=1, default=str))
-    return results
+    captures: dict[str, dict[str, Job]] = {}
+    results: dict[str, dict[str, Any]] = {}
+
+    def captured(name: str) -> dict[str, Job]:
+        if name not in captures:
+            (root / name).mkdir()
+            captures[name] = capture(name, root / name, captured)
+        return captures[name]
+
+    def run(name: str) -> tuple[str, dict[str, Any]]:
+        job = captured(CAPTURE_OF[name])[name]
+        return name, {**replay(name, job, root), "job": job}
+
+    def result(name: str) -> dict[str, Any]:
+        if name not in results:
+            if os.environ.get("PYTEST_XDIST_WORKER"):
+                results.update([run(name)])
+            else:
+                for capture_name in dict.fromkeys(CAPTURE_OF.values()):
+                    captured(capture_name)  # one after the other, before the replays run side by side
+                pending = [n for n in CAPTURE_OF if n not in results]
+                with ThreadPoolExecutor(max_workers=2) as pool:
+                    results.update(pool.map(run, pending))
+        return results[name]
+
+    return result
 
 
 def check(result: dict[str, Any]) -> dict[str, Any]:
@@ -304,9 +342,14 @@ def _structures(export: dict[str, Any]) -> list[dict[str, str]]:
     return [p["inputs"] for p in export["programs"]]
 
 
-@pytest.mark.parametrize("family", ["t5", "bart", "marian"])
-def test_seq2seq_decoder_first_step_and_later_steps(replayed: dict[str, Any], family: str) -> None:
-    export = check(replayed[f"{family}_decoder"])
+def grouped(*families: str) -> list[Any]:
+    """``families`` as parameters, each in the ``xdist_group`` of its capture."""
+    return [pytest.param(f, marks=pytest.mark.xdist_group(f"zoo-{f}")) for f in families]
+
+
+@pytest.mark.parametrize("family", grouped("t5", "bart", "marian"))
+def test_seq2seq_decoder_first_step_and_later_steps(replayed: Callable[[str], dict[str, Any]], family: str) -> None:
+    export = check(replayed(f"{family}_decoder"))
     # The first step (its cache still empty) and the later steps are two phases, by structure.
     assert [p["calls"] for p in export["programs"]] == [[0], [1, 2, 3, 4]]
     assert [s["cache"] for s in _structures(export)] == ["absent", "present"]
@@ -315,34 +358,37 @@ def test_seq2seq_decoder_first_step_and_later_steps(replayed: dict[str, Any], fa
     assert all(p["batch_check"]["success"] is True for p in export["programs"])
 
 
-@pytest.mark.parametrize("family", ["t5", "bart", "marian", "whisper"])
-def test_seq2seq_encoder(replayed: dict[str, Any], family: str) -> None:
-    export = check(replayed[f"{family}_encoder"])
+@pytest.mark.parametrize("family", grouped("t5", "bart", "marian", "whisper"))
+def test_seq2seq_encoder(replayed: Callable[[str], dict[str, Any]], family: str) -> None:
+    export = check(replayed(f"{family}_encoder"))
     assert export["reason"] == ""
 
 
-def test_whisper_decoder_one_program(replayed: dict[str, Any]) -> None:
-    export = check(replayed["whisper_decoder"])
+@pytest.mark.xdist_group("zoo-whisper")
+def test_whisper_decoder_one_program(replayed: Callable[[str], dict[str, Any]]) -> None:
+    export = check(replayed("whisper_decoder"))
     assert "whisper_cross_attention_recompute" in export["programs"][0]["patches"]
     assert export["programs"][0]["batch_check"]["success"] is True  # recorded with batch 1, serves 2
 
 
-def test_seq2seq_decoder_serves_two_source_lengths(replayed: dict[str, Any]) -> None:
-    export = check(replayed["t5_two_source_lengths"])
+@pytest.mark.xdist_group("zoo-t5_two")
+def test_seq2seq_decoder_serves_two_source_lengths(replayed: Callable[[str], dict[str, Any]]) -> None:
+    export = check(replayed("t5_two_source_lengths"))
     assert [len(p["calls"]) for p in export["programs"]] == [2, 8]
 
 
-def test_dynamic_flag_serves_source_lengths_never_recorded(replayed: dict[str, Any]) -> None:
+@pytest.mark.xdist_group("zoo-t5_two")
+def test_dynamic_flag_serves_source_lengths_never_recorded(replayed: Callable[[str], dict[str, Any]]) -> None:
     # Exported from one generate() (source length 7) with --dynamic, validated on a bundle of
     # two other generate() calls (lengths 7 and 4): the programs accept the unseen length.
-    result = replayed["t5_dynamic_flag"]
+    result = replayed("t5_dynamic_flag")
     check(result)
     assert {r["program"] for r in result["rows"]} == {"p0", "p1"}
 
 
 @pytest.mark.parametrize("family", ["gemma3_vlm", "smolvlm"])
-def test_vlm_prefill_and_decode(replayed: dict[str, Any], family: str) -> None:
-    export = check(replayed[family])
+def test_vlm_prefill_and_decode(replayed: Callable[[str], dict[str, Any]], family: str) -> None:
+    export = check(replayed(family))
     prefill, decode = _structures(export)
     assert prefill["mm_encoder_outputs"] == "present" and prefill["cache"] == "absent"
     assert decode["mm_encoder_outputs"] == "absent" and decode["cache"] == "present"
