@@ -7,36 +7,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from iobundle import errors
 from iobundle._lazy import lazy_names
 from iobundle._version import __version__
-from iobundle.errors import (
-    AlignmentError,
-    ArchiveError,
-    BundleError,
-    BundleExistsError,
-    BundleNotFoundError,
-    BundleWriteError,
-    CaptureError,
-    CLIError,
-    DynamicShapeError,
-    ExportError,
-    InputSelectionError,
-    IntegrityError,
-    IobundleError,
-    ManifestError,
-    MissingDependencyError,
-    ModelLoadError,
-    NothingToCompareError,
-    ObserverArgumentError,
-    ObserverArgumentTypeError,
-    ObserverStateError,
-    ReplayError,
-    TensorFileError,
-    ToleranceError,
-    UnsafeBundleError,
-    UnsupportedFormatVersionError,
-    UnsupportedInputError,
-)
+from iobundle.errors import *  # noqa: F403 (the whole exception tree, listed once in errors.__all__)
 
 __all__ = [
     # Capture and replay
@@ -46,34 +20,8 @@ __all__ = [
     "__version__",
     "load_bundle",
     "redact_bundle",
-    # Errors
-    "AlignmentError",
-    "ArchiveError",
-    "BundleError",
-    "BundleExistsError",
-    "BundleNotFoundError",
-    "BundleWriteError",
-    "CLIError",
-    "CaptureError",
-    "DynamicShapeError",
-    "ExportError",
-    "InputSelectionError",
-    "IntegrityError",
-    "IobundleError",
-    "ManifestError",
-    "MissingDependencyError",
-    "ModelLoadError",
-    "NothingToCompareError",
-    "ObserverArgumentError",
-    "ObserverArgumentTypeError",
-    "ObserverStateError",
-    "ReplayError",
-    "TensorFileError",
-    "ToleranceError",
-    "UnsafeBundleError",
-    "UnsupportedFormatVersionError",
-    "UnsupportedInputError",
 ]
+__all__ += errors.__all__  # the exception tree
 
 if TYPE_CHECKING:
     from iobundle.observer import InputCandidate, InputObserver, redact_bundle

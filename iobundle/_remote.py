@@ -21,11 +21,12 @@ import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from iobundle._paths import FILE, LINK, MISSING, Tree, check_relative_name, link_message, reported_link
 from iobundle.errors import BundleExistsError, BundleNotFoundError, BundleWriteError, MissingDependencyError
+from iobundle.schema import MEMBER_NAME_RULE, is_member_name
 
 __all__ = [
     "MANIFEST_NAME",
@@ -177,10 +178,10 @@ def listed_names(manifest: bytes, where: str) -> list[str]:
             "Remove the folder yourself, or choose another path."
         ) from exc
     for name in names:
-        parts = PurePosixPath(name).parts if isinstance(name, str) else ()
-        if not parts or name.startswith("/") or "\\" in name or ".." in parts or ":" in name:
+        if not is_member_name(name):
             raise BundleExistsError(
-                f"'{where}' lists the file {name!r}, which is not inside the bundle; refusing to replace it. "
+                f"'{where}' lists the file {name!r}, which is not inside the bundle ({MEMBER_NAME_RULE} is); "
+                "refusing to replace it. "
                 "Remove the folder yourself, or choose another path."
             )
     return list(dict.fromkeys(names))

@@ -290,6 +290,15 @@ def test_an_old_manifest_naming_files_outside_is_refused_and_nothing_deleted(tmp
     assert (tmp_path / "manifest.json").exists()
 
 
+def test_an_old_manifest_naming_a_file_with_a_control_character_is_refused_and_nothing_deleted(tmp_path):
+    from iobundle._remote import clear_local_bundle
+
+    (tmp_path / "manifest.json").write_text('{"files": {"calls/\\u001b[2J.safetensors": {}}}')
+    with pytest.raises(BundleExistsError, match="not inside the bundle"):
+        clear_local_bundle(tmp_path)
+    assert (tmp_path / "manifest.json").exists()
+
+
 @pytest.mark.parametrize("link", ["calls", "calls/000000.safetensors"])
 def test_a_remote_bundle_whose_files_the_filesystem_reports_as_links_is_refused(tmp_path, link):
     pytest.importorskip("fsspec")

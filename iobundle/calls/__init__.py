@@ -29,6 +29,8 @@ __all__ = [
     "NodeType",
     "TensorCollector",
     "build_value",
+    "call_key",
+    "collect_tensor_keys",
     "count_leaves",
     "count_tensors",
     "find_node_type",
@@ -41,7 +43,14 @@ __all__ = [
     "register_provider",
     "replace_tensors",
     "tensor_keys",
+    "tree_key",
     "transformers_pytree_nodes",
+    # Tensor paths (what reports show and --atol NAME=... takes)
+    "OUTPUT_ROOT",
+    "child_path",
+    "item_labels",
+    "path_matches",
+    "tensor_paths",
     # Delta storage and hashes
     "DeltaIndex",
     "Match",
@@ -70,15 +79,20 @@ __all__ = [
     "listed_files",
     "open_regular",
     "read_sized_member",
+    # The stored model config
+    "MAX_CONFIG_BYTES",
+    "read_stored_config",
 ]
 
 import importlib
 from contextlib import AbstractContextManager
 
 from iobundle.calls._calls import DictTensorStore, RecordedCalls, TensorStore, positional_names, signature_entry
+from iobundle.calls._config import MAX_CONFIG_BYTES, read_stored_config
 from iobundle.calls._delta import DeltaIndex, Match, extends_bytes, rebuild
 from iobundle.calls._dtypes import DTYPE_TO_NAME, NAME_TO_DTYPE, dtype_name
 from iobundle.calls._hashing import WRITE_HASH, new_hasher
+from iobundle.calls._paths import OUTPUT_ROOT, child_path, item_labels, path_matches, tensor_paths
 from iobundle.calls._record import record_inputs, split_kwargs
 from iobundle.calls._registry import (
     NodeType,
@@ -121,6 +135,7 @@ from iobundle.calls._tree import (
     replace_tensors,
     tensor_keys,
 )
+from iobundle.schema import call_key, collect_tensor_keys, tree_key
 
 # transformers' node types register themselves the first time one of its classes is met (or named).
 register_provider("transformers", lambda: importlib.import_module("iobundle.calls._transformers").register_all())

@@ -45,7 +45,7 @@ from iobundle.calls._dtypes import NAME_TO_DTYPE
 from iobundle.calls._hashing import new_hasher
 from iobundle.calls._tensorfile_write import parse_header, read_exactly, tensor_span
 from iobundle.errors import IntegrityError, TensorFileError, UnsafeBundleError
-from iobundle.schema import FileEntry, Manifest, TensorEntry
+from iobundle.schema import MEMBER_NAME_RULE, FileEntry, Manifest, TensorEntry, is_member_name
 
 __all__ = [
     "BundleRoot",
@@ -67,27 +67,15 @@ READ_WHOLE_BYTES = 1 << 20
 those bytes and the tensors view them (four opens and a memory mapping cost more than the read)."""
 
 
-_CONTROL_OR_SURROGATE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
-"""Unicode categories Cc (control) and Cs (surrogate), exactly."""
-
-
 def check_member_name(name: str) -> PurePosixPath:
     if not isinstance(name, str) or not name:
         raise UnsafeBundleError(f"File name {name!r} in the manifest is empty or not a string.")
-    pure = PurePosixPath(name)
-    if (
-        pure.is_absolute()
-        or name.startswith("/")
-        or "\\" in name
-        or ":" in name
-        or ".." in pure.parts
-        or _CONTROL_OR_SURROGATE.search(name)
-    ):
+    if not is_member_name(name):
         raise UnsafeBundleError(
             f"File name {name!r} in the manifest is not a plain relative path inside the bundle "
-            "(absolute, '..', backslash, colon or control character); refusing to open it."
+            f"(it must be {MEMBER_NAME_RULE}); refusing to open it."
         )
-    return pure
+    return PurePosixPath(name)
 
 
 class BundleRoot:

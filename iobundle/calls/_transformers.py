@@ -251,6 +251,17 @@ def _layer_tensors(layer: Any) -> tuple[Any, Any]:
     return keys, values
 
 
+def _layered(children: list[Any], context: Any, per_layer: int, name: str) -> tuple[list[Any], list[Any]]:
+    """A cache's recorded children and layer kinds, refused unless there are ``per_layer`` children per layer."""
+    kinds = list(context)
+    children = list(children)
+    if len(children) != per_layer * len(kinds):
+        raise ValueError(
+            f"A {name} of {len(kinds)} layers flattens to {per_layer * len(kinds)} children, got {len(children)}."
+        )
+    return children, kinds
+
+
 def _flatten_dynamic_cache(cache: Any) -> tuple[list[Any], list[Any]]:
     children: list[Any] = []
     kinds: list[Any] = []
@@ -261,12 +272,7 @@ def _flatten_dynamic_cache(cache: Any) -> tuple[list[Any], list[Any]]:
 
 
 def _unflatten_dynamic_cache(children: list[Any], context: Any) -> Any:
-    kinds = list(context)
-    children = list(children)
-    if len(children) != 2 * len(kinds):
-        raise ValueError(
-            f"A DynamicCache of {len(kinds)} layers flattens to {2 * len(kinds)} children, got {len(children)}."
-        )
+    children, kinds = _layered(children, context, 2, "DynamicCache")
     cache = DynamicCache()
     if kinds:
         cache.layers = [
@@ -291,12 +297,7 @@ def _flatten_static_cache(cache: Any) -> tuple[list[Any], list[Any]]:
 
 
 def _unflatten_static_cache(children: list[Any], context: Any) -> Any:
-    kinds = list(context)
-    children = list(children)
-    if len(children) != 3 * len(kinds):
-        raise ValueError(
-            f"A StaticCache of {len(kinds)} layers flattens to {3 * len(kinds)} children, got {len(children)}."
-        )
+    children, kinds = _layered(children, context, 3, "StaticCache")
     layers = [
         _build_static_layer(kind, children[3 * i], children[3 * i + 1], children[3 * i + 2], i)
         for i, kind in enumerate(kinds)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as torch_pytree
 
+from iobundle.calls._paths import OUTPUT_ROOT, child_path, item_labels
 from iobundle.calls._registry import find_node_type, lookup_node_type
 from iobundle.errors import AlignmentError, UnsafeBundleError
 from iobundle.schema import (
@@ -27,6 +28,7 @@ from iobundle.schema import (
     OpaqueNode,
     TensorNode,
     TupleNode,
+    collect_tensor_keys,
 )
 
 __all__ = [
@@ -120,6 +122,7 @@ def record_value(
 ) -> Node:
     """Convert ``value`` to a tree, registering its tensors with ``collector``.
 
+    ``path`` is where ``value`` stands (``calls.tensor_paths`` syntax; ``""`` for an output tree).
     Values that cannot be recorded become :class:`OpaqueNode` and ``on_opaque(path, type, reason)``
     is called; recording never raises for an unsupported value.
     """
@@ -133,21 +136,24 @@ def record_value(
         return ConstNode(value=plain(value))
     cls = type(value)
     if cls is list or cls is tuple or (isinstance(value, tuple) and hasattr(value, "_fields")):
-        items = [record_value(v, collector, path=f"{path}[{i}]", on_opaque=on_opaque) for i, v in enumerate(value)]
+        items = [
+            record_value(v, collector, path=child_path(path, None, i), on_opaque=on_opaque) for i, v in enumerate(value)
+        ]
         return ListNode(items=items) if cls is list else TupleNode(items=items)
     if isinstance(value, dict) and (cls is dict or cls.__module__ == "collections"):
         keys = list(value)
         if all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in keys):
-            items = [record_value(value[k], collector, path=f"{path}[{k!r}]", on_opaque=on_opaque) for k in keys]
+            items = [record_value(value[k], collector, path=_key_path(path, k), on_opaque=on_opaque) for k in keys]
             return DictNode(keys=keys, items=items)
     node_type = find_node_type(value)
     if node_type is not None:
         children, context = node_type.flatten(value)
+        context = _json_normalise(context)[0]
         return ObjectNode(
             type=node_type.name,
             version=node_type.version,
-            context=_json_normalise(context)[0],
-            items=[record_value(c, collector, path=f"{path}.{i}", on_opaque=on_opaque) for i, c in enumerate(children)],
+            context=context,
+            items=_record_children(children, context, collector, path, on_opaque),
         )
     pytree_node = torch_pytree.SUPPORTED_NODES.get(cls)
     if pytree_node is not None and cls not in _CONTAINER_TYPES:
@@ -157,11 +163,27 @@ def record_value(
             type=PYTREE_PREFIX + qualified_name(cls),
             version=0 if ok else -1,
             context=context,
-            items=[record_value(c, collector, path=f"{path}.{i}", on_opaque=on_opaque) for i, c in enumerate(children)],
+            items=_record_children(children, context, collector, path, on_opaque),
         )
     reason = "not a tensor, scalar, container or registered class"
-    on_opaque(path, qualified_name(cls), reason)
+    on_opaque(path or OUTPUT_ROOT, qualified_name(cls), reason)
     return OpaqueNode(type=qualified_name(cls), reason=reason)
+
+
+def _key_path(path: str, key: Any) -> str:
+    return child_path(path, key if isinstance(key, str) else None, key)
+
+
+def _record_children(
+    children: list[Any], context: Any, collector: TensorCollector, path: str, on_opaque: Callable[[str, str, str], None]
+) -> list[Node]:
+    """The recorded children of a registered class, each at its path (a field's name when the context names it)."""
+    named = isinstance(context, list) and len(context) == len(children)
+    labels = [c if named and isinstance(c, str) else None for c in (context if named else children)]
+    return [
+        record_value(c, collector, path=child_path(path, label, i), on_opaque=on_opaque)
+        for i, (label, c) in enumerate(zip(labels, children))
+    ]
 
 
 def iter_tensor_nodes(node: Node) -> Iterator[TensorNode]:
@@ -176,7 +198,7 @@ def iter_tensor_nodes(node: Node) -> Iterator[TensorNode]:
 
 
 def tensor_keys(node: Node) -> list[str]:
-    return [t.key for t in iter_tensor_nodes(node)]
+    return collect_tensor_keys(node, [])
 
 
 def count_tensors(node: Node) -> int:
@@ -241,13 +263,14 @@ def build_value(node: Node, tensor: Callable[[str], torch.Tensor], *, path: str 
     if isinstance(node, ConstNode):
         return node.value
     if isinstance(node, ListNode):
-        return [build_value(n, tensor, path=f"{path}[{i}]") for i, n in enumerate(node.items)]
+        return [build_value(n, tensor, path=child_path(path, None, i)) for i, n in enumerate(node.items)]
     if isinstance(node, TupleNode):
-        return tuple(build_value(n, tensor, path=f"{path}[{i}]") for i, n in enumerate(node.items))
+        return tuple(build_value(n, tensor, path=child_path(path, None, i)) for i, n in enumerate(node.items))
     if isinstance(node, DictNode):
-        return {k: build_value(n, tensor, path=f"{path}[{k!r}]") for k, n in zip(node.keys, node.items)}
+        return {k: build_value(n, tensor, path=_key_path(path, k)) for k, n in zip(node.keys, node.items)}
     if isinstance(node, ObjectNode):
-        children = [build_value(n, tensor, path=f"{path}.{i}") for i, n in enumerate(node.items)]
+        labels = item_labels(node)
+        children = [build_value(n, tensor, path=child_path(path, labels[i], i)) for i, n in enumerate(node.items)]
         return _build_object(node, children, path)
     raise AlignmentError(
         f"{path or 'value'}: a {node.type} was not recorded ({node.reason}), so it cannot be rebuilt. "

@@ -400,7 +400,7 @@ class CallRecorder:
         journal: list[str] = []
         self._table.journal = journal
         try:
-            return record_value(result, self._collector, path="output", on_opaque=self._opaque), ""
+            return record_value(result, self._collector, path="", on_opaque=self._opaque), ""
         except Exception as exc:
             self._table.discard(journal)
             return None, _failure("the outputs", exc)

@@ -27,11 +27,8 @@ from iobundle._collector import collector_paused
 from iobundle.cli import _checks, _programs, _render, _travel
 from iobundle.cli._exits import (
     DEBUG_ENV,
-    EXIT_CHECK_FAILED,
     EXIT_DAMAGED,
-    EXIT_FAILED,
     EXIT_INTERRUPTED,
-    EXIT_NOTHING_TO_COMPARE,
     EXIT_OK,
     EXIT_USAGE,
     exit_code_for,
@@ -43,17 +40,7 @@ from iobundle.cli._programs import damaged_files, refuse_damaged
 from iobundle.cli._programs import open_bundle as _open_bundle
 from iobundle.errors import CLIError, IobundleError, ReplayError
 
-__all__ = [
-    "EXIT_CHECK_FAILED",
-    "EXIT_DAMAGED",
-    "EXIT_FAILED",
-    "EXIT_INTERRUPTED",
-    "EXIT_NOTHING_TO_COMPARE",
-    "EXIT_OK",
-    "EXIT_USAGE",
-    "exit_code_for",
-    "main",
-]
+__all__ = ["main"]  # the exit codes are iobundle.cli._exits's
 
 logger = logging.getLogger(__name__)
 

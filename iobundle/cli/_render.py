@@ -277,37 +277,6 @@ MAX_CALL_ROWS = 20
 """``iobundle inspect`` lists up to this many calls one per row; more are summarised by runs (``--calls``)."""
 
 
-def _skeleton(node: Node, keys: list[str]) -> Any:
-    """What ``node`` shows but its tensors' shapes (compared with ``==``); appends its tensor keys to ``keys``."""
-    kind = node.kind
-    if kind == "tensor":
-        keys.append(node.key)  # type: ignore[union-attr]
-        return kind
-    if kind in ("list", "tuple"):
-        return (kind, _skeletons(node.items, keys))  # type: ignore[union-attr]
-    if kind == "dict":
-        return (kind, node.keys, _skeletons(node.items, keys))  # type: ignore[union-attr]
-    if kind == "node":
-        return (kind, node.type, node.context, _skeletons(node.items, keys))  # type: ignore[union-attr]
-    if kind == "const":
-        return (kind, type(node.value), node.value)  # type: ignore[union-attr]
-    if kind == "opaque":
-        return (kind, node.type)  # type: ignore[union-attr]
-    return kind if kind == "none" else (kind, id(node))  # an unknown kind: a run of its own
-
-
-def _skeletons(nodes: Sequence[Node], keys: list[str]) -> list[Any]:
-    """:func:`_skeleton` of each of ``nodes`` (tensors inline: most are)."""
-    result: list[Any] = []
-    for node in nodes:
-        if node.kind == "tensor":
-            keys.append(node.key)  # type: ignore[union-attr]
-            result.append("tensor")
-        else:
-            result.append(_skeleton(node, keys))
-    return result
-
-
 class CallRun:
     """Consecutive calls that show the same row but for their tensors' sizes (and latencies).
 
@@ -368,22 +337,17 @@ def _uniform(tensors: Mapping[str, Any], keys: Sequence[str]) -> bool:
 def call_runs(manifest: Manifest) -> list[CallRun]:
     """The calls of ``manifest`` grouped into runs of consecutive calls that differ only in tensor sizes.
 
-    Two calls fall in one run when they have the same status, constants, placeholders, inputs
-    (names, containers, classes and their contexts, scalars) and, tensor by tensor, the same
-    dtype and rank. A call that passes one tensor twice is a run of its own.
+    Two calls fall in one run when they have the same status, the same input structure
+    (``iobundle.schema.call_key``: names, containers, classes and their contexts, scalars,
+    constants, placeholders) and, tensor by tensor, the same dtype and rank. A call that passes one tensor twice is a run of its own.
     """
+    from iobundle.schema import call_key  # the manifest is loaded, so schema already is
+
     runs: list[CallRun] = []
     last: Any = None
     for call in manifest.calls:
         keys: list[str] = []
-        skeleton = (
-            call.status,
-            call.cst_kwargs,
-            call.filled,
-            _skeletons(call.args, keys),
-            list(call.kwargs),
-            _skeletons(list(call.kwargs.values()), keys),
-        )
+        skeleton = (call.status, call_key(call, keys))
         unique = len(set(keys)) == len(keys)
         if unique and runs and last == skeleton:
             runs[-1].calls.append(call)

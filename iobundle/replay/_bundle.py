@@ -17,6 +17,7 @@ from iobundle.calls import (
     build_value,
     check_file,
     check_file_header,
+    collect_tensor_keys,
     iter_tensor_nodes,
     listed_files,
 )
@@ -24,7 +25,7 @@ from iobundle.errors import IobundleError, UnsafeBundleError
 from iobundle.replay._api import RecordedCallsAPI
 from iobundle.replay._archive import ArchiveRoot, open_archive
 from iobundle.replay._remote import RemoteRoot
-from iobundle.replay.infer import call_shape, collect_tensor_keys
+from iobundle.replay.infer import call_shape
 from iobundle.schema import MANIFEST_FILENAME, CallEntry, Manifest, load_manifest, parse_manifest
 
 __all__ = ["Bundle", "load_bundle"]

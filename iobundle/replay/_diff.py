@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from iobundle._progress import ProgressCallback, notify
-from iobundle.calls import NAME_TO_DTYPE, positional_names
+from iobundle.calls import NAME_TO_DTYPE, child_path, item_labels, positional_names
 from iobundle.errors import NothingToCompareError
 from iobundle.replay._bundle import Bundle, load_bundle
 from iobundle.replay.check import (
@@ -106,12 +106,13 @@ def _walk(a: Node | None, b: Node | None, path: str, ma: Manifest, mb: Manifest,
     if isinstance(a, DictNode) and isinstance(b, DictNode):
         da, db = dict(zip(a.keys, a.items)), dict(zip(b.keys, b.items))
         for k in a.keys:
+            at = child_path(path, k if isinstance(k, str) else None, k)
             if k in db:
-                _walk(da[k], db[k], f"{path}.{k}" if path else str(k), ma, mb, out, pairs, is_input)
+                _walk(da[k], db[k], at, ma, mb, out, pairs, is_input)
             else:
-                out.append(f"{path}.{k}: present in A, absent in B" if path else f"{k}: present in A, absent in B")
+                out.append(f"{at}: present in A, absent in B")
         out.extend(
-            f"{path}.{k}: absent in A, present in B" if path else f"{k}: absent in A, present in B"
+            f"{child_path(path, k if isinstance(k, str) else None, k)}: absent in A, present in B"
             for k in b.keys
             if k not in da
         )
@@ -123,14 +124,8 @@ def _walk(a: Node | None, b: Node | None, path: str, ma: Manifest, mb: Manifest,
     if len(items_a) != len(items_b):
         what = "layers/items" if isinstance(a, ObjectNode) else "items"
         out.append(f"{path}: {len(items_a)} {what} in A, {len(items_b)} in B")
-    # Labels as output_paths reads them: a context names the items only when it has one label per item
-    # (a DynamicCache's ["full", "full"] names its layers, not its 2 x layers tensors).
-    labels = a.context if isinstance(a, ObjectNode) and isinstance(a.context, list) else None
-    labels = labels if labels is not None and len(labels) == len(items_a) else None
-    for i, (x, y) in enumerate(zip(items_a, items_b)):
-        label = labels[i] if labels is not None and isinstance(labels[i], str) else None
-        child = (f"{path}.{label}" if path else label) if label else f"{path or 'output'}[{i}]"
-        _walk(x, y, child, ma, mb, out, pairs, is_input)
+    for i, (label, x, y) in enumerate(zip(item_labels(a), items_a, items_b)):  # paths as output_paths reads them
+        _walk(x, y, child_path(path, label, i), ma, mb, out, pairs, is_input)
 
 
 def _has_outputs(bundle: Bundle) -> bool:

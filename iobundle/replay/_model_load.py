@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import os
 from collections.abc import Iterator, Mapping
@@ -33,7 +32,7 @@ from typing import Any
 import torch
 
 from iobundle._implementations import ATTN_IMPLEMENTATIONS, EXPERTS_IMPLEMENTATIONS, SAFE_ATTN_IMPLEMENTATION
-from iobundle.calls import Root, check_file, read_sized_member
+from iobundle.calls import Root, check_file, read_sized_member, read_stored_config
 from iobundle.errors import IobundleError, MissingDependencyError, ModelLoadError, UnsafeBundleError
 from iobundle.replay._bundle import Bundle
 from iobundle.schema import ModelEntry
@@ -45,7 +44,6 @@ __all__ = [
     "COMPONENT_CLASSES",
     "DTYPES",
     "EXPERTS_IMPLEMENTATIONS",
-    "MAX_CONFIG_BYTES",
     "MAX_CONFIG_DEPTH",
     "StoredModel",
     "describe_bundle_model",
@@ -54,8 +52,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-MAX_CONFIG_BYTES = 16 * 1024**2
 
 _BUILD_IT_YOURSELF = (
     "Build the model yourself and pass it to export (iobundle export BUNDLE --model MODULE:FACTORY, "
@@ -322,27 +318,6 @@ def _check_config_object(file: str, config: Any) -> None:
             raise _refuse(file, f"{prefix}dtype", dtype, "is not a torch dtype")
 
 
-def _read_config(root: Root, entry: ModelEntry) -> dict[str, Any]:
-    name = entry.config_file
-    file = entry.files.get(name)
-    if file is None:
-        raise UnsafeBundleError(f"model.config_file: {name!r} is not listed in model.files.")
-    if file.size > MAX_CONFIG_BYTES:
-        raise UnsafeBundleError(
-            f"model.files[{name!r}]: {file.size} bytes, over the limit of {MAX_CONFIG_BYTES} bytes for a config."
-        )
-    path = check_file(root, name, file, hash_check=True)
-    try:
-        config = json.loads(path.read_bytes() if isinstance(path, Path) else read_sized_member(path, name, file.size))
-    except RecursionError as exc:
-        raise UnsafeBundleError(f"{name}: JSON nested too deeply to read.") from exc
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{name}: not a JSON config ({exc}).") from exc
-    if not isinstance(config, dict):
-        raise ModelLoadError(f"{name}: a config is a JSON object, got {type(config).__name__}.")
-    return config
-
-
 def _check_model_type(cls: type, config_dict: dict[str, Any], entry: ModelEntry, types: frozenset[str]) -> None:
     """The stored model_type must be the one of the class's config (or one it is registered for)."""
     model_type = config_dict.get("model_type")
@@ -469,6 +444,19 @@ class StoredModel:
     refused: str | None
 
 
+def _stored_config(bundle: Bundle, entry: ModelEntry) -> tuple[frozenset[str], dict[str, Any]]:
+    """The model types ``entry``'s class is registered for, and its stored config (class and attention checked first)."""
+    types = _check_class_name(entry.class_name)
+    _check_implementation(
+        "manifest.json",
+        "model.attn_implementation",
+        entry.attn_implementation,
+        ATTN_IMPLEMENTATIONS,
+        "attention implementation",
+    )
+    return types, read_stored_config(bundle._store.bundle_root, entry)
+
+
 def describe_bundle_model(bundle: Bundle | str | os.PathLike[str]) -> StoredModel | None:
     """Describe the model stored in ``bundle`` (None when it stores none), without building it.
 
@@ -490,15 +478,7 @@ def describe_bundle_model(bundle: Bundle | str | os.PathLike[str]) -> StoredMode
     model_type: str | None = None
     refused: str | None = None
     try:
-        _check_class_name(entry.class_name)
-        _check_implementation(
-            "manifest.json",
-            "model.attn_implementation",
-            entry.attn_implementation,
-            ATTN_IMPLEMENTATIONS,
-            "attention implementation",
-        )
-        config_dict = _read_config(bundle._store.bundle_root, entry)
+        _, config_dict = _stored_config(bundle, entry)
         value = config_dict.get("model_type")
         model_type = value if isinstance(value, str) else None
         _check_config_dict(entry.config_file, config_dict)
@@ -547,15 +527,7 @@ def load_bundle_model(bundle: Bundle | str | os.PathLike[str]) -> torch.nn.Modul
             f"The bundle '{bundle.path}' stores no model. Save it with observer.save(path, include_model=True), "
             "or build the model yourself."
         )
-    types = _check_class_name(entry.class_name)
-    _check_implementation(
-        "manifest.json",
-        "model.attn_implementation",
-        entry.attn_implementation,
-        ATTN_IMPLEMENTATIONS,
-        "attention implementation",
-    )
-    config_dict = _read_config(bundle._store.bundle_root, entry)
+    types, config_dict = _stored_config(bundle, entry)
     _check_config_dict(entry.config_file, config_dict)  # before the class's module is imported
     cls = _model_class(entry.class_name)
     _check_model_type(cls, config_dict, entry, types)

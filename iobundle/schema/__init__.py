@@ -3,39 +3,19 @@
 from __future__ import annotations
 
 __all__ = [
-    "FORMAT",
-    "FORMAT_VERSION",
-    "HASH_ALGORITHMS",
     "JOURNAL_FILENAME",
     "MANIFEST_FILENAME",
     "MAX_EXTENSION_DEPTH",
     "PROGRAM_INDEX_FORMAT",
     "MAX_MANIFEST_BYTES",
-    "SUPPORTED_FORMAT_VERSIONS",
-    "CallEntry",
+    "MEMBER_NAME_RULE",
     "CompactManifest",
-    "ConstNode",
-    "Extension",
-    "DictNode",
-    "FileEntry",
-    "ListNode",
-    "Manifest",
-    "MissingValueEntry",
-    "ModelEntry",
-    "Node",
-    "NoneNode",
-    "ObjectNode",
-    "OpaqueNode",
-    "ParameterEntry",
-    "Producer",
     "ProgramEntry",
     "ProgramIndex",
-    "Redaction",
-    "SignatureEntry",
-    "TensorEntry",
-    "TensorNode",
-    "TupleNode",
+    "call_key",
+    "collect_tensor_keys",
     "dump_manifest",
+    "is_member_name",
     "journal_call_line",
     "journal_head_line",
     "load_journal",
@@ -44,6 +24,7 @@ __all__ = [
     "manifest_json_schema",
     "parse_journal",
     "parse_manifest",
+    "tree_key",
     "validate_manifest",
     "write_manifest",
     "write_program_index",
@@ -54,6 +35,7 @@ from typing import Union
 
 from pydantic import TypeAdapter
 
+from iobundle.schema import _manifest
 from iobundle.schema._compact import CompactManifest
 from iobundle.schema._io import (
     JOURNAL_FILENAME,
@@ -67,32 +49,9 @@ from iobundle.schema._io import (
 )
 from iobundle.schema._journal import journal_call_line, journal_head_line, load_journal, parse_journal
 from iobundle.schema._load import load_manifest
-from iobundle.schema._manifest import (
-    FORMAT,
-    FORMAT_VERSION,
-    HASH_ALGORITHMS,
-    SUPPORTED_FORMAT_VERSIONS,
-    CallEntry,
-    ConstNode,
-    DictNode,
-    Extension,
-    FileEntry,
-    ListNode,
-    Manifest,
-    MissingValueEntry,
-    ModelEntry,
-    Node,
-    NoneNode,
-    ObjectNode,
-    OpaqueNode,
-    ParameterEntry,
-    Producer,
-    Redaction,
-    SignatureEntry,
-    TensorEntry,
-    TensorNode,
-    TupleNode,
-)
+from iobundle.schema._manifest import *  # noqa: F403 (the models of manifest.json, listed in _manifest.__all__)
+from iobundle.schema._manifest import SUPPORTED_FORMAT_VERSIONS, Manifest
+from iobundle.schema._names import MEMBER_NAME_RULE, is_member_name
 from iobundle.schema._programs import (
     PROGRAM_INDEX_FORMAT,
     ProgramEntry,
@@ -100,6 +59,9 @@ from iobundle.schema._programs import (
     load_program_index,
     write_program_index,
 )
+from iobundle.schema._structure import call_key, collect_tensor_keys, tree_key
+
+__all__ += _manifest.__all__  # the models of manifest.json
 
 
 def manifest_json_schema() -> str:

@@ -50,7 +50,7 @@ from __future__ import annotations
 import json
 import operator
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Annotated, Any, Literal, Union
 
 import pydantic
@@ -86,6 +86,7 @@ from iobundle.schema._manifest import (
     _Model,
     duplicate_call_index,
 )
+from iobundle.schema._structure import call_key
 
 __all__ = [
     "COMPACT_VERSION",
@@ -295,6 +296,10 @@ def call_record(call: CallEntry) -> tuple[dict[str, Any], dict[str, Any]]:
         structure["filled"] = call.filled
     if call.outputs is not None:
         structure["outputs"] = _slot_tree(call.outputs, keys)
+    return structure, _record(call, keys)
+
+
+def _record(call: CallEntry, keys: list[str]) -> dict[str, Any]:
     record: dict[str, Any] = {"index": call.index, "structure": None, "keys": keys}
     if call.status != "ok":
         record["status"] = call.status
@@ -302,7 +307,7 @@ def call_record(call: CallEntry) -> tuple[dict[str, Any], dict[str, Any]]:
         record["error"] = call.error
     if call.latency is not None:
         record["latency"] = call.latency
-    return structure, record
+    return record
 
 
 def file_records(
@@ -382,12 +387,19 @@ def dump_compact(manifest: Manifest, *, one_line: bool = False) -> str:
     """
     algorithms = [f.algorithm for f in manifest.files.values()]
     default_hash = max(set(algorithms), key=algorithms.count) if algorithms else DEFAULT_HASH
-    structures: dict[str, int] = {}
+    numbers: dict[Hashable, int] = {}  # per structure (call_key), its position in "structures"
+    structures: list[str] = []
     calls: list[str] = []
     for call in manifest.calls:
-        structure, record = call_record(call)
-        text = dumps(structure)
-        record["structure"] = structures.setdefault(text, len(structures))
+        keys: list[str] = []
+        number = numbers.get(key := call_key(call, keys, outputs=True))
+        if number is None:
+            structure, record = call_record(call)
+            number = numbers[key] = len(structures)
+            structures.append(dumps(structure))
+        else:
+            record = _record(call, keys)
+        record["structure"] = number
         calls.append(dumps(record))
     files = file_records(manifest.tensors, manifest.files, default_hash=default_hash)
     nl = "" if one_line else "\n"

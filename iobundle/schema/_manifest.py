@@ -69,7 +69,6 @@ __all__ = [
     "TensorEntry",
     "TensorNode",
     "TupleNode",
-    "duplicate_call_index",
 ]
 
 FORMAT = "iobundle"

@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from iobundle._atomic import write_atomically
 from iobundle._paths import FILE, LINK, MISSING, Tree, check_relative_name, link_message
 from iobundle.errors import ManifestError, UnsafeBundleError
+from iobundle.schema._names import MEMBER_NAME_RULE, is_member_name
 
 __all__ = [
     "MAX_INDEX_BYTES",
@@ -78,9 +79,10 @@ class ProgramIndex(BaseModel):
 
 
 def _check_file_name(name: str, where: str) -> None:
-    path = PurePosixPath(name)
-    if not name or path.is_absolute() or ".." in path.parts or "\\" in name or ":" in name:
-        raise UnsafeBundleError(f"{where}: file {name!r} must be a relative path inside the index's directory.")
+    if not is_member_name(name):
+        raise UnsafeBundleError(
+            f"{where}: file {name!r} must be a relative path inside the index's directory ({MEMBER_NAME_RULE})."
+        )
 
 
 def _check_rules(index: ProgramIndex, where: str) -> None:

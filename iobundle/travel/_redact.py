@@ -31,7 +31,6 @@ recorded ones. The bundle writer records its own producer (the redacting machine
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -40,7 +39,15 @@ import torch
 
 from iobundle._paths import Tree
 from iobundle._progress import ProgressCallback, notify
-from iobundle.calls import DictTensorStore, RecordedCalls, check_file, open_regular, read_sized_member, tensor_keys
+from iobundle.calls import (
+    DictTensorStore,
+    RecordedCalls,
+    check_file,
+    open_regular,
+    read_sized_member,
+    read_stored_config,
+    tensor_keys,
+)
 from iobundle.errors import BundleExistsError, IobundleError, ModelLoadError
 from iobundle.replay import Bundle
 from iobundle.schema import CallEntry, ModelEntry
@@ -165,14 +172,13 @@ def _other_integers(
 def _vocab_size(bundle: Bundle) -> int | None:
     """``vocab_size`` of the model config the bundle stores (a multimodal config's text part too), if any."""
     entry = bundle.manifest.model
-    if entry is None or entry.config_file not in entry.files:
+    if entry is None:
         return None
     try:
-        member = check_file(bundle._store.bundle_root, entry.config_file, entry.files[entry.config_file])
-        config = json.loads(read_sized_member(member, entry.config_file, entry.files[entry.config_file].size))
-    except (IobundleError, ValueError):
-        return None  # the config is checked when the model is loaded; here it only narrows the draws
-    for part in (config, config.get("text_config") if isinstance(config, dict) else None):
+        config = read_stored_config(bundle._store.bundle_root, entry)
+    except IobundleError:
+        return None  # the model loader says what is wrong with the config; here it only narrows the draws
+    for part in (config, config.get("text_config")):
         size = part.get("vocab_size") if isinstance(part, dict) else None
         if isinstance(size, int) and not isinstance(size, bool) and size > 0:
             return size

@@ -110,7 +110,7 @@ def _index(tmp_path, **program):
     return path
 
 
-@pytest.mark.parametrize("name", ["../m.onnx", "/tmp/m.onnx", "a\\m.onnx", "C:m.onnx"])
+@pytest.mark.parametrize("name", ["../m.onnx", "/tmp/m.onnx", "a\\m.onnx", "C:m.onnx", "m\x1b[2J.onnx", "m\n.onnx"])
 def test_index_refuses_files_outside_its_directory(tmp_path, name):
     with pytest.raises(UnsafeBundleError, match="relative path inside"):
         load_program_index(_index(tmp_path, file=name))

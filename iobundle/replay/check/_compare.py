@@ -9,7 +9,6 @@ the user chose (Polygraphy's ``--check-error-stat``), with per-output tolerances
 
 from __future__ import annotations
 
-import fnmatch
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -18,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from iobundle.calls import path_matches, tensor_paths
 from iobundle.errors import ToleranceError
-from iobundle.schema import DictNode, ListNode, Node, ObjectNode, TensorNode, TupleNode
+from iobundle.schema import Node, TensorNode
 
 if TYPE_CHECKING:
     import torch
@@ -430,8 +430,9 @@ class Tolerances:
     """Default tolerances and per-output overrides, keyed by output name or ``fnmatch`` pattern.
 
     An output is looked up by each of its names (its path in the output tree, e.g. ``logits`` or
-    ``past_key_values.0``, and its ONNX name): an exact name wins over a pattern; among patterns the
-    first one given wins.
+    ``past_key_values[0]``, and its ONNX name): an exact name wins over a pattern; among patterns the
+    first one given wins. Brackets in a pattern are the path's own, and an index may be written as a
+    dotted part too (``past_key_values.0``, ``past_key_values.*``; see ``iobundle.calls.path_matches``).
 
     Example:
         >>> tol = Tolerances(atol=1e-4, per_output_atol={"logits": 1e-3, "past_key_values.*": 1e-5})
@@ -451,7 +452,7 @@ class Tolerances:
             if name in table:
                 return table[name]
         for pattern, value in table.items():
-            if any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            if any(path_matches(pattern, name) for name in names):
                 return value
         return default
 
@@ -466,7 +467,7 @@ class Tolerances:
         """The per-output keys that match none of the outputs (each given as its names)."""
         all_names = [n for group in names for n in group if n]
         keys = list(dict.fromkeys([*self.per_output_atol, *self.per_output_rtol]))
-        return [k for k in keys if not any(n == k or fnmatch.fnmatchcase(n, k) for n in all_names)]
+        return [k for k in keys if not any(path_matches(k, n) for n in all_names)]
 
     def describe(self) -> str:
         """``atol=0.0001 rtol=0.1`` plus the overrides: ``(logits: atol=0.001)``."""
@@ -481,36 +482,15 @@ def output_paths(node: Node | None) -> list[str]:
 
     A lone tensor is ``output``; the fields of a dict or a ``ModelOutput`` are their names
     (``logits``, ``past_key_values``); items of sequences and caches are indexed
-    (``output[1]``, ``past_key_values[3]``); nested names are joined with dots.
+    (``output[1]``, ``past_key_values[3]``); nested names are joined with dots. This is the
+    path syntax of ``iobundle.calls`` (``tensor_paths``), the one ``--atol NAME=...`` takes.
     """
     return [name for name, _ in output_leaves(node)]
 
 
 def output_leaves(node: Node | None) -> list[tuple[str, TensorNode]]:
     """Each tensor of an output tree with its :func:`output_paths` name, in flattening order."""
-    leaves: list[tuple[str, TensorNode]] = []
-
-    def walk(n: Node, path: str) -> None:
-        if isinstance(n, TensorNode):
-            leaves.append((path or "output", n))
-            return
-        if isinstance(n, DictNode):
-            labels: list[Any] = list(n.keys)
-        elif isinstance(n, ObjectNode) and isinstance(n.context, list) and len(n.context) == len(n.items):
-            labels = [k if isinstance(k, str) else None for k in n.context]
-        elif isinstance(n, (ListNode, TupleNode, ObjectNode)):
-            labels = [None] * len(n.items)
-        else:
-            return
-        for i, (label, child) in enumerate(zip(labels, n.items)):
-            if isinstance(label, str):
-                walk(child, f"{path}.{label}" if path else label)
-            else:
-                walk(child, f"{path or 'output'}[{i if label is None else label}]")
-
-    if node is not None:
-        walk(node, "")
-    return leaves
+    return tensor_paths(node)
 
 
 # --------------------------------------------------------------------------- one call, output by output

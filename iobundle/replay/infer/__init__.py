@@ -15,7 +15,6 @@ __all__ = [
     "align_calls",
     "call_shape",
     "call_structure",
-    "collect_tensor_keys",
     "owner_name",
     "phase_calls",
     # Dynamic shapes and dim names
@@ -52,7 +51,6 @@ from iobundle.replay.infer._align import (
     align_calls,
     call_shape,
     call_structure,
-    collect_tensor_keys,
     owner_name,
     phase_calls,
 )

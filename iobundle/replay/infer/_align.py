@@ -33,15 +33,14 @@ from iobundle.calls import (
 from iobundle.errors import AlignmentError
 from iobundle.schema import (
     CallEntry,
-    ConstNode,
     DictNode,
     ListNode,
     Node,
     NoneNode,
     ObjectNode,
-    OpaqueNode,
     TensorNode,
     TupleNode,
+    call_key,
 )
 
 __all__ = [
@@ -49,7 +48,6 @@ __all__ = [
     "align_call",
     "align_calls",
     "call_shape",
-    "collect_tensor_keys",
 ]
 
 BatchSpec = Collection[int | str] | bool | None
@@ -130,65 +128,6 @@ def _bind_to_best(rc: RecordedCalls, call: CallEntry, best: CallEntry) -> tuple[
     return args, kwargs
 
 
-def _fingerprint(node: Node, keys: list[str]) -> Hashable:
-    """The structure of ``node`` with its tensor keys erased; appends those keys to ``keys`` in flattening order.
-
-    Two trees with equal fingerprints differ at most in their tensor keys and in the contexts
-    of their registered classes, which alignment never reads (see :func:`call_shape`).
-    """
-    cls = type(node)
-    if cls is TensorNode:
-        keys.append(node.key)  # type: ignore[union-attr]
-        return _TENSOR
-    if cls is NoneNode:
-        return _NONE
-    if cls is ListNode or cls is TupleNode:
-        return (cls, _fingerprints(node.items, keys))  # type: ignore[union-attr]
-    if cls is DictNode:
-        return (cls, tuple(node.keys), _fingerprints(node.items, keys))  # type: ignore[union-attr]
-    if cls is ObjectNode:
-        return (cls, node.type, node.version, _fingerprints(node.items, keys))  # type: ignore[union-attr]
-    if cls is ConstNode:
-        value = node.value  # type: ignore[union-attr]
-        return (cls, type(value), value)
-    if cls is OpaqueNode:
-        return (cls, node.type)  # type: ignore[union-attr]
-    keys.extend(tensor_keys(node))  # a subclass of a node type: the generic walk
-    return object()  # equal to nothing: a call holding one is aligned on its own
-
-
-def _fingerprints(nodes: list[Node], keys: list[str]) -> tuple[Hashable, ...]:
-    """:func:`_fingerprint` of each of ``nodes`` (tensors inline: most children are)."""
-    result: list[Hashable] = []
-    for node in nodes:
-        if type(node) is TensorNode:
-            keys.append(node.key)  # type: ignore[union-attr]
-            result.append(_TENSOR)
-        else:
-            result.append(_fingerprint(node, keys))
-    return tuple(result)
-
-
-_TENSOR, _NONE = "tensor", "none"
-_CONTAINERS = frozenset({ListNode, TupleNode, DictNode, ObjectNode})
-_LEAVES = frozenset({NoneNode, ConstNode, OpaqueNode})
-
-
-def collect_tensor_keys(node: Node, keys: list[str]) -> None:
-    """Append the tensor keys of ``node`` to ``keys`` in flattening order (``tensor_keys``, without a generator)."""
-    cls = type(node)
-    if cls is TensorNode:
-        keys.append(node.key)  # type: ignore[union-attr]
-    elif cls in _CONTAINERS:
-        for child in node.items:  # type: ignore[union-attr]
-            if type(child) is TensorNode:
-                keys.append(child.key)  # type: ignore[union-attr]
-            else:
-                collect_tensor_keys(child, keys)
-    elif cls not in _LEAVES:
-        keys.extend(tensor_keys(node))  # a subclass of a node type: the generic walk
-
-
 class _CallShape(NamedTuple):
     """One call's inputs as a structure (hashable, tensor keys erased) and the keys it erased, in slot order."""
 
@@ -201,8 +140,9 @@ def call_shape(call: CallEntry) -> _CallShape:
 
     Alignment (:func:`_bind_to_best`, :func:`_complete`, :func:`_match`, :func:`align_call`) reads
     the number of positional arguments, keyword names and order, node kinds, dict keys, class
-    names, lengths and constants, never a tensor key's value nor a class's context: two calls of
-    one shape align the same way, key for key. Computed once per call entry (entries are
+    names, lengths and constants, never a tensor key's value: two calls of one structure
+    (``iobundle.schema.call_key``, which holds all that and more) align the same way, key for
+    key. Computed once per call entry (entries are
     immutable) and kept while the entry lives: opening a bundle checks the keys with it, and
     inference reuses it.
     """
@@ -210,13 +150,7 @@ def call_shape(call: CallEntry) -> _CallShape:
     if hit is not None and hit[0]() is call:
         return hit[1]
     keys: list[str] = []
-    kwargs, constants = call.kwargs, call.cst_kwargs
-    structure = (
-        _fingerprints(call.args, keys),
-        tuple(kwargs),
-        _fingerprints(list(kwargs.values()), keys) if kwargs else (),
-        tuple([(k, type(v), v) for k, v in constants.items()]) if constants else (),
-    )
+    structure = call_key(call, keys)
     shape = _CallShape(structure, keys)
     ref = _EntryRef(call, _forget_shape)
     ref.key = id(call)

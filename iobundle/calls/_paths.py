@@ -1,0 +1,93 @@
+"""The one path syntax for a tensor in a call: what reports show and what ``--atol NAME=...`` takes.
+
+A path starts at an argument's name (``input_ids``) or, for outputs, at a field of the output
+(``logits``); a lone output tensor is ``output``. A field of a dict or of a registered class whose
+context names its items is ``.name`` (``outputs.logits`` is ``logits``: the output is the root);
+any other item is ``[i]``: ``past_key_values[3]``, ``output[1]``, ``encoder_outputs.hidden_states[2]``.
+
+Patterns (``Tolerances``, ``--atol``/``--rtol NAME=...``) are ``fnmatch`` patterns over paths in
+which ``[``/``]`` are the path's own brackets, not character classes, and an index may also be
+written the older way, as a dotted part: ``past_key_values.3``, ``past_key_values.*`` and
+``past_key_values[*]`` all match ``past_key_values[3]``; a leading ``outputs.`` (the npz key of
+an output) is dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+from iobundle.schema import DictNode, ListNode, Node, ObjectNode, TensorNode, TupleNode
+
+__all__ = ["OUTPUT_ROOT", "child_path", "item_labels", "path_matches", "tensor_paths"]
+
+OUTPUT_ROOT = "output"
+
+
+def item_labels(node: Node) -> list[str | None]:
+    """The label of each item of a container: a dict's string keys, a registered class's named fields, else None.
+
+    A registered class's context names its items only when it holds one label per item (a
+    ``DynamicCache``'s ``["full", "full"]`` names its layers, not its 2 x layers tensors).
+    """
+    if isinstance(node, DictNode):
+        return [k if isinstance(k, str) else None for k in node.keys]
+    context: Any = node.context if isinstance(node, ObjectNode) else None
+    if isinstance(context, list) and len(context) == len(node.items):  # type: ignore[union-attr]
+        return [k if isinstance(k, str) else None for k in context]
+    return [None] * len(getattr(node, "items", ()))
+
+
+def child_path(path: str, label: str | None, index: Any, *, root: str = OUTPUT_ROOT) -> str:
+    """The path of an item: ``path.label`` (``label`` alone at the root), else ``path[index]`` (``root[index]``)."""
+    if label:
+        return f"{path}.{label}" if path else label
+    return f"{path or root}[{index}]"
+
+
+def tensor_paths(node: Node | None, path: str = "", *, root: str = OUTPUT_ROOT) -> list[tuple[str, TensorNode]]:
+    """Each tensor of ``node`` with its path (see the module docstring), in flattening order.
+
+    Args:
+        node: A tree (an output, or one argument).
+        path: The path of ``node`` itself: ``""`` for an output tree, an argument's name for an input.
+        root: The name of an unnamed root: a lone tensor is ``root``, its items ``root[i]``.
+    """
+    leaves: list[tuple[str, TensorNode]] = []
+
+    def walk(n: Node, at: str) -> None:
+        if isinstance(n, TensorNode):
+            leaves.append((at or root, n))
+        elif isinstance(n, (ListNode, TupleNode, DictNode, ObjectNode)):
+            keys = n.keys if isinstance(n, DictNode) else range(len(n.items))
+            for label, key, child in zip(item_labels(n), keys, n.items):
+                walk(child, child_path(at, label, key, root=root))
+
+    if node is not None:
+        walk(node, path)
+    return leaves
+
+
+_INDEX = re.compile(r"\[([^\]]*)\]")
+
+
+def _dotted(path: str) -> str:
+    """``a[3].b`` as ``a.3.b``: the form paths and patterns are compared in."""
+    return _INDEX.sub(r".\1", path)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pattern(pattern: str) -> re.Pattern[str]:
+    text = _dotted(pattern.removeprefix("outputs."))
+    return re.compile("".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in text), re.DOTALL)
+
+
+def path_matches(pattern: str, path: str) -> bool:
+    """Whether the tensor at ``path`` is named by ``pattern`` (an exact path, or a pattern; see the module docstring)."""
+    if pattern == path:
+        return True
+    dotted = _dotted(path)
+    if _dotted(pattern.removeprefix("outputs.")) == dotted:
+        return True
+    return bool(_pattern(pattern).fullmatch(dotted))
