@@ -30,6 +30,20 @@ max(write, hash) instead of their sum. Smaller files are written and hashed in o
 
 _DONE = object()
 
+_CREATE = (
+    os.O_WRONLY
+    | os.O_CREAT
+    | os.O_TRUNC
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_BINARY", 0)
+)
+"""How a temporary file is opened: never through a link planted at its name."""
+
+
+def _open_tmp(tmp: Path) -> BinaryIO:
+    return os.fdopen(os.open(tmp, _CREATE, 0o644), "wb")
+
 
 @contextmanager
 def atomic_file(path: Path, *, durable: bool = True) -> Iterator[BinaryIO]:
@@ -47,7 +61,7 @@ def atomic_file(path: Path, *, durable: bool = True) -> Iterator[BinaryIO]:
     """
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        with _open_tmp(tmp) as f:
             yield f
             f.flush()
             if durable:
@@ -109,7 +123,7 @@ def write_atomically(
     helper = _Helper(on_chunk, on_part) if on_chunk is not None and total >= CONCURRENT_HASH_MIN_BYTES else None
     try:
         try:
-            with open(tmp, "wb") as f:
+            with _open_tmp(tmp) as f:
                 for index, view in enumerate(views):
                     for start in range(0, len(view), CHUNK_BYTES):
                         chunk = view[start : start + CHUNK_BYTES]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from iobundle._locations import is_url, local_path
+from iobundle._paths import FILE, LINK, MISSING, Tree, check_relative_name, link_message, reported_link
 from iobundle.errors import BundleExistsError, BundleNotFoundError, BundleWriteError, MissingDependencyError
 from iobundle.schema import MEMBER_NAME_RULE, is_member_name
 
@@ -186,32 +188,55 @@ def clear_bundle(
 def clear_local_bundle(root: Path) -> None:
     """:func:`clear_bundle` for the local bundle directory ``root``, then its folders left empty.
 
+    Every file is reached from ``root``'s descriptor without following a link (:class:`iobundle._paths.Tree`),
+    and every listed file is checked before anything is removed: a bundle whose ``calls/`` (or any
+    listed file, or the manifest) is a link, or whose listed name is a folder, is refused whole, so
+    nothing outside ``root`` is ever removed.
+
     Raises:
-        BundleExistsError: See :func:`listed_names`.
-        BundleWriteError: A listed file cannot be removed (a folder by that name, permissions).
+        BundleExistsError: See :func:`listed_names`; or a listed file or a folder above it is a link
+            or not a regular file (nothing is removed then).
+        BundleWriteError: A listed file cannot be removed (permissions).
     """
-    try:
-        removed = clear_bundle(
-            lambda n: root.joinpath(*n.split("/")).read_bytes(),
-            lambda n: root.joinpath(*n.split("/")).unlink(),
-            where=str(root / MANIFEST_NAME),
-            missing_ok=FileNotFoundError,
-        )
-    except BundleExistsError:
-        raise  # an OSError too (FileExistsError), but the message says what to do already
-    except OSError as exc:
-        raise BundleWriteError(
-            f"Cannot remove {exc.filename or root} of the bundle being replaced: {exc.strerror or exc}. "
-            "Remove the bundle yourself, or choose another path."
-        ) from exc
-    parents = {root.joinpath(*n.split("/")).parent for n in removed}
-    for parent in sorted(parents, key=lambda p: len(p.parts), reverse=True):
-        while parent != root and root in parent.parents:
-            try:
-                parent.rmdir()  # only when empty
-            except OSError:
-                break
-            parent = parent.parent
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+    with Tree(root, error=BundleExistsError) as tree:
+
+        def read(name: str) -> bytes:
+            fd = tree.open(name, flags)
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise BundleExistsError(f"'{root / name}' is not a regular file; refusing to replace the bundle.")
+                return f.read()
+
+        def check_then_remove(names: list[str]) -> None:
+            for name in names:  # all checked first: a refusal removes nothing
+                kind = tree.kind(name)
+                if kind not in (FILE, MISSING):
+                    raise BundleExistsError(
+                        f"Cannot replace the bundle in '{root}': "
+                        + (link_message(root / name) if kind == LINK else f"'{root / name}' is not a regular file.")
+                        + " Remove the bundle yourself, or choose another path."
+                    )
+
+        def remove(name: str) -> None:
+            if name == MANIFEST_NAME:
+                check_then_remove([MANIFEST_NAME, *listed])
+            tree.unlink(name)
+
+        try:
+            listed = listed_names(read(MANIFEST_NAME), str(root / MANIFEST_NAME))
+            removed = clear_bundle(read, remove, where=str(root / MANIFEST_NAME), missing_ok=FileNotFoundError)
+        except BundleExistsError:
+            raise  # an OSError too (FileExistsError), but the message says what to do already
+        except OSError as exc:
+            raise BundleWriteError(
+                f"Cannot remove {exc.filename or root} of the bundle being replaced: {exc.strerror or exc}. "
+                "Remove the bundle yourself, or choose another path."
+            ) from exc
+        folders = {tuple(n.split("/"))[:-1] for n in removed}
+        for parts in sorted(folders, key=len, reverse=True):
+            while parts and tree.rmdir(parts):  # only when empty
+                parts = parts[:-1]
 
 
 def upload_directory(local: Path, url: str, *, overwrite: bool = False, last: str = MANIFEST_NAME) -> None:
@@ -240,6 +265,8 @@ def upload_directory(local: Path, url: str, *, overwrite: bool = False, last: st
             manifest = join_url(root, last)
             if not fs.exists(manifest):
                 raise BundleExistsError(f"'{url}' is not a bundle (no {last}); refusing to replace what it holds.")
+            listed = listed_names(fs.cat_file(manifest), manifest)
+            _refuse_remote_links(fs, root, [last, *listed], url)  # all checked first: a refusal removes nothing
             clear_bundle(
                 lambda n: fs.cat_file(join_url(root, n)),  # type: ignore[no-any-return]
                 lambda n: fs.rm_file(join_url(root, n)),
@@ -263,6 +290,26 @@ def upload_directory(local: Path, url: str, *, overwrite: bool = False, last: st
             f"Cannot upload the bundle to '{url}': {type(exc).__name__}: {exc}. Check the URL, "
             "the credentials and the permissions."
         ) from exc
+
+
+def _refuse_remote_links(fs: Any, root: str, names: list[str], url: str) -> None:
+    """Refuse to replace the bundle at ``url`` when the filesystem reports a listed file, or a folder above one, as a link."""
+    seen: set[str] = set()
+    for name in names:
+        parts = check_relative_name(name, f"'{url}'", error=BundleExistsError)
+        for i in range(1, len(parts) + 1):
+            path = join_url(root, "/".join(parts[:i]))
+            if path in seen:
+                continue
+            seen.add(path)
+            try:
+                info = fs.info(path)
+            except FileNotFoundError:
+                break
+            if reported_link(info):
+                raise BundleExistsError(
+                    f"Cannot replace the bundle at '{url}': {link_message(path)} Remove it yourself, or choose another URL."
+                )
 
 
 def directory_files(root: Path) -> list[str]:

@@ -81,17 +81,15 @@ class _FullDisk(io.BytesIO):
 def test_a_failing_write_is_a_bundle_write_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, parts: list[bytes]
 ) -> None:
-    real_open = open
+    real_open_tmp = _atomic._open_tmp
     opened: list[Path] = []
 
-    def fake_open(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-        if mode == "wb":
-            real_open(path, mode).close()  # the temporary file exists, as after a real failed write
-            opened.append(Path(path))
-            return _FullDisk(after=1)
-        return real_open(path, mode, *args, **kwargs)
+    def fake_open_tmp(path: Path) -> Any:
+        real_open_tmp(path).close()  # the temporary file exists, as after a real failed write
+        opened.append(Path(path))
+        return _FullDisk(after=1)
 
-    monkeypatch.setattr(_atomic, "open", fake_open, raising=False)
+    monkeypatch.setattr(_atomic, "_open_tmp", fake_open_tmp)
     hashed: list[int] = []
     before = threading.active_count()
     with pytest.raises(BundleWriteError, match="No space left on device") as info:
@@ -137,3 +135,14 @@ class TestAtomicFile:
         path = tmp_path / "missing-dir" / "out.bin"
         with pytest.raises(BundleWriteError, match=r"out\.bin"), atomic_file(path) as f:
             f.write(b"x")
+
+
+def test_a_link_planted_at_the_temporary_name_is_never_written_through(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"mine")
+    folder = tmp_path / "bundle"
+    folder.mkdir()
+    (folder / ".f.tmp").symlink_to(outside)
+    with pytest.raises(BundleWriteError, match="Cannot write"):
+        write_atomically(folder / "f", [b"new bytes"])
+    assert outside.read_bytes() == b"mine" and not (folder / "f").exists()

@@ -236,15 +236,49 @@ def test_staged_uploads_on_success_and_always_removes_the_staging_folder(url, tm
     assert not folder.exists() and not fs.exists(url.removeprefix("memory://") + "/two")
 
 
-def test_a_listed_name_that_is_a_folder_is_a_bundle_write_error(tmp_path):
+def test_a_listed_name_that_is_a_folder_stops_the_overwrite_before_anything_is_removed(tmp_path):
     from iobundle._remote import clear_local_bundle
-    from iobundle.errors import BundleWriteError
 
     (tmp_path / "calls").mkdir()
     (tmp_path / "manifest.json").write_text('{"files": {"calls": {}}}')
-    with pytest.raises(BundleWriteError, match="calls"):
+    with pytest.raises(BundleExistsError, match="calls' is not a regular file"):
         clear_local_bundle(tmp_path)
-    assert (tmp_path / "calls").is_dir()
+    assert (tmp_path / "calls").is_dir() and (tmp_path / "manifest.json").is_file()
+
+
+def test_an_overwrite_through_a_linked_folder_removes_nothing(tmp_path):
+    from iobundle._remote import clear_local_bundle
+
+    outside = tmp_path / "users"
+    outside.mkdir()
+    (outside / "000000.safetensors").write_bytes(b"mine")
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "calls").symlink_to(outside)
+    (bundle / "manifest.json").write_text('{"files": {"calls/000000.safetensors": {}}}')
+    with pytest.raises(BundleExistsError, match="calls' is a symbolic link"):
+        clear_local_bundle(bundle)
+    assert (outside / "000000.safetensors").read_bytes() == b"mine" and (bundle / "manifest.json").is_file()
+
+
+def test_a_remote_overwrite_refuses_entries_the_filesystem_reports_as_links(tmp_path):
+    """fsspec's local filesystem reports links (``islink``): the bundle there is not replaced, nothing removed."""
+    pytest.importorskip("fsspec")
+    from iobundle._remote import upload_directory
+
+    outside = tmp_path / "users"
+    outside.mkdir()
+    (outside / "000000.safetensors").write_bytes(b"mine")
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "calls").symlink_to(outside)
+    (bundle / "manifest.json").write_text('{"files": {"calls/000000.safetensors": {}}}')
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    (staging / "manifest.json").write_text("{}")
+    with pytest.raises(BundleExistsError, match="is a symbolic link"):
+        upload_directory(staging, f"local://{bundle}", overwrite=True)
+    assert (outside / "000000.safetensors").read_bytes() == b"mine" and (bundle / "manifest.json").is_file()
 
 
 def test_an_old_manifest_naming_files_outside_is_refused_and_nothing_deleted(tmp_path):
@@ -263,3 +297,37 @@ def test_an_old_manifest_naming_a_file_with_a_control_character_is_refused_and_n
     with pytest.raises(BundleExistsError, match="not inside the bundle"):
         clear_local_bundle(tmp_path)
     assert (tmp_path / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("link", ["calls", "calls/000000.safetensors"])
+def test_a_remote_bundle_whose_files_the_filesystem_reports_as_links_is_refused(tmp_path, link):
+    pytest.importorskip("fsspec")
+    import shutil
+
+    import torch
+
+    from iobundle.errors import UnsafeBundleError
+
+    observer = InputObserver()
+    model = torch.nn.Linear(3, 2)
+    with observer(model):
+        model(torch.randn(2, 3))
+    bundle = tmp_path / "run.iobundle"
+    observer.save(bundle)
+    outside = tmp_path / "outside"
+    source = bundle / link
+    if source.is_dir():
+        shutil.copytree(source, outside)
+        shutil.rmtree(source)
+    else:
+        outside.mkdir()
+        outside = outside / source.name
+        shutil.copy(source, outside)
+        source.unlink()
+    source.symlink_to(outside)
+    if link == "calls":  # a folder: refused when the bundle is opened
+        with pytest.raises(UnsafeBundleError, match="calls' is a symbolic link"):
+            load_bundle(f"local://{bundle}")
+    else:  # a file: refused when it is read
+        problems = load_bundle(f"local://{bundle}").verify()
+        assert len(problems) == 1 and "000000.safetensors' is a symbolic link" in problems[0]

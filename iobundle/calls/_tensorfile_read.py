@@ -3,7 +3,8 @@
 The order of the checks is what makes reading a hostile file safe:
 
 1. the file name stays inside the bundle (:func:`safe_member_path`: no absolute path, no ``..``,
-   no symlink leading out, no control character);
+   no control character) and no component of it is a symbolic link (:class:`iobundle._paths.Tree`:
+   its folders opened without following one, its file opened with ``O_NOFOLLOW``);
 2. the file is a regular file (a FIFO or a device would block or never end), opened without
    blocking, and its size is the one the manifest records; its hash too (the algorithm the
    manifest names: XXH3-128 in format version 2, sha256 in version 1), the first time it is read,
@@ -26,6 +27,7 @@ mapped: a bundle of many thousands of calls can be read without running out of d
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import re
@@ -36,6 +38,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, Union
 
 from iobundle._lazy import lazy_module
+from iobundle._paths import LINK, Tree, link_message
 from iobundle.calls._delta import rebuild
 from iobundle.calls._dtypes import ITEMSIZES, NAME_TO_DTYPE
 from iobundle.calls._hashing import new_hasher
@@ -80,87 +83,59 @@ def check_member_name(name: str) -> PurePosixPath:
 
 
 class BundleRoot:
-    """A bundle directory, resolved once, against which member names are checked.
+    """A bundle directory against which member names are checked: no link on any component.
 
-    The real path of the root, and of each directory holding members (``calls/``), is resolved
-    the first time it is needed; each member then costs one ``lstat`` (a symlinked member is
-    resolved in full). A member that leads outside the root, through a symlinked file or
-    directory, is refused.
+    Each folder holding members (``calls/``) is opened once from the root without following a
+    link and listed once (:class:`iobundle._paths.Tree`); a member then costs a dictionary lookup
+    in that listing. A member that is a symbolic link, or lies in a symlinked folder, is refused,
+    wherever it points: a bundle holds only its own files.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._real: str | None = None
-        self._dirs: dict[str, str] = {}
-        self._names: dict[str, PurePosixPath] = {}
+        self._tree = Tree(path)
+        self._names: dict[str, tuple[str, ...]] = {}
+        self._lock = threading.RLock()  # the tree's descriptors are opened and closed by one reader at a time
 
     def member(self, name: str) -> Path:
-        """Resolve the bundle member ``name``, refusing anything that leaves the root; see :func:`safe_member_path`."""
-        pure = self._names.get(name) if isinstance(name, str) else None
-        if pure is None:
-            pure = self._names[name] = check_member_name(name)
-        try:
-            if self._real is None:
-                self._real = os.path.realpath(self.path)
-            parent = str(pure.parent)
-            parent_real = self._dirs.get(parent)
-            if parent_real is None:
-                parent_real = self._dirs[parent] = os.path.realpath(os.path.join(self._real, parent))
-            resolved = os.path.join(parent_real, pure.name)
-            if os.path.islink(resolved):
-                resolved = os.path.realpath(resolved)
-        except (OSError, RuntimeError, ValueError) as exc:
-            raise UnsafeBundleError(f"File {name!r} cannot be resolved inside the bundle: {exc}.") from exc
-        root = self._real
-        if resolved != root and not resolved.startswith(root if root.endswith(os.sep) else root + os.sep):
-            raise UnsafeBundleError(
-                f"File {name!r} leads outside the bundle directory (to {resolved}); refusing to read it."
-            )
-        return self.path / pure
+        """Resolve the bundle member ``name``, refusing a link on any component; see :func:`safe_member_path`."""
+        parts = self._names.get(name) if isinstance(name, str) else None
+        if parts is None:
+            plain = isinstance(name, str) and _PLAIN_MEMBER.fullmatch(name)
+            parts = self._names[name] = tuple(name.split("/")) if plain else check_member_name(name).parts
+        with self._lock:
+            try:
+                return self._tree.check_file(parts, where=f"File {name!r}")
+            except OSError as exc:
+                raise UnsafeBundleError(f"File {name!r} cannot be resolved inside the bundle: {exc}.") from exc
+            finally:
+                self._tree.close()  # the listings stay: a bundle held open holds no descriptor
 
     def check_members(self, names: Iterable[str]) -> None:
-        """Check every name as :meth:`member` does, with one directory listing per directory instead of one ``lstat`` per name.
-
-        A plain name (letters, digits, ``_``, ``-`` and ``.``, never a component ``.`` or ``..``)
-        in a directory that lies inside the root, and that the listing shows is not a symlink,
-        stays inside the root; any other name (a symlink, a name the listing lacks or that is
-        not plain, a directory that cannot be listed) goes through :meth:`member`.
+        """Check every name as :meth:`member` does: one listing per folder, one lookup per name.
 
         Raises:
             UnsafeBundleError: As :meth:`member`.
         """
-        by_parent: dict[str, list[str]] = {}
-        for name in names:
-            if isinstance(name, str) and _PLAIN_MEMBER.fullmatch(name):
-                parent, _, base = name.rpartition("/")
-                by_parent.setdefault(parent, []).append(base)
-            else:
-                self.member(name)
-        for parent, bases in by_parent.items():
-            plain = self._plain_entries(parent)
-            for base in bases:
-                if base not in plain:
-                    self.member(f"{parent}/{base}" if parent else base)
-
-    def _plain_entries(self, parent: str) -> frozenset[str]:
-        """Names in directory ``parent`` that are not symlinks, when the directory lies inside the root (else none)."""
-        try:
-            if self._real is None:
-                self._real = os.path.realpath(self.path)
-            real = self._dirs.get(parent or ".")
-            if real is None:
-                real = self._dirs[parent or "."] = os.path.realpath(os.path.join(self._real, parent or "."))
-            root = self._real
-            if real != root and not real.startswith(root if root.endswith(os.sep) else root + os.sep):
-                return frozenset()  # member() says where it leads
-            with os.scandir(real) as entries:
-                return frozenset(e.name for e in entries if not e.is_symlink())
-        except (OSError, RuntimeError, ValueError):
-            return frozenset()  # member() reports it, name by name
+        names_cache, tree = self._names, self._tree
+        with self._lock:
+            try:
+                for name in names:
+                    parts = names_cache.get(name) if isinstance(name, str) else None
+                    if parts is None:
+                        plain = isinstance(name, str) and _PLAIN_MEMBER.fullmatch(name)
+                        parts = names_cache[name] = tuple(name.split("/")) if plain else check_member_name(name).parts
+                    if tree.listing(parts[:-1]).get(parts[-1]) in (LINK, None):  # a link, or made since: in full
+                        self.member(name)
+            except OSError as exc:
+                raise UnsafeBundleError(f"Files of the bundle cannot be listed: {exc}.") from exc
+            finally:
+                tree.close()
 
 
 _PLAIN_MEMBER = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9_.-]*/)*[A-Za-z0-9_][A-Za-z0-9_.-]*")
-"""A relative path of plain components: no ``.`` or ``..``, no separator but ``/``, no colon or control character."""
+"""A relative path of plain components: no ``.`` or ``..``, no separator but ``/``, no colon or control
+character; such a name needs no further check of its text (:func:`check_member_name`)."""
 
 
 class Root(Protocol):
@@ -176,7 +151,7 @@ def safe_member_path(root: Path | Root, name: str) -> Member:
 
     Raises:
         UnsafeBundleError: ``name`` is absolute, contains ``..``, a backslash, a colon or a control
-            character, or resolves (through a symlink) outside ``root``.
+            character, or it (or a folder above it) is a symbolic link.
     """
     return (BundleRoot(root) if isinstance(root, Path) else root).member(name)
 
@@ -208,14 +183,20 @@ def _open_member(path: Member, name: str) -> tuple[BinaryIO, int]:
     return path.open()
 
 
-def open_regular(path: Path, name: str) -> tuple[int, int]:
-    """Open ``path`` read-only without blocking; return ``(fd, size)``. Refuses anything but a regular file."""
+def open_regular(path: Path, name: str, *, link_ok: bool = False) -> tuple[int, int]:
+    """Open ``path`` read-only without blocking; return ``(fd, size)``. Refuses anything but a regular file.
+
+    A bundle member is opened with ``O_NOFOLLOW`` (its folders are checked by :class:`BundleRoot`);
+    ``link_ok`` is for a path the user gave (a packed bundle), which may be a link.
+    """
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
     try:
-        fd = os.open(path, flags)
+        fd = os.open(path, flags if link_ok else flags | getattr(os, "O_NOFOLLOW", 0))
     except FileNotFoundError as exc:
         raise TensorFileError(f"{name}: missing from the bundle.") from exc
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeBundleError(f"{name}: {link_message(path)}") from exc
         raise TensorFileError(f"{name}: cannot be opened ({exc.strerror or exc}).") from exc
     try:
         info = os.fstat(fd)

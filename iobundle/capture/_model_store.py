@@ -21,12 +21,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from iobundle._paths import Tree
 from iobundle.calls import WRITE_HASH, new_hasher
 from iobundle.errors import BundleWriteError, IobundleError, ObserverArgumentError
 from iobundle.schema import FileEntry, ModelEntry
@@ -114,9 +114,12 @@ def write_model(bundle_dir: str | os.PathLike[str], model: torch.nn.Module, obse
     directory = root / MODEL_DIR
     config_text = _config_json(model)
     try:
-        if directory.exists():
-            shutil.rmtree(directory)
-        directory.mkdir(parents=True)
+        with Tree(
+            root, error=BundleWriteError
+        ) as tree:  # model/ and its files are never links: no write goes through one
+            tree.folder((MODEL_DIR,), create=True)
+            for name in (MODEL_CONFIG_FILE, MODEL_WEIGHTS_FILE):
+                tree.unlink(name, missing_ok=True)
         (root / MODEL_CONFIG_FILE).write_text(config_text + "\n", encoding="utf-8")
         # save_model stores tied weights once (the loader ties them again) and copies
         # non-contiguous tensors; the metadata says what wrote the file.

@@ -233,7 +233,7 @@ class _FileReader:
     def read(self, where: _OnDisk) -> torch.Tensor:
         flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
         try:
-            fd = os.open(where.path, flags)
+            fd = os.open(where.path, flags | getattr(os, "O_NOFOLLOW", 0))  # a file swapped for a link is refused
         except OSError as exc:
             raise TensorFileError(
                 f"{where.path}: tensor {where.name!r} cannot be read back ({exc.strerror or exc}). "

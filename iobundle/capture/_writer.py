@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from iobundle._atomic import fsync_dir, fsync_files, write_atomically
+from iobundle._paths import FILE, LINK, Tree, link_message
 from iobundle._progress import ProgressCallback, notify
 from iobundle._remote import clear_local_bundle
 from iobundle._version import __version__
@@ -116,11 +117,20 @@ class BundleWriter:
                         f"'{self.path}' already exists and is not empty. Pass overwrite=True "
                         "(--overwrite on the command line) to replace it, or choose another path."
                     )
-                if (self.path / JOURNAL_FILENAME).is_file() and not (self.path / MANIFEST_FILENAME).is_file():
+                with Tree(self.path, error=BundleExistsError) as tree:
+                    journal, manifest = tree.kind(JOURNAL_FILENAME), tree.kind(MANIFEST_FILENAME)
+                    calls = tree.kind(CALLS_DIR)
+                if LINK in (journal, manifest, calls):
+                    name = CALLS_DIR if calls == LINK else JOURNAL_FILENAME if journal == LINK else MANIFEST_FILENAME
+                    raise BundleExistsError(
+                        f"Cannot replace the bundle in '{self.path}': {link_message(self.path / name)} "
+                        "Remove it yourself, or choose another path."
+                    )
+                if journal == FILE and manifest != FILE:
                     # a stream killed before its manifest: the journal first, then its calls/ folder
                     (self.path / JOURNAL_FILENAME).unlink()
                     shutil.rmtree(self.path / CALLS_DIR, ignore_errors=True)
-                elif not (self.path / MANIFEST_FILENAME).is_file():
+                elif manifest != FILE:
                     raise BundleExistsError(
                         f"'{self.path}' is not a bundle (no {MANIFEST_FILENAME}); refusing to replace what it "
                         "holds. Choose another path, or empty it yourself."
@@ -129,7 +139,8 @@ class BundleWriter:
                     clear_local_bundle(self.path)  # its manifest first, then the files it lists; nothing else
                     (self.path / JOURNAL_FILENAME).unlink(missing_ok=True)
             self.created = not self.path.exists()
-            (self.path / CALLS_DIR).mkdir(parents=True, exist_ok=True)
+            with Tree(self.path, error=BundleExistsError) as tree:
+                tree.folder((CALLS_DIR,), create=True)  # never a link: the tensor files go inside the bundle
         except IobundleError:
             raise
         except OSError as exc:
@@ -301,7 +312,8 @@ class BundleWriter:
         write_atomically(path, [journal_head_line(self.manifest(rc, calls))], durable=durable)
         try:
             (self.path / MANIFEST_FILENAME).unlink(missing_ok=True)
-            self._journal = os.open(path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_CLOEXEC", 0))
+            flags = os.O_WRONLY | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+            self._journal = os.open(path, flags)  # never through a link swapped in after the atomic write
         except OSError as exc:
             raise BundleWriteError(
                 f"Cannot open {path}: {exc.strerror or exc}. Check free space and permissions."

@@ -79,6 +79,11 @@ def _check_writable(path: str, flag: str, *, overwrite: bool) -> None:
     from iobundle.errors import BundleExistsError, BundleWriteError
 
     if os.path.lexists(path):
+        if os.path.islink(path):  # replacing it would write through the link, wherever it points
+            raise BundleExistsError(
+                f"{flag} {path}: a symbolic link is there; iobundle never writes through one. "
+                "Remove the link, or choose another path."
+            )
         if os.path.isdir(path):
             raise BundleExistsError(f"{flag} {path}: a directory is there. Give a file name.")
         if not overwrite:

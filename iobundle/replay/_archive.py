@@ -173,7 +173,7 @@ class ArchiveRoot:
             return None
         with self._lock:
             if self._mapping is None:
-                fd, size = open_regular(self.local, str(self.local))
+                fd, size = open_regular(self.local, str(self.local), link_ok=True)
                 os.close(fd)
                 if size != self.size:  # a mapping past the end of a file is a SIGBUS, not an exception
                     raise IntegrityError(
@@ -313,14 +313,14 @@ def open_archive(location: str | os.PathLike[str]) -> tuple[ArchiveRoot, bytes]:
     opener: Callable[[], BinaryIO]
     if local is not None:
         try:
-            fd, size = open_regular(local, str(local))
+            fd, size = open_regular(local, str(local), link_ok=True)
         except TensorFileError as exc:
             raise BundleNotFoundError(f"'{location}': {exc}") from exc
         os.close(fd)
         where = str(local)
 
         def opener() -> BinaryIO:
-            fd, _ = open_regular(local, str(local))
+            fd, _ = open_regular(local, str(local), link_ok=True)
             return os.fdopen(fd, "rb", buffering=0)
 
         path: Path | str = local

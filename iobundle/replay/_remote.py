@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from iobundle._lazy import lazy_module
+from iobundle._paths import link_message, reported_link
 from iobundle._remote import join_url, open_filesystem
 from iobundle.calls import check_member_name
 from iobundle.errors import BundleNotFoundError, ManifestError, TensorFileError, UnsafeBundleError
@@ -37,6 +38,8 @@ class _RemoteMember:
             raise TensorFileError(f"{self.name}: missing from the bundle '{self.root.path}'.") from exc
         except Exception as exc:
             raise TensorFileError(f"{self.name}: cannot be read from '{self.root.path}' ({exc}).") from exc
+        if reported_link(info):
+            raise UnsafeBundleError(f"{self.name}: {link_message(self)}")
         if info.get("type") != "file":
             raise TensorFileError(f"{self.name}: not a regular file in '{self.root.path}'; refusing to read it.")
         try:
@@ -55,9 +58,21 @@ class RemoteRoot:
         self.path = url
         self.fs: Any
         self.fs, self.inner = open_filesystem(url)
+        self._folders: set[str] = set()  # folders checked not to be links (one info() each)
 
     def member(self, name: str) -> _RemoteMember:
-        check_member_name(name)
+        """The member ``name``: a plain relative name whose folders the filesystem does not report as links."""
+        parts = check_member_name(name).parts
+        for i in range(1, len(parts)):
+            folder = "/".join(parts[:i])
+            if folder not in self._folders:
+                try:
+                    info = self.fs.info(join_url(self.inner, folder))
+                except Exception:  # missing or unreadable: the member's own open says so
+                    info = None
+                if reported_link(info):
+                    raise UnsafeBundleError(f"File {name!r}: {link_message(join_url(self.path, folder))}")
+                self._folders.add(folder)
         return _RemoteMember(self, name)
 
     def read_manifest(self) -> bytes:

@@ -46,6 +46,7 @@ import pydantic
 
 from iobundle._atomic import write_atomically
 from iobundle._collector import collector_paused
+from iobundle._paths import Tree
 from iobundle.errors import (
     BundleNotFoundError,
     ManifestError,
@@ -330,20 +331,18 @@ def _check_tree_list(trees: Iterable[tuple[str, Node]], source: str) -> None:
 def read_member(root: Path, path: Path) -> bytes:
     """The bytes of the bundle file ``path`` (``manifest.json``, ``journal.jsonl``), checked first.
 
+    It is opened from the bundle directory's descriptor without following a link
+    (:class:`iobundle._paths.Tree`): a symlinked manifest is refused, wherever it points.
+
     Raises:
         BundleNotFoundError: It does not exist.
-        UnsafeBundleError: It leads outside ``root``, or is over :data:`MAX_MANIFEST_BYTES`.
+        UnsafeBundleError: It is a symbolic link, or is over :data:`MAX_MANIFEST_BYTES`.
         ManifestError: It is not a regular file, or cannot be read.
     """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
     try:
-        inside = path.resolve().is_relative_to(root.resolve())
-    except (OSError, RuntimeError, ValueError) as exc:
-        raise ManifestError(f"{path}: cannot be resolved ({exc}).") from exc
-    if not inside:
-        raise UnsafeBundleError(f"{path}: a symlink leading outside the bundle directory; refusing to read it.")
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
-    try:
-        fd = os.open(path, flags)
+        with Tree(root) as tree:
+            fd = tree.open("/".join(path.relative_to(root).parts), flags)
         with os.fdopen(fd, "rb") as f:
             info = os.fstat(f.fileno())
             if not stat.S_ISREG(info.st_mode):

@@ -38,6 +38,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from iobundle._atomic import write_atomically
+from iobundle._paths import FILE, LINK, MISSING, Tree, check_relative_name, link_message
 from iobundle.errors import ManifestError, UnsafeBundleError
 from iobundle.schema._names import MEMBER_NAME_RULE, is_member_name
 
@@ -143,7 +144,26 @@ def load_program_index(path: str | os.PathLike[str]) -> ProgramIndex:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])
         raise ManifestError(f"{path}: invalid program index: {problems}") from exc
     _check_rules(index, f"{path}: ")
+    _check_no_links(index, path)
     return index
+
+
+def _check_no_links(index: ProgramIndex, path: Path) -> None:
+    """Each program's file lies in the index's folder, reached without a link (:class:`iobundle._paths.Tree`)."""
+    with Tree(path.parent) as tree:
+        for i, program in enumerate(index.programs):
+            field = f"{path}: programs[{i}].file"
+            parts = check_relative_name(program.file, field)
+            try:
+                kind = tree.kind(parts)  # raises for a symlinked folder on the way
+            except UnsafeBundleError as exc:
+                raise UnsafeBundleError(f"{field}: {exc}") from exc
+            except OSError as exc:
+                raise ManifestError(f"{field}: {program.file!r} cannot be checked ({exc.strerror or exc}).") from exc
+            if kind == LINK:
+                raise UnsafeBundleError(f"{field}: {link_message(path.parent.joinpath(*parts))}")
+            if kind not in (FILE, MISSING):  # a missing file is reported when the program is loaded
+                raise ManifestError(f"{field}: {program.file!r} is not a regular file ({kind}).")
 
 
 def write_program_index(index: ProgramIndex, path: str | os.PathLike[str]) -> None:

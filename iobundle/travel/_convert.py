@@ -360,6 +360,8 @@ def convert_to_npz(
     notify(on_progress, CONVERT_TASK, 0, len(ok))
     try:
         if target.suffix == ".npz":
+            if target.is_symlink():  # replacing it would write through the link, wherever it points
+                raise BundleExistsError(f"'{target}' is a symbolic link; iobundle never writes through one. Remove it.")
             if target.exists() and not overwrite:
                 raise BundleExistsError(f"'{target}' already exists. Pass --overwrite or choose another path.")
             target.parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
 from iobundle._atomic import atomic_file
+from iobundle._paths import Tree
 from iobundle._progress import BYTES, ProgressCallback, notify
 from iobundle._remote import clear_local_bundle, is_url, local_path, staged
 from iobundle.calls import BundleRoot, check_file, listed_files, open_regular
@@ -272,18 +273,17 @@ def unpack_bundle(
     total = 0
     expected = sum(size for _, size in root.members.values())
     notify(on_progress, UNPACK_TASK, 0, expected, unit=BYTES)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    tree = Tree(target, error=BundleExistsError)  # every file opened from its folder's descriptor, no link followed
     try:
-        target.mkdir(parents=True, exist_ok=True)
+        tree.folder((), create=True)
         for name in names:
             offset, size = root.members[name]
-            path = target.joinpath(*PurePosixPath(name).parts)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, flags, 0o644)
+            fd = tree.open(name, flags, 0o644, create_folders=True)
             with os.fdopen(fd, "wb") as out:
                 copied = False
                 if root.local is not None:
-                    src, _ = open_regular(root.local, str(root.local))
+                    src, _ = open_regular(root.local, str(root.local), link_ok=True)
                     try:
                         copied = _kernel_copy(src, offset, fd, size)
                     finally:
@@ -294,6 +294,7 @@ def unpack_bundle(
             total += size
             notify(on_progress, UNPACK_TASK, total, expected, name, unit=BYTES)
     except (OSError, IobundleError) as exc:
+        tree.close()
         if created:  # what was written is no bundle (manifest.json comes last): leave nothing behind
             shutil.rmtree(target, ignore_errors=True)
         if isinstance(exc, IobundleError):
@@ -301,5 +302,6 @@ def unpack_bundle(
         raise BundleWriteError(
             f"Cannot write into {target}: {exc.strerror or exc}. Check free space and permissions."
         ) from exc
+    tree.close()
     logger.info("unpacked %d files (%d bytes) into %s", len(names), total, target)
     return PackResult(path=target, files=len(names), bytes=total, seconds=time.perf_counter() - begin)

@@ -33,20 +33,22 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import torch
 
+from iobundle._paths import Tree
 from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import (
     DictTensorStore,
     RecordedCalls,
     check_file,
+    open_regular,
     read_sized_member,
     read_stored_config,
     tensor_keys,
 )
-from iobundle.errors import IobundleError, ModelLoadError
+from iobundle.errors import BundleExistsError, IobundleError, ModelLoadError
 from iobundle.replay import Bundle
 from iobundle.schema import CallEntry, ModelEntry
 
@@ -270,12 +272,14 @@ def copy_model_files(bundle: Bundle, target: str | os.PathLike[str]) -> ModelEnt
             f"The bundle '{bundle.path}' stores no model, so there is none to keep. Drop --keep-model (keep_model=True)."
         )
     root = bundle._store.bundle_root
-    for name, file in entry.files.items():
-        member = check_file(root, name, file, hash_check=True)
-        path = Path(target).joinpath(*PurePosixPath(name).parts)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if isinstance(member, Path):
-            shutil.copyfile(member, path)
-        else:
-            path.write_bytes(read_sized_member(member, name, file.size))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    with Tree(target, error=BundleExistsError) as tree:  # written from checked folders: never through a link
+        for name, file in entry.files.items():
+            member = check_file(root, name, file, hash_check=True)
+            with os.fdopen(tree.open(name, flags, 0o644, create_folders=True), "wb") as out:
+                if isinstance(member, Path):
+                    with os.fdopen(open_regular(member, name)[0], "rb") as source:
+                        shutil.copyfileobj(source, out)
+                else:
+                    out.write(read_sized_member(member, name, file.size))
     return entry

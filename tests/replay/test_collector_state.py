@@ -43,7 +43,7 @@ def test_a_refused_bundle_restores_the_collector(saved: Path) -> None:
     (saved / "calls" / "000000.safetensors").unlink()
     (saved / "calls" / "000000.safetensors").symlink_to("/etc/hostname")
     assert gc.isenabled()
-    with pytest.raises(UnsafeBundleError, match="leads outside the bundle"):
+    with pytest.raises(UnsafeBundleError, match="is a symbolic link"):
         load_bundle(saved)
     assert gc.isenabled()
 

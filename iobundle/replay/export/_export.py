@@ -17,7 +17,7 @@ import torch
 
 from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import RecordedCalls, tensor_keys
-from iobundle.errors import ExportError, ToleranceError
+from iobundle.errors import BundleExistsError, ExportError, ToleranceError
 from iobundle.replay.check import (
     INPUT_SLOTS_KEY,
     OUTPUT_NAMES_KEY,
@@ -492,6 +492,7 @@ def export_onnx(
     Raises:
         ExportError: ``torch.export`` or ``torch.onnx.export`` failed, or (with ``check``) the
             exported program does not reproduce a recorded call.
+        BundleExistsError: ``path`` (or ``<path>.data``) is a symbolic link: nothing is written through one.
     """
     ep = export_program(
         rc, model, set_batch_dimension_for=set_batch_dimension_for, strict=strict, check=check, atol=atol, rtol=rtol,
@@ -515,7 +516,13 @@ def save_onnx(
 
     Raises:
         ExportError: ``torch.onnx.export`` failed, or the program does not take the recorded tensors.
+        BundleExistsError: ``path`` (or ``<path>.data``) is a symbolic link: nothing is written through one.
     """
+    for target in (Path(path), Path(f"{path}.data")):
+        if target.is_symlink():
+            raise BundleExistsError(
+                f"'{target}' is a symbolic link; iobundle never writes through one. Remove it, or choose another path."
+            )
     report: ExportReport = ep.iobundle_report  # type: ignore[attr-defined]
     sig = ep.graph_signature
     from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
@@ -559,7 +566,9 @@ def save_onnx(
         program.model.metadata_props[OUTPUT_NAMES_KEY] = json.dumps([v.name for v in program.model.graph.outputs])
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        weights = sum(v.const_value.nbytes for v in program.model.graph.initializers.values() if v.const_value is not None)
+        weights = sum(
+            v.const_value.nbytes for v in program.model.graph.initializers.values() if v.const_value is not None
+        )
         program.save(str(path), external_data=weights >= EXTERNAL_DATA_BYTES)
     except ExportError:
         raise
