@@ -18,13 +18,14 @@ from iobundle.cli._progress import ProgressBars
 from iobundle.errors import CLIError
 
 if TYPE_CHECKING:
-    from iobundle.replay import Bundle, ValidationReport
+    from iobundle.replay import Bundle, Tolerances, ValidationReport
 
 __all__ = [
     "EXAMPLES",
     "add_comparison_flags",
     "add_model_source",
     "comparison_options",
+    "export_tolerances",
     "register",
     "finish_comparison",
     "progress_bars",
@@ -71,7 +72,7 @@ recorded outputs (redacted): nothing compared, 5 when the bundle is damaged.""",
 TOLERANCE_HELP = (
     "{what} tolerance: VALUE for every output, or NAME=VALUE for one output (its name in the output tree, "
     "e.g. logits or past_key_values[0], or its ONNX name; fnmatch patterns allowed); repeat the flag "
-    "(default: {default:g})"
+    "(default: {default:g}; float16 and bfloat16 outputs get their dtype's, looser: see the tolerance table in the docs)"
 )
 
 
@@ -149,28 +150,38 @@ def tolerances(values: list[str] | None, flag: str, default: float) -> tuple[flo
     return value, per_output
 
 
-def comparison_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The keyword arguments of ``validate_onnx``/``rerun_model``/``diff_bundles`` from the flags.
+def export_tolerances(args: argparse.Namespace) -> Tolerances:
+    """The comparison value of ``export``'s check from its ``--atol`` / ``--rtol`` flags.
+
+    Raises:
+        CLIError: A tolerance is not a number.
+    """
+    from iobundle.replay import Tolerances
+
+    atol, output_atol = tolerances(args.atol, "--atol", DEFAULT_ATOL)
+    rtol, output_rtol = tolerances(args.rtol, "--rtol", DEFAULT_RTOL)
+    return Tolerances.build(atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol)
+
+
+def comparison_options(args: argparse.Namespace) -> Tolerances:
+    """The one comparison value of ``validate``/``run``/``diff`` from the flags.
 
     Raises:
         CLIError: A tolerance is not a number, a quantile is out of range, or --report has an unknown extension.
     """
-    atol, output_atol = tolerances(args.atol, "--atol", DEFAULT_ATOL)
-    rtol, output_rtol = tolerances(args.rtol, "--rtol", DEFAULT_RTOL)
+    from iobundle.replay import Tolerances
+
+    base = export_tolerances(args)
     if not 0.0 <= args.error_quantile <= 1.0:
         raise CLIError(f"--error-quantile {args.error_quantile:g}: give a quantile between 0 and 1 (e.g. 0.99).")
     for path in getattr(args, "report", None) or []:
         from iobundle.cli._reports import report_format
 
         report_format(path)  # refuse a bad extension before the work
-    return {
-        "atol": atol,
-        "rtol": rtol,
-        "output_atol": output_atol,
-        "output_rtol": output_rtol,
-        "check_error_stat": args.check_error_stat,
-        "error_quantile": args.error_quantile,
-    }
+    return Tolerances.build(
+        atol=base.atol, rtol=base.rtol, output_atol=base.per_output_atol, output_rtol=base.per_output_rtol,
+        check_error_stat=args.check_error_stat, error_quantile=args.error_quantile,
+    )  # fmt: skip
 
 
 def progress_bars(args: argparse.Namespace, *, stages: bool = False) -> ProgressBars:
@@ -213,7 +224,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     options = comparison_options(args)
     a, b = load_bundle(args.a), load_bundle(args.b)
     with progress_bars(args) as bars:
-        result = diff_bundles(a, b, on_progress=bars, **options)
+        result = diff_bundles(a, b, on_progress=bars, tolerances=options)
     if result.differences and not quiet(args):
         for line in result.differences:
             _render.out(_render.plain(f"bundles differ: {line}"))
@@ -236,7 +247,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             ) from exc
     model.eval()
     with progress_bars(args) as bars:
-        result = bundle.rerun(model, device=args.device, on_progress=bars, **options)
+        result = bundle.rerun(model, device=args.device, on_progress=bars, tolerances=options)
     return finish_comparison(args, result, [bundle])
 
 

@@ -425,7 +425,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         _check_program_index(args.model)
     bundle = _open_bundle(args.bundle)
     with _checks.progress_bars(args) as bars:
-        report = bundle.validate(args.model, on_progress=bars, **options)
+        report = bundle.validate(args.model, on_progress=bars, tolerances=options)
     return _checks.finish_comparison(args, report, [bundle])
 
 

@@ -271,8 +271,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     Every flag and the output are checked before anything is traced; each step's line is
     printed as it ends (``-q``: only the verdict).
     """
-    atol, output_atol = _checks.tolerances(args.atol, "--atol", _checks.DEFAULT_ATOL)
-    rtol, output_rtol = _checks.tolerances(args.rtol, "--rtol", _checks.DEFAULT_RTOL)
+    tolerances = _checks.export_tolerances(args)
     output = _check_export_output(args)
     reports = _export_report_paths(args.report)
     bundle = open_bundle(args.bundle)
@@ -287,8 +286,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         with _checks.progress_bars(args, stages=True) as bars:
             result = bundle.export_programs(
                 model, programs=args.programs, set_batch_dimension_for=spec, dynamic=dynamic,
-                check=not args.no_check, atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
-                dim_names=args.dim_names, on_progress=bars,
+                check=not args.no_check, tolerances=tolerances, dim_names=args.dim_names, on_progress=bars,
             )  # fmt: skip
             onnx_task = "torch.onnx.export" + (
                 f" ({len(result.programs)} programs)" if len(result.programs) > 1 else ""

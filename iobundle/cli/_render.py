@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from iobundle._escape import terminal_text
+from iobundle._status import call_status, row_status, status_class
+from iobundle._units import format_latency, format_size
 
 if TYPE_CHECKING:
     from iobundle.replay import StoredModel
@@ -384,15 +386,6 @@ def _runs_table(manifest: Manifest, runs: Sequence[CallRun]) -> str:
     return format_table(["#", "status", "latency", "inputs", "constants"], rows, right=(0, 2))
 
 
-def format_latency(seconds: float | None) -> str:
-    """Milliseconds with three significant digits or so: ``0.179 ms``, ``12.3 ms``."""
-    if seconds is None:
-        return "-"
-    ms = seconds * 1000.0
-    digits = 3 if ms < 1 else 2 if ms < 10 else 1 if ms < 100 else 0
-    return f"{ms:.{digits}f} ms"
-
-
 def format_table(
     headers: Sequence[str],
     rows: Sequence[Sequence[str]],
@@ -421,15 +414,6 @@ def format_table(
     return render(table)
 
 
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"  # unreachable
-
-
 def _signature(manifest: Manifest) -> str:
     parts = []
     for p in manifest.signature.parameters:
@@ -445,7 +429,7 @@ def format_stored_model(model: StoredModel) -> list[str]:
     attention = model.attn_implementation or "default"
     lines = [
         f"model      {model.class_name} (model_type {model.model_type or '?'}, attention {attention}), "
-        f"weights {_size(model.weights_bytes)}, config {_size(model.config_bytes)}"
+        f"weights {format_size(model.weights_bytes)}, config {format_size(model.config_bytes)}"
     ]
     if model.submodule:
         lines.append(f"           observed submodule {model.submodule}")
@@ -508,7 +492,7 @@ def format_inspect(
     lines += [
         f"method     {_signature(manifest)}",
         f"calls      {len(calls)}" + (f" ({status_text})" if calls else ""),
-        f"tensors    {len(manifest.tensors)} in {len(manifest.files)} files, {_size(total)}",
+        f"tensors    {len(manifest.tensors)} in {len(manifest.files)} files, {format_size(total)}",
     ]
     for entry in manifest.value_if_missing:
         key = entry.key if isinstance(entry.key, str) else _arg_name(manifest, entry.key)
@@ -641,7 +625,7 @@ def format_verify(manifest: Manifest, problems: Sequence[str], *, quiet: bool = 
         verdict = f"DAMAGED: {len(problems)} of {len(manifest.files)} files differ from the manifest"
         return verdict if quiet else "\n".join([*map(plain, problems), verdict])
     total = sum(f.size for f in manifest.files.values())
-    return f"OK: {len(manifest.files)} files, {_size(total)}, sizes and hashes match the manifest"
+    return f"OK: {len(manifest.files)} files, {format_size(total)}, sizes and hashes match the manifest"
 
 
 # --------------------------------------------------------------------------- export and validate
@@ -651,18 +635,8 @@ def _error_cell(value: Any) -> str:
     return "" if value is None or value != value else f"{value:.2e}"  # NaN (a failed run) shows empty
 
 
-def _status(success: Any, error: Any, absent: Any) -> str:
-    if success is True:
-        return "ok"
-    if success is None:
-        if not absent and error:  # e.g. a redacted bundle: the call ran, no recorded outputs to compare with
-            return f"not checked ({error})"
-        return f"not checked (absent at capture: {absent})"
-    return f"FAIL: {error}" if error else "FAIL: mismatch"
-
-
 def _status_style(status: str) -> str:
-    return "green" if status == "ok" else "yellow" if status.startswith("not checked") else "bold red"
+    return {"ok": "green", "not checked": "yellow"}.get(status_class(status), "bold red")
 
 
 def _styled(rows: Sequence[Sequence[str]], status_column: int = 1) -> list[list[str | None]]:
@@ -681,7 +655,7 @@ def format_export(report: Any, onnx_path: str | None) -> str:
     rows = [
         [
             str(c.index),
-            _status(c.success, c.error, ",".join(map(str, c.absent_inputs))),
+            call_status(c.success, c.error, ",".join(map(str, c.absent_inputs))),
             _error_cell(c.abs),
             _error_cell(c.rel),
         ]
@@ -712,7 +686,7 @@ def format_validation(report: Any, *, quiet: bool = False) -> str:
     for r in report.rows:
         row = [
             str(r["index"]),
-            _status(r["SUCCESS"], r.get("error"), r.get("absent_inputs")),
+            row_status(r),
             _error_cell(r["abs"]),
             _error_cell(r["rel"]),
         ]

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from iobundle._escape import csv_cell, html_text, markdown_code, markdown_code_block, markdown_text
+from iobundle._status import call_status, status_class
+from iobundle._units import format_latency
 from iobundle.errors import CLIError
 
 if TYPE_CHECKING:
@@ -140,25 +142,10 @@ def _number(value: Any) -> str:
     return str(value)
 
 
-def _seconds(value: Any) -> str:
-    if not isinstance(value, (int, float)) or (isinstance(value, float) and not math.isfinite(value)):
-        return ""
-    ms = float(value) * 1000.0
-    return f"{ms:.3g} ms"
-
-
 def _cell(column: str, row: dict[str, Any]) -> str:
     value = row.get(column)
     if column.startswith("duration") or column == "ort_duration":
-        return _seconds(value)
-    if column == "status":
-        status = str(value)
-        error = row.get("error")
-        if status == "FAIL" and error:
-            return f"FAIL: {error}"
-        if status == "not checked" and row.get("absent_inputs"):
-            return f"not checked (absent at capture: {row['absent_inputs']})"
-        return status
+        return format_latency(value, missing="")
     return _number(value) if not isinstance(value, str) else value
 
 
@@ -191,13 +178,7 @@ def _worst_cells(report: Report) -> list[list[tuple[str, str]]]:
     rows = []
     for o in report.worst:
         name = f"{o['output']} ({o['onnx_name']})" if o["onnx_name"] else o["output"]
-        status = (
-            "ok"
-            if o["SUCCESS"]
-            else "not checked"
-            if o["SUCCESS"] is None
-            else f"FAIL{': ' + o['error'] if o['error'] else ''}"
-        )
+        status = call_status(o["SUCCESS"], o["error"] or None, None)
         cells = [str(o["call"]), name, o["shape"], o["dtype"], _number(o["max_abs"]), _number(o["mean_abs"])]
         cells += [_number(o["quantile_abs"]), _number(o["max_rel"]), f"{o['atol']:g} / {o['rtol']:g}", status]
         rows.append([(_WORST_KINDS[j], c) for j, c in enumerate(cells)])
@@ -494,7 +475,9 @@ def _html(report: Report) -> str:
     rows = [[_cell(c, r) for c in report.columns] for r in report.rows]
     numeric = [i for i, c in enumerate(report.columns) if c not in ("status", "worst_output", "differences")]
     body.append(
-        _html_table(headers, rows, numeric, row_classes=[str(r["status"]).replace(" ", "-") for r in report.rows])
+        _html_table(
+            headers, rows, numeric, row_classes=[status_class(str(r["status"])).replace(" ", "-") for r in report.rows]
+        )
     )
     if report.worst:
         body.append(

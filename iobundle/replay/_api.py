@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from iobundle.replay import check, export
-    from iobundle.replay.check import ValidationReport
+    from iobundle.replay.check import Tolerances, ValidationReport
     from iobundle.replay.export import ExportReport, ProgramSet, ProgramsMode, StaticDimHint
 else:  # exporting and checking need torch (and onnx): opening a bundle does not
     torch = lazy_module("torch", globals())
@@ -231,17 +231,19 @@ class RecordedCallsAPI:
         on_progress: ProgressCallback | None = None,
         output_atol: Mapping[str, float] | None = None,
         output_rtol: Mapping[str, float] | None = None,
+        tolerances: Tolerances | None = None,
     ) -> ProgramSet:
         """Export one program for every recorded call, or one per phase when one cannot serve them all.
 
         ``result.to_onnx(path)`` writes the ONNX file, or one per phase and their index.
-        ``output_atol``/``output_rtol`` give per-output tolerances of the check, as ``validate`` takes them.
+        ``output_atol``/``output_rtol`` give per-output tolerances of the check, as ``validate`` takes them;
+        ``tolerances`` gives the whole comparison as one value instead.
         See :func:`iobundle.replay.export_programs`.
         """
         return export.export_programs(
             self._recorded(), model, programs=programs, set_batch_dimension_for=set_batch_dimension_for,
             dynamic=dynamic, strict=strict, check=check, atol=atol, rtol=rtol, dim_names=dim_names,
-            on_progress=on_progress, output_atol=output_atol, output_rtol=output_rtol,
+            on_progress=on_progress, output_atol=output_atol, output_rtol=output_rtol, tolerances=tolerances,
         )  # fmt: skip
 
     def export_report(self) -> ExportReport | None:
@@ -296,17 +298,23 @@ class RecordedCallsAPI:
         check_error_stat: str = "max",
         error_quantile: float = 0.99,
         on_progress: ProgressCallback | None = None,
+        tolerances: Tolerances | None = None,
     ) -> list[dict[str, Any]]:
         """Run ``onnx_model`` with onnxruntime on every recorded call and compare with the recorded outputs.
 
-        ``onnx_model`` is a path, an ``onnx.ModelProto`` or a ``torch.onnx.ONNXProgram``.
+        ``onnx_model`` is a path, an ``onnx.ModelProto`` or a ``torch.onnx.ONNXProgram``. The
+        tolerance and statistic keywords build one :class:`~iobundle.replay.Tolerances`, or give
+        it as ``tolerances``.
 
         See :func:`iobundle.replay.check_discrepancies` (per-output tolerances, error statistics, progress).
         """
+        tolerances = tolerances or check.Tolerances.build(
+            atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
+            check_error_stat=check_error_stat, error_quantile=error_quantile,
+        )  # fmt: skip
         return check.check_discrepancies(
-            self._recorded(), onnx_model, atol=atol, rtol=rtol, hist=hist, progress_bar=progress_bar,
-            include_io=include_io, skip_none=skip_none, output_atol=output_atol, output_rtol=output_rtol,
-            check_error_stat=check_error_stat, error_quantile=error_quantile, on_progress=on_progress,
+            self._recorded(), onnx_model, hist=hist, progress_bar=progress_bar, include_io=include_io,
+            skip_none=skip_none, on_progress=on_progress, tolerances=tolerances,
         )  # fmt: skip
 
     def validate(
@@ -320,15 +328,17 @@ class RecordedCallsAPI:
         check_error_stat: str = "max",
         error_quantile: float = 0.99,
         on_progress: ProgressCallback | None = None,
+        tolerances: Tolerances | None = None,
     ) -> ValidationReport:
         """Validate ``onnx_model`` on every recorded call, output by output; see :func:`iobundle.replay.validate_onnx`.
 
         .. versionadded:: 0.2
         """
-        return check.validate_onnx(
-            self._recorded(), onnx_model, atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
-            check_error_stat=check_error_stat, error_quantile=error_quantile, on_progress=on_progress,
+        tolerances = tolerances or check.Tolerances.build(
+            atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
+            check_error_stat=check_error_stat, error_quantile=error_quantile,
         )  # fmt: skip
+        return check.validate_onnx(self._recorded(), onnx_model, on_progress=on_progress, tolerances=tolerances)
 
     def rerun(
         self,
@@ -342,6 +352,7 @@ class RecordedCallsAPI:
         error_quantile: float = 0.99,
         device: str | torch.device | None = None,
         on_progress: ProgressCallback | None = None,
+        tolerances: Tolerances | None = None,
     ) -> ValidationReport:
         """Re-run the eager ``model`` on every recorded call's inputs; see :func:`iobundle.replay.rerun_model`.
 
@@ -349,10 +360,11 @@ class RecordedCallsAPI:
         """
         from iobundle.replay.check import rerun_model
 
-        return rerun_model(
-            self._recorded(), model, atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
-            check_error_stat=check_error_stat, error_quantile=error_quantile, device=device, on_progress=on_progress,
+        tolerances = tolerances or check.Tolerances.build(
+            atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
+            check_error_stat=check_error_stat, error_quantile=error_quantile,
         )  # fmt: skip
+        return rerun_model(self._recorded(), model, device=device, on_progress=on_progress, tolerances=tolerances)
 
 
 def _candidate_index(rc: RecordedCalls, candidate: InputCandidate) -> int:

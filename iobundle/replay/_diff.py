@@ -6,7 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from iobundle._progress import ProgressCallback, notify
@@ -177,6 +177,7 @@ def diff_bundles(
     check_error_stat: str = "max",
     error_quantile: float = 0.99,
     on_progress: ProgressCallback | None = None,
+    tolerances: Tolerances | None = None,
 ) -> DiffReport:
     """Compare bundle ``a`` (the reference) with bundle ``b``, call by call.
 
@@ -191,17 +192,22 @@ def diff_bundles(
     When a bundle holds no recorded outputs (``iobundle redact`` without ``--keep-outputs``), the
     structure and the inputs are compared, not the outputs: the report says so
     (``outputs_compared`` is False, the verdict names the bundle), and per-output tolerances are
-    not checked against output names.
+    not checked against output names. ``tolerances`` gives the comparison as one value (the
+    tolerance and statistic options are then ignored).
 
     Raises:
         BundleError: A bundle cannot be read.
         NothingToCompareError: A bundle holds no calls: there is nothing to compare.
         ToleranceError: A statistic is unknown, or a per-output tolerance names no output.
     """
-    check_error_stat_name(check_error_stat, error_quantile)
+    if tolerances is None:
+        tolerances = Tolerances.build(
+            atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
+            check_error_stat=check_error_stat, error_quantile=error_quantile,
+        )  # fmt: skip
+    check_error_stat_name(tolerances.check_error_stat, tolerances.error_quantile)
     begin = time.perf_counter()
     ba, bb = _open(a), _open(b)
-    tolerances = Tolerances(atol=atol, rtol=rtol, per_output_atol=output_atol or {}, per_output_rtol=output_rtol or {})
     overall: list[str] = []
     sa, sb = ba.manifest.signature, bb.manifest.signature
     if (sa.qualname or sa.method) != (sb.qualname or sb.method):
@@ -234,12 +240,12 @@ def diff_bundles(
         ins = [p for p in pairs if p.is_input]
         row, call_checks = compare_call(
             [ba.tensor(p.key_a) for p in outs], [bb.tensor(p.key_b) for p in outs], call_index=ca.index,
-            names=[p.path or "output" for p in outs], tolerances=tolerances, check_error_stat=check_error_stat,
-            error_quantile=error_quantile, scratch=scratch,
+            names=[p.path or "output" for p in outs], tolerances=tolerances, scratch=scratch,
         )  # fmt: skip
         in_row, in_checks = compare_call(
             [ba.tensor(p.key_a) for p in ins], [bb.tensor(p.key_b) for p in ins], call_index=ca.index,
-            names=[p.path for p in ins], tolerances=Tolerances(atol=atol, rtol=rtol), scratch=scratch,
+            names=[p.path for p in ins], tolerances=replace(tolerances, per_output_atol={}, per_output_rtol={}, check_error_stat="max"),
+            scratch=scratch,
         )  # fmt: skip
         diffs += [
             f"input {c.name}: max abs difference {c.stats.max_abs:.3g}"
@@ -262,8 +268,8 @@ def diff_bundles(
     if not redacted:
         refuse_unused(tolerances, checks)
     report = DiffReport(
-        rows=rows, atol=atol, rtol=rtol, seconds=time.perf_counter() - begin, outputs=checks, tolerances=tolerances,
-        check_error_stat=check_error_stat, error_quantile=error_quantile, subject=str(bb.path), kind="diff",
+        rows=rows, seconds=time.perf_counter() - begin, outputs=checks, tolerances=tolerances, subject=str(bb.path),
+        kind="diff",
         differences=overall, outputs_compared=not redacted, note=note,
     )  # fmt: skip
     return report

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from iobundle._status import row_status, status_class
+from iobundle._units import format_size
 from iobundle._version import __version__
 from iobundle.replay._bundle import Bundle
 from iobundle.replay.check import ValidationReport
@@ -73,15 +75,6 @@ def environment() -> dict[str, str]:
     return env
 
 
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"
-
-
 def _bundle_facts(bundle: Bundle) -> dict[str, Any]:
     m = bundle.manifest
     statuses: dict[str, int] = {}
@@ -114,7 +107,7 @@ def _paragraph(facts: dict[str, Any]) -> list[list[str]]:
     status = ", ".join(f"{n} {s}" for s, n in facts["statuses"].items()) or "none"
     producer = ", ".join(f"{k} {v}" for k, v in facts["producer"].items())
     text = (
-        f" ({status}): {facts['tensors']} tensors in {facts['files']} files, {_size(facts['bytes'])}. "
+        f" ({status}): {facts['tensors']} tensors in {facts['files']} files, {format_size(facts['bytes'])}. "
         f"Recorded with {producer}"
     )
     text += f" on {', '.join(facts['devices'])}." if facts["devices"] else "."
@@ -130,14 +123,6 @@ def _paragraph(facts: dict[str, Any]) -> list[list[str]]:
 
 def _finite(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
-
-
-def _status(row: dict[str, Any]) -> str:
-    if row.get("SUCCESS") is True:
-        return "ok"
-    if row.get("SUCCESS") is None:
-        return "not checked"
-    return "FAIL"
 
 
 @dataclass
@@ -192,7 +177,7 @@ def build_report(
         worst: How many outputs the table of the worst outputs lists.
     """
     kind = result.kind
-    rows = [dict(r, status=_status(r)) for r in result.rows]
+    rows = [dict(r, status=row_status(r)) for r in result.rows]  # one status, drawn as is by every renderer
     outputs = [c.as_row() for c in result.outputs]
 
     def badness(o: dict[str, Any]) -> tuple[int, float]:
@@ -209,7 +194,12 @@ def build_report(
         entry["calls"] += 1
         entry["failed"] += 1 if o["SUCCESS"] is False else 0
     per_call = [
-        {"index": r["index"], "abs": _finite(r.get("abs")), "status": r["status"], "error": r.get("error") or ""}
+        {
+            "index": r["index"],
+            "abs": _finite(r.get("abs")),
+            "status": status_class(r["status"]),
+            "error": r.get("error") or "",
+        }
         for r in rows
     ]
     subject = result.subject

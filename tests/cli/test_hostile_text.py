@@ -282,7 +282,7 @@ def _validation(bundle):
         {"SUCCESS": False, "error": FORMULA, "abs": 1.0, "rel": 1.0, "n": 4, "index": 0, "worst_output": AT_SUM},
         {"SUCCESS": None, "abs": 0.5, "rel": 0.1, "n": 4, "index": 1, "absent_inputs": HOSTILE},
     ]
-    return ValidationReport(rows=rows, atol=1e-4, rtol=0.1, seconds=0.5, subject=HOSTILE)
+    return ValidationReport(rows=rows, seconds=0.5, subject=HOSTILE)
 
 
 def test_markdown_reports_draw_bundle_strings_as_text(cwd, capsys):

@@ -288,7 +288,7 @@ def test_call_row_errors_are_the_largest_of_its_outputs() -> None:
         np.arange(6) + np.array([0, 0, 1, 0, 0, 0]),
     ]
     row, checks = compare_call(
-        expected, obtained, call_index=0, names=["a", "b", "c"], tolerances=Tolerances(), error_quantile=0.9
+        expected, obtained, call_index=0, names=["a", "b", "c"], tolerances=Tolerances(error_quantile=0.9)
     )
     assert [c.dtype for c in checks] == ["float32", "bfloat16", "int64"]
     assert row["abs"] == max(c.stats.max_abs for c in checks if c.stats)
@@ -299,3 +299,30 @@ def test_call_row_errors_are_the_largest_of_its_outputs() -> None:
     )])  # fmt: skip
     assert row["median_abs"] == np.median(every) and row["quantile_abs"] == np.quantile(every, 0.9)
     assert row["mean_abs"] == pytest.approx(every.mean())
+
+
+def test_default_tolerances_depend_on_the_recorded_dtype():
+    from iobundle.replay.check import DTYPE_TOLERANCES
+
+    tol = Tolerances()
+    assert tol.for_output("logits", dtype="float32") == (1e-4, 0.1)  # today's defaults: old verdicts stand
+    assert tol.for_output("logits", dtype="torch.bfloat16") == DTYPE_TOLERANCES["bfloat16"] == (2e-2, 0.1)
+    assert tol.for_output("logits", dtype="float16") == DTYPE_TOLERANCES["float16"] == (5e-3, 0.1)
+    assert tol.for_output("logits", dtype="int64") == (1e-4, 0.1)
+    overridden = Tolerances(per_output_atol={"logits": 1e-3})
+    assert overridden.for_output("logits", dtype="bfloat16") == (1e-3, 0.1)  # a per-output override beats the table
+    assert tol.describe(["bfloat16", "float32"]) == "atol=0.0001 rtol=0.1 (bfloat16: atol=0.02 rtol=0.1)"
+
+
+def test_a_bfloat16_output_is_decided_with_its_dtype_tolerances():
+    from iobundle.replay.check._compare import compare_call
+
+    expected = [torch.full((3,), 1e-2, dtype=torch.bfloat16)]
+    row, checks = compare_call(
+        expected, [np.full(3, 2e-2, np.float32)], call_index=0, names=["y"], tolerances=Tolerances(), per_output=False
+    )
+    assert row["SUCCESS"] is True and checks[0].atol == 2e-2  # 1e-2 off: within bfloat16's atol, not float32's
+    row, _ = compare_call(
+        expected, [np.full(3, 5e-2, np.float32)], call_index=0, names=["y"], tolerances=Tolerances(), per_output=False
+    )
+    assert row["SUCCESS"] is False

@@ -45,7 +45,7 @@ def test_report_holds_environment_bundle_verdict_and_rows(result):
     assert [kind for kind, _ in paragraph] == ["code", "text", "code", "text"]
     assert "holds 2 recorded calls of " in paragraph[1][1] and paragraph[2][1].endswith("Two.forward")
     assert "(2 ok)" in paragraph[3][1]
-    assert [r["status"] for r in report.rows] == ["FAIL", "FAIL"]
+    assert [r["status"] for r in report.rows] == ["FAIL: mismatch", "FAIL: mismatch"]  # as the terminal says it
     assert report.columns[:2] == ["index", "status"]
     json.dumps(report.as_dict(), allow_nan=False)  # plain data
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import onnx
 import onnxruntime
 import pandas
@@ -241,3 +243,51 @@ def test_check_discrepancies_refuses_a_tolerance_naming_no_output_before_running
         validate_onnx(bundle._recorded(), path, output_rtol={"nope": 1.0}, on_progress=events.append)
     assert events == []
     assert len(bundle.check_discrepancies(path, output_atol={"log*": 1e-2})) == 3
+
+
+# --------------------------------------------------------------------------- half precision
+
+
+@pytest.fixture(scope="module")
+def bf16_affine(tmp_path_factory):
+    """A bfloat16 Affine recorded on two calls and exported: onnxruntime's CPU provider cannot load it."""
+    tmp = tmp_path_factory.mktemp("bf16")
+    model = Affine().to(torch.bfloat16).eval()
+    observer = InputObserver()
+    with torch.no_grad(), observer(model):
+        model(torch.randn(2, 4, dtype=torch.bfloat16))
+        model(torch.randn(5, 4, dtype=torch.bfloat16))
+    observer.save(tmp / "b")
+    path = load_bundle(tmp / "b").to_onnx(model, tmp / "affine_bf16.onnx")
+    return tmp / "b", path
+
+
+def test_bfloat16_program_is_validated_through_its_float32_copy(bf16_affine):
+    from iobundle.replay.check import float32_copy
+
+    bundle, path = bf16_affine
+    proto = onnx.load(path)
+    with pytest.raises(Exception, match="Could not find an implementation"):
+        onnxruntime.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    before = Path(path).read_bytes()
+    report = load_bundle(bundle).validate(path)
+    assert report.ok and report.ran == "bfloat16 program validated through a float32 copy"
+    assert report.verdict().endswith("; bfloat16 program validated through a float32 copy")
+    assert [c.dtype for c in report.outputs] == ["bfloat16", "bfloat16"]
+    assert all((c.atol, c.rtol) == (2e-2, 0.1) for c in report.outputs)  # the dtype's row of the table
+    assert [r["ran"] for r in report.rows] == [report.ran] * 2
+    assert Path(path).read_bytes() == before  # the program on disk is the one the user deploys
+    copy, widened = float32_copy(proto)
+    assert widened == ["bfloat16"] and not any(t.data_type == onnx.TensorProto.BFLOAT16 for t in copy.graph.initializer)
+    assert any(t.data_type == onnx.TensorProto.BFLOAT16 for t in proto.graph.initializer)  # the original is untouched
+
+
+def test_a_changed_bfloat16_model_fails_through_the_float32_copy(bf16_affine, tmp_path):
+    bundle, _ = bf16_affine
+    model = Affine()
+    with torch.no_grad():
+        model.lin.weight.add_(0.5)
+    model = model.to(torch.bfloat16).eval()
+    path = load_bundle(bundle).to_onnx(model, tmp_path / "changed.onnx", check=False)
+    report = load_bundle(bundle).validate(path)
+    assert not report.ok and report.n_failed == 2 and report.ran

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     # Compare outputs
+    "DTYPE_TOLERANCES",
     "Comparison",
     "ErrorStats",
     "OutputCheck",
@@ -33,11 +34,13 @@ __all__ = [
     "read_metadata",
     "recorded_output_names",
     "validate_onnx",
+    "float32_copy",
     # Re-run a model
     "rerun_model",
 ]
 
 from iobundle.replay.check._compare import (
+    DTYPE_TOLERANCES,
     Comparison,
     ErrorStats,
     OutputCheck,
@@ -66,3 +69,4 @@ from iobundle.replay.check._validate import (
     refuse_unused,
     validate_onnx,
 )
+from iobundle.replay.check._widen import float32_copy

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "DTYPE_TOLERANCES",
     "ERROR_STATS",
     "HISTOGRAM_EDGES",
     "Comparison",
@@ -425,25 +426,85 @@ def check_error_stat_name(name: str, quantile: float) -> None:
 # --------------------------------------------------------------------------- tolerances
 
 
+DTYPE_TOLERANCES: Mapping[str, tuple[float, float]] = {
+    "float16": (5e-3, 0.1),
+    "bfloat16": (2e-2, 0.1),
+}
+"""Default ``(atol, rtol)`` of an output by the dtype it was recorded in, where it differs from float32's.
+
+=========  ======  =====  ==========================================
+dtype      atol    rtol   why
+=========  ======  =====  ==========================================
+float32    1e-4    0.1    :attr:`Tolerances.atol` / ``rtol`` (also float64, integers)
+float16    5e-3    0.1    10 bits of mantissa (eps 9.8e-4)
+bfloat16   2e-2    0.1    7 bits of mantissa (eps 7.8e-3)
+=========  ======  =====  ==========================================
+
+An element passes when within ``atol`` or within ``rtol`` of the expected value. A program that
+computes in another order, or in float32 (``validate`` on a CPU without half kernels), differs
+from the recorded half-precision run by a few units of the last place of each intermediate: on
+2-layer models up to 2e-3 in float16 and 1.7e-2 in bfloat16 (encoder states), 2.5 to 5 times
+below these values. A per-output tolerance (``--atol NAME=VALUE``, ``--atol '*=VALUE'`` for every
+output) beats this table.
+"""
+
+
 @dataclass(frozen=True)
 class Tolerances:
-    """Default tolerances and per-output overrides, keyed by output name or ``fnmatch`` pattern.
+    """How outputs are compared: tolerances by dtype and per output, and the statistic that decides.
 
-    An output is looked up by each of its names (its path in the output tree, e.g. ``logits`` or
-    ``past_key_values[0]``, and its ONNX name): an exact name wins over a pattern; among patterns the
-    first one given wins. Brackets in a pattern are the path's own, and an index may be written as a
-    dotted part too (``past_key_values.0``, ``past_key_values.*``; see ``iobundle.calls.path_matches``).
+    The one comparison value of validate, run, diff and the export check. An output's tolerances
+    are, first found: a per-output override for one of its names (its path in the output tree,
+    e.g. ``logits`` or ``past_key_values[0]``, or its ONNX name; an exact name wins over a
+    pattern, among patterns the first one given), the :data:`DTYPE_TOLERANCES` entry of the dtype
+    it was recorded in (``by_dtype``), else ``atol`` / ``rtol``. Brackets in a pattern are the
+    path's own, and an index may be written as a dotted part too (``past_key_values.0``,
+    ``past_key_values.*``; see ``iobundle.calls.path_matches``).
 
     Example:
         >>> tol = Tolerances(atol=1e-4, per_output_atol={"logits": 1e-3, "past_key_values.*": 1e-5})
         >>> tol.for_output("logits")
         (0.001, 0.1)
+        >>> Tolerances().for_output("logits", dtype="bfloat16")
+        (0.02, 0.1)
     """
 
     atol: float = 1e-4
     rtol: float = 0.1
     per_output_atol: Mapping[str, float] = field(default_factory=dict)
     per_output_rtol: Mapping[str, float] = field(default_factory=dict)
+    check_error_stat: str = "max"
+    """``max`` (every element within tolerance), ``mean``, ``median`` or ``quantile`` (see :data:`ERROR_STATS`)."""
+    error_quantile: float = 0.99
+    """The quantile of ``check_error_stat="quantile"`` (and of ``quantile_abs``)."""
+    by_dtype: Mapping[str, tuple[float, float]] = field(default_factory=lambda: dict(DTYPE_TOLERANCES))
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        atol: float = 1e-4,
+        rtol: float = 0.1,
+        output_atol: Mapping[str, float] | None = None,
+        output_rtol: Mapping[str, float] | None = None,
+        check_error_stat: str = "max",
+        error_quantile: float = 0.99,
+    ) -> Tolerances:
+        """The value from the keyword arguments the public functions take, checked.
+
+        Raises:
+            ToleranceError: ``check_error_stat`` is unknown or ``error_quantile`` is outside [0, 1].
+        """
+        check_error_stat_name(check_error_stat, error_quantile)
+        return cls(
+            atol=atol, rtol=rtol, per_output_atol=dict(output_atol or {}), per_output_rtol=dict(output_rtol or {}),
+            check_error_stat=check_error_stat, error_quantile=error_quantile,
+        )  # fmt: skip
+
+    @property
+    def per_output(self) -> bool:
+        """Whether outputs must be decided one by one (overrides, or a statistic other than ``max``)."""
+        return bool(self.per_output_atol or self.per_output_rtol) or self.check_error_stat != "max"
 
     @staticmethod
     def _lookup(table: Mapping[str, float], names: Iterable[str], default: float) -> float:
@@ -456,12 +517,15 @@ class Tolerances:
                 return value
         return default
 
-    def for_output(self, *names: str) -> tuple[float, float]:
-        """``(atol, rtol)`` for the output known under ``names``."""
-        return (
-            self._lookup(self.per_output_atol, names, self.atol),
-            self._lookup(self.per_output_rtol, names, self.rtol),
-        )
+    def for_dtype(self, dtype: str | None) -> tuple[float, float]:
+        """``(atol, rtol)`` of an output of ``dtype`` (``bfloat16``, ``torch.float16``...) with no override."""
+        name = str(dtype).replace("torch.", "") if dtype is not None else ""
+        return self.by_dtype.get(name, (self.atol, self.rtol))
+
+    def for_output(self, *names: str, dtype: str | None = None) -> tuple[float, float]:
+        """``(atol, rtol)`` for the output known under ``names``, recorded in ``dtype``."""
+        atol, rtol = self.for_dtype(dtype)
+        return self._lookup(self.per_output_atol, names, atol), self._lookup(self.per_output_rtol, names, rtol)
 
     def unused(self, names: Iterable[Sequence[str]]) -> list[str]:
         """The per-output keys that match none of the outputs (each given as its names)."""
@@ -469,12 +533,19 @@ class Tolerances:
         keys = list(dict.fromkeys([*self.per_output_atol, *self.per_output_rtol]))
         return [k for k in keys if not any(path_matches(k, n) for n in all_names)]
 
-    def describe(self) -> str:
-        """``atol=0.0001 rtol=0.1`` plus the overrides: ``(logits: atol=0.001)``."""
+    def describe(self, dtypes: Iterable[str] = ()) -> str:
+        """``atol=0.0001 rtol=0.1`` plus the table rows of ``dtypes`` and the overrides.
+
+        E.g. ``atol=0.0001 rtol=0.1 (bfloat16: atol=0.02 rtol=0.1; logits: atol=0.001)``.
+        """
         text = f"atol={self.atol:g} rtol={self.rtol:g}"
-        extra = [f"{k}: atol={v:g}" for k, v in self.per_output_atol.items()]
-        extra += [f"{k}: rtol={v:g}" for k, v in self.per_output_rtol.items()]
-        return text + (f" ({', '.join(extra)})" if extra else "")
+        seen = dict.fromkeys(str(d).replace("torch.", "") for d in dtypes)
+        extra = [f"{d}: atol={self.by_dtype[d][0]:g} rtol={self.by_dtype[d][1]:g}" for d in seen if d in self.by_dtype]
+        overrides = [f"{k}: atol={v:g}" for k, v in self.per_output_atol.items()]
+        overrides += [f"{k}: rtol={v:g}" for k, v in self.per_output_rtol.items()]
+        if overrides:
+            extra.append(", ".join(overrides))
+        return text + (f" ({'; '.join(extra)})" if extra else "")
 
 
 def output_paths(node: Node | None) -> list[str]:
@@ -535,6 +606,11 @@ class OutputCheck:
         return row
 
 
+def _recorded_dtype(value: Any) -> str:
+    """The dtype name of a recorded tensor (torch or numpy): ``bfloat16``, ``float32``; empty for None."""
+    return "" if value is None else str(getattr(value, "dtype", "")).replace("torch.", "")
+
+
 def _dtype_text(array: np.ndarray, value: Any) -> str:
     dtype = getattr(value, "dtype", array.dtype)
     return str(dtype).replace("torch.", "")
@@ -547,8 +623,6 @@ def compare_call(
     call_index: int,
     names: Sequence[str],
     tolerances: Tolerances,
-    check_error_stat: str = "max",
-    error_quantile: float = 0.99,
     hist: Sequence[float] = (0.1, 0.01),
     skip_none: bool = True,
     scratch: Scratch | None = None,
@@ -557,10 +631,14 @@ def compare_call(
 ) -> tuple[dict[str, Any], list[OutputCheck]]:
     """Compare the outputs of one call: the row of :func:`compare_outputs`, and one check per output.
 
-    With ``per_output`` each output is decided with its own tolerances and ``check_error_stat``
-    (the row's ``SUCCESS`` then follows them), and the row gains ``mean_abs``, ``median_abs``,
-    ``quantile_abs`` (over every element of the call's outputs) and ``worst_output``.
+    With ``per_output`` each output is decided with its own tolerances (by name and by recorded
+    dtype) and ``tolerances.check_error_stat`` (the row's ``SUCCESS`` then follows them), and the
+    row gains ``mean_abs``, ``median_abs``, ``quantile_abs`` (over every element of the call's
+    outputs) and ``worst_output``. Outputs recorded in a dtype of ``tolerances.by_dtype``
+    (float16, bfloat16) are always decided one by one.
     """
+    check_error_stat, error_quantile = tolerances.check_error_stat, tolerances.error_quantile
+    per_output = per_output or any(_recorded_dtype(e) in tolerances.by_dtype for e in expected)
     # Each output is converted to numpy once, here; compare_outputs and the per-output statistics share the arrays.
     pairs = [
         (None if e is None else _as_numpy(e), None if o is None else _as_numpy(o)) for e, o in zip(expected, obtained)
@@ -579,9 +657,9 @@ def compare_call(
         name = names[i] if i < len(names) else f"output[{i}]"
         other = other_names[i] if other_names is not None and i < len(other_names) else None
         other = other if other != name else None
-        atol, rtol = tolerances.for_output(name, other or "")
         ref, array = (e, a) if e is not None else (o, b)
         array = array if array is not None else np.zeros(0)
+        atol, rtol = tolerances.for_output(name, other or "", dtype=_dtype_text(array, ref))
         check = OutputCheck(
             call=call_index, name=name, other_name=other, shape=tuple(int(d) for d in array.shape),
             dtype=_dtype_text(array, ref), atol=atol, rtol=rtol, success=None,

@@ -47,6 +47,7 @@ def rerun_model(
     error_quantile: float = 0.99,
     device: str | torch.device | None = None,
     on_progress: ProgressCallback | None = None,
+    tolerances: Tolerances | None = None,
 ) -> ValidationReport:
     """Call ``model`` again on the inputs of every recorded call and compare with the recorded outputs.
 
@@ -67,6 +68,7 @@ def rerun_model(
         error_quantile: The quantile of ``check_error_stat="quantile"``.
         device: Move the inputs there first (the model must already be there), e.g. ``"cuda"``.
         on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` after each call.
+        tolerances: The whole comparison as one value (the tolerance and statistic options are then ignored).
 
     Returns:
         A :class:`ValidationReport` with ``kind="run"``; rows carry ``duration_torch`` (at capture)
@@ -77,7 +79,12 @@ def rerun_model(
         ReplayError: The model has no method named like the recorded one.
         ToleranceError: A statistic is unknown, or a per-output tolerance names no output.
     """
-    check_error_stat_name(check_error_stat, error_quantile)
+    if tolerances is None:
+        tolerances = Tolerances.build(
+            atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
+            check_error_stat=check_error_stat, error_quantile=error_quantile,
+        )  # fmt: skip
+    check_error_stat_name(tolerances.check_error_stat, tolerances.error_quantile)
     _require_outputs(rc)
     method = getattr(model, rc.signature.method, None)
     if not callable(method):
@@ -85,7 +92,6 @@ def rerun_model(
             f"The model ({type(model).__name__}) has no method {rc.signature.method!r}, the one the bundle recorded. "
             "Pass the model whose method was observed."
         )
-    tolerances = Tolerances(atol=atol, rtol=rtol, per_output_atol=output_atol or {}, per_output_rtol=output_rtol or {})
     begin = time.perf_counter()
     calls = rc.ok_calls
     refuse_unknown_outputs(tolerances, recorded_output_names(calls))  # before the run, not after it
@@ -113,7 +119,7 @@ def rerun_model(
         else:
             row, call_checks = compare_call(
                 expected, obtained, call_index=call.index, names=output_paths(call.outputs), tolerances=tolerances,
-                check_error_stat=check_error_stat, error_quantile=error_quantile, scratch=scratch,
+                scratch=scratch,
             )  # fmt: skip
             checks.extend(call_checks)
         row.update(index=call.index, duration_torch=call.latency, duration_rerun=seconds)
@@ -122,6 +128,6 @@ def rerun_model(
         notify(on_progress, "re-run", done, len(calls), f"call {call.index}")
     refuse_unused(tolerances, checks)
     return ValidationReport(
-        rows=rows, atol=atol, rtol=rtol, seconds=time.perf_counter() - begin, outputs=checks, tolerances=tolerances,
-        check_error_stat=check_error_stat, error_quantile=error_quantile, subject=type(model).__name__, kind="run",
+        rows=rows, seconds=time.perf_counter() - begin, outputs=checks, tolerances=tolerances,
+        subject=type(model).__name__, kind="run",
     )  # fmt: skip

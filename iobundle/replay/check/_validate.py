@@ -29,6 +29,7 @@ from iobundle.replay.check._compare import (
     histogram_labels,
     output_paths,
 )
+from iobundle.replay.check._widen import HALF_TYPES, float32_copy, half_types
 from iobundle.replay.infer import align_calls, aligned_tensors, call_structure, phase_calls, placeholder_inputs
 from iobundle.schema import load_program_index
 
@@ -48,32 +49,93 @@ def _is_proto(value: object) -> bool:
     return type(value).__name__ == "ModelProto" and type(value).__module__.startswith("onnx")
 
 
-def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto) -> tuple[Any, dict[str, str]]:
+def _no_half_support(error: Exception) -> bool:
+    """Whether onnxruntime refused the model for a half type: no kernel for it, or an operator it does not type."""
+    text = str(error)
+    if "Could not find an implementation" in text:
+        return True
+    return "Type Error" in text and any(f"tensor({name})" in text for name in HALF_TYPES.values())
+
+
+@dataclass(frozen=True)
+class Session:
+    """An onnxruntime session on the model, its metadata, and how it runs the recorded dtype."""
+
+    session: Any
+    metadata: dict[str, str]
+    widened: tuple[str, ...] = ()
+    """The half-precision types turned to float32 in the validation copy; empty when the model ran as it is."""
+
+    @property
+    def ran(self) -> str:
+        """``bfloat16 program validated through a float32 copy``, or empty when the model ran as it is."""
+        return f"{' and '.join(self.widened)} program validated through a float32 copy" if self.widened else ""
+
+
+def _open_session(ort: Any, source: Any, options: Any) -> Any:
+    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+
+
+def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto) -> Session:
+    """Load ``onnx_model`` in onnxruntime's CPU provider.
+
+    A half-precision model (bfloat16, float16) that the provider has no kernel for is loaded as
+    its float32 copy (:func:`float32_copy`, in memory): the graph the user deploys, with its
+    values widened, so validation still compares it with the recorded outputs. So is a model
+    with a bfloat16 input (e.g. a cache recorded under ``torch.autocast``): numpy has no bfloat16
+    to feed it with.
+    """
+    import onnx
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    import onnx
-
     proto = getattr(onnx_model, "model_proto", None)  # a torch.onnx.ONNXProgram, as torch's observer takes
     if isinstance(proto, onnx.ModelProto):
         onnx_model = proto
     try:
         if isinstance(onnx_model, onnx.ModelProto):
             meta = {p.key: p.value for p in onnx_model.metadata_props}
-            return ort.InferenceSession(
-                onnx_model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-            ), meta
+            try:
+                session = _open_session(ort, onnx_model.SerializeToString(), options)
+            except Exception as exc:
+                if not _no_half_support(exc) or not half_types(onnx_model):
+                    raise
+                return _widened_session(ort, onnx_model, options, meta)
+            if _bfloat16_inputs(session):
+                return _widened_session(ort, onnx_model, options, meta)
+            return Session(session, meta)
         path = Path(onnx_model)
         if not path.is_file():
             raise ModelLoadError(f"ONNX model '{path}' does not exist.")
-        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        return session, dict(session.get_modelmeta().custom_metadata_map)
+        try:
+            session = _open_session(ort, str(path), options)
+        except Exception as exc:
+            if not _no_half_support(exc):
+                raise
+            loaded = onnx.load(str(path))
+            if not half_types(loaded):
+                raise
+            return _widened_session(ort, loaded, options, {p.key: p.value for p in loaded.metadata_props})
+        meta = dict(session.get_modelmeta().custom_metadata_map)
+        if _bfloat16_inputs(session):
+            return _widened_session(ort, onnx.load(str(path)), options, meta)
+        return Session(session, meta)
     except ModelLoadError:
         raise
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"onnxruntime cannot load the model '{onnx_model}': {first}") from exc
+
+
+def _bfloat16_inputs(session: Any) -> bool:
+    return any(i.type == "tensor(bfloat16)" for i in session.get_inputs())
+
+
+def _widened_session(ort: Any, model: onnx.ModelProto, options: Any, meta: dict[str, str]) -> Session:
+    copy, widened = float32_copy(model)
+    logger.info("onnxruntime has no %s kernel here: validating a float32 copy of the graph", "/".join(widened))
+    return Session(_open_session(ort, copy.SerializeToString(), options), meta, tuple(widened))
 
 
 @dataclass(frozen=True)
@@ -195,9 +257,16 @@ _ORT_TYPES = {
 
 
 def refuse_mismatched_inputs(
-    rc: RecordedCalls, alignment: Any, session: Any, mapping: Sequence[tuple[str, int]], label: str
+    rc: RecordedCalls,
+    alignment: Any,
+    session: Any,
+    mapping: Sequence[tuple[str, int]],
+    label: str,
+    widened: Sequence[str] = (),
 ) -> None:
     """Compare each graph input's element type and rank with the recorded tensors it is fed, before any run.
+
+    In a float32 copy (``widened``: the half types it replaced) a ``float`` input takes those types.
 
     Raises:
         ModelLoadError: Some differ (one line naming each input): the model was not exported from this bundle.
@@ -214,6 +283,7 @@ def refuse_mismatched_inputs(
         wanted = str(graph.type).removeprefix("tensor(").removesuffix(")")
         graph_rank = len(graph.shape) if isinstance(graph.shape, list) else None
         recorded = _ORT_TYPES.get(dtype, str(dtype).replace("torch.", ""))
+        recorded = "float" if recorded in widened else recorded
         if wanted != recorded or (graph_rank is not None and graph_rank != rank):
             problems.append(f"{name} takes {wanted} of rank {graph_rank}, the bundle holds {recorded} of rank {rank}")
     if problems:
@@ -238,8 +308,11 @@ def _summary(tensors: Sequence[Any]) -> str:
     return ", ".join(parts)
 
 
-def _to_numpy(t: torch.Tensor) -> np.ndarray:
+def _to_numpy(t: torch.Tensor, widened: Sequence[str] = ()) -> np.ndarray:
+    """The feed of one input; a half-precision tensor as float32 for a float32 copy (``widened``)."""
     t = t.detach().cpu()
+    if widened and str(t.dtype).replace("torch.", "") in widened:
+        t = t.float()
     return t.contiguous().numpy()
 
 
@@ -274,6 +347,7 @@ def check_discrepancies(
     check_error_stat: str = "max",
     error_quantile: float = 0.99,
     on_progress: ProgressCallback | None = None,
+    tolerances: Tolerances | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``onnx_model`` with onnxruntime on every recorded call; one dict per call (DataFrame-ready).
 
@@ -282,8 +356,9 @@ def check_discrepancies(
     absent at capture and fed a non-empty stand-in, zeros or a ``value_if_missing`` placeholder:
     such a row is reported with ``SUCCESS=None`` when it differs, never as a numeric mismatch;
     zero-length stand-ins for absent caches mean the same as absence and are checked normally),
-    ``error`` when the run failed,
-    and with ``include_io`` the ``inputs`` and ``outputs`` summaries.
+    ``error`` when the run failed, ``ran`` when the model ran as its float32 copy (a half-precision
+    model onnxruntime's CPU provider has no kernel for: ``bfloat16 program validated through a
+    float32 copy``), and with ``include_io`` the ``inputs`` and ``outputs`` summaries.
 
     ``onnx_model`` may also be a program index (``*.programs.json``, written by ``iobundle export``
     when one program cannot serve every call): each call then runs through the program whose
@@ -307,6 +382,8 @@ def check_discrepancies(
         check_error_stat: ``max`` (every element within tolerance), ``mean``, ``median`` or ``quantile``.
         error_quantile: The quantile of ``check_error_stat="quantile"`` (and of ``quantile_abs``).
         on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` after each call.
+        tolerances: The whole comparison as one value; when given, ``atol``, ``rtol``,
+            ``output_atol``, ``output_rtol``, ``check_error_stat`` and ``error_quantile`` are ignored.
 
     Raises:
         NothingToCompareError: The calls hold no recorded outputs (a redacted bundle).
@@ -316,12 +393,14 @@ def check_discrepancies(
     .. versionchanged:: 0.2
         ``output_atol``, ``output_rtol``, ``check_error_stat``, ``error_quantile``, ``on_progress``.
     """
-    tolerances = Tolerances(atol=atol, rtol=rtol, per_output_atol=output_atol or {}, per_output_rtol=output_rtol or {})
-    per_output = bool(output_atol or output_rtol) or check_error_stat != "max"
+    if tolerances is None:
+        tolerances = Tolerances.build(
+            atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
+            check_error_stat=check_error_stat, error_quantile=error_quantile,
+        )  # fmt: skip
     rows, _ = _run_checks(
         rc, onnx_model, tolerances=tolerances, hist=hist, progress_bar=progress_bar, include_io=include_io,
-        skip_none=skip_none, per_output=per_output, check_error_stat=check_error_stat,
-        error_quantile=error_quantile, on_progress=on_progress,
+        skip_none=skip_none, per_output=tolerances.per_output, on_progress=on_progress,
     )  # fmt: skip
     return rows
 
@@ -336,23 +415,21 @@ def _run_checks(
     include_io: bool,
     skip_none: bool,
     per_output: bool,
-    check_error_stat: str,
-    error_quantile: float,
     on_progress: ProgressCallback | None,
 ) -> tuple[list[dict[str, Any]], list[OutputCheck]]:
-    check_error_stat_name(check_error_stat, error_quantile)
+    check_error_stat_name(tolerances.check_error_stat, tolerances.error_quantile)
     _require_outputs(rc)
     if not _is_proto(onnx_model) and str(onnx_model).endswith(".json"):
         return check_program_index(
             rc, onnx_model, tolerances=tolerances, hist=hist, progress_bar=progress_bar,
-            include_io=include_io, skip_none=skip_none, per_output=per_output, check_error_stat=check_error_stat,
-            error_quantile=error_quantile, on_progress=on_progress,
+            include_io=include_io, skip_none=skip_none, per_output=per_output, on_progress=on_progress,
         )  # fmt: skip
-    session, meta = _session(onnx_model)
+    loaded = _session(onnx_model)
+    session, meta, widened = loaded.session, loaded.metadata, loaded.widened
     alignment = align_calls(rc)
     metadata = read_metadata(meta, model_label(onnx_model), len(alignment.owners))
     mapping = input_mapping([i.name for i in session.get_inputs()], metadata, len(alignment.owners))
-    refuse_mismatched_inputs(rc, alignment, session, mapping, model_label(onnx_model))
+    refuse_mismatched_inputs(rc, alignment, session, mapping, model_label(onnx_model), widened)
     session_outputs = [o.name for o in session.get_outputs()]
     by_name = output_mapping(session_outputs, metadata, model_label(onnx_model))
     output_names = metadata.output_names
@@ -378,7 +455,7 @@ def _run_checks(
         call = alignment.calls[i]
         slots = alignment.slots[i]
         tensors = aligned_tensors(rc, alignment, slots)
-        feeds = {name: _to_numpy(tensors[slot]) for name, slot in mapping}
+        feeds = {name: _to_numpy(tensors[slot], widened) for name, slot in mapping}
         expected = [rc.store.get(k) for k in tensor_keys(call.outputs)] if call.outputs else []
         names = output_paths(call.outputs)
         fetch, other_names, error = _fetched_outputs(names, by_name, output_names, graph_outputs, session_outputs)
@@ -396,9 +473,8 @@ def _run_checks(
             row.update({f">{h}": 0 for h in hist})
         else:
             cmp_row, call_checks = compare_call(
-                expected, obtained, call_index=call.index, names=names, tolerances=tolerances,
-                check_error_stat=check_error_stat, error_quantile=error_quantile, hist=hist, skip_none=skip_none,
-                scratch=scratch, per_output=per_output, other_names=other_names,
+                expected, obtained, call_index=call.index, names=names, tolerances=tolerances, hist=hist,
+                skip_none=skip_none, scratch=scratch, per_output=per_output, other_names=other_names,
             )  # fmt: skip
             row.update(cmp_row)
             checks.extend(call_checks)
@@ -417,6 +493,8 @@ def _run_checks(
             n_empty=sum(1 for t in tensors if t.numel() == 0),
             absent_inputs=",".join(map(str, absent)),
         )
+        if loaded.ran:
+            row["ran"] = loaded.ran
         if include_io:
             row["inputs"] = _summary(tensors)
             row["outputs"] = _summary(expected)
@@ -456,27 +534,39 @@ class ValidationReport:
 
     Attributes:
         rows: One dict per call (see :func:`check_discrepancies`).
-        atol: The default absolute tolerance.
-        rtol: The default relative tolerance.
         seconds: Wall time of the whole validation.
+        tolerances: The comparison: tolerances by dtype and per output, the deciding statistic.
         outputs: One :class:`OutputCheck` per output of each call (name, shape, dtype, statistics).
-        tolerances: The tolerances, per-output overrides included.
-        check_error_stat: The statistic that decides an output (``max``, ``mean``, ``median``, ``quantile``).
-        error_quantile: The quantile reported (and checked with ``check_error_stat="quantile"``).
         subject: What was compared with the recorded outputs (the ONNX file, the eager model).
         kind: ``"validate"`` (onnxruntime), ``"run"`` (the eager model re-run) or ``"diff"`` (two bundles).
     """
 
     rows: list[dict[str, Any]]
-    atol: float
-    rtol: float
     seconds: float
+    tolerances: Tolerances = field(default_factory=Tolerances)
     outputs: list[OutputCheck] = field(default_factory=list)
-    tolerances: Tolerances | None = None
-    check_error_stat: str = "max"
-    error_quantile: float = 0.99
     subject: str = ""
     kind: str = "validate"
+
+    @property
+    def atol(self) -> float:
+        """The default absolute tolerance (float32's and every dtype outside the table)."""
+        return self.tolerances.atol
+
+    @property
+    def rtol(self) -> float:
+        """The default relative tolerance."""
+        return self.tolerances.rtol
+
+    @property
+    def check_error_stat(self) -> str:
+        """The statistic that decides an output (``max``, ``mean``, ``median``, ``quantile``)."""
+        return self.tolerances.check_error_stat
+
+    @property
+    def error_quantile(self) -> float:
+        """The quantile reported (and checked with ``check_error_stat="quantile"``)."""
+        return self.tolerances.error_quantile
 
     @property
     def n_failed(self) -> int:
@@ -485,6 +575,11 @@ class ValidationReport:
     @property
     def ok(self) -> bool:
         return self.n_failed == 0
+
+    @property
+    def ran(self) -> str:
+        """How the model ran when not as it is (``bfloat16 program validated through a float32 copy``), else empty."""
+        return "; ".join(dict.fromkeys(str(r["ran"]) for r in self.rows if r.get("ran")))
 
     def histogram(self) -> list[tuple[str, int]]:
         """``(bin label, count)`` of the absolute errors of every compared element, every output of every call."""
@@ -495,9 +590,8 @@ class ValidationReport:
         return list(zip(histogram_labels(), counts))
 
     def criterion(self) -> str:
-        """The rule a call passed by: tolerances and statistic, e.g. ``atol=0.0001 rtol=0.1``."""
-        tolerances = self.tolerances or Tolerances(atol=self.atol, rtol=self.rtol)
-        text = tolerances.describe()
+        """The rule a call passed by: tolerances (with the dtypes' rows used) and statistic, e.g. ``atol=0.0001 rtol=0.1``."""
+        text = self.tolerances.describe(c.dtype for c in self.outputs)
         if self.check_error_stat == "quantile":
             return f"{text}, on the {self.error_quantile:g} quantile of the errors"
         if self.check_error_stat != "max":
@@ -505,9 +599,11 @@ class ValidationReport:
         return text
 
     def verdict(self) -> str:
+        """``PASS: 6/6 calls within atol=0.0001 rtol=0.1``, and how the model ran when not as it is."""
         n = len(self.rows)
         passed = sum(1 for r in self.rows if r["SUCCESS"])
-        return f"{'PASS' if self.ok else 'FAIL'}: {passed}/{n} calls within {self.criterion()}"
+        ran = f"; {self.ran}" if self.ran else ""
+        return f"{'PASS' if self.ok else 'FAIL'}: {passed}/{n} calls within {self.criterion()}{ran}"
 
 
 def validate_onnx(
@@ -521,15 +617,22 @@ def validate_onnx(
     check_error_stat: str = "max",
     error_quantile: float = 0.99,
     on_progress: ProgressCallback | None = None,
+    tolerances: Tolerances | None = None,
 ) -> ValidationReport:
     """Validate ``onnx_model`` on every recorded call, output by output; see :func:`check_discrepancies`.
 
     Each output of each call is compared on its own: its tolerances are ``output_atol`` /
     ``output_rtol`` for its name (its path in the output tree such as ``logits`` or
-    ``past_key_values[0]``, or its ONNX name; ``fnmatch`` patterns allowed), else ``atol`` /
-    ``rtol``. With ``check_error_stat="max"`` every element must be within ``atol`` or within
-    ``rtol``; with ``mean``, ``median`` or ``quantile`` that statistic of the absolute errors must
-    be within ``atol``, or that of the relative errors within ``rtol``.
+    ``past_key_values[0]``, or its ONNX name; ``fnmatch`` patterns allowed), else those of the
+    dtype it was recorded in (:data:`~iobundle.replay.check.DTYPE_TOLERANCES`: float16 and
+    bfloat16 are looser), else ``atol`` / ``rtol``. With ``check_error_stat="max"`` every element
+    must be within ``atol`` or within ``rtol``; with ``mean``, ``median`` or ``quantile`` that
+    statistic of the absolute errors must be within ``atol``, or that of the relative errors
+    within ``rtol``. ``tolerances`` gives all of this as one value (the other options are then
+    ignored).
+
+    A half-precision model that onnxruntime's CPU provider has no kernel for runs as its float32
+    copy (the same graph, values widened, in memory); the verdict says so.
 
     Raises:
         ModelLoadError: The model cannot be loaded, or its inputs do not fit the recorded calls (names, element types, ranks; a ReplayError).
@@ -545,18 +648,20 @@ def validate_onnx(
         ``error_quantile``, ``on_progress``.
     """
     begin = time.perf_counter()
-    tolerances = Tolerances(atol=atol, rtol=rtol, per_output_atol=output_atol or {}, per_output_rtol=output_rtol or {})
+    if tolerances is None:
+        tolerances = Tolerances.build(
+            atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
+            check_error_stat=check_error_stat, error_quantile=error_quantile,
+        )  # fmt: skip
     rows, checks = _run_checks(
         rc, onnx_model, tolerances=tolerances, hist=(0.1, 0.01), progress_bar=False, include_io=False,
-        skip_none=True, per_output=True, check_error_stat=check_error_stat, error_quantile=error_quantile,
-        on_progress=on_progress,
+        skip_none=True, per_output=True, on_progress=on_progress,
     )  # fmt: skip
     refuse_unused(tolerances, checks)
     subject = str(onnx_model) if not _is_proto(onnx_model) else "an onnx.ModelProto"
     return ValidationReport(
-        rows=rows, atol=atol, rtol=rtol, seconds=time.perf_counter() - begin, outputs=checks,
-        tolerances=tolerances, check_error_stat=check_error_stat, error_quantile=error_quantile, subject=subject,
-    )  # fmt: skip
+        rows=rows, seconds=time.perf_counter() - begin, outputs=checks, tolerances=tolerances, subject=subject
+    )
 
 
 def refuse_unused(tolerances: Tolerances, checks: Sequence[OutputCheck]) -> None:

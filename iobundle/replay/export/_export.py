@@ -282,12 +282,10 @@ def _check_calls(
     plan: _Plan,
     run: Any,
     *,
-    atol: float,
-    rtol: float,
+    tolerances: Tolerances,
     report: ExportReport,
     eager: Any = None,
     on_progress: ProgressCallback | None = None,
-    tolerances: Tolerances | None = None,
 ) -> None:
     begin = time.perf_counter()
     total = len(plan.alignment.calls)
@@ -314,10 +312,11 @@ def _check_calls(
                 check.seconds = time.perf_counter() - t0
                 report.calls.append(check)
                 continue
-            if tolerances is not None and call.outputs is not None:
+            half = any(str(getattr(e, "dtype", "")).replace("torch.", "") in tolerances.by_dtype for e in expected)
+            if (tolerances.per_output or half) and call.outputs is not None:
                 cmp = _compare_per_output(expected, obtained, output_paths(call.outputs), tolerances)
             else:
-                cmp = compare_outputs(expected, obtained, atol=atol, rtol=rtol)
+                cmp = compare_outputs(expected, obtained, atol=tolerances.atol, rtol=tolerances.rtol)
             check.success, check.abs, check.rel, check.error = cmp.success, cmp.abs, cmp.rel, cmp.error
             if check.absent_inputs and not cmp.success:
                 check.success = None  # fed a stand-in the model never saw: not a numeric mismatch
@@ -332,12 +331,12 @@ def _check_calls(
 def _compare_per_output(
     expected: list[Any], obtained: list[Any], names: list[str], tolerances: Tolerances
 ) -> Comparison:
-    """:func:`compare_outputs` output by output, each with its tolerances (``--atol logits=1e-3``)."""
+    """:func:`compare_outputs` output by output, each with its tolerances (``--atol logits=1e-3``, its dtype's)."""
     if len(expected) != len(obtained) or len(names) != len(expected):
         return compare_outputs(expected, obtained, atol=tolerances.atol, rtol=tolerances.rtol)
     result = Comparison()
     for name, e, o in zip(names, expected, obtained):
-        atol, rtol = tolerances.for_output(name)
+        atol, rtol = tolerances.for_output(name, dtype=str(getattr(e, "dtype", "")))
         one = compare_outputs([e], [o], atol=atol, rtol=rtol)
         result.abs, result.rel = max(result.abs, one.abs), max(result.rel, one.rel)
         if not one.success and result.success:
@@ -410,6 +409,7 @@ def export_program(
     on_progress: ProgressCallback | None = None,
     output_atol: Mapping[str, float] | None = None,
     output_rtol: Mapping[str, float] | None = None,
+    tolerances: Tolerances | None = None,
 ) -> torch.export.ExportedProgram:
     """Export ``model`` with the inferred arguments and dynamic shapes, then run every recorded call through it.
 
@@ -434,16 +434,15 @@ def export_program(
         output_atol: Per-output absolute tolerances of the check, keyed by output name (its path in
             the output tree: ``logits``, ``past_key_values.0``) or ``fnmatch`` pattern, as validate takes them.
         output_rtol: Per-output relative tolerances, likewise.
+        tolerances: The comparison as one value (tolerances by dtype and per output); when given,
+            ``atol``, ``rtol``, ``output_atol`` and ``output_rtol`` are ignored.
 
     Raises:
         ExportError: ``torch.export`` failed, or (with ``check``) a recorded call is not reproduced.
         ToleranceError: A per-output tolerance names no recorded output (before anything is traced).
     """
-    tolerances = None
-    if output_atol or output_rtol:
-        tolerances = Tolerances(
-            atol=atol, rtol=rtol, per_output_atol=output_atol or {}, per_output_rtol=output_rtol or {}
-        )
+    tolerances = tolerances or Tolerances.build(atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol)
+    if tolerances.per_output:
         _refuse_unknown_tolerances(rc, tolerances)
     ep, plan, report = _export(
         rc, model, batch=set_batch_dimension_for, strict=strict, dynamic=dynamic, dim_names=dim_names,
@@ -451,11 +450,10 @@ def export_program(
     )  # fmt: skip
     with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
         _check_calls(
-            rc, plan, ep.module(), atol=atol, rtol=rtol, report=report, eager=plan.module, on_progress=on_progress,
-            tolerances=tolerances,
-        )  # fmt: skip
+            rc, plan, ep.module(), tolerances=tolerances, report=report, eager=plan.module, on_progress=on_progress
+        )
         if check_batch and plan.dynamic_batch and report.ok:
-            report.batch_check = check_other_batch(rc, plan, ep, atol=atol, rtol=rtol)
+            report.batch_check = check_other_batch(rc, plan, ep, atol=tolerances.atol, rtol=tolerances.rtol)
     rc.last_export_report = report
     ep.iobundle_report = report  # type: ignore[attr-defined]
     ep.iobundle_plan = plan  # type: ignore[attr-defined]

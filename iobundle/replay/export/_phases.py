@@ -32,6 +32,7 @@ import torch
 from iobundle._remote import resolve_output
 from iobundle.calls import RecordedCalls
 from iobundle.errors import ExportError
+from iobundle.replay.check import Tolerances
 from iobundle.replay.export._export import CallCheck, ExportReport, export_program, save_onnx
 from iobundle.replay.infer import DynamicSpec, align_calls, call_structure, phase_calls
 from iobundle.schema import ProgramEntry, ProgramIndex, write_program_index
@@ -205,6 +206,7 @@ def export_programs(
     on_progress: Any = None,
     output_atol: Mapping[str, float] | None = None,
     output_rtol: Mapping[str, float] | None = None,
+    tolerances: Tolerances | None = None,
 ) -> ProgramSet:
     """Export one program that serves every recorded call, or one per phase when it cannot.
 
@@ -212,7 +214,8 @@ def export_programs(
     first; only when that fails (``torch.export`` refuses, or a call is not reproduced) and
     the calls have several structures (:func:`partition_calls`) is one program exported per
     phase, each from its own calls and checked on them. ``"one"`` never splits;
-    ``"per-phase"`` always does. The other arguments are those of :func:`export_program`.
+    ``"per-phase"`` always does. The other arguments are those of :func:`export_program`; the
+    tolerances are built once (or given as ``tolerances``) and shared by every program's check.
 
     Raises:
         ExportError: No program could be exported for some call, or (with ``check``) a call
@@ -220,9 +223,10 @@ def export_programs(
     """
     if programs not in _MODES:
         raise ExportError(f"programs={programs!r}: use one of {', '.join(map(repr, _MODES))}.")
+    tolerances = tolerances or Tolerances.build(atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol)
     options: dict[str, Any] = dict(
-        set_batch_dimension_for=set_batch_dimension_for, dynamic=dynamic, strict=strict, atol=atol, rtol=rtol,
-        dim_names=dim_names, on_progress=on_progress, output_atol=output_atol, output_rtol=output_rtol,
+        set_batch_dimension_for=set_batch_dimension_for, dynamic=dynamic, strict=strict, dim_names=dim_names,
+        on_progress=on_progress, tolerances=tolerances,
     )  # fmt: skip
     phases = partition_calls(rc)
     every = Phase("all", tuple(c.index for c in rc.ok_calls), {})
