@@ -150,7 +150,11 @@ class Tree:
                 self.path.mkdir(parents=True, exist_ok=True)
                 fd = os.open(self.path, _ROOT_FLAGS)
             except NotADirectoryError as exc:
-                raise self.error(f"'{self.path}' is not a folder.") from exc
+                if os.path.lexists(self.path):
+                    raise self.error(f"'{self.path}' is not a folder.") from exc
+                if not create:
+                    return None
+                raise  # a component above the root is a file: the root cannot be made (the caller's write error)
             self._fds[parts] = fd
             return fd
         parent = self.folder(parts[:-1], create=create)
