@@ -28,6 +28,7 @@ from iobundle.replay.check._compare import (
     compare_call,
     histogram_labels,
     output_paths,
+    tolerance_options,
 )
 from iobundle.replay.check._widen import HALF_TYPES, float32_copy, half_types
 from iobundle.replay.infer import align_calls, aligned_tensors, call_structure, phase_calls, placeholder_inputs
@@ -332,22 +333,17 @@ def _require_outputs(rc: RecordedCalls) -> None:
         )
 
 
+@tolerance_options()
 def check_discrepancies(
     rc: RecordedCalls,
     onnx_model: str | os.PathLike[str] | onnx.ModelProto,
     *,
-    atol: float = 1e-4,
-    rtol: float = 0.1,
     hist: Sequence[float] = (0.1, 0.01),
     progress_bar: bool = False,
     include_io: bool = True,
     skip_none: bool = True,
-    output_atol: Mapping[str, float] | None = None,
-    output_rtol: Mapping[str, float] | None = None,
-    check_error_stat: str = "max",
-    error_quantile: float = 0.99,
     on_progress: ProgressCallback | None = None,
-    tolerances: Tolerances | None = None,
+    tolerances: Tolerances,
 ) -> list[dict[str, Any]]:
     """Run ``onnx_model`` with onnxruntime on every recorded call; one dict per call (DataFrame-ready).
 
@@ -393,11 +389,6 @@ def check_discrepancies(
     .. versionchanged:: 0.2
         ``output_atol``, ``output_rtol``, ``check_error_stat``, ``error_quantile``, ``on_progress``.
     """
-    if tolerances is None:
-        tolerances = Tolerances.build(
-            atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
-            check_error_stat=check_error_stat, error_quantile=error_quantile,
-        )  # fmt: skip
     rows, _ = _run_checks(
         rc, onnx_model, tolerances=tolerances, hist=hist, progress_bar=progress_bar, include_io=include_io,
         skip_none=skip_none, per_output=tolerances.per_output, on_progress=on_progress,
@@ -606,18 +597,13 @@ class ValidationReport:
         return f"{'PASS' if self.ok else 'FAIL'}: {passed}/{n} calls within {self.criterion()}{ran}"
 
 
+@tolerance_options()
 def validate_onnx(
     rc: RecordedCalls,
     onnx_model: str | os.PathLike[str] | onnx.ModelProto,
     *,
-    atol: float = 1e-4,
-    rtol: float = 0.1,
-    output_atol: Mapping[str, float] | None = None,
-    output_rtol: Mapping[str, float] | None = None,
-    check_error_stat: str = "max",
-    error_quantile: float = 0.99,
     on_progress: ProgressCallback | None = None,
-    tolerances: Tolerances | None = None,
+    tolerances: Tolerances,
 ) -> ValidationReport:
     """Validate ``onnx_model`` on every recorded call, output by output; see :func:`check_discrepancies`.
 
@@ -648,11 +634,6 @@ def validate_onnx(
         ``error_quantile``, ``on_progress``.
     """
     begin = time.perf_counter()
-    if tolerances is None:
-        tolerances = Tolerances.build(
-            atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
-            check_error_stat=check_error_stat, error_quantile=error_quantile,
-        )  # fmt: skip
     rows, checks = _run_checks(
         rc, onnx_model, tolerances=tolerances, hist=(0.1, 0.01), progress_bar=False, include_io=False,
         skip_none=True, per_output=True, on_progress=on_progress,

@@ -8,7 +8,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from iobundle.replay.check import (
     compare_outputs,
     flatten_outputs,
     output_paths,
+    tolerance_options,
 )
 from iobundle.replay.export._dims import _Plan, check_other_batch
 from iobundle.replay.infer import (
@@ -394,6 +395,7 @@ def _export(
     return ep, plan, report
 
 
+@tolerance_options("atol", "rtol", "output_atol", "output_rtol")
 def export_program(
     rc: RecordedCalls,
     model: torch.nn.Module,
@@ -401,15 +403,11 @@ def export_program(
     set_batch_dimension_for: Collection[int | str] | bool | None = None,
     strict: bool = False,
     check: bool = True,
-    atol: float = 1e-4,
-    rtol: float = 0.1,
     dynamic: DynamicSpec = None,
     check_batch: bool = True,
     dim_names: DimNamesSpec = False,
     on_progress: ProgressCallback | None = None,
-    output_atol: Mapping[str, float] | None = None,
-    output_rtol: Mapping[str, float] | None = None,
-    tolerances: Tolerances | None = None,
+    tolerances: Tolerances,
 ) -> torch.export.ExportedProgram:
     """Export ``model`` with the inferred arguments and dynamic shapes, then run every recorded call through it.
 
@@ -441,7 +439,6 @@ def export_program(
         ExportError: ``torch.export`` failed, or (with ``check``) a recorded call is not reproduced.
         ToleranceError: A per-output tolerance names no recorded output (before anything is traced).
     """
-    tolerances = tolerances or Tolerances.build(atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol)
     if tolerances.per_output:
         _refuse_unknown_tolerances(rc, tolerances)
     ep, plan, report = _export(
