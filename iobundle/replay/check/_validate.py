@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -539,25 +540,19 @@ class ValidationReport:
     subject: str = ""
     kind: str = "validate"
 
-    @property
-    def atol(self) -> float:
-        """The default absolute tolerance (float32's and every dtype outside the table)."""
-        return self.tolerances.atol
-
-    @property
-    def rtol(self) -> float:
-        """The default relative tolerance."""
-        return self.tolerances.rtol
-
-    @property
-    def check_error_stat(self) -> str:
-        """The statistic that decides an output (``max``, ``mean``, ``median``, ``quantile``)."""
-        return self.tolerances.check_error_stat
-
-    @property
-    def error_quantile(self) -> float:
-        """The quantile reported (and checked with ``check_error_stat="quantile"``)."""
-        return self.tolerances.error_quantile
+    atol = property(
+        attrgetter("tolerances.atol"),
+        doc="The default absolute tolerance (float32's and every dtype outside the table).",
+    )
+    rtol = property(attrgetter("tolerances.rtol"), doc="The default relative tolerance.")
+    check_error_stat = property(
+        attrgetter("tolerances.check_error_stat"),
+        doc="The statistic that decides an output (``max``, ``mean``, ``median``, ``quantile``).",
+    )
+    error_quantile = property(
+        attrgetter("tolerances.error_quantile"),
+        doc='The quantile reported (and checked with ``check_error_stat="quantile"``).',
+    )
 
     @property
     def n_failed(self) -> int:
