@@ -193,6 +193,7 @@ class RecordedCallsAPI:
             as_names.append(item)
         return infer.remove_inputs(rc, as_names)
 
+    @check.tolerance_options("atol", "rtol")
     def export(
         self,
         model: torch.nn.Module,
@@ -200,11 +201,10 @@ class RecordedCallsAPI:
         set_batch_dimension_for: Collection[int | str] | bool | None = None,
         strict: bool = False,
         check: bool = True,
-        atol: float = 1e-4,
-        rtol: float = 0.1,
         dim_names: DimNamesSpec = False,
         on_progress: ProgressCallback | None = None,
         dynamic: Mapping[int | str, Collection[int]] | None = None,
+        tolerances: Tolerances,
     ) -> torch.export.ExportedProgram:
         """Export ``model`` with ``torch.export`` from the recorded calls and check it on every call.
 
@@ -213,7 +213,7 @@ class RecordedCallsAPI:
         """
         return export.export_program(
             self._recorded(), model, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
-            check=check, atol=atol, rtol=rtol, dim_names=dim_names, on_progress=on_progress, dynamic=dynamic,
+            check=check, dim_names=dim_names, on_progress=on_progress, dynamic=dynamic, tolerances=tolerances,
         )  # fmt: skip
 
     @check.tolerance_options("atol", "rtol", "output_atol", "output_rtol")
