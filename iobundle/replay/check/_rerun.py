@@ -55,15 +55,15 @@ def rerun_model(
     Args:
         rc: The recorded calls.
         model: The model; its observed method (``signature.method``) is called.
-        atol: Default absolute tolerance.
-        rtol: Default relative tolerance.
-        output_atol: Absolute tolerance per output name or ``fnmatch`` pattern.
-        output_rtol: Relative tolerance per output name or pattern.
-        check_error_stat: ``max``, ``mean``, ``median`` or ``quantile`` (see ``validate_onnx``).
-        error_quantile: The quantile of ``check_error_stat="quantile"``.
         device: Move the inputs there first (the model must already be there), e.g. ``"cuda"``.
         on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` after each call.
-        tolerances: The whole comparison as one value (the tolerance and statistic options are then ignored).
+        tolerances: The whole comparison as one value. Without it, it is built (by
+            :func:`~iobundle.replay.check.tolerance_options`) from the keyword options, which then
+            keep their meaning: ``atol`` / ``rtol``, the absolute / relative tolerance (the default for
+            every output); ``output_atol`` / ``output_rtol``, per output name or ``fnmatch`` pattern
+            (``{"logits": 1e-3}``); ``check_error_stat``, ``max`` (every element within tolerance),
+            ``mean``, ``median`` or ``quantile``; ``error_quantile``, the quantile of
+            ``check_error_stat="quantile"`` (and of ``quantile_abs``). When given, those are ignored.
 
     Returns:
         A :class:`ValidationReport` with ``kind="run"``; rows carry ``duration_torch`` (at capture)

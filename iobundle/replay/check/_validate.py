@@ -368,19 +368,18 @@ def check_discrepancies(
     Args:
         rc: The recorded calls.
         onnx_model: A path or a loaded ``onnx.ModelProto``.
-        atol: Absolute tolerance (the default for every output).
-        rtol: Relative tolerance (the default for every output).
         hist: Thresholds of the ``>h`` count columns.
         progress_bar: Draw a tqdm bar when tqdm is installed (kept for compatibility; prefer ``on_progress``).
         include_io: Add the ``inputs`` and ``outputs`` summaries.
         skip_none: A None output on one side only is not a failure.
-        output_atol: Absolute tolerance per output name or ``fnmatch`` pattern (``{"logits": 1e-3}``).
-        output_rtol: Relative tolerance per output name or pattern.
-        check_error_stat: ``max`` (every element within tolerance), ``mean``, ``median`` or ``quantile``.
-        error_quantile: The quantile of ``check_error_stat="quantile"`` (and of ``quantile_abs``).
         on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` after each call.
-        tolerances: The whole comparison as one value; when given, ``atol``, ``rtol``,
-            ``output_atol``, ``output_rtol``, ``check_error_stat`` and ``error_quantile`` are ignored.
+        tolerances: The whole comparison as one value. Without it, it is built (by
+            :func:`~iobundle.replay.check.tolerance_options`) from the keyword options, which then
+            keep their meaning: ``atol`` / ``rtol``, the absolute / relative tolerance (the default for
+            every output); ``output_atol`` / ``output_rtol``, per output name or ``fnmatch`` pattern
+            (``{"logits": 1e-3}``); ``check_error_stat``, ``max`` (every element within tolerance),
+            ``mean``, ``median`` or ``quantile``; ``error_quantile``, the quantile of
+            ``check_error_stat="quantile"`` (and of ``quantile_abs``). When given, those are ignored.
 
     Raises:
         NothingToCompareError: The calls hold no recorded outputs (a redacted bundle).

@@ -420,8 +420,6 @@ def export_program(
         set_batch_dimension_for: Inputs whose dim 0 is dynamic even if constant; True for all.
         strict: ``torch.export`` strict mode.
         check: Raise :class:`ExportError` when a call fails or differs beyond ``atol``/``rtol``.
-        atol: Absolute tolerance of the check.
-        rtol: Relative tolerance of the check.
         dynamic: Axes to make dynamic even if their size never varied, e.g. ``{"input_ids": {1}}``.
         check_batch: When the batch is dynamic, also run the program and ``model`` on a recorded
             call cut to another batch size and compare them (``report.batch_check``; never raises).
@@ -429,11 +427,12 @@ def export_program(
             each name becomes one ``torch.export.Dim`` shared by every dimension that bears it.
         on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` when ``torch.export``
             starts and ends, and after each recorded call is checked.
-        output_atol: Per-output absolute tolerances of the check, keyed by output name (its path in
-            the output tree: ``logits``, ``past_key_values.0``) or ``fnmatch`` pattern, as validate takes them.
-        output_rtol: Per-output relative tolerances, likewise.
-        tolerances: The comparison as one value (tolerances by dtype and per output); when given,
-            ``atol``, ``rtol``, ``output_atol`` and ``output_rtol`` are ignored.
+        tolerances: The comparison of the check as one value (tolerances by dtype and per output).
+            Without it, it is built (by :func:`~iobundle.replay.check.tolerance_options`) from the
+            keyword options: ``atol`` / ``rtol``, the absolute / relative tolerance of the check;
+            ``output_atol`` / ``output_rtol``, per-output tolerances keyed by output name (its path in
+            the output tree: ``logits``, ``past_key_values.0``) or ``fnmatch`` pattern, as validate
+            takes them. When given, those are ignored.
 
     Raises:
         ExportError: ``torch.export`` failed, or (with ``check``) a recorded call is not reproduced.
