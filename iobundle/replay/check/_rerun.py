@@ -57,13 +57,9 @@ def rerun_model(
         model: The model; its observed method (``signature.method``) is called.
         device: Move the inputs there first (the model must already be there), e.g. ``"cuda"``.
         on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` after each call.
-        tolerances: The whole comparison as one value. Without it, it is built (by
-            :func:`~iobundle.replay.check.tolerance_options`) from the keyword options, which then
-            keep their meaning: ``atol`` / ``rtol``, the absolute / relative tolerance (the default for
-            every output); ``output_atol`` / ``output_rtol``, per output name or ``fnmatch`` pattern
-            (``{"logits": 1e-3}``); ``check_error_stat``, ``max`` (every element within tolerance),
-            ``mean``, ``median`` or ``quantile``; ``error_quantile``, the quantile of
-            ``check_error_stat="quantile"`` (and of ``quantile_abs``). When given, those are ignored.
+        tolerances: The whole comparison as one value; without it, it is built from the keyword
+            options ``atol``, ``rtol``, ``output_atol``, ``output_rtol``, ``check_error_stat`` and
+            ``error_quantile``, which mean what they mean to :func:`iobundle.replay.check_discrepancies`.
 
     Returns:
         A :class:`ValidationReport` with ``kind="run"``; rows carry ``duration_torch`` (at capture)
