@@ -193,6 +193,7 @@ class RecordedCallsAPI:
             as_names.append(item)
         return infer.remove_inputs(rc, as_names)
 
+    @check.tolerance_options("atol", "rtol")
     def export(
         self,
         model: torch.nn.Module,
@@ -200,11 +201,10 @@ class RecordedCallsAPI:
         set_batch_dimension_for: Collection[int | str] | bool | None = None,
         strict: bool = False,
         check: bool = True,
-        atol: float = 1e-4,
-        rtol: float = 0.1,
         dim_names: DimNamesSpec = False,
         on_progress: ProgressCallback | None = None,
         dynamic: Mapping[int | str, Collection[int]] | None = None,
+        tolerances: Tolerances,
     ) -> torch.export.ExportedProgram:
         """Export ``model`` with ``torch.export`` from the recorded calls and check it on every call.
 
@@ -213,9 +213,10 @@ class RecordedCallsAPI:
         """
         return export.export_program(
             self._recorded(), model, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
-            check=check, atol=atol, rtol=rtol, dim_names=dim_names, on_progress=on_progress, dynamic=dynamic,
+            check=check, dim_names=dim_names, on_progress=on_progress, dynamic=dynamic, tolerances=tolerances,
         )  # fmt: skip
 
+    @check.tolerance_options("atol", "rtol", "output_atol", "output_rtol")
     def export_programs(
         self,
         model: torch.nn.Module,
@@ -225,13 +226,9 @@ class RecordedCallsAPI:
         dynamic: Mapping[int | str, Collection[int]] | None = None,
         strict: bool = False,
         check: bool = True,
-        atol: float = 1e-4,
-        rtol: float = 0.1,
         dim_names: DimNamesSpec = False,
         on_progress: ProgressCallback | None = None,
-        output_atol: Mapping[str, float] | None = None,
-        output_rtol: Mapping[str, float] | None = None,
-        tolerances: Tolerances | None = None,
+        tolerances: Tolerances,
     ) -> ProgramSet:
         """Export one program for every recorded call, or one per phase when one cannot serve them all.
 
@@ -242,8 +239,8 @@ class RecordedCallsAPI:
         """
         return export.export_programs(
             self._recorded(), model, programs=programs, set_batch_dimension_for=set_batch_dimension_for,
-            dynamic=dynamic, strict=strict, check=check, atol=atol, rtol=rtol, dim_names=dim_names,
-            on_progress=on_progress, output_atol=output_atol, output_rtol=output_rtol, tolerances=tolerances,
+            dynamic=dynamic, strict=strict, check=check, dim_names=dim_names, on_progress=on_progress,
+            tolerances=tolerances,
         )  # fmt: skip
 
     def export_report(self) -> ExportReport | None:
@@ -283,22 +280,17 @@ class RecordedCallsAPI:
             check=check, dim_names=dim_names, atol=atol, rtol=rtol, on_progress=on_progress, dynamic=dynamic,
         )  # fmt: skip
 
+    @check.tolerance_options(positional=("atol", "rtol"), after="onnx_model")
     def check_discrepancies(
         self,
         onnx_model: str | os.PathLike[str] | onnx.ModelProto | torch.onnx.ONNXProgram,
-        atol: float = 1e-4,
-        rtol: float = 0.1,
         hist: tuple[float, ...] = (0.1, 0.01),
         progress_bar: bool = False,
         include_io: bool = True,
         skip_none: bool = True,
         *,
-        output_atol: Mapping[str, float] | None = None,
-        output_rtol: Mapping[str, float] | None = None,
-        check_error_stat: str = "max",
-        error_quantile: float = 0.99,
         on_progress: ProgressCallback | None = None,
-        tolerances: Tolerances | None = None,
+        tolerances: Tolerances,
     ) -> list[dict[str, Any]]:
         """Run ``onnx_model`` with onnxruntime on every recorded call and compare with the recorded outputs.
 
@@ -308,51 +300,33 @@ class RecordedCallsAPI:
 
         See :func:`iobundle.replay.check_discrepancies` (per-output tolerances, error statistics, progress).
         """
-        tolerances = tolerances or check.Tolerances.build(
-            atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
-            check_error_stat=check_error_stat, error_quantile=error_quantile,
-        )  # fmt: skip
         return check.check_discrepancies(
             self._recorded(), onnx_model, hist=hist, progress_bar=progress_bar, include_io=include_io,
             skip_none=skip_none, on_progress=on_progress, tolerances=tolerances,
         )  # fmt: skip
 
+    @check.tolerance_options()
     def validate(
         self,
         onnx_model: str | os.PathLike[str] | onnx.ModelProto,
         *,
-        atol: float = 1e-4,
-        rtol: float = 0.1,
-        output_atol: Mapping[str, float] | None = None,
-        output_rtol: Mapping[str, float] | None = None,
-        check_error_stat: str = "max",
-        error_quantile: float = 0.99,
         on_progress: ProgressCallback | None = None,
-        tolerances: Tolerances | None = None,
+        tolerances: Tolerances,
     ) -> ValidationReport:
         """Validate ``onnx_model`` on every recorded call, output by output; see :func:`iobundle.replay.validate_onnx`.
 
         .. versionadded:: 0.2
         """
-        tolerances = tolerances or check.Tolerances.build(
-            atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
-            check_error_stat=check_error_stat, error_quantile=error_quantile,
-        )  # fmt: skip
         return check.validate_onnx(self._recorded(), onnx_model, on_progress=on_progress, tolerances=tolerances)
 
+    @check.tolerance_options()
     def rerun(
         self,
         model: torch.nn.Module,
         *,
-        atol: float = 1e-4,
-        rtol: float = 0.1,
-        output_atol: Mapping[str, float] | None = None,
-        output_rtol: Mapping[str, float] | None = None,
-        check_error_stat: str = "max",
-        error_quantile: float = 0.99,
         device: str | torch.device | None = None,
         on_progress: ProgressCallback | None = None,
-        tolerances: Tolerances | None = None,
+        tolerances: Tolerances,
     ) -> ValidationReport:
         """Re-run the eager ``model`` on every recorded call's inputs; see :func:`iobundle.replay.rerun_model`.
 
@@ -360,10 +334,6 @@ class RecordedCallsAPI:
         """
         from iobundle.replay.check import rerun_model
 
-        tolerances = tolerances or check.Tolerances.build(
-            atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
-            check_error_stat=check_error_stat, error_quantile=error_quantile,
-        )  # fmt: skip
         return rerun_model(self._recorded(), model, device=device, on_progress=on_progress, tolerances=tolerances)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -24,6 +23,7 @@ from iobundle.replay.check import (
     recorded_output_names,
     refuse_unknown_outputs,
     refuse_unused,
+    tolerance_options,
 )
 from iobundle.schema import CallEntry, ConstNode, DictNode, Manifest, Node, ObjectNode, OpaqueNode, TensorNode
 
@@ -166,18 +166,13 @@ def _open(value: Bundle | str | os.PathLike[str]) -> Bundle:
     return value if isinstance(value, Bundle) else load_bundle(value)
 
 
+@tolerance_options()
 def diff_bundles(
     a: Bundle | str | os.PathLike[str],
     b: Bundle | str | os.PathLike[str],
     *,
-    atol: float = 1e-4,
-    rtol: float = 0.1,
-    output_atol: Mapping[str, float] | None = None,
-    output_rtol: Mapping[str, float] | None = None,
-    check_error_stat: str = "max",
-    error_quantile: float = 0.99,
     on_progress: ProgressCallback | None = None,
-    tolerances: Tolerances | None = None,
+    tolerances: Tolerances,
 ) -> DiffReport:
     """Compare bundle ``a`` (the reference) with bundle ``b``, call by call.
 
@@ -200,11 +195,6 @@ def diff_bundles(
         NothingToCompareError: A bundle holds no calls: there is nothing to compare.
         ToleranceError: A statistic is unknown, or a per-output tolerance names no output.
     """
-    if tolerances is None:
-        tolerances = Tolerances.build(
-            atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
-            check_error_stat=check_error_stat, error_quantile=error_quantile,
-        )  # fmt: skip
     check_error_stat_name(tolerances.check_error_stat, tolerances.error_quantile)
     begin = time.perf_counter()
     ba, bb = _open(a), _open(b)

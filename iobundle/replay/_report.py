@@ -23,29 +23,12 @@ from iobundle.replay.check import ValidationReport
 
 __all__ = ["CALL_COLUMNS", "Report", "build_report", "environment"]
 
+_CHECK_COLUMNS = ["index", "status", "abs", "rel", "mean_abs", "quantile_abs", "worst_output", "duration_torch"]
+"""The columns a validation and a re-run share; each adds the duration of its own run."""
+
 CALL_COLUMNS = {
-    "validate": [
-        "index",
-        "status",
-        "abs",
-        "rel",
-        "mean_abs",
-        "quantile_abs",
-        "worst_output",
-        "duration_torch",
-        "ort_duration",
-    ],
-    "run": [
-        "index",
-        "status",
-        "abs",
-        "rel",
-        "mean_abs",
-        "quantile_abs",
-        "worst_output",
-        "duration_torch",
-        "duration_rerun",
-    ],
+    "validate": [*_CHECK_COLUMNS, "ort_duration"],
+    "run": [*_CHECK_COLUMNS, "duration_rerun"],
     "diff": ["index", "status", "abs", "rel", "inputs_abs", "worst_output", "n_differences", "differences"],
 }
 """The per-call columns a human-readable report shows, per kind (JSON and CSV carry every column)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from iobundle.replay.check import tolerance_options
 from iobundle.replay.check._compare import Comparison, Scratch, compare_outputs
 
 
@@ -326,3 +328,21 @@ def test_a_bfloat16_output_is_decided_with_its_dtype_tolerances():
         expected, [np.full(3, 5e-2, np.float32)], call_index=0, names=["y"], tolerances=Tolerances(), per_output=False
     )
     assert row["SUCCESS"] is False
+
+
+def test_tolerance_options_builds_the_value_from_keywords_and_shows_them_in_the_signature():
+    @tolerance_options(positional=("atol", "rtol"), after="model")
+    def run(model: str, hist: int = 1, *, tolerances: Tolerances) -> tuple[int, Tolerances]:
+        return hist, tolerances
+
+    params = inspect.signature(run).parameters
+    assert list(params)[:4] == ["model", "atol", "rtol", "hist"]
+    assert params["check_error_stat"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert params["tolerances"].default is None
+    hist, tol = run("m", 1e-3, 0.2, 5, output_atol={"logits": 1e-2}, check_error_stat="mean")
+    assert hist == 5
+    assert tol == Tolerances(atol=1e-3, rtol=0.2, per_output_atol={"logits": 1e-2}, check_error_stat="mean")
+    given = Tolerances(atol=0.5)
+    assert run("m", 1e-3, tolerances=given)[1] is given  # a given value wins over the keywords
+    with pytest.raises(ToleranceError):
+        run("m", check_error_stat="mode")

@@ -22,6 +22,7 @@ __all__ = [
     "output_paths",
     "refuse_unknown_outputs",
     "refuse_unused",
+    "tolerance_options",
     # Validate an ONNX model
     "INPUT_SLOTS_KEY",
     "OUTPUT_NAMES_KEY",
@@ -52,6 +53,7 @@ from iobundle.replay.check._compare import (
     flatten_outputs,
     output_leaves,
     output_paths,
+    tolerance_options,
 )
 from iobundle.replay.check._rerun import rerun_model
 from iobundle.replay.check._validate import (

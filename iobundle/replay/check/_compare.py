@@ -9,11 +9,13 @@ the user chose (Polygraphy's ``--check-error-stat``), with per-output tolerances
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -546,6 +548,55 @@ class Tolerances:
         if overrides:
             extra.append(", ".join(overrides))
         return text + (f" ({'; '.join(extra)})" if extra else "")
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def tolerance_options(*names: str, positional: Sequence[str] = (), after: str = "") -> Callable[[_F], _F]:
+    """Give a function that takes ``tolerances: Tolerances`` the keyword options of :meth:`Tolerances.build`.
+
+    The decorated function's signature gains the options ``names`` (``atol``, ``rtol``,
+    ``output_atol``, ``output_rtol``, ``check_error_stat``, ``error_quantile``: all of them when
+    none is named; with the defaults of ``Tolerances.build``) before its ``tolerances``, which becomes optional: a call that gives
+    no ``tolerances`` has it built from the options (a given one wins; the options are then
+    ignored). The options in ``positional`` may also be passed by position, right after the
+    parameter ``after`` (``check_discrepancies(model, 1e-3, 0.1)``).
+
+    Example:
+        >>> @tolerance_options("atol", "rtol")
+        ... def check(x, *, tolerances):
+        ...     return tolerances.atol
+        >>> check(1, atol=1e-3)
+        0.001
+    """
+    options = inspect.signature(Tolerances.build).parameters
+    names = names or tuple(options)
+
+    def decorate(func: _F) -> _F:
+        params = list(inspect.signature(func).parameters.values())
+        if params[-1].name != "tolerances":
+            raise TypeError(f"tolerance_options: {func.__qualname__} must end with its tolerances parameter")
+        split = next((i + 1 for i, p in enumerate(params) if p.name == after), 0) if positional else 0
+        leading = [options[n].replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in positional]
+        rest = [options[n] for n in names if n not in positional]
+        last = params[-1].replace(default=None, annotation="Tolerances | None")
+        public = inspect.signature(func).replace(parameters=[*params[:split], *leading, *params[split:-1], *rest, last])
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            bound = public.bind(*args, **kwargs)
+            bound.apply_defaults()
+            arguments = dict(bound.arguments)
+            given = {n: arguments.pop(n) for n in (*positional, *names) if n in arguments}
+            if arguments["tolerances"] is None:
+                arguments["tolerances"] = Tolerances.build(**given)
+            return func(**arguments)
+
+        wrapper.__signature__ = public  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
 
 
 def output_paths(node: Node | None) -> list[str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -20,6 +19,7 @@ from iobundle.replay.check._compare import (
     compare_call,
     flatten_outputs,
     output_paths,
+    tolerance_options,
 )
 from iobundle.replay.check._validate import (
     ValidationReport,
@@ -35,19 +35,14 @@ __all__ = ["rerun_model"]
 logger = logging.getLogger(__name__)
 
 
+@tolerance_options()
 def rerun_model(
     rc: RecordedCalls,
     model: torch.nn.Module,
     *,
-    atol: float = 1e-4,
-    rtol: float = 0.1,
-    output_atol: Mapping[str, float] | None = None,
-    output_rtol: Mapping[str, float] | None = None,
-    check_error_stat: str = "max",
-    error_quantile: float = 0.99,
     device: str | torch.device | None = None,
     on_progress: ProgressCallback | None = None,
-    tolerances: Tolerances | None = None,
+    tolerances: Tolerances,
 ) -> ValidationReport:
     """Call ``model`` again on the inputs of every recorded call and compare with the recorded outputs.
 
@@ -60,15 +55,11 @@ def rerun_model(
     Args:
         rc: The recorded calls.
         model: The model; its observed method (``signature.method``) is called.
-        atol: Default absolute tolerance.
-        rtol: Default relative tolerance.
-        output_atol: Absolute tolerance per output name or ``fnmatch`` pattern.
-        output_rtol: Relative tolerance per output name or pattern.
-        check_error_stat: ``max``, ``mean``, ``median`` or ``quantile`` (see ``validate_onnx``).
-        error_quantile: The quantile of ``check_error_stat="quantile"``.
         device: Move the inputs there first (the model must already be there), e.g. ``"cuda"``.
         on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` after each call.
-        tolerances: The whole comparison as one value (the tolerance and statistic options are then ignored).
+        tolerances: The whole comparison as one value; without it, it is built from the keyword
+            options ``atol``, ``rtol``, ``output_atol``, ``output_rtol``, ``check_error_stat`` and
+            ``error_quantile``, which mean what they mean to :func:`iobundle.replay.check_discrepancies`.
 
     Returns:
         A :class:`ValidationReport` with ``kind="run"``; rows carry ``duration_torch`` (at capture)
@@ -79,11 +70,6 @@ def rerun_model(
         ReplayError: The model has no method named like the recorded one.
         ToleranceError: A statistic is unknown, or a per-output tolerance names no output.
     """
-    if tolerances is None:
-        tolerances = Tolerances.build(
-            atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
-            check_error_stat=check_error_stat, error_quantile=error_quantile,
-        )  # fmt: skip
     check_error_stat_name(tolerances.check_error_stat, tolerances.error_quantile)
     _require_outputs(rc)
     method = getattr(model, rc.signature.method, None)

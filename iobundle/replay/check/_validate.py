@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ from iobundle.replay.check._compare import (
     compare_call,
     histogram_labels,
     output_paths,
+    tolerance_options,
 )
 from iobundle.replay.check._widen import HALF_TYPES, float32_copy, half_types
 from iobundle.replay.infer import align_calls, aligned_tensors, call_structure, phase_calls, placeholder_inputs
@@ -332,22 +334,17 @@ def _require_outputs(rc: RecordedCalls) -> None:
         )
 
 
+@tolerance_options()
 def check_discrepancies(
     rc: RecordedCalls,
     onnx_model: str | os.PathLike[str] | onnx.ModelProto,
     *,
-    atol: float = 1e-4,
-    rtol: float = 0.1,
     hist: Sequence[float] = (0.1, 0.01),
     progress_bar: bool = False,
     include_io: bool = True,
     skip_none: bool = True,
-    output_atol: Mapping[str, float] | None = None,
-    output_rtol: Mapping[str, float] | None = None,
-    check_error_stat: str = "max",
-    error_quantile: float = 0.99,
     on_progress: ProgressCallback | None = None,
-    tolerances: Tolerances | None = None,
+    tolerances: Tolerances,
 ) -> list[dict[str, Any]]:
     """Run ``onnx_model`` with onnxruntime on every recorded call; one dict per call (DataFrame-ready).
 
@@ -371,19 +368,18 @@ def check_discrepancies(
     Args:
         rc: The recorded calls.
         onnx_model: A path or a loaded ``onnx.ModelProto``.
-        atol: Absolute tolerance (the default for every output).
-        rtol: Relative tolerance (the default for every output).
         hist: Thresholds of the ``>h`` count columns.
         progress_bar: Draw a tqdm bar when tqdm is installed (kept for compatibility; prefer ``on_progress``).
         include_io: Add the ``inputs`` and ``outputs`` summaries.
         skip_none: A None output on one side only is not a failure.
-        output_atol: Absolute tolerance per output name or ``fnmatch`` pattern (``{"logits": 1e-3}``).
-        output_rtol: Relative tolerance per output name or pattern.
-        check_error_stat: ``max`` (every element within tolerance), ``mean``, ``median`` or ``quantile``.
-        error_quantile: The quantile of ``check_error_stat="quantile"`` (and of ``quantile_abs``).
         on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` after each call.
-        tolerances: The whole comparison as one value; when given, ``atol``, ``rtol``,
-            ``output_atol``, ``output_rtol``, ``check_error_stat`` and ``error_quantile`` are ignored.
+        tolerances: The whole comparison as one value. Without it, it is built (by
+            :func:`~iobundle.replay.check.tolerance_options`) from the keyword options, which then
+            keep their meaning: ``atol`` / ``rtol``, the absolute / relative tolerance (the default for
+            every output); ``output_atol`` / ``output_rtol``, per output name or ``fnmatch`` pattern
+            (``{"logits": 1e-3}``); ``check_error_stat``, ``max`` (every element within tolerance),
+            ``mean``, ``median`` or ``quantile``; ``error_quantile``, the quantile of
+            ``check_error_stat="quantile"`` (and of ``quantile_abs``). When given, those are ignored.
 
     Raises:
         NothingToCompareError: The calls hold no recorded outputs (a redacted bundle).
@@ -393,11 +389,6 @@ def check_discrepancies(
     .. versionchanged:: 0.2
         ``output_atol``, ``output_rtol``, ``check_error_stat``, ``error_quantile``, ``on_progress``.
     """
-    if tolerances is None:
-        tolerances = Tolerances.build(
-            atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
-            check_error_stat=check_error_stat, error_quantile=error_quantile,
-        )  # fmt: skip
     rows, _ = _run_checks(
         rc, onnx_model, tolerances=tolerances, hist=hist, progress_bar=progress_bar, include_io=include_io,
         skip_none=skip_none, per_output=tolerances.per_output, on_progress=on_progress,
@@ -548,25 +539,19 @@ class ValidationReport:
     subject: str = ""
     kind: str = "validate"
 
-    @property
-    def atol(self) -> float:
-        """The default absolute tolerance (float32's and every dtype outside the table)."""
-        return self.tolerances.atol
-
-    @property
-    def rtol(self) -> float:
-        """The default relative tolerance."""
-        return self.tolerances.rtol
-
-    @property
-    def check_error_stat(self) -> str:
-        """The statistic that decides an output (``max``, ``mean``, ``median``, ``quantile``)."""
-        return self.tolerances.check_error_stat
-
-    @property
-    def error_quantile(self) -> float:
-        """The quantile reported (and checked with ``check_error_stat="quantile"``)."""
-        return self.tolerances.error_quantile
+    atol = property(
+        attrgetter("tolerances.atol"),
+        doc="The default absolute tolerance (float32's and every dtype outside the table).",
+    )
+    rtol = property(attrgetter("tolerances.rtol"), doc="The default relative tolerance.")
+    check_error_stat = property(
+        attrgetter("tolerances.check_error_stat"),
+        doc="The statistic that decides an output (``max``, ``mean``, ``median``, ``quantile``).",
+    )
+    error_quantile = property(
+        attrgetter("tolerances.error_quantile"),
+        doc='The quantile reported (and checked with ``check_error_stat="quantile"``).',
+    )
 
     @property
     def n_failed(self) -> int:
@@ -606,18 +591,13 @@ class ValidationReport:
         return f"{'PASS' if self.ok else 'FAIL'}: {passed}/{n} calls within {self.criterion()}{ran}"
 
 
+@tolerance_options()
 def validate_onnx(
     rc: RecordedCalls,
     onnx_model: str | os.PathLike[str] | onnx.ModelProto,
     *,
-    atol: float = 1e-4,
-    rtol: float = 0.1,
-    output_atol: Mapping[str, float] | None = None,
-    output_rtol: Mapping[str, float] | None = None,
-    check_error_stat: str = "max",
-    error_quantile: float = 0.99,
     on_progress: ProgressCallback | None = None,
-    tolerances: Tolerances | None = None,
+    tolerances: Tolerances,
 ) -> ValidationReport:
     """Validate ``onnx_model`` on every recorded call, output by output; see :func:`check_discrepancies`.
 
@@ -648,11 +628,6 @@ def validate_onnx(
         ``error_quantile``, ``on_progress``.
     """
     begin = time.perf_counter()
-    if tolerances is None:
-        tolerances = Tolerances.build(
-            atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol,
-            check_error_stat=check_error_stat, error_quantile=error_quantile,
-        )  # fmt: skip
     rows, checks = _run_checks(
         rc, onnx_model, tolerances=tolerances, hist=(0.1, 0.01), progress_bar=False, include_io=False,
         skip_none=True, per_output=True, on_progress=on_progress,

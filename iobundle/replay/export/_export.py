@@ -8,7 +8,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from iobundle.replay.check import (
     compare_outputs,
     flatten_outputs,
     output_paths,
+    tolerance_options,
 )
 from iobundle.replay.export._dims import _Plan, check_other_batch
 from iobundle.replay.infer import (
@@ -394,6 +395,7 @@ def _export(
     return ep, plan, report
 
 
+@tolerance_options("atol", "rtol", "output_atol", "output_rtol")
 def export_program(
     rc: RecordedCalls,
     model: torch.nn.Module,
@@ -401,15 +403,11 @@ def export_program(
     set_batch_dimension_for: Collection[int | str] | bool | None = None,
     strict: bool = False,
     check: bool = True,
-    atol: float = 1e-4,
-    rtol: float = 0.1,
     dynamic: DynamicSpec = None,
     check_batch: bool = True,
     dim_names: DimNamesSpec = False,
     on_progress: ProgressCallback | None = None,
-    output_atol: Mapping[str, float] | None = None,
-    output_rtol: Mapping[str, float] | None = None,
-    tolerances: Tolerances | None = None,
+    tolerances: Tolerances,
 ) -> torch.export.ExportedProgram:
     """Export ``model`` with the inferred arguments and dynamic shapes, then run every recorded call through it.
 
@@ -422,8 +420,6 @@ def export_program(
         set_batch_dimension_for: Inputs whose dim 0 is dynamic even if constant; True for all.
         strict: ``torch.export`` strict mode.
         check: Raise :class:`ExportError` when a call fails or differs beyond ``atol``/``rtol``.
-        atol: Absolute tolerance of the check.
-        rtol: Relative tolerance of the check.
         dynamic: Axes to make dynamic even if their size never varied, e.g. ``{"input_ids": {1}}``.
         check_batch: When the batch is dynamic, also run the program and ``model`` on a recorded
             call cut to another batch size and compare them (``report.batch_check``; never raises).
@@ -431,17 +427,17 @@ def export_program(
             each name becomes one ``torch.export.Dim`` shared by every dimension that bears it.
         on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` when ``torch.export``
             starts and ends, and after each recorded call is checked.
-        output_atol: Per-output absolute tolerances of the check, keyed by output name (its path in
-            the output tree: ``logits``, ``past_key_values.0``) or ``fnmatch`` pattern, as validate takes them.
-        output_rtol: Per-output relative tolerances, likewise.
-        tolerances: The comparison as one value (tolerances by dtype and per output); when given,
-            ``atol``, ``rtol``, ``output_atol`` and ``output_rtol`` are ignored.
+        tolerances: The comparison of the check as one value (tolerances by dtype and per output).
+            Without it, it is built (by :func:`~iobundle.replay.check.tolerance_options`) from the
+            keyword options: ``atol`` / ``rtol``, the absolute / relative tolerance of the check;
+            ``output_atol`` / ``output_rtol``, per-output tolerances keyed by output name (its path in
+            the output tree: ``logits``, ``past_key_values.0``) or ``fnmatch`` pattern, as validate
+            takes them. When given, those are ignored.
 
     Raises:
         ExportError: ``torch.export`` failed, or (with ``check``) a recorded call is not reproduced.
         ToleranceError: A per-output tolerance names no recorded output (before anything is traced).
     """
-    tolerances = tolerances or Tolerances.build(atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol)
     if tolerances.per_output:
         _refuse_unknown_tolerances(rc, tolerances)
     ep, plan, report = _export(

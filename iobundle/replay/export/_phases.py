@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -32,7 +32,7 @@ import torch
 from iobundle._remote import resolve_output
 from iobundle.calls import RecordedCalls
 from iobundle.errors import ExportError
-from iobundle.replay.check import Tolerances
+from iobundle.replay.check import Tolerances, tolerance_options
 from iobundle.replay.export._export import CallCheck, ExportReport, export_program, save_onnx
 from iobundle.replay.infer import DynamicSpec, align_calls, call_structure, phase_calls
 from iobundle.schema import ProgramEntry, ProgramIndex, write_program_index
@@ -191,6 +191,7 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+@tolerance_options("atol", "rtol", "output_atol", "output_rtol")
 def export_programs(
     rc: RecordedCalls,
     model: torch.nn.Module,
@@ -200,13 +201,9 @@ def export_programs(
     dynamic: DynamicSpec = None,
     strict: bool = False,
     check: bool = True,
-    atol: float = 1e-4,
-    rtol: float = 0.1,
     dim_names: Any = False,
     on_progress: Any = None,
-    output_atol: Mapping[str, float] | None = None,
-    output_rtol: Mapping[str, float] | None = None,
-    tolerances: Tolerances | None = None,
+    tolerances: Tolerances,
 ) -> ProgramSet:
     """Export one program that serves every recorded call, or one per phase when it cannot.
 
@@ -223,7 +220,6 @@ def export_programs(
     """
     if programs not in _MODES:
         raise ExportError(f"programs={programs!r}: use one of {', '.join(map(repr, _MODES))}.")
-    tolerances = tolerances or Tolerances.build(atol=atol, rtol=rtol, output_atol=output_atol, output_rtol=output_rtol)
     options: dict[str, Any] = dict(
         set_batch_dimension_for=set_batch_dimension_for, dynamic=dynamic, strict=strict, dim_names=dim_names,
         on_progress=on_progress, tolerances=tolerances,
