@@ -17,14 +17,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import numpy as np
-
+from iobundle._lazy import lazy_module
 from iobundle.calls import path_matches, tensor_paths
 from iobundle.errors import ToleranceError
 from iobundle.schema import Node, TensorNode
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
+else:
+    np = lazy_module("numpy", globals())
 
 __all__ = [
     "DTYPE_TOLERANCES",
