@@ -91,3 +91,24 @@ def run_in_terminal(argv: list[str], cwd: Path, env: dict[str, str]) -> str:
 def terminal() -> RunInTerminal:
     """:func:`run_in_terminal`, for tests that check what a terminal shows (colour, progress bars)."""
     return run_in_terminal
+
+
+@pytest.fixture(scope="module")
+def model_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GPT-NeoX observed on one forward call, saved with its model (include_model=True)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from iobundle import InputObserver
+
+    config = transformers.GPTNeoXConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=64, eos_token_id=0
+    )
+    torch.manual_seed(0)
+    model = transformers.GPTNeoXForCausalLM(config).eval()
+    observer = InputObserver()
+    with torch.no_grad(), observer(model):
+        model(torch.tensor([[3, 4, 5]]))
+    path = tmp_path_factory.mktemp("bundles") / "neox.iobundle"
+    observer.save(path, include_model=True)
+    return path

@@ -297,23 +297,6 @@ def test_export_overwrite_never_writes_through_a_linked_output(clean, exported, 
     assert snapshot(tmp_path) == before
 
 
-@pytest.fixture(scope="module")
-def model_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny GPT-NeoX observed on one forward call, saved with its model."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPTNeoXConfig(
-        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=64, eos_token_id=0
-    )
-    torch.manual_seed(0)
-    model = transformers.GPTNeoXForCausalLM(config).eval()
-    observer = InputObserver()
-    with torch.no_grad(), observer(model):
-        model(torch.tensor([[3, 4, 5]]))
-    path = tmp_path_factory.mktemp("bundles") / "neox.iobundle"
-    observer.save(path, include_model=True)
-    return path
-
-
 @pytest.mark.parametrize("link", ["model", "model/weights.safetensors", "model/config.json"])
 def test_export_from_bundle_refuses_a_stored_model_reached_through_a_link(model_bundle, tmp_path, capsys, link):
     bundle = Path(shutil.copytree(model_bundle, tmp_path / "neox.iobundle"))
