@@ -1,8 +1,19 @@
-"""Shared by every test folder: the zoo runs first; a real S3 API on localhost (moto's server, through s3fs).
+"""Shared by every test folder: how pytest-xdist shares the suite out; a real S3 API on localhost (moto's server, through s3fs).
 
-The zoo's tests (``tests/zoo``) are the longest of the suite (each exports and validates a
-model in fresh processes): collected first, they start first, and pytest-xdist's workers
-share the rest of the suite around them instead of waiting on one last zoo test.
+``make test`` runs two pytest-xdist workers with ``--dist loadgroup``: a test is a unit of
+work of its own unless it carries an ``xdist_group`` mark, and every test of a group runs on
+one worker. Two rules keep the two workers busy and each expensive fixture built once:
+
+- **Tests that share a module-scoped fixture form a group.** Left as separate units, the
+  tests of one module go to both workers, and each worker builds the module's fixture (a
+  capture, an export, a replay in a fresh process) for itself. :func:`share_module_fixtures`
+  puts the tests that share one (directly or through another test) into one group; the
+  groups named by hand (``xdist_group`` marks, for session-scoped fixtures) join it.
+- **The longest units start first.** A worker takes the next unit in collection order
+  when it runs short, so a long unit collected last would leave the other worker idle at the
+  end. The zoo's tests (``tests/zoo``: each exports and validates a model in fresh processes)
+  come first, then the units holding a test marked ``slow``, then the groups, then single
+  tests; within each rank the order of the files is kept (see :func:`start_order`).
 
 The server runs in its own process, started once per test process (each pytest-xdist worker
 starts its own, on a port the operating system picks) and stopped at the end of the session.
@@ -24,12 +35,93 @@ from pathlib import Path
 
 import pytest
 
-ZOO = Path(__file__).resolve().parent / "zoo"
+TESTS = Path(__file__).resolve().parent
+ZOO = TESTS / "zoo"
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Put the zoo's tests first, keeping the order of everything else (whole modules stay together)."""
-    items.sort(key=lambda item: ZOO not in item.path.parents)
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Iterator[None]:
+    """Group the tests that share a module-scoped fixture, then put the longest units first.
+
+    Runs before pytest-xdist's own hook, which appends each test's group to its node id in a
+    worker (the id is all the scheduler sees); checks afterwards that it did. With pytest 9.2
+    and pytest-xdist 3.8 it does not (pytest-xdist#1386: the groups are silently ignored and
+    every fixture is built on both workers), hence the pin of pytest below 9.2.
+    """
+    groups = share_module_fixtures(items)
+    items[:] = start_order(items, groups)
+    yield
+    if getattr(config.option, "loadgroup", False):  # set in pytest-xdist's workers under --dist loadgroup
+        lost = [item.nodeid for item, group in zip(items, groups) if group and "@" not in item.nodeid]
+        if lost:
+            raise pytest.UsageError(
+                f"pytest-xdist did not put {len(lost)} tests in their xdist_group (e.g. {lost[0]}): "
+                "--dist loadgroup would build each shared fixture on every worker; "
+                "install the pytest and pytest-xdist of constraints.txt"
+            )
+
+
+def _named_groups(item: pytest.Item) -> list[str]:
+    return [str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")]
+
+
+def share_module_fixtures(items: list[pytest.Item]) -> list[str | None]:
+    """Mark the tests that share a module-scoped fixture with one ``xdist_group``; each item's group (None: its own unit).
+
+    Tests are joined when they use the same module-scoped fixture of the same module, or the
+    same ``xdist_group`` name. Every test of a joined set gets every group name of the set,
+    so that pytest-xdist (which names a test's group after all its marks) sees one group.
+    """
+    parent = list(range(len(items)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first: dict[object, int] = {}  # a fixture (module, name) or a group name -> the first item that has it
+    keys: list[list[tuple[Path, str]]] = []
+    for index, item in enumerate(items):
+        info = getattr(item, "_fixtureinfo", None)
+        fixtures = [] if info is None else [
+            (item.path, name) for name in info.names_closure
+            if (defs := info.name2fixturedefs.get(name)) and defs[-1].scope == "module"
+        ]  # fmt: skip
+        keys.append(fixtures)
+        for key in [*fixtures, *_named_groups(item)]:
+            parent[root(index)] = root(first.setdefault(key, index))
+    members: dict[int, list[int]] = {}
+    for index in range(len(items)):
+        members.setdefault(root(index), []).append(index)
+    groups: list[str | None] = [None] * len(items)
+    for indices in members.values():
+        named = sorted({name for i in indices for name in _named_groups(items[i])})
+        if len(indices) == 1 and not named:
+            continue  # a test alone: its own unit
+        if not named:  # a group by fixture, named after the first one: "replay/test_report.py:result"
+            path, fixture = next(key for i in indices for key in keys[i])
+            named = [f"{path.relative_to(TESTS).as_posix()}:{fixture}"]
+        for i in indices:
+            for name in sorted(set(named) - set(_named_groups(items[i]))):
+                items[i].add_marker(pytest.mark.xdist_group(name))
+            groups[i] = "_".join(named)
+    return groups
+
+
+def start_order(items: list[pytest.Item], groups: list[str | None]) -> list[pytest.Item]:
+    """The items, their units ranked: the zoo, then units with a ``slow`` test, then groups, then single tests.
+
+    A group keeps its place among the units of its rank (that of its first test); the order of
+    the items within a rank, and so of the files, is that of the collection.
+    """
+    rank: dict[str, int] = {}
+    for item, group in zip(items, groups):
+        unit = group or item.nodeid
+        here = 0 if ZOO in item.path.parents else 1 if item.get_closest_marker("slow") else 2 if group else 3
+        rank[unit] = min(rank.get(unit, here), here)
+    order = {id(item): i for i, item in enumerate(items)}
+    return sorted(items, key=lambda item: (rank[groups[order[id(item)]] or item.nodeid], order[id(item)]))
 
 
 # The server prints the port the system gave it, then serves until its standard input closes.
