@@ -11,9 +11,11 @@ one worker. Two rules keep the two workers busy and each expensive fixture built
   groups named by hand (``xdist_group`` marks, for session-scoped fixtures) join it.
 - **The longest units start first.** A worker takes the next unit in collection order
   when it runs short, so a long unit collected last would leave the other worker idle at the
-  end. The zoo's tests (``tests/zoo``: each exports and validates a model in fresh processes)
-  come first, then the units holding a test marked ``slow``, then the groups, then single
-  tests; within each rank the order of the files is kept (see :func:`start_order`).
+  end. First the groups holding a test marked ``slow`` (one capture, export or replay shared
+  by several end-to-end tests: the longest units, such as the LLM families' replay), then the
+  other ``slow`` tests (a demo, a zoo family: each exports and validates a model in fresh
+  processes), then the other groups, then single tests, the many short ones that even out the
+  end; within each rank the order of the files is kept (see :func:`start_order`).
 
 The server runs in its own process, started once per test process (each pytest-xdist worker
 starts its own, on a port the operating system picks) and stopped at the end of the session.
@@ -36,7 +38,6 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
-ZOO = TESTS / "zoo"
 
 
 @pytest.hookimpl(wrapper=True)
@@ -52,13 +53,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = start_order(items, groups)
     yield
     if getattr(config.option, "loadgroup", False):  # set in pytest-xdist's workers under --dist loadgroup
-        lost = [item.nodeid for item, group in zip(items, groups) if group and "@" not in item.nodeid]
-        if lost:
-            raise pytest.UsageError(
-                f"pytest-xdist did not put {len(lost)} tests in their xdist_group (e.g. {lost[0]}): "
-                "--dist loadgroup would build each shared fixture on every worker; "
-                "install the pytest and pytest-xdist of constraints.txt"
-            )
+        for item in items:
+            if _named_groups(item) and "@" not in item.nodeid:
+                item.stash[LOST_GROUP] = (
+                    f"pytest-xdist did not put this test in its xdist_group {_named_groups(item)}: under "
+                    "--dist loadgroup each worker would build the fixtures it shares (pytest-xdist#1386); "
+                    "install the pytest and pytest-xdist versions of constraints.txt"
+                )
+
+
+LOST_GROUP = pytest.StashKey[str]()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Fail a test that pytest-xdist took out of its group (see :func:`pytest_collection_modifyitems`)."""
+    if LOST_GROUP in item.stash:
+        pytest.fail(item.stash[LOST_GROUP], pytrace=False)
 
 
 def _named_groups(item: pytest.Item) -> list[str]:
@@ -83,11 +93,10 @@ def share_module_fixtures(items: list[pytest.Item]) -> list[str | None]:
     first: dict[object, int] = {}  # a fixture (module, name) or a group name -> the first item that has it
     keys: list[list[tuple[Path, str]]] = []
     for index, item in enumerate(items):
-        info = getattr(item, "_fixtureinfo", None)
-        fixtures = [] if info is None else [
-            (item.path, name) for name in info.names_closure
-            if (defs := info.name2fixturedefs.get(name)) and defs[-1].scope == "module"
-        ]  # fmt: skip
+        defs = item._fixtureinfo.name2fixturedefs if isinstance(item, pytest.Function) else {}
+        fixtures = [
+            (item.path, name) for name in item.fixturenames if defs.get(name) and defs[name][-1].scope == "module"
+        ]
         keys.append(fixtures)
         for key in [*fixtures, *_named_groups(item)]:
             parent[root(index)] = root(first.setdefault(key, index))
@@ -101,7 +110,7 @@ def share_module_fixtures(items: list[pytest.Item]) -> list[str | None]:
             continue  # a test alone: its own unit
         if not named:  # a group by fixture, named after the first one: "replay/test_report.py:result"
             path, fixture = next(key for i in indices for key in keys[i])
-            named = [f"{path.relative_to(TESTS).as_posix()}:{fixture}"]
+            named = [f"{(path.relative_to(TESTS) if path.is_relative_to(TESTS) else path).as_posix()}:{fixture}"]
         for i in indices:
             for name in sorted(set(named) - set(_named_groups(items[i]))):
                 items[i].add_marker(pytest.mark.xdist_group(name))
@@ -110,18 +119,24 @@ def share_module_fixtures(items: list[pytest.Item]) -> list[str | None]:
 
 
 def start_order(items: list[pytest.Item], groups: list[str | None]) -> list[pytest.Item]:
-    """The items, their units ranked: the zoo, then units with a ``slow`` test, then groups, then single tests.
+    """The items, their units ranked: groups with a ``slow`` test, other ``slow`` tests, other groups, single tests.
 
-    A group keeps its place among the units of its rank (that of its first test); the order of
-    the items within a rank, and so of the files, is that of the collection.
+    A group takes the rank of its highest-ranked test; within a rank the items keep the
+    order of the collection (so a group's place is that of its first test).
     """
     rank: dict[str, int] = {}
     for item, group in zip(items, groups):
         unit = group or item.nodeid
-        here = 0 if ZOO in item.path.parents else 1 if item.get_closest_marker("slow") else 2 if group else 3
+        slow = item.get_closest_marker("slow") is not None
+        here = 0 if slow and group else 1 if slow else 2 if group else 3
         rank[unit] = min(rank.get(unit, here), here)
-    order = {id(item): i for i, item in enumerate(items)}
-    return sorted(items, key=lambda item: (rank[groups[order[id(item)]] or item.nodeid], order[id(item)]))
+    return [
+        item
+        for _, _, item in sorted(
+            ((rank[group or item.nodeid], index, item) for index, (item, group) in enumerate(zip(items, groups))),
+            key=lambda entry: entry[:2],
+        )
+    ]
 
 
 # The server prints the port the system gave it, then serves until its standard input closes.
