@@ -303,6 +303,42 @@ def test_call_row_errors_are_the_largest_of_its_outputs() -> None:
     assert row["mean_abs"] == pytest.approx(every.mean())
 
 
+ROW_CASES = {
+    "close floats": ([np.linspace(-3, 3, 200, dtype=np.float32)], [np.linspace(-3, 3, 200, dtype=np.float32) + 1e-5]),
+    "nan on one side": ([np.array([1.0, np.nan, np.nan, 2.0])], [np.array([1.5, np.nan, 0.0, 2.0])]),
+    "same infinities": ([np.array([np.inf, -np.inf, 1.0])], [np.array([np.inf, -np.inf, 1.25])]),
+    "integers": ([np.arange(6), np.arange(4)], [np.arange(6) + np.array([0, 0, 3, 0, 0, 0]), np.arange(4)]),
+    "shape mismatch stops the row": (
+        [np.ones(3), np.ones((2, 2)), np.zeros(4)],
+        [np.ones(3) + 0.5, np.ones(4), np.zeros(4) + 2.0],
+    ),
+    "missing and empty": ([np.ones(3), None, np.zeros(0)], [np.ones(3) + 1e-3, np.ones(2), np.zeros(0)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROW_CASES))
+def test_per_output_row_counts_as_compare_outputs_does(case: str) -> None:
+    """The row built from the per-output pass has compare_outputs' abs, rel, sum, n, dnan, >h counts and error."""
+    from iobundle.replay.check._compare import compare_call
+
+    expected, obtained = ROW_CASES[case]
+    names = [f"o{i}" for i in range(len(expected))]
+    for skip_none in (True, False):
+        row, checks = compare_call(
+            expected, obtained, call_index=0, names=names, tolerances=Tolerances(), hist=(0.1, 0.01, 0.3),
+            skip_none=skip_none,
+        )  # fmt: skip
+        want = compare_outputs(expected, obtained, atol=1e-4, rtol=0.1, hist=(0.1, 0.01, 0.3), skip_none=skip_none)
+        got = Comparison(
+            success=want.success, abs=row["abs"], rel=row["rel"], sum=row["sum"], n=row["n"], dnan=row["dnan"],
+            hist={h: row[f">{h}"] for h in (0.1, 0.01, 0.3)}, error=row.get("error"),
+        )  # fmt: skip
+        assert_agree(got, want)
+        assert len(checks) == len(expected)
+        if want.error or want.dnan:
+            assert row["SUCCESS"] is False
+
+
 def test_default_tolerances_depend_on_the_recorded_dtype():
     from iobundle.replay.check import DTYPE_TOLERANCES
 
