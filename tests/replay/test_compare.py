@@ -215,6 +215,17 @@ class TestErrorStats:
         assert stats.max_abs == 1.0 and not stats.within
 
 
+def test_statistics_of_a_large_output_are_numpys() -> None:
+    """A large output's median and quantile, selected in a window of its errors, are numpy's."""
+    a, b = rng_pair(torch.float32, (600, 500), 1e-4, seed=9)
+    diff = np.abs(a.numpy().astype(np.float64) - b.numpy().astype(np.float64)).reshape(-1)
+    rel = diff / np.maximum(np.abs(a.numpy().astype(np.float64)).reshape(-1), 1e-12)
+    stats = error_stats(a, b, atol=1e-4, rtol=0.1, quantile=0.95)
+    assert (stats.median_abs, stats.quantile_abs) == (np.median(diff), np.quantile(diff, 0.95))
+    assert (stats.median_rel, stats.quantile_rel) == (np.median(rel), np.quantile(rel, 0.95))
+    assert stats.max_abs == diff.max() and stats.mean_rel == pytest.approx(rel.mean())
+
+
 class TestCheckErrorStat:
     """One element off by 1 among 999 exact ones: only ``max`` (and the 1.0 quantile) sees it."""
 
