@@ -359,7 +359,7 @@ def _inspect(args: argparse.Namespace) -> int:
     shapes: Any = None
     shapes_error: str | None = None
     try:
-        shapes = bundle.infer_dynamic_shapes()
+        shapes = bundle.infer_dynamic_spec()
     except ReplayError as exc:  # the rest of the report is still worth printing
         shapes_error = str(exc)
     model = None
@@ -391,7 +391,7 @@ def _cmd_shapes(args: argparse.Namespace) -> int:
     spec = _batch_spec(args, bundle)
     dynamic = _programs.dynamic_spec(args, bundle)
     refuse_damaged(bundle, args.bundle)
-    shapes = bundle.infer_dynamic_shapes(set_batch_dimension_for=spec, dim_names=args.dim_names, dynamic=dynamic)
+    shapes = bundle.infer_dynamic_spec(set_batch_dimension_for=spec, dim_names=args.dim_names, dynamic=dynamic)
     _programs.warn_static_dims(bundle, spec, dynamic)
     if args.json:
         _render.out(_render.format_dynamic_shapes_json(shapes))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from iobundle._lazy import lazy_names
 
 __all__ = [
+    "DYNAMIC",
     "ArchiveRoot",
     "BatchCheck",
     "Bundle",
@@ -83,17 +84,16 @@ if TYPE_CHECKING:
         ExportReport,
         Phase,
         ProgramSet,
-        StaticDimHint,
         export_onnx,
         export_program,
         export_programs,
         partition_calls,
-        static_dim_hints,
     )
-    from iobundle.replay.infer import InputCandidate, ObservationInfo
+    from iobundle.replay.infer import DYNAMIC, InputCandidate, ObservationInfo, StaticDimHint, static_dim_hints
 
 # iobundle.travel's names are forwarded by name only: travel sits on top of replay.
 _LAZY = {
+    "DYNAMIC": "iobundle.replay.infer",
     "ArchiveRoot": "iobundle.replay._archive",
     "BatchCheck": "iobundle.replay.export",
     "Bundle": "iobundle.replay._bundle",
@@ -111,7 +111,7 @@ _LAZY = {
     "ProgressEvent": "iobundle._progress",
     "RecordedCallsAPI": "iobundle.replay._api",
     "Report": "iobundle.replay._report",
-    "StaticDimHint": "iobundle.replay.export",
+    "StaticDimHint": "iobundle.replay.infer",
     "StoredModel": "iobundle.replay._model_load",
     "Tolerances": "iobundle.replay.check",
     "ValidationReport": "iobundle.replay.check",
@@ -132,7 +132,7 @@ _LAZY = {
     "partition_calls": "iobundle.replay.export",
     "redact_calls": "iobundle.travel",
     "rerun_model": "iobundle.replay.check",
-    "static_dim_hints": "iobundle.replay.export",
+    "static_dim_hints": "iobundle.replay.infer",
     "unpack_bundle": "iobundle.travel",
     "validate_onnx": "iobundle.replay.check",
 }

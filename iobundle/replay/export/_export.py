@@ -48,6 +48,7 @@ from iobundle.replay.infer import (
     select_call,
     spread_var_keyword,
     to_export_dims,
+    to_torch_dims,
 )
 from iobundle.schema import ObjectNode
 
@@ -178,7 +179,9 @@ def _plan(
     args, kwargs = infer_arguments(rc, traced, as_args_kwargs=True, alignment=alignment)
     ds = infer_dynamic_shapes(rc, batch, dim_names=dim_names, dynamic=dynamic)
     slot_names = None
-    if dim_names is not False:
+    if dim_names is False:
+        ds = to_torch_dims(ds)
+    else:
         ds, _ = to_export_dims(ds)  # one torch.export.Dim per name: equal names, one symbol
         slot_names = name_dims(
             rc, alignment, flat_dynamic_dims(rc, alignment, batch, dynamic), dim_names, fed_shapes(rc, alignment)
