@@ -38,6 +38,7 @@ __all__ = [
     "StoredModel",
     "Tolerances",
     "ValidationReport",
+    "build_export_report",
     "build_report",
     "check_discrepancies",
     "convert_to_npz",
@@ -68,7 +69,7 @@ if TYPE_CHECKING:
     from iobundle.replay._diff import DiffReport, diff_bundles
     from iobundle.replay._factory import model_from_factory
     from iobundle.replay._model_load import StoredModel, describe_bundle_model, load_bundle_model
-    from iobundle.replay._report import Report, build_report
+    from iobundle.replay._report import Report, build_export_report, build_report
     from iobundle.replay.check import (
         ErrorStats,
         OutputCheck,
@@ -115,6 +116,7 @@ _LAZY = {
     "StoredModel": "iobundle.replay._model_load",
     "Tolerances": "iobundle.replay.check",
     "ValidationReport": "iobundle.replay.check",
+    "build_export_report": "iobundle.replay._report",
     "build_report": "iobundle.replay._report",
     "check_discrepancies": "iobundle.replay.check",
     "convert_to_npz": "iobundle.travel",
