@@ -218,7 +218,7 @@ class RecordedCallsAPI:
             as_names.append(item)
         return infer.remove_inputs(rc, as_names)
 
-    @check.tolerance_options("atol", "rtol")
+    @check.tolerance_options("atol", "rtol", "output_atol", "output_rtol")
     def export(
         self,
         model: torch.nn.Module,
@@ -273,6 +273,7 @@ class RecordedCallsAPI:
         report: ExportReport | None = self._recorded().last_export_report
         return report
 
+    @check.tolerance_options("atol", "rtol", "output_atol", "output_rtol")
     def to_onnx(
         self,
         model: torch.nn.Module,
@@ -282,27 +283,30 @@ class RecordedCallsAPI:
         strict: bool = False,
         check: bool = True,
         dim_names: DimNamesSpec = False,
-        atol: float = 1e-4,
-        rtol: float = 0.1,
         on_progress: ProgressCallback | None = None,
         dynamic: Mapping[int | str, Collection[int]] | None = None,
         programs: ProgramsMode = "one",
+        tolerances: Tolerances,
     ) -> str:
         """Export ``model`` to an ONNX file at ``path`` (through ``torch.export``); return the path.
 
         With ``dim_names`` (see :meth:`infer_dynamic_shapes`) the graph's symbolic dimensions bear
         the names. With ``programs="auto"``, when one program cannot serve every call, one ONNX
         file per phase is written beside ``path`` with a program index, whose path is returned
-        (see :meth:`export_programs`). See :func:`iobundle.replay.export_onnx`.
+        (see :meth:`export_programs`). The tolerance keywords of the check are those of
+        :meth:`export_programs`, or one ``tolerances`` value. See :func:`iobundle.replay.export_onnx`.
+
+        .. versionchanged:: 0.2
+            ``output_atol``, ``output_rtol`` and ``tolerances``.
         """
         if programs != "one":
             return self.export_programs(
                 model, programs=programs, set_batch_dimension_for=set_batch_dimension_for, dynamic=dynamic,
-                strict=strict, check=check, atol=atol, rtol=rtol, dim_names=dim_names, on_progress=on_progress,
+                strict=strict, check=check, dim_names=dim_names, on_progress=on_progress, tolerances=tolerances,
             ).to_onnx(path)  # fmt: skip
         return export.export_onnx(
             self._recorded(), model, path, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
-            check=check, dim_names=dim_names, atol=atol, rtol=rtol, on_progress=on_progress, dynamic=dynamic,
+            check=check, dim_names=dim_names, on_progress=on_progress, dynamic=dynamic, tolerances=tolerances,
         )  # fmt: skip
 
     @check.tolerance_options(positional=("atol", "rtol"), after="onnx_model")
