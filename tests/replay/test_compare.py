@@ -216,6 +216,17 @@ class TestErrorStats:
         assert stats.max_abs == 1.0 and not stats.within
 
 
+def test_statistics_of_a_large_output_are_numpys() -> None:
+    """A large output's median and quantile, selected in a window of its errors, are numpy's."""
+    a, b = rng_pair(torch.float32, (600, 500), 1e-4, seed=9)
+    diff = np.abs(a.numpy().astype(np.float64) - b.numpy().astype(np.float64)).reshape(-1)
+    rel = diff / np.maximum(np.abs(a.numpy().astype(np.float64)).reshape(-1), 1e-12)
+    stats = error_stats(a, b, atol=1e-4, rtol=0.1, quantile=0.95)
+    assert (stats.median_abs, stats.quantile_abs) == (np.median(diff), np.quantile(diff, 0.95))
+    assert (stats.median_rel, stats.quantile_rel) == (np.median(rel), np.quantile(rel, 0.95))
+    assert stats.max_abs == diff.max() and stats.mean_rel == pytest.approx(rel.mean())
+
+
 class TestCheckErrorStat:
     """One element off by 1 among 999 exact ones: only ``max`` (and the 1.0 quantile) sees it."""
 
@@ -302,6 +313,42 @@ def test_call_row_errors_are_the_largest_of_its_outputs() -> None:
     )])  # fmt: skip
     assert row["median_abs"] == np.median(every) and row["quantile_abs"] == np.quantile(every, 0.9)
     assert row["mean_abs"] == pytest.approx(every.mean())
+
+
+ROW_CASES = {
+    "close floats": ([np.linspace(-3, 3, 200, dtype=np.float32)], [np.linspace(-3, 3, 200, dtype=np.float32) + 1e-5]),
+    "nan on one side": ([np.array([1.0, np.nan, np.nan, 2.0])], [np.array([1.5, np.nan, 0.0, 2.0])]),
+    "same infinities": ([np.array([np.inf, -np.inf, 1.0])], [np.array([np.inf, -np.inf, 1.25])]),
+    "integers": ([np.arange(6), np.arange(4)], [np.arange(6) + np.array([0, 0, 3, 0, 0, 0]), np.arange(4)]),
+    "shape mismatch stops the row": (
+        [np.ones(3), np.ones((2, 2)), np.zeros(4)],
+        [np.ones(3) + 0.5, np.ones(4), np.zeros(4) + 2.0],
+    ),
+    "missing and empty": ([np.ones(3), None, np.zeros(0)], [np.ones(3) + 1e-3, np.ones(2), np.zeros(0)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROW_CASES))
+def test_per_output_row_counts_as_compare_outputs_does(case: str) -> None:
+    """The row built from the per-output pass has compare_outputs' abs, rel, sum, n, dnan, >h counts and error."""
+    from iobundle.replay.check._compare import compare_call
+
+    expected, obtained = ROW_CASES[case]
+    names = [f"o{i}" for i in range(len(expected))]
+    for skip_none in (True, False):
+        row, checks = compare_call(
+            expected, obtained, call_index=0, names=names, tolerances=Tolerances(), hist=(0.1, 0.01, 0.3),
+            skip_none=skip_none,
+        )  # fmt: skip
+        want = compare_outputs(expected, obtained, atol=1e-4, rtol=0.1, hist=(0.1, 0.01, 0.3), skip_none=skip_none)
+        got = Comparison(
+            success=want.success, abs=row["abs"], rel=row["rel"], sum=row["sum"], n=row["n"], dnan=row["dnan"],
+            hist={h: row[f">{h}"] for h in (0.1, 0.01, 0.3)}, error=row.get("error"),
+        )  # fmt: skip
+        assert_agree(got, want)
+        assert len(checks) == len(expected)
+        if want.error or want.dnan:
+            assert row["SUCCESS"] is False
 
 
 def test_default_tolerances_depend_on_the_recorded_dtype():
