@@ -57,6 +57,14 @@ import pydantic
 from pydantic import BaseModel, Field, JsonValue, StrictInt, StrictStr, TypeAdapter
 
 from iobundle.errors import ManifestError, UnsafeBundleError
+from iobundle.schema._deferred import (
+    CompactStructure,
+    CompactTables,
+    DeferredCall,
+    TensorInfo,
+    deferred_call,
+    deferred_manifest,
+)
 from iobundle.schema._manifest import (
     DTYPES,
     FORMAT,
@@ -481,10 +489,11 @@ class _Reader:
 
         return build, None
 
-    def structure(self, s: CallStructure, where: str) -> tuple[int, Callable[[list[TensorNode]], tuple[Any, ...]]]:
+    def structure(self, s: CallStructure, where: str) -> CompactStructure:
         counter = [0]
         args = [self.compile(a, f"{where}.args[{j}]", counter) for j, a in enumerate(s.args)]
         kwargs = [(k, *self.compile(v, f"{where}.kwargs[{k!r}]", counter)) for k, v in s.kwargs.items()]
+        n_inputs = counter[0]
         outputs = None if s.outputs is None else self.compile(s.outputs, f"{where}.outputs", counter)
         cst, filled = s.cst_kwargs, s.filled
 
@@ -497,20 +506,19 @@ class _Reader:
                 None if outputs is None else (outputs[1] if outputs[0] is None else outputs[0](nodes)),
             )
 
-        return counter[0], build
+        return CompactStructure(counter[0], n_inputs, build)
 
     # -- the bulk: calls and files
 
-    def calls(self, raw: Any, structures: list[tuple[int, Callable[[list[str]], tuple[Any, ...]]]]) -> list[Any]:
+    def calls(self, raw: Any, tables: CompactTables) -> list[DeferredCall]:
         if not isinstance(raw, list):
             self.fail("calls", f"expected a list, found {type(raw).__name__}")
         out = []
+        structures = tables.structures
         n_structures = len(structures)
         call_fields = _CALL_FIELDS
-        nodes: dict[str, TensorNode] = {}
-        get_node = nodes.get
-        node_fields = _FIELDS[TensorNode]
         seen: dict[int, int] = {}
+        make = deferred_call
         for i, rec in enumerate(raw):
             if type(rec) is not dict:
                 self.fail(f"calls[{i}]", f"expected an object, found {type(rec).__name__}")
@@ -524,22 +532,13 @@ class _Reader:
                 self.fail(f"calls[{i}].index", duplicate_call_index(index, first))
             if type(s) is not int or not 0 <= s < n_structures:
                 self.fail(f"calls[{i}].structure", f"{_short(s)} is not one of the {n_structures} structures")
-            n_slots, build = structures[s]
-            if type(keys) is not list or len(keys) != n_slots:
+            structure = structures[s]
+            if type(keys) is not list or len(keys) != structure.n_slots:
                 found = f"{len(keys)} keys" if type(keys) is list else _short(keys)
-                self.fail(f"calls[{i}].keys", f"structure {s} has {n_slots} tensor slots, found {found}")
-            tensor_nodes = []
-            for k in keys:
-                node = get_node(k) if type(k) is str else None
-                if node is None:
-                    if type(k) is not str:
-                        self.fail(f"calls[{i}].keys", f"a key must be a string, found {_short(k)}")
-                    node = nodes[k] = _new(TensorNode)
-                    _setattr(node, "__dict__", {"kind": "tensor", "key": k})
-                    _setattr(node, "__pydantic_fields_set__", node_fields)
-                    _setattr(node, "__pydantic_extra__", None)
-                    _setattr(node, "__pydantic_private__", None)
-                tensor_nodes.append(node)
+                self.fail(f"calls[{i}].keys", f"structure {s} has {structure.n_slots} tensor slots, found {found}")
+            if not all(type(k) is str for k in keys):
+                bad = next(k for k in keys if type(k) is not str)
+                self.fail(f"calls[{i}].keys", f"a key must be a string, found {_short(bad)}")
             status, error, latency = rec.get("status", "ok"), rec.get("error"), rec.get("latency")
             if type(status) is not str or status not in _STATUSES:
                 self.fail(f"calls[{i}].status", f"{_short(status)} is not one of {sorted(_STATUSES)}")
@@ -549,23 +548,8 @@ class _Reader:
                 if type(latency) is not int:
                     self.fail(f"calls[{i}].latency", f"expected a number or null, found {_short(latency)}")
                 latency = float(latency)
-            args, kwargs, cst, filled, outputs = build(tensor_nodes)
-            out.append(
-                _make(
-                    CallEntry,
-                    {
-                        "index": index,
-                        "status": status,
-                        "error": error,
-                        "args": args,
-                        "kwargs": kwargs,
-                        "cst_kwargs": cst,
-                        "filled": filled,
-                        "outputs": outputs,
-                        "latency": latency,
-                    },
-                )
-            )
+            values = {"index": index, "status": status, "error": error, "latency": latency}
+            out.append(make(tables, structure, keys, values))
         return out
 
     def files(self, raw: Any, default_hash: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -575,14 +559,13 @@ class _Reader:
         if count > self.max_tensors:
             self.too_many("tensors", count, self.max_tensors)
         files: dict[str, Any] = {}
-        tensors: dict[str, Any] = {}
+        tensors: dict[str, TensorInfo] = {}
         info: dict[str, tuple[str, tuple[int, ...], int]] = {}  # key -> dtype, shape, chain depth
         good_shapes: set[tuple[int, ...]] = set()
         good_pairs: set[tuple[tuple[int, ...], tuple[int, ...], int]] = set()
-        te_fields, ext_fields = _FIELDS[TensorEntry], _FIELDS[Extension]
         max_chain = self.max_chain
         int_only = _INT_ONLY
-        make_obj, set_slot = _new, _setattr
+        row_of = TensorInfo
         dtypes = _DTYPES
         for name, rec in raw.items():
             where = f"files[{name!r}]"
@@ -653,32 +636,12 @@ class _Reader:
                             f"a chain of more than {max_chain} extensions (MAX_EXTENSION_DEPTH)",
                             unsafe=True,
                         )
-                    extends = make_obj(Extension)
-                    set_slot(extends, "__dict__", {"key": base_key, "dim": dim})
-                    set_slot(extends, "__pydantic_fields_set__", ext_fields)
-                    set_slot(extends, "__pydantic_extra__", None)
-                    set_slot(extends, "__pydantic_private__", None)
+                    extends = (base_key, dim)
                 device, in_file = "cpu", key
                 if options is not None:
                     device, in_file = self.options(options, key, f"{where}.tensors[{key!r}]")
                 info[key] = (dtype, dims, depth)
-                entry = make_obj(TensorEntry)
-                set_slot(
-                    entry,
-                    "__dict__",
-                    {
-                        "file": name,
-                        "name": in_file,
-                        "dtype": dtype,
-                        "shape": shape,
-                        "device": device,
-                        "extends": extends,
-                    },
-                )
-                set_slot(entry, "__pydantic_fields_set__", te_fields)
-                set_slot(entry, "__pydantic_extra__", None)
-                set_slot(entry, "__pydantic_private__", None)
-                tensors[key] = entry
+                tensors[key] = row_of(name, in_file, dtype, dims, device, extends)
         return files, tensors
 
     def shape(self, dims: tuple[Any, ...], where: str) -> None:
@@ -771,19 +734,19 @@ def expand_compact(
     check_trees([(f"value_if_missing[{i}].value", e.value) for i, e in enumerate(parsed.value_if_missing)], source)
     structures = [reader.structure(s, f"structures[{i}]") for i, s in enumerate(parsed.structures)]
     files, tensors = reader.files(files_raw, parsed.hash)
-    calls = reader.calls(calls_raw, structures)
-    return _make(
-        Manifest,
+    tables = CompactTables(structures, tensors)
+    calls = reader.calls(calls_raw, tables)
+    return deferred_manifest(
         {
             "format": FORMAT,
             "format_version": COMPACT_VERSION,
             "producer": parsed.producer,
             "signature": parsed.signature,
             "value_if_missing": parsed.value_if_missing,
-            "calls": calls,
-            "tensors": tensors,
             "files": files,
             "model": parsed.model,
             "redacted": parsed.redacted,
         },
+        tables,
+        calls,
     )
