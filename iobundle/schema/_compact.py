@@ -48,6 +48,7 @@ and shared by the calls that have it, and the tensor nodes of a key are one obje
 from __future__ import annotations
 
 import json
+import math
 import operator
 import re
 from collections.abc import Callable, Hashable, Iterable
@@ -560,37 +561,36 @@ class _Reader:
             self.too_many("tensors", count, self.max_tensors)
         files: dict[str, Any] = {}
         tensors: dict[str, TensorInfo] = {}
-        info: dict[str, tuple[str, tuple[int, ...], int]] = {}  # key -> dtype, shape, chain depth
-        good_shapes: set[tuple[int, ...]] = set()
-        good_pairs: set[tuple[tuple[int, ...], tuple[int, ...], int]] = set()
-        max_chain = self.max_chain
+        depths: dict[str, int] = {}  # per extension, the length of its chain (other tensors: 0)
+        max_chain, max_rank, max_elements = self.max_chain, self.max_rank, self.max_elements
+        prod = math.prod
         int_only = _INT_ONLY
         row_of = TensorInfo
         dtypes = _DTYPES
+        file_fields, hex_of, algorithms = _FILE_FIELDS, _HEX, HASH_ALGORITHMS
         for name, rec in raw.items():
-            where = f"files[{name!r}]"
             if type(rec) is not dict:
-                self.fail(where, f"expected an object, found {type(rec).__name__}")
-            if not rec.keys() <= _FILE_FIELDS:
-                self.fail(where, f"unknown field {sorted(rec.keys() - _FILE_FIELDS)[0]!r}")
+                self.fail(f"files[{name!r}]", f"expected an object, found {type(rec).__name__}")
+            if not rec.keys() <= file_fields:
+                self.fail(f"files[{name!r}]", f"unknown field {sorted(rec.keys() - file_fields)[0]!r}")
             size, algorithm, digest = rec.get("size"), rec.get("hash", default_hash), rec.get("digest")
             if type(size) is not int or size < 0:
-                self.fail(f"{where}.size", f"expected an integer >= 0, found {_short(size)}")
-            if type(algorithm) is not str or algorithm not in HASH_ALGORITHMS:
-                self.fail(f"{where}.hash", f"{_short(algorithm)} is not one of {sorted(HASH_ALGORITHMS)}")
-            n = HASH_ALGORITHMS[algorithm]
-            if type(digest) is not str or not _HEX[n].fullmatch(digest):
+                self.fail(f"files[{name!r}].size", f"expected an integer >= 0, found {_short(size)}")
+            if type(algorithm) is not str or algorithm not in algorithms:
+                self.fail(f"files[{name!r}].hash", f"{_short(algorithm)} is not one of {sorted(algorithms)}")
+            if type(digest) is not str or not hex_of[algorithms[algorithm]].fullmatch(digest):
                 self.fail(
-                    f"{where}.digest",
-                    f"expected {n} lowercase hex digits (a {algorithm} digest), found {_short(digest)}",
+                    f"files[{name!r}].digest",
+                    f"expected {algorithms[algorithm]} lowercase hex digits (a {algorithm} digest), "
+                    f"found {_short(digest)}",
                 )
             files[name] = _make(FileEntry, {"size": size, "sha256": None, "hash": algorithm, "digest": digest})
             rows = rec.get("tensors", {})
             if type(rows) is not dict:
-                self.fail(f"{where}.tensors", f"expected an object, found {type(rows).__name__}")
+                self.fail(f"files[{name!r}].tensors", f"expected an object, found {type(rows).__name__}")
             for key, row in rows.items():
-                if key in info:
-                    self.fail(f"{where}.tensors[{key!r}]", "a tensor listed a second time")
+                if key in tensors:
+                    self.fail(f"files[{name!r}].tensors[{key!r}]", "a tensor listed a second time")
                 n = len(row) if type(row) is list else 0
                 options = None
                 if n == 2:
@@ -602,46 +602,65 @@ class _Reader:
                     dtype, shape, ext, options = row
                 else:
                     self.fail(
-                        f"{where}.tensors[{key!r}]", f"expected [dtype, shape, extends?, options?], found {_short(row)}"
+                        f"files[{name!r}].tensors[{key!r}]",
+                        f"expected [dtype, shape, extends?, options?], found {_short(row)}",
                     )
                 if type(dtype) is not str or dtype not in dtypes:
-                    self.fail(f"{where}.tensors[{key!r}]", f"dtype {_short(dtype)} is not one of {', '.join(DTYPES)}")
+                    self.fail(
+                        f"files[{name!r}].tensors[{key!r}]", f"dtype {_short(dtype)} is not one of {', '.join(DTYPES)}"
+                    )
                 if type(shape) is not list:
-                    self.fail(f"{where}.tensors[{key!r}]", f"shape must be a list of integers, found {_short(shape)}")
+                    self.fail(
+                        f"files[{name!r}].tensors[{key!r}]", f"shape must be a list of integers, found {_short(shape)}"
+                    )
                 dims = tuple(shape)
-                # known shapes are skipped, but only a shape of ints can be one: (2.0, True) == (2, 1)
-                if dims not in good_shapes if set(map(type, dims)) <= int_only else True:
-                    self.shape(dims, f"{where}.tensors[{key!r}]")
-                    good_shapes.add(dims)
+                # the checks of self.shape, inline for a good shape; self.shape says what is wrong with another
+                if not (
+                    set(map(type, dims)) <= int_only  # not bool nor float: True == 1 and 2.0 == 2
+                    and len(dims) <= max_rank
+                    and (not dims or min(dims) >= 0)
+                    and (prod(dims) if 0 not in dims else prod(d or 1 for d in dims)) <= max_elements
+                ):
+                    self.shape(dims, f"files[{name!r}].tensors[{key!r}]")
                 extends = None
-                depth = 0
                 if ext is not None:
-                    base_key, dim = self.extension(ext, f"{where}.tensors[{key!r}]")
-                    base = info.get(base_key)
+                    if type(ext) is list and len(ext) == 2 and type(ext[0]) is str and type(ext[1]) is int:
+                        base_key, dim = ext  # the common case, checked inline (a negative dim: below)
+                    else:
+                        base_key, dim = self.extension(ext, f"files[{name!r}].tensors[{key!r}]")
+                    if dim < 0:
+                        self.extension(ext, f"files[{name!r}].tensors[{key!r}]")
+                    base = tensors.get(base_key)
                     if base is None:
                         problem = "is not listed before it" if base_key != key else "is itself"
                         self.fail(
-                            f"{where}.tensors[{key!r}].extends",
+                            f"files[{name!r}].tensors[{key!r}].extends",
                             f"tensor {base_key!r} {problem}; an extended "
                             "tensor must come earlier (in an earlier file or earlier in this one)",
                             unsafe=True,
                         )
-                    if base[0] != dtype or (base[1], dims, dim) not in good_pairs:
-                        self.compatible(base_key, base, key, dtype, dims, dim, where)
-                        good_pairs.add((base[1], dims, dim))
-                    depth = base[2] + 1
+                    had = base[3]  # the checks of self.compatible, inline for a good extension
+                    if not (
+                        base[2] == dtype
+                        and len(had) == len(dims) > dim
+                        and had[dim] <= dims[dim]
+                        and had[:dim] == dims[:dim]
+                        and had[dim + 1 :] == dims[dim + 1 :]
+                    ):
+                        self.compatible(base_key, (base[2], had), key, dtype, dims, dim, f"files[{name!r}]")
+                    depth = depths[key] = depths.get(base_key, 0) + 1
                     if depth > max_chain:
                         self.fail(
-                            f"{where}.tensors[{key!r}].extends",
+                            f"files[{name!r}].tensors[{key!r}].extends",
                             f"a chain of more than {max_chain} extensions (MAX_EXTENSION_DEPTH)",
                             unsafe=True,
                         )
                     extends = (base_key, dim)
-                device, in_file = "cpu", key
-                if options is not None:
-                    device, in_file = self.options(options, key, f"{where}.tensors[{key!r}]")
-                info[key] = (dtype, dims, depth)
-                tensors[key] = row_of(name, in_file, dtype, dims, device, extends)
+                if options is None:
+                    tensors[key] = row_of(name, key, dtype, dims, "cpu", extends)
+                else:
+                    device, in_file = self.options(options, key, f"files[{name!r}].tensors[{key!r}]")
+                    tensors[key] = row_of(name, in_file, dtype, dims, device, extends)
         return files, tensors
 
     def shape(self, dims: tuple[Any, ...], where: str) -> None:
@@ -663,7 +682,7 @@ class _Reader:
             )
         return ext[0], ext[1]
 
-    def compatible(self, base_key: str, base: tuple[str, tuple[int, ...], int], key: str, dtype: str,
+    def compatible(self, base_key: str, base: tuple[str, tuple[int, ...]], key: str, dtype: str,
                    dims: tuple[int, ...], dim: int, where: str) -> None:  # fmt: skip
         at = f"{where}.tensors[{key!r}].extends"
         if base[0] != dtype or len(base[1]) != len(dims) or dim >= len(dims):

@@ -175,7 +175,7 @@ class _Deferred:
         return copied
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        return self.__copy__().__reduce_ex__(protocol)  # pickled as the plain class
+        return _same, (self.__copy__(),)  # pickled as the plain class
 
     def model_copy(self, *args: Any, **kwargs: Any) -> Any:
         self._filled()
@@ -188,6 +188,11 @@ class _Deferred:
     def model_dump_json(self, *args: Any, **kwargs: Any) -> Any:
         self._filled()
         return super().model_dump_json(*args, **kwargs)  # type: ignore[misc]
+
+
+def _same(value: Any) -> Any:
+    """What unpickling a deferred model calls: its plain copy, unpickled, is the value."""
+    return value
 
 
 def _plain(cls: type) -> type:
