@@ -41,8 +41,9 @@ record with its structure written out in place of its number, and the files it a
 its ``hash``.
 
 Reading checks everything versions 1 and 2 check (limits, tensor ranks and sizes, extensions) and
-builds the trees of the calls from their structures: tensor-free parts of a structure are built once
-and shared by the calls that have it, and the tensor nodes of a key are one object.
+keeps compact rows (:mod:`iobundle.schema._deferred`); a call's trees are built from its structure
+when first asked for: tensor-free parts of a structure are built once and shared by the calls that
+have it, and the tensor nodes of a key are one object.
 """
 
 from __future__ import annotations
