@@ -263,6 +263,7 @@ _OPTION_FIELDS = frozenset({"device", "name"})
 _STATUSES = frozenset({"ok", "failed", "incomplete"})
 _DTYPES = frozenset(DTYPES)
 _INT_ONLY = frozenset({int})
+_STR_ONLY = frozenset({str})
 _HEX = {n: re.compile(f"[0-9a-f]{{{n}}}") for n in set(HASH_ALGORITHMS.values())}
 
 # -- writing ----------------------------------------------------------------------------------
@@ -538,7 +539,7 @@ class _Reader:
             if type(keys) is not list or len(keys) != structure.n_slots:
                 found = f"{len(keys)} keys" if type(keys) is list else _short(keys)
                 self.fail(f"calls[{i}].keys", f"structure {s} has {structure.n_slots} tensor slots, found {found}")
-            if not all(type(k) is str for k in keys):
+            if not set(map(type, keys)) <= _STR_ONLY:
                 bad = next(k for k in keys if type(k) is not str)
                 self.fail(f"calls[{i}].keys", f"a key must be a string, found {_short(bad)}")
             status, error, latency = rec.get("status", "ok"), rec.get("error"), rec.get("latency")
