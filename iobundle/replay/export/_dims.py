@@ -27,12 +27,14 @@ from iobundle.replay.infer import (
     BatchSpec,
     DynamicSpec,
     align_calls,
+    batch_axes,
+    find_batch_axes,
     flat_dynamic_dims,
     infer_arguments,
     owner_name,
 )
 
-__all__ = ["BatchCheck", "StaticDimHint", "check_other_batch", "static_dim_hints"]
+__all__ = ["BatchCheck", "StaticDimHint", "check_other_batch", "program_batch_axes", "static_dim_hints"]
 
 logger = logging.getLogger(__name__)
 
@@ -172,12 +174,21 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def _resize(t: torch.Tensor, batch: int) -> torch.Tensor:
-    """``t`` with ``batch`` rows along dimension 0: its first rows, or its rows repeated."""
-    if batch <= t.shape[0]:
-        return t[:batch].clone()
-    reps = -(-batch // t.shape[0])
-    return t.repeat(reps, *([1] * (t.dim() - 1)))[:batch].clone()
+def _resize(t: torch.Tensor, batch: int, axis: int = 0) -> torch.Tensor:
+    """``t`` with ``batch`` rows along ``axis``: its first rows, or its rows repeated."""
+    if batch <= t.shape[axis]:
+        return t.narrow(axis, 0, batch).clone()
+    reps = [1] * t.dim()
+    reps[axis] = -(-batch // t.shape[axis])
+    return t.repeat(*reps).narrow(axis, 0, batch).clone()
+
+
+def program_batch_axes(rc: RecordedCalls, alignment: Alignment, batch: BatchSpec) -> list[int | None]:
+    """Per slot, its batch axis: the one ``batch`` makes dynamic, else the one found from the sizes, or None."""
+    forced = batch_axes(rc, alignment, batch)
+    return [
+        (chosen if chosen is not None else found).axis for chosen, found in zip(forced, find_batch_axes(rc, alignment))
+    ]
 
 
 def check_other_batch(
@@ -185,7 +196,8 @@ def check_other_batch(
 ) -> BatchCheck:
     """Run ``ep`` and the eager model on the traced call cut to batch B - 1 (or repeated to 2 when B is 1).
 
-    Only tensors whose dimension 0 is dynamic and equal to the call's batch are resized. The
+    Only tensors whose batch axis (see :func:`program_batch_axes`) is dynamic and equal to the
+    call's batch are resized, along that axis. The
     program's outputs are compared with the eager model's on the same inputs (the verdict), and
     with the recorded outputs resized the same way (reported, not judged).
     The eager model runs first: when it rejects the resized inputs (a VLM prefill whose image
@@ -195,14 +207,17 @@ def check_other_batch(
     alignment, index = plan.alignment, plan.traced
     call = alignment.calls[index]
     tensors = infer_arguments(rc, index, flat=True, alignment=alignment)
-    sizes = collections.Counter(t.shape[0] for t, d in zip(tensors, plan.dims) if 0 in d and t.dim())
+    axes = [
+        a if a is not None and a in d and a < t.dim() else None for t, d, a in zip(tensors, plan.dims, plan.batch_axes)
+    ]
+    sizes = collections.Counter(t.shape[a] for t, a in zip(tensors, axes) if a is not None)
     recorded = sizes.most_common(1)[0][0] if sizes else 0
     result = BatchCheck(call=call.index, recorded_batch=recorded, batch=recorded - 1 if recorded > 1 else 2)
     try:
         keys = [f"\x02{i}" for i in range(len(tensors))]
         resized = {
-            k: _resize(t, result.batch) if 0 in d and t.dim() and t.shape[0] == recorded else t
-            for k, t, d in zip(keys, tensors, plan.dims)
+            k: _resize(t, result.batch, a) if a is not None and t.shape[a] == recorded else t
+            for k, t, a in zip(keys, tensors, axes)
         }
 
         def arguments() -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -256,3 +271,4 @@ class _Plan:
     dynamic: bool = True
     dims: list[list[int]] = field(default_factory=list)
     dim_names: list[dict[int, str]] | None = None  # per slot, with dim_names
+    batch_axes: list[int | None] = field(default_factory=list)  # per slot, see program_batch_axes

@@ -2,7 +2,7 @@
 
 Works on :class:`iobundle.calls.RecordedCalls` (from memory or from a bundle) and needs torch
 only: never onnx, onnxruntime or transformers (unless the calls hold transformers objects).
-Each stage is a module: align (``_align``), dynamic shapes (``_dynamic``), arguments
+Each stage is a module: align (``_align``), dynamic shapes (``_dynamic``), batch axes (``_batch``), arguments
 (``_arguments``), dim names (``_dim_names``), what the calls hold (``_info``).
 """
 
@@ -17,12 +17,15 @@ __all__ = [
     "call_structure",
     "owner_name",
     "phase_calls",
-    # Dynamic shapes and dim names
+    # Dynamic shapes, batch axes and dim names
+    "BatchAxis",
     "BatchSpec",
     "DimNamesSpec",
     "DynamicSpec",
+    "batch_axes",
     "empty_dims",
     "fed_shapes",
+    "find_batch_axes",
     "flat_dynamic_dims",
     "infer_dynamic_shapes",
     "name_dims",
@@ -63,6 +66,7 @@ from iobundle.replay.infer._arguments import (
     select_call,
     spread_var_keyword,
 )
+from iobundle.replay.infer._batch import BatchAxis, batch_axes, find_batch_axes
 from iobundle.replay.infer._dim_names import (
     DimNamesSpec,
     name_dims,
