@@ -48,6 +48,7 @@ class Family:
         observe: Given the model, the modules to observe by bundle name; default: the model itself.
         store_n_calls: How many calls each observer records (at least every call of the generate()).
         known_failure: Why the family does not pass yet; None when it must pass.
+        dtype: The dtype the model runs (and is recorded) in: ``float32``, ``bfloat16``, ``float16``.
     """
 
     name: str
@@ -57,6 +58,7 @@ class Family:
     observe: Callable[[torch.nn.Module], dict[str, torch.nn.Module]] | None = None
     store_n_calls: int = 32
     known_failure: str | None = None
+    dtype: str = "float32"
 
 
 def _seeded(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
@@ -244,6 +246,87 @@ FAMILIES: list[Family] = [
         "smollm3",
         decoder_only("SmolLM3Config", "SmolLM3ForCausalLM", no_rope_layer_interval=2),
         notes="no rotary embedding every other layer (NoPE)",
+    ),
+]
+
+
+# --------------------------------------------------------------------------- batch axes, dtypes (issue 19)
+
+
+def vision_language_text(
+    config_name: str, model_name: str, **vision: Any
+) -> Callable[[], tuple[torch.nn.Module, dict[str, Any]]]:
+    """A tiny Qwen2-VL-style model generating from text alone: ``position_ids`` is ``(4, batch, length)``.
+
+    The text decoder takes 3-D rotary positions (text positions plus the temporal, height and
+    width sections), so its batch is axis 1 of ``position_ids``: ``--batch-all`` must find it.
+    """
+
+    def build() -> tuple[torch.nn.Module, dict[str, Any]]:
+        import transformers
+
+        text = {
+            "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 64, "vocab_size": VOCAB, "max_position_embeddings": 128, "pad_token_id": PAD,
+            "bos_token_id": 1, "eos_token_id": 2, "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
+        }  # fmt: skip
+        vision_config = {"depth": 1, "hidden_size": 32, "num_heads": 2, "patch_size": 2, "spatial_merge_size": 1,
+                         "temporal_patch_size": 1, **vision}  # fmt: skip
+        cfg = getattr(transformers, config_name)(
+            text_config=text, vision_config=vision_config, image_token_id=97, video_token_id=98,
+            vision_start_token_id=96,
+        )  # fmt: skip
+        model = _seeded(lambda: getattr(transformers, model_name)(cfg))
+        return model, greedy(4, **left_padded_prompt(7))
+
+    return build
+
+
+FAMILIES += [
+    Family(
+        "qwen2_vl_text",
+        vision_language_text("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", embed_dim=32),
+        notes="3-D rotary positions (4, batch, length): the batch is axis 1 of position_ids",
+    ),
+    Family(
+        "qwen2_5_vl_text",
+        vision_language_text(
+            "Qwen2_5_VLConfig",
+            "Qwen2_5_VLForConditionalGeneration",
+            out_hidden_size=32,
+            intermediate_size=64,
+            fullatt_block_indexes=[0],
+            window_size=4,
+        ),
+        notes="3-D rotary positions, windowed vision tower unused: the batch is axis 1 of position_ids",
+    ),
+    Family(
+        "llama_bf16",
+        decoder_only("LlamaConfig", "LlamaForCausalLM"),
+        atol=2e-2,
+        dtype="bfloat16",
+        notes="bfloat16 weights and activations, default dtype-aware tolerances",
+    ),
+    Family(
+        "llama_fp16",
+        decoder_only("LlamaConfig", "LlamaForCausalLM"),
+        atol=5e-3,
+        dtype="float16",
+        notes="float16 weights and activations, default dtype-aware tolerances",
+    ),
+    Family(
+        "qwen2_bf16",
+        decoder_only("Qwen2Config", "Qwen2ForCausalLM"),
+        atol=2e-2,
+        dtype="bfloat16",
+        notes="bfloat16, attention biases",
+    ),
+    Family(
+        "qwen2_fp16",
+        decoder_only("Qwen2Config", "Qwen2ForCausalLM"),
+        atol=5e-3,
+        dtype="float16",
+        notes="float16, attention biases",
     ),
 ]
 
