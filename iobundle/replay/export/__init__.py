@@ -21,9 +21,10 @@ __all__ = [
     # Dimensions and the batch check
     "BatchCheck",
     "StaticDimHint",
+    "explain_guard",
     "static_dim_hints",
 ]
 
-from iobundle.replay.export._dims import BatchCheck, StaticDimHint, static_dim_hints
+from iobundle.replay.export._dims import BatchCheck, StaticDimHint, explain_guard, static_dim_hints
 from iobundle.replay.export._export import CallCheck, ExportReport, export_onnx, export_program
 from iobundle.replay.export._phases import Phase, ProgramSet, ProgramsMode, export_programs, partition_calls

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +35,14 @@ from iobundle.replay.infer import (
     owner_name,
 )
 
-__all__ = ["BatchCheck", "StaticDimHint", "check_other_batch", "program_batch_axes", "static_dim_hints"]
+__all__ = [
+    "BatchCheck",
+    "StaticDimHint",
+    "check_other_batch",
+    "explain_guard",
+    "program_batch_axes",
+    "static_dim_hints",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +156,8 @@ class BatchCheck:
         abs_recorded: Max abs difference between the program and the recorded outputs cut the same way
             (informative: a cut recorded output is not always what the model returns for the cut inputs).
         error: Why the check could not run, if it failed to.
+        assumption: When the program refused the inputs on a guard: what it assumes, in words
+            (see :func:`explain_guard`).
     """
 
     call: int
@@ -157,16 +167,52 @@ class BatchCheck:
     abs_eager: float | None = None
     abs_recorded: float | None = None
     error: str | None = None
+    assumption: str | None = None
 
     def summary(self) -> str:
         if self.error:
             verdict = "failed: " if self.success is False else ""
-            return f"batch {self.batch} (call {self.call} cut from batch {self.recorded_batch}): {verdict}{self.error}"
+            found = f"; {self.assumption}" if self.assumption else ""
+            return (
+                f"batch {self.batch} (call {self.call} cut from batch {self.recorded_batch}): "
+                f"{verdict}{self.error}{found}"
+            )
         parts = [f"max abs vs eager {self.abs_eager:.3g}" if self.abs_eager is not None else None]
         parts.append(f"vs recorded rows {self.abs_recorded:.3g}" if self.abs_recorded is not None else None)
         verdict = "ok" if self.success else "DIFFERS"
         detail = ", ".join(p for p in parts if p)
         return f"batch {self.batch} (call {self.call} cut from batch {self.recorded_batch}): {verdict} ({detail})"
+
+
+_GUARD = re.compile(r"Guard failed: (.+)")
+_SIZE = re.compile(r"(\w+(?:\[[^\]]*\])*)\.size\(\)\[(\d+)\]")
+
+
+def explain_guard(message: str, recorded: int) -> str | None:
+    """What a program assumes when it rejects inputs with ``Guard failed: EXPR``, in words; None for another error.
+
+    ``position_ids.size()[0] >= 2`` is a minimum bound: torch.export, tracing batch
+    ``recorded`` size-obliviously, decided a branch or a memory-layout check as if the size
+    could not be 0 or 1, and guards that. ``== N`` is a size specialised to what the trace saw;
+    a relation between two sizes is a derived dimension the model's code ties together.
+    """
+    found = _GUARD.search(message)
+    if found is None:
+        return None
+    expr = found.group(1).strip().rstrip(".")
+    text = _SIZE.sub(lambda m: f"axis {m.group(2)} of {m.group(1)}", expr)
+    sizes = _SIZE.findall(expr)
+    if len(sizes) == 1 and re.search(r"(>=|>)\s*\d+$", expr):
+        kind = (
+            f"a minimum bound torch.export added while tracing batch {recorded} (a size-oblivious choice in the "
+            "model's code: a branch, a reshape or a copy into a slice); a patch of iobundle.replay.export that "
+            "rewrites that code removes it (latent_keys_concat for multi-head latent attention)"
+        )
+    elif len(sizes) == 1 and re.search(r"==\s*\d+$", expr):
+        kind = "a size specialised to the one traced (the model's code uses it as a constant)"
+    else:
+        kind = "a relation between sizes the model's code derives (a derived dimension)"
+    return f"the program assumes {text}: {kind}"
 
 
 def _first_line(exc: BaseException) -> str:
@@ -251,6 +297,7 @@ def check_other_batch(
             result.abs_recorded = compare_outputs(expected, obtained, atol=atol, rtol=rtol).abs
     except Exception as exc:  # a report, never a crash: the recorded calls already passed
         result.success, result.error = False, _first_line(exc)
+        result.assumption = explain_guard(str(exc), recorded)
     logger.info("beyond the recorded calls: %s", result.summary())
     return result
 
