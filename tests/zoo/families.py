@@ -282,6 +282,25 @@ def vision_language_text(
     return build
 
 
+# Multi-head latent attention: keys of 8 + 4 (rotary), values of 6, over rank-16 latents.
+_LATENT: dict[str, Any] = {
+    "num_key_value_heads": 4,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 6,
+}
+# Grouped routing: 4 experts in 2 groups, the best group's top 2 experts, one shared expert.
+_GROUPED_MOE: dict[str, Any] = {
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "moe_intermediate_size": 16,
+}
+
 FAMILIES += [
     Family(
         "qwen2_vl_text",
@@ -327,6 +346,31 @@ FAMILIES += [
         atol=5e-3,
         dtype="float16",
         notes="float16, attention biases",
+    ),
+    Family(
+        "deepseek_v3",
+        decoder_only("DeepseekV3Config", "DeepseekV3ForCausalLM", **_LATENT, **_GROUPED_MOE, first_k_dense_replace=1),
+        notes="multi-head latent attention (key 12 / value 6 head sizes), grouped MoE routing (n_group 2, "
+        "topk_group 1); batch 1 beyond the recorded calls",
+    ),
+    Family(
+        "deepseek_v2",
+        decoder_only(
+            "DeepseekV2Config", "DeepseekV2ForCausalLM", **_LATENT, **_GROUPED_MOE, topk_method="group_limited_greedy"
+        ),
+        notes="multi-head latent attention, group-limited greedy MoE routing",
+        known_failure="torch.onnx.export: ConversionError (its rotary embedding computes in complex numbers, "
+        "torch.polar / view_as_complex); torch.export and the ep.module() checks pass",
+    ),
+    Family(
+        "glm4_moe_lite",
+        decoder_only("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", **_LATENT, **_GROUPED_MOE, first_k_dense_replace=1),
+        notes="multi-head latent attention, grouped MoE routing with a shared expert",
+    ),
+    Family(
+        "minicpm3",
+        decoder_only("MiniCPM3Config", "MiniCPM3ForCausalLM", **_LATENT, scale_emb=1, dim_model_base=32),
+        notes="multi-head latent attention, dense MLP, scaled embeddings and residuals",
     ),
 ]
 
