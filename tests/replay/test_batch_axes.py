@@ -120,3 +120,10 @@ def test_a_qwen2_vl_text_decoder_has_its_batch_on_axis_1_of_position_ids():
     assert found["input_ids"] == 0 and found["cache"] == 0
     shapes = observer.infer_dynamic_shapes(set_batch_dimension_for=True)
     assert 0 not in shapes["position_ids"] and 1 in shapes["position_ids"]
+
+
+def test_the_static_batch_hint_names_the_batch_axis_of_each_input():
+    observer = observe([(2, 5, (7,)), (2, 1, (7,))])
+    hints = [h for h in observer.static_dim_hints() if h.kind == "batch"]
+    assert [(h.size, h.axes) for h in hints] == [(2, (("input_ids", 0), ("position_ids", 1)))]
+    assert observer.static_dim_hints(True) == []

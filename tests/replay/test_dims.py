@@ -73,7 +73,10 @@ def test_export_checks_another_batch_size(bundle):
 def test_cli_dynamic_flag_and_warnings(bundle, capsys):
     assert main(["shapes", str(bundle.path), "--json"]) == 0
     err = capsys.readouterr().err
-    assert "warning: dimension 0 is 3 in every input" in err and "--dynamic input_ids:1" in err
+    assert (
+        "warning: the batch axes (input_ids axis 0, attention_mask axis 0) are 3 in every call" in err
+        and "--dynamic input_ids:1" in err
+    )
     assert (
         main(["shapes", str(bundle.path), "--json", "--batch-all", "--dynamic", "0:1", "--dynamic", "attention_mask:1"])
         == 0

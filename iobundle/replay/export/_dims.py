@@ -52,7 +52,8 @@ class StaticDimHint:
     """Axes exported static only because every recorded call had the same size there.
 
     Attributes:
-        kind: ``"batch"`` (dimension 0 of every input) or ``"sequence"`` (an axis shared by several inputs).
+        kind: ``"batch"`` (the batch axis of every input that has one) or ``"sequence"`` (an axis shared
+            by several inputs).
         size: The size every call had.
         axes: ``(input name, axis)`` pairs.
     """
@@ -70,8 +71,8 @@ class StaticDimHint:
         where = ", ".join(f"{name} axis {axis}" for name, axis in dict.fromkeys(self.axes))
         if self.kind == "batch":
             return (
-                f"dimension 0 is {self.size} in every input of every call ({where}): it looks like the batch and is "
-                "exported static. Make it dynamic with --batch-all (set_batch_dimension_for=True) if the model "
+                f"the batch axes ({where}) are {self.size} in every call: they look like the batch and are "
+                "exported static. Make them dynamic with --batch-all (set_batch_dimension_for=True) if the model "
                 "should accept other batch sizes."
             )
         return (
@@ -99,8 +100,9 @@ def _sequence_axis(shape: tuple[int, ...], floating: bool) -> int | None:
 def static_dim_hints(rc: RecordedCalls, batch: BatchSpec = None, dynamic: DynamicSpec = None) -> list[StaticDimHint]:
     """Axes that look like batch or sequence axes and are static only because every call had the same size.
 
-    Batch: dimension 0 of every tensor input has one size, shared by at least two inputs, and
-    some of them are static. Sequence: a static axis at a sequence position (see
+    Batch: the batch axis of the tensor inputs that have one (see
+    :func:`iobundle.replay.infer.find_batch_axes`) has one size, shared by at least two inputs,
+    and some of them are static. Sequence: a static axis at a sequence position (see
     :func:`_sequence_axis`) of size above 1 whose size appears at such a position in at least
     two inputs (the encoder length in ``encoder_hidden_states``, the attention mask and the
     cross-attention cache).
@@ -117,14 +119,13 @@ def static_dim_hints(rc: RecordedCalls, batch: BatchSpec = None, dynamic: Dynami
         shapes.append(None if key is None else tuple(rc.store.shape(key)))
         floats.append(key is not None and rc.store.dtype(key).is_floating_point)
     hints = []
-    firsts = {shape[0] for shape in shapes if shape}
-    owners = {alignment.owners[i] for i, shape in enumerate(shapes) if shape}
-    if len(firsts) == 1 and len(owners) > 1:
-        static = [
-            (owner_name(rc, alignment.owners[i]), 0) for i, shape in enumerate(shapes) if shape and 0 not in dims[i]
-        ]
+    found = [a.axis for a in find_batch_axes(rc, alignment)]
+    batched = [i for i, shape in enumerate(shapes) if shape and found[i] is not None]
+    sizes = {shapes[i][found[i]] for i in batched}  # type: ignore[index]
+    if len(sizes) == 1 and len({alignment.owners[i] for i in batched}) > 1:
+        static = [(owner_name(rc, alignment.owners[i]), found[i]) for i in batched if found[i] not in dims[i]]
         if static:
-            hints.append(StaticDimHint("batch", firsts.pop(), tuple(static)))
+            hints.append(StaticDimHint("batch", sizes.pop(), tuple(static)))  # type: ignore[arg-type]
     by_size: dict[int, list[tuple[str, int]]] = collections.defaultdict(list)
     for i, shape in enumerate(shapes):
         if not shape:
