@@ -119,13 +119,16 @@ def static_dim_hints(rc: RecordedCalls, batch: BatchSpec = None, dynamic: Dynami
         shapes.append(None if key is None else tuple(rc.store.shape(key)))
         floats.append(key is not None and rc.store.dtype(key).is_floating_point)
     hints = []
-    found = [a.axis for a in find_batch_axes(rc, alignment)]
-    batched = [i for i, shape in enumerate(shapes) if shape and found[i] is not None]
-    sizes = {shapes[i][found[i]] for i in batched}  # type: ignore[index]
-    if len(sizes) == 1 and len({alignment.owners[i] for i in batched}) > 1:
-        static = [(owner_name(rc, alignment.owners[i]), found[i]) for i in batched if found[i] not in dims[i]]
+    batched = [
+        (i, found.axis, shape[found.axis])
+        for i, (found, shape) in enumerate(zip(find_batch_axes(rc, alignment), shapes))
+        if shape and found.axis is not None
+    ]
+    sizes = {size for _, _, size in batched}
+    if len(sizes) == 1 and len({alignment.owners[i] for i, _, _ in batched}) > 1:
+        static = [(owner_name(rc, alignment.owners[i]), axis) for i, axis, _ in batched if axis not in dims[i]]
         if static:
-            hints.append(StaticDimHint("batch", sizes.pop(), tuple(static)))  # type: ignore[arg-type]
+            hints.append(StaticDimHint("batch", sizes.pop(), tuple(static)))
     by_size: dict[int, list[tuple[str, int]]] = collections.defaultdict(list)
     for i, shape in enumerate(shapes):
         if not shape:
