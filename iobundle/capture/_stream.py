@@ -36,7 +36,7 @@ import os
 import stat
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, MutableMapping
+from collections.abc import Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,13 +49,11 @@ from iobundle.calls import (
     parse_header,
     read_exactly,
     rebuild,
-    replace_tensors,
-    tensor_keys,
     tensor_span,
 )
-from iobundle.capture._writer import BundleWriter, call_keys
+from iobundle.capture._writer import BundleWriter, call_keys, mark_incomplete
 from iobundle.errors import BundleWriteError, TensorFileError
-from iobundle.schema import CallEntry, Manifest, Node, OpaqueNode, TensorNode
+from iobundle.schema import CallEntry, Manifest
 
 __all__ = ["CallStream", "SnapshotTable", "mark_incomplete", "snapshot_tensor"]
 
@@ -566,32 +564,6 @@ def _give_back(pool: BufferPool, tensor: torch.Tensor) -> None:
     storage = tensor.untyped_storage()
     del tensor
     pool.give(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),)))
-
-
-def mark_incomplete(call: CallEntry, written: Callable[[str], bool], reason: str) -> CallEntry:
-    """``call`` with its unwritten tensors replaced by opaque nodes and its status ``incomplete``.
-
-    A failed call (its forward raised) keeps the status ``failed``; the reason is added to its error.
-    """
-
-    def strip(node: Node) -> Node:
-        return replace_tensors(
-            node,
-            (
-                TensorNode(key=k) if written(k) else OpaqueNode(type="torch.Tensor", reason=f"not written: {reason}")
-                for k in tensor_keys(node)
-            ),
-        )
-
-    return call.model_copy(
-        update={
-            "status": "failed" if call.status == "failed" else "incomplete",
-            "error": f"{call.error}; {reason}" if call.error else reason,
-            "args": [strip(a) for a in call.args],
-            "kwargs": {k: strip(v) for k, v in call.kwargs.items()},
-            "outputs": None if call.outputs is None else strip(call.outputs),
-        }
-    )
 
 
 class CallStream:
