@@ -22,6 +22,7 @@ stream's bookkeeping (the snapshots written are dropped from memory, the failure
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import pickle
@@ -328,12 +329,18 @@ class WriterProcess:
                 self._calls[seq] = call
                 view = ring.view
             assert view is not None
+            base = view.data_ptr() + start
             for tensor, offset, nbytes in copies:
-                if nbytes:
+                if not nbytes:
+                    continue
+                if tensor.device.type == "cpu":  # one memcpy, without the lock: no torch op to dispatch
+                    ctypes.memmove(base + offset, tensor.data_ptr(), nbytes)
+                else:  # to the host, synchronously: the ring is the host copy
                     view[start + offset : start + offset + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
             self._sent.update(new)
             try:
-                self._child.send(("call", seq, call, start, ring.size, specs))
+                # JSON rather than a pickle of the pydantic model: half the time, the manifest's own form
+                self._child.send(("call", seq, call.model_dump_json(), start, ring.size, specs))
             except OSError:
                 return False  # the reader thread sees the child gone and reports the call
             return True
@@ -474,7 +481,8 @@ def serve() -> None:
             writer = None
             answer(("closed", error))
         elif kind == "call" and writer is not None:
-            _, seq, call, start, size, specs = message
+            _, seq, call_json, start, size, specs = message
+            call = CallEntry.model_validate_json(call_json)
             answer(_write(writer, call, seq, start, specs, ring.view(size), durable, journal_error, answer))
     if writer is not None:
         writer.close_journal()
