@@ -86,7 +86,7 @@ class _Ring:
         self.resize(size)
 
     def resize(self, size: int) -> None:
-        """Map ``size`` bytes (only while no range is taken)."""
+        """Map ``size`` bytes (growing keeps the bytes and offsets of the ranges taken)."""
         self.view = None
         if self._map is not None:
             try:
@@ -98,9 +98,17 @@ class _Ring:
         self.view = torch.frombuffer(self._map, dtype=torch.uint8)
         self.size = size
 
-    @property
-    def empty(self) -> bool:
-        return not self._spans
+    def grow_for(self, n: int) -> None:
+        """Grow so that ``n`` bytes fit after the ranges taken (once :meth:`take` found no room), unless they wrap.
+
+        A call larger than the free space is not kept waiting for the child (which may still be starting).
+        """
+        spans = self._spans
+        if spans and spans[-1][1] < spans[0][1]:
+            return  # wrapped: the ranges before the end free up first
+        head = spans[-1][2] if spans else 0
+        if head + n > self.size:
+            self.resize(-(-max(2 * self.size, 2 * (head + n)) // mmap.PAGESIZE) * mmap.PAGESIZE)
 
     def take(self, seq: int, n: int) -> int | None:
         """The start of a free range of ``n`` bytes for call ``seq``, or None while there is none."""
@@ -202,6 +210,9 @@ class _Child:
         return cls()
 
     def give_back(self) -> None:
+        """Keep the child for the next stream; a ring grown by large calls goes back to its first size."""
+        if self.ring.size > RING_BYTES:
+            self.ring.resize(RING_BYTES)  # its memory is freed: no range is taken between streams
         with _CHILDREN_LOCK:
             _IDLE.append(self)
 
@@ -279,8 +290,7 @@ class WriterProcess:
             protocol=pickle.HIGHEST_PROTOCOL,
         )
         # the state goes through the ring: a pipe would make this wait for a child still starting
-        if len(state) > ring.size:
-            ring.resize(-(-2 * len(state) // mmap.PAGESIZE) * mmap.PAGESIZE)
+        ring.grow_for(len(state))
         start = ring.take(0, len(state))
         assert start == 0 and ring.view is not None
         ring.view[: len(state)].copy_(torch.frombuffer(bytearray(state), dtype=torch.uint8))
@@ -320,9 +330,10 @@ class WriterProcess:
                     if self._dead:
                         return False
                     busy = len(self._calls) >= (1 if self._durable else MAX_IN_FLIGHT)
-                    if not busy and total > ring.size and ring.empty:
-                        ring.resize(-(-2 * total // mmap.PAGESIZE) * mmap.PAGESIZE)
                     start = None if busy else ring.take(seq, total)
+                    if start is None and not busy:
+                        ring.grow_for(total)
+                        start = ring.take(seq, total)
                     if start is not None:
                         break
                     self._cond.wait()
