@@ -4,6 +4,10 @@ Who does what:
 
 - The model's threads (any number) record calls. They only copy tensors (:meth:`SnapshotTable.snapshot`)
   and, when a call returns, hand it to the writer with :meth:`CallStream.submit`.
+- A writer process (:mod:`iobundle.capture._writer_process`, the default, :data:`WRITER`) does
+  the writing below with its own interpreter lock: :meth:`CallStream.submit` copies the call's
+  new tensors into shared memory and hands it over; the answers come back in call order and
+  drop the written snapshots from memory. Where no process can be started:
 - One writer thread per stream (or, for a small CPU call, the thread that submits it) writes
   the call's new tensors to ``calls/NNNNNN.safetensors`` (temporary name, XXH3-128 computed while writing, rename; a tensor that extends one written
   recently, such as a growing KV cache, as its new part only), appends the call's line to
@@ -13,7 +17,7 @@ Who does what:
 - With ``durable=True`` every file is fsynced before its rename (and its directory after);
   by default the fsyncs wait for :meth:`CallStream.close`, which flushes every file written.
 
-The hand-off holds one call: :meth:`CallStream.submit` waits until the writer has finished the
+With the writer thread, the hand-off holds one call: :meth:`CallStream.submit` waits until the writer has finished the
 previous call (its file and the journal line that lists it). The writer writes call k while the
 model computes call k+1 (a small CPU call is written by the submitting thread itself, see
 :data:`INLINE_MAX_BYTES`), so
@@ -767,12 +771,15 @@ class CallStream:
                     "by a thread of this process from now on.",
                 )
             )
+            if not started:  # it wrote nothing: the snapshots are still here, queued before the thread runs
+                self._queue.extend(lost)
+                self._busy = bool(lost)
+        if not started and lost:
+            self.pool.set_draining(True)
         self._start_thread()
-        for call in lost:
-            if started:  # it may have written the call: never write its file twice
+        if started:
+            for call in lost:  # it may have written them: never write a call's file twice
                 self._answered(call, None, "the writer process stopped before confirming it was written", None)
-            else:  # it wrote nothing: the snapshots are still here
-                self._submit_to_thread(call, inline=False)
 
     # -- the writer thread -----------------------------------------------------------------------
 
