@@ -13,7 +13,8 @@ stream's bookkeeping (the snapshots written are dropped from memory, the failure
 - The child is a fresh interpreter (``subprocess`` with ``pass_fds``: fork and exec, never a fork
   that goes on running Python next to torch's threads, and never a re-import of the user's
   ``__main__`` as multiprocessing's spawn does). It imports the writer (torch and the project's
-  write path: the delta checks and the file writer are torch code) once, while the model runs.
+  write path: the delta checks and the file writer are torch code) once, while the model runs,
+  and the later streams of the process reuse it (one stream at a time per child).
 - The child reads its pipe until end of file: when the recording process dies, even by SIGKILL,
   the child writes every call it received, then exits (no orphan, nothing received is lost).
 - The child ignores SIGINT (a Ctrl-C in the terminal reaches the whole process group): the
@@ -47,19 +48,19 @@ from iobundle.schema import CallEntry, FileEntry, TensorEntry
 __all__ = ["WriterProcess", "WriterProcessUnavailable"]
 
 RING_BYTES = 4 * 1024 * 1024
-"""Initial size of the shared ring; it grows (while empty) to twice a call that does not fit."""
+"""Initial size of the shared ring; it grows for a call that does not fit, and back between streams."""
 
 MAX_IN_FLIGHT = 64
 """Calls handed to the child and not confirmed yet, at most (a slow disk makes submit wait)."""
 
 _ALIGN = 64
 
-# What a done message carries: (seq, call index, tensors written, their files, error, journal error)
+# done(call, keys written or None, write error or None, journal error or None)
 Done = Callable[[CallEntry, list[str] | None, str | None, str | None], None]
 
 
-class WriterProcessUnavailable(Exception):
-    """The writer process cannot be started here (the stream writes with a thread instead)."""
+class WriterProcessUnavailable(Exception):  # noqa: N818 - internal: never reaches the user
+    """The writer process cannot be started here (never raised to the user: the stream writes with a thread)."""
 
 
 def _memory_file() -> int:
@@ -75,7 +76,7 @@ def _memory_file() -> int:
 
 
 class _Ring:
-    """The shared memory file, mapped here; calls take contiguous ranges, released in any order."""
+    """The shared memory file, mapped here; calls take contiguous ranges, released in the order taken."""
 
     def __init__(self, size: int) -> None:
         self.fd = _memory_file()
@@ -283,7 +284,6 @@ class WriterProcess:
         self._cond = threading.Condition()
         self._submit_lock = threading.Lock()
         self._child = child = _Child.take()
-        self.pid = child.proc.pid
         ring = child.ring
         state = pickle.dumps(
             (str(writer.path), writer.tensors, writer.files, sorted(writer.call_indices), durable),
