@@ -59,7 +59,7 @@ _ALIGN = 64
 Done = Callable[[CallEntry, list[str] | None, str | None, str | None], None]
 
 
-class WriterProcessUnavailable(Exception):  # noqa: N818 - internal: never reaches the user
+class WriterProcessUnavailable(Exception):
     """The writer process cannot be started here (never raised to the user: the stream writes with a thread)."""
 
 
