@@ -81,10 +81,10 @@ BUDGET_CALLS = 1.5
 """While the writer still holds buffers of earlier calls, the pool lends at most this many times
 the largest call's pooled bytes; a copy beyond it waits for the writer to return a buffer."""
 
-WRITER = "process"
+WRITER = "thread" if os.environ.get("IOBUNDLE_WRITER") == "thread" else "process"
 """Where a stream's calls are written: ``"process"`` (a writer process fed through shared memory,
-:mod:`iobundle.capture._writer_process`) or ``"thread"`` (a thread of the recording process).
-See docs/capture.md for the measurements behind the default."""
+:mod:`iobundle.capture._writer_process`) or ``"thread"`` (a thread of the recording process;
+``IOBUNDLE_WRITER=thread`` in the environment). See docs/capture.md for the measurements behind the default."""
 
 _HEADER_CACHE = 64
 

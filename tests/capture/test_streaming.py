@@ -499,6 +499,30 @@ class TestWriterProcess:
         for i, call in enumerate(loaded.calls):
             assert torch.equal(loaded.tensor(call.args[0].key), torch.arange(10 + i))
 
+    @pytest.mark.parametrize("variable", ["thread", None])
+    def test_iobundle_writer_thread_in_the_environment_writes_with_a_thread(
+        self, tmp_path: Path, variable: str | None
+    ) -> None:
+        script = textwrap.dedent(
+            f"""
+            import torch
+            from iobundle import InputObserver, load_bundle
+            from iobundle.capture import _writer_process
+
+            model, observer = torch.nn.Identity(), InputObserver()
+            with observer(model, store_n_calls=2, stream_to={str(tmp_path / "run")!r}):
+                model(torch.ones(2))
+                model(torch.ones(3))
+            print(len(_writer_process._CHILDREN), load_bundle({str(tmp_path / "run")!r}).num_obs())
+            """
+        )
+        env = {k: v for k, v in os.environ.items() if k != "IOBUNDLE_WRITER"}
+        if variable is not None:
+            env["IOBUNDLE_WRITER"] = variable
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == (["0", "2"] if variable == "thread" else ["1", "2"])
+
     def test_the_next_stream_reuses_the_idle_writer_process(self, tmp_path: Path) -> None:
         model = Decoder()
         run(model, InputObserver(), decoder_calls(2), stream_to=tmp_path / "a")
