@@ -640,6 +640,7 @@ class CallStream:
                     gone=self._process_gone,
                     idle=lambda: self.pool.set_draining(False),
                 )
+                self.process.start()
             except WriterProcessUnavailable as exc:
                 self._failures.append(
                     (

@@ -298,7 +298,10 @@ class WriterProcess:
         try:
             child.send(("start", len(state), ring.size))
         except OSError:
-            self._dead = True  # the idle child died just now: report it from the reader thread
+            self._dead = True  # the child died already: the reader thread reports it once started
+
+    def start(self) -> None:
+        """Start reading the child's answers (``done``, ``gone`` and ``idle`` may be called from now on)."""
         self._reader.start()
 
     def submit(self, call: CallEntry) -> bool:
