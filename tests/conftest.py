@@ -227,3 +227,12 @@ def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
     # No listings cache: a read sees what the server holds, also after a command in another process wrote.
     monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": s3_server.endpoint, "use_listings_cache": False})
     return s3_server
+
+
+@pytest.fixture
+def thread_writer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streams write with a thread of this process, not the writer process: for tests that patch the
+    write path here (a disk full, a slow disk, fsync spies) or that check the thread's own promises."""
+    from iobundle.capture import _stream
+
+    monkeypatch.setattr(_stream, "WRITER", "thread")
