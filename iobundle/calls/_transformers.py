@@ -118,6 +118,7 @@ import transformers.modeling_outputs
 from transformers.cache_utils import (
     Cache,
     CacheLayerMixin,
+    DFlashCache,
     DummyLayer,
     DynamicCache,
     DynamicIndexedLayer,
@@ -129,6 +130,8 @@ from transformers.cache_utils import (
     LinearAttentionAndStaticFullAttentionLayer,
     LinearAttentionCacheLayerMixin,
     LinearAttentionLayer,
+    MtpCache,
+    QuantizedCache,
     StaticCache,
     StaticLayer,
 )
@@ -608,6 +611,32 @@ def _model_output_classes() -> list[type]:
 # --------------------------------------------------------------------------- registration
 
 
+# Caches iobundle cannot record, and why: a recorder warns once and marks their calls incomplete
+# (rather than recording an opaque cache that no export can use).
+_REFUSED_CACHES: dict[type, str] = {
+    QuantizedCache: (
+        "its layers hold quantized tensors with their scales and quantizer state, which iobundle cannot "
+        "rebuild. Record with the default cache (drop cache_implementation='quantized'): the exported "
+        "program is the same model."
+    ),
+    MtpCache: "it shifts its queries by a per-layer offset that iobundle does not record yet. Record the main model.",
+    DFlashCache: (
+        "it counts accepted draft tokens in a Python int that changes at every call. Record the target model "
+        "without speculative decoding."
+    ),
+}
+
+
+def _refuse_cache(cache: Any) -> tuple[list[Any], Any]:
+    raise UnsupportedInputError(
+        f"The cache is a {type(cache).__name__}, which iobundle cannot record: {_REFUSED_CACHES[type(cache)]}"
+    )
+
+
+def _never_rebuilt(children: list[Any], context: Any) -> Any:
+    raise ValueError("iobundle never writes this cache to a bundle, so it does not rebuild one.")
+
+
 _CACHE_NODE_TYPES: tuple[NodeType, ...] = (
     NodeType(
         DYNAMIC_CACHE_NAME,
@@ -625,6 +654,10 @@ _CACHE_NODE_TYPES: tuple[NodeType, ...] = (
         EncoderDecoderCache,
         _flatten_encoder_decoder_cache,
         _unflatten_encoder_decoder_cache,
+    ),
+    *(
+        NodeType(f"transformers.{cls.__name__}", NODE_TYPE_VERSION, cls, _refuse_cache, _never_rebuilt)
+        for cls in _REFUSED_CACHES
     ),
 )
 

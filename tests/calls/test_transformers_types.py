@@ -622,23 +622,32 @@ class TestLinearAttentionLayers:
 
 
 class TestUnsupportedCacheAtCapture:
-    def test_one_warning_names_the_layer_and_the_call(self, mistral: MistralForCausalLM, prompt: torch.Tensor) -> None:
+    @pytest.mark.parametrize(
+        ("fixture", "generate", "named"),
+        [
+            ("mistral", {"cache_implementation": "static"}, "StaticSlidingWindowLayer"),
+            ("llama", {"cache_implementation": "quantized", "cache_config": {"backend": "fp8"}}, "QuantizedCache"),
+        ],
+        ids=["sliding-static", "quantized-fp8"],
+    )
+    def test_one_warning_names_the_class_and_the_call(
+        self, fixture: str, generate: dict[str, Any], named: str, prompt: torch.Tensor, request: pytest.FixtureRequest
+    ) -> None:
         import warnings
 
         from iobundle import InputObserver
 
+        model = request.getfixturevalue(fixture)
         observer = InputObserver()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with torch.no_grad(), observer(mistral, store_n_calls=8):
-                mistral.generate(
-                    prompt, max_new_tokens=3, min_new_tokens=3, do_sample=False, cache_implementation="static"
-                )
-        about = [str(w.message) for w in caught if "StaticSlidingWindowLayer" in str(w.message)]
+            with torch.no_grad(), observer(model, store_n_calls=8):
+                model.generate(prompt, max_new_tokens=3, min_new_tokens=3, do_sample=False, **generate)
+        about = [str(w.message) for w in caught if named in str(w.message)]
         assert len(about) == 1, about
-        assert "call 0" in about[0] and "DynamicCache" in about[0] and "only warning" in about[0]
+        assert "call 0" in about[0] and "Record" in about[0] and "only warning" in about[0]
         assert [c.status for c in observer.info.calls] == ["incomplete"] * 3
-        assert all("StaticSlidingWindowLayer" in c.error for c in observer.info.calls)
+        assert all(named in c.error for c in observer.info.calls)
 
 
 # --------------------------------------------------------------------------- EncoderDecoderCache
