@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from iobundle.replay.check import tolerance_options
+from iobundle.replay.check import TOLERANCE_OPTION_DOCS, tolerance_options
 from iobundle.replay.check._compare import Comparison, Scratch, compare_outputs
 
 
@@ -346,3 +347,35 @@ def test_tolerance_options_builds_the_value_from_keywords_and_shows_them_in_the_
     assert run("m", 1e-3, tolerances=given)[1] is given  # a given value wins over the keywords
     with pytest.raises(ToleranceError):
         run("m", check_error_stat="mode")
+
+
+def test_tolerance_options_lists_the_keywords_it_adds_in_the_docstring():
+    @tolerance_options("atol", "output_atol")
+    def run(model: str, *, tolerances: Tolerances) -> Tolerances:
+        """Run the model.
+
+        Args:
+            model: The model.
+            atol: Documented here already.
+
+        Returns:
+            The tolerances.
+        """
+        return tolerances
+
+    doc = run.__doc__
+    assert doc.count("atol: ") == 2 and "Documented here already." in doc  # atol itself, output_atol added
+    keywords = doc.split("Keyword Args:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert keywords == ["    output_atol: " + TOLERANCE_OPTION_DOCS["output_atol"]]
+    assert doc.index("Keyword Args:") < doc.index("Returns:")  # in the Args' place, before Returns
+
+
+def test_public_functions_document_every_tolerance_keyword_they_take():
+    from iobundle.replay import Bundle, check_discrepancies, export_onnx, validate_onnx
+
+    for func in (check_discrepancies, validate_onnx, export_onnx, Bundle.to_onnx, Bundle.check_discrepancies):
+        params = inspect.signature(func).parameters
+        options = [n for n in TOLERANCE_OPTION_DOCS if n in params]
+        assert {"atol", "rtol", "output_atol", "output_rtol"} <= set(options), func.__qualname__
+        for name in options:
+            assert re.search(rf"^\s+{name}: ", func.__doc__, re.M), (func.__qualname__, name)

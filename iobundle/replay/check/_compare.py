@@ -31,6 +31,7 @@ else:
 __all__ = [
     "DTYPE_TOLERANCES",
     "ERROR_STATS",
+    "TOLERANCE_OPTION_DOCS",
     "HISTOGRAM_EDGES",
     "Comparison",
     "ErrorStats",
@@ -554,6 +555,38 @@ class Tolerances:
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
+TOLERANCE_OPTION_DOCS: Mapping[str, str] = {
+    "atol": "The absolute tolerance of every output (outputs recorded in half precision get their "
+    "dtype's row of ``DTYPE_TOLERANCES`` instead).",
+    "rtol": "The relative tolerance of every output (likewise).",
+    "output_atol": "Absolute tolerances per output: its name in the output tree (``logits``, "
+    "``past_key_values[0]``), its ONNX name or an ``fnmatch`` pattern, e.g. ``{\"logits\": 1e-3}``.",
+    "output_rtol": "Relative tolerances per output, keyed like ``output_atol``.",
+    "check_error_stat": "The statistic of an output's errors that decides it: ``max`` (every element "
+    "within tolerance), ``mean``, ``median`` or ``quantile``.",
+    "error_quantile": "The quantile of ``check_error_stat=\"quantile\"`` (and of the reported ``quantile_abs``).",
+}
+"""What each keyword option of :meth:`Tolerances.build` means: the docstrings of the functions
+:func:`tolerance_options` decorates list the options they take with these words."""
+
+_SECTIONS_AFTER_ARGS = ("Returns:", "Yields:", "Raises:", "Example:", "Examples:", "Note:", "Notes:")
+
+
+def _options_doc(doc: str | None, names: Sequence[str]) -> str:
+    """``doc`` with a ``Keyword Args:`` section for the options in ``names`` it does not document yet."""
+    text = inspect.cleandoc(doc or "")
+    lines = text.splitlines()
+    listed = {line.strip().split(":", 1)[0].split(" ", 1)[0] for line in lines if line.startswith("    ")}
+    missing = [n for n in names if n not in listed]
+    if not missing:
+        return text
+    section = ["Keyword Args:", *(f"    {n}: {TOLERANCE_OPTION_DOCS[n]}" for n in missing), ""]
+    at = next((i for i, line in enumerate(lines) if line in _SECTIONS_AFTER_ARGS), len(lines))
+    if at == len(lines):
+        section = ["", *section[:-1]]
+    return "\n".join([*lines[:at], *section, *lines[at:]])
+
+
 
 def tolerance_options(*names: str, positional: Sequence[str] = (), after: str = "") -> Callable[[_F], _F]:
     """Give a function that takes ``tolerances: Tolerances`` the keyword options of :meth:`Tolerances.build`.
@@ -563,7 +596,9 @@ def tolerance_options(*names: str, positional: Sequence[str] = (), after: str = 
     none is named; with the defaults of ``Tolerances.build``) before its ``tolerances``, which becomes optional: a call that gives
     no ``tolerances`` has it built from the options (a given one wins; the options are then
     ignored). The options in ``positional`` may also be passed by position, right after the
-    parameter ``after`` (``check_discrepancies(model, 1e-3, 0.1)``).
+    parameter ``after`` (``check_discrepancies(model, 1e-3, 0.1)``). The wrapper's ``__signature__``
+    is that signature (``inspect.signature``, ``help()``, the API pages), and its docstring lists
+    the options it does not document yet in a ``Keyword Args:`` section (:data:`TOLERANCE_OPTION_DOCS`).
 
     Example:
         >>> @tolerance_options("atol", "rtol")
@@ -596,6 +631,7 @@ def tolerance_options(*names: str, positional: Sequence[str] = (), after: str = 
             return func(**arguments)
 
         wrapper.__signature__ = public  # type: ignore[attr-defined]
+        wrapper.__doc__ = _options_doc(func.__doc__, [*positional, *(n for n in names if n not in positional)])
         return wrapper  # type: ignore[return-value]
 
     return decorate
