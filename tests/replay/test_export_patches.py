@@ -217,6 +217,8 @@ def test_latent_attention_exported_at_batch_2_serves_batch_1() -> None:
     assert "latent_keys_concat" in report.patches
     check = report.batch_check
     assert (check.batch, check.success) == (1, True), check.summary()
+
+
 def _tiny_llama4() -> Any:
     config = transformers.Llama4TextConfig(
         hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
