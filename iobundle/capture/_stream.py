@@ -4,7 +4,8 @@ Who does what:
 
 - The model's threads (any number) record calls. They only copy tensors (:meth:`SnapshotTable.snapshot`)
   and, when a call returns, hand it to the writer with :meth:`CallStream.submit`.
-- A writer process (:mod:`iobundle.capture._writer_process`, the default, :data:`WRITER`) does
+- A writer process (:mod:`iobundle.capture._writer_process`, the default where CUDA is not available,
+  :data:`WRITER`) does
   the writing below with its own interpreter lock: :meth:`CallStream.submit` copies the call's
   new tensors into shared memory and hands it over; the answers come back in call order and
   drop the written snapshots from memory. Where no process can be started:
@@ -81,10 +82,25 @@ BUDGET_CALLS = 1.5
 """While the writer still holds buffers of earlier calls, the pool lends at most this many times
 the largest call's pooled bytes; a copy beyond it waits for the writer to return a buffer."""
 
-WRITER = "thread" if os.environ.get("IOBUNDLE_WRITER") == "thread" else "process"
+WRITER = os.environ.get("IOBUNDLE_WRITER", "auto")
 """Where a stream's calls are written: ``"process"`` (a writer process fed through shared memory,
-:mod:`iobundle.capture._writer_process`) or ``"thread"`` (a thread of the recording process;
-``IOBUNDLE_WRITER=thread`` in the environment). See docs/capture.md for the measurements behind the default."""
+:mod:`iobundle.capture._writer_process`), ``"thread"`` (a thread of the recording process), or
+``"auto"`` (the default: the thread where CUDA is available, else the process; see
+:func:`stream_writer_kind`). ``IOBUNDLE_WRITER`` in the environment sets it when iobundle is
+imported. See docs/capture.md for the measurements behind the default."""
+
+
+def stream_writer_kind() -> str:
+    """``"process"`` or ``"thread"``: what :data:`WRITER` means for a stream opened now.
+
+    ``"auto"`` takes the thread where CUDA is available: there the thread copies device tensors
+    on a side stream into pinned buffers while the model goes on, where the hand-off to the
+    process would copy them synchronously into unpinned shared memory on the model's thread.
+    """
+    if WRITER in ("process", "thread"):
+        return WRITER
+    return "thread" if torch.cuda.is_available() else "process"
+
 
 _HEADER_CACHE = 64
 
@@ -630,7 +646,7 @@ class CallStream:
         table.pool = self.pool
         self._thread: threading.Thread | None = None
         self.process: WriterProcess | None = None
-        if WRITER == "process":
+        if stream_writer_kind() == "process":
             try:
                 self.process = WriterProcess(
                     writer,

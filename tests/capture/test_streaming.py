@@ -523,6 +523,20 @@ class TestWriterProcess:
         assert done.returncode == 0, done.stderr
         assert done.stdout.split() == (["0", "2"] if variable == "thread" else ["1", "2"])
 
+    @pytest.mark.parametrize(("setting", "cuda", "kind"), [
+        ("auto", False, "process"), ("auto", True, "thread"),
+        ("process", True, "process"), ("thread", False, "thread"),
+    ])  # fmt: skip
+    def test_the_default_writer_is_the_thread_where_cuda_is_available(
+        self, monkeypatch: pytest.MonkeyPatch, setting: str, cuda: bool, kind: str
+    ) -> None:
+        """Where CUDA is available the thread keeps its side-stream copies into pinned buffers."""
+        from iobundle.capture import _stream
+
+        monkeypatch.setattr(_stream, "WRITER", setting)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        assert _stream.stream_writer_kind() == kind
+
     def test_the_next_stream_reuses_the_idle_writer_process(self, tmp_path: Path) -> None:
         model = Decoder()
         run(model, InputObserver(), decoder_calls(2), stream_to=tmp_path / "a")
