@@ -43,7 +43,7 @@ from iobundle.calls import (
     tensor_keys,
     write_tensor_file,
 )
-from iobundle.errors import BundleExistsError, BundleWriteError, IobundleError
+from iobundle.errors import BundleExistsError, BundleWriteError, IobundleError, UnsupportedInputError
 from iobundle.schema import (
     JOURNAL_FILENAME,
     MANIFEST_FILENAME,
@@ -222,6 +222,8 @@ class BundleWriter:
         if cuda and self.stager is None:
             self.stager = PinnedStager()
         pinned: list[torch.Tensor] = []
+        small: list[str] = []
+        own: dict[str, torch.Tensor] = {}
         target = self.path / file
         try:
             # CUDA work (byte comparisons, D2H copies) runs on a side stream: the model's stream never waits
@@ -249,6 +251,9 @@ class BundleWriter:
                     for k in small:
                         on_written(k)
         except BaseException as exc:
+            if own and small and self.files.pop(file, None) is not None:  # the call's own file, of a call not written
+                with contextlib.suppress(OSError):
+                    target.unlink()
             if deltas is not None:
                 deltas.forget(new)  # never written: no later tensor may extend them
             if isinstance(exc, OSError):
@@ -301,6 +306,8 @@ class BundleWriter:
         roll = False
         current = self._order.get(segment_file_name(self._segments - 1), -1) if self._segment is not None else -1
         for key, t in todo.items():
+            if dtype_name(t.dtype) is None:
+                raise UnsupportedInputError(f"Tensor {key!r} has dtype {t.dtype}, which a bundle cannot store.")
             ext = extends.get(key)
             if t.numel() * t.element_size() >= SEGMENT_TENSOR_BYTES or (ext is not None and ext.key in own):
                 own.add(key)

@@ -15,6 +15,7 @@ import torch
 from iobundle import InputObserver, load_bundle
 from iobundle.calls import _tensorfile_write as _tensorfile
 from iobundle.calls._tensorfile_write import raw_bytes, write_tensor_file
+from iobundle.capture import _writer
 from iobundle.errors import BundleWriteError, UnsupportedInputError
 
 DTYPES = [
@@ -41,6 +42,12 @@ EXTRA_DTYPES = [
     torch.float8_e5m2fnuz,
     torch.float8_e8m0fnu,
 ]
+
+
+@pytest.fixture(autouse=True)
+def own_files(monkeypatch):
+    """Every tensor in its call's own safetensors file: these tests read the files with safetensors."""
+    monkeypatch.setattr(_writer, "SEGMENT_TENSOR_BYTES", 0)
 
 
 class Identity(torch.nn.Module):
