@@ -195,7 +195,9 @@ class TestJournal:
         assert len(parse_journal(data[:-30]).calls) == len(lines) - 2
 
     def test_a_file_added_twice(self, lines):
-        with pytest.raises(ManifestError, match=r"line 5: files\['calls/000002.safetensors'\]: a file added a second time"):
+        with pytest.raises(
+            ManifestError, match=r"line 5: files\['calls/000002.safetensors'\]: a file added a second time"
+        ):
             parse_journal(b"".join([*lines[:4], lines[3]]))
 
     @pytest.mark.parametrize("structure", [3, None, [1], "s"])
