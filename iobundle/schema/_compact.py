@@ -55,7 +55,7 @@ creates no file and pays no header. Its record gives ``ranges`` instead of ``dig
   right after the one before, the first at byte 0: a tensor's offset is the sum of the stored sizes
   (``dtype`` size times the stored shape: an extension stores its new part) of those listed before
   it. Every tensor lies inside one range, and the tensors fill the ranges exactly;
-- a tensor whose stored bytes reach :data:`iobundle.capture.SEGMENT_TENSOR_BYTES` keeps its call's
+- a tensor whose stored bytes reach ``SEGMENT_TENSOR_BYTES`` (:mod:`iobundle.capture._writer`) keeps its call's
   own safetensors file (``calls/NNNNNN.safetensors``, as in version 3), memory-mapped when read.
 
 Reading checks everything versions 1 and 2 check (limits, tensor ranks and sizes, extensions) and

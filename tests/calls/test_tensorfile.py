@@ -15,7 +15,6 @@ import torch
 from iobundle import InputObserver, load_bundle
 from iobundle.calls import _tensorfile_write as _tensorfile
 from iobundle.calls._tensorfile_write import raw_bytes, write_tensor_file
-from iobundle.capture import _writer
 from iobundle.errors import BundleWriteError, UnsupportedInputError
 
 DTYPES = [
@@ -44,10 +43,7 @@ EXTRA_DTYPES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def own_files(monkeypatch):
-    """Every tensor in its call's own safetensors file: these tests read the files with safetensors."""
-    monkeypatch.setattr(_writer, "SEGMENT_TENSOR_BYTES", 0)
+pytestmark = pytest.mark.usefixtures("own_files")  # these tests read the calls' files with safetensors
 
 
 class Identity(torch.nn.Module):

@@ -74,12 +74,6 @@ def enospc(*args: Any, **kwargs: Any) -> Any:
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-@pytest.fixture
-def own_files(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every tensor in its call's own safetensors file (not a segment): the failures below hit write_tensor_file."""
-    monkeypatch.setattr(_writer, "SEGMENT_TENSOR_BYTES", 0)
-
-
 def full_for_call(index: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Appending call ``index``'s range to a segment fails: the disk is full."""
     real = os.pwritev
@@ -207,7 +201,7 @@ class TestTensorsThatCannotBeCopied:
         assert statuses(observer) == ["ok", "incomplete"]
 
 
-@pytest.mark.usefixtures("own_files")
+@pytest.mark.usefixtures("own_files")  # the failures below hit write_tensor_file
 class TestStreamWriteFailures:
     def test_disk_full_marks_the_call_incomplete_and_the_program_goes_on(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
