@@ -79,7 +79,7 @@ def figure_7(cfg: Config, workdir: Path) -> Figure:
         with torch.no_grad(), observer(model, store_n_calls=tokens + 16, stream_to=path):
             model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
         files = [p for p in path.rglob("*") if p.is_file()]
-        tensor_files = [p for p in files if p.suffix == ".safetensors"]
+        tensor_files = [p for p in files if p.suffix in (".safetensors", ".bin")]  # .bin: segments (format 4)
         total = sum(p.stat().st_size for p in files)
         # distinct data: counted on an in-memory recording of the same generate()
         memory = InputObserver()
@@ -264,9 +264,17 @@ def _as_journal(bundle: Path) -> bytes:
 
     manifest = load_manifest(bundle)
     lines = [journal_head_line(manifest.model_copy(update={"calls": [], "tensors": {}, "files": {}}))]
+    seen: set[str] = set()
     for call in manifest.calls:
-        file = f"calls/{call.index:06d}.safetensors"
-        tensors = {k: e for k, e in manifest.tensors.items() if e.file == file}
-        files = {file: manifest.files[file]} if file in manifest.files else {}
+        keys = {k for k in _call_tensor_keys(call) if k not in seen}  # the tensors this call wrote
+        seen |= keys
+        tensors = {k: e for k, e in manifest.tensors.items() if k in keys}
+        files = {}
+        for name in {e.file for e in tensors.values()}:
+            entry = manifest.files[name]
+            if entry.ranges is not None:  # a segment: the line names the range this call appended
+                (mine,) = [r for r in entry.ranges if r[0] == call.index]
+                entry = entry.model_copy(update={"size": mine[1] + mine[2], "ranges": [mine]})
+            files[name] = entry
         lines.append(journal_call_line(call, tensors, files))
     return b"".join(lines)

@@ -22,6 +22,9 @@ from iobundle._remote import is_url, local_path  # noqa: E402
 from iobundle.replay import pack_bundle, unpack_bundle  # noqa: E402
 
 
+pytestmark = pytest.mark.usefixtures("own_files")  # these tests name the calls' safetensors files
+
+
 class Model(torch.nn.Module):
     def forward(self, x, mask=None):
         return x * 2 if mask is None else x * mask
