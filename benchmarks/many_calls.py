@@ -184,13 +184,21 @@ def figure_8(cfg: Config, workdir: Path) -> Figure:
 
     saved, journal = workdir / "many-saved.iobundle", workdir / "many-journal.iobundle"
     v2 = workdir / "many-v2.iobundle"
-    record(None).save(saved)
+    recorded = record(None)
+    recorded.save(saved)
     shutil.copytree(saved, journal)  # the same calls as a killed stream leaves them: journal only
     (journal / "journal.jsonl").write_bytes(_as_journal(saved))
     (journal / "manifest.json").unlink()
-    shutil.copytree(saved, v2)  # the same calls as format version 2 wrote them (whole trees, indented)
+    # the same calls as format version 2 wrote them (whole trees, indented; no segments: a file per call)
+    from iobundle.capture import _writer
+
+    segment_bytes, _writer.SEGMENT_TENSOR_BYTES = _writer.SEGMENT_TENSOR_BYTES, 0
+    try:
+        recorded.save(v2)
+    finally:
+        _writer.SEGMENT_TENSOR_BYTES = segment_bytes
     (v2 / "manifest.json").write_text(
-        load_manifest(saved).model_copy(update={"format_version": 2}).model_dump_json(indent=1)
+        load_manifest(v2).model_copy(update={"format_version": 2}).model_dump_json(indent=1)
     )
 
     def opener(path: Path, parse: Callable[[Path], Any]) -> Callable[[int], dict[str, float]]:

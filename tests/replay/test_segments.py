@@ -251,3 +251,10 @@ def test_diff_and_convert_read_segments(bundle: Path, tmp_path: Path) -> None:
     assert diff_bundles(bundle, same).ok
     result = convert_to_npz(load_bundle(bundle), tmp_path / "npz")
     assert sorted(p.name for p in (tmp_path / "npz").iterdir())[:1] == ["call_000000.npz"] and result
+
+
+def test_the_schema_checks_segments_with_the_item_sizes_the_writer_uses() -> None:
+    from iobundle.calls._dtypes import ITEMSIZES
+    from iobundle.schema import DTYPE_ITEMSIZES
+
+    assert DTYPE_ITEMSIZES == ITEMSIZES
