@@ -10,7 +10,6 @@ import torch
 
 from iobundle import BundleNotFoundError, InputObserver, UnsafeBundleError, load_bundle
 
-
 pytestmark = pytest.mark.usefixtures("own_files")  # these tests name the calls' safetensors files
 
 
