@@ -184,22 +184,12 @@ def figure_8(cfg: Config, workdir: Path) -> Figure:
 
     saved, journal = workdir / "many-saved.iobundle", workdir / "many-journal.iobundle"
     v2 = workdir / "many-v2.iobundle"
-    recorded = record(None)
-    recorded.save(saved)
+    record(None).save(saved)
     shutil.copytree(saved, journal)  # the same calls as a killed stream leaves them: journal only
     (journal / "journal.jsonl").write_bytes(_as_journal(saved))
     (journal / "manifest.json").unlink()
-    # the same calls as format version 2 wrote them (whole trees, indented; no segments: a file per call)
-    from iobundle.capture import _writer
-
-    segment_bytes, _writer.SEGMENT_TENSOR_BYTES = _writer.SEGMENT_TENSOR_BYTES, 0
-    try:
-        recorded.save(v2)
-    finally:
-        _writer.SEGMENT_TENSOR_BYTES = segment_bytes
-    (v2 / "manifest.json").write_text(
-        load_manifest(v2).model_copy(update={"format_version": 2}).model_dump_json(indent=1)
-    )
+    # the same calls as format version 2 wrote them (whole trees, indented; no segments: each call's file)
+    _without_segments(saved, v2)
 
     def opener(path: Path, parse: Callable[[Path], Any]) -> Callable[[int], dict[str, float]]:
         def run(rep: int) -> dict[str, float]:
@@ -264,6 +254,43 @@ def figure_8(cfg: Config, workdir: Path) -> Figure:
             Target(f"open+inspect {calls} calls, {variant} (ms)", med, "< 50 ms", below(med, 50.0), variant)
         )
     return fig
+
+
+def _without_segments(bundle: Path, target: Path) -> None:
+    """Copy ``bundle`` to ``target`` as format version 2 wrote it: each segment's ranges as their calls' own files."""
+    import bisect
+    import math
+
+    import torch
+
+    from iobundle.calls import NAME_TO_DTYPE, write_tensor_file
+    from iobundle.schema import DTYPE_ITEMSIZES, load_manifest
+
+    shutil.copytree(bundle, target)
+    manifest = load_manifest(bundle)
+    files = {n: e for n, e in manifest.files.items() if e.ranges is None}
+    tensors, by_file = {}, {}
+    for key, entry in manifest.tensors.items():
+        if entry.offset is None:
+            tensors[key] = entry
+            continue
+        ranges = manifest.files[entry.file].ranges
+        call = ranges[max(0, bisect.bisect_right([r[1] for r in ranges], entry.offset) - 1)][0]
+        shape = list(entry.shape)
+        if entry.extends is not None:  # stored: the part past its base
+            shape[entry.extends.dim] -= manifest.tensors[entry.extends.key].shape[entry.extends.dim]
+        nbytes = math.prod(shape) * DTYPE_ITEMSIZES[entry.dtype]
+        raw = bytearray((bundle / entry.file).read_bytes()[entry.offset : entry.offset + nbytes])
+        stored = torch.frombuffer(raw, dtype=NAME_TO_DTYPE[entry.dtype]) if nbytes else torch.empty(0)
+        file = f"calls/{call:06d}.safetensors"
+        by_file.setdefault(file, {})[key] = stored.to(NAME_TO_DTYPE[entry.dtype]).reshape(shape)
+        tensors[key] = entry.model_copy(update={"file": file, "offset": None})
+    for file, stored in by_file.items():
+        files[file] = write_tensor_file(target / file, stored)
+    for name in set(manifest.files) - set(files):
+        (target / name).unlink()
+    update = {"format_version": 2, "files": files, "tensors": tensors}
+    (target / "manifest.json").write_text(manifest.model_copy(update=update).model_dump_json(indent=1))
 
 
 def _as_journal(bundle: Path) -> bytes:
