@@ -19,7 +19,8 @@ ratios are medians of the per-repetition ratios), one module per family:
   ``safetensors.torch.save_file`` and ``torch.save`` (every variant fsyncs), read throughput
   (informational), time to open and inspect a bundle as its tensor bytes grow, file hashes vs the
   disk write;
-- ``validation.py``, 5: ``check_discrepancies`` time vs a bare onnxruntime loop over the same inputs;
+- ``validation.py``, 5: ``check_discrepancies`` and ``validate`` time vs a bare onnxruntime loop over the same inputs
+  (read from files, the floor of the targets; and prepared in memory);
 - ``many_calls.py``, 7, 8: the bytes of a streamed ``generate()`` (delta storage), opening and
   inspecting a bundle of many calls.
 

@@ -53,6 +53,11 @@ def test_quick_run_reports_every_figure(tmp_path):
     floor_target = figures["1a"]["targets"][0]
     assert floor_target["check"].startswith("streaming incl. the flush / larger floor")
     assert floor_target["row"] == "streaming_flush"
+    # 5: two floors (inputs read from files: the targets' denominator; inputs in memory), check and validate
+    rows_5 = {r["variant"]: r for r in figures["5"]["rows"]}
+    assert {"linear:bare_files", "linear:bare", "linear:check", "linear:validate"} <= rows_5.keys()
+    assert rows_5["linear:bare_files"]["ratio"] == 1.0
+    assert [t["row"] for t in figures["5"]["targets"]] == ["linear:check", "linear:validate"]
     # 1e: microseconds per decode call on the recording thread, unobserved vs in memory vs streaming
     rows_1e = {r["variant"]: r for r in figures["1e"]["rows"]}
     assert rows_1e.keys() == {"plain", "iobundle", "streaming"}

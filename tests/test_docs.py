@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import importlib.util
 import os
 import re
@@ -28,13 +29,14 @@ def _missing_doc_packages() -> list[str]:
     return missing
 
 
-def test_docs_build_in_strict_mode(tmp_path):
-    """`make docs` in a temporary site dir: a broken link, a missing page or a bad docstring fails it."""
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site `make docs` builds (strict mode), in a temporary folder."""
     missing = _missing_doc_packages()
     if missing and not os.environ.get("CI"):
         pytest.skip(f"{', '.join(missing)} not installed: pip install -c constraints.txt -e '.[docs]'")
     assert not missing, f"CI must build the docs: {missing} not installed (the Makefile installs the docs extra)"
-    site = tmp_path / "site"
+    site = tmp_path_factory.mktemp("docs") / "site"
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
@@ -42,12 +44,44 @@ def test_docs_build_in_strict_mode(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-5000:]
+    return site
+
+
+def test_docs_build_in_strict_mode(site):
+    """`make docs` in a temporary site dir: a broken link, a missing page or a bad docstring fails it."""
     for page in ("index.html", "cli/index.html", "design/index.html", "api/replay/index.html", "benchmarks/index.html"):
         assert (site / page).is_file(), page
     api = (site / "api" / "replay" / "index.html").read_text("utf-8")
     assert "load_bundle" in api and "check_discrepancies" in api  # documented from the docstrings
     assert ":class:" not in api and ".. versionchanged::" not in api  # tools/docs_hooks.py drew them
     assert "results:begin" in (site / "benchmarks" / "index.html").read_text("utf-8")  # BENCHMARKS.md included
+
+
+def _signature(page: str, anchor: str) -> str:
+    """The text of the rendered signature of the object ``anchor`` on ``page`` (tags dropped)."""
+    text = page.split(f'id="{anchor}"', 1)[1]
+    block = text.split('class="doc-signature', 1)[1].split("</code>", 1)[0]
+    return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", "", block)))
+
+
+@pytest.mark.parametrize(
+    ("page", "anchor"),
+    [
+        ("replay.check", "iobundle.replay.check.check_discrepancies"),
+        ("replay.check", "iobundle.replay.check.validate_onnx"),
+        ("replay.export", "iobundle.replay.export.export_onnx"),
+        ("replay", "iobundle.replay.RecordedCallsAPI.check_discrepancies"),
+        ("replay", "iobundle.replay.RecordedCallsAPI.to_onnx"),
+    ],
+)
+def test_api_pages_show_the_tolerance_keywords(site, page, anchor):
+    """tools/docs_griffe.py: a function decorated with tolerance_options shows the keywords it takes, and lists them."""
+    text = (site / "api" / page / "index.html").read_text("utf-8")
+    signature = _signature(text, anchor)
+    for keyword in ("atol: float = 0.0001", "rtol: float = 0.1", "output_atol", "tolerances: Tolerances | None = None"):
+        assert keyword in signature, (anchor, signature)
+    section = text.split(f'id="{anchor}"', 1)[1].split("doc-signature", 2)[:2][-1]
+    assert "Other Parameters" in section and "The absolute tolerance of every output" in section
 
 
 def test_cli_reference_is_current():

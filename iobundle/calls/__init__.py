@@ -62,6 +62,7 @@ __all__ = [
     "rebuild",
     # Tensor files
     "DTYPE_TO_NAME",
+    "FLOATING_NAMES",
     "MAX_HEADER_BYTES",
     "NAME_TO_DTYPE",
     "dtype_name",
@@ -92,7 +93,7 @@ from contextlib import AbstractContextManager
 from iobundle.calls._calls import DictTensorStore, RecordedCalls, TensorStore, positional_names, signature_entry
 from iobundle.calls._config import MAX_CONFIG_BYTES, read_stored_config
 from iobundle.calls._delta import DeltaIndex, Match, extends_bytes, rebuild
-from iobundle.calls._dtypes import DTYPE_TO_NAME, NAME_TO_DTYPE, dtype_name
+from iobundle.calls._dtypes import DTYPE_TO_NAME, FLOATING_NAMES, NAME_TO_DTYPE, dtype_name
 from iobundle.calls._hashing import WRITE_HASH, new_hasher
 from iobundle.calls._paths import OUTPUT_ROOT, child_path, item_labels, path_matches, tensor_paths
 from iobundle.calls._record import record_inputs, split_kwargs

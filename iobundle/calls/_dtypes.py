@@ -13,7 +13,7 @@ from iobundle._lazy import LazyMapping
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DTYPE_TO_NAME", "ITEMSIZES", "NAME_TO_DTYPE", "dtype_name"]
+__all__ = ["DTYPE_TO_NAME", "FLOATING_NAMES", "ITEMSIZES", "NAME_TO_DTYPE", "dtype_name"]
 
 _DTYPES = (  # the torch dtype's name, its safetensors name, bytes per element
     ("bool", "BOOL", 1),
@@ -40,6 +40,9 @@ _DTYPES = (  # the torch dtype's name, its safetensors name, bytes per element
 
 ITEMSIZES: dict[str, int] = {name: size for _, name, size in _DTYPES}
 """Bytes per element of each safetensors dtype name a bundle may hold."""
+
+FLOATING_NAMES: frozenset[str] = frozenset(name for attr, name, _ in _DTYPES if "float" in attr)
+"""The safetensors names of the dtypes torch calls floating point (``dtype.is_floating_point``)."""
 
 
 def _dtype_to_name() -> dict[torch.dtype, str]:

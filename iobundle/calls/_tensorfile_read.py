@@ -522,6 +522,10 @@ class BundleTensorStore:
     def dtype(self, key: str) -> torch.dtype:
         return NAME_TO_DTYPE[self._entry(key).dtype]
 
+    def safetensors_dtype(self, key: str) -> str:
+        """The manifest's dtype name of ``key`` (``"F32"``): :meth:`dtype` without torch."""
+        return self._entry(key).dtype
+
     def shapes(self, keys: list[str]) -> list[tuple[int, ...]]:
         """``[shape(key) for key in keys]``, looked up in one pass (what inference compares across calls)."""
         try:

@@ -89,6 +89,7 @@ examples:
   iobundle export run.iobundle --model mypkg.models:build_model --batch input_ids --batch cache
   iobundle export bug-report.iobundle --from-bundle -o model.onnx
   iobundle export t5.iobundle --from-bundle --batch-all --dynamic attention_mask:1 -o t5.onnx
+  iobundle export run.iobundle --model mypkg.models:build_model --report export.md --report export.json
 
 MODULE:FACTORY names a callable that returns the model (a torch.nn.Module). It is imported
 from YOUR environment (installed packages and the current directory) and runs your code;
@@ -97,6 +98,8 @@ recorded arguments and dynamic shapes, the exported program is run on every reco
 then torch.onnx writes the ONNX file; each step's line is printed as it ends. -o is checked
 (not there unless --overwrite, writable) before anything is traced. Exit code 1 when a recorded
 call is not reproduced, 2 on a bad flag or an existing -o, 5 when the bundle is damaged.
+--report writes what validate's --report does, by extension (.md, .html, .csv: one row per
+recorded call, the verdict, the traced call, patches and timings), .json the programs in full.
 
 When one program cannot serve every call (--programs auto, the default) and the calls fall
 into phases by structure (inputs absent in some calls: the first decoder step of an
@@ -359,7 +362,7 @@ def _inspect(args: argparse.Namespace) -> int:
     shapes: Any = None
     shapes_error: str | None = None
     try:
-        shapes = bundle.infer_dynamic_shapes()
+        shapes = bundle.infer_dynamic_spec()
     except ReplayError as exc:  # the rest of the report is still worth printing
         shapes_error = str(exc)
     model = None
@@ -391,7 +394,7 @@ def _cmd_shapes(args: argparse.Namespace) -> int:
     spec = _batch_spec(args, bundle)
     dynamic = _programs.dynamic_spec(args, bundle)
     refuse_damaged(bundle, args.bundle)
-    shapes = bundle.infer_dynamic_shapes(set_batch_dimension_for=spec, dim_names=args.dim_names, dynamic=dynamic)
+    shapes = bundle.infer_dynamic_spec(set_batch_dimension_for=spec, dim_names=args.dim_names, dynamic=dynamic)
     _programs.warn_static_dims(bundle, spec, dynamic)
     if args.json:
         _render.out(_render.format_dynamic_shapes_json(shapes))

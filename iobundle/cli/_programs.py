@@ -55,23 +55,52 @@ def add_report_flag(parser: argparse.ArgumentParser) -> None:
         "--report",
         action="append",
         default=[],
-        metavar="FILE.json",
-        help="also write the export report as JSON (a .json file name; repeat for several files): per program "
-        "its calls, input structure, traced call, patches, timings, one check per call and the check beyond "
-        "the recorded calls",
+        metavar="FILE",
+        help="also write the export report: .md (for an issue), .html (a chart), .csv (one row per call) or "
+        ".json (per program its calls, input structure, traced call, patches, timings, one check per call and "
+        "the check beyond the recorded calls); repeat for several files",
     )
 
 
 def _export_report_paths(values: list[str]) -> list[str]:
-    """The --report files of export, refused (before any work) unless they are .json."""
+    """The --report files of export, checked before any work: a known extension, a writable place."""
+    from iobundle.cli._reports import report_format
+
     for path in values:
-        if os.path.splitext(path)[1].lower() != ".json":
-            raise CLIError(
-                f"--report {path}: export writes its report as JSON; give a .json file name "
-                "(the Markdown, HTML and CSV reports are validate's: iobundle validate BUNDLE MODEL.onnx --report FILE)."
-            )
+        report_format(path)
         _check_writable(path, "--report", overwrite=True)
     return values
+
+
+def _write_export_reports(
+    args: argparse.Namespace, result: Any, bundle: Bundle, tolerances: Any, path: str, ok: bool, verdict: str
+) -> None:
+    """Write each --report file: JSON as :func:`export_report_json`, the other formats as validate's reports."""
+    import json
+
+    from iobundle.cli._reports import render_report, report_format
+
+    report = None
+    for file in args.report:
+        fmt = report_format(file)
+        if fmt == "json":
+            text = json.dumps(export_report_json(result, path), indent=1, default=str)
+        else:
+            if report is None:
+                from iobundle.replay import build_export_report
+
+                report = build_export_report(
+                    result, bundle, subject=path, ok=ok, verdict=verdict,
+                    tolerances=tolerances, command=_checks.command_line(args),
+                )  # fmt: skip
+            text = render_report(report, fmt)
+        try:
+            with open(file, "w", encoding="utf-8", newline="") as f:
+                f.write(text)
+        except OSError as exc:
+            raise CLIError(f"--report {file}: cannot write it ({exc.strerror or exc}).") from exc
+        if not _checks.quiet(args):
+            _render.out(f"report written to {file}")
 
 
 def _check_writable(path: str, flag: str, *, overwrite: bool) -> None:
@@ -300,23 +329,16 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise
     if not quiet:
         _render.out(format_programs(result, path))
-    for report in reports:
-        import json
-
-        try:
-            with open(report, "w", encoding="utf-8") as f:
-                json.dump(export_report_json(result, path), f, indent=1, default=str)
-        except OSError as exc:
-            raise CLIError(f"--report {report}: cannot write it ({exc.strerror or exc}).") from exc
-        if not quiet:
-            _render.out(f"report written to {report}")
+    checks = [p.report.batch_check for p in result.programs if p.report.batch_check is not None]
+    ok = result.ok and (args.no_check or all(c.success is not False for c in checks))
+    verdict = _export_verdict(result, path, ok, checked=not args.no_check)
+    if reports:
+        _write_export_reports(args, result, bundle, tolerances, path, ok, verdict)
     if not quiet:
         for program in result.programs:
             prefix = f"program {program.phase.name}: " if len(result.programs) > 1 else ""
             _warn(static_dim_hints(program.rc, spec, program.dynamic), prefix)
-    checks = [p.report.batch_check for p in result.programs if p.report.batch_check is not None]
-    ok = result.ok and (args.no_check or all(c.success is not False for c in checks))
-    _render.out(_render.format_verdict(_export_verdict(result, path, ok, checked=not args.no_check), ok))
+    _render.out(_render.format_verdict(verdict, ok))
     return EXIT_OK if ok else EXIT_CHECK_FAILED
 
 

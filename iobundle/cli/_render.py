@@ -542,18 +542,26 @@ def format_inspect(
 # --------------------------------------------------------------------------- dynamic shapes
 
 
-def _dim_text(dim: Any) -> str:
+def _hint_name(dim: Any) -> str | None:
+    """``"DYNAMIC"`` for iobundle's marker and torch's, the name of torch's other hints (AUTO, STATIC), else None."""
+    if isinstance(dim, str):
+        return None
+    from iobundle.replay import DYNAMIC  # loaded already: the shapes came from it
+
+    if dim is DYNAMIC:
+        return DYNAMIC.name
     hint = getattr(dim, "type", None)  # torch.export.Dim.DYNAMIC / AUTO / STATIC (a _DimHint)
-    if hint is not None and hasattr(hint, "name"):
-        return f"Dim.{hint.name}"
-    return repr(dim)
+    return str(hint.name) if hint is not None and hasattr(hint, "name") else None
+
+
+def _dim_text(dim: Any) -> str:
+    hint = _hint_name(dim)
+    return repr(dim) if hint is None else f"Dim.{hint}"
 
 
 def _dim_json(dim: Any) -> str:
-    hint = getattr(dim, "type", None)
-    if hint is not None and hasattr(hint, "name"):
-        return str(hint.name)
-    return str(getattr(dim, "__name__", dim))
+    hint = _hint_name(dim)
+    return str(getattr(dim, "__name__", dim)) if hint is None else hint
 
 
 def _one_line(value: Any) -> str:

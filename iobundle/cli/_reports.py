@@ -1,5 +1,7 @@
 """Write a :class:`~iobundle.replay.Report` as Markdown, HTML, JSON or CSV (chosen by the file's extension).
 
+The reports of validate, run, diff and export (whose JSON is its own: :func:`iobundle.cli._programs.export_report_json`).
+
 - ``.md``: ready to paste into a GitHub issue: the verdict, the command, the bundle in one
   paragraph, the environment, one row per call, the worst outputs (name, shape, dtype, errors)
   and the error histogram.
@@ -60,6 +62,8 @@ _HEADERS = {
     "inputs_abs": "inputs max abs",
     "n_differences": "differences",
     "differences": "what differs",
+    "reference": "compared with",
+    "duration_program": "exported program",
 }
 
 
@@ -185,7 +189,8 @@ def _worst_cells(report: Report) -> list[list[tuple[str, str]]]:
     return rows
 
 
-_TEXT_COLUMNS = ("status", "worst_output", "differences")
+_TEXT_COLUMNS = ("status", "worst_output", "differences", "reference", "program")
+"""The columns of text (left-aligned); the others hold numbers."""
 
 
 def _md_cell(column: str, row: dict[str, Any]) -> str:
@@ -229,10 +234,13 @@ def _markdown(report: Report) -> str:
     if report.differences:
         lines += ["### Differences between the bundles", ""]
         lines += [f"- {markdown_text(d)}" for d in report.differences] + [""]
+    if report.notes:
+        lines += ["### Notes", ""]
+        lines += [f"- {markdown_text(n)}" for n in report.notes] + [""]
     lines += ["### Calls", ""]
     headers = [_header(report, c) for c in report.columns]
     rows = [[_md_cell(c, r) for c in report.columns] for r in report.rows]
-    right = [i for i, c in enumerate(report.columns) if c not in ("status", "worst_output", "differences")]
+    right = [i for i, c in enumerate(report.columns) if c not in _TEXT_COLUMNS]
     lines += _md_table(headers, rows, right)
     if report.worst:
         q = f"q = the {report.error_quantile:g} quantile"
@@ -465,6 +473,10 @@ def _html(report: Report) -> str:
         body.append("<h2>Differences between the bundles</h2><ul>")
         body += [f"<li>{_esc(d)}</li>" for d in report.differences]
         body.append("</ul>")
+    if report.notes:
+        body.append("<h2>Notes</h2><ul>")
+        body += [f"<li>{_esc(n)}</li>" for n in report.notes]
+        body.append("</ul>")
     body.append("<h2>Error per call</h2>")
     body.append(_svg_per_call(report))
     if report.per_output:
@@ -473,7 +485,7 @@ def _html(report: Report) -> str:
     body.append("<h2>Calls</h2>")
     headers = [_header(report, c) for c in report.columns]
     rows = [[_cell(c, r) for c in report.columns] for r in report.rows]
-    numeric = [i for i, c in enumerate(report.columns) if c not in ("status", "worst_output", "differences")]
+    numeric = [i for i, c in enumerate(report.columns) if c not in _TEXT_COLUMNS]
     body.append(
         _html_table(
             headers, rows, numeric, row_classes=[status_class(str(r["status"])).replace(" ", "-") for r in report.rows]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from iobundle._lazy import lazy_names
 
 __all__ = [
+    "DYNAMIC",
     "ArchiveRoot",
     "BatchCheck",
     "Bundle",
@@ -37,6 +38,7 @@ __all__ = [
     "StoredModel",
     "Tolerances",
     "ValidationReport",
+    "build_export_report",
     "build_report",
     "check_discrepancies",
     "convert_to_npz",
@@ -67,7 +69,7 @@ if TYPE_CHECKING:
     from iobundle.replay._diff import DiffReport, diff_bundles
     from iobundle.replay._factory import model_from_factory
     from iobundle.replay._model_load import StoredModel, describe_bundle_model, load_bundle_model
-    from iobundle.replay._report import Report, build_report
+    from iobundle.replay._report import Report, build_export_report, build_report
     from iobundle.replay.check import (
         ErrorStats,
         OutputCheck,
@@ -83,17 +85,16 @@ if TYPE_CHECKING:
         ExportReport,
         Phase,
         ProgramSet,
-        StaticDimHint,
         export_onnx,
         export_program,
         export_programs,
         partition_calls,
-        static_dim_hints,
     )
-    from iobundle.replay.infer import InputCandidate, ObservationInfo
+    from iobundle.replay.infer import DYNAMIC, InputCandidate, ObservationInfo, StaticDimHint, static_dim_hints
 
 # iobundle.travel's names are forwarded by name only: travel sits on top of replay.
 _LAZY = {
+    "DYNAMIC": "iobundle.replay.infer",
     "ArchiveRoot": "iobundle.replay._archive",
     "BatchCheck": "iobundle.replay.export",
     "Bundle": "iobundle.replay._bundle",
@@ -111,10 +112,11 @@ _LAZY = {
     "ProgressEvent": "iobundle._progress",
     "RecordedCallsAPI": "iobundle.replay._api",
     "Report": "iobundle.replay._report",
-    "StaticDimHint": "iobundle.replay.export",
+    "StaticDimHint": "iobundle.replay.infer",
     "StoredModel": "iobundle.replay._model_load",
     "Tolerances": "iobundle.replay.check",
     "ValidationReport": "iobundle.replay.check",
+    "build_export_report": "iobundle.replay._report",
     "build_report": "iobundle.replay._report",
     "check_discrepancies": "iobundle.replay.check",
     "convert_to_npz": "iobundle.travel",
@@ -132,7 +134,7 @@ _LAZY = {
     "partition_calls": "iobundle.replay.export",
     "redact_calls": "iobundle.travel",
     "rerun_model": "iobundle.replay.check",
-    "static_dim_hints": "iobundle.replay.export",
+    "static_dim_hints": "iobundle.replay.infer",
     "unpack_bundle": "iobundle.travel",
     "validate_onnx": "iobundle.replay.check",
 }

@@ -11,7 +11,7 @@ from iobundle._progress import ProgressCallback
 from iobundle.calls import RecordedCalls, TensorCollector, record_inputs, replace_tensors, tensor_keys
 from iobundle.errors import AlignmentError, InputSelectionError
 from iobundle.replay import infer
-from iobundle.replay.infer import DimNamesSpec, InputCandidate, ObservationInfo
+from iobundle.replay.infer import DimNamesSpec, InputCandidate, ObservationInfo, StaticDimHint
 from iobundle.schema import CallEntry, Node, TensorNode
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from iobundle.replay import check, export
     from iobundle.replay.check import Tolerances, ValidationReport
-    from iobundle.replay.export import ExportReport, ProgramSet, ProgramsMode, StaticDimHint
+    from iobundle.replay.export import ExportReport, ProgramSet, ProgramsMode
 else:  # exporting and checking need torch (and onnx): opening a bundle does not
     torch = lazy_module("torch", globals())
     check = lazy_module("iobundle.replay.check", globals())
@@ -91,6 +91,31 @@ class RecordedCallsAPI:
             >>> observer.infer_dynamic_shapes(set_batch_dimension_for=True, dim_names=True)
             {'input_ids': {0: 'batch_size', 1: 'sequence_length'}, ...}
         """
+        return infer.to_torch_dims(self.infer_dynamic_spec(set_batch_dimension_for, dim_names, dynamic=dynamic))
+
+    def infer_dynamic_spec(
+        self,
+        set_batch_dimension_for: Collection[int | str] | bool | None = None,
+        dim_names: DimNamesSpec = False,
+        *,
+        dynamic: Mapping[int | str, Collection[int]] | None = None,
+    ) -> tuple[Any, ...] | dict[str, Any]:
+        """Infer the dynamic shapes as :meth:`infer_dynamic_shapes` does, as plain data: no torch needed.
+
+        Each dynamic dimension is :data:`iobundle.replay.DYNAMIC` (iobundle's marker, where
+        :meth:`infer_dynamic_shapes` gives ``torch.export.Dim.DYNAMIC``) or, with ``dim_names``,
+        its name. Inferring from a bundle this way reads the manifest only (``iobundle shapes``,
+        ``iobundle inspect``). The arguments are those of :meth:`infer_dynamic_shapes`.
+
+        Raises:
+            AlignmentError: The recorded calls cannot be aligned (the message says why).
+            DynamicShapeError: A tensor changes rank across calls, or ``dynamic`` names an unknown input or axis.
+            InputSelectionError: ``dim_names`` names an unknown input or dimension.
+
+        Example:
+            >>> bundle.infer_dynamic_spec()
+            {'input_ids': {1: DYNAMIC}, ...}
+        """
         return infer.infer_dynamic_shapes(
             self._recorded(), set_batch_dimension_for, dim_names=dim_names, dynamic=dynamic
         )
@@ -104,9 +129,9 @@ class RecordedCallsAPI:
         """Axes that look like batch or sequence axes and are static only because no call varied them.
 
         Each hint names the axes and how to make them dynamic (``hint.message()``).
-        See :func:`iobundle.replay.export._dims.static_dim_hints`.
+        See :func:`iobundle.replay.infer.static_dim_hints`; like :meth:`infer_dynamic_spec`, it needs no torch.
         """
-        return export.static_dim_hints(self._recorded(), set_batch_dimension_for, dynamic)
+        return infer.static_dim_hints(self._recorded(), set_batch_dimension_for, dynamic)
 
     def infer_arguments(
         self,
@@ -193,7 +218,7 @@ class RecordedCallsAPI:
             as_names.append(item)
         return infer.remove_inputs(rc, as_names)
 
-    @check.tolerance_options("atol", "rtol")
+    @check.tolerance_options("atol", "rtol", "output_atol", "output_rtol")
     def export(
         self,
         model: torch.nn.Module,
@@ -248,6 +273,7 @@ class RecordedCallsAPI:
         report: ExportReport | None = self._recorded().last_export_report
         return report
 
+    @check.tolerance_options("atol", "rtol", "output_atol", "output_rtol")
     def to_onnx(
         self,
         model: torch.nn.Module,
@@ -257,27 +283,30 @@ class RecordedCallsAPI:
         strict: bool = False,
         check: bool = True,
         dim_names: DimNamesSpec = False,
-        atol: float = 1e-4,
-        rtol: float = 0.1,
         on_progress: ProgressCallback | None = None,
         dynamic: Mapping[int | str, Collection[int]] | None = None,
         programs: ProgramsMode = "one",
+        tolerances: Tolerances,
     ) -> str:
         """Export ``model`` to an ONNX file at ``path`` (through ``torch.export``); return the path.
 
         With ``dim_names`` (see :meth:`infer_dynamic_shapes`) the graph's symbolic dimensions bear
         the names. With ``programs="auto"``, when one program cannot serve every call, one ONNX
         file per phase is written beside ``path`` with a program index, whose path is returned
-        (see :meth:`export_programs`). See :func:`iobundle.replay.export_onnx`.
+        (see :meth:`export_programs`). The tolerance keywords of the check are those of
+        :meth:`export_programs`, or one ``tolerances`` value. See :func:`iobundle.replay.export_onnx`.
+
+        .. versionchanged:: 0.2
+            ``output_atol``, ``output_rtol`` and ``tolerances``.
         """
         if programs != "one":
             return self.export_programs(
                 model, programs=programs, set_batch_dimension_for=set_batch_dimension_for, dynamic=dynamic,
-                strict=strict, check=check, atol=atol, rtol=rtol, dim_names=dim_names, on_progress=on_progress,
+                strict=strict, check=check, dim_names=dim_names, on_progress=on_progress, tolerances=tolerances,
             ).to_onnx(path)  # fmt: skip
         return export.export_onnx(
             self._recorded(), model, path, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
-            check=check, dim_names=dim_names, atol=atol, rtol=rtol, on_progress=on_progress, dynamic=dynamic,
+            check=check, dim_names=dim_names, on_progress=on_progress, dynamic=dynamic, tolerances=tolerances,
         )  # fmt: skip
 
     @check.tolerance_options(positional=("atol", "rtol"), after="onnx_model")

@@ -1,8 +1,9 @@
-"""The content of a report (validate, run, diff) as plain data; the CLI renders it as Markdown, HTML, JSON or CSV.
+"""The content of a report (validate, run, diff, export) as plain data; the CLI renders it as Markdown, HTML, JSON or CSV.
 
 A :class:`Report` holds only JSON-able values (strings, numbers, lists, dicts): the environment and
 versions, one paragraph about the bundle, the verdict, the per-call rows, the per-output checks,
-the worst outputs, the error histogram and the series the charts plot. Rendering is not done here.
+the worst outputs, the error histogram, the series the charts plot and notes (what an export
+traced and patched). Rendering is not done here.
 """
 
 from __future__ import annotations
@@ -12,16 +13,19 @@ import math
 import platform
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from iobundle._status import row_status, status_class
 from iobundle._units import format_size
 from iobundle._version import __version__
 from iobundle.replay._bundle import Bundle
-from iobundle.replay.check import ValidationReport
+from iobundle.replay.check import Tolerances, ValidationReport
 
-__all__ = ["CALL_COLUMNS", "Report", "build_report", "environment"]
+if TYPE_CHECKING:
+    from iobundle.replay.export import ProgramSet
+
+__all__ = ["CALL_COLUMNS", "Report", "build_export_report", "build_report", "environment"]
 
 _CHECK_COLUMNS = ["index", "status", "abs", "rel", "mean_abs", "quantile_abs", "worst_output", "duration_torch"]
 """The columns a validation and a re-run share; each adds the duration of its own run."""
@@ -30,6 +34,7 @@ CALL_COLUMNS = {
     "validate": [*_CHECK_COLUMNS, "ort_duration"],
     "run": [*_CHECK_COLUMNS, "duration_rerun"],
     "diff": ["index", "status", "abs", "rel", "inputs_abs", "worst_output", "n_differences", "differences"],
+    "export": ["index", "status", "abs", "rel", "reference", "duration_program"],
 }
 """The per-call columns a human-readable report shows, per kind (JSON and CSV carry every column)."""
 
@@ -138,6 +143,8 @@ class Report:
     per_call: list[dict[str, Any]]
     per_output: list[dict[str, Any]]
     differences: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """Facts beside the rows, one sentence each (an export: the programs, traced calls, patches, the batch check)."""
 
     def as_dict(self) -> dict[str, Any]:
         """The whole report as one JSON-able dict."""
@@ -213,3 +220,77 @@ def build_report(
         per_output=list(per_output.values()),
         differences=list(getattr(result, "differences", [])),
     )
+
+
+def _export_notes(result: ProgramSet) -> list[str]:
+    notes = []
+    for program in result.programs:
+        report = program.report
+        phase = program.phase
+        prefix = f"program {phase.name} (calls {', '.join(map(str, phase.calls))}, {phase.describe()}): "
+        prefix = prefix if len(result.programs) > 1 else ""
+        onnx = f", ONNX {report.onnx_seconds:.2f}s" if report.onnx_seconds is not None else ""
+        patches = f"; patches: {', '.join(report.patches)}" if report.patches else ""
+        options = f"; options: {', '.join(report.options)}" if report.options else ""
+        notes.append(
+            f"{prefix}traced call {report.traced_call}; torch.export {report.export_seconds:.2f}s, "
+            f"checks {report.check_seconds:.2f}s{onnx}{patches}{options}."
+        )
+        if report.batch_check is not None:
+            notes.append(f"{prefix}beyond the recorded calls: {report.batch_check.summary()}.")
+    if result.reason:
+        notes.append(f"{len(result.programs)} programs, one per phase of the calls: {result.reason}.")
+    return notes
+
+
+def build_export_report(
+    result: ProgramSet,
+    bundle: Bundle,
+    *,
+    subject: str,
+    ok: bool,
+    verdict: str,
+    tolerances: Tolerances | None = None,
+    command: str = "",
+) -> Report:
+    """Gather what a report shows about an export (``Bundle.export_programs``): one row per recorded call.
+
+    Each row is the exported program's check on that call (max abs and rel error, what it was
+    compared with, the program's run time); the notes say, per program, the traced call, the
+    timings, the patches and the check beyond the recorded calls.
+
+    Args:
+        result: The exported programs.
+        bundle: The bundle they were exported from.
+        subject: What was written (the ONNX file or the program index).
+        ok: The export's verdict (its checks and the batch check).
+        verdict: That verdict in words, as the command printed it.
+        tolerances: The tolerances the checks used.
+        command: The command line that produced it, shown as is.
+    """
+    several = len(result.programs) > 1
+    rows = []
+    for program in result.programs:
+        for c in program.report.calls:
+            row: dict[str, Any] = {"program": program.phase.name} if several else {}
+            row.update(
+                index=c.index,
+                SUCCESS=c.success,
+                abs=c.abs,
+                rel=c.rel,
+                error=c.error or "",
+                absent_inputs=", ".join(map(str, c.absent_inputs)),
+                reference=c.reference,
+                duration_program=c.seconds,
+            )
+            rows.append(row)
+    rows.sort(key=lambda r: r["index"])
+    seconds = sum(
+        p.report.export_seconds + p.report.check_seconds + (p.report.onnx_seconds or 0.0) for p in result.programs
+    )
+    checked = ValidationReport(
+        rows=rows, seconds=seconds, tolerances=tolerances or Tolerances(), subject=subject, kind="export"
+    )
+    report = build_report(checked, [bundle], command=command)
+    columns = ["program", *report.columns] if several else report.columns
+    return replace(report, ok=ok, verdict=verdict, columns=columns, notes=_export_notes(result))

@@ -179,7 +179,7 @@ def test_shapes_dynamic_axis_out_of_range_is_a_usage_error_naming_the_input(cwd,
     [
         (["validate", "run.iobundle", "model.onnx", "--atol", "abc"], "is not a number"),
         (["validate", "run.iobundle", "model.onnx", "--report", "r.txt"], "extension picks the format"),
-        (["export", "run.iobundle", "--model", "factories:good", "-o", "x.onnx", "--report", "e.md"], "as JSON"),
+        (["export", "run.iobundle", "--model", "factories:good", "-o", "x.onnx", "--report", "e.txt"], "extension"),
         (["export", "run.iobundle", "--model", "factories:good", "-o", "x.onnx", "--atol", "logits=1"], "output"),
         (["shapes", "run.iobundle", "--batch", "nope"], "not an input"),
     ],
@@ -188,7 +188,7 @@ def test_bad_flag_values_exit_2_before_any_work(cwd, capsys, argv, message):
     assert main(argv) == EXIT_USAGE
     captured = capsys.readouterr()
     assert message in captured.err and captured.out == ""
-    assert not Path("x.onnx").exists() and not Path("e.md").exists()
+    assert not Path("x.onnx").exists() and not Path("e.txt").exists()
 
 
 # --------------------------------------------------------------------------- export like the others

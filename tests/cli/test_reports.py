@@ -1,5 +1,5 @@
-"""`iobundle validate|run|diff --report FILE`: Markdown, HTML (self-contained, checked in a real browser), JSON, CSV;
-comparison flags; colour and progress bars only on a terminal."""
+"""`iobundle validate|run|diff|export --report FILE`: Markdown, HTML (self-contained, checked in a real browser), JSON,
+CSV; comparison flags; colour and progress bars only on a terminal."""
 
 from __future__ import annotations
 
@@ -186,6 +186,124 @@ def test_html_report_renders_in_a_headless_browser(cwd, capsys, tmp_path):
     )  # fmt: skip
     data = shot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000  # a page with content, not a blank one
+
+
+# --------------------------------------------------------------------------- export --report
+
+EXPORT_REPORTS = ("e.md", "e.html", "e.csv", "e.json")
+
+
+@pytest.fixture(scope="module")
+def exported(workdir):
+    """``iobundle export`` of Heads() with one ``--report`` per format (all four written by one run), its stdout."""
+    out = workdir / "export"
+    out.mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(out)
+        mp.syspath_prepend(str(workdir))
+        argv = ["export", "../run.iobundle", "--model", "factories:good", "-o", "heads.onnx", "--atol", "logits=1e-3"]
+        reports = [a for name in EXPORT_REPORTS for a in ("--report", name)]
+        import contextlib
+        import io
+
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            code = main([*argv, *reports])
+        sys.modules.pop("factories", None)
+    assert code == 0, stdout.getvalue()
+    return out, stdout.getvalue()
+
+
+def test_export_writes_every_report_it_is_given(exported):
+    out, stdout = exported
+    for name in EXPORT_REPORTS:
+        assert (out / name).is_file() and f"report written to {name}" in stdout
+    assert "PASS: 3/3 recorded calls reproduced; written to heads.onnx" in stdout
+
+
+def test_export_markdown_report_has_the_verdict_and_a_row_per_call(exported):
+    out, _ = exported
+    text = (out / "e.md").read_text("utf-8")
+    rendered = markdown_html(text)
+    assert "<h2>iobundle export: heads.onnx</h2>" in rendered
+    assert "<strong>PASS: 3/3 recorded calls reproduced; written to heads.onnx</strong>" in rendered
+    calls = rendered.split("<h3>Calls</h3>", 1)[1].split("<h3>", 1)[0]
+    rows = re.findall(r"<tr>\s*<td[^>]*>(\d+)</td>\s*<td[^>]*>([^<]*)</td>", calls)
+    assert rows == [("0", "ok"), ("1", "ok"), ("2", "ok")]
+    assert "<th>compared with</th>" in calls and calls.count(">recorded</td>") == 3
+    notes = rendered.split("<h3>Notes</h3>", 1)[1].split("<h3>", 1)[0]
+    assert "traced call" in notes and "torch.export" in notes
+    assert "(logits: atol=0.001)" in text.replace("\\", "")  # the criterion, per-output atol included
+
+
+class _Table(HTMLParser):
+    """The cells of every ``<tr>`` after the ``<h2>`` named ``section``."""
+
+    def __init__(self, section: str) -> None:
+        super().__init__()
+        self.section, self.inside, self.heading = section, False, False
+        self.rows: list[list[str]] = []
+        self.cell: list[str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "h2":
+            self.heading, self.inside = True, False
+        elif self.inside and tag == "tr":
+            self.rows.append([])
+        elif self.inside and tag in ("td", "th"):
+            self.cell = []
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "h2":
+            self.heading = False
+        elif tag in ("td", "th") and self.cell is not None:
+            self.rows[-1].append("".join(self.cell))
+            self.cell = None
+
+    def handle_data(self, data: str) -> None:
+        if self.heading:
+            self.inside = data == self.section
+        elif self.cell is not None:
+            self.cell.append(data)
+
+
+def test_export_html_report_has_the_verdict_and_a_row_per_call(exported):
+    out, _ = exported
+    text = (out / "e.html").read_text("utf-8")
+    assert 'id="verdict">PASS: 3/3 recorded calls reproduced; written to heads.onnx</p>' in text
+    assert '<p class="verdict pass"' in text and "<h2>Notes</h2>" in text
+    table = _Table("Calls")
+    table.feed(text)
+    header, *rows = table.rows
+    assert header[:2] == ["call", "status"] and "compared with" in header
+    assert [(r[0], r[1]) for r in rows] == [("0", "ok"), ("1", "ok"), ("2", "ok")]
+    elements = _Elements()
+    elements.feed(text)
+    assert "script" not in [t for t, _ in elements.tags] and text.count("<svg") == 1  # the error per call
+
+
+def test_export_csv_report_is_one_row_per_call_for_pandas(exported):
+    out, _ = exported
+    frame = pandas.read_csv(out / "e.csv")
+    assert frame["index"].tolist() == [0, 1, 2]
+    assert frame["SUCCESS"].tolist() == [True, True, True] and frame["status"].tolist() == ["ok"] * 3
+    assert frame["reference"].tolist() == ["recorded"] * 3
+    assert (frame["abs"] <= 1e-4).all() and (frame["duration_program"] > 0).all()
+
+
+def test_export_json_report_keeps_its_programs_form(exported):
+    out, _ = exported
+    data = json.loads((out / "e.json").read_text("utf-8"))
+    assert data["ok"] is True and data["output"] == "heads.onnx"
+    assert [c["index"] for c in data["programs"][0]["checks"]] == [0, 1, 2]
+
+
+def test_export_refuses_an_unknown_report_extension_before_tracing(cwd, capsys):
+    argv = ["export", "run.iobundle", "--model", "factories:good", "-o", "never.onnx", "--report", "e.pdf"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "--report e.pdf: use a .md, .html, .json or .csv file name" in captured.err and captured.out == ""
+    assert not (cwd / "never.onnx").exists()
 
 
 def test_unknown_extension_is_refused_before_the_work(cwd, capsys):

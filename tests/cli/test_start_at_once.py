@@ -59,8 +59,11 @@ def _run(argv: list[str], cwd: Path) -> tuple[dict[str, object], str]:
         ["verify", "{bundle}"],
         ["pack", "{bundle}", "-o", "{tmp}/run.iobundle.tar"],
         ["unpack", "{packed}", "-o", "{tmp}/unpacked.iobundle"],
+        ["inspect", "{bundle}"],
+        ["shapes", "--json", "{bundle}"],
+        ["shapes", "{bundle}", "--batch-all", "--dim-names"],
     ],
-    ids=["verify", "pack", "unpack"],
+    ids=["verify", "pack", "unpack", "inspect", "shapes-json", "shapes-named"],
 )
 def test_file_commands_import_no_torch_transformers_or_onnx(bundle: Path, tmp_path: Path, argv: list[str]) -> None:
     packed = tmp_path / "given.iobundle.tar"
@@ -96,3 +99,13 @@ def test_verify_still_finds_a_damaged_file_without_torch(bundle: Path, tmp_path:
     result, output = _run(["verify", str(copy)], tmp_path)
     assert result["code"] == 5, output
     assert victim.name in output and result["imported"] == [], output
+
+
+def test_inspect_and_shapes_without_torch_still_say_the_dynamic_dims(bundle: Path, tmp_path: Path) -> None:
+    result, output = _run(["shapes", "--json", str(bundle)], tmp_path)
+    assert result["imported"] == [], output
+    shapes, _ = json.JSONDecoder().raw_decode(output)  # the command's JSON, then the runner's line
+    assert shapes == {"x": {"0": "DYNAMIC"}, "mask": {"0": "DYNAMIC"}}
+    result, output = _run(["inspect", str(bundle)], tmp_path)
+    assert result["imported"] == [], output
+    assert "{'x': {0: Dim.DYNAMIC}, 'mask': {0: Dim.DYNAMIC}}" in output

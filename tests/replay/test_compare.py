@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from iobundle.replay.check import tolerance_options
+from iobundle.replay.check import TOLERANCE_OPTION_DOCS, tolerance_options
 from iobundle.replay.check._compare import Comparison, Scratch, compare_outputs
 
 
@@ -215,6 +216,17 @@ class TestErrorStats:
         assert stats.max_abs == 1.0 and not stats.within
 
 
+def test_statistics_of_a_large_output_are_numpys() -> None:
+    """A large output's median and quantile, selected in a window of its errors, are numpy's."""
+    a, b = rng_pair(torch.float32, (600, 500), 1e-4, seed=9)
+    diff = np.abs(a.numpy().astype(np.float64) - b.numpy().astype(np.float64)).reshape(-1)
+    rel = diff / np.maximum(np.abs(a.numpy().astype(np.float64)).reshape(-1), 1e-12)
+    stats = error_stats(a, b, atol=1e-4, rtol=0.1, quantile=0.95)
+    assert (stats.median_abs, stats.quantile_abs) == (np.median(diff), np.quantile(diff, 0.95))
+    assert (stats.median_rel, stats.quantile_rel) == (np.median(rel), np.quantile(rel, 0.95))
+    assert stats.max_abs == diff.max() and stats.mean_rel == pytest.approx(rel.mean())
+
+
 class TestCheckErrorStat:
     """One element off by 1 among 999 exact ones: only ``max`` (and the 1.0 quantile) sees it."""
 
@@ -303,6 +315,42 @@ def test_call_row_errors_are_the_largest_of_its_outputs() -> None:
     assert row["mean_abs"] == pytest.approx(every.mean())
 
 
+ROW_CASES = {
+    "close floats": ([np.linspace(-3, 3, 200, dtype=np.float32)], [np.linspace(-3, 3, 200, dtype=np.float32) + 1e-5]),
+    "nan on one side": ([np.array([1.0, np.nan, np.nan, 2.0])], [np.array([1.5, np.nan, 0.0, 2.0])]),
+    "same infinities": ([np.array([np.inf, -np.inf, 1.0])], [np.array([np.inf, -np.inf, 1.25])]),
+    "integers": ([np.arange(6), np.arange(4)], [np.arange(6) + np.array([0, 0, 3, 0, 0, 0]), np.arange(4)]),
+    "shape mismatch stops the row": (
+        [np.ones(3), np.ones((2, 2)), np.zeros(4)],
+        [np.ones(3) + 0.5, np.ones(4), np.zeros(4) + 2.0],
+    ),
+    "missing and empty": ([np.ones(3), None, np.zeros(0)], [np.ones(3) + 1e-3, np.ones(2), np.zeros(0)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROW_CASES))
+def test_per_output_row_counts_as_compare_outputs_does(case: str) -> None:
+    """The row built from the per-output pass has compare_outputs' abs, rel, sum, n, dnan, >h counts and error."""
+    from iobundle.replay.check._compare import compare_call
+
+    expected, obtained = ROW_CASES[case]
+    names = [f"o{i}" for i in range(len(expected))]
+    for skip_none in (True, False):
+        row, checks = compare_call(
+            expected, obtained, call_index=0, names=names, tolerances=Tolerances(), hist=(0.1, 0.01, 0.3),
+            skip_none=skip_none,
+        )  # fmt: skip
+        want = compare_outputs(expected, obtained, atol=1e-4, rtol=0.1, hist=(0.1, 0.01, 0.3), skip_none=skip_none)
+        got = Comparison(
+            success=want.success, abs=row["abs"], rel=row["rel"], sum=row["sum"], n=row["n"], dnan=row["dnan"],
+            hist={h: row[f">{h}"] for h in (0.1, 0.01, 0.3)}, error=row.get("error"),
+        )  # fmt: skip
+        assert_agree(got, want)
+        assert len(checks) == len(expected)
+        if want.error or want.dnan:
+            assert row["SUCCESS"] is False
+
+
 def test_default_tolerances_depend_on_the_recorded_dtype():
     from iobundle.replay.check import DTYPE_TOLERANCES
 
@@ -346,3 +394,35 @@ def test_tolerance_options_builds_the_value_from_keywords_and_shows_them_in_the_
     assert run("m", 1e-3, tolerances=given)[1] is given  # a given value wins over the keywords
     with pytest.raises(ToleranceError):
         run("m", check_error_stat="mode")
+
+
+def test_tolerance_options_lists_the_keywords_it_adds_in_the_docstring():
+    @tolerance_options("atol", "output_atol")
+    def run(model: str, *, tolerances: Tolerances) -> Tolerances:
+        """Run the model.
+
+        Args:
+            model: The model.
+            atol: Documented here already.
+
+        Returns:
+            The tolerances.
+        """
+        return tolerances
+
+    doc = run.__doc__
+    assert doc.count("atol: ") == 2 and "Documented here already." in doc  # atol itself, output_atol added
+    keywords = doc.split("Keyword Args:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert keywords == ["    output_atol: " + TOLERANCE_OPTION_DOCS["output_atol"]]
+    assert doc.index("Keyword Args:") < doc.index("Returns:")  # in the Args' place, before Returns
+
+
+def test_public_functions_document_every_tolerance_keyword_they_take():
+    from iobundle.replay import Bundle, check_discrepancies, export_onnx, validate_onnx
+
+    for func in (check_discrepancies, validate_onnx, export_onnx, Bundle.to_onnx, Bundle.check_discrepancies):
+        params = inspect.signature(func).parameters
+        options = [n for n in TOLERANCE_OPTION_DOCS if n in params]
+        assert {"atol", "rtol", "output_atol", "output_rtol"} <= set(options), func.__qualname__
+        for name in options:
+            assert re.search(rf"^\s+{name}: ", func.__doc__, re.M), (func.__qualname__, name)

@@ -8,6 +8,7 @@ import torch
 from iobundle import InputObserver, load_bundle
 from iobundle.cli import main
 from iobundle.errors import DynamicShapeError
+from iobundle.replay import DYNAMIC
 
 DYN = torch.export.Dim.DYNAMIC
 
@@ -41,6 +42,22 @@ def test_dynamic_marks_axes_that_never_varied(bundle):
     assert shapes == {"input_ids": {1: DYN}, "attention_mask": {1: DYN}}
     both = bundle.infer_dynamic_shapes(True, dynamic={"input_ids": [1]})
     assert both == {"input_ids": {0: DYN, 1: DYN}, "attention_mask": {0: DYN}}
+
+
+def test_dynamic_spec_marks_with_iobundle_dynamic_and_shapes_with_torchs(bundle):
+    dynamic = {"input_ids": {1}, "attention_mask": {1}}
+    spec = bundle.infer_dynamic_spec(True, dynamic=dynamic)
+    assert spec == {"input_ids": {0: DYNAMIC, 1: DYNAMIC}, "attention_mask": {0: DYNAMIC, 1: DYNAMIC}}
+    assert all(d is DYNAMIC for dims in spec.values() for d in dims.values())
+    shapes = bundle.infer_dynamic_shapes(True, dynamic=dynamic)
+    assert shapes == {"input_ids": {0: DYN, 1: DYN}, "attention_mask": {0: DYN, 1: DYN}}
+    assert not any(isinstance(d, type(DYNAMIC)) for dims in shapes.values() for d in dims.values())
+    named = {
+        "input_ids": {0: "batch_size", 1: "sequence_length"},
+        "attention_mask": {0: "batch_size", 1: "sequence_length"},
+    }
+    assert bundle.infer_dynamic_spec(True, dim_names=True, dynamic=dynamic) == named
+    assert bundle.infer_dynamic_shapes(True, dim_names=True, dynamic=dynamic) == named
 
 
 def test_dynamic_errors_name_the_input_and_axis(bundle):

@@ -179,6 +179,25 @@ def test_wrong_model_fails_the_export_check_with_a_report(tmp_path, model_module
     assert ep.iobundle_report.failures
 
 
+def test_to_onnx_takes_the_tolerance_keywords_of_the_check(tmp_path, model_module):
+    from iobundle.errors import ToleranceError
+    from iobundle.replay import Tolerances
+
+    toy_models, _ = model_module
+    _capture(toy_models.nested(), tmp_path / "run.iobundle")
+    b = load_bundle(tmp_path / "run.iobundle")
+    wrong = toy_models.wrong()  # h off by 1, so stats.sum by 4 (h has 4 columns); stats.x2 exact
+    with pytest.raises(ExportError, match="does not reproduce"):
+        b.to_onnx(wrong, tmp_path / "default.onnx")
+    with pytest.raises(ToleranceError, match="'nope'"):  # refused before anything is traced
+        b.to_onnx(wrong, tmp_path / "unknown.onnx", output_atol={"nope": 1.0})
+    per_output = b.to_onnx(wrong, tmp_path / "per_output.onnx", output_atol={"h": 1.5, "stats.sum": 4.5})
+    assert Path(per_output).is_file() and b.export_report().ok
+    assert b.to_onnx(wrong, tmp_path / "old.onnx", atol=4.5, rtol=0.0)  # the keywords of before still work
+    with pytest.raises(ExportError):  # a given Tolerances wins over the keywords
+        b.to_onnx(wrong, tmp_path / "given.onnx", atol=4.5, tolerances=Tolerances(atol=1e-4))
+
+
 def test_observer_exports_in_memory_like_the_bundle(tmp_path, model_module):
     toy_models, _ = model_module
     observer = _capture(toy_models.nested(), tmp_path / "b")

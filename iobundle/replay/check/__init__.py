@@ -13,6 +13,7 @@ from iobundle._lazy import lazy_names
 __all__ = [
     # Compare outputs
     "DTYPE_TOLERANCES",
+    "TOLERANCE_OPTION_DOCS",
     "Comparison",
     "ErrorStats",
     "OutputCheck",
@@ -47,6 +48,7 @@ __all__ = [
 if TYPE_CHECKING:
     from iobundle.replay.check._compare import (
         DTYPE_TOLERANCES,
+        TOLERANCE_OPTION_DOCS,
         Comparison,
         ErrorStats,
         OutputCheck,
@@ -83,6 +85,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "Comparison": "iobundle.replay.check._compare",
     "DTYPE_TOLERANCES": "iobundle.replay.check._compare",
+    "TOLERANCE_OPTION_DOCS": "iobundle.replay.check._compare",
     "ErrorStats": "iobundle.replay.check._compare",
     "INPUT_SLOTS_KEY": "iobundle.replay.check._validate",
     "OUTPUT_NAMES_KEY": "iobundle.replay.check._validate",

@@ -20,30 +20,30 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from iobundle._lazy import lazy_module
 from iobundle.calls import path_matches, tensor_paths
 from iobundle.errors import ToleranceError
+from iobundle.replay.check._quantiles import median_and_quantile
 from iobundle.schema import Node, TensorNode
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 else:
-    np = lazy_module("numpy", globals())
+    np = lazy_module("numpy", globals(), "np")
 
 __all__ = [
     "DTYPE_TOLERANCES",
     "ERROR_STATS",
+    "TOLERANCE_OPTION_DOCS",
     "HISTOGRAM_EDGES",
     "Comparison",
     "ErrorStats",
     "OutputCheck",
     "Tolerances",
     "check_error_stat_name",
-    "combine_stats",
     "compare_call",
     "compare_outputs",
     "error_stats",
     "flatten_outputs",
     "histogram_labels",
-    "output_errors",
     "output_leaves",
     "output_paths",
     "stat_passes",
@@ -337,42 +337,88 @@ class ErrorStats:
         return getattr(self, f"{name}_abs"), getattr(self, f"{name}_rel")
 
 
-def _errors(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Flat float64 ``(abs errors, relative errors, |expected|, dnan)`` of two arrays of one shape."""
+def _errors(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Flat float64 ``(abs errors, |expected|, where exactly one side is NaN)`` of two arrays of one shape.
+
+    The float64 conversions are the only copies (a float64 input is read, never written); the
+    NaN and infinity bookkeeping runs only when some error is not finite. The mask is None when
+    no element is NaN on one side only.
+    """
     a64 = np.asarray(a, dtype=np.float64).reshape(-1)
     b64 = np.asarray(b, dtype=np.float64).reshape(-1)
     with np.errstate(over="ignore", invalid="ignore"):
+        diff = np.subtract(a64, b64)
+        np.abs(diff, out=diff)
+        if not diff.size or math.isfinite(diff.max()):  # a NaN or an infinity on either side shows in the max
+            return diff, np.abs(a64, out=a64 if not np.may_share_memory(a64, a) else None), None
         nan_a, nan_b = np.isnan(a64), np.isnan(b64)
         one_nan = nan_a != nan_b
-        diff = np.abs(a64 - b64)
         diff[(nan_a & nan_b) | (np.isinf(a64) & (a64 == b64))] = 0.0
         diff[one_nan | np.isnan(diff)] = np.inf
         scale = np.abs(np.where(np.isfinite(a64), a64, 0.0))
-        rel = diff / np.maximum(scale, 1e-12)
-    return diff, rel, scale, int(np.count_nonzero(one_nan))
+    return diff, scale, one_nan if one_nan.any() else None
 
 
-def _histogram(diff: np.ndarray) -> list[int]:
-    zero = int(np.count_nonzero(diff == 0.0))
-    positive = diff[diff > 0.0]
-    counts = np.bincount(np.searchsorted(HISTOGRAM_EDGES, positive, side="left"), minlength=len(HISTOGRAM_EDGES) + 1)
-    return [zero, *(int(c) for c in counts)]
+def _histogram(diff: np.ndarray, top: float) -> list[int]:
+    """The counts of :attr:`ErrorStats.hist` of the NaN-free errors ``diff`` whose largest is ``top``.
+
+    One counting pass per edge below ``top`` (the others count nothing).
+    """
+    greater = [int(np.count_nonzero(diff > edge)) if top > edge else 0 for edge in (0.0, *HISTOGRAM_EDGES)]
+    return [diff.size - greater[0], *(lo - hi for lo, hi in itertools.pairwise(greater)), greater[-1]]
 
 
-def _summarise(diff: np.ndarray, rel: np.ndarray, quantile: float) -> dict[str, float]:
-    if diff.size == 0:
-        return {}
+@dataclass
+class _Output:
+    """One pass over one output: its statistics, its absolute errors, and its part of the call's row.
+
+    The row (:class:`Comparison`) counts an element NaN on one side only as an error of 0 (its
+    ``dnan`` says so), where the statistics count it as infinite.
+    """
+
+    stats: ErrorStats
+    diff: np.ndarray
+    """The absolute errors, in no particular order (the median was selected in place)."""
+    abs: float
+    rel: float
+    sum: float
+
+    def exceeding(self, h: float) -> int:
+        """How many errors exceed ``h`` for the row's ``>h`` column (one-sided NaNs excluded)."""
+        stats = self.stats
+        if stats.max_abs <= h:
+            return 0
+        if h in HISTOGRAM_EDGES:
+            return sum(stats.hist[HISTOGRAM_EDGES.index(h) + 2 :]) - stats.dnan
+        return int(np.count_nonzero(self.diff > h)) - stats.dnan
+
+
+def _describe(a: np.ndarray, b: np.ndarray, *, atol: float, rtol: float, quantile: float) -> _Output:
+    """Every statistic of one output in one pass over its errors (see :class:`ErrorStats`)."""
+    diff, scale, one_nan = _errors(a, b)
+    n = int(diff.size)
+    dnan = 0 if one_nan is None else int(np.count_nonzero(one_nan))
+    if not n:
+        return _Output(ErrorStats(), diff, 0.0, 0.0, 0.0)
+    top = float(diff.max())
+    total = float(diff.sum())
+    within = top <= atol or bool(np.all((diff <= atol) | (diff <= rtol * scale)))
+    rel = np.maximum(scale, 1e-12, out=scale)
     with np.errstate(over="ignore", invalid="ignore"):
-        return {
-            "max_abs": float(diff.max()),
-            "mean_abs": float(diff.mean()),
-            "median_abs": float(np.median(diff)),
-            "quantile_abs": float(np.quantile(diff, quantile)),
-            "max_rel": float(rel.max()),
-            "mean_rel": float(rel.mean()),
-            "median_rel": float(np.median(rel)),
-            "quantile_rel": float(np.quantile(rel, quantile)),
-        }
+        np.divide(diff, rel, out=rel)
+    top_rel = float(rel.max())
+    stats = ErrorStats(
+        n=n, max_abs=top, mean_abs=total / n, max_rel=top_rel, mean_rel=float(rel.sum()) / n, dnan=dnan,
+        within=dnan == 0 and within, hist=_histogram(diff, top),
+    )  # fmt: skip
+    row_abs, row_rel, row_sum = top, top_rel, total
+    if one_nan is not None:  # the row's errors count those elements as 0
+        row_abs = float(np.where(one_nan, 0.0, diff).max())
+        row_rel = float(np.where(one_nan, 0.0, rel).max())
+        row_sum = float(np.where(one_nan, 0.0, diff).sum())
+    stats.median_rel, stats.quantile_rel = median_and_quantile(rel, quantile)
+    stats.median_abs, stats.quantile_abs = median_and_quantile(diff, quantile)
+    return _Output(stats, diff, row_abs, row_rel, row_sum)
 
 
 def error_stats(expected: Any, obtained: Any, *, atol: float, rtol: float, quantile: float = 0.99) -> ErrorStats:
@@ -385,24 +431,7 @@ def error_stats(expected: Any, obtained: Any, *, atol: float, rtol: float, quant
         rtol: Relative tolerance (for :attr:`ErrorStats.within`).
         quantile: The quantile reported as ``quantile_abs`` / ``quantile_rel``, in [0, 1].
     """
-    return output_errors(expected, obtained, atol=atol, rtol=rtol, quantile=quantile)[0]
-
-
-def output_errors(
-    expected: Any, obtained: Any, *, atol: float, rtol: float, quantile: float = 0.99
-) -> tuple[ErrorStats, np.ndarray, np.ndarray]:
-    """:func:`error_stats` plus the flat absolute and relative errors it was computed from."""
-    diff, rel, scale, dnan = _errors(_as_numpy(expected), _as_numpy(obtained))
-    stats = ErrorStats(n=int(diff.size), dnan=dnan, hist=_histogram(diff), **_summarise(diff, rel, quantile))
-    stats.within = dnan == 0 and bool(np.all((diff <= atol) | (diff <= rtol * scale)))
-    return stats, diff, rel
-
-
-def combine_stats(parts: Sequence[tuple[np.ndarray, np.ndarray]], quantile: float) -> dict[str, float]:
-    """The statistics of several outputs' errors taken together (``parts``: ``(abs, rel)`` arrays)."""
-    if not parts:
-        return {}
-    return _summarise(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), quantile)
+    return _describe(_as_numpy(expected), _as_numpy(obtained), atol=atol, rtol=rtol, quantile=quantile).stats
 
 
 def stat_passes(stats: ErrorStats, *, atol: float, rtol: float, check_error_stat: str = "max") -> bool:
@@ -554,6 +583,38 @@ class Tolerances:
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
+TOLERANCE_OPTION_DOCS: Mapping[str, str] = {
+    "atol": "The absolute tolerance of every output (outputs recorded in half precision get their "
+    "dtype's row of ``DTYPE_TOLERANCES`` instead).",
+    "rtol": "The relative tolerance of every output (likewise).",
+    "output_atol": "Absolute tolerances per output: its name in the output tree (``logits``, "
+    "``past_key_values[0]``), its ONNX name or an ``fnmatch`` pattern, e.g. ``{\"logits\": 1e-3}``.",
+    "output_rtol": "Relative tolerances per output, keyed like ``output_atol``.",
+    "check_error_stat": "The statistic of an output's errors that decides it: ``max`` (every element "
+    "within tolerance), ``mean``, ``median`` or ``quantile``.",
+    "error_quantile": "The quantile of ``check_error_stat=\"quantile\"`` (and of the reported ``quantile_abs``).",
+}
+"""What each keyword option of :meth:`Tolerances.build` means: the docstrings of the functions
+:func:`tolerance_options` decorates list the options they take with these words."""
+
+_SECTIONS_AFTER_ARGS = ("Returns:", "Yields:", "Raises:", "Example:", "Examples:", "Note:", "Notes:")
+
+
+def _options_doc(doc: str | None, names: Sequence[str]) -> str:
+    """``doc`` with a ``Keyword Args:`` section for the options in ``names`` it does not document yet."""
+    text = inspect.cleandoc(doc or "")
+    lines = text.splitlines()
+    listed = {line.strip().split(":", 1)[0].split(" ", 1)[0] for line in lines if line.startswith("    ")}
+    missing = [n for n in names if n not in listed]
+    if not missing:
+        return text
+    section = ["Keyword Args:", *(f"    {n}: {TOLERANCE_OPTION_DOCS[n]}" for n in missing), ""]
+    at = next((i for i, line in enumerate(lines) if line in _SECTIONS_AFTER_ARGS), len(lines))
+    if at == len(lines):
+        section = ["", *section[:-1]]
+    return "\n".join([*lines[:at], *section, *lines[at:]])
+
+
 
 def tolerance_options(*names: str, positional: Sequence[str] = (), after: str = "") -> Callable[[_F], _F]:
     """Give a function that takes ``tolerances: Tolerances`` the keyword options of :meth:`Tolerances.build`.
@@ -563,7 +624,9 @@ def tolerance_options(*names: str, positional: Sequence[str] = (), after: str = 
     none is named; with the defaults of ``Tolerances.build``) before its ``tolerances``, which becomes optional: a call that gives
     no ``tolerances`` has it built from the options (a given one wins; the options are then
     ignored). The options in ``positional`` may also be passed by position, right after the
-    parameter ``after`` (``check_discrepancies(model, 1e-3, 0.1)``).
+    parameter ``after`` (``check_discrepancies(model, 1e-3, 0.1)``). The wrapper's ``__signature__``
+    is that signature (``inspect.signature``, ``help()``, the API pages), and its docstring lists
+    the options it does not document yet in a ``Keyword Args:`` section (:data:`TOLERANCE_OPTION_DOCS`).
 
     Example:
         >>> @tolerance_options("atol", "rtol")
@@ -596,6 +659,7 @@ def tolerance_options(*names: str, positional: Sequence[str] = (), after: str = 
             return func(**arguments)
 
         wrapper.__signature__ = public  # type: ignore[attr-defined]
+        wrapper.__doc__ = _options_doc(func.__doc__, [*positional, *(n for n in names if n not in positional)])
         return wrapper  # type: ignore[return-value]
 
     return decorate
@@ -692,25 +756,23 @@ def compare_call(
     """
     check_error_stat, error_quantile = tolerances.check_error_stat, tolerances.error_quantile
     per_output = per_output or any(_recorded_dtype(e) in tolerances.by_dtype for e in expected)
-    # Each output is converted to numpy once, here; compare_outputs and the per-output statistics share the arrays.
-    pairs = [
-        (None if e is None else _as_numpy(e), None if o is None else _as_numpy(o)) for e, o in zip(expected, obtained)
-    ]
-    cmp = compare_outputs(
-        [a for a, _ in pairs] if len(expected) == len(obtained) else expected,
-        [b for _, b in pairs] if len(expected) == len(obtained) else obtained,
-        atol=tolerances.atol, rtol=tolerances.rtol, hist=hist, skip_none=skip_none, scratch=scratch,
-    )  # fmt: skip
-    row = cmp.as_row()
     if not per_output or len(expected) != len(obtained):
-        return row, []
+        cmp = compare_outputs(
+            expected, obtained, atol=tolerances.atol, rtol=tolerances.rtol, hist=hist, skip_none=skip_none,
+            scratch=scratch,
+        )  # fmt: skip
+        return cmp.as_row(), []
+    # One pass per output gives its statistics and its part of the row (as compare_outputs counts it).
+    result = Comparison(hist=dict.fromkeys(hist, 0))
     checks: list[OutputCheck] = []
-    abs_errors: list[np.ndarray] = []  # the call's statistics need the absolute errors only
-    for i, ((e, o), (a, b)) in enumerate(zip(zip(expected, obtained), pairs)):
+    described: list[_Output] = []
+    stopped = False  # the row stops at a shape or dtype mismatch, as compare_outputs does
+    for i, (e, o) in enumerate(zip(expected, obtained)):
+        a, b = (None if e is None else _as_numpy(e)), (None if o is None else _as_numpy(o))
         name = names[i] if i < len(names) else f"output[{i}]"
         other = other_names[i] if other_names is not None and i < len(other_names) else None
         other = other if other != name else None
-        ref, array = (e, a) if e is not None else (o, b)
+        ref, array = (e, a) if a is not None else (o, b)
         array = array if array is not None else np.zeros(0)
         atol, rtol = tolerances.for_output(name, other or "", dtype=_dtype_text(array, ref))
         check = OutputCheck(
@@ -721,34 +783,52 @@ def compare_call(
         if a is None or b is None:
             if (a is None) != (b is None) and not skip_none:
                 check.success, check.error = False, "missing"
+                if not stopped:
+                    result.success, result.error = False, f"output {i}: missing"
             continue
         if a.shape != b.shape:
             check.success, check.error = False, f"shape {tuple(b.shape)}, expected {tuple(a.shape)}"
-            continue
-        if a.dtype != b.dtype and not (a.dtype.kind == b.dtype.kind == "f"):
+        elif a.dtype != b.dtype and not (a.dtype.kind == b.dtype.kind == "f"):
             check.success, check.error = False, f"dtype {b.dtype}, expected {a.dtype}"
+        if check.error:
+            if not stopped:
+                result.success, result.error, stopped = False, f"output {i}: {check.error}", True
             continue
-        stats, diff, _ = output_errors(a, b, atol=atol, rtol=rtol, quantile=error_quantile)
-        check.stats = stats
-        check.success = stat_passes(stats, atol=atol, rtol=rtol, check_error_stat=check_error_stat)
-        abs_errors.append(diff)
-    if abs_errors:
-        every = abs_errors[0] if len(abs_errors) == 1 else np.concatenate(abs_errors)
-        with np.errstate(over="ignore", invalid="ignore"):
-            row.update(
-                mean_abs=float(every.mean()) if every.size else 0.0,
-                median_abs=float(np.median(every)) if every.size else 0.0,
-                quantile_abs=float(np.quantile(every, error_quantile)) if every.size else 0.0,
-            )
-    else:
-        row.update(mean_abs=0.0, median_abs=0.0, quantile_abs=0.0)
+        out = _describe(a, b, atol=atol, rtol=rtol, quantile=error_quantile)
+        check.stats = out.stats
+        check.success = stat_passes(out.stats, atol=atol, rtol=rtol, check_error_stat=check_error_stat)
+        described.append(out)
+        if not stopped:
+            result.abs, result.rel = max(result.abs, out.abs), max(result.rel, out.rel)
+            result.sum += out.sum
+            result.n += out.stats.n
+            result.dnan += out.stats.dnan
+            for h in hist:
+                result.hist[h] += out.exceeding(h)
+    row = result.as_row()
+    row.update(_call_errors(described, error_quantile))
     scored = [c for c in checks if c.stats is not None or c.error]
     worst = max(scored, key=lambda c: math.inf if c.error else c.stats.max_abs, default=None)  # type: ignore[union-attr]
     exact = worst is not None and not worst.error and worst.stats is not None and worst.stats.max_abs == 0.0
     row["worst_output"] = worst.name if worst is not None and not exact else ""  # none is worse when all match
-    if cmp.error is None and not cmp.dnan:
+    if result.error is None and not result.dnan:
         row["SUCCESS"] = all(c.success is not False for c in checks)
+    else:
+        row["SUCCESS"] = False
     return row, checks
+
+
+def _call_errors(described: Sequence[_Output], quantile: float) -> dict[str, float]:
+    """``mean_abs``, ``median_abs``, ``quantile_abs`` over every element of a call's compared outputs."""
+    if len(described) == 1:  # the output's own statistics
+        stats = described[0].stats
+        return {"mean_abs": stats.mean_abs, "median_abs": stats.median_abs, "quantile_abs": stats.quantile_abs}
+    every = np.concatenate([d.diff for d in described]) if described else np.zeros(0)
+    if not every.size:
+        return {"mean_abs": 0.0, "median_abs": 0.0, "quantile_abs": 0.0}
+    mean = float(every.mean())
+    median, value = median_and_quantile(every, quantile)
+    return {"mean_abs": mean, "median_abs": median, "quantile_abs": value}
 
 
 def flatten_outputs(value: Any) -> list[torch.Tensor]:

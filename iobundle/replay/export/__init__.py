@@ -18,12 +18,10 @@ __all__ = [
     "ProgramsMode",
     "export_programs",
     "partition_calls",
-    # Dimensions and the batch check
+    # The batch check
     "BatchCheck",
-    "StaticDimHint",
-    "static_dim_hints",
 ]
 
-from iobundle.replay.export._dims import BatchCheck, StaticDimHint, static_dim_hints
+from iobundle.replay.export._dims import BatchCheck
 from iobundle.replay.export._export import CallCheck, ExportReport, export_onnx, export_program
 from iobundle.replay.export._phases import Phase, ProgramSet, ProgramsMode, export_programs, partition_calls

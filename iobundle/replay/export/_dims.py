@@ -1,14 +1,10 @@
-"""Dimensions beyond what the calls show: static axes that look like batch or sequence axes, other batch sizes.
+"""Dimensions beyond what the calls show: the exported program on a batch size no call had.
 
-A dimension is dynamic when its size varied across the recorded calls. One that never varied is
-exported static, and the checks on the recorded calls cannot notice: a seq2seq decoder recorded
-from one ``generate()`` accepts only the source length it was recorded with.
-:func:`static_dim_hints` names such axes from the structure of the calls (dimension 0 shared
-by every input: a batch; an axis of one size shared by several inputs at sequence positions: a
-prompt or encoder length), so that the user can make them dynamic (``dynamic=`` /
-``--dynamic NAME:AXIS``). :func:`check_other_batch` runs an exported program whose batch is
-dynamic on a recorded call cut (or repeated) to another batch size and compares it with the
-eager model and the recorded outputs.
+A dimension is dynamic when its size varied across the recorded calls; one that never varied is
+exported static (``iobundle.replay.infer.static_dim_hints`` names those that look like a batch or
+a sequence). :func:`check_other_batch` runs an exported program whose batch is dynamic on a
+recorded call cut (or repeated) to another batch size and compares it with the eager model and
+the recorded outputs.
 """
 
 from __future__ import annotations
@@ -22,114 +18,11 @@ import torch
 
 from iobundle.calls import RecordedCalls, tensor_keys
 from iobundle.replay.check import compare_outputs, flatten_outputs
-from iobundle.replay.infer import (
-    Alignment,
-    BatchSpec,
-    DynamicSpec,
-    align_calls,
-    flat_dynamic_dims,
-    infer_arguments,
-    owner_name,
-)
+from iobundle.replay.infer import Alignment, infer_arguments
 
-__all__ = ["BatchCheck", "StaticDimHint", "check_other_batch", "static_dim_hints"]
+__all__ = ["BatchCheck", "check_other_batch"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StaticDimHint:
-    """Axes exported static only because every recorded call had the same size there.
-
-    Attributes:
-        kind: ``"batch"`` (dimension 0 of every input) or ``"sequence"`` (an axis shared by several inputs).
-        size: The size every call had.
-        axes: ``(input name, axis)`` pairs.
-    """
-
-    kind: str
-    size: int
-    axes: tuple[tuple[str, int], ...]
-
-    @property
-    def flags(self) -> str:
-        """The ``--dynamic`` flags that make these axes dynamic."""
-        return " ".join(f"--dynamic {name}:{axis}" for name, axis in dict.fromkeys(self.axes))
-
-    def message(self) -> str:
-        where = ", ".join(f"{name} axis {axis}" for name, axis in dict.fromkeys(self.axes))
-        if self.kind == "batch":
-            return (
-                f"dimension 0 is {self.size} in every input of every call ({where}): it looks like the batch and is "
-                "exported static. Make it dynamic with --batch-all (set_batch_dimension_for=True) if the model "
-                "should accept other batch sizes."
-            )
-        return (
-            f"{where} are {self.size} in every call: it looks like a sequence length (a prompt or encoder length) "
-            f"and is exported static. Make it dynamic with {self.flags} (dynamic={{NAME: {{AXIS}}}}) if the model "
-            "should accept other lengths."
-        )
-
-
-def _sequence_axis(shape: tuple[int, ...], floating: bool) -> int | None:
-    """The axis of a tensor that holds positions in the usual layouts, or None.
-
-    ``(B, S)`` ids and masks: 1; ``(B, S, D)`` hidden states: 1; ``(B, H, S, D)`` attention caches: 2.
-    """
-    rank = len(shape)
-    if rank == 2 and not floating:
-        return 1
-    if rank == 3 and floating:
-        return 1
-    if rank == 4 and floating:
-        return 2
-    return None
-
-
-def static_dim_hints(rc: RecordedCalls, batch: BatchSpec = None, dynamic: DynamicSpec = None) -> list[StaticDimHint]:
-    """Axes that look like batch or sequence axes and are static only because every call had the same size.
-
-    Batch: dimension 0 of every tensor input has one size, shared by at least two inputs, and
-    some of them are static. Sequence: a static axis at a sequence position (see
-    :func:`_sequence_axis`) of size above 1 whose size appears at such a position in at least
-    two inputs (the encoder length in ``encoder_hidden_states``, the attention mask and the
-    cross-attention cache).
-
-    Raises:
-        AlignmentError: The recorded calls cannot be aligned.
-    """
-    alignment = align_calls(rc)
-    dims = flat_dynamic_dims(rc, alignment, batch, dynamic)
-    shapes: list[tuple[int, ...] | None] = []
-    floats: list[bool] = []
-    for index in range(len(alignment.owners)):
-        key = next((s[index] for s in alignment.slots if s[index] is not None), None)
-        shapes.append(None if key is None else tuple(rc.store.shape(key)))
-        floats.append(key is not None and rc.store.dtype(key).is_floating_point)
-    hints = []
-    firsts = {shape[0] for shape in shapes if shape}
-    owners = {alignment.owners[i] for i, shape in enumerate(shapes) if shape}
-    if len(firsts) == 1 and len(owners) > 1:
-        static = [
-            (owner_name(rc, alignment.owners[i]), 0) for i, shape in enumerate(shapes) if shape and 0 not in dims[i]
-        ]
-        if static:
-            hints.append(StaticDimHint("batch", firsts.pop(), tuple(static)))
-    by_size: dict[int, list[tuple[str, int]]] = collections.defaultdict(list)
-    for i, shape in enumerate(shapes):
-        if not shape:
-            continue
-        axis = _sequence_axis(shape, floats[i])
-        if axis is None or shape[axis] <= 1:
-            continue
-        dynamic_sizes = {shape[d] for d in dims[i]}
-        if axis in dims[i] or shape[axis] in dynamic_sizes:
-            continue
-        by_size[shape[axis]].append((owner_name(rc, alignment.owners[i]), axis))
-    for size, axes in sorted(by_size.items()):
-        if len({name for name, _ in axes}) > 1:
-            hints.append(StaticDimHint("sequence", size, tuple(dict.fromkeys(axes))))
-    return hints
 
 
 @dataclass

@@ -48,6 +48,7 @@ from iobundle.replay.infer import (
     select_call,
     spread_var_keyword,
     to_export_dims,
+    to_torch_dims,
 )
 from iobundle.schema import ObjectNode
 
@@ -178,7 +179,9 @@ def _plan(
     args, kwargs = infer_arguments(rc, traced, as_args_kwargs=True, alignment=alignment)
     ds = infer_dynamic_shapes(rc, batch, dim_names=dim_names, dynamic=dynamic)
     slot_names = None
-    if dim_names is not False:
+    if dim_names is False:
+        ds = to_torch_dims(ds)
+    else:
         ds, _ = to_export_dims(ds)  # one torch.export.Dim per name: equal names, one symbol
         slot_names = name_dims(
             rc, alignment, flat_dynamic_dims(rc, alignment, batch, dynamic), dim_names, fed_shapes(rc, alignment)
@@ -461,6 +464,7 @@ def export_program(
     return ep
 
 
+@tolerance_options("atol", "rtol", "output_atol", "output_rtol")
 def export_onnx(
     rc: RecordedCalls,
     model: torch.nn.Module,
@@ -469,11 +473,10 @@ def export_onnx(
     set_batch_dimension_for: Collection[int | str] | bool | None = None,
     strict: bool = False,
     check: bool = True,
-    atol: float = 1e-4,
-    rtol: float = 0.1,
     dynamic: DynamicSpec = None,
     dim_names: DimNamesSpec = False,
     on_progress: ProgressCallback | None = None,
+    tolerances: Tolerances,
 ) -> str:
     """Export ``model`` to ONNX at ``path`` through ``torch.export`` (checked on every call first).
 
@@ -483,18 +486,21 @@ def export_onnx(
     recorded output each graph output reproduces, so validation maps them through the exported
     program's signature rather than by guessing from names. With ``dim_names``, the graph's symbolic
     dimensions bear the names (``batch_size``, ``past_sequence_length``, ...). Weights of 256 MiB
-    or more are saved as external data, ``<path>.data`` beside the file.
+    or more are saved as external data, ``<path>.data`` beside the file. The arguments are those
+    of :func:`export_program`, the tolerance keywords of the check included.
 
     Raises:
         ExportError: ``torch.export`` or ``torch.onnx.export`` failed, or (with ``check``) the
             exported program does not reproduce a recorded call.
         BundleExistsError: ``path`` (or ``<path>.data``) is a symbolic link: nothing is written through one.
+        ToleranceError: A per-output tolerance names no recorded output (before anything is traced).
+
+    .. versionchanged:: 0.2
+        ``output_atol``, ``output_rtol`` and ``tolerances``, as :func:`export_program` takes them.
     """
     ep = export_program(
-        rc, model, set_batch_dimension_for=set_batch_dimension_for, strict=strict, check=check, atol=atol, rtol=rtol,
-        dynamic=dynamic,
-        dim_names=dim_names,
-        on_progress=on_progress,
+        rc, model, set_batch_dimension_for=set_batch_dimension_for, strict=strict, check=check, dynamic=dynamic,
+        dim_names=dim_names, on_progress=on_progress, tolerances=tolerances,
     )  # fmt: skip
     return save_onnx(rc, ep, path, on_progress=on_progress)
 

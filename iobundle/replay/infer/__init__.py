@@ -2,8 +2,11 @@
 
 Works on :class:`iobundle.calls.RecordedCalls` (from memory or from a bundle) and needs torch
 only: never onnx, onnxruntime or transformers (unless the calls hold transformers objects).
-Each stage is a module: align (``_align``), dynamic shapes (``_dynamic``), arguments
-(``_arguments``), dim names (``_dim_names``), what the calls hold (``_info``).
+Dynamic shapes and static-axis hints need no torch for a bundle: a dynamic dimension is
+:data:`DYNAMIC` until :func:`to_torch_dims` converts it. Each stage is a module: align
+(``_align``), dynamic shapes (``_dynamic``, its marker ``_dynamic_dim``), arguments
+(``_arguments``), dim names (``_dim_names``), static axes (``_static_dims``), what the calls
+hold (``_info``).
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ __all__ = [
     "owner_name",
     "phase_calls",
     # Dynamic shapes and dim names
+    "DYNAMIC",
     "BatchSpec",
     "DimNamesSpec",
+    "DynamicDim",
     "DynamicSpec",
     "empty_dims",
     "fed_shapes",
@@ -30,6 +35,10 @@ __all__ = [
     "onnx_axis_names",
     "rename_onnx_axes",
     "to_export_dims",
+    "to_torch_dims",
+    # Static axes that look dynamic
+    "StaticDimHint",
+    "static_dim_hints",
     # Arguments
     "aligned_tensors",
     "infer_arguments",
@@ -72,4 +81,6 @@ from iobundle.replay.infer._dim_names import (
     to_export_dims,
 )
 from iobundle.replay.infer._dynamic import empty_dims, fed_shapes, flat_dynamic_dims, infer_dynamic_shapes
+from iobundle.replay.infer._dynamic_dim import DYNAMIC, DynamicDim, to_torch_dims
 from iobundle.replay.infer._info import InputCandidate, ObservationInfo
+from iobundle.replay.infer._static_dims import StaticDimHint, static_dim_hints

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from iobundle._lazy import lazy_module
 from iobundle.calls import RecordedCalls
 from iobundle.errors import InputSelectionError
+from iobundle.replay.infer._dynamic_dim import DynamicDim
 from iobundle.schema import Node, ObjectNode, TensorNode
 
 if TYPE_CHECKING:
@@ -316,7 +317,7 @@ def _dims_dict(key: int | str, value: Any) -> Mapping[Any, Any]:
 
 
 def to_export_dims(dynamic_shapes: Any) -> tuple[Any, dict[str, str]]:
-    """Replace every name in ``dynamic_shapes`` by one shared ``torch.export.Dim`` per name.
+    """Replace every name in ``dynamic_shapes`` by one shared ``torch.export.Dim`` per name (and ``DYNAMIC`` by torch's).
 
     Returns:
         The converted structure and, per ``Dim`` name, the name it stands for (names that are
@@ -337,10 +338,13 @@ def to_export_dims(dynamic_shapes: Any) -> tuple[Any, dict[str, str]]:
             dims[name] = torch.export.Dim(ident)
         return dims[name]
 
+    def torch_hint(value: Any) -> Any:
+        return torch.export.Dim.DYNAMIC if isinstance(value, DynamicDim) else value
+
     def convert(value: Any) -> Any:
         if isinstance(value, dict):
             if value and all(isinstance(k, int) for k in value):
-                return {k: dim(v) if isinstance(v, str) else v for k, v in value.items()}
+                return {k: dim(v) if isinstance(v, str) else torch_hint(v) for k, v in value.items()}
             return {k: convert(v) for k, v in value.items()}
         if isinstance(value, tuple):
             return tuple(convert(v) for v in value)

@@ -1,4 +1,8 @@
-"""Dynamic shapes from aligned calls: which dimensions vary, which batch forcing adds, named ``Dim``s."""
+"""Dynamic shapes from aligned calls: which dimensions vary, which batch forcing adds, their names.
+
+The result is plain data (:data:`DYNAMIC` or a name per dynamic dimension), so that inferring from
+a bundle needs no torch; the stand-ins for absent tensors (:func:`_fill_tensor`) do.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from iobundle.calls import (
 from iobundle.errors import AlignmentError, DynamicShapeError
 from iobundle.replay.infer._align import Alignment, BatchSpec, DynamicSpec, align_calls
 from iobundle.replay.infer._dim_names import DimNamesSpec, name_dims
+from iobundle.replay.infer._dynamic_dim import DYNAMIC
 from iobundle.schema import (
     Node,
     ObjectNode,
@@ -187,13 +192,16 @@ def infer_dynamic_shapes(
     dim_names: DimNamesSpec = False,
     dynamic: DynamicSpec = None,
 ) -> tuple[Any, ...] | dict[str, Any]:
-    """Infer the ``dynamic_shapes`` argument of ``torch.export.export`` from the recorded calls.
+    """Infer the ``dynamic_shapes`` argument of ``torch.export.export`` from the recorded calls, torch-free.
+
+    Each dynamic dimension is :data:`DYNAMIC` (or its name with ``dim_names``);
+    :func:`~iobundle.replay.infer._dynamic_dim.to_torch_dims` makes torch's markers of them.
 
     Args:
         rc: The recorded calls.
         set_batch_dimension_for: Names or positions whose dim 0 is dynamic even if constant,
             or True for every input.
-        dim_names: False for ``Dim.DYNAMIC``; True or a dict for names (strings), see
+        dim_names: False for :data:`DYNAMIC`; True or a dict for names (strings), see
             :mod:`iobundle.replay.infer._dim_names`.
         dynamic: Axes to make dynamic even if their size never varied (see :data:`DynamicSpec`).
 
@@ -210,7 +218,7 @@ def infer_dynamic_shapes(
     def leaf(_: TensorNode) -> dict[int, Any]:
         index = next(it)
         if names is None:
-            return dict.fromkeys(flat[index], torch.export.Dim.DYNAMIC)
+            return dict.fromkeys(flat[index], DYNAMIC)
         return dict(names[index])
 
     ds_args = [map_structure(a, leaf) for a in best.args]
