@@ -1,8 +1,21 @@
-"""Shared by every test folder: the zoo runs first; a real S3 API on localhost (moto's server, through s3fs).
+"""Shared by every test folder: how pytest-xdist shares the suite out; a real S3 API on localhost (moto's server, through s3fs).
 
-The zoo's tests (``tests/zoo``) are the longest of the suite (each exports and validates a
-model in fresh processes): collected first, they start first, and pytest-xdist's workers
-share the rest of the suite around them instead of waiting on one last zoo test.
+``make test`` runs two pytest-xdist workers with ``--dist loadgroup``: a test is a unit of
+work of its own unless it carries an ``xdist_group`` mark, and every test of a group runs on
+one worker. Two rules keep the two workers busy and each expensive fixture built once:
+
+- **Tests that share a module-scoped fixture form a group.** Left as separate units, the
+  tests of one module go to both workers, and each worker builds the module's fixture (a
+  capture, an export, a replay in a fresh process) for itself. :func:`share_module_fixtures`
+  puts the tests that share one (directly or through another test) into one group; the
+  groups named by hand (``xdist_group`` marks, for session-scoped fixtures) join it.
+- **The longest units start first.** A worker takes the next unit in collection order
+  when it runs short, so a long unit collected last would leave the other worker idle at the
+  end. First the groups holding a test marked ``slow`` (one capture, export or replay shared
+  by several end-to-end tests: the longest units, such as the LLM families' replay), then the
+  other ``slow`` tests (a demo, a zoo family: each exports and validates a model in fresh
+  processes), then the other groups, then single tests, the many short ones that even out the
+  end; within each rank the order of the files is kept (see :func:`start_order`).
 
 The server runs in its own process, started once per test process (each pytest-xdist worker
 starts its own, on a port the operating system picks) and stopped at the end of the session.
@@ -25,12 +38,106 @@ from pathlib import Path
 
 import pytest
 
-ZOO = Path(__file__).resolve().parent / "zoo"
+TESTS = Path(__file__).resolve().parent
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Put the zoo's tests first, keeping the order of everything else (whole modules stay together)."""
-    items.sort(key=lambda item: ZOO not in item.path.parents)
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Iterator[None]:
+    """Group the tests that share a module-scoped fixture, then put the longest units first.
+
+    Runs before pytest-xdist's own hook, which appends each test's group to its node id in a
+    worker (the id is all the scheduler sees); checks afterwards that it did. With pytest 9.2
+    and pytest-xdist 3.8 it does not (pytest-xdist#1386: the groups are silently ignored and
+    every fixture is built on both workers), hence the pin of pytest below 9.2.
+    """
+    groups = share_module_fixtures(items)
+    items[:] = start_order(items, groups)
+    yield
+    if getattr(config.option, "loadgroup", False):  # set in pytest-xdist's workers under --dist loadgroup
+        for item in items:
+            if _named_groups(item) and "@" not in item.nodeid:
+                item.stash[LOST_GROUP] = (
+                    f"pytest-xdist did not put this test in its xdist_group {_named_groups(item)}: under "
+                    "--dist loadgroup each worker would build the fixtures it shares (pytest-xdist#1386); "
+                    "install the pytest and pytest-xdist versions of constraints.txt"
+                )
+
+
+LOST_GROUP = pytest.StashKey[str]()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Fail a test that pytest-xdist took out of its group (see :func:`pytest_collection_modifyitems`)."""
+    if LOST_GROUP in item.stash:
+        pytest.fail(item.stash[LOST_GROUP], pytrace=False)
+
+
+def _named_groups(item: pytest.Item) -> list[str]:
+    return [str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")]
+
+
+def share_module_fixtures(items: list[pytest.Item]) -> list[str | None]:
+    """Mark the tests that share a module-scoped fixture with one ``xdist_group``; each item's group (None: its own unit).
+
+    Tests are joined when they use the same module-scoped fixture of the same module, or the
+    same ``xdist_group`` name. Every test of a joined set gets every group name of the set,
+    so that pytest-xdist (which names a test's group after all its marks) sees one group.
+    """
+    parent = list(range(len(items)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first: dict[object, int] = {}  # a fixture (module, name) or a group name -> the first item that has it
+    keys: list[list[tuple[Path, str]]] = []
+    for index, item in enumerate(items):
+        defs = item._fixtureinfo.name2fixturedefs if isinstance(item, pytest.Function) else {}
+        fixtures = [
+            (item.path, name) for name in item.fixturenames if defs.get(name) and defs[name][-1].scope == "module"
+        ]
+        keys.append(fixtures)
+        for key in [*fixtures, *_named_groups(item)]:
+            parent[root(index)] = root(first.setdefault(key, index))
+    members: dict[int, list[int]] = {}
+    for index in range(len(items)):
+        members.setdefault(root(index), []).append(index)
+    groups: list[str | None] = [None] * len(items)
+    for indices in members.values():
+        named = sorted({name for i in indices for name in _named_groups(items[i])})
+        if len(indices) == 1 and not named:
+            continue  # a test alone: its own unit
+        if not named:  # a group by fixture, named after the first one: "replay/test_report.py:result"
+            path, fixture = next(key for i in indices for key in keys[i])
+            named = [f"{(path.relative_to(TESTS) if path.is_relative_to(TESTS) else path).as_posix()}:{fixture}"]
+        for i in indices:
+            for name in sorted(set(named) - set(_named_groups(items[i]))):
+                items[i].add_marker(pytest.mark.xdist_group(name))
+            groups[i] = "_".join(named)
+    return groups
+
+
+def start_order(items: list[pytest.Item], groups: list[str | None]) -> list[pytest.Item]:
+    """The items, their units ranked: groups with a ``slow`` test, other ``slow`` tests, other groups, single tests.
+
+    A group takes the rank of its highest-ranked test; within a rank the items keep the
+    order of the collection (so a group's place is that of its first test).
+    """
+    rank: dict[str, int] = {}
+    for item, group in zip(items, groups):
+        unit = group or item.nodeid
+        slow = item.get_closest_marker("slow") is not None
+        here = 0 if slow and group else 1 if slow else 2 if group else 3
+        rank[unit] = min(rank.get(unit, here), here)
+    return [
+        item
+        for _, _, item in sorted(
+            ((rank[group or item.nodeid], index, item) for index, (item, group) in enumerate(zip(items, groups))),
+            key=lambda entry: entry[:2],
+        )
+    ]
 
 
 # The server prints the port the system gave it, then serves until its standard input closes.

@@ -50,7 +50,7 @@ from iobundle.calls._dtypes import ITEMSIZES, NAME_TO_DTYPE
 from iobundle.calls._hashing import new_hasher
 from iobundle.calls._tensorfile_write import parse_header, read_exactly, tensor_span
 from iobundle.errors import IntegrityError, TensorFileError, UnsafeBundleError
-from iobundle.schema import MEMBER_NAME_RULE, FileEntry, Manifest, TensorEntry, is_member_name
+from iobundle.schema import MEMBER_NAME_RULE, FileEntry, Manifest, TensorInfo, is_member_name, tensor_rows
 
 if TYPE_CHECKING:
     import torch
@@ -334,9 +334,18 @@ def check_digest(name: str, entry: FileEntry, digest: str) -> None:
         )
 
 
-def _read_header(path: Member, name: str) -> tuple[dict[str, Any], int, int]:
-    """Return ``(header, data_start, file_size)`` of a safetensors file, reading nothing past the header."""
+def _read_header(path: Member, name: str, expected: int | None = None) -> tuple[dict[str, Any], int, int]:
+    """Return ``(header, data_start, file_size)`` of a safetensors file, reading nothing past the header.
+
+    Raises:
+        IntegrityError: ``expected`` is given and is not the file's size.
+    """
     f, size = _open_member(path, name)
+    if expected is not None and size != expected:
+        f.close()
+        raise IntegrityError(
+            f"{name}: {size} bytes, the manifest says {expected}. The file is truncated or was changed."
+        )
     try:
         with f:
             header, data_start = parse_header(name, size, f.read)
@@ -377,13 +386,14 @@ def _read_small(path: Member, name: str, entry: FileEntry, *, hash_check: bool) 
     return data
 
 
-def stored_shape(entry: TensorEntry, base: TensorEntry | None) -> list[int]:
+def stored_shape(entry: TensorInfo, base: TensorInfo | None) -> tuple[int, ...]:
     """The shape of what the file holds for ``entry``: the whole tensor, or its part past ``base`` (what it extends)."""
     if entry.extends is None or base is None:
-        return list(entry.shape)
+        return entry.shape
+    dim = entry.extends[1]
     shape = list(entry.shape)
-    shape[entry.extends.dim] -= base.shape[entry.extends.dim]
-    return shape
+    shape[dim] -= base.shape[dim]
+    return tuple(shape)
 
 
 def read_sized_member(path: Member, name: str, size: int) -> bytearray:
@@ -401,29 +411,32 @@ def read_sized_member(path: Member, name: str, size: int) -> bytearray:
     return data
 
 
-def _tensor_span(name: str, header: dict[str, Any], entry: TensorEntry, key: str, data_len: int) -> tuple[int, int]:
+def _tensor_span(name: str, header: dict[str, Any], entry: TensorInfo, key: str, data_len: int) -> tuple[int, int]:
     """Check one tensor of the header against its manifest entry; return its byte span in the data area."""
     return tensor_span(name, header, entry.name, dtype=entry.dtype, shape=entry.shape, data_len=data_len, key=key)
 
 
 def check_file_header(
-    path: Member, name: str, entries: dict[str, TensorEntry]
+    path: Member, name: str, entries: dict[str, TensorInfo], *, size: int | None = None
 ) -> tuple[dict[str, tuple[int, int]], int, int]:
     """Check the header of bundle member ``name`` against the manifest entries of the tensors it holds.
+
+    With ``size`` (the manifest's), the file's size is checked first, on the same open file.
 
     Returns:
         ``(spans, data_start, file_size)``: per tensor key, its ``[begin, end)`` span in the data area.
 
     Raises:
         TensorFileError: The header is unreadable, or disagrees with the manifest.
+        IntegrityError: The file does not have ``size`` bytes.
     """
-    header, data_start, size = _read_header(path, name)
+    header, data_start, size = _read_header(path, name, size)
     spans = {key: _tensor_span(name, header, entry, key, size - data_start) for key, entry in entries.items()}
     return spans, data_start, size
 
 
 class _OpenFile:
-    def __init__(self, name: str, path: Member, entries: dict[str, TensorEntry]) -> None:
+    def __init__(self, name: str, path: Member, entries: dict[str, TensorInfo]) -> None:
         self.name = name
         self.spans, self.data_start, size = check_file_header(path, name, entries)
         self.data: torch.Tensor | None = None
@@ -439,7 +452,7 @@ class _OpenFile:
                 raise TensorFileError(f"{name}: cannot be memory-mapped ({exc}).") from exc
 
     @classmethod
-    def from_bytes(cls, name: str, data: bytearray, entries: dict[str, TensorEntry]) -> _OpenFile:
+    def from_bytes(cls, name: str, data: bytearray, entries: dict[str, TensorInfo]) -> _OpenFile:
         """The file whose whole content is ``data`` (read by :func:`_read_small`); tensors view it."""
         position = 0
 
@@ -459,7 +472,7 @@ class _OpenFile:
         return self
 
     @classmethod
-    def segment(cls, name: str, data: torch.Tensor | None, entries: dict[str, TensorEntry]) -> _OpenFile:
+    def segment(cls, name: str, data: torch.Tensor | None, entries: dict[str, TensorInfo]) -> _OpenFile:
         """The segment whose bytes ``data`` holds (read whole, or mapped); spans from the entries' offsets.
 
         The offsets were checked against the ranges when the manifest was read (and ``data`` holds them all).
@@ -475,7 +488,7 @@ class _OpenFile:
         self.data = data
         return self
 
-    def tensor(self, entry: TensorEntry, key: str) -> torch.Tensor:
+    def tensor(self, entry: TensorInfo, key: str) -> torch.Tensor:
         begin, end = self.spans[key]
         dtype = NAME_TO_DTYPE[entry.dtype]
         if end == begin or self.data is None:
@@ -501,23 +514,22 @@ class BundleTensorStore:
         self.bundle_root: Root = BundleRoot(root) if bundle_root is None else bundle_root
         self.manifest = manifest
         self.verify = verify
+        self._rows = tensor_rows(manifest)  # the compact rows opening kept: no TensorEntry is built
         self._files: dict[str, _OpenFile] = {}
-        self._by_file: dict[str, dict[str, TensorEntry]] | None = None
+        self._by_file: dict[str, dict[str, TensorInfo]] | None = None
         self._cache: dict[str, torch.Tensor] = {}
-        self._shapes: dict[str, tuple[int, ...]] = {}  # filled by check_sizes()
         self._lock = threading.Lock()
 
-    def _entry(self, key: str) -> TensorEntry:
+    def _entry(self, key: str) -> TensorInfo:
         try:
-            return self.manifest.tensors[key]
+            return self._rows[key]
         except (KeyError, TypeError):
             raise TensorFileError(
                 f"Tensor {key!r} is referenced by a call but missing from the manifest's tensors."
             ) from None
 
     def shape(self, key: str) -> tuple[int, ...]:
-        shape = self._shapes.get(key) if isinstance(key, str) else None
-        return tuple(self._entry(key).shape) if shape is None else shape
+        return self._entry(key).shape
 
     def dtype(self, key: str) -> torch.dtype:
         return NAME_TO_DTYPE[self._entry(key).dtype]
@@ -529,12 +541,12 @@ class BundleTensorStore:
     def shapes(self, keys: list[str]) -> list[tuple[int, ...]]:
         """``[shape(key) for key in keys]``, looked up in one pass (what inference compares across calls)."""
         try:
-            return list(map(self._shapes.__getitem__, keys))
+            return [row.shape for row in map(self._rows.__getitem__, keys)]
         except (KeyError, TypeError):
             return [self.shape(key) for key in keys]  # raises for an unknown key
 
     def check_sizes(self) -> None:
-        """Check that every tensor lives in a listed file that is large enough for what it stores; index the shapes.
+        """Check that every tensor lives in a listed file that is large enough for what it stores.
 
         An extension (format version 2) stores the part past the tensor it extends. Nothing is
         read: the sizes are the manifest's, and each file's real size is checked when it is opened.
@@ -542,42 +554,37 @@ class BundleTensorStore:
         Raises:
             UnsafeBundleError: A tensor lives in an unlisted file or needs more bytes than its file has.
         """
-        tensors = self.manifest.tensors
+        rows = self._rows
         sizes = {name: file.size for name, file in self.manifest.files.items()}
         itemsize = ITEMSIZES
-        shapes = self._shapes
         prod = math.prod
-        for key, entry in tensors.items():
-            size = sizes.get(entry.file)
+        for key, (file, _, dtype, shape, _, extends, offset) in rows.items():
+            size = sizes.get(file)
             if size is None:
-                raise UnsafeBundleError(f"tensors[{key!r}].file: {entry.file!r} is not listed in the manifest's files.")
-            shape = entry.shape
-            nbytes = prod(shape) * itemsize[entry.dtype]
-            extends = entry.extends
-            if extends is not None and nbytes and (base := tensors.get(extends.key)) is not None:
-                length = shape[extends.dim]  # the manifest's checks: the base is no longer along dim
-                nbytes = nbytes // length * (length - base.shape[extends.dim])
-            if nbytes > size or (entry.offset is not None and entry.offset + nbytes > size):
+                raise UnsafeBundleError(f"tensors[{key!r}].file: {file!r} is not listed in the manifest's files.")
+            nbytes = prod(shape) * itemsize[dtype]
+            if extends is not None and nbytes and (base := rows.get(extends[0])) is not None:
+                dim = extends[1]
+                length = shape[dim]  # the manifest's checks: the base is no longer along dim
+                nbytes = nbytes // length * (length - base.shape[dim])
+            if nbytes > size or (offset is not None and offset + nbytes > size):
                 raise UnsafeBundleError(
-                    f"tensors[{key!r}]: {entry.dtype} {entry.shape} needs {nbytes} bytes but its file "
-                    f"{entry.file!r} has {size}."
+                    f"tensors[{key!r}]: {dtype} {list(shape)} needs {nbytes} bytes but its file {file!r} has {size}."
                 )
-            shapes[key] = tuple(shape)
 
-    def file_entries(self, name: str) -> dict[str, TensorEntry]:
+    def file_entries(self, name: str) -> dict[str, TensorInfo]:
         """The tensors stored in file ``name`` as the file holds them (indexed once).
 
-        An extension's entry gets the shape of its stored part (and no ``extends``).
+        An extension's row gets the shape of its stored part (and no ``extends``).
         """
         by_file = self._by_file
         if by_file is None:
             by_file = {}
-            tensors = self.manifest.tensors
-            for key, entry in tensors.items():
-                if entry.extends is not None:
-                    shape = stored_shape(entry, tensors[entry.extends.key])
-                    entry = entry.model_copy(update={"shape": shape, "extends": None})
-                by_file.setdefault(entry.file, {})[key] = entry
+            rows = self._rows
+            for key, row in rows.items():
+                if row.extends is not None:
+                    row = row._replace(shape=stored_shape(row, rows[row.extends[0]]), extends=None)
+                by_file.setdefault(row.file, {})[key] = row
             self._by_file = by_file
         return by_file.get(name, {})
 
@@ -643,7 +650,7 @@ class BundleTensorStore:
             return self._stored(key)
         parts = []
         while entry.extends is not None:  # the manifest's checks bound the chain and rule out cycles
-            parts.append((self._stored(key), entry.extends.dim))
-            key = entry.extends.key
+            parts.append((self._stored(key), entry.extends[1]))
+            key = entry.extends[0]
             entry = self._entry(key)
         return rebuild(self._stored(key), parts[::-1])

@@ -278,8 +278,7 @@ def parse_header(name: str, size: int, read: Callable[[int], bytes]) -> tuple[di
     return header, 8 + header_len
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+_INT = frozenset({int})
 
 
 def tensor_span(
@@ -317,15 +316,15 @@ def tensor_span(
     if (
         dtype is None
         or found_dtype != dtype
-        or not isinstance(found_shape, list)
-        or not all(_is_int(d) for d in found_shape)
+        or type(found_shape) is not list
+        or not set(map(type, found_shape)) <= _INT  # a parsed header: an int is of type int (True == 1)
         or found_shape != list(shape)
     ):
         raise TensorFileError(
             f"{name}: {label} is {found_dtype!r} {found_shape!r} in the file, {dtype} {list(shape)} {expected_by}."
         )
     offsets = info.get("data_offsets")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
+    if type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int or type(offsets[1]) is not int:
         raise TensorFileError(f"{name}: {label} has invalid data_offsets {offsets!r}.")
     begin, end = offsets
     expected = ITEMSIZES[dtype]

@@ -151,7 +151,9 @@ def _dtype(name: str) -> str:
 
 def format_tensor(manifest: Manifest, key: str) -> str:
     """``2x3 f32`` for the tensor stored under ``key`` (from the manifest, no data read)."""
-    entry = manifest.tensors.get(key)
+    from iobundle.schema import tensor_rows  # the manifest is loaded, so schema already is
+
+    entry = tensor_rows(manifest).get(key)  # the rows opening kept: no tensor entry built
     if entry is None:
         return f"<missing tensor {key}>"
     shape = "x".join(map(str, entry.shape)) if entry.shape else "scalar"
@@ -294,7 +296,9 @@ class CallRun:
 
     def shape_text(self, manifest: Manifest) -> TensorText:
         """The text of each tensor of the first call, with the sizes of every call: ``1x2x5..1003x8 f32``."""
-        tensors = manifest.tensors
+        from iobundle.schema import tensor_rows
+
+        tensors = tensor_rows(manifest)
         texts = {}
         for column in zip(*self.keys):  # one tensor position, its key in every call
             entries = list(map(tensors.__getitem__, column))
@@ -304,7 +308,9 @@ class CallRun:
 
     def _split(self, manifest: Manifest) -> list[CallRun]:
         """This run cut where a tensor position changes dtype or rank, or names a tensor the manifest lacks."""
-        tensors = manifest.tensors
+        from iobundle.schema import tensor_rows
+
+        tensors = tensor_rows(manifest)
         if len(self.calls) == 1 or all(_uniform(tensors, column) for column in zip(*self.keys)):
             return [self]
         runs: list[CallRun] = []
@@ -343,13 +349,17 @@ def call_runs(manifest: Manifest) -> list[CallRun]:
     (``iobundle.schema.call_key``: names, containers, classes and their contexts, scalars,
     constants, placeholders) and, tensor by tensor, the same dtype and rank. A call that passes one tensor twice is a run of its own.
     """
-    from iobundle.schema import call_key  # the manifest is loaded, so schema already is
+    from iobundle.schema import call_key, deferred_calls, deferred_shape  # the manifest is loaded: schema is
 
     runs: list[CallRun] = []
     last: Any = None
-    for call in manifest.calls:
-        keys: list[str] = []
-        skeleton = (call.status, call_key(call, keys))
+    for call in deferred_calls(manifest):
+        deferred = deferred_shape(call)  # a call opened from format version 3: known per structure, trees unbuilt
+        if deferred is None:
+            keys: list[str] = []
+            skeleton = (call.status, call_key(call, keys))
+        else:
+            skeleton, keys = (call.status, deferred[0]), deferred[1]
         unique = len(set(keys)) == len(keys)
         if unique and runs and last == skeleton:
             runs[-1].calls.append(call)
@@ -476,7 +486,9 @@ def format_inspect(
     only in tensor sizes, each size shown as the range it spans: ``1x2x5..1003x8 f32``, see
     :func:`call_runs`) or ``"auto"`` (every call up to :data:`MAX_CALL_ROWS` calls, runs beyond).
     """
-    calls = manifest.calls
+    from iobundle.schema import deferred_calls, tensor_rows
+
+    calls = deferred_calls(manifest)  # format version 3: the calls' trees are built for the rows shown only
     statuses: dict[str, int] = {}
     for call in calls:
         statuses[call.status] = statuses.get(call.status, 0) + 1
@@ -492,7 +504,7 @@ def format_inspect(
     lines += [
         f"method     {_signature(manifest)}",
         f"calls      {len(calls)}" + (f" ({status_text})" if calls else ""),
-        f"tensors    {len(manifest.tensors)} in {len(manifest.files)} files, {format_size(total)}",
+        f"tensors    {len(tensor_rows(manifest))} in {len(manifest.files)} files, {format_size(total)}",
     ]
     for entry in manifest.value_if_missing:
         key = entry.key if isinstance(entry.key, str) else _arg_name(manifest, entry.key)

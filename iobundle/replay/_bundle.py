@@ -26,7 +26,16 @@ from iobundle.replay._api import RecordedCallsAPI
 from iobundle.replay._archive import ArchiveRoot, open_archive
 from iobundle.replay._remote import RemoteRoot
 from iobundle.replay.infer import call_shape
-from iobundle.schema import MANIFEST_FILENAME, CallEntry, Manifest, load_manifest, parse_manifest
+from iobundle.schema import (
+    MANIFEST_FILENAME,
+    CallEntry,
+    Manifest,
+    deferred_calls,
+    deferred_keys,
+    load_manifest,
+    parse_manifest,
+    tensor_rows,
+)
 
 __all__ = ["Bundle", "load_bundle"]
 
@@ -46,7 +55,7 @@ class Bundle(RecordedCallsAPI):
         self._store = BundleTensorStore(path, manifest, verify=verify, bundle_root=source)
         self._rc = RecordedCalls(
             signature=manifest.signature,
-            calls=list(manifest.calls),
+            calls=list(deferred_calls(manifest)),  # format version 3: trees built when a call is read
             store=self._store,
             value_if_missing=list(manifest.value_if_missing),
         )
@@ -145,9 +154,14 @@ class Bundle(RecordedCallsAPI):
         notify(on_progress, "verify", 0, total, unit=BYTES)
         for name, entry in files.items():
             try:
-                path = check_file(self._store.bundle_root, name, entry, hash_check=hashes)
-                if name in self.manifest.files and entry.ranges is None:  # a segment has no header
-                    check_file_header(path, name, self._store.file_entries(name))
+                segment = entry.ranges is not None  # a segment has no header
+                if not hashes and name in self.manifest.files and not segment:  # one open: its size, then its header
+                    path = self._store.bundle_root.member(name)
+                    check_file_header(path, name, self._store.file_entries(name), size=entry.size)
+                else:
+                    path = check_file(self._store.bundle_root, name, entry, hash_check=hashes)
+                    if name in self.manifest.files and not segment:
+                        check_file_header(path, name, self._store.file_entries(name))
             except IobundleError as exc:
                 problems.append(str(exc))
             done += entry.size
@@ -175,11 +189,15 @@ def _check_references(store: BundleTensorStore, manifest: Manifest) -> None:
     keys: list[str] = []
     for e in manifest.value_if_missing:
         collect_tensor_keys(e.value, keys)
-    for call in manifest.calls:
+    for call in deferred_calls(manifest):
+        listed = deferred_keys(call)  # format version 3: the keys of the row, no tree walked
+        if listed is not None:
+            keys += listed
+            continue
         keys += call_shape(call).keys  # the inputs' keys (inference reuses the walk)
         if call.outputs is not None:
             collect_tensor_keys(call.outputs, keys)
-    if not all(map(manifest.tensors.__contains__, keys)):
+    if not all(map(tensor_rows(manifest).__contains__, keys)):
         _report_unknown_key(manifest)
 
 

@@ -12,8 +12,12 @@ __all__ = [
     "CompactManifest",
     "ProgramEntry",
     "ProgramIndex",
+    "TensorInfo",
     "call_key",
     "collect_tensor_keys",
+    "deferred_calls",
+    "deferred_keys",
+    "deferred_shape",
     "dump_manifest",
     "is_member_name",
     "journal_call_line",
@@ -24,6 +28,7 @@ __all__ = [
     "manifest_json_schema",
     "parse_journal",
     "parse_manifest",
+    "tensor_rows",
     "tree_key",
     "validate_manifest",
     "write_manifest",
@@ -37,6 +42,7 @@ from pydantic import TypeAdapter
 
 from iobundle.schema import _manifest
 from iobundle.schema._compact import CompactManifest
+from iobundle.schema._deferred import TensorInfo, deferred_calls, deferred_keys, deferred_shape, tensor_rows
 from iobundle.schema._io import (
     JOURNAL_FILENAME,
     MANIFEST_FILENAME,

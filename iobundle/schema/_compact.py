@@ -59,13 +59,15 @@ creates no file and pays no header. Its record gives ``ranges`` instead of ``dig
   own safetensors file (``calls/NNNNNN.safetensors``, as in version 3), memory-mapped when read.
 
 Reading checks everything versions 1 and 2 check (limits, tensor ranks and sizes, extensions) and
-builds the trees of the calls from their structures: tensor-free parts of a structure are built once
-and shared by the calls that have it, and the tensor nodes of a key are one object.
+keeps compact rows (:mod:`iobundle.schema._deferred`); a call's trees are built from its structure
+when first asked for: tensor-free parts of a structure are built once and shared by the calls that
+have it, and the tensor nodes of a key are one object.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import operator
 import re
 from collections.abc import Callable, Hashable, Iterable
@@ -75,6 +77,14 @@ import pydantic
 from pydantic import BaseModel, Field, JsonValue, StrictInt, StrictStr, TypeAdapter
 
 from iobundle.errors import ManifestError, UnsafeBundleError
+from iobundle.schema._deferred import (
+    CompactStructure,
+    CompactTables,
+    DeferredCall,
+    TensorInfo,
+    deferred_call,
+    deferred_manifest,
+)
 from iobundle.schema._manifest import (
     DTYPE_ITEMSIZES,
     DTYPES,
@@ -279,6 +289,7 @@ _OPTION_FIELDS = frozenset({"device", "name"})
 _STATUSES = frozenset({"ok", "failed", "incomplete"})
 _DTYPES = frozenset(DTYPES)
 _INT_ONLY = frozenset({int})
+_STR_ONLY = frozenset({str})
 _HEX = {n: re.compile(f"[0-9a-f]{{{n}}}") for n in set(HASH_ALGORITHMS.values())}
 
 # -- writing ----------------------------------------------------------------------------------
@@ -519,10 +530,11 @@ class _Reader:
 
         return build, None
 
-    def structure(self, s: CallStructure, where: str) -> tuple[int, Callable[[list[TensorNode]], tuple[Any, ...]]]:
+    def structure(self, s: CallStructure, where: str) -> CompactStructure:
         counter = [0]
         args = [self.compile(a, f"{where}.args[{j}]", counter) for j, a in enumerate(s.args)]
         kwargs = [(k, *self.compile(v, f"{where}.kwargs[{k!r}]", counter)) for k, v in s.kwargs.items()]
+        n_inputs = counter[0]
         outputs = None if s.outputs is None else self.compile(s.outputs, f"{where}.outputs", counter)
         cst, filled = s.cst_kwargs, s.filled
 
@@ -535,20 +547,19 @@ class _Reader:
                 None if outputs is None else (outputs[1] if outputs[0] is None else outputs[0](nodes)),
             )
 
-        return counter[0], build
+        return CompactStructure(counter[0], n_inputs, build)
 
     # -- the bulk: calls and files
 
-    def calls(self, raw: Any, structures: list[tuple[int, Callable[[list[str]], tuple[Any, ...]]]]) -> list[Any]:
+    def calls(self, raw: Any, tables: CompactTables) -> list[DeferredCall]:
         if not isinstance(raw, list):
             self.fail("calls", f"expected a list, found {type(raw).__name__}")
         out = []
+        structures = tables.structures
         n_structures = len(structures)
         call_fields = _CALL_FIELDS
-        nodes: dict[str, TensorNode] = {}
-        get_node = nodes.get
-        node_fields = _FIELDS[TensorNode]
         seen: dict[int, int] = {}
+        make = deferred_call
         for i, rec in enumerate(raw):
             if type(rec) is not dict:
                 self.fail(f"calls[{i}]", f"expected an object, found {type(rec).__name__}")
@@ -562,22 +573,13 @@ class _Reader:
                 self.fail(f"calls[{i}].index", duplicate_call_index(index, first))
             if type(s) is not int or not 0 <= s < n_structures:
                 self.fail(f"calls[{i}].structure", f"{_short(s)} is not one of the {n_structures} structures")
-            n_slots, build = structures[s]
-            if type(keys) is not list or len(keys) != n_slots:
+            structure = structures[s]
+            if type(keys) is not list or len(keys) != structure.n_slots:
                 found = f"{len(keys)} keys" if type(keys) is list else _short(keys)
-                self.fail(f"calls[{i}].keys", f"structure {s} has {n_slots} tensor slots, found {found}")
-            tensor_nodes = []
-            for k in keys:
-                node = get_node(k) if type(k) is str else None
-                if node is None:
-                    if type(k) is not str:
-                        self.fail(f"calls[{i}].keys", f"a key must be a string, found {_short(k)}")
-                    node = nodes[k] = _new(TensorNode)
-                    _setattr(node, "__dict__", {"kind": "tensor", "key": k})
-                    _setattr(node, "__pydantic_fields_set__", node_fields)
-                    _setattr(node, "__pydantic_extra__", None)
-                    _setattr(node, "__pydantic_private__", None)
-                tensor_nodes.append(node)
+                self.fail(f"calls[{i}].keys", f"structure {s} has {structure.n_slots} tensor slots, found {found}")
+            if not set(map(type, keys)) <= _STR_ONLY:
+                bad = next(k for k in keys if type(k) is not str)
+                self.fail(f"calls[{i}].keys", f"a key must be a string, found {_short(bad)}")
             status, error, latency = rec.get("status", "ok"), rec.get("error"), rec.get("latency")
             if type(status) is not str or status not in _STATUSES:
                 self.fail(f"calls[{i}].status", f"{_short(status)} is not one of {sorted(_STATUSES)}")
@@ -587,23 +589,8 @@ class _Reader:
                 if type(latency) is not int:
                     self.fail(f"calls[{i}].latency", f"expected a number or null, found {_short(latency)}")
                 latency = float(latency)
-            args, kwargs, cst, filled, outputs = build(tensor_nodes)
-            out.append(
-                _make(
-                    CallEntry,
-                    {
-                        "index": index,
-                        "status": status,
-                        "error": error,
-                        "args": args,
-                        "kwargs": kwargs,
-                        "cst_kwargs": cst,
-                        "filled": filled,
-                        "outputs": outputs,
-                        "latency": latency,
-                    },
-                )
-            )
+            values = {"index": index, "status": status, "error": error, "latency": latency}
+            out.append(make(tables, structure, keys, values))
         return out
 
     def ranges(self, raw: Any, size: int, algorithm: str, where: str) -> list[tuple[int, int, int, str]]:
@@ -635,28 +622,27 @@ class _Reader:
         if count > self.max_tensors:
             self.too_many("tensors", count, self.max_tensors)
         files: dict[str, Any] = {}
-        tensors: dict[str, Any] = {}
-        info: dict[str, tuple[str, tuple[int, ...], int]] = {}  # key -> dtype, shape, chain depth
-        good_shapes: set[tuple[int, ...]] = set()
-        good_pairs: set[tuple[tuple[int, ...], tuple[int, ...], int]] = set()
-        te_fields, ext_fields = _FIELDS[TensorEntry], _FIELDS[Extension]
-        max_chain = self.max_chain
+        tensors: dict[str, TensorInfo] = {}
+        depths: dict[str, int] = {}  # per extension, the length of its chain (other tensors: 0)
+        max_chain, max_rank, max_elements = self.max_chain, self.max_rank, self.max_elements
+        prod = math.prod
         int_only = _INT_ONLY
-        make_obj, set_slot = _new, _setattr
+        row_of = TensorInfo
         dtypes = _DTYPES
+        file_fields, hex_of, algorithms = _FILE_FIELDS, _HEX, HASH_ALGORITHMS
         for name, rec in raw.items():
-            where = f"files[{name!r}]"
             if type(rec) is not dict:
-                self.fail(where, f"expected an object, found {type(rec).__name__}")
-            if not rec.keys() <= _FILE_FIELDS:
-                self.fail(where, f"unknown field {sorted(rec.keys() - _FILE_FIELDS)[0]!r}")
+                self.fail(f"files[{name!r}]", f"expected an object, found {type(rec).__name__}")
+            if not rec.keys() <= file_fields:
+                self.fail(f"files[{name!r}]", f"unknown field {sorted(rec.keys() - file_fields)[0]!r}")
             size, algorithm, digest = rec.get("size"), rec.get("hash", default_hash), rec.get("digest")
             if type(size) is not int or size < 0:
-                self.fail(f"{where}.size", f"expected an integer >= 0, found {_short(size)}")
-            if type(algorithm) is not str or algorithm not in HASH_ALGORITHMS:
-                self.fail(f"{where}.hash", f"{_short(algorithm)} is not one of {sorted(HASH_ALGORITHMS)}")
+                self.fail(f"files[{name!r}].size", f"expected an integer >= 0, found {_short(size)}")
+            if type(algorithm) is not str or algorithm not in algorithms:
+                self.fail(f"files[{name!r}].hash", f"{_short(algorithm)} is not one of {sorted(algorithms)}")
             ranges = None
             if "ranges" in rec:
+                where = f"files[{name!r}]"
                 if version < 4:
                     self.fail(f"{where}.ranges", f"segments are a format_version 4 field; this manifest says {version}")
                 if digest is not None:
@@ -664,22 +650,21 @@ class _Reader:
                 ranges = self.ranges(rec["ranges"], size, algorithm, where)
                 ends = [start + length for _, start, length, _ in ranges]
                 position, current = 0, 0  # the next tensor's offset, the range it starts in
-            else:
-                n = HASH_ALGORITHMS[algorithm]
-                if type(digest) is not str or not _HEX[n].fullmatch(digest):
-                    self.fail(
-                        f"{where}.digest",
-                        f"expected {n} lowercase hex digits (a {algorithm} digest), found {_short(digest)}",
-                    )
+            elif type(digest) is not str or not hex_of[algorithms[algorithm]].fullmatch(digest):
+                self.fail(
+                    f"files[{name!r}].digest",
+                    f"expected {algorithms[algorithm]} lowercase hex digits (a {algorithm} digest), "
+                    f"found {_short(digest)}",
+                )
             files[name] = _make(
                 FileEntry, {"size": size, "sha256": None, "hash": algorithm, "digest": digest, "ranges": ranges}
             )
             rows = rec.get("tensors", {})
             if type(rows) is not dict:
-                self.fail(f"{where}.tensors", f"expected an object, found {type(rows).__name__}")
+                self.fail(f"files[{name!r}].tensors", f"expected an object, found {type(rows).__name__}")
             for key, row in rows.items():
-                if key in info:
-                    self.fail(f"{where}.tensors[{key!r}]", "a tensor listed a second time")
+                if key in tensors:
+                    self.fail(f"files[{name!r}].tensors[{key!r}]", "a tensor listed a second time")
                 n = len(row) if type(row) is list else 0
                 options = None
                 if n == 2:
@@ -691,91 +676,87 @@ class _Reader:
                     dtype, shape, ext, options = row
                 else:
                     self.fail(
-                        f"{where}.tensors[{key!r}]", f"expected [dtype, shape, extends?, options?], found {_short(row)}"
+                        f"files[{name!r}].tensors[{key!r}]",
+                        f"expected [dtype, shape, extends?, options?], found {_short(row)}",
                     )
                 if type(dtype) is not str or dtype not in dtypes:
-                    self.fail(f"{where}.tensors[{key!r}]", f"dtype {_short(dtype)} is not one of {', '.join(DTYPES)}")
+                    self.fail(
+                        f"files[{name!r}].tensors[{key!r}]", f"dtype {_short(dtype)} is not one of {', '.join(DTYPES)}"
+                    )
                 if type(shape) is not list:
-                    self.fail(f"{where}.tensors[{key!r}]", f"shape must be a list of integers, found {_short(shape)}")
+                    self.fail(
+                        f"files[{name!r}].tensors[{key!r}]", f"shape must be a list of integers, found {_short(shape)}"
+                    )
                 dims = tuple(shape)
-                # known shapes are skipped, but only a shape of ints can be one: (2.0, True) == (2, 1)
-                if dims not in good_shapes if set(map(type, dims)) <= int_only else True:
-                    self.shape(dims, f"{where}.tensors[{key!r}]")
-                    good_shapes.add(dims)
+                # the checks of self.shape, inline for a good shape; self.shape says what is wrong with another
+                if not (
+                    set(map(type, dims)) <= int_only  # not bool nor float: True == 1 and 2.0 == 2
+                    and len(dims) <= max_rank
+                    and (not dims or min(dims) >= 0)
+                    and (prod(dims) if 0 not in dims else prod(d or 1 for d in dims)) <= max_elements
+                ):
+                    self.shape(dims, f"files[{name!r}].tensors[{key!r}]")
                 extends = None
-                depth = 0
                 if ext is not None:
-                    base_key, dim = self.extension(ext, f"{where}.tensors[{key!r}]")
-                    base = info.get(base_key)
+                    if type(ext) is list and len(ext) == 2 and type(ext[0]) is str and type(ext[1]) is int:
+                        base_key, dim = ext  # the common case, checked inline (a negative dim: below)
+                    else:
+                        base_key, dim = self.extension(ext, f"files[{name!r}].tensors[{key!r}]")
+                    if dim < 0:
+                        self.extension(ext, f"files[{name!r}].tensors[{key!r}]")
+                    base = tensors.get(base_key)
                     if base is None:
                         problem = "is not listed before it" if base_key != key else "is itself"
                         self.fail(
-                            f"{where}.tensors[{key!r}].extends",
+                            f"files[{name!r}].tensors[{key!r}].extends",
                             f"tensor {base_key!r} {problem}; an extended "
                             "tensor must come earlier (in an earlier file or earlier in this one)",
                             unsafe=True,
                         )
-                    if base[0] != dtype or (base[1], dims, dim) not in good_pairs:
-                        self.compatible(base_key, base, key, dtype, dims, dim, where)
-                        good_pairs.add((base[1], dims, dim))
-                    depth = base[2] + 1
+                    had = base[3]  # the checks of self.compatible, inline for a good extension
+                    if not (
+                        base[2] == dtype
+                        and len(had) == len(dims) > dim
+                        and had[dim] <= dims[dim]
+                        and had[:dim] == dims[:dim]
+                        and had[dim + 1 :] == dims[dim + 1 :]
+                    ):
+                        self.compatible(base_key, (base[2], had), key, dtype, dims, dim, f"files[{name!r}]")
+                    depth = depths[key] = depths.get(base_key, 0) + 1
                     if depth > max_chain:
                         self.fail(
-                            f"{where}.tensors[{key!r}].extends",
+                            f"files[{name!r}].tensors[{key!r}].extends",
                             f"a chain of more than {max_chain} extensions (MAX_EXTENSION_DEPTH)",
                             unsafe=True,
                         )
-                    extends = make_obj(Extension)
-                    set_slot(extends, "__dict__", {"key": base_key, "dim": dim})
-                    set_slot(extends, "__pydantic_fields_set__", ext_fields)
-                    set_slot(extends, "__pydantic_extra__", None)
-                    set_slot(extends, "__pydantic_private__", None)
-                device, in_file = "cpu", key
-                if options is not None:
-                    device, in_file = self.options(options, key, f"{where}.tensors[{key!r}]")
+                    extends = (base_key, dim)
+                if options is None:
+                    device, in_file = "cpu", key
+                else:
+                    device, in_file = self.options(options, key, f"files[{name!r}].tensors[{key!r}]")
                 offset = None
                 if ranges is not None:
                     if in_file != key:
-                        self.fail(f"{where}.tensors[{key!r}]", "a segment's tensor has no name but its key")
-                    count = 1
-                    for d in dims:
-                        count *= d
+                        self.fail(f"files[{name!r}].tensors[{key!r}]", "a segment's tensor has no name but its key")
+                    count = prod(dims)
                     if extends is not None and count:  # stored: the part past the base along dim
-                        count = count // dims[extends.dim] * (dims[extends.dim] - info[base_key][1][extends.dim])
+                        count = count // dims[dim] * (dims[dim] - tensors[base_key][3][dim])
                     nbytes = count * DTYPE_ITEMSIZES[dtype]
                     if nbytes:
                         while current < len(ends) and position >= ends[current]:
                             current += 1
                         if current == len(ends) or position + nbytes > ends[current]:
                             self.fail(
-                                f"{where}.tensors[{key!r}]",
+                                f"files[{name!r}].tensors[{key!r}]",
                                 f"its {nbytes} bytes at offset {position} do not lie inside one range "
                                 "(each tensor is stored inside the range of the call that added it)",
                                 unsafe=True,
                             )
                     offset = position
                     position += nbytes
-                info[key] = (dtype, dims, depth)
-                entry = make_obj(TensorEntry)
-                set_slot(
-                    entry,
-                    "__dict__",
-                    {
-                        "file": name,
-                        "name": in_file,
-                        "dtype": dtype,
-                        "shape": shape,
-                        "device": device,
-                        "extends": extends,
-                        "offset": offset,
-                    },
-                )
-                set_slot(entry, "__pydantic_fields_set__", te_fields)
-                set_slot(entry, "__pydantic_extra__", None)
-                set_slot(entry, "__pydantic_private__", None)
-                tensors[key] = entry
+                tensors[key] = row_of(name, in_file, dtype, dims, device, extends, offset)
             if ranges is not None and position != size:
-                self.fail(f"{where}.tensors", f"the tensors fill {position} bytes of the {size} its ranges hold",
+                self.fail(f"files[{name!r}].tensors", f"the tensors fill {position} bytes of the {size} its ranges hold",
                           unsafe=True)  # fmt: skip
         return files, tensors
 
@@ -798,7 +779,7 @@ class _Reader:
             )
         return ext[0], ext[1]
 
-    def compatible(self, base_key: str, base: tuple[str, tuple[int, ...], int], key: str, dtype: str,
+    def compatible(self, base_key: str, base: tuple[str, tuple[int, ...]], key: str, dtype: str,
                    dims: tuple[int, ...], dim: int, where: str) -> None:  # fmt: skip
         at = f"{where}.tensors[{key!r}].extends"
         if base[0] != dtype or len(base[1]) != len(dims) or dim >= len(dims):
@@ -873,19 +854,19 @@ def expand_compact(
     check_trees([(f"value_if_missing[{i}].value", e.value) for i, e in enumerate(parsed.value_if_missing)], source)
     structures = [reader.structure(s, f"structures[{i}]") for i, s in enumerate(parsed.structures)]
     files, tensors = reader.files(files_raw, parsed.hash, parsed.format_version)
-    calls = reader.calls(calls_raw, structures)
-    return _make(
-        Manifest,
+    tables = CompactTables(structures, tensors)
+    calls = reader.calls(calls_raw, tables)
+    return deferred_manifest(
         {
             "format": FORMAT,
             "format_version": parsed.format_version,
             "producer": parsed.producer,
             "signature": parsed.signature,
             "value_if_missing": parsed.value_if_missing,
-            "calls": calls,
-            "tensors": tensors,
             "files": files,
             "model": parsed.model,
             "redacted": parsed.redacted,
         },
+        tables,
+        calls,
     )

@@ -26,7 +26,9 @@ with the same rules and limits: the nesting depth and the pydantic models apply 
 its bulk (``calls`` and ``files``), whose entries have a fixed shape and are checked field by field
 (each call's keys against its structure's tensor slots, each tensor row's dtype, shape and
 extension; a version-4 segment's ranges lie back to back from byte 0 to its size, and its
-tensors fill them exactly, each inside one range); it is then built into the same :class:`~iobundle.schema.Manifest`. The cyclic garbage
+tensors fill them exactly, each inside one range); it is then kept as compact rows in a
+:class:`~iobundle.schema.Manifest` whose calls' trees and tensor entries are built on first access
+(:mod:`iobundle.schema._deferred`). The cyclic garbage
 collector is paused while a manifest is parsed (:func:`iobundle._collector.collector_paused`).
 
 A limit exceeded raises :class:`~iobundle.errors.UnsafeBundleError`; anything else that is wrong

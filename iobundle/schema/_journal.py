@@ -40,6 +40,7 @@ from typing import Any
 from iobundle._collector import collector_paused
 from iobundle.errors import ManifestError, UnsafeBundleError
 from iobundle.schema._compact import COMPACT_VERSIONS, call_record, dump_compact, dumps, file_records
+from iobundle.schema._deferred import tensor_rows, with_fields
 from iobundle.schema._io import JOURNAL_FILENAME, MAX_CALLS, read_member, validate_manifest
 from iobundle.schema._manifest import CallEntry, FileEntry, Manifest, TensorEntry
 
@@ -178,10 +179,10 @@ def _parse_compact(head: dict[str, Any], lines: Iterable[bytes], source: str) ->
         raise UnsafeBundleError(f"{source}: a line nests too deep; the file is corrupt or hostile.") from exc
     manifest = validate_manifest(head, source=source)
     # the devices the calls' tensors lived on: the head knows only those written before the stream
-    devices = {*manifest.producer.devices, *(e.device for e in manifest.tensors.values())}
+    devices = {*manifest.producer.devices, *(row.device for row in tensor_rows(manifest).values())}
     if devices != set(manifest.producer.devices):
         producer = manifest.producer.model_copy(update={"devices": sorted(devices)})
-        manifest = manifest.model_copy(update={"producer": producer})
+        manifest = with_fields(manifest, producer=producer)
     return manifest
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +29,26 @@ def workdir(tmp_path, factories):
     observer.save(tmp_path / "run.iobundle")
     sys.modules.pop("factories", None)  # the CLI imports it itself, as a user's run would
     yield tmp_path
+
+
+@pytest.fixture(scope="module")
+def good_onnx(tmp_path_factory: pytest.TempPathFactory, factories_source: str) -> Path:
+    """Scale() exported once by ``iobundle export``, for the tests of what validate and convert make of an ONNX file."""
+    root = tmp_path_factory.mktemp("good_onnx")
+    (root / "factories.py").write_text(factories_source)
+    namespace: dict[str, object] = {}
+    exec(compile(factories_source, "factories.py", "exec"), namespace)
+    model, observer = namespace["good"](), InputObserver()  # type: ignore[operator]
+    with torch.no_grad(), observer(model):
+        model(torch.randn(2, 4))
+        model(torch.randn(3, 4))
+    observer.save(root / "run.iobundle")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)
+        patch.syspath_prepend(str(root))
+        assert main(["export", "run.iobundle", "--model", "factories:good", "-o", "good.onnx"]) == 0
+    sys.modules.pop("factories", None)
+    return root / "good.onnx"
 
 
 def test_export_then_validate_pass(workdir, capsys):
@@ -86,8 +108,8 @@ def test_missing_bundle_in_a_real_process_has_no_traceback(tmp_path):
 
 
 @pytest.mark.parametrize("suffix", [".json", ".csv", ".md", ".html"])
-def test_validate_report_formats(workdir, capsys, suffix):
-    assert main(["export", "run.iobundle", "--model", "factories:good", "-o", "good.onnx"]) == 0
+def test_validate_report_formats(workdir, good_onnx, capsys, suffix):
+    shutil.copy(good_onnx, workdir / "good.onnx")
     report = workdir / f"report{suffix}"
     assert main(["validate", "run.iobundle", "good.onnx", "--report", str(report)]) == 0
     text = report.read_text()
@@ -156,11 +178,10 @@ def test_export_needs_exactly_one_model_source(workdir, capsys):
         ("iobundle.output_paths", '{"a": "output", "b": "output"}', "names the recorded outputs ['output'] more"),
     ],
 )
-def test_corrupt_iobundle_metadata_exits_2_naming_the_model_and_key(workdir, capsys, key, value, message):
+def test_corrupt_iobundle_metadata_exits_2_naming_the_model_and_key(workdir, good_onnx, capsys, key, value, message):
     import onnx
 
-    assert main(["export", "run.iobundle", "--model", "factories:good", "-o", "good.onnx"]) == 0
-    proto = onnx.load("good.onnx")
+    proto = onnx.load(good_onnx)
     assert {p.key for p in proto.metadata_props} >= {"iobundle.input_slots", "iobundle.output_names", "iobundle.output_paths"}
     for p in proto.metadata_props:
         if p.key == key:

@@ -1,16 +1,18 @@
-"""Run zoo families end to end: capture a generate() here, export and validate through the CLI in fresh processes.
+"""Run zoo families end to end: capture a generate() here, export and validate through the CLI in a fresh process.
 
 For each family of :mod:`families`: build the tiny model, observe ``forward`` during a real
-``generate()``, save a self-contained bundle (``include_model=True``), then run, each in a
-fresh interpreter with an empty working directory::
+``generate()``, save a self-contained bundle (``include_model=True``), then run, in a fresh
+interpreter with an empty working directory, the two commands::
 
-    python -m iobundle export BUNDLE --from-bundle --batch-all -o BUNDLE.onnx
-    python -m iobundle validate BUNDLE BUNDLE.onnx --report BUNDLE.validate.json
+    iobundle export BUNDLE --from-bundle --batch-all -o BUNDLE.onnx
+    iobundle validate BUNDLE BUNDLE.onnx --report BUNDLE.validate.json
 
 ``export`` checks the exported program (``ep.module()``) on every recorded call and exits
 non-zero when one differs; ``validate`` runs onnxruntime on every recorded call. Only the
-bundle crosses the process boundary. The replays of several families run side by side
-(``jobs``), since most of their time is spent importing torch, transformers and onnxscript.
+bundle crosses the process boundary. One interpreter runs both commands of a bundle, one
+after the other, through the command line's ``main`` (:func:`cli_session`): most of a
+replay's time is spent importing torch, transformers and onnxscript, paid once instead of
+twice. The replays of several families run side by side (``jobs``).
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,7 +35,7 @@ from typing import Any
 import torch
 from families import Family
 
-__all__ = ["BundleResult", "FamilyResult", "capture_family", "replay_bundle", "run_families"]
+__all__ = ["BundleResult", "FamilyResult", "capture_family", "cli_session", "replay_bundle", "run_families"]
 
 REPLAY_TIMEOUT_S = 900
 
@@ -126,17 +130,79 @@ def capture_family(entry: Family, root: Path) -> tuple[dict[str, Path], float]:
     return paths, time.perf_counter() - begin
 
 
-def _run_cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+# The fresh interpreter of a replay: reads one command a line (JSON: argv, working directory, the
+# files for its stdout and stderr), runs it as `python -m iobundle ARGV` would, its stdout and
+# stderr written to those files, and answers with its exit code on the stdout it started with.
+_SESSION = """
+import json, os, sys, traceback
+from iobundle.cli import main
+answers = os.fdopen(os.dup(1), "w")
+for line in sys.stdin:
+    argv, cwd, out, err = json.loads(line)
+    os.chdir(cwd)
+    with open(out, "wb") as o, open(err, "wb") as e:
+        os.dup2(o.fileno(), 1)
+        os.dup2(e.fileno(), 2)
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+    print(code, file=answers, flush=True)
+"""
+
+Cli = Callable[[list[str], Path], subprocess.CompletedProcess[str]]
+
+
+@contextlib.contextmanager
+def cli_session(timeout: float = REPLAY_TIMEOUT_S) -> Iterator[Cli]:
+    """A fresh interpreter for several ``iobundle`` commands; yields ``run(argv, cwd)``, which runs one of them.
+
+    ``run`` returns what ``subprocess.run`` of ``python -m iobundle ARGV`` would (exit code,
+    stdout, stderr). The interpreter is killed after ``timeout`` seconds; a command that
+    kills it returns its signal as a negative exit code, with what it had printed.
+    """
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.run(
-        [sys.executable, "-m", "iobundle", *argv],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=REPLAY_TIMEOUT_S,
-        check=False,
-    )
+    with tempfile.TemporaryDirectory(prefix="iobundle-cli-") as folder:
+        with open(Path(folder) / "session.err", "wb") as session_err:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _SESSION], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=session_err, env=env, text=True,
+            )  # fmt: skip
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        assert proc.stdin is not None and proc.stdout is not None
+        count = 0
+
+        def run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+            nonlocal count
+            count += 1
+            out, err = Path(folder) / f"{count}.out", Path(folder) / f"{count}.err"
+            with contextlib.suppress(BrokenPipeError):  # the interpreter is gone: its exit code says why
+                proc.stdin.write(json.dumps([argv, str(cwd), str(out), str(err)]) + "\n")
+                proc.stdin.flush()
+            answer = proc.stdout.readline()
+            code = int(answer) if answer.strip() else proc.wait()
+            text = [p.read_text("utf-8", "replace") if p.exists() else "" for p in (out, err)]
+            if not answer.strip():
+                text[1] += (Path(folder) / "session.err").read_text("utf-8", "replace")
+            return subprocess.CompletedProcess(argv, code, *text)
+
+        try:
+            yield run
+        finally:
+            timer.cancel()
+            with contextlib.suppress(BrokenPipeError):  # the interpreter is gone (killed): nothing left to read
+                proc.stdin.close()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 _TRACED = re.compile(r"torch\.export: traced from call (\d+) in ([0-9.]+)s")
@@ -182,23 +248,24 @@ def _is_number(text: str) -> bool:
 
 
 def replay_bundle(name: str, bundle: Path, work: Path) -> BundleResult:
-    """``iobundle export --from-bundle --batch-all`` then ``iobundle validate`` on ``bundle``, each in a fresh process."""
+    """``iobundle export --from-bundle --batch-all`` then ``iobundle validate`` on ``bundle``, in one fresh process."""
     from iobundle.schema import load_manifest
 
     result = BundleResult(name=name, calls=sum(1 for c in load_manifest(bundle).calls if c.status == "ok"))
     onnx_path = bundle.with_suffix(".onnx")
     report = bundle.with_suffix(".validate.json")
     work.mkdir(parents=True, exist_ok=True)
-    proc = _run_cli(["export", str(bundle), "--from-bundle", "--batch-all", "-o", str(onnx_path)], work)
-    result.export_rc, result.export_output = proc.returncode, proc.stdout + proc.stderr
-    _parse_export(proc.stdout, result)
-    index = onnx_path.with_suffix(".programs.json")  # one program per phase: validate through the index
-    if index.exists():
-        onnx_path = index
-    if not onnx_path.exists():
-        return result
-    proc = _run_cli(["validate", str(bundle), str(onnx_path), "--report", str(report)], work)
-    result.validate_rc, result.validate_output = proc.returncode, proc.stdout + proc.stderr
+    with cli_session() as cli:
+        proc = cli(["export", str(bundle), "--from-bundle", "--batch-all", "-o", str(onnx_path)], work)
+        result.export_rc, result.export_output = proc.returncode, proc.stdout + proc.stderr
+        _parse_export(proc.stdout, result)
+        index = onnx_path.with_suffix(".programs.json")  # one program per phase: validate through the index
+        if index.exists():
+            onnx_path = index
+        if not onnx_path.exists():
+            return result
+        proc = cli(["validate", str(bundle), str(onnx_path), "--report", str(report)], work)
+        result.validate_rc, result.validate_output = proc.returncode, proc.stdout + proc.stderr
     if report.exists():
         result.ort_rows = json.loads(report.read_text("utf-8"))
     return result

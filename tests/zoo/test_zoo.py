@@ -2,7 +2,7 @@
 
 One test per family of ``families.FAMILIES``. The families selected for a run are captured
 in this process (tiny models, nothing downloaded), then each bundle is replayed through the
-CLI in fresh processes (``iobundle export BUNDLE --from-bundle --batch-all`` checks
+CLI in a fresh process per bundle (``iobundle export BUNDLE --from-bundle --batch-all`` checks
 ``ep.module()`` on every recorded call; ``iobundle validate`` runs onnxruntime on every
 recorded call), two at a time (under pytest-xdist: one family per worker at a time). A family passes when both commands succeed and every
 recorded call is within the family's tolerance in both runtimes. ``make zoo`` runs the same

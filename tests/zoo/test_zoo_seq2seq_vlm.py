@@ -2,11 +2,12 @@
 
 Each family is a tiny model built from a config here (2 layers, d_model 32, random weights,
 fixed seed; nothing is downloaded), observed during a real ``generate()`` and saved as a
-self-contained bundle (``include_model=model``). Then, each in a fresh interpreter with an
-empty working directory, only the bundle crossing the process boundary::
+self-contained bundle (``include_model=model``). Then, in a fresh interpreter with an empty
+working directory, only the bundle crossing the process boundary, the two commands (one after
+the other, through the command line's ``main``: ``harness.cli_session``)::
 
-    python -m iobundle export BUNDLE --from-bundle --batch-all -o BUNDLE.onnx --report export.json
-    python -m iobundle validate BUNDLE OUTPUT --report validate.json
+    iobundle export BUNDLE --from-bundle --batch-all -o BUNDLE.onnx --report export.json
+    iobundle validate BUNDLE OUTPUT --report validate.json
 
 where OUTPUT is the ONNX file, or the program index when one program per phase was needed.
 ``export`` checks every recorded call through ``ep.module()`` and exits non-zero when one
@@ -27,8 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from typing import Any
 
 import pytest
 import torch
+from harness import cli_session
 
 from iobundle import InputObserver
 
@@ -247,30 +247,23 @@ CAPTURE_OF = {  # job -> the capture that makes its bundles
 # --------------------------------------------------------------------------- replay through the CLI
 
 
-def _cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.run(
-        [sys.executable, "-m", "iobundle", *argv], cwd=cwd, env=env, capture_output=True, text=True,
-        timeout=TIMEOUT_S, check=False,
-    )  # fmt: skip
-
-
 def replay(name: str, job: Job, root: Path) -> dict[str, Any]:
-    """Export then validate in fresh processes; the exit codes, outputs and both JSON reports."""
+    """Export then validate in one fresh process (``cli_session``); the exit codes, outputs and both JSON reports."""
     work = root / "work" / name
     work.mkdir(parents=True)
     onnx_path, export_json, validate_json = work / f"{name}.onnx", work / "export.json", work / "validate.json"
     argv = ["export", str(job.bundle), "--from-bundle", "-o", str(onnx_path), "--report", str(export_json)]
     argv += (["--batch-all"] if job.batch else []) + job.extra
-    export = _cli(argv, work)
-    result: dict[str, Any] = {"export_rc": export.returncode, "export_out": export.stdout + export.stderr}
-    if not export_json.exists():
-        return result
-    result["export"] = json.loads(export_json.read_text("utf-8"))
-    validated = job.validate_with or job.bundle
-    argv = ["validate", str(validated), result["export"]["output"], "--report", str(validate_json)]
-    validate = _cli(argv, work)
-    result.update(validate_rc=validate.returncode, validate_out=validate.stdout + validate.stderr)
+    with cli_session(TIMEOUT_S) as cli:
+        export = cli(argv, work)
+        result: dict[str, Any] = {"export_rc": export.returncode, "export_out": export.stdout + export.stderr}
+        if not export_json.exists():
+            return result
+        result["export"] = json.loads(export_json.read_text("utf-8"))
+        validated = job.validate_with or job.bundle
+        argv = ["validate", str(validated), result["export"]["output"], "--report", str(validate_json)]
+        validate = cli(argv, work)
+        result.update(validate_rc=validate.returncode, validate_out=validate.stdout + validate.stderr)
     if validate_json.exists():
         result["rows"] = json.loads(validate_json.read_text("utf-8"))
     from iobundle.schema import load_manifest

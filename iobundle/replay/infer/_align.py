@@ -41,6 +41,7 @@ from iobundle.schema import (
     TensorNode,
     TupleNode,
     call_key,
+    deferred_shape,
 )
 
 __all__ = [
@@ -146,6 +147,9 @@ def call_shape(call: CallEntry) -> _CallShape:
     immutable) and kept while the entry lives: opening a bundle checks the keys with it, and
     inference reuses it.
     """
+    deferred = deferred_shape(call)  # a call opened from format version 3: known per structure
+    if deferred is not None:
+        return _CallShape(*deferred)
     hit = _CALL_SHAPES.get(id(call))
     if hit is not None and hit[0]() is call:
         return hit[1]
