@@ -248,8 +248,8 @@ class TestFormatMarker:
         assert "format_version 5 is not supported" in message
         assert "reads format_version 1, 2, 3, 4" in message
         assert "Upgrade iobundle" in message
-        assert info.value.found == 4
-        assert info.value.supported == (1, 2, 3)
+        assert info.value.found == 5
+        assert info.value.supported == (1, 2, 3, 4)
 
     @pytest.mark.parametrize("value", [0, -1, "1", 1.5, True, None, [1], 10**100])
     def test_bad_version(self, bundle, value):
