@@ -183,8 +183,9 @@ def decode_step_checks(device: Any, reps: int, workdir: Path, steps: int) -> dic
     """Median time of one decode step of the tiny Llama (1 new token, cache given), plain vs recorded.
 
     The step is timed with the device synchronised before and after, so a recorded step pays for
-    whatever the model's stream had to wait for (on-device snapshots; the D2H copies and the disk
-    are the writer thread's, on its side stream).
+    whatever the model's stream had to wait for (on-device snapshots; with the writer process the
+    D2H copies into its shared ring are made on the recording thread when the call is handed over,
+    with the writer thread on its side stream; the disk is the writer's).
     """
     import torch
 

@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         help="torch intra-op threads (default 1: on a small shared machine more threads than free cores "
-        "make every timing swing by 10x; the other core is left to iobundle's writer thread)",
+        "make every timing swing by 10x; the other core is left to iobundle's writer process)",
     )
     parser.add_argument(
         "--render-only",

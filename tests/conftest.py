@@ -249,3 +249,12 @@ def own_files() -> Iterator[None]:
     """:func:`own_file_layout` for one test."""
     with own_file_layout():
         yield
+
+
+@pytest.fixture
+def thread_writer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streams write with a thread of this process, not the writer process: for tests that patch the
+    write path here (a disk full, a slow disk, fsync spies) or that check the thread's own promises."""
+    from iobundle.capture import _stream
+
+    monkeypatch.setattr(_stream, "WRITER", "thread")

@@ -29,6 +29,7 @@ class SegmentWriter:
         path: The segment; it must not exist (it is created with ``O_EXCL``, without following a link).
 
     Raises:
+        FileExistsError: ``path`` exists (another writer's segment: take the next name).
         BundleWriteError: The file cannot be created.
     """
 
@@ -39,6 +40,8 @@ class SegmentWriter:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         try:
             self._fd: int | None = os.open(path, flags, 0o644)
+        except FileExistsError:
+            raise
         except OSError as exc:
             raise BundleWriteError(
                 f"Cannot create {path}: {exc.strerror or exc}. Check free space and permissions."

@@ -4,6 +4,10 @@ Who does what:
 
 - The model's threads (any number) record calls. They only copy tensors (:meth:`SnapshotTable.snapshot`)
   and, when a call returns, hand it to the writer with :meth:`CallStream.submit`.
+- A writer process (:mod:`iobundle.capture._writer_process`, the default, :data:`WRITER`) does
+  the writing below with its own interpreter lock: :meth:`CallStream.submit` copies the call's
+  new tensors into shared memory and hands it over; the answers come back in call order and
+  drop the written snapshots from memory. Where no process can be started:
 - One writer thread per stream (or, for a small CPU call, the thread that submits it) writes
   the call's new tensors (a tensor that extends one written recently, such as a growing KV cache,
   as its new part only): the small ones appended as one range to the current segment
@@ -16,7 +20,7 @@ Who does what:
 - With ``durable=True`` every file is fsynced before its rename (and its directory after);
   by default the fsyncs wait for :meth:`CallStream.close`, which flushes every file written.
 
-The hand-off holds one call: :meth:`CallStream.submit` waits until the writer has finished the
+With the writer thread, the hand-off holds one call: :meth:`CallStream.submit` waits until the writer has finished the
 previous call (its file and the journal line that lists it). The writer writes call k while the
 model computes call k+1 (a small CPU call is written by the submitting thread itself, see
 :data:`INLINE_MAX_BYTES`), so
@@ -40,7 +44,7 @@ import os
 import stat
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, MutableMapping
+from collections.abc import Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,13 +57,12 @@ from iobundle.calls import (
     parse_header,
     read_exactly,
     rebuild,
-    replace_tensors,
-    tensor_keys,
     tensor_span,
 )
-from iobundle.capture._writer import BundleWriter, call_keys
+from iobundle.capture._writer import BundleWriter, call_keys, mark_incomplete
+from iobundle.capture._writer_process import WriterProcess, WriterProcessUnavailable
 from iobundle.errors import BundleWriteError, TensorFileError
-from iobundle.schema import CallEntry, Manifest, Node, OpaqueNode, TensorNode
+from iobundle.schema import CallEntry, Manifest
 
 __all__ = ["CallStream", "SnapshotTable", "mark_incomplete", "snapshot_tensor"]
 
@@ -81,6 +84,11 @@ the noise in another. Written in place, a small call is also in the bundle as so
 BUDGET_CALLS = 1.5
 """While the writer still holds buffers of earlier calls, the pool lends at most this many times
 the largest call's pooled bytes; a copy beyond it waits for the writer to return a buffer."""
+
+WRITER = "thread" if os.environ.get("IOBUNDLE_WRITER") == "thread" else "process"
+"""Where a stream's calls are written: ``"process"`` (a writer process fed through shared memory,
+:mod:`iobundle.capture._writer_process`) or ``"thread"`` (a thread of the recording process;
+``IOBUNDLE_WRITER=thread`` in the environment). See docs/capture.md for the measurements behind the default."""
 
 _HEADER_CACHE = 64
 
@@ -598,37 +606,15 @@ def _give_back(pool: BufferPool, tensor: torch.Tensor) -> None:
     pool.give(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),)))
 
 
-def mark_incomplete(call: CallEntry, written: Callable[[str], bool], reason: str) -> CallEntry:
-    """``call`` with its unwritten tensors replaced by opaque nodes and its status ``incomplete``.
-
-    A failed call (its forward raised) keeps the status ``failed``; the reason is added to its error.
-    """
-
-    def strip(node: Node) -> Node:
-        return replace_tensors(
-            node,
-            (
-                TensorNode(key=k) if written(k) else OpaqueNode(type="torch.Tensor", reason=f"not written: {reason}")
-                for k in tensor_keys(node)
-            ),
-        )
-
-    return call.model_copy(
-        update={
-            "status": "failed" if call.status == "failed" else "incomplete",
-            "error": f"{call.error}; {reason}" if call.error else reason,
-            "args": [strip(a) for a in call.args],
-            "kwargs": {k: strip(v) for k, v in call.kwargs.items()},
-            "outputs": None if call.outputs is None else strip(call.outputs),
-        }
-    )
-
-
 class CallStream:
-    """Writes recorded calls to a bundle, one call in flight at most.
+    """Writes recorded calls to a bundle: in a writer process (:data:`WRITER`), else a thread.
 
-    The writing runs in a background thread, or, for a small CPU call (:data:`INLINE_MAX_BYTES`),
-    in the thread that submits it.
+    With the writer process, :meth:`submit` copies the call's new tensors into shared memory and
+    hands the call over (see :mod:`iobundle.capture._writer_process`); it waits only when many
+    calls are not written yet (or, ``durable``, for the previous call). With the thread, it waits
+    for the previous call, and a small CPU call (:data:`INLINE_MAX_BYTES`) is written by the
+    thread that submits it. A process that cannot be started, or that ends before the stream is
+    closed, leaves the writing to the thread, with one warning.
 
     Opening the stream writes, synchronously, the tensors of ``value_if_missing`` and the head of
     ``journal.jsonl`` (the calls written so far): from then on the directory opens with ``load_bundle``. Calls recorded
@@ -670,12 +656,40 @@ class CallStream:
         self._cond = threading.Condition()
         writer.write_missing_values(rc.value_if_missing, table.for_writing, durable=durable)
         writer.start_journal(rc, self._written, durable=durable)
-        if writer.deltas is not None:
-            table.retained = writer.deltas.retained
         self.pool = BufferPool()
         table.pool = self.pool
-        self._thread = threading.Thread(target=self._run, name=f"iobundle-writer:{self.path.name}", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        self.process: WriterProcess | None = None
+        if WRITER == "process":
+            try:
+                self.process = WriterProcess(
+                    writer,
+                    table.for_writing,
+                    durable=durable,
+                    done=self._answered,
+                    gone=self._process_gone,
+                    idle=lambda: self.pool.set_draining(False),
+                )
+                self.process.start()
+            except WriterProcessUnavailable as exc:
+                self._failures.append(
+                    (
+                        None,
+                        f"iobundle cannot start its writer process ({exc}); the calls streamed to "
+                        f"'{self.path}' are written by a thread of this process instead.",
+                    )
+                )
+        if self.process is None:
+            self._start_thread()
+
+    def _start_thread(self) -> None:
+        if self.writer.deltas is not None:
+            self._table.retained = self.writer.deltas.retained
+        thread = threading.Thread(target=self._run, name=f"iobundle-writer:{self.path.name}", daemon=True)
+        thread.start()
+        with self._cond:
+            self._thread = thread
+            self._cond.notify_all()
 
     @property
     def manifest_calls(self) -> list[CallEntry]:
@@ -684,20 +698,38 @@ class CallStream:
             return list(self._written)
 
     def submit(self, call: CallEntry, *, recorded_now: bool = True) -> None:
-        """Write ``call``, or queue it for the writer thread, after waiting for the previous call to be written.
+        """Hand ``call`` to the writer process, or write it / queue it for the writer thread.
 
-        A small CPU call (its snapshots under :data:`INLINE_MAX_BYTES`; not ``durable``) is written
-        here, by the calling thread: the writer thread is idle then, and handing the call over would
-        cost more than writing it. Others go to the writer thread, which writes them while the
-        model computes the next call. ``recorded_now=False`` (a call recorded before the stream
-        opened, whose copies :meth:`SnapshotTable.take_copied` did not count) always goes to the thread.
+        With the thread: after waiting for the previous call to be written, a small CPU call
+        (its snapshots under :data:`INLINE_MAX_BYTES`; not ``durable``) is written here, by the
+        calling thread: the writer thread is idle then, and handing the call over would cost more
+        than writing it. Others go to the writer thread, which writes them while the model
+        computes the next call. ``recorded_now=False`` (a call recorded before the stream opened,
+        whose copies :meth:`SnapshotTable.take_copied` did not count) always goes to the thread.
         """
         copied, off_cpu = self._table.take_copied()
-        inline = recorded_now and not self.durable and not off_cpu and copied < INLINE_MAX_BYTES
+        process = self.process
+        if process is not None:
+            with self._cond:
+                if self._closed:
+                    self._failures.append(
+                        (None, f"the stream to '{self.path}' is closed; call {call.index} stays in memory")
+                    )
+                    return
+            self.pool.set_draining(True)
+            if process.submit(call):
+                return
+            process.wait_gone()  # the child ended: the thread writes from now on
+        self._submit_to_thread(call, recorded_now and not self.durable and not off_cpu and copied < INLINE_MAX_BYTES)
+
+    def _submit_to_thread(self, call: CallEntry, inline: bool) -> None:
         with self._cond:
-            while (self._busy or self._queue) and self._thread.is_alive():
+            while self._thread is None and not self._closed:
                 self._cond.wait()
-            if self._closed or not self._thread.is_alive():
+            thread = self._thread
+            while thread is not None and (self._busy or self._queue) and thread.is_alive():
+                self._cond.wait()
+            if self._closed or thread is None or not thread.is_alive():
                 self._failures.append(
                     (None, f"the stream to '{self.path}' is closed; call {call.index} stays in memory")
                 )
@@ -733,19 +765,52 @@ class CallStream:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join()
+        error = None
+        process = self.process
+        if process is not None:
+            try:
+                process.close()
+            except BundleWriteError as exc:
+                error = exc
+        if self._thread is not None:
+            self._thread.join()
         self.pool.clear()
         self._table.pool = None
-        error = None
         if not self.durable:
             try:
                 self.writer.sync()
             except BundleWriteError as exc:
-                error = exc
+                error = error or exc
         manifest = self.writer.finish_journal(self._rc, self.manifest_calls)
         if error is not None:
             raise error
         return manifest
+
+    # -- the writer process's answers (its reader thread) --------------------------------------
+
+    def _answered(self, call: CallEntry, keys: list[str] | None, error: str | None, journal_error: str | None) -> None:
+        self._settled(self._settle(call, keys or [], error), journal_error)
+
+    def _process_gone(self, lost: list[CallEntry], started: bool, reason: str) -> None:
+        """The child ended before the stream closed: the thread takes over; ``lost`` are the calls it never answered."""
+        with self._cond:
+            self.process = None
+            self._failures.append(
+                (
+                    None,
+                    f"iobundle's writer process for '{self.path}' stopped ({reason}); the calls are written "
+                    "by a thread of this process from now on.",
+                )
+            )
+            if not started:  # it wrote nothing: the snapshots are still here, queued before the thread runs
+                self._queue.extend(lost)
+                self._busy = bool(lost)
+        if not started and lost:
+            self.pool.set_draining(True)
+        self._start_thread()
+        if started:
+            for call in lost:  # it may have written them: never write a call's file twice
+                self._answered(call, None, "the writer process stopped before confirming it was written", None)
 
     # -- the writer thread -----------------------------------------------------------------------
 
@@ -775,37 +840,52 @@ class CallStream:
     def _write(self, call: CallEntry) -> None:
         writer, table = self.writer, self._table
         keys: list[str] = []
+        error = None
         try:
             keys = writer.write_call(call, table.for_writing, durable=self.durable, on_written=table.released)
-            entry = call
         except Exception as exc:  # the observed program never sees it: reported through take_failures
-            reason = f"its tensors could not be written to '{self.path}' ({type(exc).__name__}: {exc})"
-            entry = mark_incomplete(call, lambda k: k in writer.tensors, reason)
-            table.discard(k for k in call_keys(call) if k not in writer.tensors)
-            with self._cond:
-                self._failures.append((entry, f"iobundle could not record call {call.index}: {reason}"))
-        else:
-            by_file: dict[str, list[str]] = {}
-            for k in keys:
-                by_file.setdefault(writer.tensors[k].file, []).append(k)
-            for file, in_file in by_file.items():
-                extends = {}
-                offsets = {}
-                for k in in_file:
-                    e = writer.tensors[k]
-                    if e.extends is not None:
-                        stored = list(e.shape)
-                        stored[e.extends.dim] -= writer.tensors[e.extends.key].shape[e.extends.dim]
-                        extends[k] = (e.extends.key, e.extends.dim, tuple(stored))
-                    if e.offset is not None:
-                        offsets[k] = e.offset
-                table.written(in_file, writer.path / file, writer.files[file].size, extends, offsets)
+            error = f"its tensors could not be written to '{self.path}' ({type(exc).__name__}: {exc})"
+        entry = self._settle(call, keys, error)
+        journal_error = None
         try:
             writer.append_call(entry, keys, durable=self.durable)
         except Exception as exc:
+            journal_error = str(exc)
+        self._settled(entry, journal_error)
+
+    def _settle(self, call: CallEntry, keys: list[str], error: str | None) -> CallEntry:
+        """Drop from memory the snapshots of ``keys`` (written), or mark ``call`` incomplete: its entry."""
+        writer, table = self.writer, self._table
+        if error is not None:
+            entry = mark_incomplete(call, lambda k: k in writer.tensors, error)
+            table.discard(k for k in call_keys(call) if k not in writer.tensors)
             with self._cond:
-                self._failures.append(
-                    (None, f"iobundle could not append call {call.index} to the journal of '{self.path}' ({exc})")
-                )
+                self._failures.append((entry, f"iobundle could not record call {call.index}: {error}"))
+            return entry
+        by_file: dict[str, list[str]] = {}
+        for k in keys:
+            by_file.setdefault(writer.tensors[k].file, []).append(k)
+        for file, in_file in by_file.items():
+            extends = {}
+            offsets = {}
+            for k in in_file:
+                e = writer.tensors[k]
+                if e.extends is not None:
+                    stored = list(e.shape)
+                    stored[e.extends.dim] -= writer.tensors[e.extends.key].shape[e.extends.dim]
+                    extends[k] = (e.extends.key, e.extends.dim, tuple(stored))
+                if e.offset is not None:
+                    offsets[k] = e.offset
+            table.written(in_file, writer.path / file, writer.files[file].size, extends, offsets)
+        return call
+
+    def _settled(self, entry: CallEntry, journal_error: str | None) -> None:
         with self._cond:
+            if journal_error is not None:
+                self._failures.append(
+                    (
+                        None,
+                        f"iobundle could not append call {entry.index} to the journal of '{self.path}' ({journal_error})",
+                    )
+                )
             self._written.append(entry)

@@ -39,6 +39,7 @@ from iobundle.calls import (
     RecordedCalls,
     SegmentWriter,
     dtype_name,
+    replace_tensors,
     tensor_bytes,
     tensor_keys,
     write_tensor_file,
@@ -52,14 +53,17 @@ from iobundle.schema import (
     FileEntry,
     Manifest,
     MissingValueEntry,
+    Node,
+    OpaqueNode,
     Producer,
     TensorEntry,
+    TensorNode,
     journal_call_line,
     journal_head_line,
     write_manifest,
 )
 
-__all__ = ["BundleWriter", "save_recorded_calls"]
+__all__ = ["BundleWriter", "call_keys", "mark_incomplete", "save_recorded_calls"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +105,32 @@ def call_keys(call: CallEntry) -> list[str]:
     if call.outputs is not None:
         keys += tensor_keys(call.outputs)
     return keys
+
+
+def mark_incomplete(call: CallEntry, written: Callable[[str], bool], reason: str) -> CallEntry:
+    """``call`` with its unwritten tensors replaced by opaque nodes and its status ``incomplete``.
+
+    A failed call (its forward raised) keeps the status ``failed``; the reason is added to its error.
+    """
+
+    def strip(node: Node) -> Node:
+        return replace_tensors(
+            node,
+            (
+                TensorNode(key=k) if written(k) else OpaqueNode(type="torch.Tensor", reason=f"not written: {reason}")
+                for k in tensor_keys(node)
+            ),
+        )
+
+    return call.model_copy(
+        update={
+            "status": "failed" if call.status == "failed" else "incomplete",
+            "error": f"{call.error}; {reason}" if call.error else reason,
+            "args": [strip(a) for a in call.args],
+            "kwargs": {k: strip(v) for k, v in call.kwargs.items()},
+            "outputs": None if call.outputs is None else strip(call.outputs),
+        }
+    )
 
 
 class BundleWriter:
@@ -186,6 +216,45 @@ class BundleWriter:
         self.stager: PinnedStager | None = None  # made for the first CUDA tensor
         self._journal: int | None = None  # file descriptor of journal.jsonl while a stream is open
         self._call_indices: set[int] = set()
+
+    @classmethod
+    def resume(
+        cls,
+        path: str | os.PathLike[str],
+        tensors: dict[str, TensorEntry],
+        files: dict[str, FileEntry],
+        call_indices: Iterable[int],
+    ) -> BundleWriter:
+        """A writer that continues the bundle another writer prepared in ``path`` (nothing is checked or cleared).
+
+        ``tensors``, ``files`` and ``call_indices`` are what that writer wrote so far; tensors written
+        before are never extended (the new writer holds none of them).
+        """
+        self = cls.__new__(cls)
+        self.path = Path(path)
+        self.created = False
+        self.tensors = dict(tensors)
+        self.files = dict(files)
+        self._order = {name: i for i, name in enumerate(files)}
+        self._segment = None  # a new segment for the next small call: the other writer may still append to its own
+        self._segments = sum(name.startswith(f"{CALLS_DIR}/segment-") for name in files)
+        self._unsynced = {}
+        self.deltas = DeltaIndex()
+        self.stager = None
+        self._journal = None
+        self._call_indices = set(call_indices)
+        return self
+
+    @property
+    def call_indices(self) -> frozenset[int]:
+        """The indices of the calls written so far (by this writer or adopted)."""
+        return frozenset(self._call_indices)
+
+    def adopt(self, index: int, tensors: dict[str, TensorEntry], files: dict[str, FileEntry]) -> None:
+        """Take in what another writer of the same bundle wrote for call ``index`` (its files are synced there)."""
+        self._call_indices.add(index)
+        self.tensors.update(tensors)
+        self.files.update(files)
 
     def write_tensors(
         self,
@@ -328,10 +397,13 @@ class BundleWriter:
         if segment is not None and (roll or (segment.size and segment.size + length > SEGMENT_MAX_BYTES)):
             segment.close()
             segment = self._segment = None
-        if segment is None:
+        while segment is None:
             name = segment_file_name(self._segments)
-            segment = self._segment = SegmentWriter(self.path / name)
             self._segments += 1
+            try:
+                segment = self._segment = SegmentWriter(self.path / name)
+            except FileExistsError:  # written by another writer of this bundle (a writer process): the next name
+                continue
             if durable:
                 fsync_dir(self.path / CALLS_DIR)
         name = segment_file_name(self._segments - 1)
@@ -435,12 +507,33 @@ class BundleWriter:
         write_atomically(path, [journal_head_line(self.manifest(rc, calls))], durable=durable)
         try:
             (self.path / MANIFEST_FILENAME).unlink(missing_ok=True)
+        except OSError as exc:
+            raise BundleWriteError(
+                f"Cannot open {path}: {exc.strerror or exc}. Check free space and permissions."
+            ) from exc
+        self.open_journal()
+
+    def open_journal(self) -> None:
+        """Open the journal :meth:`start_journal` wrote, for appending (a writer that continues another's).
+
+        Raises:
+            BundleWriteError: The journal cannot be opened.
+        """
+        path = self.path / JOURNAL_FILENAME
+        try:
             flags = os.O_WRONLY | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
             self._journal = os.open(path, flags)  # never through a link swapped in after the atomic write
         except OSError as exc:
             raise BundleWriteError(
                 f"Cannot open {path}: {exc.strerror or exc}. Check free space and permissions."
             ) from exc
+
+    def close_journal(self) -> None:
+        """Close the journal and the segment without writing the manifest (another writer finishes it)."""
+        self.close_segment()
+        fd, self._journal = self._journal, None
+        if fd is not None:
+            os.close(fd)
 
     def append_call(self, call: CallEntry, keys: Iterable[str], *, durable: bool = True) -> None:
         """Append the line of ``call`` (whose new tensors ``keys`` are in a complete file) to the journal.

@@ -163,7 +163,12 @@ examples:
   iobundle shapes run.iobundle --batch-all --dim-names
 
 A dimension is dynamic when its size differs across the recorded calls; --batch makes
-dimension 0 of the named inputs dynamic even if every call used the same batch size.""",
+the batch axis of the named inputs dynamic even if every call used the same batch size.
+The batch axis is found, not assumed: the batch is the leading size of input_ids (or of
+the first input) in each call, and an input's batch axis is the one of that size in every
+call (axis 1 of position_ids shaped (3, batch, length)); an input with none is left alone.
+With --batch or --batch-all the output ends with the axis taken in each input and why
+(comment lines; under the "$batch_axes" key with --json).""",
     "verify": """\
 examples:
   iobundle verify run.iobundle
@@ -338,9 +343,13 @@ def _add_batch_flags(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME",
-        help="make dimension 0 of this input dynamic (a name or a position; repeat or separate with commas)",
+        help="make the batch axis of this input dynamic (a name or a position; repeat or separate with commas)",
     )
-    parser.add_argument("--batch-all", action="store_true", help="make dimension 0 of every input dynamic")
+    parser.add_argument(
+        "--batch-all",
+        action="store_true",
+        help="make the batch axis of every input dynamic (found from the sizes; inputs without one are left alone)",
+    )
 
 
 def _version() -> str:
@@ -396,10 +405,13 @@ def _cmd_shapes(args: argparse.Namespace) -> int:
     refuse_damaged(bundle, args.bundle)
     shapes = bundle.infer_dynamic_spec(set_batch_dimension_for=spec, dim_names=args.dim_names, dynamic=dynamic)
     _programs.warn_static_dims(bundle, spec, dynamic)
+    batch_axes = bundle.infer_batch_axes(spec) if spec else None
     if args.json:
-        _render.out(_render.format_dynamic_shapes_json(shapes))
+        _render.out(_render.format_dynamic_shapes_json(shapes, batch_axes))
     else:
         _render.out(_render.format_dynamic_shapes(shapes))
+        if batch_axes is not None:
+            _render.out(_render.format_batch_axes(batch_axes))
     return EXIT_OK
 
 

@@ -631,9 +631,46 @@ def dynamic_shapes_to_json(dynamic_shapes: Any) -> Any:
     return _dim_json(value)
 
 
-def format_dynamic_shapes_json(dynamic_shapes: Any) -> str:
-    """``dynamic_shapes_to_json`` as indented JSON text."""
-    return json.dumps(dynamic_shapes_to_json(dynamic_shapes), indent=2)
+#: The key of ``shapes --json`` that holds the batch axes (not an identifier: no parameter is called so).
+BATCH_AXES_KEY = "$batch_axes"
+
+
+def _group_batch_axes(batch_axes: Sequence[Any]) -> list[dict[str, Any]]:
+    """Consecutive tensors of one input with the same axis and reason, as one entry."""
+    groups: list[dict[str, Any]] = []
+    for found in batch_axes:
+        last = groups[-1] if groups else None
+        if last and (last["input"], last["axis"], last["reason"]) == (found.name, found.axis, found.reason):
+            last["tensors"].append(found.position)
+            continue
+        groups.append({"input": found.name, "tensors": [found.position], "count": found.count,
+                       "axis": found.axis, "reason": found.reason})  # fmt: skip
+    return groups
+
+
+def format_batch_axes(batch_axes: Sequence[Any]) -> str:
+    """The batch axis taken in each input and why, as Python comments (the text stays Python)."""
+    lines = ["# batch axes (the batch: the leading size of input_ids, or of the first input, in each call):"]
+    for group in _group_batch_axes(batch_axes):
+        tensors = group["tensors"]
+        where = group["input"]
+        if group["count"] > 1:
+            where += (
+                f" (tensors {tensors[0]}-{tensors[-1]} of {group['count']})" if len(tensors) > 1 else f"[{tensors[0]}]"
+            )
+        taken = "none" if group["axis"] is None else f"axis {group['axis']}"
+        lines.append(f"#   {where}: {taken}: {group['reason']}")
+    return "\n".join(map(plain, lines))
+
+
+def format_dynamic_shapes_json(dynamic_shapes: Any, batch_axes: Sequence[Any] | None = None) -> str:
+    """``dynamic_shapes_to_json`` as indented JSON text, with the batch axes under :data:`BATCH_AXES_KEY` if given."""
+    value = dynamic_shapes_to_json(dynamic_shapes)
+    if batch_axes is not None and isinstance(value, dict):
+        value[BATCH_AXES_KEY] = [
+            {k: v for k, v in group.items() if k != "count"} for group in _group_batch_axes(batch_axes)
+        ]
+    return json.dumps(value, indent=2)
 
 
 # --------------------------------------------------------------------------- verify

@@ -71,8 +71,9 @@ class RecordedCallsAPI:
         each name into one shared ``torch.export.Dim``.
 
         Args:
-            set_batch_dimension_for: Inputs (names or positions) whose first dimension is dynamic
-                even when every call used the same batch size; True for all inputs.
+            set_batch_dimension_for: Inputs (names or positions) whose batch axis is dynamic
+                even when every call used the same batch size; True for all inputs. The batch
+                axis is found from the sizes, not assumed to be 0 (:meth:`infer_batch_axes`).
             dim_names: False (``Dim.DYNAMIC``), True (derived names) or a dict of explicit names.
             dynamic: Axes to make dynamic even if their size never varied, per input:
                 ``{"input_ids": {1}, "cache": {2}}`` (every tensor of the input with that axis).
@@ -132,6 +133,24 @@ class RecordedCallsAPI:
         See :func:`iobundle.replay.infer.static_dim_hints`; like :meth:`infer_dynamic_spec`, it needs no torch.
         """
         return infer.static_dim_hints(self._recorded(), set_batch_dimension_for, dynamic)
+
+    def infer_batch_axes(
+        self, set_batch_dimension_for: Collection[int | str] | bool | None = True
+    ) -> list[infer.BatchAxis]:
+        """The batch axis ``set_batch_dimension_for`` makes dynamic in each tensor it selects, and why.
+
+        One :class:`~iobundle.replay.infer.BatchAxis` per tensor of the selected inputs (every
+        input for True), in flattening order; ``axis`` is None for a tensor without a batch axis
+        (left alone). The rule is in :mod:`iobundle.replay.infer._batch`: the axis whose size is
+        the batch of ``input_ids`` (or of the first input) in every call.
+
+        Example:
+            >>> {a.label: a.axis for a in bundle.infer_batch_axes()}
+            {'input_ids': 0, 'position_ids': 1, 'extra': None}
+        """
+        rc = self._recorded()
+        found = infer.batch_axes(rc, infer.align_calls(rc), set_batch_dimension_for)
+        return [axis for axis in found if axis is not None]
 
     def infer_arguments(
         self,

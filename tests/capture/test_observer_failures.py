@@ -203,6 +203,7 @@ class TestTensorsThatCannotBeCopied:
 
 @pytest.mark.usefixtures("own_files")  # the failures below hit write_tensor_file
 class TestStreamWriteFailures:
+    @pytest.mark.usefixtures("thread_writer")
     def test_disk_full_marks_the_call_incomplete_and_the_program_goes_on(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
@@ -230,6 +231,7 @@ class TestStreamWriteFailures:
         assert "calls/000001.safetensors" not in bundle.manifest.files
         assert str(bundle.infer_dynamic_shapes()) == str(observer.infer_dynamic_shapes())
 
+    @pytest.mark.usefixtures("thread_writer")
     def test_nothing_can_be_written_at_all(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         target = tmp_path / "run"
         monkeypatch.setattr(_writer, "write_tensor_file", enospc)
@@ -244,6 +246,7 @@ class TestStreamWriteFailures:
         assert not (target / "manifest.json").exists()
         assert load_bundle(target).calls == []  # the journal's head, written when the stream opened
 
+    @pytest.mark.usefixtures("thread_writer")
     def test_permission_denied_while_streaming(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         def denied(*args: Any, **kwargs: Any) -> Any:
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
@@ -363,6 +366,7 @@ class TestSaveErrors:
 class TestSegmentWriteFailures:
     """A call whose range cannot be appended to its segment (the calls' small tensors share one file)."""
 
+    @pytest.mark.usefixtures("thread_writer")  # the disk fills for this process's writes
     def test_streaming_marks_the_call_incomplete_and_the_next_range_takes_its_place(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:

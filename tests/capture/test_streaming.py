@@ -11,11 +11,13 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,7 @@ import torch
 from iobundle import BundleExistsError, CaptureError, InputObserver, TensorFileError, load_bundle
 from iobundle.calls._tensorfile_write import write_tensor_file
 from iobundle.calls._tree import tensor_keys
-from iobundle.capture import _writer
+from iobundle.capture import ObservationWarning, _writer, _writer_process
 from iobundle.capture._stream import INLINE_MAX_BYTES, POOLED_MIN_BYTES, BufferPool, SnapshotTable
 from iobundle.capture._writer import call_keys
 from iobundle.schema import load_manifest
@@ -83,6 +85,7 @@ def run(model: torch.nn.Module, observer: InputObserver, calls: list[Any], **kwa
 
 
 class TestStreaming:
+    @pytest.mark.usefixtures("thread_writer")
     def test_each_call_is_on_disk_once_the_next_one_returns(self, tmp_path: Path) -> None:
         bundle = tmp_path / "run.iobundle"
         seen: list[int] = []
@@ -118,6 +121,7 @@ class TestStreaming:
         monkeypatch.setattr(_writer.BundleWriter, "append_call", append_call)
         return names
 
+    @pytest.mark.usefixtures("thread_writer")
     @pytest.mark.parametrize("durable", [False, True])
     def test_a_small_call_is_written_by_its_own_thread(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool
@@ -135,6 +139,7 @@ class TestStreaming:
         assert all((name == me) != durable for name in writers), writers
         assert load_bundle(bundle).verify() == []
 
+    @pytest.mark.usefixtures("thread_writer")
     def test_a_large_call_goes_to_the_writer_thread(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         bundle = tmp_path / "run.iobundle"
         writers = self.journal_writers(monkeypatch)
@@ -190,10 +195,11 @@ class TestStreaming:
         ],
     )
     def test_a_damaged_streamed_file_is_an_error_not_a_crash(
-        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, damage: str
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, name: str, damage: str
     ) -> None:
-        if name.endswith(".safetensors"):
-            monkeypatch.setattr(_writer, "SEGMENT_TENSOR_BYTES", 0)  # every tensor in its call's own file
+        if name.endswith(".safetensors"):  # every tensor in its call's own file, written by this process
+            monkeypatch.setattr(_writer, "SEGMENT_TENSOR_BYTES", 0)
+            request.getfixturevalue("thread_writer")
         observer = InputObserver()
         run(Decoder(), observer, decoder_calls(2), stream_to=tmp_path / "run")
         file = tmp_path / "run" / "calls" / name
@@ -292,6 +298,7 @@ class TestStreaming:
             observer.save(tmp_path / "run", overwrite=True)
         assert load_bundle(tmp_path / "run").verify() == []
 
+    @pytest.mark.usefixtures("thread_writer")
     def test_a_nested_block_keeps_the_outer_stream(self, tmp_path: Path) -> None:
         model, observer = Decoder(), InputObserver()
         (args0, kw0), (args1, kw1) = decoder_calls(2)
@@ -359,6 +366,7 @@ class TestDurability:
         monkeypatch.setattr(os, "fsync", fsync)
         return synced
 
+    @pytest.mark.usefixtures("thread_writer")
     def test_by_default_every_file_is_fsynced_when_the_block_is_left(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
@@ -379,6 +387,7 @@ class TestDurability:
         assert not (real / "journal.jsonl").exists()
         assert load_bundle(bundle).verify() == [] and manifest_calls(bundle) == 4
 
+    @pytest.mark.usefixtures("thread_writer")
     def test_durable_fsyncs_each_call_before_the_next_is_accepted(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
@@ -395,6 +404,7 @@ class TestDurability:
 
 
 class TestBufferPool:
+    @pytest.mark.usefixtures("thread_writer")
     def test_copies_wait_for_the_writer_beyond_one_and_a_half_calls(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
@@ -454,6 +464,157 @@ class TestBufferPool:
             table.get("t0")
 
 
+def wait_listed(bundle: Path, n: int) -> None:
+    """Wait until the bundle lists ``n`` calls (the writer process writes them in its own time)."""
+    deadline = time.monotonic() + 120
+    while manifest_calls(bundle) < n:
+        assert time.monotonic() < deadline, f"{bundle} never listed {n} calls"
+        time.sleep(0.01)
+
+
+class TestWriterProcess:
+    """The default writer: a process fed through shared memory (``iobundle.capture._writer_process``)."""
+
+    @staticmethod
+    def parent_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+        """The indices of the calls this process writes itself (filled by its BundleWriter.write_call)."""
+        indices: list[int] = []
+        real = _writer.BundleWriter.write_call
+
+        def write_call(self: Any, call: Any, *args: Any, **kwargs: Any) -> list[str]:
+            indices.append(call.index)
+            return real(self, call, *args, **kwargs)
+
+        monkeypatch.setattr(_writer.BundleWriter, "write_call", write_call)
+        return indices
+
+    @pytest.mark.parametrize("durable", [False, True])
+    def test_calls_are_written_by_the_writer_process(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool
+    ) -> None:
+        bundle = tmp_path / "run.iobundle"
+        mine = self.parent_writes(monkeypatch)
+        model, observer, calls = Decoder(), InputObserver(), decoder_calls(6)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback to the thread
+            outputs = run(model, observer, calls, stream_to=bundle, durable=durable)
+        assert mine == []
+        loaded = load_bundle(bundle)
+        assert [c.index for c in loaded.calls] == list(range(6)) and loaded.verify() == []
+        assert not (bundle / "journal.jsonl").exists()  # closed: the final manifest is written
+        for call, (args, _), out in zip(loaded.calls, calls, outputs):
+            assert_same(loaded.tensor(call.args[0].key), args[0])
+            assert_same(loaded.tensor(call.outputs.items[0].key), out["logits"])
+        assert str(observer.infer_dynamic_shapes()) == str(loaded.infer_dynamic_shapes())
+
+    def test_the_child_stores_a_growing_tensor_as_its_new_part(self, tmp_path: Path) -> None:
+        run(Doubler(), InputObserver(), [((torch.arange(10 + i),), {}) for i in range(4)], stream_to=tmp_path / "run")
+        loaded = load_bundle(tmp_path / "run")
+        extended = [k for k, e in loaded.manifest.tensors.items() if e.extends is not None]
+        assert len(extended) == 6  # inputs and outputs of calls 1-3, checked byte for byte by the child
+        assert loaded.verify() == []
+        for i, call in enumerate(loaded.calls):
+            assert torch.equal(loaded.tensor(call.args[0].key), torch.arange(10 + i))
+
+    @pytest.mark.parametrize("variable", ["thread", None])
+    def test_iobundle_writer_thread_in_the_environment_writes_with_a_thread(
+        self, tmp_path: Path, variable: str | None
+    ) -> None:
+        script = textwrap.dedent(
+            f"""
+            import torch
+            from iobundle import InputObserver, load_bundle
+            from iobundle.capture import _writer_process
+
+            model, observer = torch.nn.Identity(), InputObserver()
+            with observer(model, store_n_calls=2, stream_to={str(tmp_path / "run")!r}):
+                model(torch.ones(2))
+                model(torch.ones(3))
+            print(len(_writer_process._CHILDREN), load_bundle({str(tmp_path / "run")!r}).num_obs())
+            """
+        )
+        env = {k: v for k, v in os.environ.items() if k != "IOBUNDLE_WRITER"}
+        if variable is not None:
+            env["IOBUNDLE_WRITER"] = variable
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == (["0", "2"] if variable == "thread" else ["1", "2"])
+
+    def test_the_next_stream_reuses_the_idle_writer_process(self, tmp_path: Path) -> None:
+        model = Decoder()
+        run(model, InputObserver(), decoder_calls(2), stream_to=tmp_path / "a")
+        idle = list(_writer_process._IDLE)
+        assert len(idle) >= 1 and all(c.proc.poll() is None for c in idle)
+        run(model, InputObserver(), decoder_calls(2), stream_to=tmp_path / "b")
+        assert {c.proc.pid for c in _writer_process._IDLE} & {c.proc.pid for c in idle}
+        assert [load_bundle(tmp_path / n).num_obs() for n in "ab"] == [2, 2]
+
+    def test_a_write_error_in_the_child_marks_the_call_incomplete(self, tmp_path: Path) -> None:
+        """A real error in the child (its calls/ folder replaced by a file): the same BundleWriteError, warned."""
+        bundle = tmp_path / "run.iobundle"
+        model, observer = Doubler(), InputObserver()
+        warned = pytest.warns(ObservationWarning, match=r"could not record call 1: .*BundleWriteError: Cannot write")
+        # call 1's tensors are large: they need a file of their own (the calls' segment is open already)
+        with warned, observer(model, store_n_calls=3, stream_to=bundle):
+            model(torch.ones(3))
+            wait_listed(bundle, 1)  # call 0 is written
+            (bundle / "calls").rename(tmp_path / "calls-away")
+            (bundle / "calls").write_text("not a folder")
+            model(torch.ones(20_000))
+            wait_listed(bundle, 2)  # call 1 failed: its journal line lists it incomplete
+            (bundle / "calls").unlink()
+            (tmp_path / "calls-away").rename(bundle / "calls")
+            model(torch.ones(5))
+        assert [c.status for c in observer.info.calls][:2] == ["ok", "incomplete"]
+        loaded = load_bundle(bundle)
+        assert [c.status for c in loaded.calls][:2] == ["ok", "incomplete"] and loaded.verify() == []
+
+    def test_no_process_falls_back_to_the_thread_with_one_warning(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(_writer_process, "_IDLE", [])
+        monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python-here"))
+        with pytest.warns(ObservationWarning) as record:
+            run(Decoder(), InputObserver(), decoder_calls(4), stream_to=tmp_path / "run")
+        assert len(record) == 1 and "cannot start its writer process" in str(record[0].message)
+        loaded = load_bundle(tmp_path / "run")
+        assert loaded.num_obs() == 4 and loaded.verify() == []
+
+    def test_a_child_that_dies_before_starting_leaves_its_calls_to_the_thread(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        false = "/bin/false" if Path("/bin/false").exists() else "/usr/bin/false"
+        monkeypatch.setattr(_writer_process, "_IDLE", [])
+        monkeypatch.setattr(sys, "executable", false)  # exits at once, having read nothing
+        with pytest.warns(ObservationWarning) as record:
+            run(Decoder(), InputObserver(), decoder_calls(4), stream_to=tmp_path / "run")
+        assert len(record) == 1 and "writer process" in str(record[0].message) and "stopped" in str(record[0].message)
+        loaded = load_bundle(tmp_path / "run")
+        assert [c.status for c in loaded.calls] == ["ok"] * 4 and loaded.verify() == []
+
+    def test_a_killed_writer_process_leaves_the_next_calls_to_the_thread(self, tmp_path: Path) -> None:
+        bundle = tmp_path / "run.iobundle"
+        model, observer = Doubler(), InputObserver()
+        with (
+            pytest.warns(ObservationWarning, match="writer process .* stopped"),
+            observer(model, store_n_calls=6, stream_to=bundle),
+        ):
+            for i in range(3):
+                model(torch.full((i + 1,), float(i)))
+            wait_listed(bundle, 3)
+            busy = [c for c in _writer_process._CHILDREN if c not in _writer_process._IDLE]
+            assert len(busy) == 1
+            os.kill(busy[0].proc.pid, signal.SIGKILL)
+            busy[0].proc.wait(60)  # dead for sure: the next call finds its pipe closed
+            for i in range(3, 6):
+                model(torch.full((i + 1,), float(i)))
+        loaded = load_bundle(bundle)
+        assert [c.index for c in loaded.calls] == list(range(6)) and loaded.verify() == []
+        assert [c.status for c in loaded.calls] == ["ok"] * 6
+        for call in loaded.calls:  # the calls after the kill were written by the thread
+            assert torch.equal(loaded.tensor(call.outputs.key), torch.full((call.index + 1,), 2.0 * call.index))
+
+
 class Doubler(torch.nn.Module):
     def forward(self, x):
         return x * 2
@@ -474,6 +635,10 @@ ZYGOTE = textwrap.dedent(
         def say(text):  # one write per line: the writer thread prints too
             os.write(1, (text + "\\n").encode())
 
+        from iobundle.capture import _stream
+
+        _stream.WRITER = "process" if mode.startswith("process") else "thread"  # the hooks below patch this process
+
         if slow:
             real_replace = os.replace
 
@@ -486,7 +651,7 @@ ZYGOTE = textwrap.dedent(
 
             os.replace = replace
         if mode == "journal-append":
-            from iobundle.capture import _writer
+            from iobundle.capture import ObservationWarning, _writer, _writer_process
 
             def write_all(fd, data):  # hold each journal line half written
                 os.write(fd, data[: len(data) // 2])
@@ -611,7 +776,40 @@ MODES = {  # mode: (floats per tensor, seconds each rename or append is held)
     "manifest-renamed": (1000, 0.1),  # leaving the block: kill once it is renamed, the journal not yet removed
     "reopen-rename": (1000, 0.1),  # a second block: kill once the new journal is written, not yet renamed
     "reopen-renamed": (1000, 0.1),  # a second block: kill once it is renamed, the manifest not yet removed
+    "process-delay": (1000, 0.0),  # the writer process: kill the recording process after a random delay
+    "process-big": (2_000_000, 0.0),  # the writer process, 8 MB tensors
 }
+
+
+def writer_children(pid: int) -> list[int]:
+    """The writer processes that ``pid`` started."""
+    found = []
+    for stat_path in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat_path.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat_path.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and b"_writer_process" in cmdline:
+            found.append(int(stat_path.parent.name))
+    return found
+
+
+def wait_exited(pids: list[int], timeout: float = 120.0) -> bool:
+    """Wait until every process of ``pids`` has exited (gone, or a zombie nobody reaped); whether they did."""
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while True:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                break
+            if state in ("Z", "X"):
+                break
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+    return True
 
 
 def kill_trial(zygote: Zygote, workdir: Path, mode: str, durable: bool, rng: random.Random) -> dict[str, Any]:
@@ -621,11 +819,15 @@ def kill_trial(zygote: Zygote, workdir: Path, mode: str, durable: bool, rng: ran
     workdir.mkdir()
     k = rng.randint(1, 4)
     pid = zygote.run(log, bundle, size, slow, durable, mode, k)
+    children: list[int] = []
     try:
         wait_for(log, lambda line: line == "ready")
-        if mode == "delay":
+        children = writer_children(pid)
+        if mode.startswith("process"):
+            assert len(children) == 1, f"{mode}: the writer processes of {pid}: {children}"
+        if mode in ("delay", "process-delay"):
             time.sleep(rng.uniform(0.0, 0.3))
-        elif mode == "big":
+        elif mode in ("big", "process-big"):
             time.sleep(rng.uniform(0.0, 1.0))
         elif mode in ("journal-append", "segment-append"):
             after = wait_for(log, lambda line: line == f"done {k}")
@@ -641,13 +843,16 @@ def kill_trial(zygote: Zygote, workdir: Path, mode: str, durable: bool, rng: ran
             wait_for(log, lambda line: line == wanted, start=after)
     finally:
         zygote.kill(pid)
+    # the writer process writes every call it received, then exits: it outlives its parent only that long
+    orphaned = not wait_exited(children)
     lines = read_lines(log)
     reported = max((int(line.split()[1]) for line in lines if line.startswith("done ")), default=0)
     leftovers = sorted(p.name for p in bundle.rglob(".*.tmp"))
     loaded = load_bundle(bundle)
     n = len(loaded.calls)
     # leaving a block waits for every call: then each one that returned is listed
-    in_flight = 0 if mode.startswith(("manifest", "reopen")) else 1
+    # and a writer process loses nothing it received: only a call whose hand-off the kill cut short
+    in_flight = 0 if mode.startswith(("manifest", "reopen", "process")) else 1
     assert n >= reported - in_flight, f"{mode}: {reported} calls finished but the bundle lists {n}"
     assert loaded.verify() == [], mode
     assert [c.index for c in loaded.calls] == list(range(n))
@@ -678,6 +883,7 @@ def kill_trial(zygote: Zygote, workdir: Path, mode: str, durable: bool, rng: ran
         "reported": reported,
         "listed": n,
         "unfinished_files": leftovers,
+        "orphaned": orphaned,
         "state": ("journal" if journal else "")
         + ("+" if journal and manifest else "")
         + ("manifest" if manifest else ""),
@@ -700,8 +906,8 @@ def test_sigkill_at_any_moment_leaves_a_loadable_bundle(tmp_path: Path) -> None:
         "reopen-rename",
         "reopen-renamed",
     ]
-    modes = [(m, False) for m in ["delay"] * 6 + ["big"] * 5 + steps * 3]
-    modes += [(m, True) for m in ["delay", "big", *steps]]
+    modes = [(m, False) for m in ["delay"] * 6 + ["big"] * 5 + steps * 3 + ["process-delay"] * 4 + ["process-big"] * 3]
+    modes += [(m, True) for m in ["delay", "big", *steps, "process-delay", "process-big"]]
     trials = [(i, mode, durable, random.Random(rng.random())) for i, (mode, durable) in enumerate(modes)]
     workers = 2
     zygotes = [Zygote(script) for _ in range(workers)]
@@ -726,10 +932,12 @@ def test_sigkill_at_any_moment_leaves_a_loadable_bundle(tmp_path: Path) -> None:
             "listed": [r["listed"] for r in rs],
             "killed_mid_write": sum(bool(r["unfinished_files"]) for r in rs),
             "left": sorted({r["state"] for r in rs}),
+            "orphaned": sum(r["orphaned"] for r in rs),
         }
         for m, rs in by_mode.items()
     }
     print("kill trials:", json.dumps(summary))
+    assert not any(r["orphaned"] for r in results), summary  # every writer process ended after its parent
     # the rename modes really killed inside a write: the unfinished file was left behind, unlisted
     assert all(any(".safetensors.tmp" in f for f in r["unfinished_files"]) for r in by_mode["tensor-rename"]), summary
     assert all(".manifest.json.tmp" in r["unfinished_files"] for r in by_mode["manifest-rename"]), summary

@@ -180,7 +180,7 @@ class TestShapes:
     def test_dim_names_print_the_library_names_shared_by_equal_batches(self, capsys, bundle):
         code, out, _ = run(capsys, "shapes", bundle, "--batch-all", "--dim-names")
         assert code == 0
-        assert out.strip() == "{'x': {0: 'x_dim_0', 1: 'x_dim_1'}, 'cache': [{0: 'x_dim_0'}]}"
+        assert out.splitlines()[0] == "{'x': {0: 'x_dim_0', 1: 'x_dim_1'}, 'cache': [{0: 'x_dim_0'}]}"
         expected = load_bundle(bundle).infer_dynamic_shapes(set_batch_dimension_for=True, dim_names=True)
         assert eval(out) == expected
 
@@ -202,7 +202,28 @@ class TestShapes:
     def test_batch_by_name_or_position(self, capsys, bundle, batch, expected):
         code, out, err = run(capsys, "shapes", bundle, "--json", *batch)
         assert code == 0, err
-        assert json.loads(out) == expected
+        shapes = json.loads(out)
+        shapes.pop("$batch_axes")
+        assert shapes == expected
+
+    def test_batch_axes_taken_and_why_in_text_and_json(self, capsys, bundle):
+        code, out, _ = run(capsys, "shapes", bundle, "--batch-all")
+        assert code == 0
+        comments = [line for line in out.splitlines() if line.startswith("#")]
+        assert comments[1:] == [
+            "#   x: axis 0: the reference: its leading size is the batch (2)",
+            "#   cache: axis 0: the only axis of the batch's size in every call",
+        ]
+        code, out, _ = run(capsys, "shapes", bundle, "--json", "--batch", "cache")
+        assert code == 0
+        assert json.loads(out)["$batch_axes"] == [
+            {"input": "cache", "tensors": [0], "axis": 0, "reason": "the only axis of the batch's size in every call"}
+        ]
+
+    def test_no_batch_axes_without_a_batch_flag(self, capsys, bundle):
+        code, out, _ = run(capsys, "shapes", bundle, "--json")
+        assert code == 0
+        assert "$batch_axes" not in json.loads(out)
 
     @pytest.mark.parametrize(
         ("batch", "message"),

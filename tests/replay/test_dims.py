@@ -90,7 +90,10 @@ def test_export_checks_another_batch_size(bundle):
 def test_cli_dynamic_flag_and_warnings(bundle, capsys):
     assert main(["shapes", str(bundle.path), "--json"]) == 0
     err = capsys.readouterr().err
-    assert "warning: dimension 0 is 3 in every input" in err and "--dynamic input_ids:1" in err
+    assert (
+        "warning: the batch axes (input_ids axis 0, attention_mask axis 0) are 3 in every call" in err
+        and "--dynamic input_ids:1" in err
+    )
     assert (
         main(["shapes", str(bundle.path), "--json", "--batch-all", "--dynamic", "0:1", "--dynamic", "attention_mask:1"])
         == 0
@@ -102,3 +105,44 @@ def test_cli_dynamic_flag_and_warnings(bundle, capsys):
     for bad in ("input_ids", "input_ids:x", "labels:1", "5:1"):
         assert main(["shapes", str(bundle.path), "--dynamic", bad]) == 2
         assert "--dynamic" in capsys.readouterr().err
+
+
+class SliceCopy(torch.nn.Module):
+    """Two parts copied into slices of an empty tensor, the way latent attention builds its keys."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        batch, _, length, dim = x.shape
+        out = x.new_empty(batch, 2, length, 2 * dim)
+        out[..., :dim].copy_(x.expand(-1, 2, -1, -1))
+        out[..., dim:].copy_(y.expand(-1, 2, -1, -1))
+        return out + z.sum()
+
+
+def test_a_guard_beyond_the_recorded_calls_is_explained():
+    # z of length 1 and 2 makes the export size-oblivious; the copies into slices then add the
+    # minimum batch >= 2 and the program refuses batch 1.
+    model = SliceCopy()
+    observer = InputObserver()
+    with torch.no_grad(), observer(model):
+        for length in (1, 2):
+            model(torch.randn(2, 1, 5, 3), torch.randn(2, 1, 5, 3), torch.ones(length))
+    observer.export(model, set_batch_dimension_for=True)
+    check = observer.export_report().batch_check
+    assert (check.batch, check.success, check.error) == (1, False, "AssertionError: Guard failed: x.size()[0] >= 2")
+    assert check.assumption.startswith("the program assumes axis 0 of x >= 2: a minimum bound torch.export added")
+    assert check.assumption in check.summary()
+
+
+@pytest.mark.parametrize(
+    ("guard", "expected"),
+    [
+        ("Guard failed: position_ids.size()[0] >= 2", "the program assumes axis 0 of position_ids >= 2: a minimum"),
+        ("Guard failed: cache['key_0'].size()[0] == 2", "the program assumes axis 0 of cache['key_0'] == 2: a size"),
+        ("Guard failed: x.size()[1] <= y.size()[1] + 1", "the program assumes axis 1 of x <= axis 1 of y + 1: a rel"),
+    ],
+)
+def test_explain_guard_names_the_assumption(guard, expected):
+    from iobundle.replay.export import explain_guard
+
+    assert explain_guard(f"AssertionError: {guard}", 2).startswith(expected)
+    assert explain_guard("RuntimeError: shapes differ", 2) is None

@@ -11,8 +11,10 @@ import pytest
 import torch
 import torch.fx.experimental._config as fx_config
 
+from iobundle import InputObserver
 from iobundle.replay.export._patches import (
     export_patches,
+    patch_latent_keys_concat,
     patch_layout_copies,
     patch_moe_batched_experts,
     patch_sliding_window_offsets,
@@ -175,3 +177,43 @@ def test_torch_sdpa_wrapper_matches_torch_and_zeroes_unseeing_rows() -> None:
     torch.testing.assert_close(got[:, :, 1:], expected[:, :, 1:])
     torch.testing.assert_close(got[1], expected[1])
     torch.testing.assert_close(got_causal, causal)
+
+
+def _tiny_deepseek_v3() -> Any:
+    config = transformers.DeepseekV3Config(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, intermediate_size=16,
+        vocab_size=50, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=3,
+        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+        moe_intermediate_size=8, first_k_dense_replace=0, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.DeepseekV3ForCausalLM(config).eval()
+
+
+def test_latent_keys_concat_same_logits_and_restores() -> None:
+    model = _tiny_deepseek_v3()
+    attention = model.model.layers[0].self_attn
+    ids = torch.randint(1, 50, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(ids).logits
+        with pytest.raises(RuntimeError, match="boom"), patch_latent_keys_concat(model):
+            assert "expand_kv" in vars(attention)
+            torch.testing.assert_close(model(ids).logits, expected, atol=0, rtol=0)
+            raise RuntimeError("boom")
+    assert "expand_kv" not in vars(attention)
+
+
+def test_latent_attention_exported_at_batch_2_serves_batch_1() -> None:
+    # Without the patch, tracing batch 2 adds the minimum batch >= 2 (the copy into a slice of the
+    # keys) and the check beyond the recorded calls fails: Guard failed: position_ids.size()[0] >= 2.
+    model = _tiny_deepseek_v3()
+    observer = InputObserver()
+    ids = torch.randint(1, 50, (2, 5), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), observer(model):
+        model.generate(input_ids=ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    observer.export(model, set_batch_dimension_for=True)
+    report = observer.export_report()
+    assert report is not None and report.ok
+    assert "latent_keys_concat" in report.patches
+    check = report.batch_check
+    assert (check.batch, check.success) == (1, True), check.summary()

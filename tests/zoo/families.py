@@ -48,6 +48,7 @@ class Family:
         observe: Given the model, the modules to observe by bundle name; default: the model itself.
         store_n_calls: How many calls each observer records (at least every call of the generate()).
         known_failure: Why the family does not pass yet; None when it must pass.
+        dtype: The dtype the model runs (and is recorded) in: ``float32``, ``bfloat16``, ``float16``.
     """
 
     name: str
@@ -57,6 +58,7 @@ class Family:
     observe: Callable[[torch.nn.Module], dict[str, torch.nn.Module]] | None = None
     store_n_calls: int = 32
     known_failure: str | None = None
+    dtype: str = "float32"
 
 
 def _seeded(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
@@ -244,6 +246,131 @@ FAMILIES: list[Family] = [
         "smollm3",
         decoder_only("SmolLM3Config", "SmolLM3ForCausalLM", no_rope_layer_interval=2),
         notes="no rotary embedding every other layer (NoPE)",
+    ),
+]
+
+
+# --------------------------------------------------------------------------- batch axes, dtypes (issue 19)
+
+
+def vision_language_text(
+    config_name: str, model_name: str, **vision: Any
+) -> Callable[[], tuple[torch.nn.Module, dict[str, Any]]]:
+    """A tiny Qwen2-VL-style model generating from text alone: ``position_ids`` is ``(4, batch, length)``.
+
+    The text decoder takes 3-D rotary positions (text positions plus the temporal, height and
+    width sections), so its batch is axis 1 of ``position_ids``: ``--batch-all`` must find it.
+    """
+
+    def build() -> tuple[torch.nn.Module, dict[str, Any]]:
+        import transformers
+
+        text = {
+            "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 64, "vocab_size": VOCAB, "max_position_embeddings": 128, "pad_token_id": PAD,
+            "bos_token_id": 1, "eos_token_id": 2, "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
+        }  # fmt: skip
+        vision_config = {"depth": 1, "hidden_size": 32, "num_heads": 2, "patch_size": 2, "spatial_merge_size": 1,
+                         "temporal_patch_size": 1, **vision}  # fmt: skip
+        cfg = getattr(transformers, config_name)(
+            text_config=text, vision_config=vision_config, image_token_id=97, video_token_id=98,
+            vision_start_token_id=96,
+        )  # fmt: skip
+        model = _seeded(lambda: getattr(transformers, model_name)(cfg))
+        return model, greedy(4, **left_padded_prompt(7))
+
+    return build
+
+
+# Multi-head latent attention: keys of 8 + 4 (rotary), values of 6, over rank-16 latents.
+_LATENT: dict[str, Any] = {
+    "num_key_value_heads": 4,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 6,
+}
+# Grouped routing: 4 experts in 2 groups, the best group's top 2 experts, one shared expert.
+_GROUPED_MOE: dict[str, Any] = {
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "moe_intermediate_size": 16,
+}
+
+FAMILIES += [
+    Family(
+        "qwen2_vl_text",
+        vision_language_text("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", embed_dim=32),
+        notes="3-D rotary positions (4, batch, length): the batch is axis 1 of position_ids",
+    ),
+    Family(
+        "qwen2_5_vl_text",
+        vision_language_text(
+            "Qwen2_5_VLConfig",
+            "Qwen2_5_VLForConditionalGeneration",
+            out_hidden_size=32,
+            intermediate_size=64,
+            fullatt_block_indexes=[0],
+            window_size=4,
+        ),
+        notes="3-D rotary positions, windowed vision tower unused: the batch is axis 1 of position_ids",
+    ),
+    Family(
+        "llama_bf16",
+        decoder_only("LlamaConfig", "LlamaForCausalLM"),
+        atol=2e-2,
+        dtype="bfloat16",
+        notes="bfloat16 weights and activations, default dtype-aware tolerances",
+    ),
+    Family(
+        "llama_fp16",
+        decoder_only("LlamaConfig", "LlamaForCausalLM"),
+        atol=5e-3,
+        dtype="float16",
+        notes="float16 weights and activations, default dtype-aware tolerances",
+    ),
+    Family(
+        "qwen2_bf16",
+        decoder_only("Qwen2Config", "Qwen2ForCausalLM"),
+        atol=2e-2,
+        dtype="bfloat16",
+        notes="bfloat16, attention biases",
+    ),
+    Family(
+        "qwen2_fp16",
+        decoder_only("Qwen2Config", "Qwen2ForCausalLM"),
+        atol=5e-3,
+        dtype="float16",
+        notes="float16, attention biases",
+    ),
+    Family(
+        "deepseek_v3",
+        decoder_only("DeepseekV3Config", "DeepseekV3ForCausalLM", **_LATENT, **_GROUPED_MOE, first_k_dense_replace=1),
+        notes="multi-head latent attention (key 12 / value 6 head sizes), grouped MoE routing (n_group 2, "
+        "topk_group 1); batch 1 beyond the recorded calls",
+    ),
+    Family(
+        "deepseek_v2",
+        decoder_only(
+            "DeepseekV2Config", "DeepseekV2ForCausalLM", **_LATENT, **_GROUPED_MOE, topk_method="group_limited_greedy"
+        ),
+        notes="multi-head latent attention, group-limited greedy MoE routing",
+        known_failure="torch.onnx.export: ConversionError (its rotary embedding computes in complex numbers, "
+        "torch.polar / view_as_complex); torch.export and the ep.module() checks pass",
+    ),
+    Family(
+        "glm4_moe_lite",
+        decoder_only("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", **_LATENT, **_GROUPED_MOE, first_k_dense_replace=1),
+        notes="multi-head latent attention, grouped MoE routing with a shared expert",
+    ),
+    Family(
+        "minicpm3",
+        decoder_only("MiniCPM3Config", "MiniCPM3ForCausalLM", **_LATENT, scale_emb=1, dim_model_base=32),
+        notes="multi-head latent attention, dense MLP, scaled embeddings and residuals",
     ),
 ]
 

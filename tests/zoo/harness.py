@@ -35,7 +35,15 @@ from typing import Any
 import torch
 from families import Family
 
-__all__ = ["BundleResult", "FamilyResult", "capture_family", "cli_session", "replay_bundle", "run_families"]
+__all__ = [
+    "BundleResult",
+    "FamilyResult",
+    "bundle_cache_kinds",
+    "capture_family",
+    "cli_session",
+    "replay_bundle",
+    "run_families",
+]
 
 REPLAY_TIMEOUT_S = 900
 
@@ -53,6 +61,7 @@ class BundleResult:
     onnx_seconds: float = 0.0
     ep_checks: list[dict[str, Any]] = field(default_factory=list)
     ort_rows: list[dict[str, Any]] = field(default_factory=list)
+    cache: str = "-"
     export_rc: int | None = None
     validate_rc: int | None = None
     export_output: str = ""
@@ -116,6 +125,7 @@ def capture_family(entry: Family, root: Path) -> tuple[dict[str, Path], float]:
 
     begin = time.perf_counter()
     model, kwargs = entry.build()
+    model = model.to(getattr(torch, entry.dtype))
     modules = entry.observe(model) if entry.observe else {entry.name: model}
     observers = {name: InputObserver() for name in modules}
     with torch.no_grad(), contextlib.ExitStack() as stack:
@@ -247,11 +257,39 @@ def _is_number(text: str) -> bool:
     return True
 
 
+def _cache_kind(node: Any) -> str | None:
+    """``DynamicCache: full, sliding``: the recorded cache class and its layer kinds, from the manifest's tree."""
+    from iobundle.schema import ObjectNode
+
+    if isinstance(node, ObjectNode) and node.type.startswith("transformers.") and node.type.endswith("Cache"):
+        name = node.type.removeprefix("transformers.")
+        inner = [kind for child in node.items if (kind := _cache_kind(child))]
+        if inner:
+            return f"{name}({' / '.join(dict.fromkeys(inner))})"
+        kinds = node.context if isinstance(node.context, list) else []
+        names = [next(iter(k)) if isinstance(k, dict) and k else str(k) for k in kinds if isinstance(k, (str, dict))]
+        return f"{name}: {', '.join(dict.fromkeys(names))}" if names else name
+    for child in getattr(node, "items", ()):
+        if kind := _cache_kind(child):
+            return kind
+    return None
+
+
+def bundle_cache_kinds(manifest: Any) -> str:
+    """The cache kind the bundle's recorded inputs hold (the most detailed over its calls), or ``-``."""
+    kinds = [
+        kind for call in manifest.calls for node in [*call.args, *call.kwargs.values()] if (kind := _cache_kind(node))
+    ]
+    return max(kinds, key=len) if kinds else "-"
+
+
 def replay_bundle(name: str, bundle: Path, work: Path) -> BundleResult:
     """``iobundle export --from-bundle --batch-all`` then ``iobundle validate`` on ``bundle``, in one fresh process."""
     from iobundle.schema import load_manifest
 
-    result = BundleResult(name=name, calls=sum(1 for c in load_manifest(bundle).calls if c.status == "ok"))
+    manifest = load_manifest(bundle)
+    result = BundleResult(name=name, calls=sum(1 for c in manifest.calls if c.status == "ok"))
+    result.cache = bundle_cache_kinds(manifest)
     onnx_path = bundle.with_suffix(".onnx")
     report = bundle.with_suffix(".validate.json")
     work.mkdir(parents=True, exist_ok=True)

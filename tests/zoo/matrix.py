@@ -6,7 +6,8 @@ Usage::
     python tests/zoo/matrix.py llama gemma2     # some families; docs/llm.md untouched
     python tests/zoo/matrix.py --json out.json  # also every result as JSON
 
-The matrix has one row per bundle: calls recorded, programs exported, patches applied, the
+The matrix has one row per bundle: the dtype the model ran in, the cache class and layer kinds
+the bundle holds (read from its manifest), calls recorded, programs exported, patches applied, the
 torch.export and torch.onnx.export seconds, and the largest error over every recorded call
 in ``ep.module()`` and in onnxruntime. A family that fails says so, with the first reason.
 """
@@ -42,8 +43,9 @@ def format_matrix(
     import transformers
 
     lines = [
-        "| family | result | calls | programs | patches | export s (torch / onnx) | max abs ep / ort | notes |",
-        "|---|---|---|---|---|---|---|---|",
+        "| family | dtype | cache | result | calls | programs | patches | export s (torch / onnx) | max abs ep / ort "
+        "| notes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for entry in entries:
         result = results[entry.name]
@@ -52,11 +54,12 @@ def format_matrix(
         note = entry.notes if not failures else f"{entry.notes}; {entry.known_failure or failures[0]}"
         note = note.replace("|", "\\|").replace("\n", " ")
         if not result.bundles:
-            lines.append(f"| {entry.name} | {status} | - | - | - | - | - | {note} |")
+            lines.append(f"| {entry.name} | {entry.dtype} | - | {status} | - | - | - | - | - | {note} |")
         for b in result.bundles:
             name = entry.name if b.name == entry.name else f"{entry.name} ({b.name})"
             lines.append(
-                f"| {name} | {status} | {b.calls} | {b.programs} | {', '.join(b.patches) or '-'} | "
+                f"| {name} | {entry.dtype} | {b.cache} | {status} | {b.calls} | {b.programs} | "
+                f"{', '.join(b.patches) or '-'} | "
                 f"{b.export_seconds:.1f} / {b.onnx_seconds:.1f} | {_error(b.ep_max_abs)} / {_error(b.ort_max_abs)} | "
                 f"{note} |"
             )

@@ -20,8 +20,9 @@ __all__ = [
     "partition_calls",
     # The batch check
     "BatchCheck",
+    "explain_guard",
 ]
 
-from iobundle.replay.export._dims import BatchCheck
+from iobundle.replay.export._dims import BatchCheck, explain_guard
 from iobundle.replay.export._export import CallCheck, ExportReport, export_onnx, export_program
 from iobundle.replay.export._phases import Phase, ProgramSet, ProgramsMode, export_programs, partition_calls

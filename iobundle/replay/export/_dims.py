@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,9 +19,9 @@ import torch
 
 from iobundle.calls import RecordedCalls, tensor_keys
 from iobundle.replay.check import compare_outputs, flatten_outputs
-from iobundle.replay.infer import Alignment, infer_arguments
+from iobundle.replay.infer import Alignment, BatchSpec, batch_axes, find_batch_axes, infer_arguments
 
-__all__ = ["BatchCheck", "check_other_batch"]
+__all__ = ["BatchCheck", "check_other_batch", "explain_guard", "program_batch_axes"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,8 @@ class BatchCheck:
         abs_recorded: Max abs difference between the program and the recorded outputs cut the same way
             (informative: a cut recorded output is not always what the model returns for the cut inputs).
         error: Why the check could not run, if it failed to.
+        assumption: When the program refused the inputs on a guard: what it assumes, in words
+            (see :func:`explain_guard`).
     """
 
     call: int
@@ -48,11 +51,16 @@ class BatchCheck:
     abs_eager: float | None = None
     abs_recorded: float | None = None
     error: str | None = None
+    assumption: str | None = None
 
     def summary(self) -> str:
         if self.error:
             verdict = "failed: " if self.success is False else ""
-            return f"batch {self.batch} (call {self.call} cut from batch {self.recorded_batch}): {verdict}{self.error}"
+            found = f"; {self.assumption}" if self.assumption else ""
+            return (
+                f"batch {self.batch} (call {self.call} cut from batch {self.recorded_batch}): "
+                f"{verdict}{self.error}{found}"
+            )
         parts = [f"max abs vs eager {self.abs_eager:.3g}" if self.abs_eager is not None else None]
         parts.append(f"vs recorded rows {self.abs_recorded:.3g}" if self.abs_recorded is not None else None)
         verdict = "ok" if self.success else "DIFFERS"
@@ -60,17 +68,57 @@ class BatchCheck:
         return f"batch {self.batch} (call {self.call} cut from batch {self.recorded_batch}): {verdict} ({detail})"
 
 
+_GUARD = re.compile(r"Guard failed: (.+)")
+_SIZE = re.compile(r"(\w+(?:\[[^\]]*\])*)\.size\(\)\[(\d+)\]")
+
+
+def explain_guard(message: str, recorded: int) -> str | None:
+    """What a program assumes when it rejects inputs with ``Guard failed: EXPR``, in words; None for another error.
+
+    ``position_ids.size()[0] >= 2`` is a minimum bound: torch.export, tracing batch
+    ``recorded`` size-obliviously, decided a branch or a memory-layout check as if the size
+    could not be 0 or 1, and guards that. ``== N`` is a size specialised to what the trace saw;
+    a relation between two sizes is a derived dimension the model's code ties together.
+    """
+    found = _GUARD.search(message)
+    if found is None:
+        return None
+    expr = found.group(1).strip().rstrip(".")
+    text = _SIZE.sub(lambda m: f"axis {m.group(2)} of {m.group(1)}", expr)
+    sizes = _SIZE.findall(expr)
+    if len(sizes) == 1 and re.search(r"(>=|>)\s*\d+$", expr):
+        kind = (
+            f"a minimum bound torch.export added while tracing batch {recorded} (a size-oblivious choice in the "
+            "model's code: a branch, a reshape or a copy into a slice); a patch of iobundle.replay.export that "
+            "rewrites that code removes it (latent_keys_concat for multi-head latent attention)"
+        )
+    elif len(sizes) == 1 and re.search(r"==\s*\d+$", expr):
+        kind = "a size specialised to the one traced (the model's code uses it as a constant)"
+    else:
+        kind = "a relation between sizes the model's code derives (a derived dimension)"
+    return f"the program assumes {text}: {kind}"
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def _resize(t: torch.Tensor, batch: int) -> torch.Tensor:
-    """``t`` with ``batch`` rows along dimension 0: its first rows, or its rows repeated."""
-    if batch <= t.shape[0]:
-        return t[:batch].clone()
-    reps = -(-batch // t.shape[0])
-    return t.repeat(reps, *([1] * (t.dim() - 1)))[:batch].clone()
+def _resize(t: torch.Tensor, batch: int, axis: int = 0) -> torch.Tensor:
+    """``t`` with ``batch`` rows along ``axis``: its first rows, or its rows repeated."""
+    if batch <= t.shape[axis]:
+        return t.narrow(axis, 0, batch).clone()
+    reps = [1] * t.dim()
+    reps[axis] = -(-batch // t.shape[axis])
+    return t.repeat(*reps).narrow(axis, 0, batch).clone()
+
+
+def program_batch_axes(rc: RecordedCalls, alignment: Alignment, batch: BatchSpec) -> list[int | None]:
+    """Per slot, its batch axis: the one ``batch`` makes dynamic, else the one found from the sizes, or None."""
+    forced = batch_axes(rc, alignment, batch)
+    return [
+        (chosen if chosen is not None else found).axis for chosen, found in zip(forced, find_batch_axes(rc, alignment))
+    ]
 
 
 def check_other_batch(
@@ -78,7 +126,8 @@ def check_other_batch(
 ) -> BatchCheck:
     """Run ``ep`` and the eager model on the traced call cut to batch B - 1 (or repeated to 2 when B is 1).
 
-    Only tensors whose dimension 0 is dynamic and equal to the call's batch are resized. The
+    Only tensors whose batch axis (see :func:`program_batch_axes`) is dynamic and equal to the
+    call's batch are resized, along that axis. The
     program's outputs are compared with the eager model's on the same inputs (the verdict), and
     with the recorded outputs resized the same way (reported, not judged).
     The eager model runs first: when it rejects the resized inputs (a VLM prefill whose image
@@ -88,14 +137,17 @@ def check_other_batch(
     alignment, index = plan.alignment, plan.traced
     call = alignment.calls[index]
     tensors = infer_arguments(rc, index, flat=True, alignment=alignment)
-    sizes = collections.Counter(t.shape[0] for t, d in zip(tensors, plan.dims) if 0 in d and t.dim())
+    axes = [
+        a if a is not None and a in d and a < t.dim() else None for t, d, a in zip(tensors, plan.dims, plan.batch_axes)
+    ]
+    sizes = collections.Counter(t.shape[a] for t, a in zip(tensors, axes) if a is not None)
     recorded = sizes.most_common(1)[0][0] if sizes else 0
     result = BatchCheck(call=call.index, recorded_batch=recorded, batch=recorded - 1 if recorded > 1 else 2)
     try:
         keys = [f"\x02{i}" for i in range(len(tensors))]
         resized = {
-            k: _resize(t, result.batch) if 0 in d and t.dim() and t.shape[0] == recorded else t
-            for k, t, d in zip(keys, tensors, plan.dims)
+            k: _resize(t, result.batch, a) if a is not None and t.shape[a] == recorded else t
+            for k, t, a in zip(keys, tensors, axes)
         }
 
         def arguments() -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -129,6 +181,7 @@ def check_other_batch(
             result.abs_recorded = compare_outputs(expected, obtained, atol=atol, rtol=rtol).abs
     except Exception as exc:  # a report, never a crash: the recorded calls already passed
         result.success, result.error = False, _first_line(exc)
+        result.assumption = explain_guard(str(exc), recorded)
     logger.info("beyond the recorded calls: %s", result.summary())
     return result
 
@@ -149,3 +202,4 @@ class _Plan:
     dynamic: bool = True
     dims: list[list[int]] = field(default_factory=list)
     dim_names: list[dict[int, str]] | None = None  # per slot, with dim_names
+    batch_axes: list[int | None] = field(default_factory=list)  # per slot, see program_batch_axes

@@ -29,7 +29,7 @@ from iobundle.replay.check import (
     output_paths,
     tolerance_options,
 )
-from iobundle.replay.export._dims import _Plan, check_other_batch
+from iobundle.replay.export._dims import _Plan, check_other_batch, program_batch_axes
 from iobundle.replay.infer import (
     Alignment,
     DimNamesSpec,
@@ -206,10 +206,11 @@ def _plan(
             s[index] is None for s in alignment.slots
         ):
             oblivious = oblivious or bool(dynamic)
-    dynamic_batch = any(0 in d for d in dims)
+    axes = program_batch_axes(rc, alignment, batch)
+    dynamic_batch = any(axis is not None and axis in d for axis, d in zip(axes, dims))
     return _Plan(
         module, tuple(args), kwargs, ds, alignment, traced, flatten_var_kw, oblivious, dynamic_batch, any(dims),
-        dims=dims, dim_names=slot_names,
+        dims=dims, dim_names=slot_names, batch_axes=axes,
     )  # fmt: skip
 
 

@@ -82,6 +82,17 @@ The patches (checked against torch 2.13 and transformers 5.24):
     input is then unused. The alternative (two programs, first step and later steps) needs
     two bundles' worth of checks and is not what a bundle describes.
 
+``latent_keys_concat``
+    Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, GLM-4-MoE-Lite, LongCat-Flash,
+    Kimi-Linear, ...: key and value head sizes differ) builds its keys in ``expand_kv`` by
+    allocating an empty tensor and ``copy_``-ing the position-free and the rotary parts into
+    two slices of it. The memory-overlap check of ``copy_`` on a slice makes ``torch.export``,
+    size-obliviously, add the minimum ``batch >= 2`` when it traces a batch of 2 or more: the
+    program then rejects batch 1 (``Guard failed: position_ids.size()[0] >= 2``), which the
+    check beyond the recorded calls finds. While tracing, ``expand_kv`` concatenates the two
+    parts instead (``torch.cat``): the same values, no write into a slice, no minimum on the
+    batch. Applied only when the batch is dynamic.
+
 ``contiguous_last_token``
     ``logits_to_keep=1`` slices the last position before ``lm_head``; the slice is not
     contiguous, and the matmul on it makes ``torch.export`` guard ``batch == 1``. A forward
@@ -105,6 +116,7 @@ __all__ = [
     "ExportPatch",
     "export_patches",
     "patch_contiguous_last_token",
+    "patch_latent_keys_concat",
     "patch_layout_copies",
     "patch_moe_batched_experts",
     "patch_sdpa_without_is_causal",
@@ -494,6 +506,51 @@ def patch_contiguous_last_token(model: torch.nn.Module) -> Iterator[None]:
             handle.remove()
 
 
+# --------------------------------------------------------------------------- latent_keys_concat
+
+
+def _latent_attentions(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The multi-head latent attention modules of ``model``: an ``expand_kv`` over a ``kv_b_proj``."""
+    needed = ("kv_b_proj", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    return [
+        m
+        for m in model.modules()
+        if callable(getattr(type(m), "expand_kv", None)) and all(hasattr(m, a) for a in needed)
+    ]
+
+
+def _concat_expand_kv(module: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]:
+    nope, value = int(module.qk_nope_head_dim), int(module.v_head_dim)
+    projection = module.kv_b_proj
+
+    def expand_kv(kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # (batch, 1, length, rank) latents -> (batch, heads, length, nope + value) -> keys and values
+        batch, _, length, _ = kv_nope.shape
+        states = projection(kv_nope).view(batch, length, -1, nope + value).transpose(1, 2)
+        keys, values = torch.split(states, [nope, value], dim=-1)
+        rotary = k_rot.expand(-1, keys.shape[1], -1, -1)  # the rotary part is shared by every head
+        return torch.cat([keys, rotary], dim=-1), values
+
+    return expand_kv
+
+
+@contextlib.contextmanager
+def patch_latent_keys_concat(model: torch.nn.Module) -> Iterator[None]:
+    """Make multi-head latent attention build its keys by concatenation while tracing (see the module docstring).
+
+    Why: writing the two key parts into slices of an empty tensor makes ``torch.export`` add the
+    minimum ``batch >= 2``; ``torch.cat`` of the same parts is the same values without it.
+    """
+    modules = _latent_attentions(model)
+    for module in modules:
+        module.expand_kv = _concat_expand_kv(module)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for module in modules:
+            del module.expand_kv
+
+
 # --------------------------------------------------------------------------- selection
 
 
@@ -502,7 +559,7 @@ class ExportPatch:
     """One patch: its name (as the report lists it), when it applies, and the context manager.
 
     ``applies(model, dynamic, dynamic_batch)`` says whether the export needs it: ``dynamic``
-    is whether any dimension is dynamic, ``dynamic_batch`` whether some dimension 0 is.
+    is whether any dimension is dynamic, ``dynamic_batch`` whether some input's batch axis is.
     """
 
     name: str
@@ -537,6 +594,11 @@ PATCHES: tuple[ExportPatch, ...] = (
         patch_whisper_cross_attention_recompute,
     ),
     ExportPatch(
+        "latent_keys_concat",
+        lambda m, _dynamic, batch: batch and bool(_latent_attentions(m)),
+        patch_latent_keys_concat,
+    ),
+    ExportPatch(
         "contiguous_last_token",
         lambda m, _dynamic, batch: batch and _output_embeddings(m) is not None,
         patch_contiguous_last_token,
@@ -553,7 +615,8 @@ def export_patches(
     Args:
         model: The module about to be exported (a wrapper around the model is fine).
         dynamic: Whether any dimension is dynamic (``sdpa_without_is_causal`` is needed only then).
-        dynamic_batch: Whether some input's dimension 0 is dynamic (``contiguous_last_token``).
+        dynamic_batch: Whether some input's batch axis is dynamic (``contiguous_last_token``,
+            ``latent_keys_concat``).
         applied: Receives the names of the patches entered, in order.
 
     Example:

@@ -4,7 +4,7 @@ Works on :class:`iobundle.calls.RecordedCalls` (from memory or from a bundle) an
 only: never onnx, onnxruntime or transformers (unless the calls hold transformers objects).
 Dynamic shapes and static-axis hints need no torch for a bundle: a dynamic dimension is
 :data:`DYNAMIC` until :func:`to_torch_dims` converts it. Each stage is a module: align
-(``_align``), dynamic shapes (``_dynamic``, its marker ``_dynamic_dim``), arguments
+(``_align``), dynamic shapes (``_dynamic``, its marker ``_dynamic_dim``), batch axes (``_batch``), arguments
 (``_arguments``), dim names (``_dim_names``), static axes (``_static_dims``), what the calls
 hold (``_info``).
 """
@@ -20,14 +20,17 @@ __all__ = [
     "call_structure",
     "owner_name",
     "phase_calls",
-    # Dynamic shapes and dim names
+    # Dynamic shapes, batch axes and dim names
     "DYNAMIC",
+    "BatchAxis",
     "BatchSpec",
     "DimNamesSpec",
     "DynamicDim",
     "DynamicSpec",
+    "batch_axes",
     "empty_dims",
     "fed_shapes",
+    "find_batch_axes",
     "flat_dynamic_dims",
     "infer_dynamic_shapes",
     "name_dims",
@@ -72,6 +75,7 @@ from iobundle.replay.infer._arguments import (
     select_call,
     spread_var_keyword,
 )
+from iobundle.replay.infer._batch import BatchAxis, batch_axes, find_batch_axes
 from iobundle.replay.infer._dim_names import (
     DimNamesSpec,
     name_dims,

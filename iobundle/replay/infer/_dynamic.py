@@ -17,6 +17,7 @@ from iobundle.calls import (
 )
 from iobundle.errors import AlignmentError, DynamicShapeError
 from iobundle.replay.infer._align import Alignment, BatchSpec, DynamicSpec, align_calls
+from iobundle.replay.infer._batch import batch_axes
 from iobundle.replay.infer._dim_names import DimNamesSpec, name_dims
 from iobundle.replay.infer._dynamic_dim import DYNAMIC
 from iobundle.schema import (
@@ -29,17 +30,6 @@ if TYPE_CHECKING:
     import torch
 else:
     torch = lazy_module("torch", globals())
-
-
-def _batch_forced(rc: RecordedCalls, owner: int | str, spec: BatchSpec) -> bool:
-    if not spec:
-        return False
-    if spec is True:
-        return True
-    assert not isinstance(spec, bool)
-    if owner in spec:
-        return True
-    return isinstance(owner, int) and owner < len(rc.names) and rc.names[owner] in spec
 
 
 def empty_dims(alignment: Alignment) -> list[int | None]:
@@ -99,7 +89,10 @@ def _shapes(store: TensorStore, keys: list[str]) -> list[tuple[int, ...]]:
 def flat_dynamic_dims(
     rc: RecordedCalls, alignment: Alignment, batch: BatchSpec = None, dynamic: DynamicSpec = None
 ) -> list[list[int]]:
-    """Per slot, the dimensions whose size differs across calls (plus dim 0 where batch is forced, and ``dynamic``).
+    """Per slot, the dimensions whose size differs across calls (plus the batch axis where ``batch`` asks, and ``dynamic``).
+
+    The batch axis of each tensor is found from the sizes of the calls (see
+    :mod:`iobundle.replay.infer._batch`); a tensor without one is left alone.
 
     A slot absent from some call whose node type declares an ``empty_dim`` counts as seen with
     size 0 along it (the prefill's empty cache), so that dimension is dynamic.
@@ -115,6 +108,7 @@ def flat_dynamic_dims(
     forced = _forced_axes(rc, alignment, dynamic)
     used: dict[int | str, set[int]] = {owner: set() for owner in forced}
     columns = list(zip(*alignment.slots))  # per slot, its key in every call
+    batch_at = batch_axes(rc, alignment, batch)
     for index, owner in enumerate(alignment.owners):
         column = columns[index]
         present = [key for key in column if key is not None]
@@ -133,8 +127,9 @@ def flat_dynamic_dims(
             empty_dim %= rank
             if empty_dim not in dims and any(sizes[empty_dim]):
                 dims = sorted([*dims, empty_dim])
-        if rank and _batch_forced(rc, owner, batch) and 0 not in dims:
-            dims = [0, *dims]
+        found = batch_at[index]
+        if found is not None and found.axis is not None and found.axis < rank and found.axis not in dims:
+            dims = sorted([found.axis, *dims])
         for axis in forced.get(owner, ()):
             if -rank <= axis < rank:
                 used[owner].add(axis)

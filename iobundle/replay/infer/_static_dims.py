@@ -3,8 +3,8 @@
 A dimension is dynamic when its size varied across the recorded calls. One that never varied is
 exported static, and the checks on the recorded calls cannot notice: a seq2seq decoder recorded
 from one ``generate()`` accepts only the source length it was recorded with.
-:func:`static_dim_hints` names such axes from the structure of the calls (dimension 0 shared
-by every input: a batch; an axis of one size shared by several inputs at sequence positions: a
+:func:`static_dim_hints` names such axes from the structure of the calls (one size at the batch
+axis of every input, see :mod:`iobundle.replay.infer._batch`: a batch; an axis of one size shared by several inputs at sequence positions: a
 prompt or encoder length), so that the user can make them dynamic (``dynamic=`` /
 ``--dynamic NAME:AXIS``). It reads shapes and dtype names only: no torch for a bundle.
 """
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from iobundle.calls import FLOATING_NAMES, RecordedCalls, TensorStore
 from iobundle.replay.infer._align import BatchSpec, DynamicSpec, align_calls, owner_name
+from iobundle.replay.infer._batch import find_batch_axes
 from iobundle.replay.infer._dynamic import flat_dynamic_dims
 
 __all__ = ["StaticDimHint", "static_dim_hints"]
@@ -26,7 +27,8 @@ class StaticDimHint:
     """Axes exported static only because every recorded call had the same size there.
 
     Attributes:
-        kind: ``"batch"`` (dimension 0 of every input) or ``"sequence"`` (an axis shared by several inputs).
+        kind: ``"batch"`` (the batch axis of every input that has one) or ``"sequence"`` (an axis shared
+            by several inputs).
         size: The size every call had.
         axes: ``(input name, axis)`` pairs.
     """
@@ -44,8 +46,8 @@ class StaticDimHint:
         where = ", ".join(f"{name} axis {axis}" for name, axis in dict.fromkeys(self.axes))
         if self.kind == "batch":
             return (
-                f"dimension 0 is {self.size} in every input of every call ({where}): it looks like the batch and is "
-                "exported static. Make it dynamic with --batch-all (set_batch_dimension_for=True) if the model "
+                f"the batch axes ({where}) are {self.size} in every call: they look like the batch and are "
+                "exported static. Make them dynamic with --batch-all (set_batch_dimension_for=True) if the model "
                 "should accept other batch sizes."
             )
         return (
@@ -79,8 +81,9 @@ def _is_floating(store: TensorStore, key: str) -> bool:
 def static_dim_hints(rc: RecordedCalls, batch: BatchSpec = None, dynamic: DynamicSpec = None) -> list[StaticDimHint]:
     """Axes that look like batch or sequence axes and are static only because every call had the same size.
 
-    Batch: dimension 0 of every tensor input has one size, shared by at least two inputs, and
-    some of them are static. Sequence: a static axis at a sequence position (see
+    Batch: the batch axis of the tensor inputs that have one (see
+    :func:`iobundle.replay.infer.find_batch_axes`) has one size, shared by at least two inputs,
+    and some of them are static. Sequence: a static axis at a sequence position (see
     :func:`_sequence_axis`) of size above 1 whose size appears at such a position in at least
     two inputs (the encoder length in ``encoder_hidden_states``, the attention mask and the
     cross-attention cache).
@@ -97,14 +100,16 @@ def static_dim_hints(rc: RecordedCalls, batch: BatchSpec = None, dynamic: Dynami
         shapes.append(None if key is None else tuple(rc.store.shape(key)))
         floats.append(key is not None and _is_floating(rc.store, key))
     hints = []
-    firsts = {shape[0] for shape in shapes if shape}
-    owners = {alignment.owners[i] for i, shape in enumerate(shapes) if shape}
-    if len(firsts) == 1 and len(owners) > 1:
-        static = [
-            (owner_name(rc, alignment.owners[i]), 0) for i, shape in enumerate(shapes) if shape and 0 not in dims[i]
-        ]
+    batched = [
+        (i, found.axis, shape[found.axis])
+        for i, (found, shape) in enumerate(zip(find_batch_axes(rc, alignment), shapes))
+        if shape and found.axis is not None
+    ]
+    sizes = {size for _, _, size in batched}
+    if len(sizes) == 1 and len({alignment.owners[i] for i, _, _ in batched}) > 1:
+        static = [(owner_name(rc, alignment.owners[i]), axis) for i, axis, _ in batched if axis not in dims[i]]
         if static:
-            hints.append(StaticDimHint("batch", firsts.pop(), tuple(static)))
+            hints.append(StaticDimHint("batch", sizes.pop(), tuple(static)))
     by_size: dict[int, list[tuple[str, int]]] = collections.defaultdict(list)
     for i, shape in enumerate(shapes):
         if not shape:

@@ -1,0 +1,585 @@
+"""The stream's writer process: writes the calls a recording process hands it through shared memory.
+
+On the recording thread a call costs its snapshot, one copy of its new tensors into a ring of
+shared memory and a small message (the call entry and where its tensors are in the ring). The
+writer process, started in the background when the stream opens, does everything else with its
+own interpreter lock: delta checks, headers, hashing, file creation, the journal. It answers,
+in call order, what it wrote; the recording process's reader thread turns the answers into the
+stream's bookkeeping (the snapshots written are dropped from memory, the failures reported).
+
+- The ring is an anonymous memory file (``memfd_create``; else an unlinked temporary file)
+  handed to the child as a descriptor: no name outlives a SIGKILL, nothing is left to clean up.
+  A call takes one contiguous range; the child copies it out and releases it before writing.
+- The child is a fresh interpreter (``subprocess`` with ``pass_fds``: fork and exec, never a fork
+  that goes on running Python next to torch's threads, and never a re-import of the user's
+  ``__main__`` as multiprocessing's spawn does). It imports the writer (torch and the project's
+  write path: the delta checks and the file writer are torch code) once, while the model runs,
+  and the later streams of the process reuse it (one stream at a time per child).
+- The child reads its pipe until end of file: when the recording process dies, even by SIGKILL,
+  the child writes every call it received, then exits (no orphan, nothing received is lost).
+- The child ignores SIGINT (a Ctrl-C in the terminal reaches the whole process group): the
+  recording process decides when the stream ends, and :meth:`WriterProcess.close` waits for it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections import deque
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from iobundle.calls import NAME_TO_DTYPE, dtype_name
+from iobundle.capture._writer import BundleWriter, call_keys, mark_incomplete
+from iobundle.errors import BundleWriteError, UnsupportedInputError
+from iobundle.schema import CallEntry, FileEntry, TensorEntry
+
+__all__ = ["WriterProcess", "WriterProcessUnavailable"]
+
+RING_BYTES = 4 * 1024 * 1024
+"""Initial size of the shared ring; it grows for a call that does not fit, and back between streams."""
+
+MAX_IN_FLIGHT = 64
+"""Calls handed to the child and not confirmed yet, at most (a slow disk makes submit wait)."""
+
+_ALIGN = 64
+
+# done(call, keys written or None, write error or None, journal error or None)
+Done = Callable[[CallEntry, list[str] | None, str | None, str | None], None]
+
+
+class WriterProcessUnavailable(Exception):
+    """The writer process cannot be started here (never raised to the user: the stream writes with a thread)."""
+
+
+def _memory_file() -> int:
+    """A descriptor of an anonymous file in memory (no name: nothing outlives the processes)."""
+    if hasattr(os, "memfd_create"):
+        try:
+            return os.memfd_create("iobundle-ring", getattr(os, "MFD_CLOEXEC", 0))
+        except OSError:
+            pass
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    with tempfile.TemporaryFile(dir=folder) as f:  # unlinked already
+        return os.dup(f.fileno())
+
+
+class _Ring:
+    """The shared memory file, mapped here; calls take contiguous ranges, released in the order taken."""
+
+    def __init__(self, size: int) -> None:
+        self.fd = _memory_file()
+        self.size = 0
+        self._map: mmap.mmap | None = None
+        self.view: torch.Tensor | None = None
+        self._spans: deque[tuple[int, int, int]] = deque()  # (seq, start, end), in allocation order
+        self.resize(size)
+
+    def resize(self, size: int) -> None:
+        """Map ``size`` bytes (growing keeps the bytes and offsets of the ranges taken)."""
+        self.view = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # a view is still alive somewhere: the mapping goes with it
+        os.ftruncate(self.fd, size)
+        self._map = mmap.mmap(self.fd, size)
+        self.view = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.size = size
+
+    def grow_for(self, n: int) -> None:
+        """Grow so that ``n`` bytes fit after the ranges taken (once :meth:`take` found no room), unless they wrap.
+
+        A call larger than the free space is not kept waiting for the child (which may still be starting).
+        """
+        spans = self._spans
+        if spans and spans[-1][1] < spans[0][1]:
+            return  # wrapped: the ranges before the end free up first
+        head = spans[-1][2] if spans else 0
+        if head + n > self.size:
+            self.resize(-(-max(2 * self.size, 2 * (head + n)) // mmap.PAGESIZE) * mmap.PAGESIZE)
+
+    def take(self, seq: int, n: int) -> int | None:
+        """The start of a free range of ``n`` bytes for call ``seq``, or None while there is none."""
+        if n == 0:
+            return 0
+        n = -(-n // _ALIGN) * _ALIGN  # the next range starts aligned for every dtype
+        spans, start = self._spans, None
+        if not spans:
+            start = 0 if n <= self.size else None
+        else:
+            head, tail = spans[-1][2], spans[0][1]
+            if spans[-1][1] >= tail:  # the taken ranges do not wrap around the end
+                if head + n <= self.size:
+                    start = head
+                elif n <= tail:
+                    start = 0
+            elif head + n <= tail:
+                start = head
+        if start is not None:
+            spans.append((seq, start, start + n))
+        return start
+
+    def release(self, seq: int) -> None:
+        for i, span in enumerate(self._spans):
+            if span[0] == seq:
+                del self._spans[i]
+                return
+
+    def close(self) -> None:
+        self.view = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass
+        os.close(self.fd)
+
+
+class _Child:
+    """A writer process, its pipes and its ring; reused by the streams of this process one after another."""
+
+    def __init__(self) -> None:
+        if not sys.executable:
+            raise WriterProcessUnavailable("no Python executable to start (sys.executable is empty)")
+        self.ring = ring = _Ring(RING_BYTES)
+        fds: list[int] = []
+        try:
+            to_child, from_child = os.pipe(), os.pipe()
+            fds = [*to_child, *from_child]
+            root = str(Path(__file__).resolve().parents[2])
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+            env.setdefault("OMP_NUM_THREADS", "1")  # the child's torch ops are copies and comparisons
+            code = "from iobundle.capture._writer_process import serve; serve()"
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", code, str(to_child[0]), str(from_child[1]), str(ring.fd)],
+                pass_fds=(to_child[0], from_child[1], ring.fd),
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
+        except (OSError, ValueError) as exc:
+            for fd in fds:
+                os.close(fd)
+            ring.close()
+            raise WriterProcessUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        os.close(to_child[0])
+        os.close(from_child[1])
+        self.out = Connection(to_child[1], readable=False)
+        self.inbox = Connection(from_child[0], writable=False)
+        self.started = False  # it answered once: it runs the writer
+        with _CHILDREN_LOCK:
+            _CHILDREN.add(self)
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        self.out.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def receive(self) -> tuple[Any, ...]:
+        message: tuple[Any, ...] = pickle.loads(self.inbox.recv_bytes())
+        return message
+
+    def end(self) -> int:
+        """Close the pipes (the child writes what it received, then exits) and wait for it; its exit code."""
+        with _CHILDREN_LOCK:
+            _CHILDREN.discard(self)
+        self.out.close()
+        self.inbox.close()
+        code = self.proc.wait()
+        self.ring.close()
+        return code
+
+    @classmethod
+    def take(cls) -> _Child:
+        """An idle child of an earlier stream, else a new one (started in the background)."""
+        with _CHILDREN_LOCK:
+            while _IDLE:
+                child = _IDLE.pop()
+                if child.proc.poll() is None:
+                    return child
+        return cls()
+
+    def give_back(self) -> None:
+        """Keep the child for the next stream; a ring grown by large calls goes back to its first size."""
+        if self.ring.size > RING_BYTES:
+            self.ring.resize(RING_BYTES)  # its memory is freed: no range is taken between streams
+        with _CHILDREN_LOCK:
+            _IDLE.append(self)
+
+
+_CHILDREN: set[_Child] = set()
+_IDLE: list[_Child] = []
+_CHILDREN_LOCK = threading.Lock()
+
+
+def _after_fork() -> None:
+    """In a forked copy of this process, drop the pipes to the writer processes: only the parent feeds them
+    (a copy holding them would keep a child of a killed parent waiting for more)."""
+    for child in list(_CHILDREN):
+        for conn in (child.out, child.inbox):
+            try:
+                conn.close()
+            except OSError:
+                pass
+    _CHILDREN.clear()
+    _IDLE.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
+class WriterProcess:
+    """Hands the recorded calls of one stream to a writer process; answers come back through ``done``, in order.
+
+    Args:
+        writer: The stream's writer: the bundle is prepared and its journal started. What the
+            child writes is added to it (:meth:`BundleWriter.adopt`) as the answers come.
+        get: The snapshot of a key (the stream's table).
+        durable: The child fsyncs each call, and :meth:`submit` waits for the previous call.
+        done: Called by the reader thread for each call: ``(call, keys written or None,
+            write error or None, journal error or None)``.
+        gone: Called once by the reader thread if the child ends before :meth:`close`, with the
+            calls it never answered, whether it had started (else it wrote none of them) and why.
+        idle: Called by the reader thread when every call handed over is answered.
+
+    Raises:
+        WriterProcessUnavailable: No process can be started.
+    """
+
+    def __init__(
+        self,
+        writer: BundleWriter,
+        get: Callable[[str], torch.Tensor],
+        *,
+        durable: bool,
+        done: Done,
+        gone: Callable[[list[CallEntry], bool, str], None],
+        idle: Callable[[], None],
+    ) -> None:
+        self.path = writer.path
+        self._writer = writer
+        self._get = get
+        self._durable = durable
+        self._done = done
+        self._gone = gone
+        self._idle = idle
+        self._sent: set[str] = set(writer.tensors)
+        self._calls: dict[int, CallEntry] = {}
+        self._seq = 0
+        self._closing = False
+        self._dead = False
+        self._closed_error: str | None = None
+        self._cond = threading.Condition()
+        self._submit_lock = threading.Lock()
+        self._child = child = _Child.take()
+        ring = child.ring
+        state = pickle.dumps(
+            (str(writer.path), writer.tensors, writer.files, sorted(writer.call_indices), durable),
+            protocol=pickle.HIGHEST_PROTOCOL,
+        )
+        # the state goes through the ring: a pipe would make this wait for a child still starting
+        ring.grow_for(len(state))
+        start = ring.take(0, len(state))
+        assert start == 0 and ring.view is not None
+        ring.view[: len(state)].copy_(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        self._reader = threading.Thread(target=self._read, name=f"iobundle-writer-reader:{self.path.name}", daemon=True)
+        try:
+            child.send(("start", len(state), ring.size))
+        except OSError:
+            self._dead = True  # the child died already: the reader thread reports it once started
+
+    def start(self) -> None:
+        """Start reading the child's answers (``done``, ``gone`` and ``idle`` may be called from now on)."""
+        self._reader.start()
+
+    def submit(self, call: CallEntry) -> bool:
+        """Copy the new tensors of ``call`` into the ring and hand it to the child; False if the child is gone."""
+        with self._submit_lock:
+            specs: list[tuple[str, tuple[Any, ...]]] = []
+            copies: list[tuple[torch.Tensor, int, int]] = []
+            total = 0
+            new = [k for k in dict.fromkeys(call_keys(call)) if k not in self._sent]
+            for key in new:
+                try:
+                    tensor = self._get(key)
+                except Exception as exc:  # its snapshot is gone: the child reports the call incomplete
+                    specs.append((key, ("error", type(exc).__name__, str(exc))))
+                    continue
+                name = dtype_name(tensor.dtype)
+                if name is None or tensor.layout != torch.strided or not tensor.is_contiguous():
+                    specs.append((key, ("unsupported", str(tensor.dtype))))
+                    continue
+                nbytes = tensor.numel() * tensor.element_size()
+                specs.append((key, ("tensor", name, tuple(tensor.shape), str(tensor.device), total, nbytes)))
+                copies.append((tensor, total, nbytes))
+                total += -(-nbytes // _ALIGN) * _ALIGN
+            ring = self._child.ring
+            with self._cond:
+                self._seq += 1
+                seq = self._seq
+                while True:
+                    if self._dead:
+                        return False
+                    busy = len(self._calls) >= (1 if self._durable else MAX_IN_FLIGHT)
+                    start = None if busy else ring.take(seq, total)
+                    if start is None and not busy:
+                        ring.grow_for(total)
+                        start = ring.take(seq, total)
+                    if start is not None:
+                        break
+                    self._cond.wait()
+                self._calls[seq] = call
+                view = ring.view
+            assert view is not None
+            base = view.data_ptr() + start
+            for tensor, offset, nbytes in copies:
+                if not nbytes:
+                    continue
+                if tensor.device.type == "cpu":  # one memcpy, without the lock: no torch op to dispatch
+                    ctypes.memmove(base + offset, tensor.data_ptr(), nbytes)
+                else:  # to the host, synchronously: the ring is the host copy
+                    view[start + offset : start + offset + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+            self._sent.update(new)
+            try:
+                # JSON rather than a pickle of the pydantic model: half the time, the manifest's own form
+                self._child.send(("call", seq, call.model_dump_json(), start, ring.size, specs))
+            except OSError:
+                return False  # the reader thread sees the child gone and reports the call
+            return True
+
+    def close(self) -> None:
+        """Wait until the child has written every call and synced its files (unless durable).
+
+        Raises:
+            BundleWriteError: The child could not flush its files, or ended before finishing.
+        """
+        with self._submit_lock:
+            with self._cond:
+                self._closing = True
+                dead = self._dead
+            if not dead:
+                try:
+                    self._child.send(("close",))
+                except OSError:
+                    pass
+        self._reader.join()
+        if self._closed_error is not None:
+            raise BundleWriteError(self._closed_error)
+
+    def wait_gone(self) -> None:
+        """Wait until the reader thread has reported the child gone (after :meth:`submit` returned False)."""
+        self._reader.join()
+
+    # -- the reader thread ----------------------------------------------------------------------
+
+    def _read(self) -> None:
+        child, ring = self._child, self._child.ring
+        reason = "it ended"
+        finished = False
+        try:
+            while not self._dead:
+                message = child.receive()
+                kind = message[0]
+                child.started = True
+                if kind == "consumed":
+                    with self._cond:
+                        ring.release(message[1])
+                        self._cond.notify_all()
+                elif kind == "done":
+                    _, seq, index, tensors, files, error, journal_error = message
+                    self._writer.adopt(index, tensors, files)
+                    with self._cond:
+                        call = self._calls[seq]
+                    if error is not None:
+                        self._sent.difference_update(k for k in call_keys(call) if k not in self._writer.tensors)
+                    self._done(call, list(tensors) if error is None else None, error, journal_error)
+                    with self._cond:
+                        del self._calls[seq]
+                        idle = not self._calls
+                        self._cond.notify_all()
+                    if idle:
+                        self._idle()
+                elif kind == "closed":
+                    self._closed_error = message[1]
+                    finished = True
+                    return
+        except (EOFError, OSError) as exc:
+            reason = f"it ended: {type(exc).__name__}"
+        except Exception as exc:  # a bug here must not hang the model's thread
+            reason = f"its answer could not be read: {exc!r}"
+        finally:
+            with self._cond:
+                self._dead = True
+                lost = [self._calls[s] for s in sorted(self._calls)]
+                self._calls.clear()
+                closing = self._closing
+                self._cond.notify_all()
+            self._idle()
+            if finished:
+                child.give_back()
+            else:
+                code = child.end()
+                if closing and not lost:
+                    self._closed_error = (
+                        f"iobundle's writer process for '{self.path}' ended ({reason}, exit code {code}) "
+                        "before it had synced the bundle's files."
+                    )
+                else:
+                    self._gone(lost, child.started, f"{reason}, exit code {code}")
+
+
+# -- the child --------------------------------------------------------------------------------
+
+
+def serve() -> None:
+    """The child's main: ``argv`` holds its pipe ends and the ring's descriptor.
+
+    It writes one stream after another (each from its ``start`` to its ``close``) and exits at the
+    end of its pipe: when the recording process exits or is killed, once every call received is written.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    inbox_fd, outbox_fd, ring_fd = map(int, sys.argv[1:4])
+    torch.set_num_threads(1)
+    inbox = Connection(inbox_fd, writable=False)
+    outbox: Connection | None = Connection(outbox_fd, readable=False)
+
+    def answer(message: tuple[Any, ...]) -> None:
+        nonlocal outbox
+        if outbox is None:
+            return
+        try:
+            outbox.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError:  # the recording process is gone: write what was received, unheard
+            outbox = None
+
+    ring = _ChildRing(ring_fd)
+    writer: BundleWriter | None = None
+    durable = False
+    journal_error: str | None = None
+    while True:
+        try:
+            message = pickle.loads(inbox.recv_bytes())
+        except EOFError:
+            break  # the recording process is gone (or done): everything it sent is written
+        kind = message[0]
+        if kind == "start":
+            _, length, size = message
+            path, tensors, files, indices, durable = pickle.loads(ring.view(size)[:length].numpy().tobytes())
+            answer(("consumed", 0))
+            writer = BundleWriter.resume(path, tensors, files, indices)
+            journal_error = None
+            try:
+                writer.open_journal()
+            except BundleWriteError as exc:
+                journal_error = str(exc)
+        elif kind == "close" and writer is not None:
+            error = None
+            if not durable:
+                try:
+                    writer.sync()
+                except BundleWriteError as exc:
+                    error = str(exc)
+            writer.close_journal()
+            writer = None
+            answer(("closed", error))
+        elif kind == "call" and writer is not None:
+            _, seq, call_json, start, size, specs = message
+            call = CallEntry.model_validate_json(call_json)
+            answer(_write(writer, call, seq, start, specs, ring.view(size), durable, journal_error, answer))
+    if writer is not None:
+        writer.close_journal()
+
+
+class _ChildRing:
+    """The child's mapping of the ring, remapped when the parent grew it."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._map: mmap.mmap | None = None
+        self._view: torch.Tensor | None = None
+
+    def view(self, size: int) -> torch.Tensor:
+        if self._map is None or len(self._map) != size:
+            self._view = None
+            self._map = mmap.mmap(self.fd, size)
+            self._view = torch.frombuffer(self._map, dtype=torch.uint8)
+        assert self._view is not None
+        return self._view
+
+
+def _write(
+    writer: BundleWriter,
+    call: CallEntry,
+    seq: int,
+    start: int,
+    specs: list[tuple[str, tuple[Any, ...]]],
+    view: torch.Tensor,
+    durable: bool,
+    journal_error: str | None,
+    answer: Callable[[tuple[Any, ...]], None],
+) -> tuple[Any, ...]:
+    """Write one call (its tensors copied out of the ring first); the answer to send."""
+    snapshots: dict[str, torch.Tensor | Exception] = {}
+    devices: dict[str, str] = {}
+    try:
+        for key, spec in specs:
+            if spec[0] == "tensor":
+                _, name, shape, device, offset, nbytes = spec
+                chunk = view[start + offset : start + offset + nbytes]
+                snapshots[key] = chunk.view(NAME_TO_DTYPE[name]).reshape(shape).clone()
+                devices[key] = device
+            elif spec[0] == "unsupported":
+                message = f"Tensor {key!r} has dtype {spec[1]}, which a bundle cannot store."
+                snapshots[key] = UnsupportedInputError(message)
+            else:
+                snapshots[key] = _Missing(f"{spec[1]}: {spec[2]}")
+    except Exception as exc:  # a bug, or a message that does not fit the ring: this call fails, not the child
+        snapshots = {key: exc for key, _ in specs}
+    del view
+    answer(("consumed", seq))  # the ring range is free again before the slow part
+
+    def get(key: str) -> torch.Tensor:
+        found = snapshots.get(key)
+        if found is None:
+            raise KeyError(key)
+        if isinstance(found, Exception):
+            raise found
+        return found
+
+    keys: list[str] = []
+    error = None
+    try:
+        keys = writer.write_call(call, get, durable=durable)
+        entry = call
+    except Exception as exc:
+        error = f"its tensors could not be written to '{writer.path}' ({type(exc).__name__}: {exc})"
+        entry = mark_incomplete(call, lambda k: k in writer.tensors, error)
+    for key in keys:
+        device = devices.get(key, "cpu")
+        if device != "cpu":
+            writer.tensors[key] = writer.tensors[key].model_copy(update={"device": device})
+    failed_journal = journal_error
+    if failed_journal is None:
+        try:
+            writer.append_call(entry, keys, durable=durable)
+        except Exception as exc:
+            failed_journal = str(exc)
+    written: dict[str, TensorEntry] = {k: writer.tensors[k] for k in keys}
+    written_files: dict[str, FileEntry] = {e.file: writer.files[e.file] for e in written.values()}
+    return ("done", seq, call.index, written, written_files, error, failed_journal)
+
+
+class _Missing(Exception):
+    """A key whose snapshot the recording process no longer had."""
