@@ -33,6 +33,9 @@ class NodeType:
             child that is None (a layer not filled yet) stands for a zero-length tensor. Shape
             inference then counts that dimension as seen with size 0, and fills the slot with
             a tensor empty along it. None: a None child is simply absent.
+        child_empty_dims: ``context -> [empty_dim per child]``, for a container whose children do
+            not all grow along one dimension (a cache holding keys and values besides convolution
+            states); when given, it decides per child instead of ``empty_dim``.
     """
 
     name: str
@@ -41,6 +44,7 @@ class NodeType:
     flatten: Flatten
     unflatten: Unflatten
     empty_dim: int | None = None
+    child_empty_dims: Callable[[Any], list[int | None]] | None = None
 
 
 _LOCK = threading.Lock()

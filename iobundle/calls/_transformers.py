@@ -8,12 +8,31 @@ iobundle registry, and :func:`torch_pytree_nodes` lends the same layouts to
 Flattened layouts (all version 1):
 
 ``transformers.DynamicCache``
-    Children: ``[key_0, value_0, key_1, value_1, ...]``, two per layer, always, so that
-    child ``2 * i`` is layer ``i``'s keys and ``2 * i + 1`` its values. Context: one kind per
-    layer, ``"full"`` (``DynamicLayer``), ``{"sliding": window}`` (``DynamicSlidingWindowLayer``,
-    which also serves chunked attention; ``"record_past": true`` is added when the layer
-    records past states) or ``"dummy"`` (``DummyLayer``, a KV-sharing or attention-free layer,
-    whose two children are always None).
+    Context: one kind per layer; the layer's children follow each other in layer order, as
+    many per layer as its kind says:
+
+    - ``"full"`` (``DynamicLayer``): ``key_i, value_i``;
+    - ``{"sliding": window}`` (``DynamicSlidingWindowLayer``, which also serves chunked
+      attention; ``"record_past": true`` is added when the layer records past states):
+      ``key_i, value_i``;
+    - ``"dummy"`` (``DummyLayer``, a KV-sharing or attention-free layer): two children, always None;
+    - ``"indexed"`` (``DynamicIndexedLayer``, sparse attention with an indexer):
+      ``key_i, value_i, indexer_keys_i, indexer_position_ids_i``;
+    - ``{"linear": n}`` (``LinearAttentionLayer``: state-space, short-convolution and
+      linear-attention layers, ``n`` states): ``conv_i, recurrent_i`` per state (suffixed
+      ``_s`` when ``n > 1``), None where a state holds nothing (a layer before its prefill,
+      a convolution layer without recurrent state);
+    - ``{"linear": n, "attention": "full"}`` (``LinearAttentionAndFullAttentionLayer``) and
+      ``{"linear": n, "attention": {"sliding": window}}``
+      (``LinearAttentionAndSlidingWindowAttentionLayer``): ``key_i, value_i`` then the states.
+
+    A linear-attention state with a tensor is rebuilt as a state after a prefill
+    (``has_previous_state``), its kernel size the convolution state's last dimension; such
+    states do not grow (``child_empty_dims``: a None state is absent, never a zero-length
+    tensor, since the prefill of such a layer takes another code path). A layer that records
+    its past states (assisted decoding) is refused: its convolution state's length is then
+    not the kernel size. Before this version of iobundle only the first three kinds existed,
+    with the same children: bundles written then read the same.
 
     A layer that is not initialised yet (the cache generate() passes to the prefill call)
     has no tensors, and nothing in it tells batch, heads or head size. Its key and value
@@ -45,8 +64,11 @@ Flattened layouts (all version 1):
     preallocated ``(B, H, max_cache_len, D)`` tensors and the 0-d int64 tensor counting the
     tokens written (tensors, not context, since they change from call to call). An
     uninitialised layer gives ``None, None, cumulative_length``. Context: ``{"static":
-    max_cache_len}`` per layer, or ``"dummy"``. Sliding static layers are refused: their
-    token count is a Python int that the tensors cannot give back once the window is full.
+    max_cache_len}`` per layer, or ``"dummy"``; ``{"linear": n}`` (a ``LinearAttentionLayer``,
+    which a static cache uses as it is) and ``{"linear": n, "attention": {"static":
+    max_cache_len}}`` (``LinearAttentionAndStaticFullAttentionLayer``) add their states as in
+    a ``DynamicCache``. Sliding and indexed static layers are refused: their token counts are
+    Python ints that the tensors cannot give back once the window is full.
     A static cache is updated in place, so a recorder must copy its tensors at call time.
 
 ``transformers.EncoderDecoderCache``
@@ -66,9 +88,12 @@ Flattened layouts (all version 1):
 Caches are rebuilt by assigning tensors to new layers, never through ``update()``: that
 would cut sliding caches again and create tensor constants that break
 ``torch.onnx.export``. For the same reason no layer is built by a constructor that calls
-``torch.tensor`` (see ``_new_sliding_layer``). Subclasses of these caches (``MtpCache``,
-``DFlashCache``, quantized caches) and layers holding other state (indexed, linear-attention,
-quantized layers) are not registered or are refused with ``UnsupportedInputError``.
+``torch.tensor`` (see ``_init_sliding``). Subclasses of these caches (``MtpCache``,
+``DFlashCache``, quantized caches) are not registered, and layers holding state besides
+tensors and plain settings (quantized layers: quantizer objects, tuples with scales) are
+refused with ``UnsupportedInputError``; a recorder turns that into one warning at capture.
+Contexts read from a bundle are checked before use (kinds, positive sizes, child counts):
+nothing named in them is imported or called, only the classes above are built.
 """
 
 # transformers leaves its cache layer constructors unannotated.
@@ -93,11 +118,20 @@ import transformers.modeling_outputs
 from transformers.cache_utils import (
     Cache,
     CacheLayerMixin,
+    DFlashCache,
     DummyLayer,
     DynamicCache,
+    DynamicIndexedLayer,
     DynamicLayer,
     DynamicSlidingWindowLayer,
     EncoderDecoderCache,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+    LinearAttentionAndStaticFullAttentionLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+    MtpCache,
+    QuantizedCache,
     StaticCache,
     StaticLayer,
 )
@@ -119,6 +153,8 @@ _MODELS_PREFIX = "transformers.models."
 
 # --------------------------------------------------------------------------- layers
 
+_MAX_STATES = 64  # a bound on a linear-attention layer's number of states read from a bundle
+
 
 def _require_pair(key: Any, value: Any, index: int) -> bool:
     """Return whether the layer ``index`` holds tensors; refuse a key without value or back."""
@@ -130,27 +166,116 @@ def _require_pair(key: Any, value: Any, index: int) -> bool:
     return key is not None
 
 
+def _positive_int(value: Any, what: str, index: int, *, most: int | None = None) -> int:
+    """``value`` if it is a positive int (at most ``most``); a bundle's context is checked before use."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (most is not None and value > most):
+        bound = f" up to {most}" if most is not None else ""
+        raise ValueError(f"Layer {index} of the cache has {what} {value!r}; expected a positive integer{bound}.")
+    return value
+
+
+def _refuse_layer(layer: Any, index: int, cache: str, why: str) -> UnsupportedInputError:
+    return UnsupportedInputError(
+        f"Layer {index} of the {cache} is a {type(layer).__name__}, which iobundle cannot record: {why} "
+        "Record this model with a DynamicCache (the generate() default) or a StaticCache without sliding layers."
+    )
+
+
+def _linear_kind(layer: Any, index: int, cache: str) -> int:
+    """The number of states of a linear-attention layer, refusing one that records its past."""
+    if layer.record_past:
+        raise _refuse_layer(
+            layer,
+            index,
+            cache,
+            "it records past convolution states (assisted decoding), whose length its tensors cannot tell apart "
+            "from the kernel size.",
+        )
+    return int(layer.number_of_states)
+
+
+def _linear_states(layer: Any) -> list[Any]:
+    """A linear-attention layer's ``[conv_0, recurrent_0, conv_1, ...]``, None where a state holds nothing yet."""
+    children: list[Any] = []
+    for i in range(layer.number_of_states):
+        if not layer.has_previous_state[i]:
+            children.extend([None, None])
+            continue
+        conv = layer.conv_states[i] if layer.is_conv_states_initialized[i] else None
+        recurrent = layer.recurrent_states[i] if layer.is_recurrent_states_initialized[i] else None
+        children.extend([conv, recurrent])
+    return children
+
+
+def _fill_linear_states(layer: Any, children: list[Any]) -> None:
+    """Give a built linear-attention layer its ``[conv_0, recurrent_0, ...]`` states (Nones: none yet).
+
+    A state with a tensor has a previous state, as after a real prefill; the kernel size is the
+    convolution state's last dimension, which is exact when past states are not recorded.
+    """
+    for i in range(layer.number_of_states):
+        conv, recurrent = children[2 * i], children[2 * i + 1]
+        for tensor in (conv, recurrent):
+            if tensor is not None and layer.dtype is None:
+                layer.dtype, layer.device = tensor.dtype, tensor.device
+        if conv is not None:
+            layer.conv_states[i] = conv
+            layer.conv_kernel_size[i] = conv.shape[-1]
+            layer.is_conv_states_initialized[i] = True
+        if recurrent is not None:
+            layer.recurrent_states[i] = recurrent
+            layer.is_recurrent_states_initialized[i] = True
+        layer.has_previous_state[i] = conv is not None or recurrent is not None
+
+
 def _dynamic_layer_kind(layer: Any, index: int) -> Any:
-    """Return the JSON kind of one ``DynamicCache`` layer, refusing layers with other state."""
+    """Return the JSON kind of one ``DynamicCache`` layer, refusing layers it cannot rebuild."""
     layer_type = type(layer)
     if layer_type is DynamicLayer:
         return "full"
     if layer_type is DynamicSlidingWindowLayer:
-        kind: dict[str, Any] = {"sliding": int(layer.sliding_window)}
-        if layer.record_past:
-            kind["record_past"] = True
-        return kind
+        return _sliding_kind(layer)
+    if layer_type is DynamicIndexedLayer:
+        return "indexed"
     if layer_type is DummyLayer:
         return "dummy"
-    raise UnsupportedInputError(
-        f"Layer {index} of the DynamicCache is a {layer_type.__name__}, which iobundle cannot record: it "
-        "holds state besides keys and values. Supported layers are DynamicLayer, "
-        "DynamicSlidingWindowLayer and DummyLayer (full, sliding or chunked attention)."
-    )
+    if layer_type is LinearAttentionLayer:
+        return {"linear": _linear_kind(layer, index, "DynamicCache")}
+    if layer_type is LinearAttentionAndFullAttentionLayer:
+        return {"linear": _linear_kind(layer, index, "DynamicCache"), "attention": "full"}
+    if layer_type is LinearAttentionAndSlidingWindowAttentionLayer:
+        return {"linear": _linear_kind(layer, index, "DynamicCache"), "attention": _sliding_kind(layer)}
+    raise _refuse_layer(layer, index, "DynamicCache", "it holds state that is not plain tensors and plain settings.")
 
 
-def _build_dynamic_layer(kind: Any, key: Any, value: Any, index: int) -> Any:
-    """Build one ``DynamicCache`` layer of ``kind`` holding ``key`` and ``value`` (or nothing)."""
+def _sliding_kind(layer: Any) -> dict[str, Any]:
+    kind: dict[str, Any] = {"sliding": int(layer.sliding_window)}
+    if layer.record_past:
+        kind["record_past"] = True
+    return kind
+
+
+def _kind_children(kind: Any, index: int, cache: str) -> int:
+    """How many children a layer of ``kind`` flattens to in ``cache`` (checking the kind read from a bundle)."""
+    attention = 3 if cache == "StaticCache" else 2
+    if kind in ("full", "dummy") or (isinstance(kind, dict) and ("sliding" in kind or "static" in kind)):
+        return attention
+    if kind == "indexed":
+        return 4
+    if isinstance(kind, dict) and "linear" in kind:
+        states = _positive_int(kind["linear"], "a number of states", index, most=_MAX_STATES)
+        part = _attention_name(kind.get("attention"))
+        if part not in (("static", None) if cache == "StaticCache" else ("full", "sliding", None)):
+            raise ValueError(f"Layer {index} of the {cache} has an unknown attention kind {kind.get('attention')!r}.")
+        return 2 * states + (0 if part is None else attention)
+    raise ValueError(f"Layer {index} of the {cache} has an unknown kind {kind!r}.")
+
+
+def _build_dynamic_layer(kind: Any, children: list[Any], index: int) -> Any:
+    """Build one ``DynamicCache`` layer of ``kind`` holding ``children`` (Nones: nothing yet)."""
+    if isinstance(kind, dict) and "linear" in kind:
+        return _build_linear_layer(kind, children, index)
+    key, value = children[:2]
     filled = _require_pair(key, value, index)
     if kind == "dummy":
         if filled:
@@ -158,37 +283,104 @@ def _build_dynamic_layer(kind: Any, key: Any, value: Any, index: int) -> Any:
         return DummyLayer()
     if kind == "full":
         layer: Any = DynamicLayer()
+    elif kind == "indexed":
+        layer = DynamicIndexedLayer()
+        indexer_keys, positions = children[2:]
+        if indexer_keys is not None:
+            layer.indexer_keys = indexer_keys
+            layer.indexer_dtype, layer.indexer_device = indexer_keys.dtype, indexer_keys.device
+            layer.is_indexer_initialized = True
+        elif positions is not None:
+            raise ValueError(f"Layer {index} of the cache has indexer positions but no indexer keys.")
+        layer.indexer_position_ids = positions
     elif isinstance(kind, dict) and "sliding" in kind:
-        layer = _new_sliding_layer(int(kind["sliding"]), None if key is None else key.device)
-        layer.record_past = bool(kind.get("record_past", False))
+        layer = _new_sliding_layer(_positive_int(kind["sliding"], "a sliding window", index), key)
     else:
         raise ValueError(f"Layer {index} of the cache has an unknown kind {kind!r}.")
-    if filled:
-        layer.keys = key
-        layer.values = value
-        layer.device = key.device
-        layer.is_initialized = True
-        if isinstance(layer, DynamicSlidingWindowLayer):
-            # Only the cached length is known; see the module docstring.
-            layer.cumulative_length = key.shape[-2]
+    _fill_dynamic_attention(layer, key, value, kind)
     return layer
 
 
-def _new_sliding_layer(window: int, device: Any) -> Any:
-    """Build an empty ``DynamicSlidingWindowLayer`` the way its ``__init__`` does, minus ``torch.tensor``.
+def _fill_dynamic_attention(layer: Any, key: Any, value: Any, kind: Any) -> None:
+    """Give a built dynamic attention layer its keys and values (None: not initialised yet)."""
+    if isinstance(kind, dict) and "sliding" in kind:
+        layer.record_past = bool(kind.get("record_past", False))
+    if key is None:
+        return
+    layer.keys = key
+    layer.values = value
+    layer.device = key.device
+    layer.is_initialized = True
+    if isinstance(layer, DynamicSlidingWindowLayer):
+        # Only the cached length is known; see the module docstring.
+        layer.cumulative_length = key.shape[-2]
+
+
+def _build_linear_layer(kind: dict[str, Any], children: list[Any], index: int) -> Any:
+    """Build a linear-attention layer (alone, or with a full, sliding or static attention part).
+
+    The constructors run in the order of the hybrid classes' own ``__init__`` (attention part,
+    then the linear-attention mixin), minus the ones that call ``torch.tensor``.
+    """
+    states = _positive_int(kind["linear"], "a number of states", index, most=_MAX_STATES)
+    attention = kind.get("attention")
+    own, linear = children[: len(children) - 2 * states], children[len(children) - 2 * states :]
+    cls = _LINEAR_CLASSES.get(_attention_name(attention))
+    if cls is None:
+        raise ValueError(f"Layer {index} of the cache has an unknown attention kind {attention!r}.")
+    layer = cls.__new__(cls)
+    if attention == "full":
+        DynamicLayer.__init__(layer)
+    elif attention is not None and "sliding" in attention:
+        _init_sliding(layer, _positive_int(attention["sliding"], "a sliding window", index), own[0])
+    LinearAttentionCacheLayerMixin.__init__(layer, number_of_states=states)
+    if attention is not None and "static" in attention:
+        _fill_static_attention(layer, attention, *own, index)
+    elif attention is not None:
+        _require_pair(*own, index)
+        _fill_dynamic_attention(layer, *own, {})
+    _fill_linear_states(layer, linear)
+    return layer
+
+
+def _attention_name(attention: Any) -> str | None:
+    """``None``, ``full``, ``sliding`` or ``static``: the attention part of a linear-attention kind (else ``?``)."""
+    if attention is None or attention == "full":
+        return attention
+    if isinstance(attention, dict) and len(attention) == 1 and next(iter(attention)) in ("sliding", "static"):
+        return next(iter(attention))
+    return "?"
+
+
+_LINEAR_CLASSES: dict[str | None, type] = {
+    None: LinearAttentionLayer,
+    "full": LinearAttentionAndFullAttentionLayer,
+    "sliding": LinearAttentionAndSlidingWindowAttentionLayer,
+    "static": LinearAttentionAndStaticFullAttentionLayer,
+}
+
+
+def _new_sliding_layer(window: int, like: Any) -> Any:
+    """Build an empty ``DynamicSlidingWindowLayer`` the way its ``__init__`` does, minus ``torch.tensor``."""
+    layer = DynamicSlidingWindowLayer.__new__(DynamicSlidingWindowLayer)
+    _init_sliding(layer, window, like)
+    return layer
+
+
+def _init_sliding(layer: Any, window: int, like: Any) -> None:
+    """Run ``DynamicSlidingWindowLayer.__init__`` on ``layer``, minus ``torch.tensor``.
 
     ``__init__`` stores the window in a tensor made by ``torch.tensor(window)``. Made while
     torch.export traces the unflattening, such a tensor becomes a lifted constant of the
     program (``c_lifted_tensor_N``), which ``torch.onnx.export`` may later fail to find.
     ``torch.full`` is an operator instead: traced, and dropped when unused.
     """
-    layer = DynamicSlidingWindowLayer.__new__(DynamicSlidingWindowLayer)
     DynamicLayer.__init__(layer)
     layer.sliding_window = window
     layer.cumulative_length = 0
+    device = None if like is None else like.device
     layer._sliding_window_tensor = torch.full((), window, dtype=torch.long, device=device)
     layer.record_past = False
-    return layer
 
 
 def _static_layer_kind(layer: Any, index: int) -> Any:
@@ -198,15 +390,24 @@ def _static_layer_kind(layer: Any, index: int) -> Any:
         return {"static": int(layer.max_cache_len)}
     if layer_type is DummyLayer:
         return "dummy"
-    raise UnsupportedInputError(
-        f"Layer {index} of the StaticCache is a {layer_type.__name__}, which iobundle cannot record. "
-        "Sliding static layers count tokens in a Python int that their tensors cannot give back once "
-        "the window is full. Use a DynamicCache (the generate() default) to record this model."
+    if layer_type is LinearAttentionLayer:
+        return {"linear": _linear_kind(layer, index, "StaticCache")}
+    if layer_type is LinearAttentionAndStaticFullAttentionLayer:
+        return {"linear": _linear_kind(layer, index, "StaticCache"), "attention": {"static": int(layer.max_cache_len)}}
+    raise _refuse_layer(
+        layer,
+        index,
+        "StaticCache",
+        "sliding static layers count tokens in a Python int that their tensors cannot give back once the window "
+        "is full, and indexed ones hold counters of their own.",
     )
 
 
-def _build_static_layer(kind: Any, key: Any, value: Any, length: Any, index: int) -> Any:
-    """Build one ``StaticCache`` layer of ``kind`` holding the given tensors (or nothing)."""
+def _build_static_layer(kind: Any, children: list[Any], index: int) -> Any:
+    """Build one ``StaticCache`` layer of ``kind`` holding ``children`` (Nones: nothing yet)."""
+    if isinstance(kind, dict) and "linear" in kind:
+        return _build_linear_layer(kind, children, index)
+    key, value, length = children
     filled = _require_pair(key, value, index)
     if kind == "dummy":
         if filled:
@@ -214,11 +415,20 @@ def _build_static_layer(kind: Any, key: Any, value: Any, length: Any, index: int
         return DummyLayer()
     if not (isinstance(kind, dict) and "static" in kind):
         raise ValueError(f"Layer {index} of the static cache has an unknown kind {kind!r}.")
-    # Built without StaticLayer.__init__, whose ``torch.tensor(0)`` would be a lifted constant
-    # under torch.export (see _new_sliding_layer); the token count comes as a child.
     layer = StaticLayer.__new__(StaticLayer)
+    _fill_static_attention(layer, kind, key, value, length, index)
+    return layer
+
+
+def _fill_static_attention(layer: Any, kind: dict[str, Any], key: Any, value: Any, length: Any, index: int) -> None:
+    """Run ``StaticLayer.__init__`` on ``layer`` minus ``torch.tensor(0)``, and give it its tensors.
+
+    ``torch.tensor(0)`` would be a lifted constant under torch.export (see :func:`_init_sliding`);
+    the token count comes as a child.
+    """
+    filled = _require_pair(key, value, index)
     CacheLayerMixin.__init__(layer)
-    layer.max_cache_len = int(kind["static"])
+    layer.max_cache_len = _positive_int(kind["static"], "a maximum cache length", index)
     if length is None:
         length = torch.zeros((), dtype=torch.long, device=None if key is None else key.device)
     layer.cumulative_length = length
@@ -230,7 +440,6 @@ def _build_static_layer(kind: Any, key: Any, value: Any, length: Any, index: int
         layer.k_head_dim = key.shape[-1]
         layer.v_head_dim = value.shape[-1]
         layer.is_initialized = True
-    return layer
 
 
 # --------------------------------------------------------------------------- caches
@@ -251,35 +460,74 @@ def _layer_tensors(layer: Any) -> tuple[Any, Any]:
     return keys, values
 
 
-def _layered(children: list[Any], context: Any, per_layer: int, name: str) -> tuple[list[Any], list[Any]]:
-    """A cache's recorded children and layer kinds, refused unless there are ``per_layer`` children per layer."""
-    kinds = list(context)
+def _layered(children: list[Any], context: Any, name: str) -> list[tuple[Any, list[Any]]]:
+    """A cache's layer kinds, each with its children; refused unless the counts add up."""
+    if not isinstance(context, list):
+        raise ValueError(f"A {name} has a context of {type(context).__name__}; expected a list of layer kinds.")
+    counts = [_kind_children(kind, i, name) for i, kind in enumerate(context)]
     children = list(children)
-    if len(children) != per_layer * len(kinds):
+    if len(children) != sum(counts):
         raise ValueError(
-            f"A {name} of {len(kinds)} layers flattens to {per_layer * len(kinds)} children, got {len(children)}."
+            f"A {name} of {len(context)} layers ({', '.join(map(json.dumps, context))}) flattens to "
+            f"{sum(counts)} children, got {len(children)}."
         )
-    return children, kinds
+    layers, start = [], 0
+    for kind, count in zip(context, counts, strict=True):
+        layers.append((kind, children[start : start + count]))
+        start += count
+    return layers
 
 
 def _flatten_dynamic_cache(cache: Any) -> tuple[list[Any], list[Any]]:
     children: list[Any] = []
     kinds: list[Any] = []
     for index, layer in enumerate(cache.layers):
-        kinds.append(_dynamic_layer_kind(layer, index))
-        children.extend(_layer_tensors(layer))
+        kind = _dynamic_layer_kind(layer, index)
+        kinds.append(kind)
+        if kind == "dummy":
+            children.extend([None, None])
+            continue
+        if not (isinstance(kind, dict) and "linear" in kind and "attention" not in kind):
+            children.extend(_layer_tensors(layer))
+        if kind == "indexed":
+            children.extend([layer.indexer_keys if layer.is_indexer_initialized else None, layer.indexer_position_ids])
+        if isinstance(kind, dict) and "linear" in kind:
+            children.extend(_linear_states(layer))
     return children, kinds
 
 
 def _unflatten_dynamic_cache(children: list[Any], context: Any) -> Any:
-    children, kinds = _layered(children, context, 2, "DynamicCache")
+    layers = _layered(children, context, "DynamicCache")
     cache = DynamicCache()
-    if kinds:
-        cache.layers = [
-            _build_dynamic_layer(kind, children[2 * i], children[2 * i + 1], i) for i, kind in enumerate(kinds)
-        ]
+    if layers:
+        cache.layers = [_build_dynamic_layer(kind, owned, i) for i, (kind, owned) in enumerate(layers)]
         cache.layer_class_to_replicate = None
     return cache
+
+
+def _dynamic_empty_dims(context: Any) -> list[int | None]:
+    """Per child of a ``DynamicCache``, the dimension along which a None child stands for an empty tensor.
+
+    Keys, values and indexer keys grow along the sequence (``-2``), indexer positions along their
+    last dimension; convolution and recurrent states do not grow: a None state is absent (the
+    prefill of a state-space layer takes another code path than a step with a state).
+    """
+    dims: list[int | None] = []
+    if not isinstance(context, list):
+        return dims
+    for i, kind in enumerate(context):
+        try:
+            count = _kind_children(kind, i, "DynamicCache")
+        except ValueError:  # a malformed kind is refused when the cache is rebuilt
+            return []
+        if kind == "indexed":
+            dims.extend([-2, -2, -2, -1])
+        elif isinstance(kind, dict) and "linear" in kind:
+            attention = 2 if "attention" in kind else 0
+            dims.extend([-2] * attention + [None] * (count - attention))
+        else:
+            dims.extend([-2] * count)
+    return dims
 
 
 def _flatten_static_cache(cache: Any) -> tuple[list[Any], list[Any]]:
@@ -291,16 +539,18 @@ def _flatten_static_cache(cache: Any) -> tuple[list[Any], list[Any]]:
         if kind == "dummy":
             children.extend([None, None, None])
             continue
-        children.extend(_layer_tensors(layer))
-        children.append(layer.cumulative_length)
+        if not (isinstance(kind, dict) and "linear" in kind and "attention" not in kind):
+            children.extend(_layer_tensors(layer))
+            children.append(layer.cumulative_length)
+        if isinstance(kind, dict) and "linear" in kind:
+            children.extend(_linear_states(layer))
     return children, kinds
 
 
 def _unflatten_static_cache(children: list[Any], context: Any) -> Any:
-    children, kinds = _layered(children, context, 3, "StaticCache")
     layers = [
-        _build_static_layer(kind, children[3 * i], children[3 * i + 1], children[3 * i + 2], i)
-        for i, kind in enumerate(kinds)
+        _build_static_layer(kind, owned, i)
+        for i, (kind, owned) in enumerate(_layered(children, context, "StaticCache"))
     ]
     # StaticCache.__init__ wants a config to build its layers; the layers are already built.
     cache = StaticCache.__new__(StaticCache)
@@ -361,6 +611,32 @@ def _model_output_classes() -> list[type]:
 # --------------------------------------------------------------------------- registration
 
 
+# Caches iobundle cannot record, and why: a recorder warns once and marks their calls incomplete
+# (rather than recording an opaque cache that no export can use).
+_REFUSED_CACHES: dict[type, str] = {
+    QuantizedCache: (
+        "its layers hold quantized tensors with their scales and quantizer state, which iobundle cannot "
+        "rebuild. Record with the default cache (drop cache_implementation='quantized'): the exported "
+        "program is the same model."
+    ),
+    MtpCache: "it shifts its queries by a per-layer offset that iobundle does not record yet. Record the main model.",
+    DFlashCache: (
+        "it counts accepted draft tokens in a Python int that changes at every call. Record the target model "
+        "without speculative decoding."
+    ),
+}
+
+
+def _refuse_cache(cache: Any) -> tuple[list[Any], Any]:
+    raise UnsupportedInputError(
+        f"The cache is a {type(cache).__name__}, which iobundle cannot record: {_REFUSED_CACHES[type(cache)]}"
+    )
+
+
+def _never_rebuilt(children: list[Any], context: Any) -> Any:
+    raise ValueError("iobundle never writes this cache to a bundle, so it does not rebuild one.")
+
+
 _CACHE_NODE_TYPES: tuple[NodeType, ...] = (
     NodeType(
         DYNAMIC_CACHE_NAME,
@@ -369,6 +645,7 @@ _CACHE_NODE_TYPES: tuple[NodeType, ...] = (
         _flatten_dynamic_cache,
         _unflatten_dynamic_cache,
         empty_dim=-2,  # a layer not filled yet is (B, H, 0, D)
+        child_empty_dims=_dynamic_empty_dims,
     ),
     NodeType(STATIC_CACHE_NAME, NODE_TYPE_VERSION, StaticCache, _flatten_static_cache, _unflatten_static_cache),
     NodeType(
@@ -377,6 +654,10 @@ _CACHE_NODE_TYPES: tuple[NodeType, ...] = (
         EncoderDecoderCache,
         _flatten_encoder_decoder_cache,
         _unflatten_encoder_decoder_cache,
+    ),
+    *(
+        NodeType(f"transformers.{cls.__name__}", NODE_TYPE_VERSION, cls, _refuse_cache, _never_rebuilt)
+        for cls in _REFUSED_CACHES
     ),
 )
 
@@ -416,14 +697,31 @@ def _torch_context(context: Any) -> str:
     return json.dumps(context, sort_keys=True, separators=(",", ":"))
 
 
-def _cache_child_keys(per_layer: tuple[str, ...], children: list[Any]) -> list[Any]:
+def _layer_child_names(kind: Any, index: int, cache: str) -> list[str]:
+    """The names of one layer's children: ``key_0``, ``value_0``, ``conv_0``, ``recurrent_0``, ..."""
+    if kind == "indexed":
+        names = ["key", "value", "indexer_keys", "indexer_position_ids"]
+    elif isinstance(kind, dict) and "linear" in kind:
+        states = int(kind["linear"])
+        attention = _kind_children(kind, index, cache) - 2 * states
+        names = ["key", "value", "cumulative_length"][:attention]
+        suffixes = [""] if states == 1 else [f"_{s}" for s in range(states)]
+        return [f"{n}_{index}" for n in names] + [
+            f"{n}_{index}{suffix}" for suffix in suffixes for n in ("conv", "recurrent")
+        ]
+    else:
+        names = ["key", "value", "cumulative_length"][: _kind_children(kind, index, cache)]
+    return [f"{n}_{index}" for n in names]
+
+
+def _cache_child_keys(cache: str, children: list[Any], context: Any) -> list[Any]:
     """Name a cache's children ``key_0, value_0, ...``: torch.export names its inputs after them."""
-    layers = len(children) // len(per_layer)
-    return [torch_pytree.MappingKey(f"{name}_{i}") for i in range(layers) for name in per_layer]
+    names = [name for i, kind in enumerate(context) for name in _layer_child_names(kind, i, cache)]
+    return [torch_pytree.MappingKey(name) for name in names]
 
 
 def _attribute_keys(*names: str) -> Any:
-    def keys(children: list[Any]) -> list[Any]:
+    def keys(children: list[Any], context: Any) -> list[Any]:
         return [torch_pytree.GetAttrKey(name) for name in names]
 
     return keys
@@ -448,7 +746,7 @@ class _PytreeNode:
 
     def torch_flatten_with_keys(self, obj: Any) -> tuple[list[tuple[Any, Any]], str]:
         children, context = self.flatten(obj)
-        keyed = list(zip(self.child_keys(children), children, strict=True))
+        keyed = list(zip(self.child_keys(children, context), children, strict=True))
         return keyed, _torch_context(context)
 
 
@@ -459,14 +757,14 @@ def _pytree_nodes() -> tuple[_PytreeNode, ...]:
             DYNAMIC_CACHE_NAME,
             _flatten_dynamic_cache,
             _unflatten_dynamic_cache,
-            functools.partial(_cache_child_keys, ("key", "value")),
+            functools.partial(_cache_child_keys, "DynamicCache"),
         ),
         _PytreeNode(
             StaticCache,
             STATIC_CACHE_NAME,
             _flatten_static_cache,
             _unflatten_static_cache,
-            functools.partial(_cache_child_keys, ("key", "value", "cumulative_length")),
+            functools.partial(_cache_child_keys, "StaticCache"),
         ),
         _PytreeNode(
             EncoderDecoderCache,

@@ -34,6 +34,7 @@ from iobundle.errors import (
     ObserverArgumentError,
     ObserverArgumentTypeError,
     ObserverStateError,
+    UnsupportedInputError,
 )
 from iobundle.schema import MANIFEST_FILENAME, CallEntry, Manifest, MissingValueEntry, Node
 
@@ -353,7 +354,7 @@ class CallRecorder:
                 call, problem = self._record_inputs(rc, args, kwargs)
         if not record:
             return method(*args, **kwargs)
-        messages = [problem] if problem else []
+        messages = [problem]
         begin = time.perf_counter()
         try:
             result = method(*args, **kwargs)
@@ -364,20 +365,20 @@ class CallRecorder:
             )
             with self._lock:
                 messages += self._finish(failed)
-            for message in messages:
+            for message in filter(None, messages):
                 self._warn(message, stacklevel=3)
             raise
         latency = time.perf_counter() - begin
         with self._lock:
             update: dict[str, Any] = {"latency": latency}
             if call.status == "ok":
-                outputs, problem = self._record_outputs(result)
+                outputs, problem, warning = self._record_outputs(result, call.index)
                 update["outputs"] = outputs
                 if problem:
                     update.update(status="incomplete", error=problem)
-                    messages.append(problem)
+                    messages.append(warning)
             messages += self._finish(call.model_copy(update=update))
-        for message in messages:
+        for message in filter(None, messages):
             self._warn(message, stacklevel=3)
         return result
 
@@ -391,19 +392,39 @@ class CallRecorder:
         except Exception as exc:  # observation never breaks the observed program
             self._table.discard(journal)
             reason = _failure("the inputs", exc)
-            return CallEntry(index=len(rc.calls), status="incomplete", error=reason, args=[], kwargs={}), reason
+            entry = CallEntry(index=len(rc.calls), status="incomplete", error=reason, args=[], kwargs={})
+            return entry, self._warning_once("the inputs", entry.index, exc, reason)
         finally:
             self._table.journal = None
 
-    def _record_outputs(self, result: Any) -> tuple[Node | None, str]:
-        """Record the outputs of a call; on failure, None and the reason."""
+    def _warning_once(self, what: str, index: int, exc: Exception, reason: str) -> str:
+        """The warning for ``exc`` met recording ``what`` of call ``index``: once for a value iobundle cannot record.
+
+        Such a value (a cache layer iobundle cannot rebuild) is usually passed to every call: the
+        first call's warning says so and names it; later calls with the same problem are marked
+        incomplete all the same, without another warning (an empty message).
+        """
+        if not isinstance(exc, UnsupportedInputError):
+            return reason
+        key = f"unsupported:{what}:{exc}"
+        if key in self._warned:
+            return ""
+        self._warned.add(key)
+        return (
+            f"iobundle cannot record {what} of call {index}: {exc} This call and every later one with the same "
+            "problem are marked incomplete (this is the only warning about it); the observed program goes on."
+        )
+
+    def _record_outputs(self, result: Any, index: int) -> tuple[Node | None, str, str]:
+        """Record the outputs of call ``index``; on failure, None, the reason and the warning to give."""
         journal: list[str] = []
         self._table.journal = journal
         try:
-            return record_value(result, self._collector, path="", on_opaque=self._opaque), ""
+            return record_value(result, self._collector, path="", on_opaque=self._opaque), "", ""
         except Exception as exc:
             self._table.discard(journal)
-            return None, _failure("the outputs", exc)
+            reason = _failure("the outputs", exc)
+            return None, reason, self._warning_once("the outputs", index, exc, reason)
         finally:
             self._table.journal = None
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.utils._pytree as torch_pytree
 from transformers import (
+    Cache,
     DynamicCache,
     EncoderDecoderCache,
     LlamaConfig,
@@ -22,7 +23,17 @@ from transformers import (
     WhisperConfig,
     WhisperForConditionalGeneration,
 )
-from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
+from transformers.cache_utils import (
+    DynamicIndexedLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    Fp8QuantizedLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+    LinearAttentionAndStaticFullAttentionLayer,
+    LinearAttentionLayer,
+    StaticLayer,
+)
 from transformers.modeling_outputs import CausalLMOutputWithPast, Seq2SeqLMOutput
 from transformers.utils import ModelOutput
 
@@ -271,10 +282,10 @@ class TestDynamicCache:
         with pytest.raises(ValueError, match=r"Layer 0 .* no value tensor"):
             node_type.unflatten([torch.zeros(1, 2, 0, 8), None], ["full"])
 
-    def test_layer_with_more_state_is_refused(self) -> None:
+    def test_layer_with_state_besides_tensors_is_refused(self) -> None:
         cache = DynamicCache()
-        cache.layers = [DynamicLayer(), DynamicIndexedLayer()]
-        with pytest.raises(UnsupportedInputError, match=r"Layer 1 .* DynamicIndexedLayer"):
+        cache.layers = [DynamicLayer(), Fp8QuantizedLayer()]
+        with pytest.raises(UnsupportedInputError, match=r"Layer 1 .* Fp8QuantizedLayer"):
             flatten(cache)
 
 
@@ -359,6 +370,284 @@ class TestStaticCache:
         cache = StaticCache(config=mistral.config, max_cache_len=16)
         with pytest.raises(UnsupportedInputError, match="StaticSlidingWindowLayer"):
             flatten(cache)
+
+
+# --------------------------------------------------------------------------- layers beyond keys and values
+
+
+def _generate_calls(model: torch.nn.Module, new_tokens: int = 3, *, mask: bool = True) -> list[dict[str, Any]]:
+    """The keyword arguments of every forward call of a greedy ``generate()`` on a batch of 2."""
+    calls: list[dict[str, Any]] = []
+    forward = model.forward
+
+    def recording_forward(**kwargs: Any) -> Any:
+        calls.append(copy.deepcopy(kwargs))
+        return forward(**kwargs)
+
+    ids = torch.randint(3, 100, (2, PROMPT_LEN), generator=torch.Generator().manual_seed(5))
+    extra = {"attention_mask": torch.ones_like(ids)} if mask else {}
+    model.forward = recording_forward
+    try:
+        with torch.no_grad():
+            model.generate(ids, **extra, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    finally:
+        del model.forward
+    return calls
+
+
+def _tiny(config_name: str, model_name: str, **config: Any) -> torch.nn.Module:
+    import transformers
+
+    settings = {**_causal_lm_kwargs(), **config}
+    settings = {k: v for k, v in settings.items() if v is not None}
+    torch.manual_seed(6)
+    return getattr(transformers, model_name)(getattr(transformers, config_name)(**settings)).eval()
+
+
+_NO_ATTENTION = {"num_attention_heads": None, "num_key_value_heads": None, "intermediate_size": None}
+
+
+@pytest.fixture(scope="module")
+def mamba_calls() -> tuple[torch.nn.Module, list[dict[str, Any]]]:
+    model = _tiny("MambaConfig", "MambaForCausalLM", **_NO_ATTENTION, state_size=8, expand=2, conv_kernel=4)
+    return model, _generate_calls(model)
+
+
+@pytest.fixture(scope="module")
+def lfm2_calls() -> tuple[torch.nn.Module, list[dict[str, Any]]]:
+    model = _tiny("Lfm2Config", "Lfm2ForCausalLM", layer_types=["conv", "full_attention"], conv_L_cache=3)
+    return model, _generate_calls(model)
+
+
+@pytest.fixture(scope="module")
+def falcon_h1_calls() -> tuple[torch.nn.Module, list[dict[str, Any]]]:
+    model = _tiny(
+        "FalconH1Config",
+        "FalconH1ForCausalLM",
+        head_dim=8,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_d_state=8,
+        mamba_n_groups=1,
+        mamba_chunk_size=16,
+        mamba_d_ssm=64,
+    )
+    return model, _generate_calls(model, mask=False)  # FalconH1's generate() refuses an attention_mask
+
+
+def _linear_layer(conv: torch.Tensor | None, recurrent: torch.Tensor | None, layer: Any = None) -> Any:
+    """A linear-attention layer after a real prefill: states written through its own update methods."""
+    layer = layer if layer is not None else LinearAttentionLayer()
+    if conv is not None:
+        layer.update_conv_state(conv)
+    if recurrent is not None:
+        layer.update_recurrent_state(recurrent)
+    return layer
+
+
+def _same_tensors(a: list[Any], b: list[Any]) -> bool:
+    return len(a) == len(b) and all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y)) for x, y in zip(a, b)
+    )
+
+
+class TestLinearAttentionLayers:
+    """State-space and linear-attention layers: convolution and recurrent states as children, settings as context."""
+
+    def test_state_space_layout_is_conv_and_recurrent_per_layer(self, mamba_calls: Any) -> None:
+        _, calls = mamba_calls
+        prefill, context = flatten(calls[0]["cache"])
+        children, decode_context = flatten(calls[1]["cache"])
+        assert context == decode_context == [{"linear": 1}, {"linear": 1}]
+        assert prefill == [None] * 4
+        assert [tuple(c.shape) for c in children] == [(2, 64, 4), (2, 64, 8)] * 2
+        assert children[0] is calls[1]["cache"].layers[0].conv_states[0]
+
+    def test_hybrid_layout_holds_both_kinds(self, lfm2_calls: Any, falcon_h1_calls: Any) -> None:
+        children, context = flatten(lfm2_calls[1][1]["cache"])
+        assert context == [{"linear": 1}, "full"]
+        # LFM2's short convolution keeps no recurrent state: that child stays None
+        assert [None if c is None else c.dim() for c in children] == [3, None, 4, 4]
+        cache = falcon_h1_calls[1][1]["cache"]
+        assert [type(layer) for layer in cache.layers] == [LinearAttentionAndFullAttentionLayer] * 2
+        children, context = flatten(cache)
+        assert context == [{"linear": 1, "attention": "full"}] * 2
+        assert [c.dim() for c in children] == [4, 4, 3, 4] * 2
+
+    @pytest.mark.parametrize("fixture", ["mamba_calls", "lfm2_calls", "falcon_h1_calls"])
+    def test_decode_caches_rebuild_to_the_same_logits(self, fixture: str, request: pytest.FixtureRequest) -> None:
+        model, calls = request.getfixturevalue(fixture)
+        for call in calls[1:]:
+            rebuilt = deep_round_trip(copy.deepcopy(call["cache"]))
+            assert [type(layer) for layer in rebuilt.layers] == [type(layer) for layer in call["cache"].layers]
+            assert deep_structure(rebuilt) == deep_structure(call["cache"])
+            expected = logits_with(model, call, copy.deepcopy(call["cache"]))
+            torch.testing.assert_close(logits_with(model, call, rebuilt), expected, atol=0, rtol=0)
+
+    def test_prefill_cache_rebuilds_to_one_without_previous_state(self, mamba_calls: Any) -> None:
+        model, calls = mamba_calls
+        rebuilt = deep_round_trip(copy.deepcopy(calls[0]["cache"]))
+        assert not rebuilt.has_previous_state(0) and not rebuilt.has_previous_state(1)
+        expected = logits_with(model, calls[0], copy.deepcopy(calls[0]["cache"]))
+        torch.testing.assert_close(logits_with(model, calls[0], rebuilt), expected, atol=0, rtol=0)
+
+    def test_rebuilt_layer_has_the_attributes_of_a_real_one(self, mamba_calls: Any) -> None:
+        real = mamba_calls[1][1]["cache"].layers[0]
+        rebuilt = deep_round_trip(copy.deepcopy(mamba_calls[1][1]["cache"])).layers[0]
+        for name in ("number_of_states", "is_conv_states_initialized", "is_recurrent_states_initialized",
+                     "has_previous_state", "conv_kernel_size", "device", "dtype", "record_past"):  # fmt: skip
+            assert getattr(rebuilt, name) == getattr(real, name), name
+
+    def test_several_states_in_one_layer(self) -> None:
+        layer = LinearAttentionLayer(number_of_states=2)
+        layer.update_conv_state(torch.randn(2, 8, 4), state_idx=0)
+        layer.update_conv_state(torch.randn(2, 6, 3), state_idx=1)
+        layer.update_recurrent_state(torch.randn(2, 4, 5), state_idx=1)
+        cache = DynamicCache()
+        cache.layers = [layer]
+        children, context = flatten(cache)
+        assert context == [{"linear": 2}]
+        assert [None if c is None else tuple(c.shape) for c in children] == [(2, 8, 4), None, (2, 6, 3), (2, 4, 5)]
+        rebuilt = deep_round_trip(cache).layers[0]
+        assert rebuilt.conv_kernel_size == {0: 4, 1: 3}
+        assert rebuilt.is_recurrent_states_initialized == {0: False, 1: True}
+        assert _same_tensors(flatten(deep_round_trip(cache))[0], children)
+
+    def test_hybrid_sliding_layer_round_trips(self) -> None:
+        layer = LinearAttentionAndSlidingWindowAttentionLayer(sliding_window=WINDOW)
+        layer.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8))
+        _linear_layer(torch.randn(1, 8, 4), torch.randn(1, 8, 5), layer)
+        cache = DynamicCache()
+        cache.layers = [layer]
+        children, context = flatten(cache)
+        assert context == [{"linear": 1, "attention": {"sliding": WINDOW}}]
+        rebuilt = deep_round_trip(cache).layers[0]
+        assert type(rebuilt) is LinearAttentionAndSlidingWindowAttentionLayer
+        assert rebuilt.sliding_window == WINDOW and rebuilt.cumulative_length == 3
+        assert rebuilt.get_mask_sizes(1) == layer.get_mask_sizes(1)
+        assert _same_tensors(flatten(deep_round_trip(cache))[0], children)
+
+    def test_hybrid_static_layer_round_trips_in_a_static_cache(self) -> None:
+        layer = LinearAttentionAndStaticFullAttentionLayer(max_cache_len=16)
+        layer.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8))
+        _linear_layer(torch.randn(1, 8, 4), None, layer)
+        cache = StaticCache.__new__(StaticCache)
+        Cache.__init__(cache, layers=[layer, _linear_layer(torch.randn(1, 8, 4), torch.randn(1, 8, 5))])
+        children, context = flatten(cache)
+        assert context == [{"linear": 1, "attention": {"static": 16}}, {"linear": 1}]
+        assert int(children[2]) == 3  # the static part's token count, a tensor child
+        rebuilt = deep_round_trip(cache)
+        assert [type(x) for x in rebuilt.layers] == [LinearAttentionAndStaticFullAttentionLayer, LinearAttentionLayer]
+        assert rebuilt.layers[0].max_cache_len == 16 and rebuilt.get_seq_length(0) == 3
+        assert _same_tensors(flatten(rebuilt)[0], children)
+
+    def test_indexed_layer_round_trips(self) -> None:
+        layer = DynamicIndexedLayer()
+        layer.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8))
+        layer.update_indexer(torch.randn(1, 3, 4))
+        cache = DynamicCache()
+        cache.layers = [layer, DynamicIndexedLayer()]
+        children, context = flatten(cache)
+        assert context == ["indexed", "indexed"]
+        assert [None if c is None else c.dim() for c in children] == [4, 4, 3, None, None, None, None, None]
+        rebuilt = deep_round_trip(cache)
+        assert rebuilt.layers[0].is_indexer_initialized and not rebuilt.layers[1].is_indexer_initialized
+        assert _same_tensors(flatten(rebuilt)[0], children)
+
+    def test_empty_dims_follow_each_child(self) -> None:
+        node_type = lookup_node_type("transformers.DynamicCache")
+        assert node_type is not None and node_type.child_empty_dims is not None
+        context = ["full", {"linear": 1}, {"linear": 1, "attention": "full"}, "indexed"]
+        assert node_type.child_empty_dims(context) == [-2, -2, None, None, -2, -2, None, None, -2, -2, -2, -1]
+
+    def test_a_layer_recording_past_states_is_refused(self) -> None:
+        layer = _linear_layer(torch.randn(1, 8, 4), None)
+        layer.activate_past_recording()
+        cache = DynamicCache()
+        cache.layers = [layer]
+        with pytest.raises(UnsupportedInputError, match=r"Layer 0 .* LinearAttentionLayer.*records past"):
+            flatten(cache)
+
+    @pytest.mark.parametrize(
+        ("context", "children", "match"),
+        [
+            ([{"linear": 0}], [], "number of states 0"),
+            ([{"linear": "os.system"}], [None, None], "number of states 'os.system'"),
+            ([{"linear": 10**6}], [], r"up to \d+"),
+            ([{"linear": 1, "attention": {"static": 8}}], [None] * 5, "unknown attention kind"),
+            ([{"linear": 1, "attention": "builtins.eval"}], [None] * 4, "unknown attention kind"),
+            ([{"sliding": -3}], [None, None], "sliding window -3"),
+            ([{"linear": 1}], [None] * 3, "flattens to 2 children, got 3"),
+            ({"linear": 1}, [None, None], "expected a list of layer kinds"),
+        ],
+    )
+    def test_a_bundle_context_is_checked_before_use(self, context: Any, children: list[Any], match: str) -> None:
+        node_type = lookup_node_type("transformers.DynamicCache")
+        assert node_type is not None
+        with pytest.raises(ValueError, match=match):
+            node_type.unflatten(children, context)
+
+    def test_bundle_round_trip_rebuilds_the_same_logits(self, mamba_calls: Any, tmp_path: Any) -> None:
+        from iobundle import InputObserver, load_bundle
+
+        model, _ = mamba_calls
+        observer = InputObserver()
+        ids = torch.randint(3, 100, (2, PROMPT_LEN), generator=torch.Generator().manual_seed(7))
+        with torch.no_grad(), observer(model, store_n_calls=8):
+            model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, min_new_tokens=3, do_sample=False
+            )
+        observer.save(tmp_path / "mamba.iobundle")
+        bundle = load_bundle(tmp_path / "mamba.iobundle")
+        assert [c.status for c in bundle.calls] == ["ok"] * 3
+        assert bundle.calls[1].kwargs["cache"].context == [{"linear": 1}, {"linear": 1}]
+        for index in (1, 2):
+            arguments = bundle.infer_arguments(index)
+            arguments = {**{k: v for k, v in arguments.items() if k != "kwargs"}, **arguments.get("kwargs", {})}
+            assert [type(x) for x in arguments["cache"].layers] == [LinearAttentionLayer] * 2
+            with torch.no_grad():
+                logits = model(**arguments).logits
+            torch.testing.assert_close(logits, observer.info.flat_outputs[index][0], atol=0, rtol=0)
+
+    def test_export_takes_a_state_space_cache(self, mamba_calls: Any) -> None:
+        model, calls = mamba_calls
+        call = {k: v for k, v in calls[1].items() if k in ("input_ids", "cache", "use_cache")}
+        with torch_pytree_nodes():
+            ep = torch.export.export(model, (), copy.deepcopy(call), strict=False)
+            names = [spec.arg.name for spec in ep.graph_signature.input_specs if spec.kind.name == "USER_INPUT"]
+            assert names[1:5] == ["cache_conv_0", "cache_recurrent_0", "cache_conv_1", "cache_recurrent_1"]
+            other = {k: v for k, v in calls[2].items() if k in call}
+            expected = model(**copy.deepcopy(other)).logits
+            torch.testing.assert_close(ep.module()(**copy.deepcopy(other)).logits, expected, atol=1e-5, rtol=0)
+
+
+class TestUnsupportedCacheAtCapture:
+    @pytest.mark.parametrize(
+        ("fixture", "generate", "named"),
+        [
+            ("mistral", {"cache_implementation": "static"}, "StaticSlidingWindowLayer"),
+            ("llama", {"cache_implementation": "quantized", "cache_config": {"backend": "fp8"}}, "QuantizedCache"),
+        ],
+        ids=["sliding-static", "quantized-fp8"],
+    )
+    def test_one_warning_names_the_class_and_the_call(
+        self, fixture: str, generate: dict[str, Any], named: str, prompt: torch.Tensor, request: pytest.FixtureRequest
+    ) -> None:
+        import warnings
+
+        from iobundle import InputObserver
+
+        model = request.getfixturevalue(fixture)
+        observer = InputObserver()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.no_grad(), observer(model, store_n_calls=8):
+                model.generate(prompt, max_new_tokens=3, min_new_tokens=3, do_sample=False, **generate)
+        about = [str(w.message) for w in caught if named in str(w.message)]
+        assert len(about) == 1, about
+        assert "call 0" in about[0] and "Record" in about[0] and "only warning" in about[0]
+        assert [c.status for c in observer.info.calls] == ["incomplete"] * 3
+        assert all(named in c.error for c in observer.info.calls)
 
 
 # --------------------------------------------------------------------------- EncoderDecoderCache

@@ -217,3 +217,38 @@ def test_latent_attention_exported_at_batch_2_serves_batch_1() -> None:
     assert "latent_keys_concat" in report.patches
     check = report.batch_check
     assert (check.batch, check.success) == (1, True), check.summary()
+
+
+def _tiny_llama4() -> Any:
+    config = transformers.Llama4TextConfig(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        intermediate_size=16, intermediate_size_mlp=16, vocab_size=50, num_local_experts=2, num_experts_per_tok=1,
+        attention_chunk_size=4, layer_types=["chunked_attention", "full_attention"], no_rope_layers=[1, 0],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Llama4ForCausalLM(config).eval()
+
+
+def test_chunked_attention_gets_the_sliding_offsets_and_real_rotary() -> None:
+    names: list[str] = []
+    with export_patches(_tiny_llama4(), dynamic_batch=False, applied=names):
+        pass
+    assert "sliding_window_offsets" in names and "real_rotary" in names
+
+
+def test_real_rotary_matches_the_complex_one_and_restores() -> None:
+    import transformers.models.llama4.modeling_llama4 as llama4
+
+    from iobundle.replay.export._patches import patch_real_rotary
+
+    model = _tiny_llama4()
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(1))
+    forward, apply = llama4.Llama4TextRotaryEmbedding.forward, llama4.apply_rotary_emb
+    with torch.no_grad():
+        expected = model(ids).logits
+        with patch_real_rotary(model):
+            freqs = model.model.rotary_emb(torch.zeros(1), torch.arange(6)[None])
+            assert not freqs.is_complex() and freqs.shape[-1] == 2
+            got = model(ids).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert llama4.Llama4TextRotaryEmbedding.forward is forward and llama4.apply_rotary_emb is apply

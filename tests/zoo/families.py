@@ -125,6 +125,15 @@ def decoder_only(
     return build
 
 
+# Settings of decoder_only() that a model without attention does not take.
+_NO_ATTENTION: dict[str, Any] = {
+    "num_attention_heads": None,
+    "num_key_value_heads": None,
+    "intermediate_size": None,
+    "max_position_embeddings": None,
+}
+
+
 def _gpt2() -> tuple[torch.nn.Module, dict[str, Any]]:
     import transformers
 
@@ -246,6 +255,159 @@ FAMILIES: list[Family] = [
         "smollm3",
         decoder_only("SmolLM3Config", "SmolLM3ForCausalLM", no_rope_layer_interval=2),
         notes="no rotary embedding every other layer (NoPE)",
+    ),
+    # Cache kinds beyond keys and values (issue 19): state-space, hybrid, chunked, sinks, static.
+    Family(
+        "mamba",
+        decoder_only("MambaConfig", "MambaForCausalLM", **_NO_ATTENTION, state_size=8, expand=2, conv_kernel=4),
+        notes="state-space: LinearAttentionLayer (convolution + recurrent state), no attention",
+    ),
+    Family(
+        "mamba2",
+        decoder_only(
+            "Mamba2Config",
+            "Mamba2ForCausalLM",
+            **_NO_ATTENTION,
+            state_size=8,
+            expand=2,
+            conv_kernel=4,
+            num_heads=8,
+            head_dim=8,
+            n_groups=1,
+            chunk_size=16,
+            time_step_limit=(0.0, 1e4),  # the default's upper bound is inf, which a bundle's JSON config cannot hold
+        ),
+        notes="state-space: multi-head SSM (SSD) LinearAttentionLayer, no attention",
+    ),
+    Family(
+        "falcon_mamba",
+        decoder_only(
+            "FalconMambaConfig", "FalconMambaForCausalLM", **_NO_ATTENTION, state_size=8, expand=2, conv_kernel=4
+        ),
+        notes="state-space: LinearAttentionLayer, RMS-normed B/C/dt",
+    ),
+    Family(
+        "lfm2",
+        decoder_only("Lfm2Config", "Lfm2ForCausalLM", layer_types=["conv", "full_attention"], conv_L_cache=3),
+        notes="hybrid: short convolution layer (LinearAttentionLayer, conv state only) + attention layer",
+    ),
+    Family(
+        "granitemoehybrid",
+        decoder_only(
+            "GraniteMoeHybridConfig",
+            "GraniteMoeHybridForCausalLM",
+            layer_types=["mamba", "attention"],
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_d_state=8,
+            mamba_n_groups=1,
+            mamba_chunk_size=16,
+            num_local_experts=0,
+            shared_intermediate_size=64,
+            time_step_limit=(0.0, 1e4),  # the default's upper bound is inf, which a bundle's JSON config cannot hold
+        ),
+        notes="hybrid: Mamba2 layer (LinearAttentionLayer) + attention layer",
+    ),
+    Family(
+        "jamba",
+        decoder_only(
+            "JambaConfig",
+            "JambaForCausalLM",
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=2,
+            num_experts_per_tok=1,
+            mamba_d_state=8,
+            mamba_expand=2,
+            mamba_dt_rank=4,
+            mamba_d_conv=4,
+        ),
+        notes="hybrid: Mamba layer (LinearAttentionLayer) + attention layer, MoE",
+    ),
+    Family(
+        "qwen3_next",
+        decoder_only(
+            "Qwen3NextConfig",
+            "Qwen3NextForCausalLM",
+            head_dim=8,
+            layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+        ),
+        notes="hybrid: gated delta-rule linear attention (LinearAttentionLayer) + gated attention, MoE",
+    ),
+    Family(
+        "llama4_text",
+        decoder_only(
+            "Llama4TextConfig",
+            "Llama4ForCausalLM",
+            head_dim=8,
+            intermediate_size_mlp=64,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            attention_chunk_size=4,
+            layer_types=["chunked_attention", "full_attention"],
+            no_rope_layers=[1, 0],
+            prompt=7,
+            new_tokens=6,
+        ),
+        notes="chunked attention (chunk 4, 13 tokens: past the chunk) + NoPE full attention, MoE",
+        known_failure=(
+            "every recorded call reproduces (one program, ep and onnxruntime); the check beyond the recorded "
+            "calls fails at batch 1: Guard failed: position_ids.size()[0] * input_ids.size()[1] != 1 "
+            "(issue 19 item 4)"
+        ),
+    ),
+    Family(
+        "gpt_oss",
+        decoder_only(
+            "GptOssConfig",
+            "GptOssForCausalLM",
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+            prompt=5,
+            new_tokens=6,
+        ),
+        notes="attention sinks (learned per-head logits), sliding window 6 / full, MoE",
+    ),
+    Family(
+        "granite_swa",
+        decoder_only(
+            "GraniteSWAConfig",
+            "GraniteSWAForCausalLM",
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+            prompt=5,
+            new_tokens=6,
+        ),
+        notes="attention sinks, sliding window 6 / full",
+    ),
+    Family(
+        "qwen2_static_cache",
+        decoder_only("Qwen2Config", "Qwen2ForCausalLM", generate={"cache_implementation": "static"}),
+        notes='cache_implementation="static" (StaticLayer), attention biases',
+    ),
+    Family(
+        "lfm2_static_cache",
+        decoder_only(
+            "Lfm2Config",
+            "Lfm2ForCausalLM",
+            layer_types=["conv", "full_attention"],
+            conv_L_cache=3,
+            generate={"cache_implementation": "static"},
+        ),
+        notes='cache_implementation="static": convolution layer (LinearAttentionLayer) + StaticLayer',
     ),
 ]
 

@@ -127,7 +127,8 @@ def check_other_batch(
     """Run ``ep`` and the eager model on the traced call cut to batch B - 1 (or repeated to 2 when B is 1).
 
     Only tensors whose batch axis (see :func:`program_batch_axes`) is dynamic and equal to the
-    call's batch are resized, along that axis. The
+    call's batch are resized, along that axis; each run gets its own copies, since a model may
+    update its inputs in place. The
     program's outputs are compared with the eager model's on the same inputs (the verdict), and
     with the recorded outputs resized the same way (reported, not judged).
     The eager model runs first: when it rejects the resized inputs (a VLM prefill whose image
@@ -151,9 +152,10 @@ def check_other_batch(
         }
 
         def arguments() -> tuple[tuple[Any, ...], dict[str, Any]]:
-            args, kwargs = infer_arguments(
-                rc, alignment=alignment, slots=list(keys), extra=resized, as_args_kwargs=True
-            )
+            # Fresh copies for each run: a model may update its inputs in place (a state-space
+            # cache's convolution and recurrent states), which must not reach the other run.
+            fresh = {k: t.clone() for k, t in resized.items()}
+            args, kwargs = infer_arguments(rc, alignment=alignment, slots=list(keys), extra=fresh, as_args_kwargs=True)
             if plan.flatten_var_kw and rc.var_keyword in kwargs:
                 kwargs = {**{k: v for k, v in kwargs.items() if k != rc.var_keyword}, **kwargs[rc.var_keyword]}
             return args, kwargs

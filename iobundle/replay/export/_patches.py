@@ -30,7 +30,9 @@ The patches (checked against torch 2.13 and transformers 5.24):
 
 ``sliding_window_offsets``
     A sliding-window cache layer (``DynamicSlidingWindowLayer``: Mistral, Gemma-2/3's hybrid
-    caches) keeps only the last ``window - 1`` keys, and counts the tokens seen in a Python
+    caches, and Llama 4's chunked attention, whose layers are the same class sized by
+    ``attention_chunk_size``: there the chunk boundaries are absolute positions, so a wrong key
+    offset masks the wrong keys even without padding) keeps only the last ``window - 1`` keys, and counts the tokens seen in a Python
     int, ``cumulative_length``, which a bundle cannot carry (see
     ``iobundle.capture._transformers``); rebuilt caches set it to the cached length. Its
     ``get_mask_sizes`` then gives a key offset of 0 instead of ``tokens_seen - window + 1``
@@ -92,6 +94,13 @@ The patches (checked against torch 2.13 and transformers 5.24):
     check beyond the recorded calls finds. While tracing, ``expand_kv`` concatenates the two
     parts instead (``torch.cat``): the same values, no write into a slice, no minimum on the
     batch. Applied only when the batch is dynamic.
+``real_rotary``
+    Llama 4's text rotary embedding is complex-valued: ``torch.polar`` makes the frequencies,
+    and ``apply_rotary_emb`` multiplies ``view_as_complex`` queries and keys by them, which
+    ``torch.onnx`` cannot translate (no complex tensors in ONNX). While tracing, the rotary
+    module returns the same frequencies as a real ``(..., D/2, 2)`` pair (cosine, sine) and
+    ``apply_rotary_emb`` rotates each (even, odd) pair with them: the same arithmetic on real
+    numbers (differences at float rounding level).
 
 ``contiguous_last_token``
     ``logits_to_keep=1`` slices the last position before ``lm_head``; the slice is not
@@ -120,6 +129,7 @@ __all__ = [
     "patch_layout_copies",
     "patch_moe_batched_experts",
     "patch_sdpa_without_is_causal",
+    "patch_real_rotary",
     "patch_sliding_window_offsets",
     "patch_whisper_cross_attention_recompute",
 ]
@@ -288,6 +298,9 @@ def _uses_sliding_cache(model: torch.nn.Module) -> bool:
         if getattr(config, "sliding_window", None) and (
             not layer_types or any(t in ("sliding_attention", "chunked_attention") for t in layer_types)
         ):
+            return True
+        # Chunked attention (Llama 4) keeps its cache in the same layers, sized by the chunk.
+        if getattr(config, "attention_chunk_size", None) and (not layer_types or "chunked_attention" in layer_types):
             return True
     return False
 
@@ -554,6 +567,54 @@ def patch_latent_keys_concat(model: torch.nn.Module) -> Iterator[None]:
 # --------------------------------------------------------------------------- selection
 
 
+# --------------------------------------------------------------------------- real_rotary
+
+
+def _complex_rotary_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Llama 4's text rotary embeddings in ``model`` (empty unless its module is loaded)."""
+    llama4 = sys.modules.get("transformers.models.llama4.modeling_llama4")
+    if llama4 is None:
+        return []
+    return [m for m in model.modules() if isinstance(m, llama4.Llama4TextRotaryEmbedding)]
+
+
+def _real_rotary_forward(self: Any, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """``Llama4TextRotaryEmbedding.forward`` returning ``(cos, sin)`` pairs instead of complex numbers."""
+    freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+    return torch.stack([freqs.cos(), freqs.sin()], dim=-1) * self.attention_scaling
+
+
+def _real_apply_rotary_emb(
+    xq: torch.Tensor, xk: torch.Tensor, freqs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama 4's ``apply_rotary_emb`` on real ``(cos, sin)`` pairs: each (even, odd) pair rotated."""
+    cos, sin = freqs[:, :, None, :, 0], freqs[:, :, None, :, 1]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+        real, imag = pairs[..., 0], pairs[..., 1]
+        return torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1).flatten(3).type_as(x)
+
+    return rotate(xq), rotate(xk)
+
+
+@contextlib.contextmanager
+def patch_real_rotary(model: torch.nn.Module) -> Iterator[None]:
+    """Llama 4's complex rotary embedding computed on real numbers while tracing (see the module docstring)."""
+    import transformers.models.llama4.modeling_llama4 as llama4
+    from transformers.modeling_rope_utils import dynamic_rope_update
+
+    forward = llama4.Llama4TextRotaryEmbedding.__dict__["forward"]
+    apply = llama4.apply_rotary_emb
+    llama4.Llama4TextRotaryEmbedding.forward = dynamic_rope_update(_real_rotary_forward)
+    llama4.apply_rotary_emb = _real_apply_rotary_emb
+    try:
+        yield
+    finally:
+        llama4.Llama4TextRotaryEmbedding.forward = forward
+        llama4.apply_rotary_emb = apply
+
+
 @dataclass(frozen=True)
 class ExportPatch:
     """One patch: its name (as the report lists it), when it applies, and the context manager.
@@ -597,6 +658,11 @@ PATCHES: tuple[ExportPatch, ...] = (
         "latent_keys_concat",
         lambda m, _dynamic, batch: batch and bool(_latent_attentions(m)),
         patch_latent_keys_concat,
+    ),
+    ExportPatch(
+        "real_rotary",
+        lambda m, _dynamic, _batch: bool(_complex_rotary_modules(m)),
+        patch_real_rotary,
     ),
     ExportPatch(
         "contiguous_last_token",

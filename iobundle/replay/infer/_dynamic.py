@@ -44,11 +44,16 @@ def empty_dims(alignment: Alignment) -> list[int | None]:
         if isinstance(node, TensorNode):
             result.append(dim)
             return
+        items = getattr(node, "items", ())
+        dims: list[int | None] = [dim] * len(items)
         if isinstance(node, ObjectNode):
             node_type = lookup_node_type(node.type)
-            dim = None if node_type is None else node_type.empty_dim
-        for child in getattr(node, "items", ()):
-            walk(child, dim)
+            dims = [None if node_type is None else node_type.empty_dim] * len(items)
+            if node_type is not None and node_type.child_empty_dims is not None:
+                per_child = node_type.child_empty_dims(node.context)
+                dims = per_child if len(per_child) == len(items) else dims
+        for child, child_dim in zip(items, dims, strict=True):
+            walk(child, child_dim)
 
     best = alignment.best_call
     for node in [*best.args, *best.kwargs.values()]:
