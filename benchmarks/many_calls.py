@@ -79,7 +79,7 @@ def figure_7(cfg: Config, workdir: Path) -> Figure:
         with torch.no_grad(), observer(model, store_n_calls=tokens + 16, stream_to=path):
             model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
         files = [p for p in path.rglob("*") if p.is_file()]
-        tensor_files = [p for p in files if p.suffix == ".safetensors"]
+        tensor_files = [p for p in files if p.suffix in (".safetensors", ".bin")]  # .bin: segments (format 4)
         total = sum(p.stat().st_size for p in files)
         # distinct data: counted on an in-memory recording of the same generate()
         memory = InputObserver()
@@ -188,10 +188,8 @@ def figure_8(cfg: Config, workdir: Path) -> Figure:
     shutil.copytree(saved, journal)  # the same calls as a killed stream leaves them: journal only
     (journal / "journal.jsonl").write_bytes(_as_journal(saved))
     (journal / "manifest.json").unlink()
-    shutil.copytree(saved, v2)  # the same calls as format version 2 wrote them (whole trees, indented)
-    (v2 / "manifest.json").write_text(
-        load_manifest(saved).model_copy(update={"format_version": 2}).model_dump_json(indent=1)
-    )
+    # the same calls as format version 2 wrote them (whole trees, indented; no segments: each call's file)
+    _without_segments(saved, v2)
 
     def opener(path: Path, parse: Callable[[Path], Any]) -> Callable[[int], dict[str, float]]:
         def run(rep: int) -> dict[str, float]:
@@ -258,15 +256,60 @@ def figure_8(cfg: Config, workdir: Path) -> Figure:
     return fig
 
 
+def _without_segments(bundle: Path, target: Path) -> None:
+    """Copy ``bundle`` to ``target`` as format version 2 wrote it: each segment's ranges as their calls' own files."""
+    import bisect
+    import math
+
+    import torch
+
+    from iobundle.calls import NAME_TO_DTYPE, write_tensor_file
+    from iobundle.schema import DTYPE_ITEMSIZES, load_manifest
+
+    shutil.copytree(bundle, target)
+    manifest = load_manifest(bundle)
+    files = {n: e for n, e in manifest.files.items() if e.ranges is None}
+    tensors, by_file = {}, {}
+    for key, entry in manifest.tensors.items():
+        if entry.offset is None:
+            tensors[key] = entry
+            continue
+        ranges = manifest.files[entry.file].ranges
+        call = ranges[max(0, bisect.bisect_right([r[1] for r in ranges], entry.offset) - 1)][0]
+        shape = list(entry.shape)
+        if entry.extends is not None:  # stored: the part past its base
+            shape[entry.extends.dim] -= manifest.tensors[entry.extends.key].shape[entry.extends.dim]
+        nbytes = math.prod(shape) * DTYPE_ITEMSIZES[entry.dtype]
+        raw = bytearray((bundle / entry.file).read_bytes()[entry.offset : entry.offset + nbytes])
+        stored = torch.frombuffer(raw, dtype=NAME_TO_DTYPE[entry.dtype]) if nbytes else torch.empty(0)
+        file = f"calls/{call:06d}.safetensors"
+        by_file.setdefault(file, {})[key] = stored.to(NAME_TO_DTYPE[entry.dtype]).reshape(shape)
+        tensors[key] = entry.model_copy(update={"file": file, "offset": None})
+    for file, stored in by_file.items():
+        files[file] = write_tensor_file(target / file, stored)
+    for name in set(manifest.files) - set(files):
+        (target / name).unlink()
+    update = {"format_version": 2, "files": files, "tensors": tensors}
+    (target / "manifest.json").write_text(manifest.model_copy(update=update).model_dump_json(indent=1))
+
+
 def _as_journal(bundle: Path) -> bytes:
     """The journal a stream of ``bundle``'s calls would have written (head, then one line per call)."""
     from iobundle.schema import journal_call_line, journal_head_line, load_manifest
 
     manifest = load_manifest(bundle)
     lines = [journal_head_line(manifest.model_copy(update={"calls": [], "tensors": {}, "files": {}}))]
+    seen: set[str] = set()
     for call in manifest.calls:
-        file = f"calls/{call.index:06d}.safetensors"
-        tensors = {k: e for k, e in manifest.tensors.items() if e.file == file}
-        files = {file: manifest.files[file]} if file in manifest.files else {}
+        keys = {k for k in _call_tensor_keys(call) if k not in seen}  # the tensors this call wrote
+        seen |= keys
+        tensors = {k: e for k, e in manifest.tensors.items() if k in keys}
+        files = {}
+        for name in {e.file for e in tensors.values()}:
+            entry = manifest.files[name]
+            if entry.ranges is not None:  # a segment: the line names the range this call appended
+                (mine,) = [r for r in entry.ranges if r[0] == call.index]
+                entry = entry.model_copy(update={"size": mine[1] + mine[2], "ranges": [mine]})
+            files[name] = entry
         lines.append(journal_call_line(call, tensors, files))
     return b"".join(lines)

@@ -26,6 +26,7 @@ commands it runs in fresh processes too) and hands out empty buckets.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -227,6 +228,27 @@ def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
     # No listings cache: a read sees what the server holds, also after a command in another process wrote.
     monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": s3_server.endpoint, "use_listings_cache": False})
     return s3_server
+
+
+@contextlib.contextmanager
+def own_file_layout() -> Iterator[None]:
+    """Inside: every tensor a bundle writer writes goes to its call's own safetensors file, none to a segment.
+
+    That is format version 3's layout, which version 4 keeps for large tensors: for the tests that open,
+    edit or break ``calls/NNNNNN.safetensors`` files (segments have tests of their own).
+    """
+    from iobundle.capture import _writer
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_writer, "SEGMENT_TENSOR_BYTES", 0)
+        yield
+
+
+@pytest.fixture
+def own_files() -> Iterator[None]:
+    """:func:`own_file_layout` for one test."""
+    with own_file_layout():
+        yield
 
 
 @pytest.fixture

@@ -21,6 +21,8 @@ from iobundle import BundleExistsError, BundleNotFoundError, InputObserver, load
 from iobundle._remote import is_url, local_path  # noqa: E402
 from iobundle.replay import pack_bundle, unpack_bundle  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("own_files")  # these tests name the calls' safetensors files
+
 
 class Model(torch.nn.Module):
     def forward(self, x, mask=None):

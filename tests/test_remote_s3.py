@@ -14,7 +14,8 @@ fsspec = pytest.importorskip("fsspec")
 from iobundle import BundleExistsError, BundleNotFoundError, InputObserver, load_bundle  # noqa: E402
 from iobundle.replay import pack_bundle, unpack_bundle  # noqa: E402
 
-pytestmark = pytest.mark.xdist_group("s3")  # one worker starts the server for all of them
+# one worker starts the server for all of them; the calls in their own files, which the tests name
+pytestmark = [pytest.mark.xdist_group("s3"), pytest.mark.usefixtures("own_files")]
 
 
 class Model(torch.nn.Module):

@@ -4,7 +4,8 @@
 - value trees (containers, scalars, tensor references, registered node types) and the
   node-type registry, transformers' caches and outputs included;
 - turning a call's ``args``/``kwargs`` into a manifest entry;
-- dtype names and the safetensors file primitives: one writer (``_tensorfile_write``) and one
+- dtype names and the tensor file primitives: one writer of safetensors files (``_tensorfile_write``),
+  one of segments (``_segments``: many calls' small tensors appended to one file) and one
   reader of untrusted bundle members (``_tensorfile_read``: names, sizes, hashes, mapped tensors), side by side;
 - delta storage (a tensor stored as what it adds to one stored before) and the integrity hashes.
 
@@ -67,6 +68,7 @@ __all__ = [
     "dtype_name",
     "parse_header",
     "read_exactly",
+    "SegmentWriter",
     "tensor_bytes",
     "tensor_span",
     "write_tensor_file",
@@ -102,6 +104,7 @@ from iobundle.calls._registry import (
     register_node_type,
     register_provider,
 )
+from iobundle.calls._segments import SegmentWriter
 from iobundle.calls._staging import PinnedStager
 from iobundle.calls._tensorfile_read import (
     BundleRoot,

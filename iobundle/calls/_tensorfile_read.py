@@ -17,6 +17,12 @@ The order of the checks is what makes reading a hostile file safe:
 4. only then is the file memory-mapped. A mapping past the end of a file is a SIGBUS, not an
    exception, so nothing is mapped before the size checks.
 
+A segment (format version 4, ``FileEntry.ranges``) has no header: its tensors' byte spans come from
+the manifest (``TensorEntry.offset``, checked to lie inside the ranges when the manifest was read).
+Steps 1, 2 and 4 apply to it, with two differences: the file may be longer than the manifest's
+size (the bytes past it, a call a killed writer was appending, are never read), and the hash is
+checked range by range (each range has its own digest, named with the call that wrote it).
+
 A tensor stored as an extension of another (format version 2, ``TensorEntry.extends``) is rebuilt
 on each read: its chain of parts (which the manifest checks bounded and acyclic) is read, each part
 checked as above, and concatenated once. Shapes never need the bytes.
@@ -225,6 +231,64 @@ def hash_file(path: Member, name: str | None = None, algorithm: str = "sha256") 
     return size, digest.hexdigest()
 
 
+def _check_ranges(name: str, entry: FileEntry, chunks: Iterable[memoryview]) -> None:
+    """Hash the first ``entry.size`` bytes of segment ``name``, given as consecutive ``chunks``, range by range.
+
+    Raises:
+        IntegrityError: A range's digest differs from the manifest's.
+    """
+    ranges = entry.ranges or []
+    j, position = 0, 0
+    hasher = new_hasher(entry.algorithm)
+    for chunk in chunks:
+        while j < len(ranges):
+            call, start, length, digest = ranges[j]
+            take = min(len(chunk), start + length - position)
+            hasher.update(chunk[:take])
+            chunk, position = chunk[take:], position + take
+            if position < start + length:
+                break
+            found = hasher.hexdigest()
+            if found != digest:
+                raise IntegrityError(
+                    f"{name}: ranges[{j}] (call {call}, bytes {start}-{start + length}): {entry.algorithm} {found} "
+                    f"differs from the manifest ({digest}). The file is corrupt or was changed."
+                )
+            j, hasher = j + 1, new_hasher(entry.algorithm)
+
+
+def _hash_segment(path: Member, name: str, entry: FileEntry) -> None:
+    """Check the ranges of segment ``name`` (see :func:`_check_ranges`), reading its first ``entry.size`` bytes in chunks."""
+    f, _ = _open_member(path, name)
+    buffer = memoryview(bytearray(max(1, min(_CHUNK, entry.size))))
+
+    def chunks() -> Iterable[memoryview]:
+        left = entry.size
+        while left:
+            n = f.readinto(buffer[: min(left, len(buffer))])
+            if not n:
+                raise IntegrityError(f"{name}: shorter than the {entry.size} bytes the manifest says; it was changed.")
+            left -= n
+            yield buffer[:n]
+
+    try:
+        with f:
+            _check_ranges(name, entry, chunks())
+    except OSError as exc:
+        raise TensorFileError(f"{name}: cannot be read ({exc.strerror or exc}).") from exc
+
+
+def _size_problem(name: str, size: int, entry: FileEntry) -> IntegrityError | None:
+    """The error for a member of ``size`` bytes whose manifest entry is ``entry``, or None if the size is good.
+
+    A segment may be longer than its entry (bytes a killed writer appended past the last call it listed).
+    """
+    if size == entry.size or (entry.ranges is not None and size > entry.size):
+        return None
+    expected = f"at least {entry.size}" if entry.ranges is not None else str(entry.size)
+    return IntegrityError(f"{name}: {size} bytes, the manifest says {expected}. The file is truncated or was changed.")
+
+
 def listed_files(manifest: Manifest) -> dict[str, FileEntry]:
     """Every file ``manifest`` lists besides itself: its tensor files, then the stored model's files."""
     files = dict(manifest.files)
@@ -244,11 +308,12 @@ def check_file(root: Path | Root, name: str, entry: FileEntry, *, hash_check: bo
     path = safe_member_path(root, name)
     f, size = _open_member(path, name)
     f.close()
-    if size != entry.size:
-        raise IntegrityError(
-            f"{name}: {size} bytes, the manifest says {entry.size}. The file is truncated or was changed."
-        )
-    if hash_check:
+    problem = _size_problem(name, size, entry)
+    if problem is not None:
+        raise problem
+    if hash_check and entry.ranges is not None:
+        _hash_segment(path, name, entry)
+    elif hash_check:
         size, digest = hash_file(path, name, entry.algorithm)
         if size != entry.size:
             raise IntegrityError(f"{name}: changed while it was being read ({size} bytes, expected {entry.size}).")
@@ -292,11 +357,12 @@ def _read_header(path: Member, name: str, expected: int | None = None) -> tuple[
 def _read_small(path: Member, name: str, entry: FileEntry, *, hash_check: bool) -> bytearray:
     """The whole bundle member ``name`` (at most :data:`READ_WHOLE_BYTES`), checked as :func:`check_file` does."""
     f, size = _open_member(path, name)
-    if size != entry.size:
+    problem = _size_problem(name, size, entry)
+    if problem is not None:
         f.close()
-        raise IntegrityError(
-            f"{name}: {size} bytes, the manifest says {entry.size}. The file is truncated or was changed."
-        )
+        raise problem
+    if entry.ranges is not None:
+        size = entry.size  # a segment's bytes past its size are no part of the bundle
     data = bytearray(size + 1)  # + 1: a file that grew is seen
     view, done = memoryview(data), 0
     try:
@@ -307,10 +373,13 @@ def _read_small(path: Member, name: str, entry: FileEntry, *, hash_check: bool) 
         raise TensorFileError(f"{name}: cannot be read ({exc.strerror or exc}).") from exc
     finally:
         view.release()
-    if done != entry.size:
+    if done != entry.size and (entry.ranges is None or done < entry.size):
         raise IntegrityError(f"{name}: changed while it was being read ({done} bytes, expected {entry.size}).")
     del data[size:]
-    if hash_check:
+    if hash_check and entry.ranges is not None:
+        with memoryview(data) as view:
+            _check_ranges(name, entry, [view])
+    elif hash_check:
         hasher = new_hasher(entry.algorithm)
         hasher.update(data)
         check_digest(name, entry, hasher.hexdigest())
@@ -402,6 +471,23 @@ class _OpenFile:
             self.data = torch.frombuffer(data, dtype=torch.uint8)
         return self
 
+    @classmethod
+    def segment(cls, name: str, data: torch.Tensor | None, entries: dict[str, TensorInfo]) -> _OpenFile:
+        """The segment whose bytes ``data`` holds (read whole, or mapped); spans from the entries' offsets.
+
+        The offsets were checked against the ranges when the manifest was read (and ``data`` holds them all).
+        """
+        self = cls.__new__(cls)
+        self.name = name
+        self.data_start = 0
+        itemsize = ITEMSIZES
+        self.spans = {}
+        for key, e in entries.items():
+            begin = e.offset if e.offset is not None else 0
+            self.spans[key] = (begin, begin + math.prod(e.shape) * itemsize[e.dtype])
+        self.data = data
+        return self
+
     def tensor(self, entry: TensorInfo, key: str) -> torch.Tensor:
         begin, end = self.spans[key]
         dtype = NAME_TO_DTYPE[entry.dtype]
@@ -472,7 +558,7 @@ class BundleTensorStore:
         sizes = {name: file.size for name, file in self.manifest.files.items()}
         itemsize = ITEMSIZES
         prod = math.prod
-        for key, (file, _, dtype, shape, _, extends) in rows.items():
+        for key, (file, _, dtype, shape, _, extends, offset) in rows.items():
             size = sizes.get(file)
             if size is None:
                 raise UnsafeBundleError(f"tensors[{key!r}].file: {file!r} is not listed in the manifest's files.")
@@ -481,7 +567,7 @@ class BundleTensorStore:
                 dim = extends[1]
                 length = shape[dim]  # the manifest's checks: the base is no longer along dim
                 nbytes = nbytes // length * (length - base.shape[dim])
-            if nbytes > size:
+            if nbytes > size or (offset is not None and offset + nbytes > size):
                 raise UnsafeBundleError(
                     f"tensors[{key!r}]: {dtype} {list(shape)} needs {nbytes} bytes but its file {file!r} has {size}."
                 )
@@ -509,7 +595,9 @@ class BundleTensorStore:
             if entry is None:
                 raise TensorFileError(f"File {name!r} is used by a tensor but not listed in the manifest's files.")
             try:
-                if entry.size <= READ_WHOLE_BYTES:
+                if entry.ranges is not None:
+                    opened = self._open_segment(name, entry)
+                elif entry.size <= READ_WHOLE_BYTES:
                     path = self.bundle_root.member(name)
                     data = _read_small(path, name, entry, hash_check=self.verify)
                     opened = _OpenFile.from_bytes(name, data, self.file_entries(name))
@@ -520,6 +608,29 @@ class BundleTensorStore:
                 raise type(exc)(f"{exc} (bundle '{self.root}')") from exc
             self._files[name] = opened
         return opened
+
+    def _open_segment(self, name: str, entry: FileEntry) -> _OpenFile:
+        """A segment: its first ``entry.size`` bytes read whole (small) or memory-mapped, its ranges checked."""
+        data: torch.Tensor | None = None
+        if entry.size <= READ_WHOLE_BYTES:
+            raw = _read_small(self.bundle_root.member(name), name, entry, hash_check=self.verify)
+            data = torch.frombuffer(raw, dtype=torch.uint8) if raw else None
+        else:
+            path = check_file(self.bundle_root, name, entry, hash_check=self.verify)
+            try:
+                if isinstance(path, Path):
+                    data = torch.from_file(str(path), shared=False, size=entry.size, dtype=torch.uint8)
+                else:
+                    data = path.map(entry.size)
+                    if data is None:
+                        f, _ = _open_member(path, name)
+                        raw = bytearray(entry.size)
+                        with f:
+                            read_exactly(f, entry.size, name, into=memoryview(raw))
+                        data = torch.frombuffer(raw, dtype=torch.uint8)
+            except (RuntimeError, OSError, ValueError) as exc:
+                raise TensorFileError(f"{name}: cannot be memory-mapped ({exc}).") from exc
+        return _OpenFile.segment(name, data, self.file_entries(name))
 
     def _stored(self, key: str) -> torch.Tensor:
         """What the file holds for ``key``: the tensor, or its new part if it is an extension (cached views)."""

@@ -10,9 +10,12 @@ Who does what:
   new tensors into shared memory and hands it over; the answers come back in call order and
   drop the written snapshots from memory. Where no process can be started:
 - One writer thread per stream (or, for a small CPU call, the thread that submits it) writes
-  the call's new tensors to ``calls/NNNNNN.safetensors`` (temporary name, XXH3-128 computed while writing, rename; a tensor that extends one written
-  recently, such as a growing KV cache, as its new part only), appends the call's line to
-  ``journal.jsonl``, then drops from memory the snapshots it wrote. Each snapshot's buffer goes
+  the call's new tensors (a tensor that extends one written recently, such as a growing KV cache,
+  as its new part only): the small ones appended as one range to the current segment
+  (``calls/segment-NNNNNN.bin``, XXH3-128 of the range computed while writing), the large ones to
+  ``calls/NNNNNN.safetensors`` (temporary name, XXH3-128 computed while writing, rename); see
+  :mod:`iobundle.capture._writer`. It then appends the call's line to ``journal.jsonl``, naming
+  the range and its digest, and drops from memory the snapshots it wrote. Each snapshot's buffer goes
   back to the pool as soon as its bytes are in the file, unless it is kept as the base a later
   tensor may extend. ``manifest.json`` is written once, by :meth:`CallStream.close`.
 - With ``durable=True`` every file is fsynced before its rename (and its directory after);
@@ -23,9 +26,10 @@ previous call (its file and the journal line that lists it). The writer writes c
 model computes call k+1 (a small CPU call is written by the submitting thread itself, see
 :data:`INLINE_MAX_BYTES`), so
 
-- a SIGKILL loses at most the call in flight; the journal only ever lists complete files
-  (renames are atomic for every process; the page cache outlives the killed process), and a
-  line cut short by the kill is ignored by the reader;
+- a SIGKILL loses at most the call in flight; the journal only ever lists complete files and
+  ranges written before their line (renames are atomic for every process; the page cache outlives
+  the killed process), a line cut short by the kill is ignored by the reader, and so are the bytes
+  of a range being appended (past the segment's size as the last complete line gives it);
 - memory holds the snapshots of about 1.5 calls: while the writer drains call k, the copies of
   call k+1 wait for its buffers once the pool has lent :data:`BUDGET_CALLS` calls' worth.
 
@@ -218,7 +222,11 @@ class BufferPool:
 
 @dataclass(frozen=True)
 class _OnDisk:
-    """Where a snapshot went: the tensor ``name`` of the safetensors file ``path``."""
+    """Where a snapshot went: the tensor ``name`` of the safetensors file ``path``, or bytes of a segment.
+
+    For a segment, ``offset`` is where its bytes start and ``file_size`` the segment's size once they
+    were written (it only grows).
+    """
 
     path: Path
     name: str
@@ -230,6 +238,7 @@ class _OnDisk:
     """``(key, dim)`` when the file holds only the part past the tensor ``key`` along ``dim``."""
     stored_shape: tuple[int, ...] | None = None
     """The shape of what the file holds, when it is not ``shape``."""
+    offset: int | None = None
 
 
 @dataclass(frozen=True)
@@ -266,11 +275,16 @@ class _FileReader:
         try:
             with os.fdopen(fd, "rb", buffering=0) as f:
                 info = os.fstat(f.fileno())
-                if not stat.S_ISREG(info.st_mode) or info.st_size != where.file_size:
+                segment = where.offset is not None
+                if not stat.S_ISREG(info.st_mode) or (
+                    info.st_size < where.file_size if segment else info.st_size != where.file_size
+                ):
                     raise TensorFileError(
                         f"{where.path}: {info.st_size} bytes, {where.file_size} were written. "
                         "The streamed bundle was changed while the observer still used it."
                     )
+                if where.offset is not None:
+                    return self._read_bytes(f, where, where.offset)
                 header, data_start = self._header(f, where, info)
                 return self._read_tensor(f, where, header, data_start)
         except OSError as exc:
@@ -290,6 +304,18 @@ class _FileReader:
             while len(self._headers) > _HEADER_CACHE:
                 self._headers.popitem(last=False)
         return header, data_start
+
+    def _read_bytes(self, f: Any, where: _OnDisk, offset: int) -> torch.Tensor:
+        """The tensor whose bytes start at ``offset`` (in a segment, which has no header)."""
+        shape = where.shape if where.stored_shape is None else where.stored_shape
+        out = torch.empty(shape, dtype=where.dtype)
+        nbytes = out.numel() * out.element_size()
+        if nbytes:
+            f.seek(offset)
+            read_exactly(
+                f, nbytes, str(where.path), into=memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
+            )
+        return out
 
     def _read_tensor(self, f: Any, where: _OnDisk, header: dict[str, Any], data_start: int) -> torch.Tensor:
         name = str(where.path)
@@ -530,13 +556,16 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         path: Path,
         file_size: int,
         extends: dict[str, tuple[str, int, tuple[int, ...]]] | None = None,
+        offsets: dict[str, int] | None = None,
     ) -> None:
-        """Forget the snapshots of ``keys``, now in the safetensors file ``path``; recycle their buffers.
+        """Forget the snapshots of ``keys``, now in the file ``path``; recycle their buffers.
 
-        ``extends`` gives, for the keys stored as extensions, ``(base key, dim, stored shape)``.
+        ``extends`` gives, for the keys stored as extensions, ``(base key, dim, stored shape)``;
+        ``offsets``, for a segment, where each key's bytes start.
         """
         pool = self.pool
         extends = extends or {}
+        offsets = offsets or {}
         for key in keys:
             with self._lock:
                 pending = self._pending.pop(key, None)
@@ -554,6 +583,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
                     file_size=file_size,
                     extends=None if ext is None else (ext[0], ext[1]),
                     stored_shape=None if ext is None else ext[2],
+                    offset=offsets.get(key),
                 )
                 lent = key in self._lent or key in self.retained
                 self._lent.discard(key)
@@ -848,16 +878,21 @@ class CallStream:
             with self._cond:
                 self._failures.append((entry, f"iobundle could not record call {call.index}: {error}"))
             return entry
-        if keys:
-            file = writer.tensors[keys[0]].file
+        by_file: dict[str, list[str]] = {}
+        for k in keys:
+            by_file.setdefault(writer.tensors[k].file, []).append(k)
+        for file, in_file in by_file.items():
             extends = {}
-            for k in keys:
+            offsets = {}
+            for k in in_file:
                 e = writer.tensors[k]
                 if e.extends is not None:
                     stored = list(e.shape)
                     stored[e.extends.dim] -= writer.tensors[e.extends.key].shape[e.extends.dim]
                     extends[k] = (e.extends.key, e.extends.dim, tuple(stored))
-            table.written(keys, writer.path / file, writer.files[file].size, extends)
+                if e.offset is not None:
+                    offsets[k] = e.offset
+            table.written(in_file, writer.path / file, writer.files[file].size, extends, offsets)
         return call
 
     def _settled(self, entry: CallEntry, journal_error: str | None) -> None:

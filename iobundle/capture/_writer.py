@@ -1,8 +1,18 @@
-"""Write recorded calls as a bundle: ``calls/*.safetensors`` first, ``manifest.json`` last.
+"""Write recorded calls as a bundle: tensor files and segments first, ``manifest.json`` last.
 
 A tensor that extends one written recently (a growing KV cache, a growing mask) is written as its
 new part only, with a reference to the tensor it extends (``TensorEntry.extends``, format
 version 2), once :class:`iobundle.calls.DeltaIndex` has checked the shared part byte for byte.
+
+Where a call's tensors go (format version 4): each tensor whose stored bytes are under
+:data:`SEGMENT_TENSOR_BYTES` is appended, with the call's other small ones, as one range of the
+current segment (``calls/segment-NNNNNN.bin``, :class:`iobundle.calls.SegmentWriter`); the others
+go to the call's own safetensors file (``calls/NNNNNN.safetensors``), memory-mapped when read. A
+decode step's few KiB thus create no file and pay no header. A new segment starts when the
+current one would pass :data:`SEGMENT_MAX_BYTES`, or when a small tensor extends a tensor of a
+call's own file written after the current segment began (the manifest lists an extended tensor
+before its extension, and lists each file's tensors together); a small tensor that extends one of
+its own call's file goes to that file.
 """
 
 from __future__ import annotations
@@ -27,12 +37,14 @@ from iobundle.calls import (
     DeltaIndex,
     PinnedStager,
     RecordedCalls,
+    SegmentWriter,
     dtype_name,
     replace_tensors,
+    tensor_bytes,
     tensor_keys,
     write_tensor_file,
 )
-from iobundle.errors import BundleExistsError, BundleWriteError, IobundleError
+from iobundle.errors import BundleExistsError, BundleWriteError, IobundleError, UnsupportedInputError
 from iobundle.schema import (
     JOURNAL_FILENAME,
     MANIFEST_FILENAME,
@@ -60,9 +72,19 @@ TensorGetter = Callable[[str], torch.Tensor]
 CALLS_DIR = "calls"
 MISSING_FILE = f"{CALLS_DIR}/value_if_missing.safetensors"
 
+SEGMENT_TENSOR_BYTES = 64 * 1024
+"""A tensor whose stored bytes are fewer goes to a segment; a larger one to its call's own file."""
+
+SEGMENT_MAX_BYTES = 16 * 1024**2
+"""A segment is not grown past this size (unless one call's small tensors alone exceed it)."""
+
 
 def call_file_name(index: int) -> str:
     return f"{CALLS_DIR}/{index:06d}.safetensors"
+
+
+def segment_file_name(number: int) -> str:
+    return f"{CALLS_DIR}/segment-{number:06d}.bin"
 
 
 def _producer(devices: Iterable[str]) -> Producer:
@@ -186,6 +208,9 @@ class BundleWriter:
             ) from exc
         self.tensors: dict[str, TensorEntry] = {}
         self.files: dict[str, FileEntry] = {}
+        self._order: dict[str, int] = {}  # file -> its position among the files the manifest lists
+        self._segment: SegmentWriter | None = None
+        self._segments = 0
         self._unsynced: dict[Path, None] = {}
         self.deltas = DeltaIndex(retain_all=retain_all) if deltas else None
         self.stager: PinnedStager | None = None  # made for the first CUDA tensor
@@ -210,6 +235,9 @@ class BundleWriter:
         self.created = False
         self.tensors = dict(tensors)
         self.files = dict(files)
+        self._order = {name: i for i, name in enumerate(files)}
+        self._segment = None  # a new segment for the next small call: the other writer may still append to its own
+        self._segments = sum(name.startswith(f"{CALLS_DIR}/segment-") for name in files)
         self._unsynced = {}
         self.deltas = DeltaIndex()
         self.stager = None
@@ -236,11 +264,14 @@ class BundleWriter:
         *,
         durable: bool = True,
         on_written: Callable[[str], None] | None = None,
+        call: int | None = None,
     ) -> list[str]:
         """Write the tensors of ``keys`` not written yet into ``file``; return their keys (none: no file).
 
-        ``on_written`` is called with each key once its bytes are in the file (before the file is
-        complete): its memory may be reused from then on.
+        With ``call`` (the index of the call they belong to), the small ones go to the current
+        segment instead, as one range (see the module docstring). ``on_written`` is called with each
+        key once its bytes are in the file (before the file is complete): its memory may be reused
+        from then on.
 
         Raises:
             BundleWriteError: The file cannot be written (disk full, permission denied).
@@ -260,6 +291,8 @@ class BundleWriter:
         if cuda and self.stager is None:
             self.stager = PinnedStager()
         pinned: list[torch.Tensor] = []
+        small: list[str] = []
+        own: dict[str, torch.Tensor] = {}
         target = self.path / file
         try:
             # CUDA work (byte comparisons, D2H copies) runs on a side stream: the model's stream never waits
@@ -276,8 +309,20 @@ class BundleWriter:
                         deltas.add(key, t, base=match.key if match else None, retain=deltas.should_retain(t))
                 if cuda and self.stager is not None:
                     todo, pinned = self.stager.to_host(todo)
-            self.files[file] = write_tensor_file(target, todo, durable=durable, on_written=on_written)
+            small, roll = self._segment_keys(todo, extends) if call is not None else ([], False)
+            own = {k: t for k, t in todo.items() if k not in small} if small else todo
+            if own:
+                self.files[file] = write_tensor_file(target, own, durable=durable, on_written=on_written)
+            if small:
+                assert call is not None
+                segment = self._append(call, [todo[k] for k in small], roll=roll, durable=durable)
+                if on_written is not None:
+                    for k in small:
+                        on_written(k)
         except BaseException as exc:
+            if own and small and self.files.pop(file, None) is not None:  # the call's own file, of a call not written
+                with contextlib.suppress(OSError):
+                    target.unlink()
             if deltas is not None:
                 deltas.forget(new)  # never written: no later tensor may extend them
             if isinstance(exc, OSError):
@@ -288,17 +333,83 @@ class BundleWriter:
         finally:
             if pinned and self.stager is not None:
                 self.stager.give_back(pinned)
-        for key, t in whole.items():
+        offsets: dict[str, int] = {}
+        if small:
+            position = self.files[segment].size - sum(todo[k].numel() * todo[k].element_size() for k in small)
+            for k in small:
+                offsets[k] = position
+                position += todo[k].numel() * todo[k].element_size()
+            self._order.setdefault(segment, len(self._order))
+        if own:
+            self._order.setdefault(file, len(self._order))
+        # segment tensors first: a new segment is listed before the call's own file, whose tensors may extend them
+        for key in [*small, *(k for k in whole if k not in offsets)]:
+            t = whole[key]
             name = dtype_name(t.dtype)
             assert name is not None  # write_tensor_file refused other dtypes
             # built from values checked above (a dtype name, ints, an Extension): no validation needed
             self.tensors[key] = TensorEntry.model_construct(
-                file=file, name=key, dtype=name, shape=list(t.shape), device=str(t.device), extends=extends.get(key)
+                file=segment if key in offsets else file,
+                name=key,
+                dtype=name,
+                shape=list(t.shape),
+                device=str(t.device),
+                extends=extends.get(key),
+                offset=offsets.get(key),
             )
         if not durable:
-            self._unsynced[target] = None
-        logger.debug("wrote %d tensors to %s", len(todo), target)
+            if own:
+                self._unsynced[target] = None
+            if small:
+                self._unsynced[self.path / segment] = None
+        logger.debug("wrote %d tensors to %s, %d to a segment", len(own), target, len(small))
         return new
+
+    def _segment_keys(self, todo: dict[str, torch.Tensor], extends: dict[str, Extension]) -> tuple[list[str], bool]:
+        """The keys of ``todo`` (what a call stores) that go to a segment, in order, and whether they start a new one.
+
+        See the module docstring.
+        """
+        small: list[str] = []
+        own: set[str] = set()
+        roll = False
+        current = self._order.get(segment_file_name(self._segments - 1), -1) if self._segment is not None else -1
+        for key, t in todo.items():
+            if dtype_name(t.dtype) is None:
+                raise UnsupportedInputError(f"Tensor {key!r} has dtype {t.dtype}, which a bundle cannot store.")
+            ext = extends.get(key)
+            if t.numel() * t.element_size() >= SEGMENT_TENSOR_BYTES or (ext is not None and ext.key in own):
+                own.add(key)
+                continue
+            if ext is not None and ext.key not in small:
+                base_file = self.tensors[ext.key].file
+                base = self.files[base_file]
+                if base.ranges is None and self._order.get(base_file, -1) > current:
+                    roll = True  # a new segment, listed after that file
+            small.append(key)
+        return small, roll
+
+    def _append(self, call: int, tensors: list[torch.Tensor], *, roll: bool, durable: bool) -> str:
+        """Append ``tensors`` as call ``call``'s range of the current segment (a new one if needed); return its name."""
+        parts = [tensor_bytes(t) for t in tensors]
+        length = sum(p.nbytes for p in parts)
+        segment = self._segment
+        if segment is not None and (roll or (segment.size and segment.size + length > SEGMENT_MAX_BYTES)):
+            segment.close()
+            segment = self._segment = None
+        while segment is None:
+            name = segment_file_name(self._segments)
+            self._segments += 1
+            try:
+                segment = self._segment = SegmentWriter(self.path / name)
+            except FileExistsError:  # written by another writer of this bundle (a writer process): the next name
+                continue
+            if durable:
+                fsync_dir(self.path / CALLS_DIR)
+        name = segment_file_name(self._segments - 1)
+        segment.append(call, parts, durable=durable)
+        self.files[name] = segment.entry()
+        return name
 
     def write_call(
         self,
@@ -321,7 +432,12 @@ class BundleWriter:
         self._call_indices.add(call.index)
         try:
             return self.write_tensors(
-                call_file_name(call.index), call_keys(call), get, durable=durable, on_written=on_written
+                call_file_name(call.index),
+                call_keys(call),
+                get,
+                durable=durable,
+                on_written=on_written,
+                call=call.index,
             )
         finally:
             if self.deltas is not None:
@@ -334,6 +450,12 @@ class BundleWriter:
         return self.write_tensors(
             MISSING_FILE, [k for e in entries for k in tensor_keys(e.value)], get, durable=durable
         )
+
+    def close_segment(self) -> None:
+        """Close the segment being appended to (the next small call starts a new one)."""
+        segment, self._segment = self._segment, None
+        if segment is not None:
+            segment.close()
 
     def sync(self) -> None:
         """fsync the files written with ``durable=False`` so far, their directories and the bundle's.
@@ -407,7 +529,8 @@ class BundleWriter:
             ) from exc
 
     def close_journal(self) -> None:
-        """Close the journal without writing the manifest (another writer finishes it)."""
+        """Close the journal and the segment without writing the manifest (another writer finishes it)."""
+        self.close_segment()
         fd, self._journal = self._journal, None
         if fd is not None:
             os.close(fd)
@@ -422,6 +545,9 @@ class BundleWriter:
         assert fd is not None, "start_journal() first"
         tensors = {k: self.tensors[k] for k in keys}
         files = {e.file: self.files[e.file] for e in tensors.values()}
+        for name, entry in files.items():
+            if entry.ranges is not None:  # the line names the range this call appended, not the segment's others
+                files[name] = FileEntry.model_construct(size=entry.size, hash=entry.hash, ranges=entry.ranges[-1:])
         line = journal_call_line(call, tensors, files)
         try:
             _write_all(fd, line)
@@ -438,6 +564,7 @@ class BundleWriter:
         Raises:
             BundleWriteError: The manifest cannot be written (the journal is kept: the bundle still opens).
         """
+        self.close_segment()
         manifest = self.write_manifest(rc, calls, durable=True)
         fd, self._journal = self._journal, None
         if fd is not None:
@@ -448,6 +575,7 @@ class BundleWriter:
 
     def discard(self) -> None:
         """Remove what this writer wrote (best effort), so no half-written bundle is left behind."""
+        self.close_segment()
         (self.path / MANIFEST_FILENAME).unlink(missing_ok=True)
         (self.path / JOURNAL_FILENAME).unlink(missing_ok=True)
         shutil.rmtree(self.path / CALLS_DIR, ignore_errors=True)
@@ -492,6 +620,7 @@ def save_recorded_calls(
         for done, call in enumerate(rc.calls, start=1):
             writer.write_call(call, rc.store.get)
             notify(on_progress, "write", done, len(rc.calls), f"call {call.index}")
+        writer.close_segment()
         return writer.write_manifest(rc)
     except BaseException:
         try:

@@ -1,4 +1,4 @@
-"""Format version 3: the compact layout of ``manifest.json`` and of the journal's lines.
+"""Format versions 3 and 4: the compact layout of ``manifest.json`` and of the journal's lines.
 
 Versions 1 and 2 write every call's whole trees and one object per tensor and per file, indented:
 about 2.9 KiB per decoder step. Version 3 writes what repeats once. In memory nothing changes:
@@ -40,6 +40,24 @@ plus ``"journal": 1``; each call is then one line, ``{"call": {...}, "files": {.
 record with its structure written out in place of its number, and the files it added, each naming
 its ``hash``.
 
+Format version 4 (written now) is this layout plus segment files. A segment,
+``calls/segment-NNNNNN.bin``, has no header: it is the bytes of the small tensors of many calls
+back to back, each call's bytes one range appended once (never rewritten), so that a decode step
+creates no file and pays no header. Its record gives ``ranges`` instead of ``digest``::
+
+    "calls/segment-000000.bin":{"size":96,"ranges":[[0,0,64,"5d0f..."],[1,64,32,"a1c2..."]],
+     "tensors":{"t0":["I64",[1,3]],"t1":["F32",[1,2,2]],"t3":["I64",[1,1]],"t4":["F32",[1,2,3],["t1",2]]}}
+
+- ``ranges``: ``[call, start, length, digest]`` per call that added bytes (the call's index, and the
+  digest of those bytes, of the record's ``hash``), in file order: the first starts at 0, each where the one before ends, and
+  ``size`` is where the last ends;
+- ``tensors``: in the order of their bytes, each stored raw (little-endian, C order, no padding)
+  right after the one before, the first at byte 0: a tensor's offset is the sum of the stored sizes
+  (``dtype`` size times the stored shape: an extension stores its new part) of those listed before
+  it. Every tensor lies inside one range, and the tensors fill the ranges exactly;
+- a tensor whose stored bytes reach ``SEGMENT_TENSOR_BYTES`` (:mod:`iobundle.capture._writer`) keeps its call's
+  own safetensors file (``calls/NNNNNN.safetensors``, as in version 3), memory-mapped when read.
+
 Reading checks everything versions 1 and 2 check (limits, tensor ranks and sizes, extensions) and
 keeps compact rows (:mod:`iobundle.schema._deferred`); a call's trees are built from its structure
 when first asked for: tensor-free parts of a structure are built once and shared by the calls that
@@ -68,6 +86,7 @@ from iobundle.schema._deferred import (
     deferred_manifest,
 )
 from iobundle.schema._manifest import (
+    DTYPE_ITEMSIZES,
     DTYPES,
     FORMAT,
     HASH_ALGORITHMS,
@@ -89,6 +108,7 @@ from iobundle.schema._manifest import (
     Producer,
     Redaction,
     Scalar,
+    SegmentRange,
     SignatureEntry,
     TensorEntry,
     TensorNode,
@@ -100,6 +120,7 @@ from iobundle.schema._structure import call_key
 
 __all__ = [
     "COMPACT_VERSION",
+    "COMPACT_VERSIONS",
     "DEFAULT_HASH",
     "CallRecord",
     "CallStructure",
@@ -112,7 +133,8 @@ __all__ = [
     "file_records",
 ]
 
-COMPACT_VERSION = 3
+COMPACT_VERSION = 4
+COMPACT_VERSIONS = (3, 4)
 DEFAULT_HASH = "xxh3-128"
 
 # -- the models of the file (the JSON Schema, and the validation of everything but the bulk) -----
@@ -197,19 +219,23 @@ TensorRow = Union[
 
 
 class FileRecord(_Model):
-    """A file: its size and digest (of the manifest's ``hash`` unless it names another), and its tensors."""
+    """A file: its size and digest (of the manifest's ``hash`` unless it names another), and its tensors.
+
+    A segment (format version 4) gives ``ranges``, ``[call, start, length, digest]`` per call, instead of ``digest``.
+    """
 
     size: Annotated[StrictInt, Field(ge=0)]
     hash: HashAlgorithm | None = None
-    digest: Annotated[str, Field(pattern=r"^[0-9a-f]{32,64}$")]
+    digest: Annotated[str, Field(pattern=r"^[0-9a-f]{32,64}$")] | None = None
+    ranges: list[SegmentRange] | None = None
     tensors: dict[str, TensorRow] = Field(default_factory=dict)
 
 
 class CompactManifest(_Model):
-    """``manifest.json`` of format version 3 (see the module docstring)."""
+    """``manifest.json`` of format versions 3 and 4 (see the module docstring)."""
 
     format: Literal["iobundle"] = FORMAT
-    format_version: Literal[3] = COMPACT_VERSION
+    format_version: Literal[3, 4] = COMPACT_VERSION
     producer: Producer
     signature: SignatureEntry
     value_if_missing: list[MissingValueEntry] = Field(default_factory=list)
@@ -258,7 +284,7 @@ _FIELDS: dict[type[BaseModel], set[str]] = {
     )
 }
 _CALL_FIELDS = frozenset({"index", "structure", "keys", "status", "error", "latency"})
-_FILE_FIELDS = frozenset({"size", "hash", "digest", "tensors"})
+_FILE_FIELDS = frozenset({"size", "hash", "digest", "ranges", "tensors"})
 _OPTION_FIELDS = frozenset({"device", "name"})
 _STATUSES = frozenset({"ok", "failed", "incomplete"})
 _DTYPES = frozenset(DTYPES)
@@ -332,14 +358,16 @@ def file_records(
 
     A record names its ``hash`` unless it is ``default_hash``. With ``check_order`` (a whole manifest),
     each extended tensor must come before its extension once grouped by file; a journal line's
-    tensors extend tensors of earlier lines.
+    tensors extend tensors of earlier lines. A segment's tensors must come in the order of their
+    ``offset`` (the file lists them in the order of their bytes).
 
     Raises:
-        ManifestError: A tensor names a file missing from ``files``, or extends a tensor that would be
-            listed after it.
+        ManifestError: A tensor names a file missing from ``files``, extends a tensor that would be
+            listed after it, or comes before a tensor stored earlier in its segment.
     """
     records: dict[str, dict[str, Any]] = {}
     listed: set[str] = set()
+    ends: dict[str, int] = {}  # per segment, the offset of the tensor listed last
     for key, entry in tensors.items():
         record = records.get(entry.file)
         if record is None:
@@ -348,12 +376,19 @@ def file_records(
                 raise ManifestError(f"tensors[{key!r}]: its file {entry.file!r} is not listed in files.")
             record = records[entry.file] = _file_record(file, default_hash)
             record["tensors"] = {}
+        if "ranges" in record:
+            if entry.offset is None or entry.offset < ends.get(entry.file, 0):
+                raise ManifestError(
+                    f"tensors[{key!r}]: offset {entry.offset} in segment {entry.file!r} comes before that of "
+                    "a tensor listed earlier; list a segment's tensors in the order of their bytes."
+                )
+            ends[entry.file] = entry.offset
         row: list[Any] = [entry.dtype, entry.shape]
         ext = entry.extends
         if ext is not None:
             if check_order and ext.key not in listed:
                 raise ManifestError(
-                    f"tensors[{key!r}] extends {ext.key!r}, which format version 3 would list after it "
+                    f"tensors[{key!r}] extends {ext.key!r}, which format version 4 would list after it "
                     "(tensors are grouped by file). Write the base tensor's file first."
                 )
             row.append([ext.key, ext.dim])
@@ -376,7 +411,10 @@ def _file_record(file: FileEntry, default_hash: str | None) -> dict[str, Any]:
     record: dict[str, Any] = {"size": file.size}
     if file.algorithm != default_hash:
         record["hash"] = file.algorithm
-    record["digest"] = file.hexdigest
+    if file.ranges is not None:
+        record["ranges"] = [list(r) for r in file.ranges]
+    else:
+        record["digest"] = file.hexdigest
     return record
 
 
@@ -389,12 +427,12 @@ def _model_json(model: BaseModel) -> str:
 
 
 def dump_compact(manifest: Manifest, *, one_line: bool = False) -> str:
-    """``manifest`` as format-version-3 JSON text: one line per field, structure, call and file.
+    """``manifest`` as format-version-4 JSON text: one line per field, structure, call and file.
 
     With ``one_line`` the text has no line break (a journal head).
 
     Raises:
-        ManifestError: The manifest cannot be written in format version 3 (see :func:`file_records`).
+        ManifestError: The manifest cannot be written in format version 4 (see :func:`file_records`).
     """
     algorithms = [f.algorithm for f in manifest.files.values()]
     default_hash = max(set(algorithms), key=algorithms.count) if algorithms else DEFAULT_HASH
@@ -555,7 +593,29 @@ class _Reader:
             out.append(make(tables, structure, keys, values))
         return out
 
-    def files(self, raw: Any, default_hash: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    def ranges(self, raw: Any, size: int, algorithm: str, where: str) -> list[tuple[int, int, int, str]]:
+        """A segment's ranges, checked: back to back from byte 0 to ``size``, each with a digest of ``algorithm``."""
+        if type(raw) is not list:
+            self.fail(f"{where}.ranges", f"expected a list of [call, start, length, digest], found {_short(raw)}")
+        n, pattern = HASH_ALGORITHMS[algorithm], _HEX[HASH_ALGORITHMS[algorithm]]
+        out: list[tuple[int, int, int, str]] = []
+        end = 0
+        for j, r in enumerate(raw):
+            at = f"{where}.ranges[{j}]"
+            if type(r) is not list or len(r) != 4 or any(type(v) is not int or v < 0 for v in r[:3]):
+                self.fail(at, f"expected [call, start, length, digest] (integers >= 0, a string), found {_short(r)}")
+            if r[1] != end:
+                self.fail(at, f"call {r[0]}'s range starts at byte {r[1]}, where the range before ends at {end} "
+                          "(ranges lie back to back from byte 0, never overlapping)", unsafe=True)  # fmt: skip
+            if type(r[3]) is not str or not pattern.fullmatch(r[3]):
+                self.fail(at, f"expected {n} lowercase hex digits (a {algorithm} digest), found {_short(r[3])}")
+            end = r[1] + r[2]
+            out.append((r[0], r[1], r[2], r[3]))
+        if end != size:
+            self.fail(f"{where}.ranges", f"end at byte {end}, but size is {size}", unsafe=True)
+        return out
+
+    def files(self, raw: Any, default_hash: str, version: int) -> tuple[dict[str, Any], dict[str, Any]]:
         if not isinstance(raw, dict):
             self.fail("files", f"expected an object, found {type(raw).__name__}")
         count = sum(len(r["tensors"]) for r in raw.values() if type(r) is dict and type(r.get("tensors")) is dict)
@@ -580,13 +640,25 @@ class _Reader:
                 self.fail(f"files[{name!r}].size", f"expected an integer >= 0, found {_short(size)}")
             if type(algorithm) is not str or algorithm not in algorithms:
                 self.fail(f"files[{name!r}].hash", f"{_short(algorithm)} is not one of {sorted(algorithms)}")
-            if type(digest) is not str or not hex_of[algorithms[algorithm]].fullmatch(digest):
+            ranges = None
+            if "ranges" in rec:
+                where = f"files[{name!r}]"
+                if version < 4:
+                    self.fail(f"{where}.ranges", f"segments are a format_version 4 field; this manifest says {version}")
+                if digest is not None:
+                    self.fail(where, "a segment gives a digest per range, not a digest")
+                ranges = self.ranges(rec["ranges"], size, algorithm, where)
+                ends = [start + length for _, start, length, _ in ranges]
+                position, current = 0, 0  # the next tensor's offset, the range it starts in
+            elif type(digest) is not str or not hex_of[algorithms[algorithm]].fullmatch(digest):
                 self.fail(
                     f"files[{name!r}].digest",
                     f"expected {algorithms[algorithm]} lowercase hex digits (a {algorithm} digest), "
                     f"found {_short(digest)}",
                 )
-            files[name] = _make(FileEntry, {"size": size, "sha256": None, "hash": algorithm, "digest": digest})
+            files[name] = _make(
+                FileEntry, {"size": size, "sha256": None, "hash": algorithm, "digest": digest, "ranges": ranges}
+            )
             rows = rec.get("tensors", {})
             if type(rows) is not dict:
                 self.fail(f"files[{name!r}].tensors", f"expected an object, found {type(rows).__name__}")
@@ -659,10 +731,33 @@ class _Reader:
                         )
                     extends = (base_key, dim)
                 if options is None:
-                    tensors[key] = row_of(name, key, dtype, dims, "cpu", extends)
+                    device, in_file = "cpu", key
                 else:
                     device, in_file = self.options(options, key, f"files[{name!r}].tensors[{key!r}]")
-                    tensors[key] = row_of(name, in_file, dtype, dims, device, extends)
+                offset = None
+                if ranges is not None:
+                    if in_file != key:
+                        self.fail(f"files[{name!r}].tensors[{key!r}]", "a segment's tensor has no name but its key")
+                    count = prod(dims)
+                    if extends is not None and count:  # stored: the part past the base along dim
+                        count = count // dims[dim] * (dims[dim] - tensors[base_key][3][dim])
+                    nbytes = count * DTYPE_ITEMSIZES[dtype]
+                    if nbytes:
+                        while current < len(ends) and position >= ends[current]:
+                            current += 1
+                        if current == len(ends) or position + nbytes > ends[current]:
+                            self.fail(
+                                f"files[{name!r}].tensors[{key!r}]",
+                                f"its {nbytes} bytes at offset {position} do not lie inside one range "
+                                "(each tensor is stored inside the range of the call that added it)",
+                                unsafe=True,
+                            )
+                    offset = position
+                    position += nbytes
+                tensors[key] = row_of(name, in_file, dtype, dims, device, extends, offset)
+            if ranges is not None and position != size:
+                self.fail(f"files[{name!r}].tensors", f"the tensors fill {position} bytes of the {size} its ranges hold",
+                          unsafe=True)  # fmt: skip
         return files, tensors
 
     def shape(self, dims: tuple[Any, ...], where: str) -> None:
@@ -720,7 +815,7 @@ def expand_compact(
     check_trees: Callable[[Iterable[tuple[str, Node]], str], None],
     describe: Callable[[pydantic.ValidationError], str],
 ) -> Manifest:
-    """Check a format-version-3 manifest parsed from JSON and build the in-memory :class:`Manifest`.
+    """Check a format-version-3 or 4 manifest parsed from JSON and build the in-memory :class:`Manifest`.
 
     Everything but ``calls`` and ``files`` is checked by :class:`CompactManifest`; those two, the bulk,
     are checked here, field by field, with the same rules.
@@ -752,15 +847,19 @@ def expand_compact(
         reader.too_many("calls", len(calls_raw), limits["calls"])
     if len(parsed.structures) > limits["calls"]:
         reader.too_many("structures", len(parsed.structures), limits["calls"])
+    if parsed.model is not None:
+        for name, file in parsed.model.files.items():
+            if file.ranges is not None:
+                reader.fail(f"model.files[{name!r}].ranges", "the stored model's files are not segments")
     check_trees([(f"value_if_missing[{i}].value", e.value) for i, e in enumerate(parsed.value_if_missing)], source)
     structures = [reader.structure(s, f"structures[{i}]") for i, s in enumerate(parsed.structures)]
-    files, tensors = reader.files(files_raw, parsed.hash)
+    files, tensors = reader.files(files_raw, parsed.hash, parsed.format_version)
     tables = CompactTables(structures, tensors)
     calls = reader.calls(calls_raw, tables)
     return deferred_manifest(
         {
             "format": FORMAT,
-            "format_version": COMPACT_VERSION,
+            "format_version": parsed.format_version,
             "producer": parsed.producer,
             "signature": parsed.signature,
             "value_if_missing": parsed.value_if_missing,

@@ -58,6 +58,8 @@ class TensorInfo(NamedTuple):
     shape: tuple[int, ...]
     device: str
     extends: tuple[str, int] | None
+    offset: int | None = None
+    """Where its bytes start in a segment (format version 4); None in a safetensors file."""
 
 
 @dataclass(eq=False)
@@ -292,11 +294,19 @@ def with_fields(manifest: Manifest, **values: Any) -> Manifest:
 
 def _tensor_entries(rows: dict[str, TensorInfo]) -> dict[str, TensorEntry]:
     entries = {}
-    for key, (file, name, dtype, shape, device, ext) in rows.items():
+    for key, (file, name, dtype, shape, device, ext, offset) in rows.items():
         extends = None if ext is None else _made(Extension, {"key": ext[0], "dim": ext[1]})
         entries[key] = _made(
             TensorEntry,
-            {"file": file, "name": name, "dtype": dtype, "shape": list(shape), "device": device, "extends": extends},
+            {
+                "file": file,
+                "name": name,
+                "dtype": dtype,
+                "shape": list(shape),
+                "device": device,
+                "extends": extends,
+                "offset": offset,
+            },
         )
     return entries
 
@@ -326,6 +336,7 @@ def tensor_rows(manifest: Manifest) -> dict[str, TensorInfo]:
             tuple(e.shape),
             e.device,
             None if e.extends is None else (e.extends.key, e.extends.dim),
+            e.offset,
         )
         for key, e in manifest.tensors.items()
     }

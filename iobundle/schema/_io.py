@@ -21,12 +21,14 @@ A manifest is untrusted input (bundles are attached to bug reports). Reading one
   of the same dtype and rank, whose shape equals the tensor's except along ``dim``, where it is at
   most as long; chains of extensions are at most :data:`MAX_EXTENSION_DEPTH` (100 000) long.
 
-Format version 3 (:mod:`iobundle.schema._compact`, what :func:`dump_manifest` writes) is checked
+Format versions 3 and 4 (:mod:`iobundle.schema._compact`; :func:`dump_manifest` writes 4) are checked
 with the same rules and limits: the nesting depth and the pydantic models apply to everything but
 its bulk (``calls`` and ``files``), whose entries have a fixed shape and are checked field by field
 (each call's keys against its structure's tensor slots, each tensor row's dtype, shape and
-extension); it is then kept as compact rows in a :class:`~iobundle.schema.Manifest` whose calls'
-trees and tensor entries are built on first access (:mod:`iobundle.schema._deferred`). The cyclic garbage
+extension; a version-4 segment's ranges lie back to back from byte 0 to its size, and its
+tensors fill them exactly, each inside one range); it is then kept as compact rows in a
+:class:`~iobundle.schema.Manifest` whose calls' trees and tensor entries are built on first access
+(:mod:`iobundle.schema._deferred`). The cyclic garbage
 collector is paused while a manifest is parsed (:func:`iobundle._collector.collector_paused`).
 
 A limit exceeded raises :class:`~iobundle.errors.UnsafeBundleError`; anything else that is wrong
@@ -54,7 +56,7 @@ from iobundle.errors import (
     UnsafeBundleError,
     UnsupportedFormatVersionError,
 )
-from iobundle.schema._compact import COMPACT_VERSION, dump_compact, expand_compact
+from iobundle.schema._compact import COMPACT_VERSIONS, dump_compact, expand_compact
 from iobundle.schema._manifest import (
     FORMAT,
     SUPPORTED_FORMAT_VERSIONS,
@@ -174,7 +176,7 @@ def validate_manifest(raw: Any, *, source: str = MANIFEST_FILENAME) -> Manifest:
             found=found_version,
             supported=SUPPORTED_FORMAT_VERSIONS,
         )
-    if found_version == COMPACT_VERSION:  # checks its bulk itself, without walking it twice
+    if found_version in COMPACT_VERSIONS:  # checks its bulk itself, without walking it twice
         return expand_compact(
             raw,
             source=source,
@@ -249,12 +251,27 @@ def _check_tensor_shapes(manifest: Manifest, source: str) -> None:
 
 
 def _check_version_fields(manifest: Manifest, source: str) -> None:
-    """Version 1 holds no format-2 field: no ``extends``, no ``hash``/``digest`` (version 2 may spell ``sha256``)."""
-    if manifest.format_version != 1:
-        return
+    """Version 1 holds no format-2 field: no ``extends``, no ``hash``/``digest`` (version 2 may spell ``sha256``).
+
+    Neither holds a format-4 field (segments: ``FileEntry.ranges``, ``TensorEntry.offset``).
+    """
     files = [(f"files[{n!r}]", e) for n, e in manifest.files.items()]
     if manifest.model is not None:
         files += [(f"model.files[{n!r}]", e) for n, e in manifest.model.files.items()]
+    for where, file in files:
+        if file.ranges is not None:
+            raise ManifestError(
+                f"{source}: {where}.ranges is a format_version 4 field; this manifest says "
+                f"version {manifest.format_version}."
+            )
+    for key, tensor in manifest.tensors.items():
+        if tensor.offset is not None:
+            raise ManifestError(
+                f"{source}: tensors[{key!r}].offset is a format_version 4 field; this manifest says "
+                f"version {manifest.format_version}."
+            )
+    if manifest.format_version != 1:
+        return
     for where, entry in files:
         if entry.sha256 is None:
             raise ManifestError(
@@ -362,9 +379,9 @@ def read_member(root: Path, path: Path) -> bytes:
 
 
 def dump_manifest(manifest: Manifest) -> str:
-    """Return the manifest as the JSON text of ``manifest.json``, in the newest format version (3).
+    """Return the manifest as the JSON text of ``manifest.json``, in the newest format version (4).
 
-    Whatever version ``manifest`` was read from, the text is format version 3 (see
+    Whatever version ``manifest`` was read from, the text is format version 4 (see
     :mod:`iobundle.schema._compact`): one line per top-level field, per call structure, per call and per file.
 
     Raises:

@@ -1,4 +1,4 @@
-"""``journal.jsonl``: the per-call journal of a bundle being streamed (format versions 2 and 3).
+"""``journal.jsonl``: the per-call journal of a bundle being streamed (format versions 2 to 4).
 
 While a stream is open, each call costs one appended line, not a rewrite of the whole manifest
 (whose size grows with the number of calls). ``manifest.json`` is written once, when the stream
@@ -7,9 +7,16 @@ manifest: :func:`load_journal` rebuilds the manifest from it, with every call wh
 
 The journal is JSON Lines, each line ending with ``\\n``. Line 1, the head, is a manifest (what was
 written before the stream opened) plus ``"journal": 1``; its ``format_version`` says how the other
-lines read. Each following line is one call, appended once its tensor file is complete (renamed into place):
+lines read. Each following line is one call, appended once its tensor file is complete (renamed into place)
+and its bytes are in its segment:
 
-- format version 3 (written now): the manifest of :mod:`iobundle.schema._compact` on one line, then
+- format version 4 (written now): as version 3, and a call's small tensors go to a segment
+  (:mod:`iobundle.schema._compact`): the segment's record in the line gives the range the call
+  appended, ``"ranges": [[call, start, length, digest]]``, the ``size`` the segment has with it, and the
+  tensors stored in that range. Reading appends the range and the tensors to the segment's record
+  (the segment named a second time): a range must start where the segment ended, so the bytes a
+  killed writer left past the last complete line are never part of the bundle;
+- format version 3: the manifest of :mod:`iobundle.schema._compact` on one line, then
   ``{"call": <call record>, "files": {<name>: <file record>}}`` per call: the call's compact record,
   whose ``structure`` is the structure itself (an object) rather than its position, and the files
   the call added with the tensors they hold, each naming its ``hash``. Reading numbers the distinct
@@ -32,7 +39,7 @@ from typing import Any
 
 from iobundle._collector import collector_paused
 from iobundle.errors import ManifestError, UnsafeBundleError
-from iobundle.schema._compact import COMPACT_VERSION, call_record, dump_compact, dumps, file_records
+from iobundle.schema._compact import COMPACT_VERSIONS, call_record, dump_compact, dumps, file_records
 from iobundle.schema._deferred import tensor_rows, with_fields
 from iobundle.schema._io import JOURNAL_FILENAME, MAX_CALLS, read_member, validate_manifest
 from iobundle.schema._manifest import CallEntry, FileEntry, Manifest, TensorEntry
@@ -94,7 +101,7 @@ def _parse_journal(data: bytes, source: str) -> Manifest:
     if not isinstance(head, dict) or head.pop("journal", None) != JOURNAL_VERSION:
         raise ManifestError(f'{source}: line 1 is not a journal head (no "journal": {JOURNAL_VERSION}).')
     version = head.get("format_version")
-    if type(version) is int and version == COMPACT_VERSION:
+    if type(version) is int and version in COMPACT_VERSIONS:
         return _parse_compact(head, lines, source)
     if type(version) is not int or version not in (1, 2):
         return validate_manifest(head, source=source)  # refuses the format or version, naming what it found
@@ -132,7 +139,7 @@ def _parse_journal(data: bytes, source: str) -> Manifest:
 
 
 def _parse_compact(head: dict[str, Any], lines: Iterable[bytes], source: str) -> Manifest:
-    """A format-version-3 journal: the head's manifest plus one call record per line."""
+    """A format-version-3 or 4 journal: the head's manifest plus one call record per line."""
     structures, calls, files = head.get("structures"), head.get("calls"), head.get("files")
     if not isinstance(structures, list) or not isinstance(calls, list) or not isinstance(files, dict):
         raise ManifestError(f"{source}: line 1 lacks the structures, calls and files of a manifest.")
@@ -164,8 +171,9 @@ def _parse_compact(head: dict[str, Any], lines: Iterable[bytes], source: str) ->
                 raise UnsafeBundleError(f"{source}: more than {MAX_CALLS} calls. The file is corrupt or hostile.")
             for name, entry in record["files"].items():
                 if name in files:
-                    raise ManifestError(f"{source}: line {number} adds files[{name!r}] a second time.")
-                files[name] = entry
+                    _append_range(files[name], entry, f"{source}: line {number}: files[{name!r}]")
+                else:
+                    files[name] = entry
             calls.append(call)
     except RecursionError as exc:
         raise UnsafeBundleError(f"{source}: a line nests too deep; the file is corrupt or hostile.") from exc
@@ -176,6 +184,29 @@ def _parse_compact(head: dict[str, Any], lines: Iterable[bytes], source: str) ->
         producer = manifest.producer.model_copy(update={"devices": sorted(devices)})
         manifest = with_fields(manifest, producer=producer)
     return manifest
+
+
+def _append_range(segment: Any, added: Any, where: str) -> None:
+    """Add to ``segment`` (a segment's record so far) the range and tensors of ``added`` (a line's record of it)."""
+    if (
+        not isinstance(segment, dict)
+        or not isinstance(added, dict)
+        or not isinstance(segment.get("ranges"), list)
+        or not isinstance(added.get("ranges"), list)
+        or not isinstance(segment.get("tensors", {}), dict)
+        or not isinstance(added.get("tensors", {}), dict)
+        or added.keys() - {"size", "hash", "ranges", "tensors"}
+    ):
+        raise ManifestError(f"{where}: a file added a second time; only a segment (ranges) grows line by line.")
+    if added.get("hash", segment.get("hash")) != segment.get("hash"):
+        raise ManifestError(f"{where}: the line names hash {added.get('hash')!r}, the segment {segment.get('hash')!r}.")
+    tensors = segment.setdefault("tensors", {})
+    for key, row in added.get("tensors", {}).items():
+        if key in tensors:
+            raise ManifestError(f"{where}: adds tensor {key!r} a second time.")
+        tensors[key] = row
+    segment["ranges"] = [*segment["ranges"], *added["ranges"]]  # validation checks they lie back to back
+    segment["size"] = added.get("size")
 
 
 def _json(line: bytes, source: str, number: int) -> Any:

@@ -20,10 +20,12 @@ Format version 2 (written since iobundle 0.2) adds, and version 1 never holds:
   (``"xxh3-128"`` as written, ``"sha256"`` read too) instead of ``sha256``;
 - a streamed bundle carries ``journal.jsonl`` until its writer finishes (see :mod:`iobundle.schema._journal`).
 
-Format version 3 (what iobundle writes now) stores the same content compactly: call structures
-written once, a tensor table per file, the hash algorithm named once (see
-:mod:`iobundle.schema._compact`). These models are the in-memory manifest of every version, and the
-file layout of versions 1 and 2.
+Format version 3 stores the same content compactly: call structures written once, a tensor table
+per file, the hash algorithm named once (see :mod:`iobundle.schema._compact`). Format version 4
+(what iobundle writes now) has the layout of version 3 and adds segment files: files without a
+header that many calls append their small tensors to, each call's bytes one range with its own
+digest (``FileEntry.ranges``, ``TensorEntry.offset``). These models are the in-memory manifest of
+every version, and the file layout of versions 1 and 2.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ __all__ = [
     "FORMAT_VERSION",
     "SUPPORTED_FORMAT_VERSIONS",
     "HASH_ALGORITHMS",
+    "DTYPE_ITEMSIZES",
     "CallEntry",
     "Extension",
     "ConstNode",
@@ -65,6 +68,7 @@ __all__ = [
     "ParameterEntry",
     "Producer",
     "Redaction",
+    "SegmentRange",
     "SignatureEntry",
     "TensorEntry",
     "TensorNode",
@@ -72,8 +76,8 @@ __all__ = [
 ]
 
 FORMAT = "iobundle"
-FORMAT_VERSION = 3
-SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4)
 
 HASH_ALGORITHMS = {"sha256": 64, "xxh3-128": 32}
 """Integrity hashes a format-2 file entry may name, with the length of their hex digest."""
@@ -86,6 +90,12 @@ DTYPES = (
     "C64", "C128",
 )  # fmt: skip
 DType = Literal[DTYPES]  # type: ignore[valid-type]
+DTYPE_ITEMSIZES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8, "U64": 8,
+    "F16": 2, "BF16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1,
+    "F8_E8M0": 1, "C64": 8, "C128": 16,
+}  # fmt: skip
+"""Bytes per element of each dtype (what a segment's ranges are checked against, without torch)."""
 
 
 class _Model(BaseModel):
@@ -178,10 +188,12 @@ class TensorEntry(_OmitsUnset):
     """Where one tensor lives: its file, its key inside that file, dtype and shape.
 
     ``shape`` is always the whole tensor's. With ``extends`` (format version 2) the file holds the
-    new part only: ``shape`` with ``shape[extends.dim]`` less the extended tensor's.
+    new part only: ``shape`` with ``shape[extends.dim]`` less the extended tensor's. With ``offset``
+    (format version 4) the file is a segment (see :class:`FileEntry`) and the stored bytes start at
+    that byte; ``name`` is then the key.
     """
 
-    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"extends"})
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"extends", "offset"})
 
     file: str
     name: str
@@ -189,24 +201,39 @@ class TensorEntry(_OmitsUnset):
     shape: list[Annotated[StrictInt, Field(ge=0)]]
     device: str = "cpu"
     extends: Extension | None = None
+    offset: Annotated[StrictInt, Field(ge=0)] | None = None
+
+
+SegmentRange = tuple[
+    Annotated[StrictInt, Field(ge=0)], Annotated[StrictInt, Field(ge=0)], Annotated[StrictInt, Field(ge=0)], str
+]
+"""``(call, start, length, digest)``: the bytes a segment holds for call index ``call``, with their digest."""
 
 
 class FileEntry(_OmitsUnset):
     """A file of the bundle, with its size and hash checked before use.
 
     Format version 1 records ``sha256``; version 2 records ``hash`` (the algorithm) and ``digest``.
+    A segment (format version 4) records ``hash`` and ``ranges`` instead of ``digest``: the file is
+    the bytes of its ranges back to back, no header, each range with its own digest; ``size`` is
+    where the last range ends (bytes past it, a call a killed writer was appending, are no part of
+    the bundle).
     """
 
-    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"sha256", "hash", "digest"})
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"sha256", "hash", "digest", "ranges"})
 
     size: Annotated[StrictInt, Field(ge=0)]
     sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
     hash: HashAlgorithm | None = None
     digest: Annotated[str, Field(pattern=r"^[0-9a-f]{32,64}$")] | None = None
+    ranges: list[SegmentRange] | None = None
 
     @model_validator(mode="after")
     def _one_hash(self) -> FileEntry:
-        if self.sha256 is not None:
+        if self.ranges is not None:
+            if self.hash is None or self.sha256 is not None or self.digest is not None:
+                raise ValueError("a segment (ranges) gives hash and a digest per range, not sha256 or digest")
+        elif self.sha256 is not None:
             if self.hash is not None or self.digest is not None:
                 raise ValueError("give either sha256 (format version 1) or hash and digest (version 2), not both")
         elif self.hash is None or self.digest is None:
@@ -221,6 +248,11 @@ class FileEntry(_OmitsUnset):
     def algorithm(self) -> str:
         """The hash algorithm of :attr:`hexdigest`."""
         return "sha256" if self.sha256 is not None else str(self.hash)
+
+    @property
+    def is_segment(self) -> bool:
+        """Whether the file is a segment (format version 4): ranges of calls, no header."""
+        return self.ranges is not None
 
     @property
     def hexdigest(self) -> str:
@@ -330,12 +362,12 @@ class Redaction(_Model):
 class Manifest(_Model):
     """The whole of ``manifest.json``, in memory: the same for every format version.
 
-    Versions 1 and 2 are this model's JSON; version 3 is :class:`iobundle.schema.CompactManifest`,
+    Versions 1 and 2 are this model's JSON; versions 3 and 4 are :class:`iobundle.schema.CompactManifest`,
     read into and written from this model.
     """
 
     format: Literal["iobundle"] = FORMAT
-    format_version: Literal[1, 2, 3] = FORMAT_VERSION
+    format_version: Literal[1, 2, 3, 4] = FORMAT_VERSION
     producer: Producer
     signature: SignatureEntry
     value_if_missing: list[MissingValueEntry] = Field(default_factory=list)

@@ -142,13 +142,18 @@ def pack_bundle(
     # A stream killed before its end left journal.jsonl and no manifest.json: the archive holds the manifest
     # the journal describes (every complete call), so it opens as any saved bundle does.
     inline = {} if (source / MANIFEST_FILENAME).is_file() else {MANIFEST_FILENAME: dump_manifest(manifest).encode()}
+    # a segment's bytes past its size (a call a killed stream was appending) are no part of the bundle
+    segments = {n: e.size for n, e in listed_files(manifest).items() if e.ranges is not None}
     expected = sum(
-        len(inline[n]) if n in inline else os.lstat(source.joinpath(*PurePosixPath(n).parts)).st_size for n in names
+        len(inline[n])
+        if n in inline
+        else min(os.lstat(source.joinpath(*PurePosixPath(n).parts)).st_size, segments.get(n, 1 << 62))
+        for n in names
     )
     remote = is_url(output) and local_path(output) is None
     if remote:
         with staged(str(output), overwrite=overwrite, prefix="iobundle-pack-") as staging:
-            total = _write_tar(root, names, inline, staging, expected=expected, on_progress=on_progress)
+            total = _write_tar(root, names, inline, staging, segments, expected=expected, on_progress=on_progress)
     else:
         target = local_path(output)
         assert target is not None
@@ -157,7 +162,7 @@ def pack_bundle(
             target.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise BundleWriteError(f"Cannot create {target.parent}: {exc.strerror or exc}.") from exc
-        total = _write_tar(root, names, inline, target, expected=expected, on_progress=on_progress)
+        total = _write_tar(root, names, inline, target, segments, expected=expected, on_progress=on_progress)
     logger.info("packed %d files (%d bytes) into %s", len(names), total, output)
     return PackResult(
         path=output if remote else target, files=len(names), bytes=total, seconds=time.perf_counter() - begin
@@ -169,13 +174,15 @@ def _write_tar(
     names: list[str],
     inline: dict[str, bytes],
     target: Path,
+    segments: dict[str, int],
     *,
     expected: int,
     on_progress: ProgressCallback | None,
 ) -> int:
     """Write the members ``names`` of ``root`` as a tar file at ``target`` atomically; return their bytes.
 
-    A name in ``inline`` is written with those bytes instead of the file of that name.
+    A name in ``inline`` is written with those bytes instead of the file of that name; a name in
+    ``segments`` with its first ``segments[name]`` bytes only (its manifest size).
     """
     total = 0
     notify(on_progress, PACK_TASK, 0, expected, unit=BYTES)
@@ -189,6 +196,7 @@ def _write_tar(
                 continue
             member = root.member(name)
             fd, size = open_regular(member, name)
+            size = min(size, segments.get(name, size))
             with os.fdopen(fd, "rb", buffering=0) as f:
                 out.write(_tar_header(name, size))
                 out.flush()

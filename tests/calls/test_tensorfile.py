@@ -43,6 +43,9 @@ EXTRA_DTYPES = [
 ]
 
 
+pytestmark = pytest.mark.usefixtures("own_files")  # these tests read the calls' files with safetensors
+
+
 class Identity(torch.nn.Module):
     def forward(self, *args):
         return None

@@ -74,6 +74,20 @@ def enospc(*args: Any, **kwargs: Any) -> Any:
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
+def full_for_call(index: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Appending call ``index``'s range to a segment fails: the disk is full."""
+    real = os.pwritev
+    first: list[int] = []
+
+    def pwritev(fd: int, parts: Any, offset: int) -> int:
+        first.append(offset)
+        if len(first) == index + 1:
+            enospc()
+        return real(fd, parts, offset)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+
+
 # --------------------------------------------------------------------------- while recording
 
 
@@ -187,6 +201,7 @@ class TestTensorsThatCannotBeCopied:
         assert statuses(observer) == ["ok", "incomplete"]
 
 
+@pytest.mark.usefixtures("own_files")  # the failures below hit write_tensor_file
 class TestStreamWriteFailures:
     @pytest.mark.usefixtures("thread_writer")
     def test_disk_full_marks_the_call_incomplete_and_the_program_goes_on(
@@ -262,6 +277,7 @@ def observer() -> InputObserver:
     return observe(Double(), [(torch.full((n, 3), float(n)), shared) for n in (1, 2, 3)])[0]
 
 
+@pytest.mark.usefixtures("own_files")
 class TestSaveErrors:
     def test_disk_full_raises_and_leaves_no_manifest(
         self, tmp_path: Path, observer: InputObserver, monkeypatch: pytest.MonkeyPatch
@@ -345,3 +361,36 @@ class TestSaveErrors:
         with pytest.raises(BundleExistsError, match=str(tmp_path / "run")):
             observer.save(tmp_path / "run")
         assert (tmp_path / "run").read_text() == "mine"
+
+
+class TestSegmentWriteFailures:
+    """A call whose range cannot be appended to its segment (the calls' small tensors share one file)."""
+
+    @pytest.mark.usefixtures("thread_writer")  # the disk fills for this process's writes
+    def test_streaming_marks_the_call_incomplete_and_the_next_range_takes_its_place(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        full_for_call(1, monkeypatch)
+        shared = torch.ones(3)
+        calls = [(torch.full((n, 3), float(n)), shared) for n in (1, 2, 3)]
+        with pytest.warns(ObservationWarning, match=r"call 1: .*segment-000000\.bin.*No space left on device"):
+            observer, results = observe(Double(), calls, stream_to=tmp_path / "run")
+        assert torch.equal(results[1][0], torch.full((2, 3), 4.0))
+        bundle = load_bundle(tmp_path / "run")
+        assert statuses(bundle) == statuses(observer) == ["ok", "incomplete", "ok"]
+        assert bundle.verify() == []
+        (segment,) = bundle.manifest.files.values()
+        assert [r[0] for r in segment.ranges] == [0, 2]  # call 2's bytes where call 1's would have gone
+        assert torch.equal(bundle.tensor(bundle.calls[2].args[0].key), torch.full((3, 3), 3.0))
+        assert str(bundle.infer_dynamic_shapes()) == str(observer.infer_dynamic_shapes())
+
+    def test_saving_raises_naming_the_segment_and_the_call(
+        self, tmp_path: Path, observer: InputObserver, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        full_for_call(2, monkeypatch)
+        target = tmp_path / "run"
+        with pytest.raises(BundleWriteError, match=r"call 2's tensors to .*segment-000000\.bin: No space left"):
+            observer.save(target)
+        assert not (target / "manifest.json").exists()
+        with pytest.raises(BundleNotFoundError):
+            load_bundle(target)

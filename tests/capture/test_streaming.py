@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -183,20 +184,34 @@ class TestStreaming:
         observer.save(tmp_path / "copy")  # reads the streamed bundle back
         assert load_bundle(tmp_path / "copy").verify() == []
 
-    @pytest.mark.parametrize("damage", ["truncate", "header", "remove"])
-    def test_a_damaged_streamed_file_is_an_error_not_a_crash(self, tmp_path: Path, damage: str) -> None:
+    @pytest.mark.parametrize(
+        ("name", "damage"),
+        [
+            ("000000.safetensors", "truncate"),
+            ("000000.safetensors", "header"),
+            ("000000.safetensors", "remove"),
+            ("segment-000000.bin", "truncate"),
+            ("segment-000000.bin", "remove"),
+        ],
+    )
+    def test_a_damaged_streamed_file_is_an_error_not_a_crash(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, name: str, damage: str
+    ) -> None:
+        if name.endswith(".safetensors"):  # every tensor in its call's own file, written by this process
+            monkeypatch.setattr(_writer, "SEGMENT_TENSOR_BYTES", 0)
+            request.getfixturevalue("thread_writer")
         observer = InputObserver()
         run(Decoder(), observer, decoder_calls(2), stream_to=tmp_path / "run")
-        file = tmp_path / "run" / "calls" / "000000.safetensors"
-        if damage == "truncate":
-            file.write_bytes(file.read_bytes()[:-8])
+        file = tmp_path / "run" / "calls" / name
+        if damage == "truncate":  # a segment is cut inside call 0's range (the calls after it only add bytes)
+            file.write_bytes(file.read_bytes()[: 8 if name.startswith("segment") else -8])
         elif damage == "header":
             data = bytearray(file.read_bytes())
             data[8:10] = b"[ "  # same size, not an object any more
             file.write_bytes(bytes(data))
         else:
             file.unlink()
-        with pytest.raises(TensorFileError, match=r"000000\.safetensors"):
+        with pytest.raises(TensorFileError, match=re.escape(name)):
             observer.infer_arguments(0)
 
     def test_a_tensor_seen_before_is_referenced_not_rewritten(self, tmp_path: Path) -> None:
@@ -207,11 +222,13 @@ class TestStreaming:
         weight_keys = {c.args[1].key for c in bundle.calls}
         assert len(weight_keys) == 1
         (key,) = weight_keys
-        assert bundle.manifest.tensors[key].file == "calls/000000.safetensors"
-        per_file: dict[str, int] = {}
+        segment = bundle.manifest.files["calls/segment-000000.bin"]
+        (first, start, length, _), *_ = segment.ranges
+        assert first == 0 and start <= bundle.manifest.tensors[key].offset < start + length  # call 0's range
+        per_call = {r[0]: 0 for r in segment.ranges}
         for entry in bundle.manifest.tensors.values():
-            per_file[entry.file] = per_file.get(entry.file, 0) + 1
-        assert per_file["calls/000001.safetensors"] == 3  # input_ids and the two outputs, not the weight
+            per_call[next(c for c, s, n, _ in segment.ranges if s <= entry.offset < s + n)] += 1
+        assert per_call[1] == 3  # input_ids and the two outputs, not the weight
         assert torch.equal(bundle.tensor(key), calls[0][0][1])
 
     def test_memory_holds_about_two_calls(self, tmp_path: Path) -> None:
@@ -362,8 +379,8 @@ class TestDurability:
                 during.append(len(synced))
         assert during == [0, 0, 0, 0]  # renamed into place, not fsynced, while the block runs
         real = bundle.resolve()
-        files = {str(p) for p in (real / "calls").glob("*.safetensors")}
-        assert len(files) == 4 and files <= set(synced)
+        files = {str(p) for p in (real / "calls").glob("*")}
+        assert files == {str(real / "calls" / "segment-000000.bin")} and files <= set(synced)  # 4 calls, 1 file
         assert {str(real), str(real / "calls"), str(real / ".manifest.json.tmp")} <= set(synced)
         # the final manifest comes last, then the directory without the journal
         assert synced[-3:] == [str(real / ".manifest.json.tmp"), str(real), str(real)]
@@ -380,9 +397,9 @@ class TestDurability:
         with observer(model, store_n_calls=4, stream_to=bundle, durable=True):
             for i, (args, kwargs) in enumerate(decoder_calls(4)):
                 model(*args, **kwargs)
-                if i:  # call i was accepted once call i - 1 was written: fsynced before its rename
-                    assert any(f.endswith(f"/calls/.{i - 1:06d}.safetensors.tmp") for f in synced)
-                    assert any(f.endswith("/journal.jsonl") for f in synced)
+                if i:  # call i was accepted once call i - 1 was written: its range fsynced, then its line
+                    assert sum(f.endswith("/calls/segment-000000.bin") for f in synced) >= i
+                    assert sum(f.endswith("/journal.jsonl") for f in synced) >= i
         assert load_bundle(bundle).verify() == [] and manifest_calls(bundle) == 4
 
 
@@ -551,12 +568,13 @@ class TestWriterProcess:
         bundle = tmp_path / "run.iobundle"
         model, observer = Doubler(), InputObserver()
         warned = pytest.warns(ObservationWarning, match=r"could not record call 1: .*BundleWriteError: Cannot write")
+        # call 1's tensors are large: they need a file of their own (the calls' segment is open already)
         with warned, observer(model, store_n_calls=3, stream_to=bundle):
             model(torch.ones(3))
             wait_listed(bundle, 1)  # call 0 is written
             (bundle / "calls").rename(tmp_path / "calls-away")
             (bundle / "calls").write_text("not a folder")
-            model(torch.ones(4))
+            model(torch.ones(20_000))
             wait_listed(bundle, 2)  # call 1 failed: its journal line lists it incomplete
             (bundle / "calls").unlink()
             (tmp_path / "calls-away").rename(bundle / "calls")
@@ -656,6 +674,18 @@ ZYGOTE = textwrap.dedent(
                 os.write(fd, data[len(data) // 2 :])
 
             _writer._write_all = write_all
+        if mode == "segment-append":
+            real_pwritev = os.pwritev
+
+            def pwritev(fd, parts, offset):  # hold each range of a segment half written
+                data = b"".join(parts)
+                half = len(data) // 2
+                os.pwrite(fd, data[:half], offset)
+                say("segment")
+                time.sleep(slow)
+                return half + real_pwritev(fd, [data[half:]], offset + half)
+
+            os.pwritev = pwritev
 
         class Doubler(torch.nn.Module):
             def forward(self, x, shared):
@@ -753,7 +783,8 @@ def wait_for(log: Path, predicate: Any, *, start: int = 0, timeout: float = 60.0
 MODES = {  # mode: (floats per tensor, seconds each rename or append is held)
     "delay": (1000, 0.0),  # kill after a random delay
     "big": (2_000_000, 0.0),  # 8 MB tensors: kills land inside writes
-    "tensor-rename": (1000, 0.1),  # kill once a tensor file is written (and fsynced if durable), not yet renamed
+    "tensor-rename": (20_000, 0.1),  # kill once a call's own file is written (and fsynced if durable), not yet renamed
+    "segment-append": (1000, 0.1),  # kill with a call's range of a segment half written
     "journal-append": (1000, 0.1),  # kill with a call's journal line half written
     "manifest-rename": (1000, 0.1),  # leaving the block: kill once the final manifest is written, not yet renamed
     "manifest-renamed": (1000, 0.1),  # leaving the block: kill once it is renamed, the journal not yet removed
@@ -812,9 +843,9 @@ def kill_trial(zygote: Zygote, workdir: Path, mode: str, durable: bool, rng: ran
             time.sleep(rng.uniform(0.0, 0.3))
         elif mode in ("big", "process-big"):
             time.sleep(rng.uniform(0.0, 1.0))
-        elif mode == "journal-append":
+        elif mode in ("journal-append", "segment-append"):
             after = wait_for(log, lambda line: line == f"done {k}")
-            wait_for(log, lambda line: line == "append", start=after)
+            wait_for(log, lambda line: line == ("append" if mode == "journal-append" else "segment"), start=after)
         elif mode == "tensor-rename":
             after = wait_for(log, lambda line: line == f"done {k}")
             suffix = f"calls/.{k:06d}.safetensors.tmp"
@@ -849,13 +880,18 @@ def kill_trial(zygote: Zygote, workdir: Path, mode: str, durable: bool, rng: ran
         assert torch.equal(head, shared[:4] + 1)
         assert all(loaded.manifest.tensors[k].file in loaded.manifest.files for k in call_keys(call))
         shared_keys.add(call.args[1].key)
-    assert len(shared_keys) <= 1  # deduplicated: one key, in the first call's file
+    assert len(shared_keys) <= 1  # deduplicated: one key, in the first call's file or the first segment
     if shared_keys:
-        assert loaded.manifest.tensors[shared_keys.pop()].file == "calls/000000.safetensors"
+        file = loaded.manifest.tensors[shared_keys.pop()].file
+        own = size * 4 >= _writer.SEGMENT_TENSOR_BYTES  # float32
+        assert file == ("calls/000000.safetensors" if own else "calls/segment-000000.bin"), file
+    segments = {n: e.size for n, e in loaded.manifest.files.items() if e.ranges is not None}
+    tail = any(p.stat().st_size > segments.get(f"calls/{p.name}", 0) for p in bundle.glob("calls/segment-*.bin"))
     journal, manifest = (bundle / "journal.jsonl").exists(), (bundle / "manifest.json").exists()
     torn = journal and not (bundle / "journal.jsonl").read_bytes().endswith(b"\n")
     return {
         "torn": torn,
+        "segment_tail": tail,
         "mode": mode,
         "durable": durable,
         "reported": reported,
@@ -877,6 +913,7 @@ def test_sigkill_at_any_moment_leaves_a_loadable_bundle(tmp_path: Path) -> None:
     rng = random.Random(int(os.environ.get("IOBUNDLE_KILL_SEED", "5")))
     steps = [
         "tensor-rename",
+        "segment-append",
         "journal-append",
         "manifest-rename",
         "manifest-renamed",
@@ -921,6 +958,9 @@ def test_sigkill_at_any_moment_leaves_a_loadable_bundle(tmp_path: Path) -> None:
     assert all(".journal.jsonl.tmp" in r["unfinished_files"] for r in by_mode["reopen-rename"]), summary
     # each step of the journal's life was hit: only a journal, then both (they agree), never neither
     assert {r["state"] for r in by_mode["journal-append"]} == {"journal"}, summary
+    # a range half appended: past the segment's size as the journal gives it, never read
+    assert {r["state"] for r in by_mode["segment-append"]} == {"journal"}, summary
+    assert all(r["segment_tail"] for r in by_mode["segment-append"]), summary
     assert all(r["torn"] for r in by_mode["journal-append"]), summary  # a half line, which the reader ignored
     assert {r["state"] for r in by_mode["manifest-rename"]} == {"journal"}, summary
     assert {r["state"] for r in by_mode["manifest-renamed"]} == {"journal+manifest"}, summary

@@ -49,8 +49,8 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def fresh_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A bundle a test may damage."""
+def fresh_bundle(tmp_path_factory: pytest.TempPathFactory, own_files: None) -> Path:
+    """A bundle a test may damage (each call's tensors in its own file)."""
     return _save(tmp_path_factory, "fresh.iobundle", [((torch.randn(2, 3),), {}), ((torch.randn(3, 3),), {})])
 
 

@@ -22,7 +22,8 @@ from iobundle.cli import main
 fsspec = pytest.importorskip("fsspec")
 pytest.importorskip("onnxruntime")
 
-pytestmark = pytest.mark.xdist_group("s3")  # one worker starts the server for all of them
+# one worker starts the server for all of them; the calls in their own files, which the tests name
+pytestmark = [pytest.mark.xdist_group("s3"), pytest.mark.usefixtures("own_files")]
 
 
 @pytest.fixture

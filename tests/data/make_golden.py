@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from iobundle import InputObserver
+from iobundle.schema import FORMAT_VERSION
 
 HERE = Path(__file__).parent / "bundles"
 
@@ -152,6 +153,24 @@ def make_compact_journal(path: Path) -> None:
     make_journal(path)
 
 
+def make_segments_nested(path: Path) -> None:
+    """Format version 4: the nested model; every call's tensors are ranges of one segment, value_if_missing its own file."""
+    make_compact_nested(path)
+
+
+def make_segments_growing(path: Path) -> None:
+    """Format version 4: the growing model; the caches, stored as extensions, are ranges of one segment."""
+    make_growing(path)
+
+
+def make_segments_journal(path: Path) -> None:
+    """Format version 4: the growing model streamed, as a killed writer leaves it: journal.jsonl, no manifest,
+    and half of a fourth call's range appended to the segment past what the journal lists."""
+    make_journal(path)
+    with (path / "calls" / "segment-000000.bin").open("ab") as f:
+        f.write(bytes(range(40)))
+
+
 BUNDLES: dict[str, Callable[[Path], None]] = {
     # format version 1: written before version 2 existed; this script cannot write them again
     "plain": make_plain,
@@ -161,12 +180,20 @@ BUNDLES: dict[str, Callable[[Path], None]] = {
     # format version 2: likewise, since version 3
     "growing": make_growing,
     "journal": make_journal,
-    # format version 3
+    # format version 3: likewise, since version 4
     "compact_nested": make_compact_nested,
     "compact_growing": make_compact_growing,
     "compact_journal": make_compact_journal,
+    # format version 4
+    "segments_nested": make_segments_nested,
+    "segments_growing": make_segments_growing,
+    "segments_journal": make_segments_journal,
 }
-OLDER = {name: 1 for name in ("plain", "nested", "streamed", "llama_cache")} | {"growing": 2, "journal": 2}
+OLDER = (
+    {name: 1 for name in ("plain", "nested", "streamed", "llama_cache")}
+    | {"growing": 2, "journal": 2}
+    | {name: 3 for name in ("compact_nested", "compact_growing", "compact_journal")}
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -178,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         if name in OLDER:
             raise SystemExit(
-                f"{name} is a format-version-{OLDER[name]} bundle: this iobundle writes version 3. "
+                f"{name} is a format-version-{OLDER[name]} bundle: this iobundle writes version {FORMAT_VERSION}. "
                 "Keep the committed one."
             )
         target = args.out / name

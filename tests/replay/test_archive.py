@@ -34,6 +34,9 @@ from iobundle.schema import FORMAT_VERSION
 BIG = (600, 600)  # 1.4 MB: over READ_WHOLE_BYTES, so its file is memory-mapped, not read whole
 
 
+pytestmark = pytest.mark.usefixtures("own_files")  # these tests name the calls' safetensors files
+
+
 class Model(torch.nn.Module):
     def forward(self, x, d=None):
         return x * 2

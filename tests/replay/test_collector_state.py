@@ -10,6 +10,8 @@ import torch
 
 from iobundle import BundleNotFoundError, InputObserver, UnsafeBundleError, load_bundle
 
+pytestmark = pytest.mark.usefixtures("own_files")  # these tests name the calls' safetensors files
+
 
 class Double(torch.nn.Module):
     def forward(self, x):

@@ -14,7 +14,7 @@ from iobundle import InputObserver, load_bundle
 from iobundle.errors import IntegrityError, TensorFileError
 
 # every test runs through both ways of opening a tensor file (small files read whole, large ones mapped)
-pytestmark = pytest.mark.usefixtures("tensor_file_paths")
+pytestmark = pytest.mark.usefixtures("tensor_file_paths", "own_files")  # own files: the tests edit them
 
 FILE0 = "calls/000000.safetensors"
 FILE1 = "calls/000001.safetensors"

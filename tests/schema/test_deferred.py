@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -57,7 +58,10 @@ class TestDeferredIsThePlainModel:
         plain = whole(name)
         assert load_manifest(GOLDEN / name).model_dump() == plain.model_dump()
         assert json.loads(load_manifest(GOLDEN / name).model_dump_json()) == json.loads(plain.model_dump_json())
-        assert dump_manifest(load_manifest(GOLDEN / name)) == (GOLDEN / name / "manifest.json").read_text("utf-8")
+        text = (GOLDEN / name / "manifest.json").read_text("utf-8")  # written as the newest version, 4
+        assert dump_manifest(load_manifest(GOLDEN / name)) == re.sub(
+            r'"format_version":3,', '"format_version":4,', text
+        )
 
     def test_copies_and_pickles_are_plain_models(self, name):
         manifest = load_manifest(GOLDEN / name)

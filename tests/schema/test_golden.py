@@ -6,7 +6,10 @@ regenerate the bundles. ``plain``, ``nested``, ``streamed`` and ``llama_cache`` 
 version 1 (sha256, every tensor whole); ``growing`` and ``journal`` are version 2 (XXH3-128,
 tensors stored as extensions of earlier ones, and a stream's journal without its manifest);
 ``compact_nested``, ``compact_growing`` and ``compact_journal`` are version 3 (call structures
-stored once, a tensor table per file; the last one a version-3 journal without its manifest).
+stored once, a tensor table per file; the last one a version-3 journal without its manifest);
+``segments_nested``, ``segments_growing`` and ``segments_journal`` are version 4 (the same
+recordings, the calls' tensors appended as ranges of one segment file; the journal's segment holds
+bytes of a call past its last complete line).
 """
 
 from __future__ import annotations
@@ -154,6 +157,11 @@ EXPECTED: dict[str, dict[str, Any]] = {
 # the same recordings as "growing" and "journal", written in format version 3
 EXPECTED["compact_growing"] = {**EXPECTED["growing"], "version": 3}
 EXPECTED["compact_journal"] = {**EXPECTED["journal"], "version": 3}
+# and in format version 4
+EXPECTED["segments_nested"] = {**EXPECTED["compact_nested"], "version": 4}
+EXPECTED["segments_growing"] = {**EXPECTED["growing"], "version": 4}
+EXPECTED["segments_journal"] = {**EXPECTED["journal"], "version": 4}
+SEGMENTED = ("segments_nested", "segments_growing", "segments_journal")
 
 
 def shapes_of(value: Any) -> Any:
@@ -216,10 +224,35 @@ class TestGolden:
             b.outputs(i)
 
 
-def test_version_1_2_and_3_bundles_all_load():
-    """The reader keeps format versions 1 and 2 while the writer writes version 3."""
-    names = ("plain", "streamed", "growing", "journal", "compact_growing", "compact_journal")
-    assert {load_bundle(GOLDEN / name).manifest.format_version for name in names} == {1, 2, 3}
+def test_version_1_to_4_bundles_all_load():
+    """The reader keeps format versions 1 to 3 while the writer writes version 4."""
+    names = ("plain", "streamed", "growing", "journal", "compact_growing", "compact_journal", *SEGMENTED)
+    assert {load_bundle(GOLDEN / name).manifest.format_version for name in names} == {1, 2, 3, 4}
+
+
+@pytest.mark.parametrize("name", SEGMENTED)
+def test_version_4_calls_share_one_segment(name):
+    """Every call's tensors are a range of calls/segment-000000.bin: no file per call, no header per call."""
+    m = load_bundle(GOLDEN / name).manifest
+    (segment,) = (n for n, f in m.files.items() if f.ranges is not None)
+    assert segment == "calls/segment-000000.bin"
+    assert [r[0] for r in m.files[segment].ranges] == [c.index for c in m.calls]
+    assert set(m.files) <= {segment, "calls/value_if_missing.safetensors"}
+    on_disk = (GOLDEN / name / segment).stat().st_size
+    assert on_disk == m.files[segment].size + (40 if name == "segments_journal" else 0)  # a killed call's bytes
+
+
+@pytest.mark.parametrize(("old", "new"), [("compact_nested", "segments_nested"), ("growing", "segments_growing")])
+def test_version_4_holds_what_version_3_held(old, new):
+    """The same recording read from versions 2 or 3 and from version 4: the same calls, tensor shapes and values."""
+    a, b = load_bundle(GOLDEN / old), load_bundle(GOLDEN / new)
+    assert [c.model_copy(update={"latency": None}) for c in a.manifest.calls] == [
+        c.model_copy(update={"latency": None}) for c in b.manifest.calls
+    ]
+    assert {k: (e.shape, e.extends) for k, e in a.manifest.tensors.items()} == {
+        k: (e.shape, e.extends) for k, e in b.manifest.tensors.items()
+    }
+    assert all(torch.equal(a.tensor(k), b.tensor(k)) for k in a.manifest.tensors)
 
 
 @pytest.mark.parametrize(("old", "new"), [("growing", "compact_growing"), ("journal", "compact_journal")])
@@ -233,7 +266,9 @@ def test_version_3_holds_what_version_2_held(old, new):
     assert {n: f.size for n, f in a.files.items()} == {n: f.size for n, f in b.files.items()}
 
 
-@pytest.mark.parametrize("name", ["growing", "journal", "compact_growing", "compact_journal"])
+@pytest.mark.parametrize(
+    "name", ["growing", "journal", "compact_growing", "compact_journal", "segments_growing", "segments_journal"]
+)
 def test_extensions_rebuild_the_recorded_values(name):
     """Each call's cache is the previous call's output, rebuilt bit for bit from its stored parts."""
     b = load_bundle(GOLDEN / name)
