@@ -10,17 +10,19 @@ interpreter with an empty working directory, the two commands::
 ``export`` checks the exported program (``ep.module()``) on every recorded call and exits
 non-zero when one differs; ``validate`` runs onnxruntime on every recorded call. Only the
 bundle crosses the process boundary. One interpreter runs both commands of a bundle, one
-after the other, through the command line's ``main`` (:func:`cli_session`): most of a
-replay's time is spent importing torch, transformers and onnxscript, paid once instead of
-twice. The replays of several families run side by side (``jobs``).
+after the other, through the command line's ``main`` (:func:`cli_session`; under pytest-xdist,
+one interpreter per worker runs all the worker's replays): much of a replay's time is spent
+importing torch, transformers and onnxscript, paid once instead of per command. The replays of several families run side by side (``jobs``).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -114,6 +116,12 @@ class FamilyResult:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FamilyResult:
+        """The result :meth:`to_json` gave (``matrix.py --from-results`` reads what a test run wrote)."""
+        bundles = [BundleResult(**b) for b in data.get("bundles", [])]
+        return cls(**{**data, "bundles": bundles})
+
 
 def _tail(text: str, lines: int = 6) -> str:
     return " | ".join(text.strip().splitlines()[-lines:])
@@ -168,51 +176,101 @@ for line in sys.stdin:
 Cli = Callable[[list[str], Path], subprocess.CompletedProcess[str]]
 
 
-@contextlib.contextmanager
-def cli_session(timeout: float = REPLAY_TIMEOUT_S) -> Iterator[Cli]:
-    """A fresh interpreter for several ``iobundle`` commands; yields ``run(argv, cwd)``, which runs one of them.
+class _Interpreter:
+    """One interpreter running ``iobundle`` commands (:data:`_SESSION`), started again if it died.
 
-    ``run`` returns what ``subprocess.run`` of ``python -m iobundle ARGV`` would (exit code,
-    stdout, stderr). The interpreter is killed after ``timeout`` seconds; a command that
-    kills it returns its signal as a negative exit code, with what it had printed.
+    Each command gets ``timeout`` seconds; past them the interpreter is killed, the command
+    returns the signal as a negative exit code with what it had printed, and the next command
+    starts a new interpreter.
     """
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    with tempfile.TemporaryDirectory(prefix="iobundle-cli-") as folder:
-        with open(Path(folder) / "session.err", "wb") as session_err:
-            proc = subprocess.Popen(
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.folder = Path(tempfile.mkdtemp(prefix="iobundle-cli-"))
+        self.count = 0
+        self.proc: subprocess.Popen[str] | None = None
+
+    def _start(self) -> subprocess.Popen[str]:
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        self.count += 1
+        with open(self.folder / f"session-{self.count}.err", "wb") as session_err:
+            self.proc = subprocess.Popen(
                 [sys.executable, "-c", _SESSION], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=session_err, env=env, text=True,
             )  # fmt: skip
-        timer = threading.Timer(timeout, proc.kill)
-        timer.start()
-        assert proc.stdin is not None and proc.stdout is not None
-        count = 0
+        self.session_err = self.folder / f"session-{self.count}.err"
+        return self.proc
 
-        def run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-            nonlocal count
-            count += 1
-            out, err = Path(folder) / f"{count}.out", Path(folder) / f"{count}.err"
+    def run(self, argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+        proc = self.proc if self.proc is not None and self.proc.poll() is None else self._start()
+        assert proc.stdin is not None and proc.stdout is not None
+        self.count += 1
+        out, err = self.folder / f"{self.count}.out", self.folder / f"{self.count}.err"
+        timer = threading.Timer(self.timeout, proc.kill)
+        timer.start()
+        try:
             with contextlib.suppress(BrokenPipeError):  # the interpreter is gone: its exit code says why
                 proc.stdin.write(json.dumps([argv, str(cwd), str(out), str(err)]) + "\n")
                 proc.stdin.flush()
             answer = proc.stdout.readline()
             code = int(answer) if answer.strip() else proc.wait()
-            text = [p.read_text("utf-8", "replace") if p.exists() else "" for p in (out, err)]
-            if not answer.strip():
-                text[1] += (Path(folder) / "session.err").read_text("utf-8", "replace")
-            return subprocess.CompletedProcess(argv, code, *text)
-
-        try:
-            yield run
         finally:
             timer.cancel()
-            with contextlib.suppress(BrokenPipeError):  # the interpreter is gone (killed): nothing left to read
-                proc.stdin.close()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        text = [p.read_text("utf-8", "replace") if p.exists() else "" for p in (out, err)]
+        if not answer.strip():
+            text[1] += self.session_err.read_text("utf-8", "replace")
+        return subprocess.CompletedProcess(argv, code, *text)
+
+    def close(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            return
+        with contextlib.suppress(BrokenPipeError):  # the interpreter is gone (killed): nothing left to read
+            assert proc.stdin is not None
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_WORKER_INTERPRETER: _Interpreter | None = None
+
+
+def _worker_interpreter(timeout: float) -> _Interpreter:
+    """The interpreter a pytest-xdist worker reuses for all its replays (closed when the worker exits)."""
+    global _WORKER_INTERPRETER
+    if _WORKER_INTERPRETER is None:
+        _WORKER_INTERPRETER = _Interpreter(timeout)
+        atexit.register(_WORKER_INTERPRETER.close)
+    _WORKER_INTERPRETER.timeout = timeout
+    return _WORKER_INTERPRETER
+
+
+@contextlib.contextmanager
+def cli_session(timeout: float = REPLAY_TIMEOUT_S) -> Iterator[Cli]:
+    """An interpreter other than this one for several ``iobundle`` commands; yields ``run(argv, cwd)``.
+
+    ``run`` returns what ``subprocess.run`` of ``python -m iobundle ARGV`` would (exit code,
+    stdout, stderr); a command past ``timeout`` seconds is killed with its interpreter and
+    returns the signal as a negative exit code, with what it had printed. Under pytest-xdist,
+    where a worker replays one bundle at a time, the worker's sessions share one interpreter
+    (started again if a command killed it): the imports of torch, transformers and onnxscript
+    and the first export's set-up are paid once per worker instead of once per bundle, and a
+    replay still sees nothing of the process that captured the bundle. Elsewhere (``make zoo``,
+    replays side by side in threads) each session is a fresh interpreter.
+    """
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        yield _worker_interpreter(timeout).run
+        return
+    interpreter = _Interpreter(timeout)
+    try:
+        yield interpreter.run
+    finally:
+        interpreter.close()
 
 
 _TRACED = re.compile(r"torch\.export: traced from call (\d+) in ([0-9.]+)s")

@@ -5,6 +5,8 @@ Usage::
     python tests/zoo/matrix.py                  # every family; docs/llm.md between the zoo markers
     python tests/zoo/matrix.py llama gemma2     # some families; docs/llm.md untouched
     python tests/zoo/matrix.py --json out.json  # also every result as JSON
+    python tests/zoo/matrix.py --from-results DIR   # measure nothing: the matrix of a test run
+                                                    # (IOBUNDLE_ZOO_RESULTS=DIR make test); docs/llm.md updated
 
 The matrix has one row per bundle: the dtype the model ran in, the cache class and layer kinds
 the bundle holds (read from its manifest), calls recorded, programs exported, patches applied, the
@@ -36,7 +38,7 @@ def _error(value: float | None) -> str:
 
 
 def format_matrix(
-    entries: list[Family], results: dict[str, FamilyResult], seconds: float, cpu_seconds: float | None = None
+    entries: list[Family], results: dict[str, FamilyResult], seconds: float | None, cpu_seconds: float | None = None
 ) -> str:
     """The support matrix as a Markdown table, with how it was measured."""
     import torch
@@ -65,11 +67,14 @@ def format_matrix(
             )
     passed = sum(1 for e in entries if not results[e.name].failures(e.atol))
     lines.append("")
+    if seconds is None:  # rendered from the results a test run wrote
+        timing = "from the results of a `make test` run"
+    else:
+        cpu = f" and {cpu_seconds:.0f}s CPU" if cpu_seconds is not None else ""
+        timing = f"{seconds:.0f}s wall{cpu} for the whole zoo"
     lines.append(
         f"{passed}/{len(entries)} families pass (torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"{os.cpu_count()} CPU cores, {seconds:.0f}s wall"
-        + (f" and {cpu_seconds:.0f}s CPU" if cpu_seconds is not None else "")
-        + " for the whole zoo; `make zoo` to measure again)."
+        f"{os.cpu_count()} CPU cores, {timing}; `make zoo` to measure again)."
     )
     return "\n".join(lines)
 
@@ -100,8 +105,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write every result to this JSON file")
     parser.add_argument("--jobs", type=int, default=2, help="replays run side by side (default: %(default)s)")
     parser.add_argument("--keep", help="write the bundles and ONNX files here instead of a temporary directory")
+    parser.add_argument(
+        "--from-results",
+        metavar="DIR",
+        help="render the results a test run wrote (IOBUNDLE_ZOO_RESULTS=DIR) instead of running the zoo",
+    )
     args = parser.parse_args(argv)
     entries = [family(n) for n in args.families] if args.families else list(FAMILIES)
+    if args.from_results:
+        folder = Path(args.from_results)
+        missing = [e.name for e in entries if not (folder / f"{e.name}.json").is_file()]
+        if missing:
+            raise SystemExit(
+                f"{folder}: no result for {', '.join(missing)}; run the whole zoo with IOBUNDLE_ZOO_RESULTS"
+            )
+        results = {
+            e.name: FamilyResult.from_json(json.loads((folder / f"{e.name}.json").read_text("utf-8"))) for e in entries
+        }
+        table = format_matrix(entries, results, None)
+        print(table)
+        if not args.families:
+            write_page(table)
+        return 0
     begin, cpu_begin = time.perf_counter(), _cpu_seconds()
     with tempfile.TemporaryDirectory(prefix="iobundle-zoo-") as tmp:
         root = Path(args.keep or tmp)

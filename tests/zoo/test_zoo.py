@@ -11,8 +11,10 @@ harness and writes the support matrix into docs/llm.md.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from families import FAMILIES, Family
@@ -21,6 +23,7 @@ from harness import FamilyResult, run_families
 pytestmark = pytest.mark.slow
 
 JOBS = int(os.environ.get("IOBUNDLE_ZOO_JOBS", "2"))
+RESULTS = os.environ.get("IOBUNDLE_ZOO_RESULTS")  # a folder: each family's result is written there as JSON
 
 
 @pytest.fixture(scope="session")
@@ -46,6 +49,11 @@ def zoo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
             else:
                 batch = [f for f in FAMILIES if f.name in selected and f.name not in results]
             results.update(run_families(batch, root, jobs=JOBS))
+            if RESULTS:  # for `matrix.py --from-results`: the support matrix of this test run
+                for name in [f.name for f in batch]:
+                    out = Path(RESULTS) / f"{name}.json"
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    out.write_text(json.dumps(results[name].to_json()), "utf-8")
         return results[entry.name]
 
     return result
