@@ -127,3 +127,14 @@ def test_the_static_batch_hint_names_the_batch_axis_of_each_input():
     hints = [h for h in observer.static_dim_hints() if h.kind == "batch"]
     assert [(h.size, h.axes) for h in hints] == [(2, (("input_ids", 0), ("position_ids", 1)))]
     assert observer.static_dim_hints(True) == []
+
+
+def test_an_input_whose_rank_changes_gets_no_batch_axis_and_the_shapes_say_why():
+    # extra is (2,) then (2, 2): no batch axis is guessed; the shape inference refuses the change of rank.
+    from iobundle import DynamicShapeError
+
+    observer = observe([(2, 5, (2,)), (2, 1, (2, 2))])
+    found = {a.label: a for a in observer.infer_batch_axes()}
+    assert (found["extra"].axis, found["extra"].reason) == (None, "no batch axis: its rank changes across calls")
+    with pytest.raises(DynamicShapeError, match="different ranks across calls"):
+        observer.infer_dynamic_shapes(set_batch_dimension_for=True)

@@ -338,6 +338,7 @@ def test_patches_apply_only_where_needed() -> None:
         "sliding_window_offsets",
         "moe_batched_experts",
         "whisper_cross_attention_recompute",
+        "latent_keys_concat",
         "real_rotary",
         "contiguous_last_token",
     ]

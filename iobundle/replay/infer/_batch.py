@@ -102,6 +102,9 @@ def find_batch_axes(rc: RecordedCalls, alignment: Alignment) -> list[BatchAxis]:
             why = "a scalar" if seen else "never recorded in a call that holds the reference"
             result.append(make(None, f"no batch axis: {why}"))
             continue
+        if len({len(s) for s, _ in seen}) > 1:  # the shape inference refuses it with a DynamicShapeError
+            result.append(make(None, "no batch axis: its rank changes across calls"))
+            continue
         candidates = [d for d in range(rank) if all(s[d] == b for s, b in seen)]
         coincidences = [d for d in range(rank) if d not in candidates and any(s[d] == b for s, b in seen)]
         note = f"; {_axes_text(coincidences)} equal the batch in some calls only" if coincidences else ""
