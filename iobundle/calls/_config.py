@@ -2,7 +2,9 @@
 
 The config is untrusted bytes like every member: it is read only when listed with a size under
 :data:`MAX_CONFIG_BYTES`, checked against its recorded size and hash, and parsed as JSON with a
-too-deep nesting refused. What the loader then does with it (class names, attention settings) is
+too-deep nesting refused. JSON has no token for a non-finite float, so the config writes them as
+transformers writes its own config.json: ``Infinity``, ``-Infinity`` and ``NaN``, read back as the
+Python floats (this reader has parsed them since format version 1). What the loader then does with it (class names, attention settings) is
 the model loader's business; redaction reads the same config for its vocabulary size.
 """
 
@@ -20,9 +22,14 @@ __all__ = ["MAX_CONFIG_BYTES", "read_stored_config"]
 
 MAX_CONFIG_BYTES = 16 * 1024**2
 
+# The only bare tokens beyond strict JSON, and the floats they stand for (what json.loads does by default, said here).
+_NON_FINITE = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
 
 def read_stored_config(root: Path | Root, entry: ModelEntry) -> dict[str, Any]:
     """The JSON object of ``entry.config_file``, read from the bundle member under ``root``.
+
+    ``Infinity``, ``-Infinity`` and ``NaN`` read as ``float("inf")``, ``float("-inf")`` and ``float("nan")``.
 
     Raises:
         UnsafeBundleError: The config is not listed, is over :data:`MAX_CONFIG_BYTES`, leads outside
@@ -40,7 +47,10 @@ def read_stored_config(root: Path | Root, entry: ModelEntry) -> dict[str, Any]:
         )
     path = check_file(root, name, file, hash_check=True)
     try:
-        config = json.loads(path.read_bytes() if isinstance(path, Path) else read_sized_member(path, name, file.size))
+        config = json.loads(
+            path.read_bytes() if isinstance(path, Path) else read_sized_member(path, name, file.size),
+            parse_constant=_NON_FINITE.__getitem__,
+        )
     except RecursionError as exc:
         raise UnsafeBundleError(f"{name}: JSON nested too deeply to read.") from exc
     except (OSError, ValueError) as exc:

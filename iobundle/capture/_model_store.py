@@ -9,7 +9,7 @@ config alone.
 Layout::
 
     run.iobundle/
-      model/config.json           config.to_dict(), as JSON
+      model/config.json           config.to_dict(), as JSON (inf, -inf, nan as Infinity, -Infinity, NaN)
       model/weights.safetensors   the state dict, tied weights stored once
 
 The manifest's ``model`` field (:class:`iobundle.schema.ModelEntry`) names the class,
@@ -68,18 +68,51 @@ def _file_entry(path: Path) -> FileEntry:
     return FileEntry(size=size, hash=WRITE_HASH, digest=digest.hexdigest())
 
 
+def _unstorable(value: Any, path: str) -> tuple[str, Any] | None:
+    """The path and value of the first part of ``value`` that JSON cannot hold, or None.
+
+    Dicts (keys str, int, float, bool or None, which JSON writes as strings), lists, tuples
+    (read back as lists), str, int, float (inf, -inf and nan included) and None are stored.
+    """
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                return f"{path} (key {key!r})", key
+            found = _unstorable(item, f"{path}.{key}" if path else str(key))
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            found = _unstorable(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+        return None
+    if value is None or isinstance(value, (str, int, float)):
+        return None
+    return path, value
+
+
 def _config_json(model: Any) -> str:
+    """``model.config.to_dict()`` as JSON; a non-finite float is written ``Infinity``, ``-Infinity`` or ``NaN``.
+
+    Those three tokens are what transformers writes in its own config.json, and what the bundle's
+    config reader (:func:`iobundle.calls.read_stored_config`) has parsed since format version 1
+    (docs/format.md, "Stored model").
+    """
     config = model.config.to_dict()
     # Settings the loader passes itself, and a remote-code hint that must never be followed.
     for key in ("_attn_implementation_autoset", "auto_map"):
         config.pop(key, None)
-    try:
-        return json.dumps(config, indent=1, sort_keys=True, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+    found = _unstorable(config, "")
+    if found is not None:
+        field, value = found
         raise ObserverArgumentError(
-            f"The config of {type(model).__name__} is not plain JSON ({exc}); it cannot be stored in the bundle. "
-            "Save without include_model and rebuild the model yourself when replaying."
-        ) from exc
+            f"{type(model).__name__}.config.{field} is a {type(value).__module__}.{type(value).__qualname__} "
+            f"({value!r}), which a bundle's JSON config cannot hold. Set it to a number, string, list or dict "
+            "before saving, or save without include_model and rebuild the model yourself when replaying."
+        )
+    return json.dumps(config, indent=1, sort_keys=True, allow_nan=True)
 
 
 def write_model(bundle_dir: str | os.PathLike[str], model: torch.nn.Module, observed: Any | None = None) -> ModelEntry:
@@ -93,7 +126,7 @@ def write_model(bundle_dir: str | os.PathLike[str], model: torch.nn.Module, obse
 
     Raises:
         ObserverArgumentError: ``model`` is not a transformers model, ``observed`` is not inside it, or
-            its config is not JSON.
+            a config value is not a JSON value (the error names its field).
         BundleWriteError: The files cannot be written.
     """
     if not _is_transformers_model(model):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 
 import pytest
 
@@ -49,3 +50,16 @@ def test_a_config_whose_bytes_differ_from_the_manifest_is_refused(tmp_path):
 def test_a_config_that_is_not_a_json_object_says_so(tmp_path, data, match):
     with pytest.raises(ModelLoadError, match=match):
         read_stored_config(tmp_path, _stored(tmp_path, data))
+
+
+def test_non_finite_floats_read_back_as_python_floats(tmp_path):
+    entry = _stored(tmp_path, b'{"time_step_limit": [0.0, Infinity], "low": -Infinity, "eps": NaN}')
+    config = read_stored_config(tmp_path, entry)
+    assert config["time_step_limit"] == [0.0, float("inf")] and config["low"] == float("-inf")
+    assert isinstance(config["eps"], float) and math.isnan(config["eps"])
+
+
+@pytest.mark.parametrize("token", [b"infinity", b"inf", b"nan", b"+Infinity"])
+def test_other_spellings_of_a_non_finite_float_are_not_json(tmp_path, token):
+    with pytest.raises(ModelLoadError, match="not a JSON config"):
+        read_stored_config(tmp_path, _stored(tmp_path, b'{"x": ' + token + b"}"))

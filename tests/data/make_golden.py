@@ -171,6 +171,23 @@ def make_segments_journal(path: Path) -> None:
         f.write(bytes(range(40)))
 
 
+def make_segments_model(path: Path) -> None:
+    """Format version 4, self-contained: the 1-layer Llama of ``llama_cache`` called twice, stored with
+    include_model (model/config.json and model/weights.safetensors), written before a config could hold inf."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=16, max_position_embeddings=32, tie_word_embeddings=True,
+    )  # fmt: skip
+    model, observer = transformers.LlamaForCausalLM(config).eval(), InputObserver()
+    with torch.no_grad(), observer(model):
+        model(torch.tensor([[1, 2, 3]]), use_cache=False)
+        model(torch.tensor([[4, 5, 6, 7, 8]]), use_cache=False)
+    observer.save(path, overwrite=True, include_model=True)
+
+
 BUNDLES: dict[str, Callable[[Path], None]] = {
     # format version 1: written before version 2 existed; this script cannot write them again
     "plain": make_plain,
@@ -188,6 +205,7 @@ BUNDLES: dict[str, Callable[[Path], None]] = {
     "segments_nested": make_segments_nested,
     "segments_growing": make_segments_growing,
     "segments_journal": make_segments_journal,
+    "segments_model": make_segments_model,
 }
 OLDER = (
     {name: 1 for name in ("plain", "nested", "streamed", "llama_cache")}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.abc
 import json
+import math
 import os
 import re
 import shutil
@@ -714,3 +715,47 @@ def test_following_the_advice_gives_a_bundle_the_loader_accepts(tmp_path: Path, 
     path = capture(model, tmp_path / "sdpa.iobundle")
     assert load_bundle(path).manifest.model.attn_implementation == "sdpa"
     load_bundle_model(path)
+
+
+def tiny_mamba2() -> Any:
+    config = transformers.Mamba2Config(
+        hidden_size=32, num_hidden_layers=1, vocab_size=50, state_size=8, expand=2, conv_kernel=4,
+        num_heads=8, head_dim=8, n_groups=1, chunk_size=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Mamba2ForCausalLM(config).eval()
+
+
+def test_a_default_config_holding_inf_round_trips_and_gives_the_same_logits(tmp_path: Path) -> None:
+    model = tiny_mamba2()
+    assert model.config.time_step_limit == (0.0, float("inf"))  # Mamba2's default, kept
+    observer = InputObserver()
+    with torch.no_grad(), observer(model):
+        model(torch.tensor([[3, 4, 5, 6]]), use_cache=False)
+    path = tmp_path / "mamba2.iobundle"
+    observer.save(path, include_model=True)
+    assert '"time_step_limit": [\n  0.0,\n  Infinity\n ]' in (path / "model" / "config.json").read_text("utf-8")
+    rebuilt = load_bundle_model(path)
+    assert list(rebuilt.config.time_step_limit) == [0.0, float("inf")]
+    assert rebuilt.config.to_dict() == {**model.config.to_dict(), "time_step_limit": [0.0, float("inf")]}
+    bundle = load_bundle(path)
+    with torch.no_grad():
+        got = rebuilt(**bundle.infer_arguments(0)).logits
+    torch.testing.assert_close(got, bundle.outputs(0)["logits"], rtol=0, atol=0)
+
+
+def test_nan_and_negative_infinity_in_a_config_round_trip(tmp_path: Path) -> None:
+    model = tiny_llama()
+    model.config.iobundle_low, model.config.iobundle_unset = float("-inf"), float("nan")
+    rebuilt = load_bundle_model(capture(model, tmp_path / "nan.iobundle"))
+    assert rebuilt.config.iobundle_low == float("-inf")
+    assert isinstance(rebuilt.config.iobundle_unset, float) and math.isnan(rebuilt.config.iobundle_unset)
+
+
+def test_a_config_value_json_cannot_hold_is_refused_by_its_field_path(tmp_path: Path) -> None:
+    model = tiny_llama()
+    model.config.iobundle_extra = {"scales": [1.0, torch.float16]}
+    with pytest.raises(CaptureError, match=r"config\.iobundle_extra\.scales\[1\] is a torch\.dtype") as info:
+        capture(model, tmp_path / "dtype.iobundle")
+    assert "without include_model" in str(info.value)
+    assert not (tmp_path / "dtype.iobundle" / "model").exists()

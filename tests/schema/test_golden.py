@@ -161,6 +161,16 @@ EXPECTED["compact_journal"] = {**EXPECTED["journal"], "version": 3}
 EXPECTED["segments_nested"] = {**EXPECTED["compact_nested"], "version": 4}
 EXPECTED["segments_growing"] = {**EXPECTED["growing"], "version": 4}
 EXPECTED["segments_journal"] = {**EXPECTED["journal"], "version": 4}
+EXPECTED["segments_model"] = {
+    "version": 4,
+    "num_obs": 2,
+    "dynamic_shapes": {"input_ids": {1: DYN}, "use_cache": None},
+    "arguments": [
+        {"input_ids": ((1, 3), I64), "use_cache": False},
+        {"input_ids": ((1, 5), I64), "use_cache": False},
+    ],
+    "tensors": 4,
+}
 SEGMENTED = ("segments_nested", "segments_growing", "segments_journal")
 
 
@@ -182,7 +192,7 @@ def test_every_golden_bundle_is_checked():
 
 
 def _needs(name: str) -> None:
-    if name == "llama_cache":
+    if name in ("llama_cache", "segments_model"):
         pytest.importorskip("transformers")
 
 
@@ -290,3 +300,18 @@ def test_plain_values():
     (x1,) = b.infer_arguments(1)
     assert x0[0, :3].tolist() == [-0.2596415579319, 0.11833705008029938, 0.2439592480659485]
     assert x1[2, -2:].tolist() == [2.036036968231201, 0.13159045577049255]
+
+
+def test_model_stored_before_non_finite_floats_still_rebuilds():
+    """A self-contained bundle written before configs could hold inf: its Llama rebuilds and gives the recorded logits."""
+    pytest.importorskip("transformers")
+    from iobundle.replay import load_bundle_model
+
+    b = load_bundle(GOLDEN / "segments_model")
+    assert b.manifest.model is not None and b.manifest.model.class_name == "LlamaForCausalLM"
+    model = load_bundle_model(GOLDEN / "segments_model")
+    assert model.config.vocab_size == 16 and model.config.rms_norm_eps == 1e-6
+    for i in range(b.num_obs()):
+        with torch.no_grad():
+            got = model(**b.infer_arguments(i)).logits
+        torch.testing.assert_close(got, b.outputs(i)["logits"], rtol=1e-6, atol=1e-6)

@@ -275,7 +275,6 @@ FAMILIES: list[Family] = [
             head_dim=8,
             n_groups=1,
             chunk_size=16,
-            time_step_limit=(0.0, 1e4),  # the default's upper bound is inf, which a bundle's JSON config cannot hold
         ),
         notes="state-space: multi-head SSM (SSD) LinearAttentionLayer, no attention",
     ),
@@ -304,7 +303,6 @@ FAMILIES: list[Family] = [
             mamba_chunk_size=16,
             num_local_experts=0,
             shared_intermediate_size=64,
-            time_step_limit=(0.0, 1e4),  # the default's upper bound is inf, which a bundle's JSON config cannot hold
         ),
         notes="hybrid: Mamba2 layer (LinearAttentionLayer) + attention layer",
     ),
