@@ -25,8 +25,12 @@ __all__ = [
     "signature_entry",
     "split_kwargs",
     # Value trees and node types
+    "DYNAMIC_CACHE_NAME",
+    "ENCODER_DECODER_CACHE_NAME",
     "NONE_NODE",
     "PYTREE_PREFIX",
+    "STATIC_CACHE_NAME",
+    "Layout",
     "NodeType",
     "TensorCollector",
     "build_value",
@@ -38,6 +42,7 @@ __all__ = [
     "iter_tensor_nodes",
     "lookup_node_type",
     "map_structure",
+    "node_layout",
     "qualified_name",
     "record_value",
     "register_node_type",
@@ -95,12 +100,14 @@ from iobundle.calls._config import MAX_CONFIG_BYTES, read_stored_config
 from iobundle.calls._delta import DeltaIndex, Match, extends_bytes, rebuild
 from iobundle.calls._dtypes import DTYPE_TO_NAME, FLOATING_NAMES, NAME_TO_DTYPE, dtype_name
 from iobundle.calls._hashing import WRITE_HASH, new_hasher
+from iobundle.calls._layouts import DYNAMIC_CACHE_NAME, ENCODER_DECODER_CACHE_NAME, STATIC_CACHE_NAME, Layout
 from iobundle.calls._paths import OUTPUT_ROOT, child_path, item_labels, path_matches, tensor_paths
 from iobundle.calls._record import record_inputs, split_kwargs
 from iobundle.calls._registry import (
     NodeType,
     find_node_type,
     lookup_node_type,
+    node_layout,
     register_node_type,
     register_provider,
 )

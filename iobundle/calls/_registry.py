@@ -2,7 +2,9 @@
 
 A node type turns an object into children (tensors, containers, other nodes) and a
 JSON-able context, and back. Bundles name node types by a stable string; replay
-resolves that string only through this registry, never by importing it.
+resolves that string only through this registry, never by importing it. Reading a bundle's
+shapes needs only a node type's layout (:func:`node_layout`), which the built-in node types
+keep as plain data: that runs no provider, so it imports no library.
 """
 
 from __future__ import annotations
@@ -12,7 +14,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["NodeType", "find_node_type", "lookup_node_type", "register_node_type", "register_provider"]
+from iobundle.calls._layouts import BUILTIN_LAYOUTS, Layout
+
+__all__ = [
+    "NodeType",
+    "find_node_type",
+    "lookup_node_type",
+    "node_layout",
+    "register_node_type",
+    "register_provider",
+]
 
 Flatten = Callable[[Any], tuple[list[Any], Any]]
 Unflatten = Callable[[list[Any], Any], Any]
@@ -102,3 +113,20 @@ def lookup_node_type(name: str) -> NodeType | None:
             _run_provider(prefix)
             node_type = _BY_NAME.get(name)
     return node_type
+
+
+def node_layout(name: str, version: int) -> Layout | None:
+    """Return the layout of node type ``name`` at ``version`` (registered, else built in), or None.
+
+    Unlike :func:`lookup_node_type` it runs no provider: the layouts of the built-in node types
+    (transformers' caches) are plain data, so reading a bundle's shapes imports neither
+    transformers nor torch. A node type registered under ``name`` with another version has none.
+
+    Example:
+        >>> node_layout("transformers.DynamicCache", 1).empty_dim
+        -2
+    """
+    node_type = _BY_NAME.get(name)
+    if node_type is not None and node_type.version == version:
+        return Layout(node_type.empty_dim, node_type.child_empty_dims)
+    return BUILTIN_LAYOUTS.get((name, version))

@@ -3,7 +3,9 @@
 This module is imported only once a transformers object has been met, so it imports
 transformers at the top. Importing it registers nothing: :func:`register_all` fills the
 iobundle registry, and :func:`torch_pytree_nodes` lends the same layouts to
-``torch.utils._pytree`` for a ``with`` block.
+``torch.utils._pytree`` for a ``with`` block. The layouts' plain facts (names, version, layer
+kinds' children, ``empty_dim``, ``child_empty_dims``) live in :mod:`iobundle.calls._layouts`,
+which reading a bundle's shapes uses without importing this module.
 
 Flattened layouts (all version 1):
 
@@ -137,6 +139,17 @@ from transformers.cache_utils import (
 )
 from transformers.utils.generic import ModelOutput
 
+from iobundle.calls._layouts import (
+    BUILTIN_LAYOUTS,
+    DYNAMIC_CACHE_NAME,
+    ENCODER_DECODER_CACHE_NAME,
+    MAX_STATES,
+    NODE_TYPE_VERSION,
+    STATIC_CACHE_NAME,
+    attention_name,
+    kind_children,
+    positive_int,
+)
 from iobundle.calls._registry import NodeType, register_node_type
 from iobundle.errors import UnsupportedInputError
 
@@ -144,16 +157,10 @@ __all__ = ["register_all", "torch_pytree_nodes"]
 
 logger = logging.getLogger(__name__)
 
-NODE_TYPE_VERSION = 1
-DYNAMIC_CACHE_NAME = "transformers.DynamicCache"
-STATIC_CACHE_NAME = "transformers.StaticCache"
-ENCODER_DECODER_CACHE_NAME = "transformers.EncoderDecoderCache"
 _MODELS_PREFIX = "transformers.models."
 
 
 # --------------------------------------------------------------------------- layers
-
-_MAX_STATES = 64  # a bound on a linear-attention layer's number of states read from a bundle
 
 
 def _require_pair(key: Any, value: Any, index: int) -> bool:
@@ -164,14 +171,6 @@ def _require_pair(key: Any, value: Any, index: int) -> bool:
             f"{'value' if key is not None else 'key'} tensor. Give both, or None for both."
         )
     return key is not None
-
-
-def _positive_int(value: Any, what: str, index: int, *, most: int | None = None) -> int:
-    """``value`` if it is a positive int (at most ``most``); a bundle's context is checked before use."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (most is not None and value > most):
-        bound = f" up to {most}" if most is not None else ""
-        raise ValueError(f"Layer {index} of the cache has {what} {value!r}; expected a positive integer{bound}.")
-    return value
 
 
 def _refuse_layer(layer: Any, index: int, cache: str, why: str) -> UnsupportedInputError:
@@ -255,22 +254,6 @@ def _sliding_kind(layer: Any) -> dict[str, Any]:
     return kind
 
 
-def _kind_children(kind: Any, index: int, cache: str) -> int:
-    """How many children a layer of ``kind`` flattens to in ``cache`` (checking the kind read from a bundle)."""
-    attention = 3 if cache == "StaticCache" else 2
-    if kind in ("full", "dummy") or (isinstance(kind, dict) and ("sliding" in kind or "static" in kind)):
-        return attention
-    if kind == "indexed":
-        return 4
-    if isinstance(kind, dict) and "linear" in kind:
-        states = _positive_int(kind["linear"], "a number of states", index, most=_MAX_STATES)
-        part = _attention_name(kind.get("attention"))
-        if part not in (("static", None) if cache == "StaticCache" else ("full", "sliding", None)):
-            raise ValueError(f"Layer {index} of the {cache} has an unknown attention kind {kind.get('attention')!r}.")
-        return 2 * states + (0 if part is None else attention)
-    raise ValueError(f"Layer {index} of the {cache} has an unknown kind {kind!r}.")
-
-
 def _build_dynamic_layer(kind: Any, children: list[Any], index: int) -> Any:
     """Build one ``DynamicCache`` layer of ``kind`` holding ``children`` (Nones: nothing yet)."""
     if isinstance(kind, dict) and "linear" in kind:
@@ -294,7 +277,7 @@ def _build_dynamic_layer(kind: Any, children: list[Any], index: int) -> Any:
             raise ValueError(f"Layer {index} of the cache has indexer positions but no indexer keys.")
         layer.indexer_position_ids = positions
     elif isinstance(kind, dict) and "sliding" in kind:
-        layer = _new_sliding_layer(_positive_int(kind["sliding"], "a sliding window", index), key)
+        layer = _new_sliding_layer(positive_int(kind["sliding"], "a sliding window", index), key)
     else:
         raise ValueError(f"Layer {index} of the cache has an unknown kind {kind!r}.")
     _fill_dynamic_attention(layer, key, value, kind)
@@ -322,17 +305,17 @@ def _build_linear_layer(kind: dict[str, Any], children: list[Any], index: int) -
     The constructors run in the order of the hybrid classes' own ``__init__`` (attention part,
     then the linear-attention mixin), minus the ones that call ``torch.tensor``.
     """
-    states = _positive_int(kind["linear"], "a number of states", index, most=_MAX_STATES)
+    states = positive_int(kind["linear"], "a number of states", index, most=MAX_STATES)
     attention = kind.get("attention")
     own, linear = children[: len(children) - 2 * states], children[len(children) - 2 * states :]
-    cls = _LINEAR_CLASSES.get(_attention_name(attention))
+    cls = _LINEAR_CLASSES.get(attention_name(attention))
     if cls is None:
         raise ValueError(f"Layer {index} of the cache has an unknown attention kind {attention!r}.")
     layer = cls.__new__(cls)
     if attention == "full":
         DynamicLayer.__init__(layer)
     elif attention is not None and "sliding" in attention:
-        _init_sliding(layer, _positive_int(attention["sliding"], "a sliding window", index), own[0])
+        _init_sliding(layer, positive_int(attention["sliding"], "a sliding window", index), own[0])
     LinearAttentionCacheLayerMixin.__init__(layer, number_of_states=states)
     if attention is not None and "static" in attention:
         _fill_static_attention(layer, attention, *own, index)
@@ -341,15 +324,6 @@ def _build_linear_layer(kind: dict[str, Any], children: list[Any], index: int) -
         _fill_dynamic_attention(layer, *own, {})
     _fill_linear_states(layer, linear)
     return layer
-
-
-def _attention_name(attention: Any) -> str | None:
-    """``None``, ``full``, ``sliding`` or ``static``: the attention part of a linear-attention kind (else ``?``)."""
-    if attention is None or attention == "full":
-        return attention
-    if isinstance(attention, dict) and len(attention) == 1 and next(iter(attention)) in ("sliding", "static"):
-        return next(iter(attention))
-    return "?"
 
 
 _LINEAR_CLASSES: dict[str | None, type] = {
@@ -428,7 +402,7 @@ def _fill_static_attention(layer: Any, kind: dict[str, Any], key: Any, value: An
     """
     filled = _require_pair(key, value, index)
     CacheLayerMixin.__init__(layer)
-    layer.max_cache_len = _positive_int(kind["static"], "a maximum cache length", index)
+    layer.max_cache_len = positive_int(kind["static"], "a maximum cache length", index)
     if length is None:
         length = torch.zeros((), dtype=torch.long, device=None if key is None else key.device)
     layer.cumulative_length = length
@@ -464,7 +438,7 @@ def _layered(children: list[Any], context: Any, name: str) -> list[tuple[Any, li
     """A cache's layer kinds, each with its children; refused unless the counts add up."""
     if not isinstance(context, list):
         raise ValueError(f"A {name} has a context of {type(context).__name__}; expected a list of layer kinds.")
-    counts = [_kind_children(kind, i, name) for i, kind in enumerate(context)]
+    counts = [kind_children(kind, i, name) for i, kind in enumerate(context)]
     children = list(children)
     if len(children) != sum(counts):
         raise ValueError(
@@ -503,31 +477,6 @@ def _unflatten_dynamic_cache(children: list[Any], context: Any) -> Any:
         cache.layers = [_build_dynamic_layer(kind, owned, i) for i, (kind, owned) in enumerate(layers)]
         cache.layer_class_to_replicate = None
     return cache
-
-
-def _dynamic_empty_dims(context: Any) -> list[int | None]:
-    """Per child of a ``DynamicCache``, the dimension along which a None child stands for an empty tensor.
-
-    Keys, values and indexer keys grow along the sequence (``-2``), indexer positions along their
-    last dimension; convolution and recurrent states do not grow: a None state is absent (the
-    prefill of a state-space layer takes another code path than a step with a state).
-    """
-    dims: list[int | None] = []
-    if not isinstance(context, list):
-        return dims
-    for i, kind in enumerate(context):
-        try:
-            count = _kind_children(kind, i, "DynamicCache")
-        except ValueError:  # a malformed kind is refused when the cache is rebuilt
-            return []
-        if kind == "indexed":
-            dims.extend([-2, -2, -2, -1])
-        elif isinstance(kind, dict) and "linear" in kind:
-            attention = 2 if "attention" in kind else 0
-            dims.extend([-2] * attention + [None] * (count - attention))
-        else:
-            dims.extend([-2] * count)
-    return dims
 
 
 def _flatten_static_cache(cache: Any) -> tuple[list[Any], list[Any]]:
@@ -637,20 +586,17 @@ def _never_rebuilt(children: list[Any], context: Any) -> Any:
     raise ValueError("iobundle never writes this cache to a bundle, so it does not rebuild one.")
 
 
+def _cache_node_type(name: str, cls: type, flatten: Any, unflatten: Any) -> NodeType:
+    """A cache's node type, its layout (``empty_dim``, ``child_empty_dims``) from the torch-free table."""
+    layout = BUILTIN_LAYOUTS[(name, NODE_TYPE_VERSION)]
+    return NodeType(name, NODE_TYPE_VERSION, cls, flatten, unflatten, layout.empty_dim, layout.child_empty_dims)
+
+
 _CACHE_NODE_TYPES: tuple[NodeType, ...] = (
-    NodeType(
-        DYNAMIC_CACHE_NAME,
-        NODE_TYPE_VERSION,
-        DynamicCache,
-        _flatten_dynamic_cache,
-        _unflatten_dynamic_cache,
-        empty_dim=-2,  # a layer not filled yet is (B, H, 0, D)
-        child_empty_dims=_dynamic_empty_dims,
-    ),
-    NodeType(STATIC_CACHE_NAME, NODE_TYPE_VERSION, StaticCache, _flatten_static_cache, _unflatten_static_cache),
-    NodeType(
+    _cache_node_type(DYNAMIC_CACHE_NAME, DynamicCache, _flatten_dynamic_cache, _unflatten_dynamic_cache),
+    _cache_node_type(STATIC_CACHE_NAME, StaticCache, _flatten_static_cache, _unflatten_static_cache),
+    _cache_node_type(
         ENCODER_DECODER_CACHE_NAME,
-        NODE_TYPE_VERSION,
         EncoderDecoderCache,
         _flatten_encoder_decoder_cache,
         _unflatten_encoder_decoder_cache,
@@ -703,14 +649,14 @@ def _layer_child_names(kind: Any, index: int, cache: str) -> list[str]:
         names = ["key", "value", "indexer_keys", "indexer_position_ids"]
     elif isinstance(kind, dict) and "linear" in kind:
         states = int(kind["linear"])
-        attention = _kind_children(kind, index, cache) - 2 * states
+        attention = kind_children(kind, index, cache) - 2 * states
         names = ["key", "value", "cumulative_length"][:attention]
         suffixes = [""] if states == 1 else [f"_{s}" for s in range(states)]
         return [f"{n}_{index}" for n in names] + [
             f"{n}_{index}{suffix}" for suffix in suffixes for n in ("conv", "recurrent")
         ]
     else:
-        names = ["key", "value", "cumulative_length"][: _kind_children(kind, index, cache)]
+        names = ["key", "value", "cumulative_length"][: kind_children(kind, index, cache)]
     return [f"{n}_{index}" for n in names]
 
 

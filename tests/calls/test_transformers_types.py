@@ -6,6 +6,8 @@ import copy
 import dataclasses
 import importlib
 import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -37,6 +39,8 @@ from transformers.cache_utils import (
 from transformers.modeling_outputs import CausalLMOutputWithPast, Seq2SeqLMOutput
 from transformers.utils import ModelOutput
 
+from iobundle.calls import node_layout
+from iobundle.calls._layouts import BUILTIN_LAYOUTS
 from iobundle.calls._registry import find_node_type, lookup_node_type
 from iobundle.calls._transformers import register_all, torch_pytree_nodes
 from iobundle.errors import UnsupportedInputError
@@ -876,6 +880,30 @@ class TestEmptyCacheInference:
         assert node_type is not None and node_type.empty_dim == -2
         static = lookup_node_type("transformers.StaticCache")
         assert static is not None and static.empty_dim is None
+
+    @pytest.mark.parametrize(
+        "name", ["transformers.DynamicCache", "transformers.StaticCache", "transformers.EncoderDecoderCache"]
+    )
+    def test_the_caches_node_types_take_their_layout_from_the_torch_free_table(self, name: str) -> None:
+        node_type = lookup_node_type(name)
+        layout = BUILTIN_LAYOUTS[(name, node_type.version)] if node_type is not None else None
+        assert layout is not None and node_layout(name, node_type.version) == layout
+        assert (node_type.empty_dim, node_type.child_empty_dims) == (layout.empty_dim, layout.child_empty_dims)
+
+    def test_a_layout_of_another_version_is_unknown(self) -> None:
+        assert node_layout("transformers.DynamicCache", 2) is None
+        assert node_layout("transformers.NoSuchCache", 1) is None
+
+    def test_a_cache_layout_is_read_without_importing_transformers_or_torch(self) -> None:
+        code = (
+            "import sys\n"
+            "from iobundle.calls import node_layout\n"
+            "layout = node_layout('transformers.DynamicCache', 1)\n"
+            "print(layout.empty_dim, layout.child_empty_dims(['full', {'linear': 1}]))\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+        )
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+        assert proc.stdout.splitlines() == ["-2 [-2, -2, None, None]", "[]"], proc.stderr
 
     def test_full_window_cache_length_is_dynamic_because_of_the_prefill(
         self, mistral: MistralForCausalLM, prompt: torch.Tensor

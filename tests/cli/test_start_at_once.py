@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from iobundle import InputObserver
 
@@ -109,3 +110,64 @@ def test_inspect_and_shapes_without_torch_still_say_the_dynamic_dims(bundle: Pat
     result, output = _run(["inspect", str(bundle)], tmp_path)
     assert result["imported"] == [], output
     assert "{'x': {0: Dim.DYNAMIC}, 'mask': {0: Dim.DYNAMIC}}" in output
+
+
+# --------------------------------------------------------------------------- bundles of transformers' caches
+
+
+@pytest.fixture(scope="module")
+def llm_bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Bundles captured from real generate() calls: a 2-layer Llama (DynamicCache) and a Whisper decoder (EncoderDecoderCache)."""
+    root = tmp_path_factory.mktemp("llm")
+    config = transformers.LlamaConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, vocab_size=100, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(config).eval()
+    prompt = torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(1))
+    observer = InputObserver()
+    with torch.no_grad(), observer(llama, store_n_calls=4):
+        llama.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False)
+    observer.save(root / "llama.iobundle")
+    config = transformers.WhisperConfig(
+        vocab_size=100, num_mel_bins=8, encoder_layers=1, decoder_layers=1, d_model=32,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_source_positions=15, max_target_positions=32, decoder_start_token_id=1, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0, begin_suppress_tokens=None, suppress_tokens=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    whisper = transformers.WhisperForConditionalGeneration(config).eval()
+    features = torch.randn(1, 8, 30, generator=torch.Generator().manual_seed(3))
+    decoder = InputObserver()
+    with torch.no_grad(), decoder(whisper.model.decoder, store_n_calls=4):
+        whisper.generate(features, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    decoder.save(root / "decoder.iobundle")
+    return {"llama": root / "llama.iobundle", "decoder": root / "decoder.iobundle"}
+
+
+@pytest.mark.parametrize("family", ["llama", "decoder"])
+@pytest.mark.parametrize(
+    "argv", [["inspect"], ["shapes", "--json"], ["shapes"]], ids=["inspect", "shapes-json", "shapes-text"]
+)
+def test_file_commands_on_a_generate_bundle_import_no_torch_transformers_or_onnx(
+    llm_bundles: dict[str, Path], tmp_path: Path, family: str, argv: list[str]
+) -> None:
+    result, output = _run([*argv, str(llm_bundles[family])], tmp_path)
+    assert result["code"] == 0, output
+    assert result["imported"] == [], output
+
+
+def test_shapes_of_a_generate_bundle_without_torch_still_count_the_empty_prefill_cache(
+    llm_bundles: dict[str, Path], tmp_path: Path
+) -> None:
+    # Whisper's cross-attention cache is None at the prefill and the encoder's length in every
+    # decode call: only the cache layout (a None layer stands for a zero-length sequence) makes it dynamic.
+    result, output = _run(["shapes", "--json", str(llm_bundles["decoder"])], tmp_path)
+    assert result["imported"] == [], output
+    shapes, _ = json.JSONDecoder().raw_decode(output)
+    assert shapes["cache"] == [[{"2": "DYNAMIC"}, {"2": "DYNAMIC"}], [{"2": "DYNAMIC"}, {"2": "DYNAMIC"}]]
+    result, output = _run(["shapes", "--json", str(llm_bundles["llama"])], tmp_path)
+    assert result["imported"] == [], output
+    shapes, _ = json.JSONDecoder().raw_decode(output)
+    assert shapes["cache"] == [{"2": "DYNAMIC"}] * 4

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from iobundle._lazy import lazy_module
-from iobundle.calls import RecordedCalls
+from iobundle.calls import DYNAMIC_CACHE_NAME, ENCODER_DECODER_CACHE_NAME, STATIC_CACHE_NAME, RecordedCalls
 from iobundle.errors import InputSelectionError
 from iobundle.replay.infer._dynamic_dim import DynamicDim
 from iobundle.schema import Node, ObjectNode, TensorNode
@@ -52,10 +52,6 @@ __all__ = ["DimNamesSpec", "name_dims", "named_dims_hint", "onnx_axis_names", "r
 
 #: ``True`` (derive names), or explicit names by input name or position.
 DimNamesSpec = bool | Mapping[int | str, Any]
-
-_DYNAMIC_CACHE = "transformers.DynamicCache"
-_STATIC_CACHE = "transformers.StaticCache"
-_ENCODER_DECODER_CACHE = "transformers.EncoderDecoderCache"
 
 BATCH = "batch_size"
 SEQUENCE = "sequence_length"
@@ -134,11 +130,11 @@ def _walk(node: Node, cache: str | None, part: str | None, found: list[tuple[str
         return
     if isinstance(node, ObjectNode):
         items = node.items
-        if node.type == _ENCODER_DECODER_CACHE:
+        if node.type == ENCODER_DECODER_CACHE_NAME:
             for index, child in enumerate(items):
                 _walk(child, "cross" if index == 1 else (cache or "self"), None, found)
             return
-        if node.type == _DYNAMIC_CACHE:
+        if node.type == DYNAMIC_CACHE_NAME:
             kinds = node.context if isinstance(node.context, list) else []
             for index, child in enumerate(items):
                 kind = kinds[index // 2] if index // 2 < len(kinds) else None
@@ -147,7 +143,7 @@ def _walk(node: Node, cache: str | None, part: str | None, found: list[tuple[str
                     role = "sliding"
                 _walk(child, role, "key" if index % 2 == 0 else "value", found)
             return
-        if node.type == _STATIC_CACHE:
+        if node.type == STATIC_CACHE_NAME:
             for index, child in enumerate(items):
                 _walk(child, "static", ("key", "value", "length")[index % 3], found)
             return

@@ -12,8 +12,8 @@ from iobundle._lazy import lazy_module
 from iobundle.calls import (
     RecordedCalls,
     TensorStore,
-    lookup_node_type,
     map_structure,
+    node_layout,
 )
 from iobundle.errors import AlignmentError, DynamicShapeError
 from iobundle.replay.infer._align import Alignment, BatchSpec, DynamicSpec, align_calls
@@ -36,7 +36,8 @@ def empty_dims(alignment: Alignment) -> list[int | None]:
     """Per slot, the dimension along which an absent tensor stands for an empty one, or None.
 
     It is the ``empty_dim`` of the node type directly holding the tensor in the best call
-    (a KV cache: a layer not filled yet is a zero-length tensor along the sequence).
+    (a KV cache: a layer not filled yet is a zero-length tensor along the sequence), read from
+    its layout (:func:`~iobundle.calls.node_layout`): no provider runs, no library is imported.
     """
     result: list[int | None] = []
 
@@ -47,10 +48,10 @@ def empty_dims(alignment: Alignment) -> list[int | None]:
         items = getattr(node, "items", ())
         dims: list[int | None] = [dim] * len(items)
         if isinstance(node, ObjectNode):
-            node_type = lookup_node_type(node.type)
-            dims = [None if node_type is None else node_type.empty_dim] * len(items)
-            if node_type is not None and node_type.child_empty_dims is not None:
-                per_child = node_type.child_empty_dims(node.context)
+            layout = node_layout(node.type, node.version)
+            dims = [None if layout is None else layout.empty_dim] * len(items)
+            if layout is not None and layout.child_empty_dims is not None:
+                per_child = layout.child_empty_dims(node.context)
                 dims = per_child if len(per_child) == len(items) else dims
         for child, child_dim in zip(items, dims, strict=True):
             walk(child, child_dim)

@@ -1,0 +1,125 @@
+"""The stored layouts of the built-in node types, as plain data about a bundle's JSON: no library imported.
+
+Reading a bundle (shape inference, ``inspect``, ``shapes``) needs to know which child of a recorded
+cache grows along which dimension; that follows from the node type's name, version and context
+alone. The node types of :mod:`iobundle.calls._transformers` take these facts from here, so there
+is one source of truth, and inference asks here (:func:`node_layout` in the registry) instead of
+importing transformers to build the node types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "BUILTIN_LAYOUTS",
+    "DYNAMIC_CACHE_NAME",
+    "ENCODER_DECODER_CACHE_NAME",
+    "MAX_STATES",
+    "NODE_TYPE_VERSION",
+    "STATIC_CACHE_NAME",
+    "Layout",
+    "attention_name",
+    "dynamic_empty_dims",
+    "kind_children",
+    "positive_int",
+]
+
+NODE_TYPE_VERSION = 1
+DYNAMIC_CACHE_NAME = "transformers.DynamicCache"
+STATIC_CACHE_NAME = "transformers.StaticCache"
+ENCODER_DECODER_CACHE_NAME = "transformers.EncoderDecoderCache"
+
+MAX_STATES = 64
+"""A bound on a linear-attention layer's number of states read from a bundle."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a node type's stored children mean for shape inference (see :class:`~iobundle.calls.NodeType`).
+
+    Attributes:
+        empty_dim: The dimension along which a None child stands for a zero-length tensor, or None.
+        child_empty_dims: ``context -> [empty_dim per child]``; when given, it decides per child.
+    """
+
+    empty_dim: int | None = None
+    child_empty_dims: Callable[[Any], list[int | None]] | None = None
+
+
+def positive_int(value: Any, what: str, index: int, *, most: int | None = None) -> int:
+    """``value`` if it is a positive int (at most ``most``); a bundle's context is checked before use."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (most is not None and value > most):
+        bound = f" up to {most}" if most is not None else ""
+        raise ValueError(f"Layer {index} of the cache has {what} {value!r}; expected a positive integer{bound}.")
+    return value
+
+
+def attention_name(attention: Any) -> str | None:
+    """``None``, ``full``, ``sliding`` or ``static``: the attention part of a linear-attention kind (else ``?``)."""
+    if attention is None or attention == "full":
+        return attention
+    if isinstance(attention, dict) and len(attention) == 1 and next(iter(attention)) in ("sliding", "static"):
+        return next(iter(attention))
+    return "?"
+
+
+def kind_children(kind: Any, index: int, cache: str) -> int:
+    """How many children a layer of ``kind`` flattens to in ``cache`` (checking the kind read from a bundle).
+
+    Raises:
+        ValueError: ``kind`` is not a layer kind of ``cache``.
+    """
+    attention = 3 if cache == "StaticCache" else 2
+    if kind in ("full", "dummy") or (isinstance(kind, dict) and ("sliding" in kind or "static" in kind)):
+        return attention
+    if kind == "indexed":
+        return 4
+    if isinstance(kind, dict) and "linear" in kind:
+        states = positive_int(kind["linear"], "a number of states", index, most=MAX_STATES)
+        part = attention_name(kind.get("attention"))
+        if part not in (("static", None) if cache == "StaticCache" else ("full", "sliding", None)):
+            raise ValueError(f"Layer {index} of the {cache} has an unknown attention kind {kind.get('attention')!r}.")
+        return 2 * states + (0 if part is None else attention)
+    raise ValueError(f"Layer {index} of the {cache} has an unknown kind {kind!r}.")
+
+
+def dynamic_empty_dims(context: Any) -> list[int | None]:
+    """Per child of a ``DynamicCache``, the dimension along which a None child stands for an empty tensor.
+
+    Keys, values and indexer keys grow along the sequence (``-2``), indexer positions along their
+    last dimension; convolution and recurrent states do not grow: a None state is absent (the
+    prefill of a state-space layer takes another code path than a step with a state). A malformed
+    context gives ``[]`` (it is refused when the cache is rebuilt).
+
+    Example:
+        >>> dynamic_empty_dims(["full", {"linear": 1}])
+        [-2, -2, None, None]
+    """
+    dims: list[int | None] = []
+    if not isinstance(context, list):
+        return dims
+    for i, kind in enumerate(context):
+        try:
+            count = kind_children(kind, i, "DynamicCache")
+        except ValueError:
+            return []
+        if kind == "indexed":
+            dims.extend([-2, -2, -2, -1])
+        elif isinstance(kind, dict) and "linear" in kind:
+            attention = 2 if "attention" in kind else 0
+            dims.extend([-2] * attention + [None] * (count - attention))
+        else:
+            dims.extend([-2] * count)
+    return dims
+
+
+BUILTIN_LAYOUTS: dict[tuple[str, int], Layout] = {
+    # a layer not filled yet is (B, H, 0, D)
+    (DYNAMIC_CACHE_NAME, NODE_TYPE_VERSION): Layout(empty_dim=-2, child_empty_dims=dynamic_empty_dims),
+    (STATIC_CACHE_NAME, NODE_TYPE_VERSION): Layout(),
+    (ENCODER_DECODER_CACHE_NAME, NODE_TYPE_VERSION): Layout(),
+}
+"""The layouts of the built-in node types, by name and version (a node type not listed has the default layout)."""
