@@ -33,11 +33,13 @@ __all__ = [
     "Layout",
     "NodeType",
     "TensorCollector",
+    "attention_name",
     "build_value",
     "call_key",
     "collect_tensor_keys",
     "count_leaves",
     "count_tensors",
+    "dynamic_cache_parts",
     "find_node_type",
     "iter_tensor_nodes",
     "lookup_node_type",
@@ -100,7 +102,14 @@ from iobundle.calls._config import MAX_CONFIG_BYTES, read_stored_config
 from iobundle.calls._delta import DeltaIndex, Match, extends_bytes, rebuild
 from iobundle.calls._dtypes import DTYPE_TO_NAME, FLOATING_NAMES, NAME_TO_DTYPE, dtype_name
 from iobundle.calls._hashing import WRITE_HASH, new_hasher
-from iobundle.calls._layouts import DYNAMIC_CACHE_NAME, ENCODER_DECODER_CACHE_NAME, STATIC_CACHE_NAME, Layout
+from iobundle.calls._layouts import (
+    DYNAMIC_CACHE_NAME,
+    ENCODER_DECODER_CACHE_NAME,
+    STATIC_CACHE_NAME,
+    Layout,
+    attention_name,
+    dynamic_cache_parts,
+)
 from iobundle.calls._paths import OUTPUT_ROOT, child_path, item_labels, path_matches, tensor_paths
 from iobundle.calls._record import record_inputs, split_kwargs
 from iobundle.calls._registry import (

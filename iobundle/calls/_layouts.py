@@ -22,6 +22,7 @@ __all__ = [
     "STATIC_CACHE_NAME",
     "Layout",
     "attention_name",
+    "dynamic_cache_parts",
     "dynamic_empty_dims",
     "kind_children",
     "positive_int",
@@ -114,6 +115,37 @@ def dynamic_empty_dims(context: Any) -> list[int | None]:
         else:
             dims.extend([-2] * count)
     return dims
+
+
+def dynamic_cache_parts(context: Any) -> list[tuple[Any, str]]:
+    """Per child of a ``DynamicCache``, its layer's kind and what the child is.
+
+    ``"key"`` and ``"value"`` for the attention part of a layer (keys first), ``"indexer_key"`` and
+    ``"indexer_position"`` for the indexer of an indexed layer, ``"state"`` for the convolution
+    and recurrent states of a linear-attention layer (after its attention part, as they are
+    flattened). A malformed context gives ``[]``.
+
+    Example:
+        >>> dynamic_cache_parts(["full", {"linear": 1}])
+        [('full', 'key'), ('full', 'value'), ({'linear': 1}, 'state'), ({'linear': 1}, 'state')]
+    """
+    parts: list[tuple[Any, str]] = []
+    if not isinstance(context, list):
+        return parts
+    for i, kind in enumerate(context):
+        try:
+            count = kind_children(kind, i, "DynamicCache")
+        except ValueError:
+            return []
+        if kind == "indexed":
+            names = ["key", "value", "indexer_key", "indexer_position"]
+        elif isinstance(kind, dict) and "linear" in kind:
+            attention = 2 if "attention" in kind else 0
+            names = ["key", "value"][:attention] + ["state"] * (count - attention)
+        else:
+            names = ["key", "value"][:count]
+        parts.extend((kind, name) for name in names)
+    return parts
 
 
 BUILTIN_LAYOUTS: dict[tuple[str, int], Layout] = {

@@ -478,6 +478,23 @@ class TestLinearAttentionLayers:
         assert context == [{"linear": 1, "attention": "full"}] * 2
         assert [c.dim() for c in children] == [4, 4, 3, 4] * 2
 
+    def test_cache_parts_name_each_child_of_a_hybrid_layout(self, lfm2_calls: Any, falcon_h1_calls: Any) -> None:
+        """What shape inference's dim names read: the attention part's keys and values, then the states."""
+        from iobundle.calls import dynamic_cache_parts
+
+        for calls, dims in ((lfm2_calls[1], [3, None, 4, 4]), (falcon_h1_calls[1], [4, 4, 3, 4] * 2)):
+            children, context = flatten(calls[1]["cache"])
+            parts = [part for _, part in dynamic_cache_parts(context)]
+            assert len(parts) == len(children) == len(dims)
+            assert all(c.dim() == 4 for c, p in zip(children, parts) if p in ("key", "value"))
+        assert [p for _, p in dynamic_cache_parts(flatten(lfm2_calls[1][1]["cache"])[1])] == [
+            "state", "state", "key", "value",
+        ]  # fmt: skip
+        assert [p for _, p in dynamic_cache_parts(flatten(falcon_h1_calls[1][1]["cache"])[1])] == [
+            "key", "value", "state", "state",
+        ] * 2  # fmt: skip
+        assert dynamic_cache_parts("not a list") == [] and dynamic_cache_parts([{"bogus": 1}]) == []
+
     @pytest.mark.parametrize("fixture", ["mamba_calls", "lfm2_calls", "falcon_h1_calls"])
     def test_decode_caches_rebuild_to_the_same_logits(self, fixture: str, request: pytest.FixtureRequest) -> None:
         model, calls = request.getfixturevalue(fixture)

@@ -35,7 +35,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from iobundle._lazy import lazy_module
-from iobundle.calls import DYNAMIC_CACHE_NAME, ENCODER_DECODER_CACHE_NAME, STATIC_CACHE_NAME, RecordedCalls
+from iobundle.calls import (
+    DYNAMIC_CACHE_NAME,
+    ENCODER_DECODER_CACHE_NAME,
+    STATIC_CACHE_NAME,
+    RecordedCalls,
+    attention_name,
+    dynamic_cache_parts,
+)
 from iobundle.errors import InputSelectionError
 from iobundle.replay.infer._dynamic_dim import DynamicDim
 from iobundle.schema import Node, ObjectNode, TensorNode
@@ -95,7 +102,7 @@ class _Slot:
     position: int  # among the tensors of its input
     count: int  # tensors of its input
     cache: str | None = None  # "self", "cross", "static", "sliding"
-    cache_part: str | None = None  # "key", "value", "length"
+    cache_part: str | None = None  # "key", "value", "length", "state", "indexer_key", "indexer_position"
 
 
 def _input_name(rc: RecordedCalls, owner: int | str) -> str:
@@ -135,13 +142,16 @@ def _walk(node: Node, cache: str | None, part: str | None, found: list[tuple[str
                 _walk(child, "cross" if index == 1 else (cache or "self"), None, found)
             return
         if node.type == DYNAMIC_CACHE_NAME:
-            kinds = node.context if isinstance(node.context, list) else []
+            parts = dynamic_cache_parts(node.context)
             for index, child in enumerate(items):
-                kind = kinds[index // 2] if index // 2 < len(kinds) else None
+                kind, part = parts[index] if len(parts) == len(items) else (None, "key" if index % 2 == 0 else "value")
                 role = cache or "self"
-                if isinstance(kind, dict) and "sliding" in kind and role == "self":
+                sliding = isinstance(kind, dict) and (
+                    "sliding" in kind or ("linear" in kind and attention_name(kind.get("attention")) == "sliding")
+                )
+                if sliding and role == "self":
                     role = "sliding"
-                _walk(child, role, "key" if index % 2 == 0 else "value", found)
+                _walk(child, role, part, found)
             return
         if node.type == STATIC_CACHE_NAME:
             for index, child in enumerate(items):
@@ -172,6 +182,8 @@ def conventional_name(slot: _Slot, dim: int, rank: int) -> str | None:
             return None
         if dim == 0:
             return BATCH
+        if slot.cache_part in ("state", "indexer_position"):  # no sequence axis at rank - 2
+            return None
         if dim == rank - 2:
             return _cache_name(slot.cache, prefix)
         return None
