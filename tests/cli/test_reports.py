@@ -19,6 +19,7 @@ import torch
 
 from iobundle import InputObserver
 from iobundle.cli import main
+from iobundle.schema import FORMAT_VERSION
 
 pytest.importorskip("onnxruntime")
 
@@ -101,7 +102,7 @@ def test_markdown_report_is_ready_for_an_issue(cwd, capsys):
     assert "❌ **FAIL\\: 0/3 calls within atol\\=0\\.0001 rtol\\=0**" in text
     assert "<h2>iobundle validate: shifted.onnx</h2>" in markdown_html(text)
     assert "iobundle validate run.iobundle shifted.onnx --rtol 0 --report r.md" in text  # the command, as run
-    assert "**Bundle.** `run.iobundle` \\(iobundle v3\\) holds 3 recorded calls of `" in text
+    assert f"**Bundle.** `run.iobundle` \\(iobundle v{FORMAT_VERSION}\\) holds 3 recorded calls of `" in text
     assert re.search(r"\*\*Environment\.\*\* python [\d.]+, .*torch [\d.]+.*onnxruntime [\d.]+", text)
     calls = text.split("### Calls", 1)[1].split("###", 1)[0]
     assert calls.count("| FAIL\\: mismatch |") == 3 and "| logits |" in calls  # the terminal's wording
