@@ -258,3 +258,11 @@ def thread_writer(monkeypatch: pytest.MonkeyPatch) -> None:
     from iobundle.capture import _stream
 
     monkeypatch.setattr(_stream, "WRITER", "thread")
+
+
+@pytest.fixture
+def process_writer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streams write with the writer process (``IOBUNDLE_WRITER=process``), for the tests of that writer."""
+    from iobundle.capture import _stream
+
+    monkeypatch.setattr(_stream, "WRITER", "process")

@@ -4,11 +4,11 @@ Who does what:
 
 - The model's threads (any number) record calls. They only copy tensors (:meth:`SnapshotTable.snapshot`)
   and, when a call returns, hand it to the writer with :meth:`CallStream.submit`.
-- A writer process (:mod:`iobundle.capture._writer_process`, the default where CUDA is not available,
+- A writer process (:mod:`iobundle.capture._writer_process`, with ``IOBUNDLE_WRITER=process``,
   :data:`WRITER`) does
   the writing below with its own interpreter lock: :meth:`CallStream.submit` copies the call's
   new tensors into shared memory and hands it over; the answers come back in call order and
-  drop the written snapshots from memory. Where no process can be started:
+  drop the written snapshots from memory. By default, or where no process can be started:
 - One writer thread per stream (or, for a small CPU call, the thread that submits it) writes
   the call's new tensors (a tensor that extends one written recently, such as a growing KV cache,
   as its new part only): the small ones appended as one range to the current segment
@@ -86,24 +86,16 @@ BUDGET_CALLS = 1.5
 """While the writer still holds buffers of earlier calls, the pool lends at most this many times
 the largest call's pooled bytes; a copy beyond it waits for the writer to return a buffer."""
 
-WRITER = os.environ.get("IOBUNDLE_WRITER", "auto")
-"""Where a stream's calls are written: ``"process"`` (a writer process fed through shared memory,
-:mod:`iobundle.capture._writer_process`), ``"thread"`` (a thread of the recording process), or
-``"auto"`` (the default: the thread where CUDA is available, else the process; see
-:func:`stream_writer_kind`). ``IOBUNDLE_WRITER`` in the environment sets it when iobundle is
-imported. See docs/capture.md for the measurements behind the default."""
+WRITER = os.environ.get("IOBUNDLE_WRITER", "thread")
+"""Where a stream's calls are written: ``"thread"`` (the default: a thread of the recording
+process) or ``"process"`` (a writer process fed through shared memory,
+:mod:`iobundle.capture._writer_process`). ``IOBUNDLE_WRITER=process`` in the environment sets it
+when iobundle is imported. See docs/capture.md for the measurements behind the default."""
 
 
 def stream_writer_kind() -> str:
-    """``"process"`` or ``"thread"``: what :data:`WRITER` means for a stream opened now.
-
-    ``"auto"`` takes the thread where CUDA is available: there the thread copies device tensors
-    on a side stream into pinned buffers while the model goes on, where the hand-off to the
-    process would copy them synchronously into unpinned shared memory on the model's thread.
-    """
-    if WRITER in ("process", "thread"):
-        return WRITER
-    return "thread" if torch.cuda.is_available() else "process"
+    """``"process"`` or ``"thread"``: what :data:`WRITER` means for a stream opened now (anything but ``"process"`` is the thread)."""
+    return "process" if WRITER == "process" else "thread"
 
 
 _HEADER_CACHE = 64

@@ -472,8 +472,9 @@ def wait_listed(bundle: Path, n: int) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.usefixtures("process_writer")
 class TestWriterProcess:
-    """The default writer: a process fed through shared memory (``iobundle.capture._writer_process``)."""
+    """The writer process fed through shared memory (``iobundle.capture._writer_process``, ``IOBUNDLE_WRITER=process``)."""
 
     @staticmethod
     def parent_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -516,8 +517,8 @@ class TestWriterProcess:
         for i, call in enumerate(loaded.calls):
             assert torch.equal(loaded.tensor(call.args[0].key), torch.arange(10 + i))
 
-    @pytest.mark.parametrize("variable", ["thread", None])
-    def test_iobundle_writer_thread_in_the_environment_writes_with_a_thread(
+    @pytest.mark.parametrize("variable", ["process", "thread", None])
+    def test_iobundle_writer_process_in_the_environment_writes_with_a_process(
         self, tmp_path: Path, variable: str | None
     ) -> None:
         script = textwrap.dedent(
@@ -538,20 +539,15 @@ class TestWriterProcess:
             env["IOBUNDLE_WRITER"] = variable
         done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
-        assert done.stdout.split() == (["0", "2"] if variable == "thread" else ["1", "2"])
+        assert done.stdout.split() == (["1", "2"] if variable == "process" else ["0", "2"])  # default: the thread
 
-    @pytest.mark.parametrize(("setting", "cuda", "kind"), [
-        ("auto", False, "process"), ("auto", True, "thread"),
-        ("process", True, "process"), ("thread", False, "thread"),
-    ])  # fmt: skip
-    def test_the_default_writer_is_the_thread_where_cuda_is_available(
-        self, monkeypatch: pytest.MonkeyPatch, setting: str, cuda: bool, kind: str
+    @pytest.mark.parametrize(("setting", "kind"), [("process", "process"), ("thread", "thread"), ("", "thread")])
+    def test_only_process_selects_the_writer_process(
+        self, monkeypatch: pytest.MonkeyPatch, setting: str, kind: str
     ) -> None:
-        """Where CUDA is available the thread keeps its side-stream copies into pinned buffers."""
         from iobundle.capture import _stream
 
         monkeypatch.setattr(_stream, "WRITER", setting)
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
         assert _stream.stream_writer_kind() == kind
 
     def test_the_next_stream_reuses_the_idle_writer_process(self, tmp_path: Path) -> None:
