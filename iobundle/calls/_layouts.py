@@ -87,36 +87,6 @@ def kind_children(kind: Any, index: int, cache: str) -> int:
     raise ValueError(f"Layer {index} of the {cache} has an unknown kind {kind!r}.")
 
 
-def dynamic_empty_dims(context: Any) -> list[int | None]:
-    """Per child of a ``DynamicCache``, the dimension along which a None child stands for an empty tensor.
-
-    Keys, values and indexer keys grow along the sequence (``-2``), indexer positions along their
-    last dimension; convolution and recurrent states do not grow: a None state is absent (the
-    prefill of a state-space layer takes another code path than a step with a state). A malformed
-    context gives ``[]`` (it is refused when the cache is rebuilt).
-
-    Example:
-        >>> dynamic_empty_dims(["full", {"linear": 1}])
-        [-2, -2, None, None]
-    """
-    dims: list[int | None] = []
-    if not isinstance(context, list):
-        return dims
-    for i, kind in enumerate(context):
-        try:
-            count = kind_children(kind, i, "DynamicCache")
-        except ValueError:
-            return []
-        if kind == "indexed":
-            dims.extend([-2, -2, -2, -1])
-        elif isinstance(kind, dict) and "linear" in kind:
-            attention = 2 if "attention" in kind else 0
-            dims.extend([-2] * attention + [None] * (count - attention))
-        else:
-            dims.extend([-2] * count)
-    return dims
-
-
 def dynamic_cache_parts(context: Any) -> list[tuple[Any, str]]:
     """Per child of a ``DynamicCache``, its layer's kind and what the child is.
 
@@ -146,6 +116,25 @@ def dynamic_cache_parts(context: Any) -> list[tuple[Any, str]]:
             names = ["key", "value"][:count]
         parts.extend((kind, name) for name in names)
     return parts
+
+
+_GROWS_ALONG = {"key": -2, "value": -2, "indexer_key": -2, "indexer_position": -1, "state": None}
+
+
+def dynamic_empty_dims(context: Any) -> list[int | None]:
+    """Per child of a ``DynamicCache``, the dimension along which a None child stands for an empty tensor.
+
+    Keys, values and indexer keys grow along the sequence (``-2``), indexer positions along their
+    last dimension; convolution and recurrent states do not grow: a None state is absent (the
+    prefill of a state-space layer takes another code path than a step with a state). A malformed
+    context gives ``[]`` (it is refused when the cache is rebuilt). Read from
+    :func:`dynamic_cache_parts`.
+
+    Example:
+        >>> dynamic_empty_dims(["full", {"linear": 1}])
+        [-2, -2, None, None]
+    """
+    return [_GROWS_ALONG[part] for _, part in dynamic_cache_parts(context)]
 
 
 BUILTIN_LAYOUTS: dict[tuple[str, int], Layout] = {
