@@ -78,7 +78,7 @@ def _write_export_reports(
     """Write each --report file: JSON as :func:`export_report_json`, the other formats as validate's reports."""
     import json
 
-    from iobundle.cli._reports import render_report, report_format
+    from iobundle.cli._reports import render_report, report_format, write_report_text
 
     report = None
     for file in args.report:
@@ -94,11 +94,7 @@ def _write_export_reports(
                     tolerances=tolerances, command=_checks.command_line(args),
                 )  # fmt: skip
             text = render_report(report, fmt)
-        try:
-            with open(file, "w", encoding="utf-8", newline="") as f:
-                f.write(text)
-        except OSError as exc:
-            raise CLIError(f"--report {file}: cannot write it ({exc.strerror or exc}).") from exc
+        write_report_text(text, file)
         if not _checks.quiet(args):
             _render.out(f"report written to {file}")
 

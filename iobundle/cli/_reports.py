@@ -37,7 +37,7 @@ from iobundle.errors import CLIError
 if TYPE_CHECKING:
     from iobundle.replay import Report
 
-__all__ = ["REPORT_FORMATS", "render_report", "report_format", "write_report"]
+__all__ = ["REPORT_FORMATS", "render_report", "report_format", "write_report", "write_report_text"]
 
 REPORT_FORMATS = {
     ".json": "json",
@@ -86,13 +86,21 @@ def write_report(report: Report, path: str) -> str:
         CLIError: Unknown extension, or the file cannot be written.
     """
     fmt = report_format(path)
-    text = render_report(report, fmt)
+    write_report_text(render_report(report, fmt), path)
+    return fmt
+
+
+def write_report_text(text: str, path: str) -> None:
+    """Write a rendered report to ``path``.
+
+    Raises:
+        CLIError: The file cannot be written.
+    """
     try:
         with open(path, "w", encoding="utf-8", newline="") as f:
             f.write(text)
     except OSError as exc:
         raise CLIError(f"--report {path}: cannot write it ({exc.strerror or exc}).") from exc
-    return fmt
 
 
 def render_report(report: Report, fmt: str) -> str:
