@@ -9,6 +9,8 @@ RESULTS_BEGIN = "<!-- results:begin (written by benchmarks/run.py; edit outside 
 RESULTS_END = "<!-- results:end -->"
 LARGE_BEGIN = "<!-- large:begin (written by benchmarks/large.py; edit outside these markers) -->"
 LARGE_END = "<!-- large:end -->"
+LAYERS_BEGIN = "<!-- layers:begin (written by benchmarks/layers.py; edit outside these markers) -->"
+LAYERS_END = "<!-- layers:end -->"
 # -- output -----------------------------------------------------------------------------------------
 
 
