@@ -177,6 +177,8 @@ def run_child(args: argparse.Namespace) -> int:
         profiler.dump_stats(args.profile)
     else:
         out = _export_and_validate(args)
+    if args.child == "export":  # also beside the ONNX file (kept with --keep): a run cut short keeps its last steps
+        Path(args.onnx).with_name("steps.json").write_text(json.dumps(out, indent=1) + "\n", "utf-8")
     print(json.dumps(out))
     return 0
 
