@@ -12,13 +12,16 @@ the functions that ``torch.onnx.export`` calls in turn):
 
 - load the model from the bundle; inference (aligned calls, dynamic shapes, arguments);
 - ``torch.export``; the check on every recorded call; the check beyond the recorded calls;
-- ``torch.onnx.export``, split: our graph rewrites before it, the decompositions
+- ``torch.onnx.export``, split: what comes before the decompositions (our graph rewrites, torch's
+  registry of ONNX functions), the decompositions
   (``run_decompositions``), the FX-to-ONNX translation, onnxscript's optimizer, our own passes after
   it (names of the outputs, inputs and axes, metadata), the save;
 - validate (onnxruntime on every recorded call).
 
-Each step's growth between two layer counts is the exponent ``log(time ratio) / log(layer ratio)``
-(1 is linear), from the fastest repetition of each size; the exponent over the whole range is the
+Each step's time is its CPU time (``time.process_time``: on a shared machine a process's wall time
+follows the others' load, its CPU time much less; both are kept in the JSON). Its growth between two
+layer counts is the exponent ``log(time ratio) / log(layer ratio)`` (1 is linear), from the least
+repetition of each size; the exponent over the whole range is the
 least-squares slope of log time against log layers. ``--profile DIR`` also writes a cProfile of each
 export process to ``DIR`` (the timings then include the profiler's overhead).
 
@@ -55,7 +58,7 @@ STEPS = (
     "the program as a module (ExportedProgram.module())",
     "check on every recorded call",
     "check beyond the recorded calls",
-    "ONNX: our rewrites before torch.onnx.export",
+    "ONNX: before the decompositions (our rewrites, torch's ONNX function registry)",
     "ONNX: decompositions (run_decompositions)",
     "ONNX: FX→ONNX translation",
     "ONNX: onnxscript optimizer",
@@ -90,6 +93,23 @@ def _capture(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+class CpuSampler(PhaseSampler):
+    """:class:`PhaseSampler` that also counts each phase's CPU seconds (``time.process_time``).
+
+    The machine is shared: a process's wall time follows the others' load, its CPU time much less
+    (the work it did, not the time it waited for a core), so the exponents are taken from CPU time.
+    """
+
+    def mark(self, name: str) -> None:
+        if self.phases and self.phases[-1]["phase"] == name:
+            return
+        now = time.process_time()
+        if self.phases:
+            self.phases[-1]["cpu_seconds"] = now - self.phases[-1]["cpu_begin"]
+        super().mark(name)
+        self.phases[-1]["cpu_begin"] = now
+
+
 def _wrap(owner: Any, name: str, before: str, after: str | None, sampler: PhaseSampler) -> None:
     """Mark ``before`` when ``owner.name`` is called and ``after`` (if any) when it returns."""
     original = getattr(owner, name)
@@ -120,7 +140,7 @@ def _export_and_validate(args: argparse.Namespace) -> dict[str, Any]:
     from iobundle import load_bundle
     from iobundle.replay import ProgressEvent, load_bundle_model
 
-    sampler = PhaseSampler()
+    sampler = CpuSampler()
     _mark_onnx_steps(sampler)
 
     def on_progress(event: ProgressEvent) -> None:
@@ -148,12 +168,14 @@ def _export_and_validate(args: argparse.Namespace) -> dict[str, Any]:
     if not report.ok:
         raise SystemExit(f"validate: {report.verdict()}")
     phases = sampler.stop()
-    seconds = {step: 0.0 for step in STEPS}
+    cpu, wall = {step: 0.0 for step in STEPS}, {step: 0.0 for step in STEPS}
     for p in phases:
-        if p["phase"] in seconds:
-            seconds[p["phase"]] += p["seconds"]
-    other = sum(p["seconds"] for p in phases if p["phase"] not in seconds and p["phase"] not in ("start",))
-    return {"seconds": seconds, "other_seconds": other, "rss_peak": max(p["rss_peak"] for p in phases)}
+        if p["phase"] in cpu:
+            cpu[p["phase"]] += p["cpu_seconds"]
+            wall[p["phase"]] += p["seconds"]
+    other = sum(p["cpu_seconds"] for p in phases if p["phase"] not in cpu and p["phase"] != "start")
+    return {"cpu_seconds": cpu, "wall_seconds": wall, "other_cpu_seconds": other,
+            "rss_peak": max(p["rss_peak"] for p in phases)}  # fmt: skip
 
 
 def run_child(args: argparse.Namespace) -> int:
@@ -222,13 +244,13 @@ def summarise(layer_counts: list[int], runs: dict[int, list[dict[str, Any]]]) ->
     for step in (*STEPS, "total"):
         best = []
         for n in layer_counts:
-            times = [sum(r["seconds"].values()) if step == "total" else r["seconds"][step] for r in runs[n]]
+            times = [sum(r["cpu_seconds"].values()) if step == "total" else r["cpu_seconds"][step] for r in runs[n]]
             best.append(min(times))
         pairs = [
             _growth(a, b, la, lb)
             for (a, b), (la, lb) in zip(itertools.pairwise(best), itertools.pairwise(layer_counts))
         ]
-        rows.append({"step": step, "seconds": best, "pair_exponents": pairs, "exponent": slope(layer_counts, best)})
+        rows.append({"step": step, "cpu_seconds": best, "pair_exponents": pairs, "exponent": slope(layer_counts, best)})
     return rows
 
 
@@ -246,7 +268,8 @@ def measure(args: argparse.Namespace, workdir: Path, log: Any) -> dict[str, Any]
             profile = Path(args.profile) / f"export-{n}-{rep}.prof" if args.profile else None
             out = _run(_child_argv(args, "export", n, workdir / f"layers-{n}", profile))
             runs[n].append(out)
-            log(f"rep {rep + 1}/{args.reps}, {n} layers: {sum(out['seconds'].values()):.1f} s of steps")
+            log(f"rep {rep + 1}/{args.reps}, {n} layers: {sum(out['cpu_seconds'].values()):.1f} CPU s of steps "
+                f"({sum(out['wall_seconds'].values()):.1f} s wall)")  # fmt: skip
     if not args.keep:
         for n in args.layer_counts:
             shutil.rmtree(workdir / f"layers-{n}", ignore_errors=True)
@@ -276,7 +299,8 @@ def render(results: dict[str, Any]) -> str:
         f"{cfg['prompt']} prompt tokens ({results['sizes'][0]['calls']} calls); torch threads {cfg['threads']}.",
         f"- Machine: {results['machine']}; load average {results['loadavg_start']} at the start, "
         f"{results['loadavg_end']} at the end.",
-        f"- Each step's time is the fastest of {cfg['reps']} repetitions (sizes interleaved, each a fresh process). "
+        f"- Each step's time is its CPU time (`time.process_time`: the machine is shared, and wall time follows the "
+        f"others' load), the least of {cfg['reps']} repetitions (sizes interleaved, each a fresh process). "
         "Exponent: log(time ratio) / log(layer ratio) between neighbouring sizes; over the range, the "
         f"least-squares slope of log time against log layers. 1 is linear; target ≤ {GROWTH_TARGET}.",
         "",
@@ -286,7 +310,7 @@ def render(results: dict[str, Any]) -> str:
     ]  # fmt: skip
     for row in results["steps"]:
         name = f"**{row['step']}**" if row["step"] == "total" else row["step"]
-        times = " | ".join(f"{s:.2f} s" for s in row["seconds"])
+        times = " | ".join(f"{s:.2f} s" for s in row["cpu_seconds"])
         pairs = " | ".join(_exp(e) for e in row["pair_exponents"])
         ok = not row["exponent"] > GROWTH_TARGET  # nan (a step too short to time) is not a failure
         lines.append(f"| {name} | {times} | {pairs} | {_exp(row['exponent'])} | {_met(ok)} |")

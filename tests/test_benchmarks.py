@@ -213,15 +213,15 @@ def test_layers_benchmark_gives_each_step_its_growth_exponent():
     counts = [6, 12, 24]
     # a linear step, a quadratic one, a constant one: exponents 1, 2, 0 between every pair and over the range
     runs = {
-        n: [{"seconds": {step: 0.1 * n if i == 0 else 0.01 * n * n if i == 1 else 3.0 for i, step in enumerate(layers.STEPS)}}
+        n: [{"cpu_seconds": {step: 0.1 * n if i == 0 else 0.01 * n * n if i == 1 else 3.0 for i, step in enumerate(layers.STEPS)}}
             for _ in range(2)]
         for n in counts
     }  # fmt: skip
-    runs[12][1]["seconds"][layers.STEPS[0]] = 5.0  # a slower repetition: the fastest one counts
+    runs[12][1]["cpu_seconds"][layers.STEPS[0]] = 5.0  # a slower repetition: the fastest one counts
     rows = {r["step"]: r for r in layers.summarise(counts, runs)}
     assert list(rows) == [*layers.STEPS, "total"]
     linear, quadratic, constant = rows[layers.STEPS[0]], rows[layers.STEPS[1]], rows[layers.STEPS[2]]
-    assert linear["seconds"] == pytest.approx([0.6, 1.2, 2.4])
+    assert linear["cpu_seconds"] == pytest.approx([0.6, 1.2, 2.4])
     assert linear["pair_exponents"] == pytest.approx([1, 1]) and linear["exponent"] == pytest.approx(1)
     assert quadratic["pair_exponents"] == pytest.approx([2, 2]) and quadratic["exponent"] == pytest.approx(2)
     assert constant["exponent"] == pytest.approx(0)
@@ -269,9 +269,10 @@ def test_layers_benchmark_runs_end_to_end_on_two_tiny_sizes(tmp_path):
     assert [s["layers"] for s in results["sizes"]] == [1, 2]
     for size in results["sizes"]:
         assert size["calls"] == 2 and len(size["runs"]) == 1
-        seconds = size["runs"][0]["seconds"]
-        assert list(seconds) == list(layers.STEPS)
-        assert all(seconds[step] > 0 for step in layers.STEPS), seconds  # every step was marked
+        run = size["runs"][0]
+        assert list(run["cpu_seconds"]) == list(run["wall_seconds"]) == list(layers.STEPS)
+        assert all(run["wall_seconds"][step] > 0 for step in layers.STEPS), run  # every step was marked
+        assert all(run["cpu_seconds"][step] >= 0 for step in layers.STEPS), run
     assert [r["step"] for r in results["steps"]] == [*layers.STEPS, "total"]
     assert all(len(r["pair_exponents"]) == 1 for r in results["steps"])
     table = (out / "BENCHMARKS.md").read_text("utf-8")
