@@ -340,6 +340,7 @@ def test_patches_apply_only_where_needed() -> None:
         "whisper_cross_attention_recompute",
         "latent_keys_concat",
         "real_rotary",
+        "sizes_through_int",
         "contiguous_last_token",
     ]
 
