@@ -357,11 +357,9 @@ FAMILIES: list[Family] = [
             prompt=7,
             new_tokens=6,
         ),
-        notes="chunked attention (chunk 4, 13 tokens: past the chunk) + NoPE full attention, MoE",
-        known_failure=(
-            "every recorded call reproduces (one program, ep and onnxruntime); the check beyond the recorded "
-            "calls fails at batch 1: Guard failed: position_ids.size()[0] * input_ids.size()[1] != 1 "
-            "(issue 19 item 4)"
+        notes=(
+            "chunked attention (chunk 4, 13 tokens: past the chunk) + NoPE full attention, MoE; batch 1 served by "
+            "the remedy layout_copies_every_rank (its routing guarded batch * length != 1)"
         ),
     ),
     Family(
