@@ -107,6 +107,14 @@ The patches (checked against torch 2.13 and transformers 5.24):
     contiguous, and the matmul on it makes ``torch.export`` guard ``batch == 1``. A forward
     pre-hook on the output embeddings makes the input contiguous, so the batch stays dynamic.
     Applied only when the batch dimension is dynamic.
+
+Remedies are not entered by :func:`export_patches`: the export tries them only when the check
+beyond the recorded calls finds a guard (``iobundle.replay.export._dims.GUARD_REMEDIES``), and
+keeps their program only when it serves that check and every recorded call:
+
+``layout_copies_every_rank``
+    ``layout_copies`` for the reshapes of 2-D tensors too, for any module: see
+    :func:`layout_copies_every_rank`.
 """
 
 from __future__ import annotations
