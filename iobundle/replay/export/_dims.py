@@ -17,8 +17,10 @@ does, the first program is kept and the check stays failed, with what was tried
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,10 +101,18 @@ class GuardRemedy:
     Attributes:
         name: As reports list it (``BatchCheck.remedy``, ``ExportReport.options``).
         does: What the re-export changes, in words.
+        context: Returns the context manager entered while tracing the re-export.
     """
 
     name: str
     does: str
+    context: Callable[[], contextlib.AbstractContextManager[None]]
+
+
+def _layout_copies_every_rank() -> contextlib.AbstractContextManager[None]:
+    from iobundle.replay.export._patches import layout_copies_every_rank
+
+    return layout_copies_every_rank()
 
 
 GUARD_REMEDIES: tuple[GuardRemedy, ...] = (
@@ -111,6 +121,7 @@ GUARD_REMEDIES: tuple[GuardRemedy, ...] = (
         "reshapes of possibly non-contiguous tensors of rank 2 and more traced as copies, so that a "
         "view-or-copy decision on a size that was not 1 in the traced call (the tokens of a transposed "
         "(tokens, experts) tensor) is not a guard",
+        _layout_copies_every_rank,
     ),
 )
 """The remedies, tried in order (see :func:`iobundle.replay.export._patches.layout_copies_every_rank`).

@@ -289,16 +289,9 @@ def export_context(
                 export_patches(model, dynamic=dynamic, dynamic_batch=dynamic_batch, applied=report.patches)
             )
             if remedy is not None:
-                stack.enter_context(_remedy_context(remedy))
+                stack.enter_context(remedy.context())
                 report.options.append(f"remedy {remedy.name}: {remedy.does}")
         yield
-
-
-def _remedy_context(remedy: GuardRemedy) -> contextlib.AbstractContextManager[None]:
-    from iobundle.replay.export._patches import layout_copies_every_rank
-
-    contexts = {"layout_copies_every_rank": layout_copies_every_rank}
-    return contexts[remedy.name]()
 
 
 def _check_calls(
