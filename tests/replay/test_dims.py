@@ -282,3 +282,19 @@ def test_explain_guard_names_the_assumption(guard, expected):
 
     assert explain_guard(f"AssertionError: {guard}", 2).startswith(expected)
     assert explain_guard("RuntimeError: shapes differ", 2) is None
+
+
+def test_the_program_a_remedy_serves_runs_the_refused_batch_in_onnxruntime(tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    model = TokenScores("reshape").eval()
+    observer = record_decode(model)
+    path = observer.to_onnx(model, tmp_path / "scores.onnx", set_batch_dimension_for=True)
+    assert observer.export_report().batch_check.remedy == "layout_copies_every_rank"
+    assert all(row["SUCCESS"] for row in observer.check_discrepancies(path))  # every recorded call
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    with torch.no_grad():
+        for length in (1, 3):
+            x, past = torch.randn(1, length, 4), torch.randn(1, 6, 3)
+            (got,) = session.run(None, dict(zip(names, [x.numpy(), past.numpy()])))
+            torch.testing.assert_close(torch.from_numpy(got), model(x, past), atol=1e-6, rtol=1e-5)
