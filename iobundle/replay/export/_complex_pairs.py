@@ -126,14 +126,14 @@ def _lifted(value: Any, like: torch.Tensor) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         if _is_complex(value):
             return _pair(value)
-        return torch.stack([value, torch.zeros_like(value)], dim=-1).to(like.dtype)
+        return torch.stack([value, torch.zeros_like(value)], dim=-1)
     number = complex(value)
     return torch.tensor([number.real, number.imag], dtype=like.dtype, device=like.device)
 
 
 def _plus(a: Any, b: Any, sign: float) -> torch.Tensor:
     like = _pair(_complex_tensor_first(a, b)[0])
-    return _lifted(a, like) + sign * _lifted(b, like)
+    return _lifted(a, like) + _lifted(b, like) if sign > 0 else _lifted(a, like) - _lifted(b, like)
 
 
 def _over(a: Any, b: Any) -> torch.Tensor:

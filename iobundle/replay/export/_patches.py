@@ -105,7 +105,8 @@ The patches (checked against torch 2.13 and transformers 5.24):
     :mod:`iobundle.replay.export._complex_pairs`): it is found by what the code computes, not by
     the model's class, so it is entered for every trace and listed on the report only when the
     model computed something complex. The same arithmetic on real numbers (differences at
-    float rounding level).
+    float rounding level). Entered last, so that it is the innermost mode: the model's ops reach
+    it first, and ``layout_copies`` sees real pairs only.
 
 ``contiguous_last_token``
     ``logits_to_keep=1`` slices the last position before ``lm_head``; the slice is not
