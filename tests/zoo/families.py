@@ -49,6 +49,8 @@ class Family:
         store_n_calls: How many calls each observer records (at least every call of the generate()).
         known_failure: Why the family does not pass yet; None when it must pass.
         dtype: The dtype the model runs (and is recorded) in: ``float32``, ``bfloat16``, ``float16``.
+        requires: A module the capture needs beyond the test dependencies (``optimum.quanto``);
+            where it cannot be imported the family's test is skipped.
     """
 
     name: str
@@ -59,6 +61,18 @@ class Family:
     store_n_calls: int = 32
     known_failure: str | None = None
     dtype: str = "float32"
+    requires: str | None = None
+
+
+# A quanto-quantized cache: 4-bit keys and values in groups of 8 channels (the head size of the
+# tiny models), the new tokens kept in full precision beside them (residual_length above the
+# number of new tokens: a decode step that moves the residual into the quantized states takes
+# another branch, which the programs of the other steps refuse by a guard; see docs/llm.md).
+QUANTO_CACHE: dict[str, Any] = {
+    "cache_implementation": "quantized",
+    "cache_config": {"backend": "quanto", "nbits": 4, "q_group_size": 8, "residual_length": 8},
+}
+QUANTO_NOTES = 'cache_implementation="quantized" (quanto, 4 bits, groups of 8, residual 8)'
 
 
 def _seeded(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
@@ -166,6 +180,12 @@ FAMILIES: list[Family] = [
         "llama_static_cache",
         decoder_only("LlamaConfig", "LlamaForCausalLM", generate={"cache_implementation": "static"}),
         notes='cache_implementation="static": preallocated cache, token counters as tensors',
+    ),
+    Family(
+        "llama_quantized_cache",
+        decoder_only("LlamaConfig", "LlamaForCausalLM", prompt=5, new_tokens=6, generate=QUANTO_CACHE),
+        notes=QUANTO_NOTES,
+        requires="optimum.quanto",
     ),
     Family(
         "mistral",
