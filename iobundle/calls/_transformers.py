@@ -115,10 +115,10 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as torch_pytree
-from torch.fx.experimental.symbolic_shapes import guard_or_false
 import transformers
 import transformers.generation.utils
 import transformers.modeling_outputs
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 from transformers.cache_utils import (
     Cache,
     CacheLayerMixin,
@@ -130,7 +130,6 @@ from transformers.cache_utils import (
     DynamicSlidingWindowLayer,
     EncoderDecoderCache,
     Fp8QuantizedLayer,
-    HQQQuantizedLayer,
     LinearAttentionAndFullAttentionLayer,
     LinearAttentionAndSlidingWindowAttentionLayer,
     LinearAttentionAndStaticFullAttentionLayer,
@@ -553,7 +552,7 @@ def _plain_states(states: Any, settings: dict[str, int], index: int) -> list[tor
         codes = torch.cat([(raw >> (nbits * j)) & ((1 << nbits) - 1) for j in range(per_byte)])[:rows]
     else:
         codes = packed
-    groups = size[:-1] + (size[-1] // group_size,)
+    groups = (*size[:-1], size[-1] // group_size)
     scale = states._scale.reshape(groups)
     shift = states._shift.reshape(groups)
     return [_pack_codes(codes.reshape(size).to(torch.uint8), nbits), scale, shift]

@@ -23,13 +23,14 @@ matrix says why. A known failure is never reported as a pass.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["FAMILIES", "Family", "family"]
+__all__ = ["FAMILIES", "Family", "family", "missing_requirement"]
 
 VOCAB = 100
 PAD = 0
@@ -73,6 +74,17 @@ QUANTO_CACHE: dict[str, Any] = {
     "cache_config": {"backend": "quanto", "nbits": 4, "q_group_size": 8, "residual_length": 8},
 }
 QUANTO_NOTES = 'cache_implementation="quantized" (quanto, 4 bits, groups of 8, residual 8)'
+
+
+def missing_requirement(entry: Family) -> str | None:
+    """Why ``entry`` cannot be captured here (its ``requires`` does not import), or None."""
+    if entry.requires is None:
+        return None
+    try:
+        importlib.import_module(entry.requires)
+    except ImportError as exc:
+        return f"{entry.name} records with {entry.requires}, which does not import ({exc}): pip install 'iobundle[quanto]'"
+    return None
 
 
 def _seeded(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
@@ -410,6 +422,12 @@ FAMILIES: list[Family] = [
             new_tokens=6,
         ),
         notes="attention sinks, sliding window 6 / full",
+    ),
+    Family(
+        "qwen2_quantized_cache",
+        decoder_only("Qwen2Config", "Qwen2ForCausalLM", prompt=6, new_tokens=5, generate=QUANTO_CACHE),
+        notes=QUANTO_NOTES + ", attention biases",
+        requires="optimum.quanto",
     ),
     Family(
         "qwen2_static_cache",
