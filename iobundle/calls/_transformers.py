@@ -78,6 +78,22 @@ Flattened layouts (all version 1):
     Context: None. ``is_updated`` is recomputed from the cross-attention cache on rebuild,
     as the transformers constructor does.
 
+``transformers.QuantizedCache``
+    Context: one kind per layer, ``{"quanto": {"nbits", "axis_key", "axis_value",
+    "q_group_size", "residual_length"}}`` (a ``QuantoQuantizedLayer``'s settings). Eight
+    children per layer: ``key_i, value_i`` (the residual: the latest keys and values in full
+    precision, None when empty), then ``key_codes_i, key_scale_i, key_shift_i`` and the same
+    for values: the quantized states as plain tensors (:class:`QuantizedStates`: ``uint8``
+    codes packed along the head dimension, one scale and shift per group of ``q_group_size``
+    channels), read from quanto's tensor through its attributes; all None for a layer not
+    initialised yet (the prefill's cache). Every child grows along ``-2``. The token count
+    is rebuilt as the quantized plus the residual length, which is what it is. The rebuilt
+    layer holds :class:`QuantizedStates` and quantizes with :func:`quantize_states` (the same
+    operators as quanto, bit for bit), so replaying and exporting need no quantization
+    library, and the program holds only plain torch operators. Refused at capture: the HQQ
+    and FP8 backends, quantization along axis -1 (its groups run across positions), groups
+    that do not divide the head size, and a pending beam reordering.
+
 ``ModelOutput`` subclasses
     Children: the values that are not None, in field order. Context: their keys. Classes
     defined outside ``transformers.models`` (``transformers.modeling_outputs``,
@@ -91,9 +107,9 @@ Caches are rebuilt by assigning tensors to new layers, never through ``update()`
 would cut sliding caches again and create tensor constants that break
 ``torch.onnx.export``. For the same reason no layer is built by a constructor that calls
 ``torch.tensor`` (see ``_init_sliding``). Subclasses of these caches (``MtpCache``,
-``DFlashCache``, quantized caches) are not registered, and layers holding state besides
-tensors and plain settings (quantized layers: quantizer objects, tuples with scales) are
-refused with ``UnsupportedInputError``; a recorder turns that into one warning at capture.
+``DFlashCache``) are not registered, and layers holding state besides tensors and plain
+settings (HQQ's tuples with scales, FP8's per-tensor scale) are refused with
+``UnsupportedInputError``; a recorder turns that into one warning at capture.
 Contexts read from a bundle are checked before use (kinds, positive sizes, child counts):
 nothing named in them is imported or called, only the classes above are built.
 """
