@@ -82,7 +82,7 @@ Flattened layouts (all version 1):
     Context: one kind per layer, ``{"quanto": {"nbits", "axis_key", "axis_value",
     "q_group_size", "residual_length"}}`` (a ``QuantoQuantizedLayer``'s settings). Eight
     children per layer: ``key_i, value_i`` (the residual: the latest keys and values in full
-    precision, None when empty), then ``key_codes_i, key_scale_i, key_shift_i`` and the same
+    precision, zero-length when empty), then ``key_codes_i, key_scale_i, key_shift_i`` and the same
     for values: the quantized states as plain tensors (:class:`QuantizedStates`: ``uint8``
     codes packed along the head dimension, one scale and shift per group of ``q_group_size``
     channels), read from quanto's tensor through its attributes; all None for a layer not
@@ -134,7 +134,6 @@ import torch.utils._pytree as torch_pytree
 import transformers
 import transformers.generation.utils
 import transformers.modeling_outputs
-from torch.fx.experimental.symbolic_shapes import guard_or_false
 from transformers.cache_utils import (
     Cache,
     CacheLayerMixin,
@@ -583,22 +582,26 @@ def _flatten_quantized_cache(cache: Any) -> tuple[list[Any], list[Any]]:
         if not layer.is_initialized or layer._quantized_keys is None:
             children.extend([None] * QUANTIZED_LAYER_CHILDREN)
             continue
-        children.extend(_residual_tensors(layer))
-        children.extend(_plain_states(layer._quantized_keys, settings, index))
-        children.extend(_plain_states(layer._quantized_values, settings, index))
+        keys_states = _plain_states(layer._quantized_keys, settings, index)
+        values_states = _plain_states(layer._quantized_values, settings, index)
+        children.extend(_residual_tensors(layer, keys_states[1], values_states[1], settings["q_group_size"]))
+        children.extend(keys_states + values_states)
     return children, kinds
 
 
-def _residual_tensors(layer: Any) -> tuple[Any, Any]:
-    """A quantized layer's residual keys and values, None when empty (1-D placeholders or zero-length).
+def _residual_tensors(layer: Any, key_scale: torch.Tensor, value_scale: torch.Tensor, group_size: int) -> list[Any]:
+    """A quantized layer's residual keys and values; an empty one as ``(B, H, 0, D)`` tensors.
 
-    The length test never guards (``guard_or_false``): while tracing, a residual of a symbolic
-    length is a tensor.
+    transformers leaves 1-D placeholders when it moves the residual into the quantized states;
+    the quantized states' shapes say what the empty residual's batch, heads and head size are.
+    A zero-length residual rather than None keeps the step after such a move of the same
+    structure as the other decode steps, so one program serves them all.
     """
     keys, values = _layer_tensors(layer)
-    if keys is not None and guard_or_false(keys.shape[-2] == 0):
-        return None, None
-    return keys, values
+    if keys is not None:
+        return [keys, values]
+    shape = (*key_scale.shape[:2], 0, key_scale.shape[-1] * group_size)
+    return [key_scale.new_zeros(shape), value_scale.new_zeros(shape)]
 
 
 def _build_quantized_layer(kind: Any, children: list[Any], index: int) -> Any:

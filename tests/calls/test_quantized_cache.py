@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from iobundle.calls._layouts import quantized_settings
-from iobundle.calls._registry import find_node_type
+from iobundle.calls._registry import find_node_type, lookup_node_type
 from iobundle.calls._transformers import QuantizedStates, quantize_states, register_all
 from iobundle.errors import UnsupportedInputError
 
@@ -148,3 +148,17 @@ def test_context_read_from_a_bundle_is_checked(change: dict[str, Any], match: st
 def test_context_with_an_unknown_setting_is_refused() -> None:
     with pytest.raises(ValueError, match="Layer 1 of the QuantizedCache has kind"):
         quantized_settings({"quanto": {**SETTINGS, "module": "os"}}, 1)
+
+
+def test_residual_emptied_by_a_step_flattens_to_zero_length_tensors() -> None:
+    states = quantize_states(torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(0)), 4, 8)
+    settings = {**SETTINGS, "residual_length": 1}
+    node_type = lookup_node_type("transformers.QuantizedCache")
+    children = [None, None, *[states.codes, states.scale, states.shift] * 2]
+    cache = node_type.unflatten(children, [{"quanto": settings}])
+    cache.layers[0].update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))  # residual 1 reached: moved
+    assert cache.layers[0].keys.dim() == 1  # transformers' placeholder
+    key, value, codes, *_ = node_type.flatten(cache)[0]
+    # the same structure as a step with a residual: one program serves both
+    assert key.shape == value.shape == (1, 2, 0, 8)
+    assert codes.shape == (1, 2, 5, 4)
