@@ -65,7 +65,7 @@ def _round_trip(cache: Any) -> Any:
 
 @pytest.mark.parametrize("nbits", [2, 4])
 def test_quantize_states_matches_quanto_bit_for_bit(nbits: int) -> None:
-    quanto = pytest.importorskip("optimum.quanto")
+    quanto = pytest.importorskip("optimum.quanto", reason="compares with quanto: pip install 'iobundle[quanto]'")
     states = torch.randn(2, 2, 7, 16, generator=torch.Generator().manual_seed(0))
     qtype = quanto.qint4 if nbits == 4 else quanto.qint2
     scale, shift = quanto.MaxOptimizer()(states, qtype, 0, 8)
