@@ -11,12 +11,12 @@ from typing import Any
 import torch
 
 
-def tiny_llama() -> Any:
-    """A 2-layer Llama (hidden 32, 4 heads, 2 key/value heads, vocabulary 100): a DynamicCache in generate()."""
+def tiny_llama(layers: int = 2) -> Any:
+    """A Llama of ``layers`` layers (hidden 32, 4 heads, 2 key/value heads, vocabulary 100): a DynamicCache in generate()."""
     import transformers
 
     config = transformers.LlamaConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=64, vocab_size=100, pad_token_id=0,
     )  # fmt: skip
     torch.manual_seed(0)
