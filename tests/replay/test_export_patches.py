@@ -68,6 +68,44 @@ def test_layout_copies_is_scoped() -> None:
     assert not torch.overrides._get_current_function_mode_stack()
 
 
+class _StreamProjection(torch.nn.Module):
+    """ProphetNet-style: the main stream cut from the n-gram streams by ``chunk``, fed to a ``Linear``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        main, predict = x.chunk(2, dim=1)
+        return self.proj(main) + predict.sum(dim=-1, keepdim=True)
+
+
+class _ContiguousBranch(torch.nn.Module):
+    """ProphetNet's logits: the first stream sliced out, made contiguous only if it is not."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = x.view(x.shape[0], 2, -1, x.shape[-1])[:, 0]  # contiguous when the batch is 1
+        if not logits.is_contiguous():
+            logits = logits.contiguous()
+        return logits * 2
+
+
+@pytest.mark.parametrize("model", [_StreamProjection(), _ContiguousBranch()], ids=["linear", "is_contiguous"])
+def test_layout_copies_on_slices_serve_a_batch_of_1(model: torch.nn.Module) -> None:
+    x = torch.randn(2, 2, 8, generator=torch.Generator().manual_seed(0))
+    shapes = ({0: DYNAMIC},)
+    with fx_config.patch(backed_size_oblivious=True):
+        plain = torch.export.export(model, (x,), dynamic_shapes=shapes)
+        with patch_layout_copies(model):
+            patched = torch.export.export(model, (x,), dynamic_shapes=shapes)
+    one = x[:1]
+    with pytest.raises(AssertionError, match="Guard failed"):  # what the patch is for
+        plain.module()(one)
+    torch.testing.assert_close(patched.module()(one), model(one))
+    torch.testing.assert_close(patched.module()(x), model(x))
+
+
 def _sliding_layer(window: int, tokens: int, steps: list[int]) -> Any:
     """A real sliding-window layer fed ``tokens`` then each of ``steps`` tokens through ``update``."""
     from transformers.cache_utils import DynamicSlidingWindowLayer
@@ -229,26 +267,24 @@ def _tiny_llama4() -> Any:
     return transformers.Llama4ForCausalLM(config).eval()
 
 
-def test_chunked_attention_gets_the_sliding_offsets_and_real_rotary() -> None:
+def test_chunked_attention_gets_the_sliding_offsets() -> None:
     names: list[str] = []
     with export_patches(_tiny_llama4(), dynamic_batch=False, applied=names):
         pass
-    assert "sliding_window_offsets" in names and "real_rotary" in names
+    assert "sliding_window_offsets" in names
+    assert "complex_as_real" not in names  # listed only once it has translated something
 
 
-def test_real_rotary_matches_the_complex_one_and_restores() -> None:
-    import transformers.models.llama4.modeling_llama4 as llama4
-
-    from iobundle.replay.export._patches import patch_real_rotary
-
+def test_llama4_complex_rotary_on_real_pairs_same_logits_and_listed() -> None:
     model = _tiny_llama4()
     ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(1))
-    forward, apply = llama4.Llama4TextRotaryEmbedding.forward, llama4.apply_rotary_emb
+    names: list[str] = []
     with torch.no_grad():
         expected = model(ids).logits
-        with patch_real_rotary(model):
+        with export_patches(model, dynamic_batch=False, applied=names):
             freqs = model.model.rotary_emb(torch.zeros(1), torch.arange(6)[None])
-            assert not freqs.is_complex() and freqs.shape[-1] == 2
+            assert freqs.is_complex() and freqs.shape == (1, 6, 4)  # what the model's code sees
             got = model(ids).logits
+    assert not freqs.is_complex() and freqs.shape == (1, 6, 4, 2)  # what it is: (real, imaginary) pairs
+    assert "complex_as_real" in names
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    assert llama4.Llama4TextRotaryEmbedding.forward is forward and llama4.apply_rotary_emb is apply

@@ -5,8 +5,9 @@ recorded calls, and every call is checked against its recorded outputs afterward
 patch is a context manager function that puts back exactly what it replaced on exit, even
 when the export fails; :func:`export_patches` enters the ones that apply to a model and
 lists them by name on the export report (``ExportReport.patches``). Nothing here runs
-unless the model holds the modules or settings the patch is about, and transformers is
-only imported when the model comes from it.
+unless the model holds the modules or settings the patch is about (``complex_as_real``, found
+by what the traced code computes, is entered for every trace and listed only when it changed
+something), and transformers is only imported when the model comes from it.
 
 The patches (checked against torch 2.13 and transformers 5.24):
 
@@ -52,16 +53,22 @@ The patches (checked against torch 2.13 and transformers 5.24):
     changes: the rebuilt offsets are shifted together and the mask is exact.
 
 ``layout_copies``
-    ``reshape``, ``flatten``, ``contiguous`` and the batched ``matmul`` decide between a view
-    and a copy from the strides, and for a transposed or sliced tensor (Falcon's
-    ``transpose(1, 2).reshape(...)`` of its fused qkv, eager attention's ``query @ key.T`` and
-    ``attn_output.transpose(1, 2).contiguous()``) that decision depends on whether the query
-    length is 1: ``torch.export`` records it as a guard, ``q_length == 1`` when traced from a
-    decode call (the prefill is rejected) or ``!= 1`` from the prefill. While tracing, a
+    ``reshape``, ``flatten``, ``contiguous``, the batched ``matmul`` and ``linear`` decide
+    between a view and a copy from the strides, and for a transposed or sliced tensor
+    (Falcon's ``transpose(1, 2).reshape(...)`` of its fused qkv, eager attention's
+    ``query @ key.T`` and ``attn_output.transpose(1, 2).contiguous()``, ProphetNet's main
+    stream cut from its n-gram streams by ``chunk`` and fed to a ``Linear``) that decision
+    depends on whether the query length, or the batch, is 1: ``torch.export`` records it as
+    a guard, ``q_length == 1`` when traced from a
+    decode call (the prefill is rejected) or ``!= 1`` from the prefill (ProphetNet:
+    ``batch != 1``, a program that refuses a batch of 1). While tracing, a
     ``TorchFunctionMode`` copies such an input to a contiguous layout first, unless it is
     contiguous for every size (``is_contiguous_or_false``, which never guards); a copy is
-    always valid, so the program takes one path for every length. Same values; the cost
-    is a copy where the eager model might have had a view.
+    always valid, so the program takes one path for every length. A branch on
+    ``is_contiguous()`` (ProphetNet's ``if not logits.is_contiguous(): logits =
+    logits.contiguous()``, whose answer for a slice depends on whether the batch is 1) gets
+    the same answer: contiguous only when it is so for every size. Same values; the cost is
+    a copy where the eager model might have had a view.
 
 ``moe_batched_experts``
     transformers' mixture-of-experts layers (Mixtral, Qwen3-MoE, ...) pick their experts
@@ -94,19 +101,44 @@ The patches (checked against torch 2.13 and transformers 5.24):
     check beyond the recorded calls finds. While tracing, ``expand_kv`` concatenates the two
     parts instead (``torch.cat``): the same values, no write into a slice, no minimum on the
     batch. Applied only when the batch is dynamic.
-``real_rotary``
-    Llama 4's text rotary embedding is complex-valued: ``torch.polar`` makes the frequencies,
-    and ``apply_rotary_emb`` multiplies ``view_as_complex`` queries and keys by them, which
-    ``torch.onnx`` cannot translate (no complex tensors in ONNX). While tracing, the rotary
-    module returns the same frequencies as a real ``(..., D/2, 2)`` pair (cosine, sine) and
-    ``apply_rotary_emb`` rotates each (even, odd) pair with them: the same arithmetic on real
-    numbers (differences at float rounding level).
+``complex_as_real``
+    Complex arithmetic (a rotary embedding written as a complex multiply: ``torch.polar`` or
+    ``torch.complex`` frequencies, ``view_as_complex`` queries and keys, ``view_as_real`` of the
+    product, as in DeepSeek-V2 and Llama 4) traces to a ``copy_`` inside ``torch.polar`` that adds
+    size bounds (the program rejects the prefill or batch 1), and to complex ops ``torch.onnx``
+    cannot convert. While tracing, a ``TorchFunctionMode`` carries every complex value as a real
+    ``(..., 2)`` pair and translates the ops on it (see
+    :mod:`iobundle.replay.export._complex_pairs`): it is found by what the code computes, not by
+    the model's class, so it is entered for every trace and listed on the report only when the
+    model computed something complex. The same arithmetic on real numbers (differences at
+    float rounding level). Entered last, so that it is the innermost mode: the model's ops reach
+    it first, and ``layout_copies`` sees real pairs only.
+
+``sizes_through_int``
+    ``int()`` of a traced size is a guard that fixes the size: ProphetNet's positional
+    embedding computes a decode step's position as ``int(padding_idx + past_length + 1)``,
+    and the trace then holds the cache length as a constant ("You marked ... as dynamic but
+    your code specialized it to be a constant"): non-strict tracing runs the model's Python as
+    is, and ``int()`` asks the size for its value. While tracing, the modules that define the model's classes (not torch's, nor
+    iobundle's) see a module-level ``int`` that returns a traced integer (a ``SymInt``)
+    unchanged and hands every other value to the builtin (a ``SymFloat`` too: truncating one
+    still fixes the size, as before); ``isinstance(x, int)`` and ``issubclass`` answer as for
+    the builtin. It is entered only when a trace without it failed on such a specialisation
+    (``ExportPatch.on_specialised``), and the export is traced again: no other export changes.
 
 ``contiguous_last_token``
     ``logits_to_keep=1`` slices the last position before ``lm_head``; the slice is not
     contiguous, and the matmul on it makes ``torch.export`` guard ``batch == 1``. A forward
     pre-hook on the output embeddings makes the input contiguous, so the batch stays dynamic.
     Applied only when the batch dimension is dynamic.
+
+Remedies are not entered by :func:`export_patches`: the export tries them only when the check
+beyond the recorded calls finds a guard (``iobundle.replay.export._dims.GUARD_REMEDIES``), and
+keeps their program only when it serves that check and every recorded call:
+
+``layout_copies_every_rank``
+    ``layout_copies`` for the reshapes of 2-D tensors too, for any module: see
+    :func:`layout_copies_every_rank`.
 """
 
 from __future__ import annotations
@@ -120,18 +152,23 @@ from typing import Any
 
 import torch
 
+from iobundle.replay.export._complex_pairs import ComplexAsPairs
+
 __all__ = [
     "PATCHES",
     "ExportPatch",
     "export_patches",
+    "layout_copies_every_rank",
+    "patch_complex_as_real",
     "patch_contiguous_last_token",
     "patch_latent_keys_concat",
     "patch_layout_copies",
     "patch_moe_batched_experts",
     "patch_sdpa_without_is_causal",
-    "patch_real_rotary",
+    "patch_sizes_through_int",
     "patch_sliding_window_offsets",
     "patch_whisper_cross_attention_recompute",
+    "specialisation_patches",
 ]
 
 logger = logging.getLogger(__name__)
@@ -362,18 +399,26 @@ def patch_sliding_window_offsets(model: torch.nn.Module) -> Iterator[None]:
 
 
 class _LayoutCopies(torch.overrides.TorchFunctionMode):
-    """Copies a possibly non-contiguous input of a view-or-copy operation to a contiguous layout first."""
+    """Copies a possibly non-contiguous input of a view-or-copy operation to a contiguous layout first.
 
-    def __init__(self) -> None:
+    Reshapes (``reshape``, ``flatten``, ``contiguous``) of tensors of rank ``reshape_rank`` or more
+    are copied, and ``is_contiguous()`` of them answers without a guard; the input of a
+    ``linear`` and matmuls only of tensors of rank 3 or more (a 2-D matmul input is often a
+    transposed weight, which a copy would duplicate in every call).
+    """
+
+    def __init__(self, reshape_rank: int = 3) -> None:
         super().__init__()
         from torch._prims_common import is_contiguous_or_false
 
         self._definitely_contiguous = is_contiguous_or_false
+        self._reshape_rank = reshape_rank
         self._reshapes = {torch.reshape, torch.Tensor.reshape, torch.flatten, torch.Tensor.flatten}
         self._matmuls = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
+        self._linear = torch.nn.functional.linear
 
-    def _copied(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() > 2 and not self._definitely_contiguous(value):
+    def _copied(self, value: Any, rank: int = 3) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() >= rank and not self._definitely_contiguous(value):
             return value.clone(memory_format=torch.contiguous_format)
         return value
 
@@ -382,8 +427,15 @@ class _LayoutCopies(torch.overrides.TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         if func is torch.Tensor.contiguous and not kwargs and len(args) == 1:
-            return self._copied(args[0]) if args[0].dim() > 2 else func(*args)
+            copied = args[0].dim() >= self._reshape_rank
+            return self._copied(args[0], self._reshape_rank) if copied else func(*args)
+        if func is torch.Tensor.is_contiguous and not kwargs and len(args) == 1:
+            if args[0].dim() >= self._reshape_rank:  # "not for every size" takes the copying branch
+                return self._definitely_contiguous(args[0])
+            return func(*args)
         if func in self._reshapes and args:
+            args = (self._copied(args[0], self._reshape_rank), *args[1:])
+        elif func is self._linear and args:
             args = (self._copied(args[0]), *args[1:])
         elif func in self._matmuls:
             args = tuple(self._copied(a) for a in args)
@@ -397,6 +449,22 @@ def patch_layout_copies(model: torch.nn.Module) -> Iterator[None]:
     A ``TorchFunctionMode`` for the ``with`` block; ``model`` is not touched.
     """
     with _LayoutCopies():
+        yield
+
+
+@contextlib.contextmanager
+def layout_copies_every_rank() -> Iterator[None]:
+    """Trace the reshapes of every possibly non-contiguous tensor of rank 2 or more as copies.
+
+    Not a patch of :data:`PATCHES`: a remedy the export tries when the check beyond the recorded
+    calls finds a guard (see ``iobundle.replay.export._dims.GUARD_REMEDIES``). A 2-D tensor of
+    tokens transposed and reshaped (Llama 4's mixture-of-experts routing,
+    ``router_scores.transpose(0, 1).reshape(-1, 1)``) is a view when there is one token and a
+    copy otherwise; traced from a decode call of a batch of 2 (two tokens), the decision
+    becomes the guard ``batch * length != 1`` and the program refuses batch 1. A copy is valid
+    for every size. Works for any module, transformers or not.
+    """
+    with _LayoutCopies(reshape_rank=2):
         yield
 
 
@@ -564,55 +632,65 @@ def patch_latent_keys_concat(model: torch.nn.Module) -> Iterator[None]:
             del module.expand_kv
 
 
-# --------------------------------------------------------------------------- selection
+# --------------------------------------------------------------------------- sizes_through_int
 
 
-# --------------------------------------------------------------------------- real_rotary
+class _IntMeta(type):
+    """The metaclass of :class:`_SizeInt`: ``isinstance`` and ``issubclass`` answer as for the builtin ``int``."""
+
+    def __instancecheck__(cls, value: Any) -> bool:
+        return isinstance(value, int)
+
+    def __subclasscheck__(cls, subclass: type) -> bool:
+        return issubclass(subclass, int)
 
 
-def _complex_rotary_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Llama 4's text rotary embeddings in ``model`` (empty unless its module is loaded)."""
-    llama4 = sys.modules.get("transformers.models.llama4.modeling_llama4")
-    if llama4 is None:
-        return []
-    return [m for m in model.modules() if isinstance(m, llama4.Llama4TextRotaryEmbedding)]
+class _SizeInt(int, metaclass=_IntMeta):
+    """``int`` as the patched modules see it while tracing: a traced integer stays symbolic."""
+
+    def __new__(cls, value: Any = 0, *args: Any) -> Any:  # type: ignore[misc]
+        if not args and isinstance(value, torch.SymInt):
+            return value
+        return int(value, *args)
 
 
-def _real_rotary_forward(self: Any, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    """``Llama4TextRotaryEmbedding.forward`` returning ``(cos, sin)`` pairs instead of complex numbers."""
-    freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
-    return torch.stack([freqs.cos(), freqs.sin()], dim=-1) * self.attention_scaling
-
-
-def _real_apply_rotary_emb(
-    xq: torch.Tensor, xk: torch.Tensor, freqs: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Llama 4's ``apply_rotary_emb`` on real ``(cos, sin)`` pairs: each (even, odd) pair rotated."""
-    cos, sin = freqs[:, :, None, :, 0], freqs[:, :, None, :, 1]
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        pairs = x.float().reshape(*x.shape[:-1], -1, 2)
-        real, imag = pairs[..., 0], pairs[..., 1]
-        return torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1).flatten(3).type_as(x)
-
-    return rotate(xq), rotate(xk)
+def _model_code_modules(model: torch.nn.Module) -> list[Any]:
+    """The Python modules that define the classes of ``model``'s submodules, torch's and iobundle's left out."""
+    names = dict.fromkeys(type(m).__module__ for m in model.modules())
+    return [
+        sys.modules[n]
+        for n in names
+        if n in sys.modules and n.split(".")[0] not in ("torch", "iobundle") and "int" not in vars(sys.modules[n])
+    ]
 
 
 @contextlib.contextmanager
-def patch_real_rotary(model: torch.nn.Module) -> Iterator[None]:
-    """Llama 4's complex rotary embedding computed on real numbers while tracing (see the module docstring)."""
-    import transformers.models.llama4.modeling_llama4 as llama4
-    from transformers.modeling_rope_utils import dynamic_rope_update
-
-    forward = llama4.Llama4TextRotaryEmbedding.__dict__["forward"]
-    apply = llama4.apply_rotary_emb
-    llama4.Llama4TextRotaryEmbedding.forward = dynamic_rope_update(_real_rotary_forward)
-    llama4.apply_rotary_emb = _real_apply_rotary_emb
+def patch_sizes_through_int(model: torch.nn.Module) -> Iterator[None]:
+    """``int()`` of a traced size kept symbolic in the model's own code while tracing (see the module docstring)."""
+    modules = _model_code_modules(model)
+    for module in modules:
+        module.int = _SizeInt
     try:
         yield
     finally:
-        llama4.Llama4TextRotaryEmbedding.forward = forward
-        llama4.apply_rotary_emb = apply
+        for module in modules:
+            del module.int
+
+
+# --------------------------------------------------------------------------- complex_as_real
+
+
+@contextlib.contextmanager
+def patch_complex_as_real(model: torch.nn.Module) -> Iterator[ComplexAsPairs]:
+    """Trace complex arithmetic on real pairs (see the module docstring); yields the mode (``.used``: what it translated).
+
+    A ``TorchFunctionMode`` for the ``with`` block; ``model`` is not touched.
+    """
+    with ComplexAsPairs() as mode:
+        yield mode
+
+
+# --------------------------------------------------------------------------- selection
 
 
 @dataclass(frozen=True)
@@ -621,11 +699,17 @@ class ExportPatch:
 
     ``applies(model, dynamic, dynamic_batch)`` says whether the export needs it: ``dynamic``
     is whether any dimension is dynamic, ``dynamic_batch`` whether some input's batch axis is.
+    A patch found by what the model computes while it is traced (``listed_if_used``) is entered
+    for every trace; its context manager yields an object whose ``used`` says whether it changed
+    anything, and only then is it listed.
     """
 
     name: str
     applies: Callable[[torch.nn.Module, bool, bool], bool]
-    patch: Callable[[torch.nn.Module], contextlib.AbstractContextManager[None]]
+    patch: Callable[[torch.nn.Module], contextlib.AbstractContextManager[Any]]
+    listed_if_used: bool = False
+    on_specialised: bool = False
+    """Entered only when a trace without it specialised a dynamic dimension (``export_patches(specialised=True)``)."""
 
 
 PATCHES: tuple[ExportPatch, ...] = (
@@ -660,21 +744,38 @@ PATCHES: tuple[ExportPatch, ...] = (
         patch_latent_keys_concat,
     ),
     ExportPatch(
-        "real_rotary",
-        lambda m, _dynamic, _batch: bool(_complex_rotary_modules(m)),
-        patch_real_rotary,
+        "sizes_through_int",
+        lambda m, dynamic, _batch: dynamic and bool(_model_code_modules(m)),
+        patch_sizes_through_int,
+        on_specialised=True,
     ),
     ExportPatch(
         "contiguous_last_token",
         lambda m, _dynamic, batch: batch and _output_embeddings(m) is not None,
         patch_contiguous_last_token,
     ),
+    ExportPatch(
+        "complex_as_real",
+        lambda _m, _dynamic, _batch: True,
+        patch_complex_as_real,
+        listed_if_used=True,
+    ),
 )
+
+
+def specialisation_patches(model: torch.nn.Module, *, dynamic: bool, dynamic_batch: bool) -> list[str]:
+    """The names of the ``on_specialised`` patches that apply to ``model`` (what a second trace would add)."""
+    return [p.name for p in PATCHES if p.on_specialised and p.applies(model, dynamic, dynamic_batch)]
 
 
 @contextlib.contextmanager
 def export_patches(
-    model: torch.nn.Module, *, dynamic: bool = True, dynamic_batch: bool, applied: list[str]
+    model: torch.nn.Module,
+    *,
+    dynamic: bool = True,
+    dynamic_batch: bool,
+    applied: list[str],
+    specialised: bool = False,
 ) -> Iterator[None]:
     """Enter every patch of :data:`PATCHES` that applies to ``model``; append their names to ``applied``.
 
@@ -683,7 +784,10 @@ def export_patches(
         dynamic: Whether any dimension is dynamic (``sdpa_without_is_causal`` is needed only then).
         dynamic_batch: Whether some input's batch axis is dynamic (``contiguous_last_token``,
             ``latent_keys_concat``).
-        applied: Receives the names of the patches entered, in order.
+        applied: Receives the names of the patches entered, in order; a patch listed only if
+            used (``complex_as_real``) is appended when the block ends, if it changed something.
+        specialised: A trace without the ``on_specialised`` patches specialised a dynamic
+            dimension: enter those too (``sizes_through_int``).
 
     Example:
         >>> names = []
@@ -692,10 +796,20 @@ def export_patches(
         >>> names
         ['sdpa_without_is_causal']
     """
+    found: list[tuple[str, Any]] = []
     with contextlib.ExitStack() as stack:
         for entry in PATCHES:
-            if entry.applies(model, dynamic, dynamic_batch):
-                stack.enter_context(entry.patch(model))
+            if (specialised or not entry.on_specialised) and entry.applies(model, dynamic, dynamic_batch):
+                state = stack.enter_context(entry.patch(model))
+                if entry.listed_if_used:
+                    found.append((entry.name, state))
+                    continue
                 applied.append(entry.name)
                 logger.info("export patch %s applied", entry.name)
-        yield
+        try:
+            yield
+        finally:
+            for name, state in found:
+                if state.used:
+                    applied.append(name)
+                    logger.info("export patch %s applied (%s)", name, ", ".join(state.used))
