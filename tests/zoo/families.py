@@ -676,6 +676,7 @@ FAMILIES += [
     ),
 ]
 
+
 def family(name: str) -> Family:
     """The zoo entry called ``name``."""
     for entry in FAMILIES:
