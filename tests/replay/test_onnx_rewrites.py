@@ -45,7 +45,9 @@ def test_rsub_rewrite_keeps_the_program_s_values():
 
     x, mask = torch.randn(3, 4), torch.tensor([[0, 1, 2, -3]] * 3)
     ep = torch.export.export(InvertedMask(), (x, mask))
-    assert rewrite_for_onnx(ep) == ["aten.rsub.Scalar of an integer tensor: the tensor cast to the result's dtype first"]
+    assert rewrite_for_onnx(ep) == [
+        "aten.rsub.Scalar of an integer tensor: the tensor cast to the result's dtype first"
+    ]
     casts = [n for n in ep.graph.nodes if n.target is torch.ops.aten._to_copy.default]
     assert [c.kwargs["dtype"] for c in casts] == [torch.float32, torch.float32]
     torch.testing.assert_close(ep.module()(x, mask), InvertedMask()(x, mask), atol=0.0, rtol=0.0)

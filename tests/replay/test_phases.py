@@ -236,4 +236,8 @@ def test_calls_passing_different_keywords_are_phases_of_their_own(tmp_path):
     assert [c.success for c in result.report.calls] == [True, True, True]
     index_path = result.to_onnx(tmp_path / "states.onnx")
     rows = bundle.check_discrepancies(index_path)
-    assert [(r["index"], r["program"], r["SUCCESS"]) for r in rows] == [(0, "p0", True), (1, "p1", True), (2, "p1", True)]
+    assert [(r["index"], r["program"], r["SUCCESS"]) for r in rows] == [
+        (0, "p0", True),
+        (1, "p1", True),
+        (2, "p1", True),
+    ]
