@@ -85,7 +85,7 @@ def partition_calls(rc: RecordedCalls) -> list[Phase]:
     groups: dict[tuple[tuple[str, str], ...], list[int]] = {}
     structures: dict[tuple[tuple[str, str], ...], dict[str, str]] = {}
     for index, structure in call_structures(rc):
-        key = tuple(sorted(structure.items()))
+        key = tuple(structure.items())
         groups.setdefault(key, []).append(index)
         structures.setdefault(key, structure)
     return [Phase(f"p{i}", tuple(calls), structures[key]) for i, (key, calls) in enumerate(groups.items())]

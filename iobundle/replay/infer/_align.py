@@ -447,7 +447,7 @@ def call_structures(rc: RecordedCalls) -> list[tuple[int, dict[str, str]]]:
             raise
     else:
         return [(call.index, call_structure(rc, alignment, i)) for i, call in enumerate(alignment.calls)]
-    names = [name for key in groups for name in key]
+    names = list(dict.fromkeys(name for call in rc.ok_calls for name in call.kwargs))
     result = []
     for indices in groups.values():
         group = phase_calls(rc, indices)
