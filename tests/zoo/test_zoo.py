@@ -75,6 +75,8 @@ def test_family_exports_and_validates_from_bundle(entry: Family, zoo: Callable[[
     for bundle in result.bundles:
         assert bundle.calls >= 2, f"{bundle.name}: a generate() records a prefill and decode calls"
         assert bundle.programs >= 1
+        # The batch a program refused on a guard is served (program and eager model agree there) by these.
+        assert bundle.remedies == list(entry.remedies), bundle.export_output
 
 
 @pytest.mark.parametrize("name", ["mllama", "idefics"])
