@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from families import FAMILIES, Family, family
+from families import FAMILIES, Family, family, missing_requirement
 from harness import FamilyResult, run_families
 
 pytestmark = pytest.mark.slow
@@ -40,7 +40,9 @@ def zoo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     selected = {
         item.callspec.params["entry"].name
         for item in request.session.items
-        if hasattr(item, "callspec") and isinstance(item.callspec.params.get("entry"), Family)
+        if hasattr(item, "callspec")
+        and isinstance(item.callspec.params.get("entry"), Family)
+        and not missing_requirement(item.callspec.params["entry"])
     }
 
     def result(entry: Family) -> FamilyResult:
@@ -62,6 +64,8 @@ def zoo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.mark.parametrize("entry", FAMILIES, ids=[f.name for f in FAMILIES])
 def test_family_exports_and_validates_from_bundle(entry: Family, zoo: Callable[[Family], FamilyResult]) -> None:
+    if missing_requirement(entry):
+        pytest.skip(missing_requirement(entry))
     result = zoo(entry)
     failures = result.failures(entry.atol)
     if entry.known_failure:
