@@ -10,15 +10,14 @@ converts, and listed on the export report's options when they changed something.
     ``aten._is_all_true(cond)``, a 0-d bool tensor, then asserts its value. The exporter has
     no translation for it; ``aten.all(cond)`` is the same 0-d bool tensor.
 
-``aten.rsub.Scalar(integer tensor, float) -> aten.rsub.Scalar(float tensor, float)``
-    ``1.0 - mask`` with an integer or bool ``mask`` (Mllama's cross-attention mask,
-    ``(1.0 - cross_attention_mask).to(dtype)``) records ``aten.rsub.Scalar(mask, 1.0)``, whose
-    result is a float tensor. The exporter decomposes it into ``aten.sub.Tensor(1.0, mask)``
-    and its type-promotion pass, which casts ``mask`` to the result's dtype, then looks for an
-    overload of ``sub`` taking a Python float first and finds none ("Cannot find a compatible
-    OpOverload for aten.sub", a ``ConversionError`` at "Failed to decompose the FX graph").
-    Casting the tensor to the result's dtype first is what ``rsub`` computes anyway (torch
-    promotes before subtracting), so the value is the same, and nothing is left to promote.
+``aten.rsub.Scalar`` of an integer tensor and a float
+    ``1.0 - mask`` with an integer or boolean ``mask`` (ProphetNet's and XLNet's attention
+    masks, Mllama's cross-attention mask) records ``aten.rsub.Scalar(mask, 1.0)``, whose
+    result is float. torch's decomposition of it, which ``torch.onnx.export`` runs, emits
+    ``aten.sub.Tensor(1.0, mask)`` with the number first, an op no schema takes: the
+    conversion stops with "Failed to decompose the FX graph". The rewrite casts the tensor
+    to the result's dtype first (``aten._to_copy``); ``rsub`` of a float tensor decomposes
+    and gives the same values.
 """
 
 from __future__ import annotations
@@ -32,37 +31,37 @@ __all__ = ["rewrite_for_onnx"]
 logger = logging.getLogger(__name__)
 
 
+def _promoting_rsub(node: torch.fx.Node) -> torch.dtype | None:
+    """The float dtype of ``node`` when it is ``rsub`` of an integer (or bool) tensor and a float; else None."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.rsub.Scalar:
+        return None
+    operand, result = node.args[0], node.meta.get("val")
+    value = operand.meta.get("val") if isinstance(operand, torch.fx.Node) else None
+    if not isinstance(value, torch.Tensor) or not isinstance(result, torch.Tensor):
+        return None
+    if value.dtype.is_floating_point or value.dtype.is_complex or not result.dtype.is_floating_point:
+        return None
+    return result.dtype
+
+
 def rewrite_for_onnx(ep: torch.export.ExportedProgram) -> list[str]:
     """Apply the rewrites of the module docstring to ``ep``'s graph in place; return what was rewritten."""
     done: list[str] = []
     replacements = {torch.ops.aten._is_all_true.default: torch.ops.aten.all.default}
     graph = ep.graph_module.graph
     for node in list(graph.nodes):
-        if node.op != "call_function":
-            continue
-        if node.target in replacements:
+        if node.op == "call_function" and node.target in replacements:
             before = str(node.target)
             node.target = replacements[node.target]
             done.append(f"{before} -> {node.target}")
-        elif node.target is torch.ops.aten.rsub.Scalar and _cast_before_rsub(graph, node):
-            done.append("aten.rsub.Scalar of an integer tensor: the tensor cast to the result's dtype first")
+        elif (dtype := _promoting_rsub(node)) is not None:
+            operand = node.args[0]
+            with graph.inserting_before(node):
+                cast = graph.call_function(torch.ops.aten._to_copy.default, (operand,), {"dtype": dtype})
+            cast.meta["val"] = operand.meta["val"].to(dtype)
+            node.args = (cast, *node.args[1:])
+            done.append(f"{node.target} of an integer tensor -> {node.target} of its {dtype} cast")
     if done:
         ep.graph_module.recompile()
         logger.info("rewrote for ONNX: %s", ", ".join(done))
     return list(dict.fromkeys(done))
-
-
-def _cast_before_rsub(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
-    """Make ``rsub(x, scalar)`` take ``x`` in the result's dtype when ``x`` is an integer or bool tensor."""
-    x = node.args[0]
-    result = node.meta.get("val")
-    value = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
-    if not isinstance(result, torch.Tensor) or not isinstance(value, torch.Tensor):
-        return False
-    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == result.dtype:
-        return False
-    with graph.inserting_before(node):
-        cast = graph.call_function(torch.ops.aten._to_copy.default, (x,), {"dtype": result.dtype})
-    cast.meta["val"] = value.to(result.dtype)
-    node.replace_input_with(x, cast)
-    return True
