@@ -12,6 +12,7 @@ __all__ = [
     "CompactManifest",
     "ProgramEntry",
     "ProgramIndex",
+    "SizeCondition",
     "TensorInfo",
     "call_key",
     "collect_tensor_keys",
@@ -28,6 +29,8 @@ __all__ = [
     "manifest_json_schema",
     "parse_journal",
     "parse_manifest",
+    "program_structures",
+    "sizes_match",
     "tensor_rows",
     "tree_key",
     "validate_manifest",
@@ -62,7 +65,10 @@ from iobundle.schema._programs import (
     PROGRAM_INDEX_FORMAT,
     ProgramEntry,
     ProgramIndex,
+    SizeCondition,
     load_program_index,
+    program_structures,
+    sizes_match,
     write_program_index,
 )
 from iobundle.schema._structure import call_key, collect_tensor_keys, tree_key
