@@ -32,8 +32,15 @@ from iobundle.replay.check._compare import (
     tolerance_options,
 )
 from iobundle.replay.check._widen import HALF_TYPES, float32_copy, half_types
-from iobundle.replay.infer import align_calls, aligned_tensors, call_structure, phase_calls, placeholder_inputs
-from iobundle.schema import load_program_index
+from iobundle.replay.infer import (
+    align_calls,
+    aligned_tensors,
+    call_structure,
+    owner_name,
+    phase_calls,
+    placeholder_inputs,
+)
+from iobundle.schema import load_program_index, program_structures, sizes_match
 
 # ONNX metadata that export writes and validation reads back.
 INPUT_SLOTS_KEY = "iobundle.input_slots"
@@ -687,6 +694,20 @@ def refuse_unknown_outputs(tolerances: Tolerances, groups: Sequence[Sequence[str
         )
 
 
+def _call_sizes(rc: RecordedCalls, alignment: Any, position: int) -> Any:
+    """``size(input, axis)`` of the ``position``-th aligned call, as :func:`sizes_match` asks it (first tensor)."""
+    slots = alignment.slots[position]
+
+    def size(name: str, axis: int) -> int | None:
+        for owner, key in zip(alignment.owners, slots):
+            if key is not None and owner_name(rc, owner) == name:
+                shape = rc.store.shape(key)
+                return int(shape[axis]) if axis < len(shape) else None
+        return None
+
+    return size
+
+
 def check_program_index(
     rc: RecordedCalls,
     index_path: str | os.PathLike[str],
@@ -710,9 +731,12 @@ def check_program_index(
     checks: list[Any] = []
     for position, call in enumerate(alignment.calls):
         structure = call_structure(rc, alignment, position)
-        program = next((p for p in index.programs if p.inputs == structure), None)
+        shaped = [p for p in index.programs if structure in program_structures(p)]
+        program = next((p for p in shaped if sizes_match(p, _call_sizes(rc, alignment, position))), None)
         if program is None:
             odd = ", ".join(f"{k} {v}" for k, v in structure.items() if v != "present") or "every input present"
+            if shaped:  # the structure is served, not these sizes
+                odd += "; its sizes meet no size rule: " + "; ".join(f"{p.name}: {p.describe_sizes()}" for p in shaped)
             rows.append(
                 {
                     "SUCCESS": False,
