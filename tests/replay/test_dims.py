@@ -353,6 +353,28 @@ def test_a_call_no_size_rule_serves_is_a_clear_error(one_token_path, capsys):
     )
 
 
+class SquarePath(torch.nn.Module):
+    """A branch of the model's own code on a relation of two sizes: ``if batch == length``."""
+
+    def forward(self, h: torch.Tensor, past: torch.Tensor | None = None) -> torch.Tensor:
+        out = h.sum(dim=1, keepdim=True) if h.shape[0] == h.shape[1] else h.mean(dim=1, keepdim=True)
+        return out if past is None else out + past
+
+
+def test_a_guard_neither_a_remedy_nor_a_second_program_serves_is_said_plainly():
+    model = SquarePath().eval()
+    observer = record_decode(model)
+    observer.export(model, set_batch_dimension_for=True)
+    report = observer.export_report()
+    check = report.batch_check
+    assert report.ok and (check.success, check.remedy, check.split) == (False, None, None)
+    assert check.error.startswith("AssertionError: Guard failed: ") and "h.size()[1]" in check.error
+    assert check.tried[1:] == [
+        "a second program: the guard is not a size of inputs holding one tensor compared with a number"
+    ]
+    assert "none serves it, the first program is kept" in check.summary()
+
+
 @pytest.mark.parametrize(
     ("guard", "expected"),
     [
