@@ -110,7 +110,10 @@ names the axes that look like batch or sequence axes and are static only for tha
 When the batch is dynamic, the program also runs on a recorded call cut to another batch
 size and is compared with the eager model ("beyond the recorded calls"). A program that
 refuses that batch on a guard is re-exported with a remedy that serves it, when one does;
-the line says what the program assumed and what was done, or that nothing serves it.
+else, when the guard is a rule on sizes (a branch of the model's code on batch x length), a
+second program is traced from the refused inputs and both are written with an index whose
+size rules select one. The line says what the program assumed and what was done, or that
+nothing serves it.
 
 --from-bundle rebuilds the model from the config and weights a self-contained bundle carries
 (observer.save(path, include_model=True)), for the classes transformers registers in its
@@ -134,7 +137,8 @@ call whose input was absent at capture and had to be fed a stand-in is "not chec
 differs. --report writes a Markdown report to paste into an issue (.md), a self-contained
 page with charts (.html), or every column of every call (.json, .csv), by extension.
 Given a program index (MODEL.programs.json, written by `export` when one program per phase
-was needed), each call runs through the program whose input structure it has.
+was needed), each call runs through the program whose input structure it has and whose
+size rule its sizes meet; a call no program serves fails, naming the rules.
 Exit code 0 when every call passes, 1 when one differs or fails to run, 2 when the bundle does
 not exist, the model cannot be loaded or does not fit the bundle, or a tolerance names no
 output, 4 when the bundle holds no recorded outputs (redacted): nothing compared, 5 when the

@@ -153,6 +153,8 @@ def export_report_json(result: Any, path: str) -> dict[str, Any]:
                 "file": file,
                 "calls": list(program.phase.calls),
                 "inputs": program.phase.inputs,
+                "sizes": [c.model_dump(mode="json") for c in program.sizes],
+                "split_of": program.split_of,
                 "traced_call": report.traced_call,
                 "patches": list(report.patches),
                 "options": list(report.options),
@@ -267,15 +269,16 @@ def format_programs(result: Any, path: str) -> str:
     if len(result.programs) == 1:
         text = _render.format_export(result.programs[0].report, path)
         return _with_batch_check(text, result.programs[0].report)
-    lines = [
-        _render.plain(f"{len(result.programs)} programs, one per phase of the calls ({result.reason})"),
-    ]
+    split = any(p.sizes for p in result.programs)
+    how = "split by the sizes a program refused" if split else "one per phase of the calls"
+    lines = [_render.plain(f"{len(result.programs)} programs, {how} ({result.reason})")]
     for program, file in zip(result.programs, result.files or [None] * len(result.programs)):
         phase = program.phase
+        calls = f"calls {', '.join(map(str, phase.calls))}" if phase.calls else "no recorded call"
+        what = phase.describe() if phase.inputs else "every structure of the calls"
+        sizes = " and ".join(c.describe() for c in program.sizes)
         lines.append("")
-        lines.append(
-            _render.plain(f"program {phase.name}: calls {', '.join(map(str, phase.calls))} ({phase.describe()})")
-        )
+        lines.append(_render.plain(f"program {phase.name}: {calls} ({what}{f'; sizes: {sizes}' if sizes else ''})"))
         lines.append(_with_batch_check(_render.format_export(program.report, file), program.report))
     if result.files:
         lines.append("")

@@ -13,6 +13,7 @@ __all__ = [
     "CompactManifest",
     "ProgramEntry",
     "ProgramIndex",
+    "SizeCondition",
     "TensorInfo",
     "call_key",
     "collect_tensor_keys",
@@ -29,7 +30,9 @@ __all__ = [
     "manifest_json_schema",
     "parse_journal",
     "parse_manifest",
+    "program_structures",
     "segment_file_name",
+    "sizes_match",
     "tensor_rows",
     "tree_key",
     "validate_manifest",
@@ -64,7 +67,10 @@ from iobundle.schema._programs import (
     PROGRAM_INDEX_FORMAT,
     ProgramEntry,
     ProgramIndex,
+    SizeCondition,
     load_program_index,
+    program_structures,
+    sizes_match,
     write_program_index,
 )
 from iobundle.schema._structure import call_key, collect_tensor_keys, tree_key

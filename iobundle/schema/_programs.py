@@ -6,7 +6,7 @@ features), ``iobundle export`` writes one ONNX file per phase and this index bes
 
     {
      "format": "iobundle.programs",
-     "format_version": 1,
+     "format_version": 2,
      "reason": "one program: torch.export failed on recorded call 2: ...",
      "programs": [
       {"name": "p0", "file": "t5.p0.onnx", "calls": [0], "traced_call": 0,
@@ -21,6 +21,22 @@ observed method, ``present`` (every tensor there), ``absent`` (not passed, None,
 holding no tensor yet), ``empty`` (zero-length tensors) or ``K/N`` (K of its N tensors
 present). ``calls`` lists the recorded calls the program was exported from and checked on.
 
+Format version 2 adds ``sizes``, a size rule per program: when a program refuses a batch size
+on a guard of the model's own code (``if batch * length == 1``, see
+:mod:`iobundle.replay.export._dims`), ``iobundle export`` writes a second program traced from the
+refused inputs, and each program says which sizes it serves::
+
+      {"name": "p0", ..., "sizes": [{"of": [["h", 1], ["h", 0]], "op": "!=", "value": 1}]},
+      {"name": "p1", ..., "calls": [], "sizes": [{"of": [["h", 1], ["h", 0]], "op": "==", "value": 1}]}
+
+Each condition multiplies the sizes of ``of`` (pairs of an input's name and an axis of the
+input's first tensor) and compares the product with ``value`` by ``op`` (one of ``==``, ``!=``,
+``<``, ``<=``, ``>``, ``>=``); a program serves a call when every condition holds (no ``sizes``:
+any sizes). A call goes to the first program whose structure it has and whose rule it meets.
+``inputs`` may also be a list of structures (a program that serves calls of several). The rule
+is data, evaluated by :func:`sizes_match`, never by ``eval``. A version 1 index (no ``sizes``)
+still loads and means what it meant.
+
 The index is data with rules, checked on load and on write: each ``file`` is an ONNX file
 (``*.onnx``, never another index: an index has no depth) relative to the index's directory
 and never leaving it; program names are unique; call numbers are non-negative and each call
@@ -31,6 +47,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
@@ -47,7 +64,11 @@ __all__ = [
     "PROGRAM_INDEX_FORMAT",
     "ProgramEntry",
     "ProgramIndex",
+    "SIZE_OPS",
+    "SizeCondition",
     "load_program_index",
+    "sizes_match",
+    "program_structures",
     "write_program_index",
 ]
 
@@ -55,8 +76,33 @@ PROGRAM_INDEX_FORMAT = "iobundle.programs"
 MAX_INDEX_BYTES = 16 * 1024**2
 
 
+SIZE_OPS: dict[str, Callable[[int, int], bool]] = {
+    "==": lambda a, b: a == b,
+    "!=": lambda a, b: a != b,
+    "<": lambda a, b: a < b,
+    "<=": lambda a, b: a <= b,
+    ">": lambda a, b: a > b,
+    ">=": lambda a, b: a >= b,
+}
+"""The comparisons a size rule may use, by their JSON spelling."""
+
+
+class SizeCondition(BaseModel):
+    """One condition of a size rule: the product of the sizes ``of`` compared with ``value`` by ``op``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    of: list[tuple[StrictStr, StrictInt]] = Field(min_length=1, max_length=16)
+    op: Literal["==", "!=", "<", "<=", ">", ">="]
+    value: StrictInt
+
+    def describe(self) -> str:
+        """``axis 1 of h * axis 0 of h == 1``."""
+        return f"{' * '.join(f'axis {axis} of {name}' for name, axis in self.of)} {self.op} {self.value}"
+
+
 class ProgramEntry(BaseModel):
-    """One program of the index: its ONNX file and the calls it serves."""
+    """One program of the index: its ONNX file, the calls it serves, and (version 2) the sizes it serves."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -64,7 +110,32 @@ class ProgramEntry(BaseModel):
     file: StrictStr
     calls: list[StrictInt]
     traced_call: StrictInt
-    inputs: dict[StrictStr, StrictStr]
+    inputs: dict[StrictStr, StrictStr] | list[dict[StrictStr, StrictStr]]
+    sizes: list[SizeCondition] = Field(default_factory=list, max_length=64)
+
+    def describe_sizes(self) -> str:
+        """The size rule in words (``any sizes`` without one)."""
+        return " and ".join(c.describe() for c in self.sizes) or "any sizes"
+
+
+def program_structures(program: ProgramEntry) -> list[dict[str, str]]:
+    """The call structures ``program`` serves (``inputs``, one or a list)."""
+    return program.inputs if isinstance(program.inputs, list) else [program.inputs]
+
+
+def sizes_match(program: ProgramEntry, size: Callable[[str, int], int | None]) -> bool:
+    """Whether a call meets ``program``'s size rule; ``size(input, axis)`` is that axis of the input's first
+    tensor in the call, None when the input holds no tensor or the tensor has no such axis (not met then)."""
+    for condition in program.sizes:
+        product = 1
+        for name, axis in condition.of:
+            found = size(name, axis)
+            if found is None:
+                return False
+            product *= found
+        if not SIZE_OPS[condition.op](product, condition.value):
+            return False
+    return True
 
 
 class ProgramIndex(BaseModel):
@@ -73,7 +144,7 @@ class ProgramIndex(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     format: Literal["iobundle.programs"] = PROGRAM_INDEX_FORMAT
-    format_version: Literal[1] = 1
+    format_version: Literal[1, 2] = 2
     reason: StrictStr = ""
     programs: list[ProgramEntry] = Field(min_length=1)
 
@@ -101,6 +172,18 @@ def _check_rules(index: ProgramIndex, where: str) -> None:
                 f"{field}.name: {program.name!r} names two programs; each program of an index has its own name."
             )
         names.add(program.name)
+        if index.format_version < 2 and (program.sizes or isinstance(program.inputs, list)):
+            raise ManifestError(
+                f"{field}.sizes: a format_version 1 index has no size rules nor lists of structures; "
+                "set format_version to 2 or export again with `iobundle export`."
+            )
+        for j, condition in enumerate(program.sizes):
+            for name, axis in condition.of:
+                if axis < 0 or condition.value < 0:
+                    raise ManifestError(
+                        f"{field}.sizes[{j}]: axis {axis} of {name!r} compared with {condition.value}: "
+                        "axes and sizes are non-negative."
+                    )
         if program.traced_call < 0:
             raise ManifestError(f"{field}.traced_call: {program.traced_call} is negative; call numbers start at 0.")
         for call in program.calls:
@@ -119,8 +202,8 @@ def load_program_index(path: str | os.PathLike[str]) -> ProgramIndex:
 
     Raises:
         ManifestError: The file is missing, not JSON, not an index, or a field is invalid: a program's
-            file is not an ONNX file, two programs share a name, or a call number is negative or
-            listed twice (the message names the file and the field).
+            file is not an ONNX file, two programs share a name, a call number is negative or
+            listed twice, or a size rule is malformed (the message names the file and the field).
         UnsafeBundleError: The file is too large, or a program's file name leaves the index's directory.
     """
     path = Path(path)

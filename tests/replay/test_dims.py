@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,22 +123,60 @@ class SliceCopy(torch.nn.Module):
         return out + z.sum()
 
 
-def test_a_guard_beyond_the_recorded_calls_is_explained():
+def record_slice_copy(model: torch.nn.Module) -> InputObserver:
     # z of length 1 and 2 makes the export size-oblivious; the copies into slices then add the
-    # minimum batch >= 2 and the program refuses batch 1.
-    model = SliceCopy()
+    # minimum batch >= 2 and the first program refuses batch 1.
     observer = InputObserver()
     with torch.no_grad(), observer(model):
         for length in (1, 2):
             model(torch.randn(2, 1, 5, 3), torch.randn(2, 1, 5, 3), torch.ones(length))
-    observer.export(model, set_batch_dimension_for=True)
-    check = observer.export_report().batch_check
-    assert (check.batch, check.success, check.error) == (1, False, "AssertionError: Guard failed: x.size()[0] >= 2")
-    assert check.assumption.startswith("the program assumes axis 0 of x >= 2: a minimum bound torch.export added")
-    assert check.assumption in check.summary()
+    return observer
 
+
+def test_a_guard_beyond_the_recorded_calls_is_explained_and_served_by_a_second_program():
+    model = SliceCopy()
+    observer = record_slice_copy(model)
+    ep = observer.export(model, set_batch_dimension_for=True)
+    check = observer.export_report().batch_check
+    assert (check.batch, check.success, check.error) == (1, True, None)
+    assert check.refused == "AssertionError: Guard failed: x.size()[0] >= 2"
+    assert check.assumption.startswith("the program assumes axis 0 of x >= 2: a minimum bound torch.export added")
+    assert (
+        check.assumption in check.summary() and "served by a second program traced from these inputs" in check.summary()
+    )
     assert check.remedy is None and check.tried == [
-        "layout_copies_every_rank: still refused (AssertionError: Guard failed: x.size()[0] >= 2)"
+        "layout_copies_every_rank: still refused (AssertionError: Guard failed: x.size()[0] >= 2)",
+        "a second program traced from these inputs: served",
+    ]
+    assert check.split == {
+        "first": [{"of": [["x", 0]], "op": ">=", "value": 2}],
+        "second": [{"of": [["x", 0]], "op": "<", "value": 2}],
+    }
+    # export_program still returns the first program (it refuses batch 1); the second serves batch 1.
+    x, y, z = torch.randn(1, 1, 5, 3), torch.randn(1, 1, 5, 3), torch.ones(2)
+    with pytest.raises(AssertionError, match="Guard failed"):
+        ep.module()(x, y, z)
+    torch.testing.assert_close(ep.iobundle_split.program.module()(x, y, z), model(x, y, z), atol=0, rtol=0)
+
+
+def test_the_split_of_a_size_oblivious_bound_validates_both_batches_in_onnxruntime(tmp_path):
+    model = SliceCopy()
+    record_slice_copy(model).save(tmp_path / "slices.iobundle")
+    result = load_bundle(tmp_path / "slices.iobundle").export_programs(model, set_batch_dimension_for=True)
+    assert [(p.phase.name, p.phase.calls, p.split_of) for p in result.programs] == [
+        ("p0", (0, 1), None),
+        ("p1", (), "p0"),
+    ]
+    index = result.to_onnx(tmp_path / "slices.onnx")
+    other = InputObserver()  # batch 1 and 2, lengths of z never traced
+    with torch.no_grad(), other(model):
+        for batch in (1, 2, 1):
+            model(torch.randn(batch, 1, 5, 3), torch.randn(batch, 1, 5, 3), torch.ones(3))
+    rows = other.check_discrepancies(index)
+    assert [(r["index"], r["program"], r["SUCCESS"]) for r in rows] == [
+        (0, "p1", True),
+        (1, "p0", True),
+        (2, "p1", True),
     ]
 
 
@@ -245,26 +285,94 @@ def one_token_path(tmp_path, monkeypatch):
     sys.modules.pop("guards", None)
 
 
-def test_a_guard_no_remedy_serves_is_said_plainly(one_token_path, capsys):
+def test_a_branch_of_the_models_code_is_served_by_a_second_program(one_token_path, capsys):
     model = one_token_path.build()
     observer = record_decode(model)
     ep = observer.export(model, set_batch_dimension_for=True)
     report = observer.export_report()
     check = report.batch_check
-    assert report.ok  # the first program is kept: it serves every recorded call
-    assert (check.success, check.remedy, check.refused) == (False, None, None)
-    assert check.error == "AssertionError: Guard failed: h.size()[1] * h.size()[0] != 1"
+    assert report.ok and len(report.calls) == 3  # the first program serves every recorded call
+    assert (check.success, check.remedy, check.error) == (True, None, None)
+    assert check.refused == "AssertionError: Guard failed: h.size()[1] * h.size()[0] != 1"
     assert check.tried == [
-        "layout_copies_every_rank: still refused (AssertionError: Guard failed: h.size()[1] * h.size()[0] != 1)"
+        "layout_copies_every_rank: still refused (AssertionError: Guard failed: h.size()[1] * h.size()[0] != 1)",
+        "a second program traced from these inputs: served",
+    ]
+    assert check.split == {
+        "first": [{"of": [["h", 1], ["h", 0]], "op": "!=", "value": 1}],
+        "second": [{"of": [["h", 1], ["h", 0]], "op": "==", "value": 1}],
+    }
+    one = (torch.randn(1, 1, 4), torch.randn(1, 1, 4))
+    with pytest.raises(AssertionError, match="Guard failed"):
+        ep.module()(*one)
+    torch.testing.assert_close(ep.iobundle_split.program.module()(*one), model(*one), atol=0, rtol=0)
+    observer.save("one_token.iobundle")
+    export = ["export", "one_token.iobundle", "--model", "guards:build", "--batch-all", "-o", "one_token.onnx"]
+    code = main([*export, "--report", "one_token.json"])
+    out = capsys.readouterr().out
+    assert code == 0 and "2 programs, split by the sizes a program refused" in out, out
+    assert "program p1: no recorded call (every structure of the calls; sizes: axis 1 of h * axis 0 of h == 1)" in out
+    index = json.loads(Path("one_token.programs.json").read_text())
+    assert index["format_version"] == 2
+    assert [(p["name"], p["calls"], p["sizes"]) for p in index["programs"]] == [
+        ("p0", [0, 1, 2], [{"of": [["h", 1], ["h", 0]], "op": "!=", "value": 1}]),
+        ("p1", [], [{"of": [["h", 1], ["h", 0]], "op": "==", "value": 1}]),
+    ]
+    written = json.loads(Path("one_token.json").read_text())["programs"]
+    assert [(p["name"], p["split_of"]) for p in written] == [("p0", None), ("p1", "p0")]
+    assert written[0]["batch_check"]["split"]["second"] == [{"of": [["h", 1], ["h", 0]], "op": "==", "value": 1}]
+    # A batch of 1 token goes to the second program, a batch of 2 to the first: both equal the eager model.
+    other = InputObserver()
+    with torch.no_grad(), other(model):
+        model(*one)
+        model(torch.randn(2, 1, 4), torch.randn(2, 1, 4))
+    other.save("other.iobundle")
+    assert main(["validate", "other.iobundle", "one_token.programs.json"]) == 0
+    table = capsys.readouterr().out
+    assert [line.split()[:3] for line in table.splitlines() if line.strip()[:1].isdigit()] == [
+        ["0", "p1", "ok"],
+        ["1", "p0", "ok"],
+    ]
+
+
+def test_a_call_no_size_rule_serves_is_a_clear_error(one_token_path, capsys):
+    model = one_token_path.build()
+    record_decode(model).save("one_token.iobundle")
+    assert main(["export", "one_token.iobundle", "--model", "guards:build", "--batch-all", "-o", "t.onnx", "-q"]) == 0
+    index = json.loads(Path("t.programs.json").read_text())
+    index["programs"] = index["programs"][:1]  # without the program of one token
+    Path("t.programs.json").write_text(json.dumps(index))
+    other = InputObserver()
+    with torch.no_grad(), other(model):
+        model(torch.randn(1, 1, 4), torch.randn(1, 1, 4))
+    rows = other.check_discrepancies("t.programs.json")
+    assert rows[0]["SUCCESS"] is False and rows[0]["program"] is None
+    assert rows[0]["error"] == (
+        "no program of t.programs.json serves call 0 (every input present; its sizes meet no size rule: "
+        "p0: axis 1 of h * axis 0 of h != 1); programs: p0"
+    )
+
+
+class SquarePath(torch.nn.Module):
+    """A branch of the model's own code on a relation of two sizes: ``if batch == length``."""
+
+    def forward(self, h: torch.Tensor, past: torch.Tensor | None = None) -> torch.Tensor:
+        out = h.sum(dim=1, keepdim=True) if h.shape[0] == h.shape[1] else h.mean(dim=1, keepdim=True)
+        return out if past is None else out + past
+
+
+def test_a_guard_neither_a_remedy_nor_a_second_program_serves_is_said_plainly():
+    model = SquarePath().eval()
+    observer = record_decode(model)
+    observer.export(model, set_batch_dimension_for=True)
+    report = observer.export_report()
+    check = report.batch_check
+    assert report.ok and (check.success, check.remedy, check.split) == (False, None, None)
+    assert check.error.startswith("AssertionError: Guard failed: ") and "h.size()[1]" in check.error
+    assert check.tried[1:] == [
+        "a second program: the guard is not a size of inputs holding one tensor compared with a number"
     ]
     assert "none serves it, the first program is kept" in check.summary()
-    with pytest.raises(AssertionError, match="Guard failed"):
-        ep.module()(torch.randn(1, 1, 4), torch.randn(1, 1, 4))
-    observer.save("one_token.iobundle")
-    code = main(["export", "one_token.iobundle", "--model", "guards:build", "--batch-all", "-o", "one_token.onnx"])
-    out = capsys.readouterr().out
-    assert code == 1 and "re-exported with each remedy iobundle has (layout_copies_every_rank: still refused" in out
-    assert "FAIL" in out.splitlines()[-1]
 
 
 @pytest.mark.parametrize(

@@ -241,3 +241,43 @@ def test_calls_passing_different_keywords_are_phases_of_their_own(tmp_path):
         (1, "p1", True),
         (2, "p1", True),
     ]
+
+
+def test_a_version_1_index_still_validates(bundle, tmp_path):
+    index_path = Path(bundle.export_programs(Memory().eval()).to_onnx(tmp_path / "memory.onnx"))
+    data = json.loads(index_path.read_text())
+    assert data["format_version"] == 2 and all(p["sizes"] == [] for p in data["programs"])
+    data["format_version"] = 1
+    for program in data["programs"]:
+        del program["sizes"]  # what version 1 wrote
+    index_path.write_text(json.dumps(data))
+    assert load_program_index(index_path).format_version == 1
+    rows = bundle.check_discrepancies(index_path)
+    assert [(r["index"], r["program"], r["SUCCESS"]) for r in rows] == [
+        (0, "p0", True),
+        (1, "p1", True),
+        (2, "p1", True),
+    ]
+
+
+def _sized(sizes, version=2):
+    return {"format": "iobundle.programs", "format_version": version, "programs": [{**_entry(), "sizes": sizes}]}
+
+
+@pytest.mark.parametrize(
+    ("index", "match"),
+    [
+        (_sized([{"of": [["x", 0]], "op": "=~", "value": 1}]), r"programs\.0\.sizes\.0\.op"),
+        (_sized([{"of": [], "op": "==", "value": 1}]), r"programs\.0\.sizes\.0\.of"),
+        (_sized([{"of": [["x", "0"]], "op": "==", "value": 1}]), r"programs\.0\.sizes\.0\.of\.0\.1"),
+        (_sized([{"of": [["x", 0]], "op": "==", "value": "1"}]), r"programs\.0\.sizes\.0\.value"),
+        (_sized([{"of": [["x", 0]], "op": "==", "value": 1, "code": "import os"}]), r"programs\.0\.sizes\.0\.code"),
+        (_sized([{"of": [["x", -1]], "op": "==", "value": 1}]), r"programs\[0\]\.sizes\[0\]: axis -1 of 'x'"),
+        (_sized([{"of": [["x", 0]], "op": "==", "value": 1}], version=1), r"programs\[0\]\.sizes: a format_version 1"),
+    ],
+)
+def test_a_malformed_size_rule_is_refused_naming_the_field(tmp_path, index, match):
+    path = tmp_path / "m.programs.json"
+    path.write_text(json.dumps(index))
+    with pytest.raises(ManifestError, match=match):
+        load_program_index(path)

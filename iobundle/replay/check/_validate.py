@@ -32,8 +32,15 @@ from iobundle.replay.check._compare import (
     tolerance_options,
 )
 from iobundle.replay.check._widen import HALF_TYPES, float32_copy, half_types
-from iobundle.replay.infer import align_calls, aligned_tensors, call_structures, phase_calls, placeholder_inputs
-from iobundle.schema import load_program_index
+from iobundle.replay.infer import (
+    align_calls,
+    aligned_tensors,
+    call_structures,
+    owner_name,
+    phase_calls,
+    placeholder_inputs,
+)
+from iobundle.schema import load_program_index, program_structures, sizes_match
 
 # ONNX metadata that export writes and validation reads back.
 INPUT_SLOTS_KEY = "iobundle.input_slots"
@@ -687,6 +694,20 @@ def refuse_unknown_outputs(tolerances: Tolerances, groups: Sequence[Sequence[str
         )
 
 
+def _call_sizes(rc: RecordedCalls, alignment: Any, position: int) -> Any:
+    """``size(input, axis)`` of the ``position``-th aligned call, as :func:`sizes_match` asks it (first tensor)."""
+    slots = alignment.slots[position]
+
+    def size(name: str, axis: int) -> int | None:
+        for owner, key in zip(alignment.owners, slots):
+            if key is not None and owner_name(rc, owner) == name:
+                shape = rc.store.shape(key)
+                return int(shape[axis]) if axis < len(shape) else None
+        return None
+
+    return size
+
+
 def check_program_index(
     rc: RecordedCalls,
     index_path: str | os.PathLike[str],
@@ -694,8 +715,9 @@ def check_program_index(
 ) -> tuple[list[dict[str, Any]], list[Any]]:
     """Validate every recorded call with the program of ``index_path`` whose structure it has.
 
-    Calls are assigned by structure (:func:`call_structures`), not by index, so an index also
-    validates another bundle of the same model. The calls of each program are validated with
+    Calls are assigned by structure (:func:`call_structures`), then, among the programs of that
+    structure, by their size rules (a program split by the sizes another refused), not by index,
+    so an index also validates another bundle of the same model. The calls of each program are validated with
     ``options`` as one ONNX file is; each of its rows gets a ``program`` column. A call that no program serves is a failed row saying so.
 
     Raises:
@@ -710,9 +732,13 @@ def check_program_index(
     calls = {call.index: call for call in rc.ok_calls}
     for index_of_call, structure in call_structures(rc):
         call = calls[index_of_call]
-        program = next((p for p in index.programs if p.inputs == structure), None)
+        shaped = [p for p in index.programs if structure in program_structures(p)]
+        alone = phase_calls(rc, [index_of_call])
+        program = next((p for p in shaped if sizes_match(p, _call_sizes(alone, align_calls(alone), 0))), None)
         if program is None:
             odd = ", ".join(f"{k} {v}" for k, v in structure.items() if v != "present") or "every input present"
+            if shaped:  # the structure is served, not these sizes
+                odd += "; its sizes meet no size rule: " + "; ".join(f"{p.name}: {p.describe_sizes()}" for p in shaped)
             rows.append(
                 {
                     "SUCCESS": False,

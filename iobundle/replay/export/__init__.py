@@ -10,6 +10,7 @@ __all__ = [
     # Export one program
     "CallCheck",
     "ExportReport",
+    "SplitProgram",
     "export_onnx",
     "export_program",
     # Programs per phase
@@ -24,5 +25,5 @@ __all__ = [
 ]
 
 from iobundle.replay.export._dims import BatchCheck, explain_guard
-from iobundle.replay.export._export import CallCheck, ExportReport, export_onnx, export_program
+from iobundle.replay.export._export import CallCheck, ExportReport, SplitProgram, export_onnx, export_program
 from iobundle.replay.export._phases import Phase, ProgramSet, ProgramsMode, export_programs, partition_calls

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +30,18 @@ import torch
 from iobundle.calls import RecordedCalls, tensor_keys
 from iobundle.replay.check import compare_outputs, flatten_outputs
 from iobundle.replay.infer import Alignment, BatchSpec, batch_axes, find_batch_axes, infer_arguments
+from iobundle.schema import SizeCondition
 
-__all__ = ["GUARD_REMEDIES", "BatchCheck", "GuardRemedy", "check_other_batch", "explain_guard", "program_batch_axes"]
+__all__ = [
+    "GUARD_REMEDIES",
+    "BatchCheck",
+    "GuardRemedy",
+    "check_other_batch",
+    "cut_plan",
+    "explain_guard",
+    "program_batch_axes",
+    "split_rule",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +65,11 @@ class BatchCheck:
         refused: When a remedy served the inputs: how the first program refused them.
         remedy: The name of the remedy (:data:`GUARD_REMEDIES`) whose re-export serves the
             inputs; None when the first program did, or when nothing did.
-        tried: Each remedy tried and its outcome, in order (``"layout_copies_every_rank: served"``).
+        tried: Each remedy tried and its outcome, in order (``"layout_copies_every_rank: served"``),
+            then the second program when no remedy served them.
+        split: When no remedy served the inputs but a second program traced from them does: the
+            size rule of each program, ``{"first": [...], "second": [...]}`` (conditions as the
+            program index stores them, :class:`iobundle.schema.SizeCondition`).
     """
 
     call: int
@@ -68,6 +83,7 @@ class BatchCheck:
     refused: str | None = None
     remedy: str | None = None
     tried: list[str] = field(default_factory=list)
+    split: dict[str, list[dict[str, Any]]] | None = None
 
     def summary(self) -> str:
         head = f"batch {self.batch} (call {self.call} cut from batch {self.recorded_batch}): "
@@ -86,7 +102,16 @@ class BatchCheck:
         verdict = "ok" if self.success else "DIFFERS"
         detail = ", ".join(p for p in parts if p)
         text = f"{head}{verdict} ({detail})"
-        if self.remedy:
+        if self.split is not None:
+            first, second = (
+                " and ".join(SizeCondition.model_validate(c).describe() for c in self.split[k])
+                for k in ("first", "second")
+            )
+            text += (
+                f"; served by a second program traced from these inputs ({second}; the first serves {first}): "
+                f"the first program refused it ({self.refused}; {self.assumption})"
+            )
+        elif self.remedy:
             text += (
                 f"; served by re-exporting with the remedy {self.remedy}: the first program refused it "
                 f"({self.refused}; {self.assumption})"
@@ -209,31 +234,10 @@ def check_other_batch(
     features are flattened across the batch), the check is inconclusive (``success=None``).
     Never raises: a failure is reported on the result.
     """
-    alignment, index = plan.alignment, plan.traced
-    call = alignment.calls[index]
-    tensors = infer_arguments(rc, index, flat=True, alignment=alignment)
-    axes = [
-        a if a is not None and a in d and a < t.dim() else None for t, d, a in zip(tensors, plan.dims, plan.batch_axes)
-    ]
-    sizes = collections.Counter(t.shape[a] for t, a in zip(tensors, axes) if a is not None)
-    recorded = sizes.most_common(1)[0][0] if sizes else 0
-    result = BatchCheck(call=call.index, recorded_batch=recorded, batch=recorded - 1 if recorded > 1 else 2)
+    result, arguments = _cut_call(rc, plan)
+    call = plan.alignment.calls[plan.traced]
+    recorded = result.recorded_batch
     try:
-        keys = [f"\x02{i}" for i in range(len(tensors))]
-        resized = {
-            k: _resize(t, result.batch, a) if a is not None and t.shape[a] == recorded else t
-            for k, t, a in zip(keys, tensors, axes)
-        }
-
-        def arguments() -> tuple[tuple[Any, ...], dict[str, Any]]:
-            # Fresh copies for each run: a model may update its inputs in place (a state-space
-            # cache's convolution and recurrent states), which must not reach the other run.
-            fresh = {k: t.clone() for k, t in resized.items()}
-            args, kwargs = infer_arguments(rc, alignment=alignment, slots=list(keys), extra=fresh, as_args_kwargs=True)
-            if plan.flatten_var_kw and rc.var_keyword in kwargs:
-                kwargs = {**{k: v for k, v in kwargs.items() if k != rc.var_keyword}, **kwargs[rc.var_keyword]}
-            return args, kwargs
-
         args, kwargs = arguments()
         with torch.no_grad():
             try:
@@ -260,6 +264,74 @@ def check_other_batch(
         result.assumption = explain_guard(str(exc), recorded)
     logger.info("beyond the recorded calls: %s", result.summary())
     return result
+
+
+def _cut_call(
+    rc: RecordedCalls, plan: _Plan
+) -> tuple[BatchCheck, Callable[[], tuple[tuple[Any, ...], dict[str, Any]]]]:
+    """The check's empty result and a function returning fresh arguments of the traced call cut to its batch."""
+    alignment, index = plan.alignment, plan.traced
+    call = alignment.calls[index]
+    tensors = infer_arguments(rc, index, flat=True, alignment=alignment)
+    axes = [
+        a if a is not None and a in d and a < t.dim() else None for t, d, a in zip(tensors, plan.dims, plan.batch_axes)
+    ]
+    sizes = collections.Counter(t.shape[a] for t, a in zip(tensors, axes) if a is not None)
+    recorded = sizes.most_common(1)[0][0] if sizes else 0
+    result = BatchCheck(call=call.index, recorded_batch=recorded, batch=recorded - 1 if recorded > 1 else 2)
+    keys = [f"\x02{i}" for i in range(len(tensors))]
+    resized = {
+        k: _resize(t, result.batch, a) if a is not None and t.shape[a] == recorded else t
+        for k, t, a in zip(keys, tensors, axes)
+    }
+
+    def arguments() -> tuple[tuple[Any, ...], dict[str, Any]]:
+        # Fresh copies for each run: a model may update its inputs in place (a state-space
+        # cache's convolution and recurrent states), which must not reach the other run.
+        fresh = {k: t.clone() for k, t in resized.items()}
+        args, kwargs = infer_arguments(rc, alignment=alignment, slots=list(keys), extra=fresh, as_args_kwargs=True)
+        if plan.flatten_var_kw and rc.var_keyword in kwargs:
+            kwargs = {**{k: v for k, v in kwargs.items() if k != rc.var_keyword}, **kwargs[rc.var_keyword]}
+        return args, kwargs
+
+    return result, arguments
+
+
+def cut_plan(rc: RecordedCalls, plan: _Plan) -> _Plan:
+    """``plan`` traced from the inputs :func:`check_other_batch` feeds: the traced call cut to the other batch.
+
+    Its arguments are the model's (``**kwargs`` already spread when ``plan`` spreads them).
+    """
+    _, arguments = _cut_call(rc, plan)
+    args, kwargs = arguments()
+    return dataclasses.replace(plan, args=args, kwargs=kwargs)
+
+
+_TERM = re.compile(r"^([A-Za-z_]\w*)\.size\(\)\[(\d+)\]$")
+_NEGATION = {"==": "!=", "!=": "==", "<": ">=", ">=": "<", ">": "<=", "<=": ">"}
+
+
+def split_rule(message: str, names: Collection[str]) -> tuple[SizeCondition, SizeCondition] | None:
+    """The guard of ``Guard failed: EXPR`` as two size conditions: the one the program holds, and its negation.
+
+    Only a guard on a product of sizes of inputs named in ``names`` compared with a number
+    (``h.size()[1] * h.size()[0] != 1``, ``x.size()[0] >= 2``) has one; None for another (a
+    relation between sizes, a size of a nested input).
+    """
+    found = _GUARD.search(message)
+    if found is None:
+        return None
+    parts = re.fullmatch(r"(.+?)\s*(==|!=|<=|>=|<|>)\s*(\d+)", found.group(1).strip().rstrip("."))
+    if parts is None:
+        return None
+    of = []
+    for term in parts.group(1).split("*"):
+        size = _TERM.match(term.strip())
+        if size is None or size.group(1) not in names:
+            return None
+        of.append((size.group(1), int(size.group(2))))
+    op, value = parts.group(2), int(parts.group(3))
+    return SizeCondition(of=of, op=op, value=value), SizeCondition(of=of, op=_NEGATION[op], value=value)
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import json
@@ -35,7 +36,9 @@ from iobundle.replay.export._dims import (
     GuardRemedy,
     _Plan,
     check_other_batch,
+    cut_plan,
     program_batch_axes,
+    split_rule,
 )
 from iobundle.replay.infer import (
     Alignment,
@@ -49,6 +52,7 @@ from iobundle.replay.infer import (
     name_dims,
     named_dims_hint,
     onnx_axis_names,
+    owner_name,
     placeholder_inputs,
     received_arguments,
     rename_onnx_axes,
@@ -62,6 +66,7 @@ from iobundle.schema import ObjectNode
 __all__ = [
     "CallCheck",
     "ExportReport",
+    "SplitProgram",
     "export_onnx",
     "export_program",
     "save_onnx",
@@ -120,6 +125,20 @@ class ExportReport:
         eager = sum(1 for c in self.calls if c.reference == "eager")
         note = f"; {eager} without recorded outputs compared with the eager model" if eager else ""
         return f"{n_ok}/{len(self.calls)} recorded calls reproduced (traced call {self.traced_call}{note})"
+
+
+@dataclass
+class SplitProgram:
+    """The second program of a split: traced from the inputs the first refused on a guard, for the sizes it refused.
+
+    Kept on the first program as ``ep.iobundle_split`` (:func:`export_program` still returns the
+    first); :func:`iobundle.replay.export.export_programs` writes both, with a program index whose
+    size rules (``first``, ``second``: :class:`iobundle.schema.SizeCondition`) select between them.
+    """
+
+    program: torch.export.ExportedProgram
+    first: Any
+    second: Any
 
 
 class _MethodAsModule(torch.nn.Module):
@@ -575,9 +594,77 @@ def _serve_refused_batch(
         attempt.export_seconds += report.export_seconds
         logger.info("beyond the recorded calls: %s", check.summary())
         return ep2, plan2, attempt
+    split = _split_program(rc, plan, report, first, tolerances=tolerances, strict=options["strict"], tried=tried)
+    if split is not None:
+        ep.iobundle_split = split  # type: ignore[attr-defined]
+        return ep, plan, report
     first.tried = tried
     logger.info("beyond the recorded calls: no remedy serves batch %d: %s", first.batch, "; ".join(tried))
     return ep, plan, report
+
+
+def _split_program(
+    rc: RecordedCalls,
+    plan: _Plan,
+    report: ExportReport,
+    first: BatchCheck,
+    *,
+    tolerances: Tolerances,
+    strict: bool,
+    tried: list[str],
+) -> SplitProgram | None:
+    """A second program traced from the refused inputs, for the sizes the first program's guard excludes.
+
+    Kept only when the guard is a size rule (:func:`split_rule`: a product of sizes of inputs that
+    hold one tensor, compared with a number) and the second program agrees with the eager model on
+    the refused inputs (the same check). Then ``report.batch_check`` becomes that check, naming the
+    split, and the second program's report (``iobundle_report``) says where it was traced from.
+    """
+    owners = collections.Counter(plan.alignment.owners)
+    single = {owner_name(rc, owner) for owner, n in owners.items() if n == 1}
+    rule = split_rule(first.error or "", single)
+    if rule is None:
+        tried.append("a second program: the guard is not a size of inputs holding one tensor compared with a number")
+        return None
+    cut = cut_plan(rc, plan)
+    where = f"traced from call {first.call} cut to batch {first.batch} (refused by the first program)"
+    attempt = ExportReport(traced_call=report.traced_call, options=[where])
+    begin = time.perf_counter()
+    with export_context(
+        rc,
+        oblivious=plan.oblivious or first.batch in (0, 1),  # a size 0 or 1 is specialised unless size-oblivious
+        report=attempt,
+        model=cut.module,
+        dynamic_batch=cut.dynamic_batch,
+        dynamic=cut.dynamic,
+    ):
+        try:
+            ep2 = torch.export.export(
+                cut.module, cut.args, cut.kwargs, dynamic_shapes=cut.dynamic_shapes, strict=strict
+            )
+        except Exception as exc:
+            tried.append(f"a second program: torch.export failed ({_first_line(exc)})")
+            return None
+    attempt.export_seconds = time.perf_counter() - begin
+    with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
+        check = check_other_batch(rc, plan, ep2, atol=tolerances.atol, rtol=tolerances.rtol)
+    if check.success is not True:
+        tried.append(f"a second program: {'refused' if check.assumption else 'failed'} ({check.error or 'differs'})")
+        return None
+    tried.append("a second program traced from these inputs: served")
+    holds, refused = rule
+    check.refused, check.assumption, check.tried = first.error, first.assumption, tried
+    check.split = {"first": [holds.model_dump(mode="json")], "second": [refused.model_dump(mode="json")]}
+    report.batch_check = check
+    ep2.iobundle_report = attempt  # type: ignore[attr-defined]
+    ep2.iobundle_plan = cut  # type: ignore[attr-defined]
+    logger.info("beyond the recorded calls: %s", check.summary())
+    return SplitProgram(ep2, holds, refused)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 @tolerance_options("atol", "rtol", "output_atol", "output_rtol")

@@ -20,6 +20,7 @@ call runs through the program whose structure it has.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Collection
@@ -35,7 +36,7 @@ from iobundle.errors import AlignmentError, ExportError
 from iobundle.replay.check import Tolerances, tolerance_options
 from iobundle.replay.export._export import CallCheck, ExportReport, export_program, save_onnx
 from iobundle.replay.infer import DynamicSpec, call_structures, phase_calls
-from iobundle.schema import ProgramEntry, ProgramIndex, write_program_index
+from iobundle.schema import ProgramEntry, ProgramIndex, SizeCondition, write_program_index
 
 __all__ = [
     "INDEX_SUFFIX",
@@ -100,6 +101,12 @@ class PhaseProgram:
     rc: RecordedCalls
     dynamic: DynamicSpec = None
     """The ``dynamic=`` axes this program was exported with (those of inputs the phase holds)."""
+    sizes: list[SizeCondition] = field(default_factory=list)
+    """The sizes it serves (the program index's size rule; empty: any), set when a program is split."""
+    structures: list[dict[str, str]] = field(default_factory=list)
+    """The call structures it serves when not only its phase's (a split of one program for every call)."""
+    split_of: str | None = None
+    """The program whose refused sizes this one serves (a second program traced from the refused inputs)."""
 
     @property
     def report(self) -> ExportReport:
@@ -129,6 +136,8 @@ class ProgramSet:
         """Every program's report merged: one check per recorded call, in recording order."""
         if len(self.programs) == 1:
             return self.programs[0].report
+        if len(self.programs) == 2 and self.programs[1].split_of is not None:
+            return self.programs[0].report  # one program for the recorded calls, split for the sizes it refused
         reports = [p.report for p in self.programs]
         calls: list[CallCheck] = sorted((c for r in reports for c in r.calls), key=lambda c: c.index)
         merged = ExportReport(
@@ -171,13 +180,15 @@ class ProgramSet:
                     f"Program {program.phase.name} (calls {list(program.phase.calls)}): {exc}", report=exc.report
                 ) from exc
             self.files.append(str(file))
+            structures = program.structures or [program.phase.inputs]
             entries.append(
                 ProgramEntry(
                     name=program.phase.name,
                     file=file.name,
                     calls=list(program.phase.calls),
                     traced_call=program.report.traced_call,
-                    inputs=program.phase.inputs,
+                    inputs=structures[0] if len(structures) == 1 else structures,
+                    sizes=program.sizes,
                 )
             )
         index_path = path.parent / f"{stem}{INDEX_SUFFIX}"
@@ -228,7 +239,7 @@ def export_programs(
     every = Phase("all", tuple(c.index for c in rc.ok_calls), {})
     if programs == "one" or len(phases) == 1:
         ep = export_program(rc, model, check=check, **options)
-        return ProgramSet([PhaseProgram(every, ep, rc, dynamic)])
+        return _split(ProgramSet([PhaseProgram(every, ep, rc, dynamic)]), phases)
     reason = f"programs={programs!r}"
     single: ProgramSet | None = None
     if programs == "auto":
@@ -240,7 +251,7 @@ def export_programs(
         if single is not None:
             unchecked = [c.index for c in single.report.calls if c.success is None]
             if not unchecked:
-                return single
+                return _split(single, phases)
             # Calls fed stand-ins for absent inputs that then differ are not checked: their own
             # phase's program, which never needs those stand-ins, may check them.
             reason = f"one program leaves calls {unchecked} unchecked (stand-ins for absent inputs differ)"
@@ -262,8 +273,40 @@ def export_programs(
                 report=exc.report,
             ) from exc
         result.programs.append(PhaseProgram(phase, ep, sub, phase_dynamic))
+    result = _split(result, phases)
     rc.last_export_report = result.report
     return result
+
+
+def _split(result: ProgramSet, phases: list[Phase]) -> ProgramSet:
+    """``result`` with each program split in two where its export kept a second program for the sizes it refused.
+
+    (``ep.iobundle_split``, see :class:`iobundle.replay.export._export.SplitProgram`.) The first keeps
+    its calls and gets the size rule its guard holds, the second no recorded call and the negated
+    rule; the reason says why. One program for every call serves the structures of every phase.
+    """
+    if not any(getattr(p.program, "iobundle_split", None) is not None for p in result.programs):
+        return result
+    programs: list[PhaseProgram] = []
+    reasons = [result.reason] if result.reason else []
+    for program in result.programs:
+        split = getattr(program.program, "iobundle_split", None)
+        if split is None:
+            programs.append(program)
+            continue
+        whole = program.phase.name == "all"
+        structures = [p.inputs for p in phases] if whole else []
+        first = Phase("p0" if whole else program.phase.name, program.phase.calls, program.phase.inputs)
+        second = Phase("p1" if whole else f"{first.name}_split", (), program.phase.inputs)
+        programs.append(dataclasses.replace(program, phase=first, sizes=[split.first], structures=structures))
+        programs.append(
+            PhaseProgram(second, split.program, program.rc, program.dynamic, [split.second], structures, first.name)
+        )
+        reasons.append(
+            f"program {first.name} refuses {split.second.describe()} on a guard of the model's code; "
+            f"program {second.name}, traced from such inputs, serves them"
+        )
+    return ProgramSet(programs, reason="; ".join(reasons))
 
 
 def _phase_dynamic(rc: RecordedCalls, phase: Phase, dynamic: DynamicSpec) -> DynamicSpec:
