@@ -407,3 +407,40 @@ def test_parsing_leaves_the_garbage_collector_as_it_was(text):
             assert gc.isenabled() == enabled
         finally:
             gc.enable()
+
+
+class TestAutocastField:
+    """Format version 5's ``autocast`` of a call record: read back, refused where it has no meaning or is wrong."""
+
+    def test_reads_back_and_survives_a_rewrite(self):
+        manifest = load_manifest(GOLDEN / "autocast")
+        assert [c.autocast is not None for c in manifest.calls] == [True, True, False]
+        again = parse_manifest(dump_manifest(manifest))
+        assert [c.autocast for c in again.calls] == [c.autocast for c in manifest.calls]
+
+    def test_a_version_4_manifest_holds_none(self):
+        raw = golden("autocast")
+        raw["format_version"] = 4
+        with pytest.raises(ManifestError, match=r"calls\[0\]\.autocast: autocast is a format_version 5 field"):
+            parse_manifest(json.dumps(raw))
+
+    def test_a_version_2_manifest_holds_none(self):
+        raw = golden("growing")  # the layout of versions 1 and 2: whole call entries
+        raw["calls"][0]["autocast"] = [{"device_type": "cpu", "dtype": "BF16", "enabled": True}]
+        with pytest.raises(ManifestError, match=r"calls\[0\]\.autocast is a format_version 5 field"):
+            parse_manifest(json.dumps(raw))
+
+    @pytest.mark.parametrize(
+        ("entry", "where"),
+        [
+            ({"device_type": "cuda", "dtype": "I64", "enabled": True}, r"\[0\]\.dtype"),
+            ({"device_type": "../cuda", "dtype": "BF16", "enabled": True}, r"\[0\]\.device_type"),
+            ({"device_type": "cuda", "dtype": "BF16", "enabled": 1}, r"\[0\]\.enabled"),
+            ({"device_type": "cuda", "dtype": "BF16", "enabled": True, "extra": 1}, r"\[0\]\.extra"),
+        ],
+    )
+    def test_a_bad_entry_is_refused_by_its_field(self, entry, where):
+        raw = golden("autocast")
+        raw["calls"][1]["autocast"] = [entry]
+        with pytest.raises(ManifestError, match=r"calls\[1\]\.autocast" + where):
+            parse_manifest(json.dumps(raw))
