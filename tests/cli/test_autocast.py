@@ -166,3 +166,10 @@ def test_a_cuda_autocast_capture_reruns_under_cpu_autocast(exported: dict[str, A
     assert code == 0, out
     assert "eager model under torch.autocast('cpu', bfloat16) (recorded under 'cuda', mapped to 'cpu')" in out
     assert "PASS: 2/2" in out
+
+
+def test_inspect_says_which_calls_ran_under_autocast() -> None:
+    golden = Path(__file__).parents[1] / "data" / "bundles" / "autocast"
+    code, out = _run(["inspect", str(golden)])
+    assert code == 0
+    assert "autocast   torch.autocast cpu BF16 on 2 of 3 calls (replay runs the model under it)" in out
