@@ -229,26 +229,24 @@ def _tiny_llama4() -> Any:
     return transformers.Llama4ForCausalLM(config).eval()
 
 
-def test_chunked_attention_gets_the_sliding_offsets_and_real_rotary() -> None:
+def test_chunked_attention_gets_the_sliding_offsets() -> None:
     names: list[str] = []
     with export_patches(_tiny_llama4(), dynamic_batch=False, applied=names):
         pass
-    assert "sliding_window_offsets" in names and "real_rotary" in names
+    assert "sliding_window_offsets" in names
+    assert "complex_as_real" not in names  # listed only once it has translated something
 
 
-def test_real_rotary_matches_the_complex_one_and_restores() -> None:
-    import transformers.models.llama4.modeling_llama4 as llama4
-
-    from iobundle.replay.export._patches import patch_real_rotary
-
+def test_llama4_complex_rotary_on_real_pairs_same_logits_and_listed() -> None:
     model = _tiny_llama4()
     ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(1))
-    forward, apply = llama4.Llama4TextRotaryEmbedding.forward, llama4.apply_rotary_emb
+    names: list[str] = []
     with torch.no_grad():
         expected = model(ids).logits
-        with patch_real_rotary(model):
+        with export_patches(model, dynamic_batch=False, applied=names):
             freqs = model.model.rotary_emb(torch.zeros(1), torch.arange(6)[None])
-            assert not freqs.is_complex() and freqs.shape[-1] == 2
+            assert freqs.is_complex() and freqs.shape == (1, 6, 4)  # what the model's code sees
             got = model(ids).logits
+    assert not freqs.is_complex() and freqs.shape == (1, 6, 4, 2)  # what it is: (real, imaginary) pairs
+    assert "complex_as_real" in names
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    assert llama4.Llama4TextRotaryEmbedding.forward is forward and llama4.apply_rotary_emb is apply

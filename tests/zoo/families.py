@@ -547,9 +547,7 @@ FAMILIES += [
         decoder_only(
             "DeepseekV2Config", "DeepseekV2ForCausalLM", **_LATENT, **_GROUPED_MOE, topk_method="group_limited_greedy"
         ),
-        notes="multi-head latent attention, group-limited greedy MoE routing",
-        known_failure="torch.onnx.export: ConversionError (its rotary embedding computes in complex numbers, "
-        "torch.polar / view_as_complex); torch.export and the ep.module() checks pass",
+        notes="multi-head latent attention, group-limited greedy MoE routing, complex-valued rotary (torch.polar)",
     ),
     Family(
         "glm4_moe_lite",

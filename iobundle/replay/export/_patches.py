@@ -5,8 +5,9 @@ recorded calls, and every call is checked against its recorded outputs afterward
 patch is a context manager function that puts back exactly what it replaced on exit, even
 when the export fails; :func:`export_patches` enters the ones that apply to a model and
 lists them by name on the export report (``ExportReport.patches``). Nothing here runs
-unless the model holds the modules or settings the patch is about, and transformers is
-only imported when the model comes from it.
+unless the model holds the modules or settings the patch is about (``complex_as_real``, found
+by what the traced code computes, is entered for every trace and listed only when it changed
+something), and transformers is only imported when the model comes from it.
 
 The patches (checked against torch 2.13 and transformers 5.24):
 
@@ -94,13 +95,18 @@ The patches (checked against torch 2.13 and transformers 5.24):
     check beyond the recorded calls finds. While tracing, ``expand_kv`` concatenates the two
     parts instead (``torch.cat``): the same values, no write into a slice, no minimum on the
     batch. Applied only when the batch is dynamic.
-``real_rotary``
-    Llama 4's text rotary embedding is complex-valued: ``torch.polar`` makes the frequencies,
-    and ``apply_rotary_emb`` multiplies ``view_as_complex`` queries and keys by them, which
-    ``torch.onnx`` cannot translate (no complex tensors in ONNX). While tracing, the rotary
-    module returns the same frequencies as a real ``(..., D/2, 2)`` pair (cosine, sine) and
-    ``apply_rotary_emb`` rotates each (even, odd) pair with them: the same arithmetic on real
-    numbers (differences at float rounding level).
+``complex_as_real``
+    Complex arithmetic (a rotary embedding written as a complex multiply: ``torch.polar`` or
+    ``torch.complex`` frequencies, ``view_as_complex`` queries and keys, ``view_as_real`` of the
+    product, as in DeepSeek-V2 and Llama 4) traces to a ``copy_`` inside ``torch.polar`` that adds
+    size bounds (the program rejects the prefill or batch 1), and to complex ops ``torch.onnx``
+    cannot convert. While tracing, a ``TorchFunctionMode`` carries every complex value as a real
+    ``(..., 2)`` pair and translates the ops on it (see
+    :mod:`iobundle.replay.export._complex_pairs`): it is found by what the code computes, not by
+    the model's class, so it is entered for every trace and listed on the report only when the
+    model computed something complex. The same arithmetic on real numbers (differences at
+    float rounding level). Entered last, so that it is the innermost mode: the model's ops reach
+    it first, and ``layout_copies`` sees real pairs only.
 
 ``contiguous_last_token``
     ``logits_to_keep=1`` slices the last position before ``lm_head``; the slice is not
@@ -120,16 +126,18 @@ from typing import Any
 
 import torch
 
+from iobundle.replay.export._complex_pairs import ComplexAsPairs
+
 __all__ = [
     "PATCHES",
     "ExportPatch",
     "export_patches",
+    "patch_complex_as_real",
     "patch_contiguous_last_token",
     "patch_latent_keys_concat",
     "patch_layout_copies",
     "patch_moe_batched_experts",
     "patch_sdpa_without_is_causal",
-    "patch_real_rotary",
     "patch_sliding_window_offsets",
     "patch_whisper_cross_attention_recompute",
 ]
@@ -564,55 +572,20 @@ def patch_latent_keys_concat(model: torch.nn.Module) -> Iterator[None]:
             del module.expand_kv
 
 
-# --------------------------------------------------------------------------- selection
-
-
-# --------------------------------------------------------------------------- real_rotary
-
-
-def _complex_rotary_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Llama 4's text rotary embeddings in ``model`` (empty unless its module is loaded)."""
-    llama4 = sys.modules.get("transformers.models.llama4.modeling_llama4")
-    if llama4 is None:
-        return []
-    return [m for m in model.modules() if isinstance(m, llama4.Llama4TextRotaryEmbedding)]
-
-
-def _real_rotary_forward(self: Any, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    """``Llama4TextRotaryEmbedding.forward`` returning ``(cos, sin)`` pairs instead of complex numbers."""
-    freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
-    return torch.stack([freqs.cos(), freqs.sin()], dim=-1) * self.attention_scaling
-
-
-def _real_apply_rotary_emb(
-    xq: torch.Tensor, xk: torch.Tensor, freqs: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Llama 4's ``apply_rotary_emb`` on real ``(cos, sin)`` pairs: each (even, odd) pair rotated."""
-    cos, sin = freqs[:, :, None, :, 0], freqs[:, :, None, :, 1]
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        pairs = x.float().reshape(*x.shape[:-1], -1, 2)
-        real, imag = pairs[..., 0], pairs[..., 1]
-        return torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1).flatten(3).type_as(x)
-
-    return rotate(xq), rotate(xk)
+# --------------------------------------------------------------------------- complex_as_real
 
 
 @contextlib.contextmanager
-def patch_real_rotary(model: torch.nn.Module) -> Iterator[None]:
-    """Llama 4's complex rotary embedding computed on real numbers while tracing (see the module docstring)."""
-    import transformers.models.llama4.modeling_llama4 as llama4
-    from transformers.modeling_rope_utils import dynamic_rope_update
+def patch_complex_as_real(model: torch.nn.Module) -> Iterator[ComplexAsPairs]:
+    """Trace complex arithmetic on real pairs (see the module docstring); yields the mode (``.used``: what it translated).
 
-    forward = llama4.Llama4TextRotaryEmbedding.__dict__["forward"]
-    apply = llama4.apply_rotary_emb
-    llama4.Llama4TextRotaryEmbedding.forward = dynamic_rope_update(_real_rotary_forward)
-    llama4.apply_rotary_emb = _real_apply_rotary_emb
-    try:
-        yield
-    finally:
-        llama4.Llama4TextRotaryEmbedding.forward = forward
-        llama4.apply_rotary_emb = apply
+    A ``TorchFunctionMode`` for the ``with`` block; ``model`` is not touched.
+    """
+    with ComplexAsPairs() as mode:
+        yield mode
+
+
+# --------------------------------------------------------------------------- selection
 
 
 @dataclass(frozen=True)
@@ -621,11 +594,15 @@ class ExportPatch:
 
     ``applies(model, dynamic, dynamic_batch)`` says whether the export needs it: ``dynamic``
     is whether any dimension is dynamic, ``dynamic_batch`` whether some input's batch axis is.
+    A patch found by what the model computes while it is traced (``listed_if_used``) is entered
+    for every trace; its context manager yields an object whose ``used`` says whether it changed
+    anything, and only then is it listed.
     """
 
     name: str
     applies: Callable[[torch.nn.Module, bool, bool], bool]
-    patch: Callable[[torch.nn.Module], contextlib.AbstractContextManager[None]]
+    patch: Callable[[torch.nn.Module], contextlib.AbstractContextManager[Any]]
+    listed_if_used: bool = False
 
 
 PATCHES: tuple[ExportPatch, ...] = (
@@ -660,14 +637,15 @@ PATCHES: tuple[ExportPatch, ...] = (
         patch_latent_keys_concat,
     ),
     ExportPatch(
-        "real_rotary",
-        lambda m, _dynamic, _batch: bool(_complex_rotary_modules(m)),
-        patch_real_rotary,
-    ),
-    ExportPatch(
         "contiguous_last_token",
         lambda m, _dynamic, batch: batch and _output_embeddings(m) is not None,
         patch_contiguous_last_token,
+    ),
+    ExportPatch(
+        "complex_as_real",
+        lambda _m, _dynamic, _batch: True,
+        patch_complex_as_real,
+        listed_if_used=True,
     ),
 )
 
@@ -683,7 +661,8 @@ def export_patches(
         dynamic: Whether any dimension is dynamic (``sdpa_without_is_causal`` is needed only then).
         dynamic_batch: Whether some input's batch axis is dynamic (``contiguous_last_token``,
             ``latent_keys_concat``).
-        applied: Receives the names of the patches entered, in order.
+        applied: Receives the names of the patches entered, in order; a patch listed only if
+            used (``complex_as_real``) is appended when the block ends, if it changed something.
 
     Example:
         >>> names = []
@@ -692,10 +671,20 @@ def export_patches(
         >>> names
         ['sdpa_without_is_causal']
     """
+    found: list[tuple[str, Any]] = []
     with contextlib.ExitStack() as stack:
         for entry in PATCHES:
             if entry.applies(model, dynamic, dynamic_batch):
-                stack.enter_context(entry.patch(model))
+                state = stack.enter_context(entry.patch(model))
+                if entry.listed_if_used:
+                    found.append((entry.name, state))
+                    continue
                 applied.append(entry.name)
                 logger.info("export patch %s applied", entry.name)
-        yield
+        try:
+            yield
+        finally:
+            for name, state in found:
+                if state.used:
+                    applied.append(name)
+                    logger.info("export patch %s applied (%s)", name, ", ".join(state.used))
