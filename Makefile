@@ -13,7 +13,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first: the CPU wheel these machines carry; a bare `torch` would pull a CUDA build
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,docs]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,docs,quanto]'
+	# quanto compiles its C++ unpacking kernel at first use (minutes on 2 cores): once here, not inside a test
+	$(PY) -c "from optimum.quanto.library.extensions import get_extension; get_extension('quanto_cpp').lib"
 	touch $(STAMP)
 
 demo: $(STAMP)

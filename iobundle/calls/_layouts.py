@@ -19,6 +19,8 @@ __all__ = [
     "ENCODER_DECODER_CACHE_NAME",
     "MAX_STATES",
     "NODE_TYPE_VERSION",
+    "QUANTIZED_CACHE_NAME",
+    "QUANTIZED_LAYER_CHILDREN",
     "STATIC_CACHE_NAME",
     "Layout",
     "attention_name",
@@ -26,12 +28,14 @@ __all__ = [
     "dynamic_empty_dims",
     "kind_children",
     "positive_int",
+    "quantized_settings",
 ]
 
 NODE_TYPE_VERSION = 1
 DYNAMIC_CACHE_NAME = "transformers.DynamicCache"
 STATIC_CACHE_NAME = "transformers.StaticCache"
 ENCODER_DECODER_CACHE_NAME = "transformers.EncoderDecoderCache"
+QUANTIZED_CACHE_NAME = "transformers.QuantizedCache"
 
 MAX_STATES = 64
 """A bound on a linear-attention layer's number of states read from a bundle."""
@@ -137,10 +141,59 @@ def dynamic_empty_dims(context: Any) -> list[int | None]:
     return [_GROWS_ALONG[part] for _, part in dynamic_cache_parts(context)]
 
 
+QUANTIZED_LAYER_CHILDREN = 8
+"""Children of one quantized layer: residual key and value, then packed codes, scales and shifts of keys and values."""
+
+_QUANTIZED_SETTINGS = ("nbits", "axis_key", "axis_value", "q_group_size", "residual_length")
+
+
+def quantized_settings(kind: Any, index: int) -> dict[str, int]:
+    """The settings of a ``{"quanto": {...}}`` layer kind read from a bundle, checked.
+
+    Only what iobundle rebuilds is accepted: 2 or 4 bits, quantization along axis 0 (per group of
+    ``q_group_size`` channels of the head dimension), positive group size and residual length.
+
+    Raises:
+        ValueError: ``kind`` is not such a kind.
+
+    Example:
+        >>> quantized_settings({"quanto": {"nbits": 4, "axis_key": 0, "axis_value": 0,
+        ...     "q_group_size": 16, "residual_length": 8}}, 0)["nbits"]
+        4
+    """
+    settings = kind.get("quanto") if isinstance(kind, dict) and len(kind) == 1 else None
+    if not isinstance(settings, dict) or sorted(settings) != sorted(_QUANTIZED_SETTINGS):
+        raise ValueError(
+            f"Layer {index} of the QuantizedCache has kind {kind!r}; expected {{'quanto': {{...}}}} with the settings "
+            f"{', '.join(_QUANTIZED_SETTINGS)}."
+        )
+    if settings["nbits"] not in (2, 4) or isinstance(settings["nbits"], bool):
+        raise ValueError(f"Layer {index} of the QuantizedCache has nbits {settings['nbits']!r}; expected 2 or 4.")
+    for axis in ("axis_key", "axis_value"):
+        if settings[axis] != 0 or isinstance(settings[axis], bool):
+            raise ValueError(f"Layer {index} of the QuantizedCache has {axis} {settings[axis]!r}; expected 0.")
+    positive_int(settings["q_group_size"], "a quantization group size", index)
+    positive_int(settings["residual_length"], "a residual length", index)
+    return {name: int(settings[name]) for name in _QUANTIZED_SETTINGS}
+
+
+def quantized_empty_dims(context: Any) -> list[int | None]:
+    """Per child of a ``QuantizedCache``: every child grows along the sequence (``-2``).
+
+    A None residual is an empty one (the residual was just moved into the quantized states); a
+    layer whose quantized states are None (or zero-length) is not initialised yet. A malformed
+    context gives ``[]``.
+    """
+    if not isinstance(context, list):
+        return []
+    return [-2] * (QUANTIZED_LAYER_CHILDREN * len(context))
+
+
 BUILTIN_LAYOUTS: dict[tuple[str, int], Layout] = {
     # a layer not filled yet is (B, H, 0, D)
     (DYNAMIC_CACHE_NAME, NODE_TYPE_VERSION): Layout(empty_dim=-2, child_empty_dims=dynamic_empty_dims),
     (STATIC_CACHE_NAME, NODE_TYPE_VERSION): Layout(),
     (ENCODER_DECODER_CACHE_NAME, NODE_TYPE_VERSION): Layout(),
+    (QUANTIZED_CACHE_NAME, NODE_TYPE_VERSION): Layout(empty_dim=-2, child_empty_dims=quantized_empty_dims),
 }
 """The layouts of the built-in node types, by name and version (a node type not listed has the default layout)."""

@@ -108,7 +108,9 @@ MODEL.p0.onnx, MODEL.p1.onnx, ... and MODEL.programs.json, the index to give `va
 --dynamic NAME:AXIS makes an axis dynamic that never varied in the recording; a warning
 names the axes that look like batch or sequence axes and are static only for that reason.
 When the batch is dynamic, the program also runs on a recorded call cut to another batch
-size and is compared with the eager model ("beyond the recorded calls").
+size and is compared with the eager model ("beyond the recorded calls"). A program that
+refuses that batch on a guard is re-exported with a remedy that serves it, when one does;
+the line says what the program assumed and what was done, or that nothing serves it.
 
 --from-bundle rebuilds the model from the config and weights a self-contained bundle carries
 (observer.save(path, include_model=True)), for the classes transformers registers in its

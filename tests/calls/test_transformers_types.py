@@ -899,7 +899,13 @@ class TestEmptyCacheInference:
         assert static is not None and static.empty_dim is None
 
     @pytest.mark.parametrize(
-        "name", ["transformers.DynamicCache", "transformers.StaticCache", "transformers.EncoderDecoderCache"]
+        "name",
+        [
+            "transformers.DynamicCache",
+            "transformers.StaticCache",
+            "transformers.EncoderDecoderCache",
+            "transformers.QuantizedCache",
+        ],
     )
     def test_the_caches_node_types_take_their_layout_from_the_torch_free_table(self, name: str) -> None:
         node_type = lookup_node_type(name)

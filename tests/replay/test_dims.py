@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -132,11 +135,144 @@ def test_a_guard_beyond_the_recorded_calls_is_explained():
     assert check.assumption.startswith("the program assumes axis 0 of x >= 2: a minimum bound torch.export added")
     assert check.assumption in check.summary()
 
+    assert check.remedy is None and check.tried == [
+        "layout_copies_every_rank: still refused (AssertionError: Guard failed: x.size()[0] >= 2)"
+    ]
+
+
+class TokenScores(torch.nn.Module):
+    """Per-token scores transposed to (experts, tokens) and flattened, the way mixture-of-experts routing weighs tokens.
+
+    ``rows=True`` scores the last position of each row instead: a (batch, experts) tensor.
+    Whether the transposed scores are a view when flattened depends on there being one token
+    (one row): traced from a decode step of a batch of 2, torch.export guards that number != 1.
+    """
+
+    def __init__(self, how: str, rows: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.score = torch.nn.Linear(4, 3)
+        self.how, self.rows = how, rows
+
+    def forward(self, x: torch.Tensor, past: torch.Tensor | None = None) -> torch.Tensor:
+        tokens = x[:, -1, :] if self.rows else x.reshape(-1, 4)
+        scores = self.score(tokens)
+        if self.how == "reshape":
+            flat = scores.transpose(0, 1).reshape(-1)
+        elif self.how == "flatten":
+            flat = scores.t().flatten()
+        else:
+            flat = scores.t().contiguous().view(-1)
+        out = flat.view(3, -1).t()
+        out = out[:, None, :] if self.rows else out.reshape(x.shape[0], x.shape[1], 3)
+        return out if past is None else torch.cat([past, out], dim=1)
+
+
+def record_decode(model: torch.nn.Module) -> InputObserver:
+    """A prefill of a batch of 2 (no ``past``), then two decode steps of one token each."""
+    observer = InputObserver()
+    with torch.no_grad(), observer(model):
+        past = model(torch.randn(2, 5, 4))
+        for _ in range(2):
+            past = model(torch.randn(2, 1, 4), past)
+    return observer
+
+
+@pytest.mark.parametrize(
+    ("how", "rows", "guard"),
+    [
+        ("reshape", False, "x.size()[1] * x.size()[0] != 1"),
+        ("flatten", False, "x.size()[1] * x.size()[0] != 1"),
+        ("contiguous", False, "x.size()[1] * x.size()[0] != 1"),
+        ("flatten", True, "x.size()[0] != 1"),
+    ],
+)
+def test_a_batch_refused_on_a_guard_is_served_by_a_remedy(how, rows, guard):
+    model = TokenScores(how, rows).eval()
+    observer = record_decode(model)
+    ep = observer.export(model, set_batch_dimension_for=True)
+    report = observer.export_report()
+    check = report.batch_check
+    assert report.ok and len(report.calls) == 3  # every recorded call still reproduces
+    assert (check.batch, check.success, check.remedy) == (1, True, "layout_copies_every_rank")
+    assert check.refused == f"AssertionError: Guard failed: {guard}"
+    assert check.assumption.endswith("taken for the size the trace saw") and "!= 1" in check.assumption
+    assert check.tried == ["layout_copies_every_rank: served"]
+    assert "ok (max abs vs eager 0" in check.summary() and "served by re-exporting with the remedy" in check.summary()
+    assert any(option.startswith("remedy layout_copies_every_rank: ") for option in report.options)
+    # The refused size, served: at batch 1 (one token, and several) the program is the eager model.
+    with torch.no_grad():
+        for length in (1, 3):
+            x, past = torch.randn(1, length, 4), torch.randn(1, 6, 3)
+            torch.testing.assert_close(ep.module()(x, past), model(x, past), atol=0, rtol=0)
+
+
+BRANCH = textwrap.dedent(
+    """
+    import torch
+
+    class OneTokenPath(torch.nn.Module):
+        # A fast path of the model's own code for a single token: if batch * length == 1.
+
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, h, past=None):
+            if h.shape[0] * h.shape[1] == 1:
+                out = self.proj(h.reshape(4)).reshape(1, 1, 4)
+            else:
+                out = self.proj(h)
+            out = out[:, -1:, :]
+            return out if past is None else out + past
+
+    def build():
+        return OneTokenPath().eval()
+    """
+)
+
+
+@pytest.fixture
+def one_token_path(tmp_path, monkeypatch):
+    """``guards.py`` (``guards:build``, for ``--model``) in ``tmp_path``, the working directory, and its module."""
+    (tmp_path / "guards.py").write_text(BRANCH)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import guards
+
+    yield guards
+    sys.modules.pop("guards", None)
+
+
+def test_a_guard_no_remedy_serves_is_said_plainly(one_token_path, capsys):
+    model = one_token_path.build()
+    observer = record_decode(model)
+    ep = observer.export(model, set_batch_dimension_for=True)
+    report = observer.export_report()
+    check = report.batch_check
+    assert report.ok  # the first program is kept: it serves every recorded call
+    assert (check.success, check.remedy, check.refused) == (False, None, None)
+    assert check.error == "AssertionError: Guard failed: h.size()[1] * h.size()[0] != 1"
+    assert check.tried == [
+        "layout_copies_every_rank: still refused (AssertionError: Guard failed: h.size()[1] * h.size()[0] != 1)"
+    ]
+    assert "none serves it, the first program is kept" in check.summary()
+    with pytest.raises(AssertionError, match="Guard failed"):
+        ep.module()(torch.randn(1, 1, 4), torch.randn(1, 1, 4))
+    observer.save("one_token.iobundle")
+    code = main(["export", "one_token.iobundle", "--model", "guards:build", "--batch-all", "-o", "one_token.onnx"])
+    out = capsys.readouterr().out
+    assert code == 1 and "re-exported with each remedy iobundle has (layout_copies_every_rank: still refused" in out
+    assert "FAIL" in out.splitlines()[-1]
+
 
 @pytest.mark.parametrize(
     ("guard", "expected"),
     [
         ("Guard failed: position_ids.size()[0] >= 2", "the program assumes axis 0 of position_ids >= 2: a minimum"),
+        ("Guard failed: x.size()[1] * x.size()[0] != 1", "the program assumes axis 1 of x * axis 0 of x != 1: a prod"),
+        ("Guard failed: x.size()[0] != 1", "the program assumes axis 0 of x != 1: a size that was not 1"),
         ("Guard failed: cache['key_0'].size()[0] == 2", "the program assumes axis 0 of cache['key_0'] == 2: a size"),
         ("Guard failed: x.size()[1] <= y.size()[1] + 1", "the program assumes axis 1 of x <= axis 1 of y + 1: a rel"),
     ],
@@ -146,3 +282,19 @@ def test_explain_guard_names_the_assumption(guard, expected):
 
     assert explain_guard(f"AssertionError: {guard}", 2).startswith(expected)
     assert explain_guard("RuntimeError: shapes differ", 2) is None
+
+
+def test_the_program_a_remedy_serves_runs_the_refused_batch_in_onnxruntime(tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    model = TokenScores("reshape").eval()
+    observer = record_decode(model)
+    path = observer.to_onnx(model, tmp_path / "scores.onnx", set_batch_dimension_for=True)
+    assert observer.export_report().batch_check.remedy == "layout_copies_every_rank"
+    assert all(row["SUCCESS"] for row in observer.check_discrepancies(path))  # every recorded call
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    with torch.no_grad():
+        for length in (1, 3):
+            x, past = torch.randn(1, length, 4), torch.randn(1, 6, 3)
+            (got,) = session.run(None, dict(zip(names, [x.numpy(), past.numpy()])))
+            torch.testing.assert_close(torch.from_numpy(got), model(x, past), atol=1e-6, rtol=1e-5)

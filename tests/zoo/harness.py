@@ -59,6 +59,8 @@ class BundleResult:
     programs: int = 0
     traced_calls: list[int] = field(default_factory=list)
     patches: list[str] = field(default_factory=list)
+    remedies: list[str] = field(default_factory=list)
+    """Remedies whose re-export serves the check beyond the recorded calls (that check passed with them)."""
     export_seconds: float = 0.0
     onnx_seconds: float = 0.0
     ep_checks: list[dict[str, Any]] = field(default_factory=list)
@@ -278,6 +280,9 @@ def cli_session(timeout: float = REPLAY_TIMEOUT_S) -> Iterator[Cli]:
 _TRACED = re.compile(r"torch\.export: traced from call (\d+) in ([0-9.]+)s")
 _PATCH = re.compile(r"^\s*patch: (\S+)", re.MULTILINE)
 _ONNX = re.compile(r"torch\.onnx\.export: .* in ([0-9.]+)s")
+_REMEDY = re.compile(
+    r"^beyond the recorded calls: .*: ok \(.*served by re-exporting with the remedy (\w+)", re.MULTILINE
+)
 _CHECKED = re.compile(r"exported program checked on (\d+) recorded calls")
 
 
@@ -288,6 +293,7 @@ def _parse_export(text: str, result: BundleResult) -> None:
     result.traced_calls = [int(i) for i, _ in traced]
     result.export_seconds = sum(float(s) for _, s in traced)
     result.patches = list(dict.fromkeys(_PATCH.findall(text)))
+    result.remedies = list(dict.fromkeys(_REMEDY.findall(text)))
     result.onnx_seconds = sum(float(s) for s in _ONNX.findall(text))
     rows = []
     in_table = False

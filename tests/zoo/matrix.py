@@ -9,7 +9,8 @@ Usage::
                                                     # (IOBUNDLE_ZOO_RESULTS=DIR make test); docs/llm.md updated
 
 The matrix has one row per bundle: the dtype the model ran in, the cache class and layer kinds
-the bundle holds (read from its manifest), calls recorded, programs exported, patches applied, the
+the bundle holds (read from its manifest), calls recorded, programs exported, patches applied (and
+the remedies that served the check beyond the recorded calls, marked ``(remedy)``), the
 torch.export and torch.onnx.export seconds, and the largest error over every recorded call
 in ``ep.module()`` and in onnxruntime. A family that fails says so, with the first reason.
 """
@@ -61,7 +62,7 @@ def format_matrix(
             name = entry.name if b.name == entry.name else f"{entry.name} ({b.name})"
             lines.append(
                 f"| {name} | {entry.precision} | {b.cache} | {status} | {b.calls} | {b.programs} | "
-                f"{', '.join(b.patches) or '-'} | "
+                f"{', '.join([*b.patches, *(f'{r} (remedy)' for r in b.remedies)]) or '-'} | "
                 f"{b.export_seconds:.1f} / {b.onnx_seconds:.1f} | {_error(b.ep_max_abs)} / {_error(b.ort_max_abs)} | "
                 f"{note} |"
             )

@@ -5,13 +5,22 @@ exported static (``iobundle.replay.infer.static_dim_hints`` names those that loo
 a sequence). :func:`check_other_batch` runs an exported program whose batch is dynamic on a
 recorded call cut (or repeated) to another batch size and compares it with the eager model and
 the recorded outputs.
+
+When the program refuses those inputs on a guard (``Guard failed: EXPR``), :func:`explain_guard`
+says what it assumes, and the export tries the remedies of :data:`GUARD_REMEDIES` in turn: each
+re-exports the program with one tracing setting changed and keeps the new program only when it
+reproduces every recorded call and passes the same check (``BatchCheck.remedy``); when none
+does, the first program is kept and the check stays failed, with what was tried
+(``BatchCheck.tried``).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +30,7 @@ from iobundle.calls import RecordedCalls, ReplayAutocast, tensor_keys
 from iobundle.replay.check import compare_outputs, flatten_outputs
 from iobundle.replay.infer import Alignment, BatchSpec, batch_axes, find_batch_axes, infer_arguments
 
-__all__ = ["BatchCheck", "check_other_batch", "explain_guard", "program_batch_axes"]
+__all__ = ["GUARD_REMEDIES", "BatchCheck", "GuardRemedy", "check_other_batch", "explain_guard", "program_batch_axes"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +49,12 @@ class BatchCheck:
         abs_recorded: Max abs difference between the program and the recorded outputs cut the same way
             (informative: a cut recorded output is not always what the model returns for the cut inputs).
         error: Why the check could not run, if it failed to.
-        assumption: When the program refused the inputs on a guard: what it assumes, in words
-            (see :func:`explain_guard`).
+        assumption: When a program refused the inputs on a guard: what it assumes, in words
+            (see :func:`explain_guard`); kept when a remedy then served them.
+        refused: When a remedy served the inputs: how the first program refused them.
+        remedy: The name of the remedy (:data:`GUARD_REMEDIES`) whose re-export serves the
+            inputs; None when the first program did, or when nothing did.
+        tried: Each remedy tried and its outcome, in order (``"layout_copies_every_rank: served"``).
     """
 
     call: int
@@ -52,20 +65,73 @@ class BatchCheck:
     abs_recorded: float | None = None
     error: str | None = None
     assumption: str | None = None
+    refused: str | None = None
+    remedy: str | None = None
+    tried: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
+        head = f"batch {self.batch} (call {self.call} cut from batch {self.recorded_batch}): "
         if self.error:
             verdict = "failed: " if self.success is False else ""
             found = f"; {self.assumption}" if self.assumption else ""
-            return (
-                f"batch {self.batch} (call {self.call} cut from batch {self.recorded_batch}): "
-                f"{verdict}{self.error}{found}"
-            )
+            text = f"{head}{verdict}{self.error}{found}"
+            if self.tried:
+                text += (
+                    f"; re-exported with each remedy iobundle has ({'; '.join(self.tried)}): none serves it, "
+                    "the first program is kept (it serves every recorded call, not this batch)"
+                )
+            return text
         parts = [f"max abs vs eager {self.abs_eager:.3g}" if self.abs_eager is not None else None]
         parts.append(f"vs recorded rows {self.abs_recorded:.3g}" if self.abs_recorded is not None else None)
         verdict = "ok" if self.success else "DIFFERS"
         detail = ", ".join(p for p in parts if p)
-        return f"batch {self.batch} (call {self.call} cut from batch {self.recorded_batch}): {verdict} ({detail})"
+        text = f"{head}{verdict} ({detail})"
+        if self.remedy:
+            text += (
+                f"; served by re-exporting with the remedy {self.remedy}: the first program refused it "
+                f"({self.refused}; {self.assumption})"
+            )
+        return text
+
+
+@dataclass(frozen=True)
+class GuardRemedy:
+    """A re-export the check beyond the recorded calls tries when a program refuses its inputs on a guard.
+
+    Attributes:
+        name: As reports list it (``BatchCheck.remedy``, ``ExportReport.options``).
+        does: What the re-export changes, in words.
+        context: Returns the context manager entered while tracing the re-export.
+    """
+
+    name: str
+    does: str
+    context: Callable[[], contextlib.AbstractContextManager[None]]
+
+
+def _layout_copies_every_rank() -> contextlib.AbstractContextManager[None]:
+    from iobundle.replay.export._patches import layout_copies_every_rank
+
+    return layout_copies_every_rank()
+
+
+GUARD_REMEDIES: tuple[GuardRemedy, ...] = (
+    GuardRemedy(
+        "layout_copies_every_rank",
+        "reshapes of possibly non-contiguous tensors of rank 2 and more traced as copies, so that a "
+        "view-or-copy decision on a size that was not 1 in the traced call (the tokens of a transposed "
+        "(tokens, experts) tensor) is not a guard",
+        _layout_copies_every_rank,
+    ),
+)
+"""The remedies, tried in order (see :func:`iobundle.replay.export._patches.layout_copies_every_rank`).
+
+Measured on the guard classes the zoo and the tests show (docs/llm.md, "Beyond the recorded
+calls"): tracing from another recorded call moves the guard to other calls rather than
+removing it, and ``backed_size_oblivious`` is already on wherever a size of 1 was traced, so
+neither is a remedy; a branch of the model's own code on a size (``if batch * length == 1``)
+is served by no re-export of one program.
+"""
 
 
 _GUARD = re.compile(r"Guard failed: (.+)")
@@ -78,7 +144,9 @@ def explain_guard(message: str, recorded: int) -> str | None:
     ``position_ids.size()[0] >= 2`` is a minimum bound: torch.export, tracing batch
     ``recorded`` size-obliviously, decided a branch or a memory-layout check as if the size
     could not be 0 or 1, and guards that. ``== N`` is a size specialised to what the trace saw;
-    a relation between two sizes is a derived dimension the model's code ties together.
+    a relation between two sizes is a derived dimension the model's code ties together;
+    ``!= 1`` on a size or a product of sizes (``batch * length``: a number of tokens) is a
+    decision taken for a size that was not 1 when traced.
     """
     found = _GUARD.search(message)
     if found is None:
@@ -86,7 +154,13 @@ def explain_guard(message: str, recorded: int) -> str | None:
     expr = found.group(1).strip().rstrip(".")
     text = _SIZE.sub(lambda m: f"axis {m.group(2)} of {m.group(1)}", expr)
     sizes = _SIZE.findall(expr)
-    if len(sizes) == 1 and re.search(r"(>=|>)\s*\d+$", expr):
+    if re.search(r"!=\s*1$", expr):
+        what = "size" if len(sizes) == 1 else "product of sizes (a number of elements, such as batch x length tokens)"
+        kind = (
+            f"a {what} that was not 1 in the traced call, assumed never to be 1: a branch, or a view-or-copy "
+            "decision of a reshape, taken for the size the trace saw"
+        )
+    elif len(sizes) == 1 and re.search(r"(>=|>)\s*\d+$", expr):
         kind = (
             f"a minimum bound torch.export added while tracing batch {recorded} (a size-oblivious choice in the "
             "model's code: a branch, a reshape or a copy into a slice); a patch of iobundle.replay.export that "

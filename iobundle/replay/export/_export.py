@@ -29,7 +29,14 @@ from iobundle.replay.check import (
     output_paths,
     tolerance_options,
 )
-from iobundle.replay.export._dims import _Plan, check_other_batch, program_batch_axes
+from iobundle.replay.export._dims import (
+    GUARD_REMEDIES,
+    BatchCheck,
+    GuardRemedy,
+    _Plan,
+    check_other_batch,
+    program_batch_axes,
+)
 from iobundle.replay.infer import (
     Alignment,
     DimNamesSpec,
@@ -288,11 +295,13 @@ def export_context(
     model: torch.nn.Module | None = None,
     dynamic_batch: bool = False,
     dynamic: bool = True,
+    remedy: GuardRemedy | None = None,
 ) -> Iterator[None]:
     """Everything export and the checks need, scoped: pytree registrations, size-oblivious mode.
 
     With ``model`` (tracing only), the patches of :mod:`iobundle.replay.export._patches` that apply
-    to it are entered too and listed by name on ``report.patches``.
+    to it are entered too and listed by name on ``report.patches``, and so is ``remedy`` (one of
+    :data:`~iobundle.replay.export._dims.GUARD_REMEDIES`), listed on ``report.options``.
     """
     with contextlib.ExitStack() as stack:
         if _uses_transformers(rc):
@@ -311,6 +320,9 @@ def export_context(
             stack.enter_context(
                 export_patches(model, dynamic=dynamic, dynamic_batch=dynamic_batch, applied=report.patches)
             )
+            if remedy is not None:
+                stack.enter_context(remedy.context())
+                report.options.append(f"remedy {remedy.name}: {remedy.does}")
         yield
 
 
@@ -402,6 +414,7 @@ def _export(
     dynamic: DynamicSpec = None,
     dim_names: DimNamesSpec = False,
     on_progress: ProgressCallback | None = None,
+    remedy: GuardRemedy | None = None,
 ) -> tuple[torch.export.ExportedProgram, _Plan, ExportReport]:
     notify(on_progress, "torch.export", 0, 1)
     plan = _plan(rc, model, batch, dynamic, dim_names)
@@ -416,6 +429,7 @@ def _export(
         model=plan.module,
         dynamic_batch=plan.dynamic_batch,
         dynamic=plan.dynamic,
+        remedy=remedy,
     ):
         try:
             ep = torch.export.export(
@@ -489,6 +503,11 @@ def export_program(
         )
         if check_batch and plan.dynamic_batch and report.ok:
             report.batch_check = check_other_batch(rc, plan, ep, atol=tolerances.atol, rtol=tolerances.rtol)
+    if report.batch_check is not None and report.batch_check.assumption is not None:
+        ep, plan, report = _serve_refused_batch(
+            rc, model, ep, plan, report, batch=set_batch_dimension_for, strict=strict, dynamic=dynamic,
+            dim_names=dim_names, tolerances=tolerances,
+        )  # fmt: skip
     rc.last_export_report = report
     ep.iobundle_report = report  # type: ignore[attr-defined]
     ep.iobundle_plan = plan  # type: ignore[attr-defined]
@@ -498,6 +517,54 @@ def export_program(
             f"The exported program does not reproduce every recorded call ({report.summary()}): {bad}", report=report
         )
     return ep
+
+
+def _serve_refused_batch(
+    rc: RecordedCalls,
+    model: torch.nn.Module,
+    ep: torch.export.ExportedProgram,
+    plan: _Plan,
+    report: ExportReport,
+    *,
+    tolerances: Tolerances,
+    **options: Any,
+) -> tuple[torch.export.ExportedProgram, _Plan, ExportReport]:
+    """Re-export with each remedy of ``GUARD_REMEDIES`` until a program serves the batch the first refused on a guard.
+
+    A re-exported program is kept only when it reproduces every recorded call and passes the same
+    check (the same recorded call, cut to the same batch); its check then names the remedy and
+    how the first program refused. Otherwise the first program is kept, and its check lists what
+    each remedy gave (``BatchCheck.tried``).
+    """
+    first: BatchCheck = report.batch_check
+    tried: list[str] = []
+    for remedy in GUARD_REMEDIES:
+        attempt = ExportReport(traced_call=report.traced_call)
+        try:
+            ep2, plan2, attempt = _export(rc, model, report=attempt, remedy=remedy, **options)
+        except ExportError as exc:
+            tried.append(f"{remedy.name}: torch.export failed ({str(exc).splitlines()[0]})")
+            continue
+        with export_context(rc, oblivious=False, report=ExportReport(traced_call=attempt.traced_call)):
+            _check_calls(rc, plan2, ep2.module(), tolerances=tolerances, report=attempt, eager=plan2.module)
+            if not attempt.ok:
+                tried.append(f"{remedy.name}: {attempt.summary()}")
+                continue
+            check = check_other_batch(rc, plan2, ep2, atol=tolerances.atol, rtol=tolerances.rtol)
+        if check.success is not True:
+            tried.append(
+                f"{remedy.name}: still {'refused' if check.assumption else 'failed'} ({check.error or 'differs'})"
+            )
+            continue
+        tried.append(f"{remedy.name}: served")
+        check.refused, check.assumption, check.remedy, check.tried = first.error, first.assumption, remedy.name, tried
+        attempt.batch_check = check
+        attempt.export_seconds += report.export_seconds
+        logger.info("beyond the recorded calls: %s", check.summary())
+        return ep2, plan2, attempt
+    first.tried = tried
+    logger.info("beyond the recorded calls: no remedy serves batch %d: %s", first.batch, "; ".join(tried))
+    return ep, plan, report
 
 
 @tolerance_options("atol", "rtol", "output_atol", "output_rtol")

@@ -113,6 +113,14 @@ The patches (checked against torch 2.13 and transformers 5.24):
     contiguous, and the matmul on it makes ``torch.export`` guard ``batch == 1``. A forward
     pre-hook on the output embeddings makes the input contiguous, so the batch stays dynamic.
     Applied only when the batch dimension is dynamic.
+
+Remedies are not entered by :func:`export_patches`: the export tries them only when the check
+beyond the recorded calls finds a guard (``iobundle.replay.export._dims.GUARD_REMEDIES``), and
+keeps their program only when it serves that check and every recorded call:
+
+``layout_copies_every_rank``
+    ``layout_copies`` for the reshapes of 2-D tensors too, for any module: see
+    :func:`layout_copies_every_rank`.
 """
 
 from __future__ import annotations
@@ -132,6 +140,7 @@ __all__ = [
     "PATCHES",
     "ExportPatch",
     "export_patches",
+    "layout_copies_every_rank",
     "patch_complex_as_real",
     "patch_contiguous_last_token",
     "patch_latent_keys_concat",
@@ -370,18 +379,24 @@ def patch_sliding_window_offsets(model: torch.nn.Module) -> Iterator[None]:
 
 
 class _LayoutCopies(torch.overrides.TorchFunctionMode):
-    """Copies a possibly non-contiguous input of a view-or-copy operation to a contiguous layout first."""
+    """Copies a possibly non-contiguous input of a view-or-copy operation to a contiguous layout first.
 
-    def __init__(self) -> None:
+    Reshapes (``reshape``, ``flatten``, ``contiguous``) of tensors of rank ``reshape_rank`` or more
+    are copied; matmuls only of tensors of rank 3 or more (a 2-D matmul input is often a
+    transposed weight, which a copy would duplicate in every call).
+    """
+
+    def __init__(self, reshape_rank: int = 3) -> None:
         super().__init__()
         from torch._prims_common import is_contiguous_or_false
 
         self._definitely_contiguous = is_contiguous_or_false
+        self._reshape_rank = reshape_rank
         self._reshapes = {torch.reshape, torch.Tensor.reshape, torch.flatten, torch.Tensor.flatten}
         self._matmuls = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
 
-    def _copied(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() > 2 and not self._definitely_contiguous(value):
+    def _copied(self, value: Any, rank: int = 3) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() >= rank and not self._definitely_contiguous(value):
             return value.clone(memory_format=torch.contiguous_format)
         return value
 
@@ -390,9 +405,10 @@ class _LayoutCopies(torch.overrides.TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         if func is torch.Tensor.contiguous and not kwargs and len(args) == 1:
-            return self._copied(args[0]) if args[0].dim() > 2 else func(*args)
+            copied = args[0].dim() >= self._reshape_rank
+            return self._copied(args[0], self._reshape_rank) if copied else func(*args)
         if func in self._reshapes and args:
-            args = (self._copied(args[0]), *args[1:])
+            args = (self._copied(args[0], self._reshape_rank), *args[1:])
         elif func in self._matmuls:
             args = tuple(self._copied(a) for a in args)
         return func(*args, **kwargs)
@@ -405,6 +421,22 @@ def patch_layout_copies(model: torch.nn.Module) -> Iterator[None]:
     A ``TorchFunctionMode`` for the ``with`` block; ``model`` is not touched.
     """
     with _LayoutCopies():
+        yield
+
+
+@contextlib.contextmanager
+def layout_copies_every_rank() -> Iterator[None]:
+    """Trace the reshapes of every possibly non-contiguous tensor of rank 2 or more as copies.
+
+    Not a patch of :data:`PATCHES`: a remedy the export tries when the check beyond the recorded
+    calls finds a guard (see ``iobundle.replay.export._dims.GUARD_REMEDIES``). A 2-D tensor of
+    tokens transposed and reshaped (Llama 4's mixture-of-experts routing,
+    ``router_scores.transpose(0, 1).reshape(-1, 1)``) is a view when there is one token and a
+    copy otherwise; traced from a decode call of a batch of 2 (two tokens), the decision
+    becomes the guard ``batch * length != 1`` and the program refuses batch 1. A copy is valid
+    for every size. Works for any module, transformers or not.
+    """
+    with _LayoutCopies(reshape_rank=2):
         yield
 
 
