@@ -39,6 +39,8 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))  # for the plain helper module two_calls.py beside the tests
 
 
 @pytest.hookimpl(wrapper=True)

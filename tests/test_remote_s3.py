@@ -11,24 +11,13 @@ import pytest
 torch = pytest.importorskip("torch")
 fsspec = pytest.importorskip("fsspec")
 
+from two_calls import Model, record  # noqa: E402
+
 from iobundle import BundleExistsError, BundleNotFoundError, InputObserver, load_bundle  # noqa: E402
 from iobundle.replay import pack_bundle, unpack_bundle  # noqa: E402
 
 # one worker starts the server for all of them; the calls in their own files, which the tests name
 pytestmark = [pytest.mark.xdist_group("s3"), pytest.mark.usefixtures("own_files")]
-
-
-class Model(torch.nn.Module):
-    def forward(self, x, mask=None):
-        return x * 2 if mask is None else x * mask
-
-
-def record(observer: InputObserver, **kwargs) -> InputObserver:
-    model = Model()
-    with observer(model, **kwargs):
-        model(torch.randn(2, 3))
-        model(torch.randn(5, 3), mask=torch.ones(5, 3))
-    return observer
 
 
 def keys(url: str) -> list[str]:

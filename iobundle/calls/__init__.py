@@ -46,6 +46,7 @@ __all__ = [
     "collect_tensor_keys",
     "count_leaves",
     "count_tensors",
+    "cache_child_labels",
     "dynamic_cache_parts",
     "find_node_type",
     "iter_tensor_nodes",
@@ -122,6 +123,7 @@ from iobundle.calls._layouts import (
     STATIC_CACHE_NAME,
     Layout,
     attention_name,
+    cache_child_labels,
     dynamic_cache_parts,
 )
 from iobundle.calls._paths import OUTPUT_ROOT, child_path, item_labels, path_matches, tensor_paths

@@ -24,9 +24,11 @@ __all__ = [
     "STATIC_CACHE_NAME",
     "Layout",
     "attention_name",
+    "cache_child_labels",
     "dynamic_cache_parts",
     "dynamic_empty_dims",
     "kind_children",
+    "layer_parts",
     "positive_int",
     "quantized_settings",
 ]
@@ -91,6 +93,66 @@ def kind_children(kind: Any, index: int, cache: str) -> int:
     raise ValueError(f"Layer {index} of the {cache} has an unknown kind {kind!r}.")
 
 
+def layer_parts(kind: Any, index: int, cache: str) -> list[tuple[str, int | None]]:
+    """What each child of one layer of ``kind`` in ``cache`` is, in flattening order, and for a state which one.
+
+    Parts: ``key``, ``value``, ``cumulative_length`` (a ``StaticCache``'s token count),
+    ``indexer_keys``, ``indexer_position_ids`` (an indexed layer), then ``conv`` and ``recurrent``
+    for each state of a linear-attention layer (after its attention part), with the state's number.
+
+    Raises:
+        ValueError: ``kind`` is not a layer kind of ``cache`` (see :func:`kind_children`).
+
+    Example:
+        >>> layer_parts({"linear": 1, "attention": "full"}, 0, "DynamicCache")
+        [('key', None), ('value', None), ('conv', 0), ('recurrent', 0)]
+    """
+    count = kind_children(kind, index, cache)
+    if kind == "indexed":
+        return [("key", None), ("value", None), ("indexer_keys", None), ("indexer_position_ids", None)]
+    states = kind["linear"] if isinstance(kind, dict) and "linear" in kind else 0
+    attention: list[tuple[str, int | None]] = [
+        (name, None) for name in ("key", "value", "cumulative_length")[: count - 2 * states]
+    ]
+    return attention + [(name, s) for s in range(states) for name in ("conv", "recurrent")]
+
+
+_LABELS = {
+    "key": "k",
+    "value": "v",
+    "cumulative_length": "len",
+    "indexer_keys": "idx_k",
+    "indexer_position_ids": "idx_pos",
+    "conv": "conv",
+    "recurrent": "rec",
+}
+_CACHES = {DYNAMIC_CACHE_NAME: "DynamicCache", STATIC_CACHE_NAME: "StaticCache"}
+
+
+def cache_child_labels(name: str, context: Any) -> list[tuple[str, ...]] | None:
+    """Short labels of the children of a built-in cache node ``name``, one group per layer (what ``inspect`` shows).
+
+    An ``EncoderDecoderCache`` is one group, ``("self", "cross")``. None for another node type, or
+    a context that is not a cache's (the tree is then shown as any other).
+
+    Example:
+        >>> cache_child_labels("transformers.StaticCache", [{"static": 8}, {"static": 8}])
+        [('k', 'v', 'len'), ('k', 'v', 'len')]
+    """
+    if name == ENCODER_DECODER_CACHE_NAME:
+        return [("self", "cross")]
+    cache = _CACHES.get(name)
+    if cache is None or not isinstance(context, list):
+        return None
+    try:
+        return [tuple(_LABELS[part] for part, _ in layer_parts(kind, i, cache)) for i, kind in enumerate(context)]
+    except ValueError:
+        return None
+
+
+_PARTS = {"indexer_keys": "indexer_key", "indexer_position_ids": "indexer_position", "conv": "state", "recurrent": "state"}
+
+
 def dynamic_cache_parts(context: Any) -> list[tuple[Any, str]]:
     """Per child of a ``DynamicCache``, its layer's kind and what the child is.
 
@@ -108,17 +170,9 @@ def dynamic_cache_parts(context: Any) -> list[tuple[Any, str]]:
         return parts
     for i, kind in enumerate(context):
         try:
-            count = kind_children(kind, i, "DynamicCache")
+            parts.extend((kind, _PARTS.get(part, part)) for part, _ in layer_parts(kind, i, "DynamicCache"))
         except ValueError:
             return []
-        if kind == "indexed":
-            names = ["key", "value", "indexer_key", "indexer_position"]
-        elif isinstance(kind, dict) and "linear" in kind:
-            attention = 2 if "attention" in kind else 0
-            names = ["key", "value"][:attention] + ["state"] * (count - attention)
-        else:
-            names = ["key", "value"][:count]
-        parts.extend((kind, name) for name in names)
     return parts
 
 

@@ -46,11 +46,19 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, Union
 from iobundle._lazy import lazy_module
 from iobundle._paths import LINK, Tree, link_message
 from iobundle.calls._delta import rebuild
-from iobundle.calls._dtypes import ITEMSIZES, NAME_TO_DTYPE
+from iobundle.calls._dtypes import NAME_TO_DTYPE
 from iobundle.calls._hashing import new_hasher
 from iobundle.calls._tensorfile_write import parse_header, read_exactly, tensor_span
 from iobundle.errors import IntegrityError, TensorFileError, UnsafeBundleError
-from iobundle.schema import MEMBER_NAME_RULE, FileEntry, Manifest, TensorInfo, is_member_name, tensor_rows
+from iobundle.schema import (
+    DTYPE_ITEMSIZES,
+    MEMBER_NAME_RULE,
+    FileEntry,
+    Manifest,
+    TensorInfo,
+    is_member_name,
+    tensor_rows,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -480,7 +488,7 @@ class _OpenFile:
         self = cls.__new__(cls)
         self.name = name
         self.data_start = 0
-        itemsize = ITEMSIZES
+        itemsize = DTYPE_ITEMSIZES
         self.spans = {}
         for key, e in entries.items():
             begin = e.offset if e.offset is not None else 0
@@ -556,7 +564,7 @@ class BundleTensorStore:
         """
         rows = self._rows
         sizes = {name: file.size for name, file in self.manifest.files.items()}
-        itemsize = ITEMSIZES
+        itemsize = DTYPE_ITEMSIZES
         prod = math.prod
         for key, (file, _, dtype, shape, _, extends, offset) in rows.items():
             size = sizes.get(file)

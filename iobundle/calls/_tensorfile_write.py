@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 from iobundle._atomic import fsync_dir, write_atomically
 from iobundle._lazy import lazy_module
-from iobundle.calls._dtypes import ITEMSIZES, dtype_name
+from iobundle.calls._dtypes import dtype_name
 from iobundle.calls._hashing import WRITE_HASH, new_hasher
 from iobundle.errors import BundleWriteError, TensorFileError, UnsupportedInputError
-from iobundle.schema import FileEntry
+from iobundle.schema import DTYPE_ITEMSIZES, FileEntry
 
 if TYPE_CHECKING:
     import torch
@@ -327,7 +327,7 @@ def tensor_span(
     if type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int or type(offsets[1]) is not int:
         raise TensorFileError(f"{name}: {label} has invalid data_offsets {offsets!r}.")
     begin, end = offsets
-    expected = ITEMSIZES[dtype]
+    expected = DTYPE_ITEMSIZES[dtype]
     for d in shape:
         expected *= d
     if not 0 <= begin <= end <= data_len or end - begin != expected:

@@ -170,6 +170,7 @@ from iobundle.calls._layouts import (
     STATIC_CACHE_NAME,
     attention_name,
     kind_children,
+    layer_parts,
     positive_int,
     quantized_settings,
 )
@@ -905,20 +906,10 @@ def _torch_context(context: Any) -> str:
 
 
 def _layer_child_names(kind: Any, index: int, cache: str) -> list[str]:
-    """The names of one layer's children: ``key_0``, ``value_0``, ``conv_0``, ``recurrent_0``, ..."""
-    if kind == "indexed":
-        names = ["key", "value", "indexer_keys", "indexer_position_ids"]
-    elif isinstance(kind, dict) and "linear" in kind:
-        states = int(kind["linear"])
-        attention = kind_children(kind, index, cache) - 2 * states
-        names = ["key", "value", "cumulative_length"][:attention]
-        suffixes = [""] if states == 1 else [f"_{s}" for s in range(states)]
-        return [f"{n}_{index}" for n in names] + [
-            f"{n}_{index}{suffix}" for suffix in suffixes for n in ("conv", "recurrent")
-        ]
-    else:
-        names = ["key", "value", "cumulative_length"][: kind_children(kind, index, cache)]
-    return [f"{n}_{index}" for n in names]
+    """The names of one layer's children: ``key_0``, ``value_0``, ``conv_0``, ``recurrent_0`` (``conv_0_1``: a second state)."""
+    parts = layer_parts(kind, index, cache)
+    one_state = sum(state is not None for _, state in parts) == 2
+    return [f"{n}_{index}" if s is None or one_state else f"{n}_{index}_{s}" for n, s in parts]
 
 
 def _cache_child_keys(cache: str, children: list[Any], context: Any) -> list[Any]:

@@ -31,7 +31,7 @@ import torch
 from iobundle._atomic import fsync_dir, fsync_files, write_atomically
 from iobundle._paths import FILE, LINK, Tree, link_message
 from iobundle._progress import ProgressCallback, notify
-from iobundle._remote import clear_local_bundle
+from iobundle._remote import clear_local_bundle, remove_unlisted_segments
 from iobundle._version import __version__
 from iobundle.calls import (
     DeltaIndex,
@@ -48,6 +48,7 @@ from iobundle.errors import BundleExistsError, BundleWriteError, IobundleError, 
 from iobundle.schema import (
     JOURNAL_FILENAME,
     MANIFEST_FILENAME,
+    SEGMENT_FILE_NAME,
     CallEntry,
     Extension,
     FileEntry,
@@ -60,6 +61,7 @@ from iobundle.schema import (
     TensorNode,
     journal_call_line,
     journal_head_line,
+    segment_file_name,
     write_manifest,
 )
 
@@ -81,10 +83,6 @@ SEGMENT_MAX_BYTES = 16 * 1024**2
 
 def call_file_name(index: int) -> str:
     return f"{CALLS_DIR}/{index:06d}.safetensors"
-
-
-def segment_file_name(number: int) -> str:
-    return f"{CALLS_DIR}/segment-{number:06d}.bin"
 
 
 def _producer(devices: Iterable[str]) -> Producer:
@@ -237,7 +235,7 @@ class BundleWriter:
         self.files = dict(files)
         self._order = {name: i for i, name in enumerate(files)}
         self._segment = None  # a new segment for the next small call: the other writer may still append to its own
-        self._segments = sum(name.startswith(f"{CALLS_DIR}/segment-") for name in files)
+        self._segments = sum(SEGMENT_FILE_NAME.fullmatch(name) is not None for name in files)
         self._unsynced = {}
         self.deltas = DeltaIndex()
         self.stager = None
@@ -559,7 +557,11 @@ class BundleWriter:
             ) from exc
 
     def finish_journal(self, rc: RecordedCalls, calls: Iterable[CallEntry]) -> Manifest:
-        """Write ``manifest.json`` (with fsync), then close and remove the journal.
+        """Write ``manifest.json`` (with fsync), then close and remove the journal, then unlisted segments.
+
+        Every writer of the stream has stopped by now: a segment file the manifest does not list was
+        left by a writer process that died before listing any of its ranges (best effort: one that
+        cannot be removed stays, and replacing the bundle removes it).
 
         Raises:
             BundleWriteError: The manifest cannot be written (the journal is kept: the bundle still opens).
@@ -571,6 +573,14 @@ class BundleWriter:
             os.close(fd)
         (self.path / JOURNAL_FILENAME).unlink(missing_ok=True)
         fsync_dir(self.path)
+        try:
+            with Tree(self.path, error=BundleWriteError) as tree:
+                removed = remove_unlisted_segments(tree, manifest.files)
+        except (OSError, BundleWriteError) as exc:
+            logger.debug("unlisted segments of %s kept: %s", self.path, exc)
+        else:
+            if removed:
+                logger.info("removed %d segment files no call of %s lists: %s", len(removed), self.path, removed)
         return manifest
 
     def discard(self) -> None:

@@ -68,13 +68,6 @@ MAX_DEPTH = 4
 WIDTH = 100
 """Dynamic shapes longer than this are spread over several lines."""
 
-# Child labels of registered classes whose layout is known (see iobundle/calls/_transformers.py):
-# a layer of a cache is a group of children, shown once with the number of layers.
-_LAYER_LABELS = {
-    "transformers.DynamicCache": ("k", "v"),
-    "transformers.StaticCache": ("k", "v", "len"),
-}
-_CHILD_LABELS = {"transformers.EncoderDecoderCache": ("self", "cross")}
 
 
 # --------------------------------------------------------------------------- output
@@ -180,18 +173,15 @@ def _items(tensor: TensorText, items: Sequence[Node], depth: int) -> str:
 
 
 def _object(tensor: TensorText, node: ObjectNode, depth: int) -> str:
+    from iobundle.calls import cache_child_labels  # torch-free; imported once a tree is shown (not for --help)
+
     name = _short_type(node.type)
     items = node.items
-    layer = _LAYER_LABELS.get(node.type)
-    if layer and items and len(items) % len(layer) == 0:  # a cache: its first layer and the number of layers
-        parts = [f"{label}:{_node(tensor, n, depth + 1)}" for label, n in zip(layer, items)]
-        n_layers = len(items) // len(layer)
-        if n_layers > 1:
-            parts.append(f"... ({n_layers} layers)")
-        return f"{name}[{', '.join(parts)}]"
-    labels = _CHILD_LABELS.get(node.type)
-    if labels and len(labels) == len(items):
-        parts = [f"{label}:{_node(tensor, n, depth + 1)}" for label, n in zip(labels, items)]
+    layers = cache_child_labels(node.type, node.context)  # a cache: its first layer and the number of layers
+    if layers and sum(map(len, layers)) == len(items):
+        parts = [f"{label}:{_node(tensor, n, depth + 1)}" for label, n in zip(layers[0], items)]
+        if len(layers) > 1:
+            parts.append(f"... ({len(layers)} layers)")
         return f"{name}[{', '.join(parts)}]"
     context = node.context
     if isinstance(context, list) and len(context) == len(items) and all(isinstance(k, str) for k in context):

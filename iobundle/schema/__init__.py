@@ -9,6 +9,7 @@ __all__ = [
     "PROGRAM_INDEX_FORMAT",
     "MAX_MANIFEST_BYTES",
     "MEMBER_NAME_RULE",
+    "SEGMENT_FILE_NAME",
     "CompactManifest",
     "ProgramEntry",
     "ProgramIndex",
@@ -28,6 +29,7 @@ __all__ = [
     "manifest_json_schema",
     "parse_journal",
     "parse_manifest",
+    "segment_file_name",
     "tensor_rows",
     "tree_key",
     "validate_manifest",
@@ -57,7 +59,7 @@ from iobundle.schema._journal import journal_call_line, journal_head_line, load_
 from iobundle.schema._load import load_manifest
 from iobundle.schema._manifest import *  # noqa: F403 (the models of manifest.json, listed in _manifest.__all__)
 from iobundle.schema._manifest import SUPPORTED_FORMAT_VERSIONS, Manifest
-from iobundle.schema._names import MEMBER_NAME_RULE, is_member_name
+from iobundle.schema._names import MEMBER_NAME_RULE, SEGMENT_FILE_NAME, is_member_name, segment_file_name
 from iobundle.schema._programs import (
     PROGRAM_INDEX_FORMAT,
     ProgramEntry,

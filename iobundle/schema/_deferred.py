@@ -12,7 +12,9 @@ Reading ``manifest.json`` (or a journal) of format version 3 checks every field 
 
 The :class:`DeferredManifest` builds its ``calls`` list and its ``tensors`` entries on first access
 too. Anything that compares, copies, dumps or pickles a deferred model builds it in full first, so
-it behaves as the plain model would; :func:`compact_tables`, :func:`tensor_rows` and
+it behaves as the plain model would. Reading an instance's ``__dict__`` builds it: that is how
+pydantic's serializer reads a model, so every dump (``model_dump``, ``model_dump_json``, a
+``TypeAdapter``, or a plain :class:`~iobundle.schema.Manifest` holding unbuilt calls) is whole; :func:`compact_tables`, :func:`tensor_rows` and
 :func:`deferred_shape` are how readers that need only the compact form (shapes, keys, inference)
 get at it without building anything.
 """
@@ -47,6 +49,9 @@ __all__ = [
 
 _new = object.__new__
 _setattr = object.__setattr__
+_stored = BaseModel.__dict__["__dict__"].__get__
+"""An instance's field values as they are held, built or not (its ``__dict__`` attribute builds a deferred one first)."""
+_store = BaseModel.__dict__["__dict__"].__set__
 
 
 class TensorInfo(NamedTuple):
@@ -104,7 +109,7 @@ def _made(cls: type[BaseModel], values: dict[str, Any], fields: type[BaseModel] 
     Instances of a class share one ``__pydantic_fields_set__`` (pydantic copies it before any change).
     """
     obj = _new(cls)
-    _setattr(obj, "__dict__", values)
+    _store(obj, values)
     _setattr(obj, "__pydantic_fields_set__", _FIELDS[fields or cls])
     _setattr(obj, "__pydantic_extra__", None)
     _setattr(obj, "__pydantic_private__", None)
@@ -112,7 +117,7 @@ def _made(cls: type[BaseModel], values: dict[str, Any], fields: type[BaseModel] 
 
 
 class _Deferred:
-    """Fields named in ``DEFERRED`` are built on first access; comparing, copying or dumping builds all first."""
+    """Fields named in ``DEFERRED`` are built on first access; reading ``__dict__`` (comparing, copying, dumping) builds all first."""
 
     DEFERRED: ClassVar[frozenset[str]] = frozenset()
 
@@ -120,22 +125,29 @@ class _Deferred:
         raise NotImplementedError
 
     def _filled(self) -> Any:
-        if not self.__dict__.keys() >= self.DEFERRED:
+        if not _stored(self).keys() >= self.DEFERRED:
             self._fill()
         return self
+
+    @property  # type: ignore[misc]
+    def __dict__(self) -> dict[str, Any]:  # type: ignore[override]
+        """The field values, built first: what pydantic's serializer, ``__eq__``, ``__iter__`` and ``repr`` read."""
+        self._filled()
+        return _stored(self)  # type: ignore[no-any-return]
+
+    @__dict__.setter
+    def __dict__(self, values: dict[str, Any]) -> None:
+        _store(self, values)
 
     def __getattr__(self, name: str) -> Any:
         if name in type(self).DEFERRED:
             self._fill()
-            return self.__dict__[name]
+            return _stored(self)[name]
         return super().__getattr__(name)  # type: ignore[misc]
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, BaseModel):
             return NotImplemented
-        if isinstance(other, _Deferred):
-            other._filled()
-        self._filled()
         return (
             _plain(type(self)) is _plain(type(other))
             and self.__dict__ == other.__dict__
@@ -143,34 +155,23 @@ class _Deferred:
         )
 
     def __hash__(self) -> int:
-        self._filled()
         return super().__hash__()  # type: ignore[misc]
-
-    def __iter__(self) -> Any:
-        self._filled()
-        return super().__iter__()  # type: ignore[misc]
 
     def __repr_name__(self) -> str:
         return _plain(type(self)).__name__
 
-    def __repr_args__(self) -> Any:
-        self._filled()
-        return super().__repr_args__()  # type: ignore[misc]
-
     def __copy__(self) -> Any:
         """A copy of the plain class: what a copy changes (``model_copy(update=...)``) is then what it holds."""
-        self._filled()
         copied = _new(_plain(type(self)))
-        _setattr(copied, "__dict__", copy.copy(self.__dict__))
+        _store(copied, copy.copy(self.__dict__))
         _setattr(copied, "__pydantic_fields_set__", copy.copy(self.__pydantic_fields_set__))  # type: ignore[attr-defined]
         _setattr(copied, "__pydantic_extra__", None)
         _setattr(copied, "__pydantic_private__", None)
         return copied
 
     def __deepcopy__(self, memo: dict[int, Any] | None = None) -> Any:
-        self._filled()
         copied = _new(_plain(type(self)))
-        _setattr(copied, "__dict__", copy.deepcopy(self.__dict__, memo))
+        _store(copied, copy.deepcopy(self.__dict__, memo))
         _setattr(copied, "__pydantic_fields_set__", copy.copy(self.__pydantic_fields_set__))  # type: ignore[attr-defined]
         _setattr(copied, "__pydantic_extra__", None)
         _setattr(copied, "__pydantic_private__", None)
@@ -178,18 +179,6 @@ class _Deferred:
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         return _same, (self.__copy__(),)  # pickled as the plain class
-
-    def model_copy(self, *args: Any, **kwargs: Any) -> Any:
-        self._filled()
-        return super().model_copy(*args, **kwargs)  # type: ignore[misc]
-
-    def model_dump(self, *args: Any, **kwargs: Any) -> Any:
-        self._filled()
-        return super().model_dump(*args, **kwargs)  # type: ignore[misc]
-
-    def model_dump_json(self, *args: Any, **kwargs: Any) -> Any:
-        self._filled()
-        return super().model_dump_json(*args, **kwargs)  # type: ignore[misc]
 
 
 def _same(value: Any) -> Any:
@@ -209,11 +198,11 @@ class DeferredCall(_Deferred, CallEntry):
     DEFERRED: ClassVar[frozenset[str]] = frozenset({"args", "kwargs", "cst_kwargs", "filled", "outputs"})
 
     def _fill(self) -> None:
-        d = self.__dict__
+        d = _stored(self)
         node = self._tables.node
         args, kwargs, cst, filled, outputs = self._structure.build([node(k) for k in self._keys])
         built = {"args": args, "kwargs": kwargs, "cst_kwargs": cst, "filled": filled, "outputs": outputs}
-        _setattr(self, "__dict__", {name: d[name] if name in d else built[name] for name in _ORDER[CallEntry]})
+        _store(self, {name: d[name] if name in d else built[name] for name in _ORDER[CallEntry]})
 
 
 def deferred_call(
@@ -258,16 +247,16 @@ class DeferredManifest(_Deferred, Manifest):
     DEFERRED: ClassVar[frozenset[str]] = frozenset({"calls", "tensors"})
 
     def _fill(self) -> None:
-        d = dict(self.__dict__)
+        d = dict(_stored(self))
         if "calls" not in d:
             d["calls"] = list(self._calls)
         if "tensors" not in d:
             d["tensors"] = _tensor_entries(self._tables.tensors)
-        _setattr(self, "__dict__", {name: d[name] for name in _ORDER[Manifest]})  # the fields' order, as pydantic's
+        _store(self, {name: d[name] for name in _ORDER[Manifest]})  # the fields' order, as pydantic's
 
     def _filled(self) -> Any:
         super()._filled()
-        for call in self.__dict__["calls"]:
+        for call in _stored(self)["calls"]:
             if isinstance(call, _Deferred):
                 call._filled()
         return self
@@ -285,10 +274,11 @@ def with_fields(manifest: Manifest, **values: Any) -> Manifest:
     """``manifest.model_copy(update=values)`` for fields other than calls and tensors, keeping a deferred one deferred."""
     if type(manifest) is not DeferredManifest:
         return manifest.model_copy(update=values)
-    kept = {k: v for k, v in manifest.__dict__.items() if k not in DeferredManifest.DEFERRED}
+    held = _stored(manifest)
+    kept = {k: v for k, v in held.items() if k not in DeferredManifest.DEFERRED}
     copied = deferred_manifest({**kept, **values}, manifest._tables, manifest._calls)
-    for name in DeferredManifest.DEFERRED & manifest.__dict__.keys():  # already built: shared
-        copied.__dict__[name] = manifest.__dict__[name]
+    for name in DeferredManifest.DEFERRED & held.keys():  # already built: shared
+        _stored(copied)[name] = held[name]
     return copied
 
 
@@ -318,7 +308,7 @@ def compact_tables(manifest: Manifest) -> CompactTables | None:
 
 def deferred_calls(manifest: Manifest) -> list[CallEntry]:
     """``manifest.calls`` without building the list a :class:`DeferredManifest` keeps for that field."""
-    if type(manifest) is DeferredManifest and "calls" not in manifest.__dict__:
+    if type(manifest) is DeferredManifest and "calls" not in _stored(manifest):
         return manifest._calls
     return manifest.calls
 

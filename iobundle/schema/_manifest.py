@@ -87,18 +87,18 @@ HASH_ALGORITHMS = {"sha256": 64, "xxh3-128": 32}
 HashAlgorithm = Literal["sha256", "xxh3-128"]
 
 Scalar = Union[StrictBool, StrictInt, StrictFloat, StrictStr]
-DTYPES = (
-    "BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64",
-    "F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0",
-    "C64", "C128",
-)  # fmt: skip
-DType = Literal[DTYPES]  # type: ignore[valid-type]
-DTYPE_ITEMSIZES = {
+DTYPE_ITEMSIZES: dict[str, int] = {
     "BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8, "U64": 8,
     "F16": 2, "BF16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1,
     "F8_E8M0": 1, "C64": 8, "C128": 16,
 }  # fmt: skip
-"""Bytes per element of each dtype (what a segment's ranges are checked against, without torch)."""
+"""Each safetensors dtype name a bundle may hold, with its bytes per element: the one table of them.
+
+Sizes are checked against it without torch (a segment's ranges, a tensor file's offsets);
+:mod:`iobundle.calls` maps these names to torch dtypes.
+"""
+DTYPES = tuple(DTYPE_ITEMSIZES)
+DType = Literal[DTYPES]  # type: ignore[valid-type]
 
 
 class _Model(BaseModel):

@@ -270,6 +270,20 @@ class TestStreaming:
         run(model, observer, decoder_calls(2), stream_to=target)
         assert len(load_bundle(target).calls) == 2
 
+    def test_leaving_the_block_removes_the_segments_a_dead_writer_left_unlisted(self, tmp_path: Path) -> None:
+        """A segment a writer process created and died before listing goes; the listed ones and other files stay."""
+        target, model, observer = tmp_path / "run", Decoder(), InputObserver()
+        calls = decoder_calls(3)
+        with observer(model, store_n_calls=3, stream_to=target):
+            for args, kw in calls:
+                model(*args, **kw)
+            (target / "calls" / "segment-000042.bin").write_bytes(b"a dead writer's first range")
+            (target / "calls" / "segment-42.bin").write_bytes(b"not a name the writers give")
+        bundle = load_bundle(target)
+        assert bundle.verify() == [] and len(bundle.calls) == 3
+        segments = {p.name for p in (target / "calls").glob("segment-*")}
+        assert segments == {n.split("/")[1] for n in bundle.manifest.files if "segment-" in n} | {"segment-42.bin"}
+
     def test_a_second_block_appends_to_the_same_bundle(self, tmp_path: Path) -> None:
         model, observer = Decoder(), InputObserver()
         calls = decoder_calls(5)

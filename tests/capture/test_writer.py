@@ -1,11 +1,12 @@
-"""The bundle writer names each call's tensor file after its index: two calls with one index are refused."""
+"""The bundle writer: each call's tensor file named after its index (two calls with one index are refused), and
+what replacing a bundle removes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from iobundle import InputObserver
+from iobundle import InputObserver, load_bundle
 from iobundle.errors import BundleWriteError
 
 
@@ -19,3 +20,28 @@ def test_saving_two_calls_with_one_index_is_refused(tmp_path):
     with pytest.raises(BundleWriteError, match=r"Call 0 is written twice .* calls/000000\.safetensors"):
         observer.save(tmp_path / "b")
     assert not (tmp_path / "b" / "manifest.json").exists()
+
+
+def test_overwrite_removes_unlisted_segments_and_no_other_file(tmp_path):
+    """Segment files a killed writer left unlisted go with the bundle; files of other names, links and what they point at stay."""
+    model, observer = torch.nn.Linear(4, 2), InputObserver()
+    with observer(model):
+        model(torch.randn(1, 4))
+    bundle, outside = tmp_path / "b", tmp_path / "users.bin"
+    observer.save(bundle)
+    calls = bundle / "calls"
+    assert (calls / "segment-000000.bin").is_file()  # listed
+    orphans = ["segment-000001.bin", "segment-1234567.bin"]
+    kept = ["segment-1.bin", "segment-000001.bin.bak", "my-segment-000002.bin", "segment-0000003.bin", "notes.txt"]
+    for name in orphans + kept:
+        (calls / name).write_bytes(b"x")
+    (calls / "segment-000004.bin").mkdir()  # a folder of that name is not a segment
+    outside.write_bytes(b"mine")
+    (calls / "segment-000005.bin").symlink_to(outside)  # never removed, nor what it points at
+    (bundle / "segment-000006.bin").write_bytes(b"beside the bundle, not in calls/")
+    observer.save(bundle, overwrite=True)
+    assert load_bundle(bundle).verify() == []
+    left = {p.name for p in calls.iterdir()}
+    assert left == {*kept, "segment-000000.bin", "segment-000004.bin", "segment-000005.bin"}
+    assert (calls / "segment-000005.bin").is_symlink() and outside.read_bytes() == b"mine"
+    assert (bundle / "segment-000006.bin").is_file()

@@ -14,6 +14,10 @@ from types import ModuleType
 
 import pytest
 
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)  # for the plain helper module tiny_models.py beside the tests
+
 FACTORIES = textwrap.dedent(
     """
     import torch

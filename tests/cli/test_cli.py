@@ -155,6 +155,28 @@ class TestInspect:
         assert "past_key_values=DynamicCache[k:1x2x5x8 f32, v:1x2x5x8 f32, ... (3 layers)]" in out
         assert "input_ids=1x1 i64" in out
 
+    def test_cache_children_are_labelled_by_their_layer_kinds(self):
+        """The labels come from the layer kinds in the context: states of a linear-attention layer are not k/v."""
+        from iobundle.cli._render import format_node
+        from iobundle.schema import ObjectNode, TensorNode, load_manifest
+
+        manifest = load_manifest(Path(__file__).parents[1] / "data" / "bundles" / "compact_nested")
+        a, b = TensorNode(key="t1"), TensorNode(key="t2")  # 2x4 f32, 4 f32
+
+        def node(name: str, context: object, items: list) -> ObjectNode:
+            return ObjectNode(type=f"transformers.{name}", version=1, context=context, items=items)
+
+        hybrid = node("DynamicCache", [{"linear": 1}, "full"], [a, b, a, a])
+        static = node("StaticCache", [{"static": 8}, {"static": 8}], [a, a, b] * 2)
+        indexed = node("DynamicCache", ["indexed"], [a, a, b, b])
+        assert format_node(manifest, hybrid) == "DynamicCache[conv:2x4 f32, rec:4 f32, ... (2 layers)]"
+        assert format_node(manifest, static) == "StaticCache[k:2x4 f32, v:2x4 f32, len:4 f32, ... (2 layers)]"
+        assert format_node(manifest, indexed) == "DynamicCache[k:2x4 f32, v:2x4 f32, idx_k:4 f32, idx_pos:4 f32]"
+        both = format_node(manifest, node("EncoderDecoderCache", None, [hybrid, static]))
+        assert both.startswith("EncoderDecoderCache[self:DynamicCache[conv:") and ", cross:StaticCache[k:" in both
+        malformed = node("DynamicCache", [{"linear": 0}], [a, b])  # not a cache's context: shown as any object
+        assert format_node(manifest, malformed) == "DynamicCache[2x4 f32, 4 f32]"
+
 
 # --------------------------------------------------------------------------- shapes
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_models import tiny_llama, tiny_whisper
 
 from iobundle import InputObserver
 from iobundle.cli import main
@@ -32,12 +33,7 @@ COPY = "bfloat16 program validated through a float32 copy"
 
 
 def _llama(dtype: torch.dtype, changed: bool) -> Any:
-    config = transformers.LlamaConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, vocab_size=100, pad_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = tiny_llama(layers=1)  # one layer holds every op the dtype changes; a second only lengthens the export
     if changed:  # a regression: the output projection's weights perturbed
         with torch.no_grad():
             model.lm_head.weight.add_(
@@ -47,14 +43,7 @@ def _llama(dtype: torch.dtype, changed: bool) -> Any:
 
 
 def _whisper(dtype: torch.dtype, changed: bool) -> Any:
-    config = transformers.WhisperConfig(
-        vocab_size=100, num_mel_bins=8, encoder_layers=1, decoder_layers=1, d_model=32,
-        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
-        max_source_positions=15, max_target_positions=32, decoder_start_token_id=1, bos_token_id=1,
-        eos_token_id=2, pad_token_id=0, begin_suppress_tokens=None, suppress_tokens=None,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.WhisperForConditionalGeneration(config).eval()
+    model = tiny_whisper()
     if changed:
         with torch.no_grad():
             for layer in (model.model.encoder.layers[0].fc2, model.model.decoder.layers[0].fc2):

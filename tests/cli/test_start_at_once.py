@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
+from tiny_models import tiny_llama, tiny_whisper
 
 from iobundle import InputObserver
 
@@ -119,25 +119,13 @@ def test_inspect_and_shapes_without_torch_still_say_the_dynamic_dims(bundle: Pat
 def llm_bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Bundles captured from real generate() calls: a 2-layer Llama (DynamicCache) and a Whisper decoder (EncoderDecoderCache)."""
     root = tmp_path_factory.mktemp("llm")
-    config = transformers.LlamaConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, vocab_size=100, pad_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    llama = transformers.LlamaForCausalLM(config).eval()
+    llama = tiny_llama()
     prompt = torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(1))
     observer = InputObserver()
     with torch.no_grad(), observer(llama, store_n_calls=4):
         llama.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False)
     observer.save(root / "llama.iobundle")
-    config = transformers.WhisperConfig(
-        vocab_size=100, num_mel_bins=8, encoder_layers=1, decoder_layers=1, d_model=32,
-        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
-        max_source_positions=15, max_target_positions=32, decoder_start_token_id=1, bos_token_id=1,
-        eos_token_id=2, pad_token_id=0, begin_suppress_tokens=None, suppress_tokens=None,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    whisper = transformers.WhisperForConditionalGeneration(config).eval()
+    whisper = tiny_whisper()
     features = torch.randn(1, 8, 30, generator=torch.Generator().manual_seed(3))
     decoder = InputObserver()
     with torch.no_grad(), decoder(whisper.model.decoder, store_n_calls=4):

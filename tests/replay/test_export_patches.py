@@ -68,6 +68,44 @@ def test_layout_copies_is_scoped() -> None:
     assert not torch.overrides._get_current_function_mode_stack()
 
 
+class _StreamProjection(torch.nn.Module):
+    """ProphetNet-style: the main stream cut from the n-gram streams by ``chunk``, fed to a ``Linear``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        main, predict = x.chunk(2, dim=1)
+        return self.proj(main) + predict.sum(dim=-1, keepdim=True)
+
+
+class _ContiguousBranch(torch.nn.Module):
+    """ProphetNet's logits: the first stream sliced out, made contiguous only if it is not."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = x.view(x.shape[0], 2, -1, x.shape[-1])[:, 0]  # contiguous when the batch is 1
+        if not logits.is_contiguous():
+            logits = logits.contiguous()
+        return logits * 2
+
+
+@pytest.mark.parametrize("model", [_StreamProjection(), _ContiguousBranch()], ids=["linear", "is_contiguous"])
+def test_layout_copies_on_slices_serve_a_batch_of_1(model: torch.nn.Module) -> None:
+    x = torch.randn(2, 2, 8, generator=torch.Generator().manual_seed(0))
+    shapes = ({0: DYNAMIC},)
+    with fx_config.patch(backed_size_oblivious=True):
+        plain = torch.export.export(model, (x,), dynamic_shapes=shapes)
+        with patch_layout_copies(model):
+            patched = torch.export.export(model, (x,), dynamic_shapes=shapes)
+    one = x[:1]
+    with pytest.raises(AssertionError, match="Guard failed"):  # what the patch is for
+        plain.module()(one)
+    torch.testing.assert_close(patched.module()(one), model(one))
+    torch.testing.assert_close(patched.module()(x), model(x))
+
+
 def _sliding_layer(window: int, tokens: int, steps: list[int]) -> Any:
     """A real sliding-window layer fed ``tokens`` then each of ``steps`` tokens through ``update``."""
     from transformers.cache_utils import DynamicSlidingWindowLayer

@@ -339,6 +339,7 @@ def test_patches_apply_only_where_needed() -> None:
         "moe_batched_experts",
         "whisper_cross_attention_recompute",
         "latent_keys_concat",
+        "sizes_through_int",
         "contiguous_last_token",
         "complex_as_real",  # last: the innermost mode, it sees the model's ops before layout_copies
     ]

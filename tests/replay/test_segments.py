@@ -253,8 +253,10 @@ def test_diff_and_convert_read_segments(bundle: Path, tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "npz").iterdir())[:1] == ["call_000000.npz"] and result
 
 
-def test_the_schema_checks_segments_with_the_item_sizes_the_writer_uses() -> None:
-    from iobundle.calls._dtypes import ITEMSIZES
+def test_the_schema_s_item_sizes_are_torch_s_for_every_dtype_a_bundle_stores() -> None:
+    """schema's table is the one the writer and the readers use: each name, torch's element size."""
+    from iobundle.calls import NAME_TO_DTYPE
     from iobundle.schema import DTYPE_ITEMSIZES
 
-    assert DTYPE_ITEMSIZES == ITEMSIZES
+    assert set(NAME_TO_DTYPE) == set(DTYPE_ITEMSIZES)
+    assert {n: torch.empty(0, dtype=d).element_size() for n, d in NAME_TO_DTYPE.items()} == DTYPE_ITEMSIZES

@@ -19,7 +19,8 @@ runs the encoder once, outside ``forward``, and passes ``encoder_outputs`` to ev
 step) and the encoder (``model.get_encoder()``) with a second observer; Whisper's encoder and
 decoder modules are observed the same way. The first decoder step (its cache still empty)
 and the later ones (cross-attention keys and values read from the cache) need two programs
-for T5, BART and Marian; Whisper's needs one, thanks to ``whisper_cross_attention_recompute``.
+for T5, BART, Marian, Pegasus, M2M-100, Blenderbot and ProphetNet (two decoder streams, ngram 2);
+Whisper's needs one, thanks to ``whisper_cross_attention_recompute``.
 For VLMs, ``generate()`` runs the vision tower itself and passes ``mm_encoder_outputs`` at
 prefill only: the prefill and the decode steps are two programs.
 """
@@ -82,6 +83,47 @@ def tiny_marian() -> Any:
         pad_token_id=99, eos_token_id=2, decoder_start_token_id=99, forced_eos_token_id=None,
     )  # fmt: skip
     return _seeded(lambda: transformers.MarianMTModel(config))
+
+
+def _bart_like(config_class: str, model_class: str, **tokens: Any) -> Any:
+    """A tiny BART-shaped encoder-decoder (Pegasus, M2M-100, Blenderbot: the settings they share, plus ``tokens``)."""
+    config = getattr(transformers, config_class)(
+        vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        forced_eos_token_id=None, **tokens,
+    )  # fmt: skip
+    return _seeded(lambda: getattr(transformers, model_class)(config))
+
+
+def tiny_pegasus() -> Any:
+    return _bart_like(
+        "PegasusConfig", "PegasusForConditionalGeneration", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0
+    )
+
+
+def tiny_m2m_100() -> Any:
+    return _bart_like(
+        "M2M100Config", "M2M100ForConditionalGeneration", pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        decoder_start_token_id=2,
+    )  # fmt: skip
+
+
+def tiny_blenderbot() -> Any:
+    return _bart_like(
+        "BlenderbotConfig", "BlenderbotForConditionalGeneration", pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        decoder_start_token_id=1,
+    )  # fmt: skip
+
+
+def tiny_prophetnet() -> Any:
+    # Two streams in the decoder (ngram 2): the main one and one that predicts a token further.
+    config = transformers.ProphetNetConfig(
+        vocab_size=100, hidden_size=32, encoder_ffn_dim=64, decoder_ffn_dim=64, num_encoder_layers=2,
+        num_decoder_layers=2, num_encoder_attention_heads=4, num_decoder_attention_heads=4, ngram=2, num_buckets=8,
+        relative_max_distance=16, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        decoder_start_token_id=1,
+    )  # fmt: skip
+    return _seeded(lambda: transformers.ProphetNetForConditionalGeneration(config))
 
 
 def tiny_whisper() -> Any:
@@ -198,7 +240,15 @@ def capture_vlm(root: Path, name: str, model: Any, prompt: list[int], pixel_valu
     return path
 
 
-SEQ2SEQ = {"t5": (tiny_t5, 0), "bart": (tiny_bart, 1), "marian": (tiny_marian, 99)}  # builder, pad token
+SEQ2SEQ = {  # builder, pad token
+    "t5": (tiny_t5, 0),
+    "bart": (tiny_bart, 1),
+    "marian": (tiny_marian, 99),
+    "pegasus": (tiny_pegasus, 0),
+    "m2m_100": (tiny_m2m_100, 1),
+    "blenderbot": (tiny_blenderbot, 0),
+    "prophetnet": (tiny_prophetnet, 0),
+}
 
 
 def capture(name: str, root: Path, captured: Callable[[str], dict[str, Job]]) -> dict[str, Job]:
@@ -340,7 +390,7 @@ def grouped(*families: str) -> list[Any]:
     return [pytest.param(f, marks=pytest.mark.xdist_group(f"zoo-{f}")) for f in families]
 
 
-@pytest.mark.parametrize("family", grouped("t5", "bart", "marian"))
+@pytest.mark.parametrize("family", grouped("t5", "bart", "marian", "pegasus", "m2m_100", "blenderbot", "prophetnet"))
 def test_seq2seq_decoder_first_step_and_later_steps(replayed: Callable[[str], dict[str, Any]], family: str) -> None:
     export = check(replayed(f"{family}_decoder"))
     # The first step (its cache still empty) and the later steps are two phases, by structure.
@@ -351,7 +401,22 @@ def test_seq2seq_decoder_first_step_and_later_steps(replayed: Callable[[str], di
     assert all(p["batch_check"]["success"] is True for p in export["programs"])
 
 
-@pytest.mark.parametrize("family", grouped("t5", "bart", "marian", "whisper"))
+@pytest.mark.xdist_group("zoo-prophetnet")
+def test_ngram_decoder_keeps_its_cache_length_dynamic(replayed: Callable[[str], dict[str, Any]]) -> None:
+    # ProphetNet's decode-step position is int() of the cache length: the later-steps program is
+    # traced again with sizes_through_int. Its inverted integer masks (1.0 - mask) are rewritten
+    # for ONNX, and its main stream, a chunk fed to a Linear, is copied (layout_copies) so that
+    # the programs also serve a batch of 1.
+    first, later = check(replayed("prophetnet_decoder"))["programs"]
+    assert "sizes_through_int" not in first["patches"] and "sizes_through_int" in later["patches"]
+    assert any(o.startswith("traced again with sizes_through_int") for o in later["options"])
+    for program in (first, later):
+        assert any("aten.rsub.Scalar of an integer tensor" in o for o in program["options"])
+
+
+@pytest.mark.parametrize(
+    "family", grouped("t5", "bart", "marian", "pegasus", "m2m_100", "blenderbot", "prophetnet", "whisper")
+)
 def test_seq2seq_encoder(replayed: Callable[[str], dict[str, Any]], family: str) -> None:
     export = check(replayed(f"{family}_encoder"))
     assert export["reason"] == ""

@@ -296,12 +296,15 @@ def export_context(
     dynamic_batch: bool = False,
     dynamic: bool = True,
     remedy: GuardRemedy | None = None,
+    specialised: bool = False,
 ) -> Iterator[None]:
     """Everything export and the checks need, scoped: pytree registrations, size-oblivious mode.
 
     With ``model`` (tracing only), the patches of :mod:`iobundle.replay.export._patches` that apply
     to it are entered too and listed by name on ``report.patches``, and so is ``remedy`` (one of
-    :data:`~iobundle.replay.export._dims.GUARD_REMEDIES`), listed on ``report.options``.
+    :data:`~iobundle.replay.export._dims.GUARD_REMEDIES`), listed on ``report.options``; with
+    ``specialised`` (a trace without them specialised a dynamic dimension), the patches meant for
+    that case as well.
     """
     with contextlib.ExitStack() as stack:
         if _uses_transformers(rc):
@@ -318,7 +321,9 @@ def export_context(
             from iobundle.replay.export._patches import export_patches
 
             stack.enter_context(
-                export_patches(model, dynamic=dynamic, dynamic_batch=dynamic_batch, applied=report.patches)
+                export_patches(
+                    model, dynamic=dynamic, dynamic_batch=dynamic_batch, applied=report.patches, specialised=specialised
+                )
             )
             if remedy is not None:
                 stack.enter_context(remedy.context())
@@ -404,6 +409,48 @@ def _refuse_unknown_tolerances(rc: RecordedCalls, tolerances: Tolerances) -> Non
         raise ToleranceError(f"Tolerances for {unused} match no recorded output. Recorded outputs: {known}.")
 
 
+_SPECIALISED = "your code specialized it to be a constant"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _trace(
+    rc: RecordedCalls,
+    plan: _Plan,
+    report: ExportReport,
+    *,
+    strict: bool,
+    remedy: GuardRemedy | None,
+    specialised: bool,
+) -> torch.export.ExportedProgram:
+    """``torch.export.export`` of the plan, in its :func:`export_context` (the patches that apply, ``remedy``)."""
+    with export_context(
+        rc,
+        oblivious=plan.oblivious,
+        report=report,
+        model=plan.module,
+        dynamic_batch=plan.dynamic_batch,
+        dynamic=plan.dynamic,
+        remedy=remedy,
+        specialised=specialised,
+    ):
+        return torch.export.export(
+            plan.module, plan.args, plan.kwargs, dynamic_shapes=plan.dynamic_shapes, strict=strict
+        )
+
+
+def _export_error(exc: BaseException, plan: _Plan, report: ExportReport) -> ExportError:
+    hint = named_dims_hint(str(exc)) if plan.dim_names is not None else ""
+    return ExportError(
+        f"torch.export failed on recorded call {report.traced_call}: {_first_line(exc)}{hint}\n"
+        "Set IOBUNDLE_DEBUG=1 for the full traceback.",
+        report=report,
+    )
+
+
 def _export(
     rc: RecordedCalls,
     model: torch.nn.Module,
@@ -422,26 +469,27 @@ def _export(
     if plan.autocast is not None:
         report.options.append(f"traced and checked under {plan.autocast.describe()}, as the calls were recorded")
     begin = time.perf_counter()
-    with export_context(
-        rc,
-        oblivious=plan.oblivious,
-        report=report,
-        model=plan.module,
-        dynamic_batch=plan.dynamic_batch,
-        dynamic=plan.dynamic,
-        remedy=remedy,
-    ):
+    kept = len(report.options), len(report.patches)
+    try:
+        ep = _trace(rc, plan, report, strict=strict, remedy=remedy, specialised=False)
+    except Exception as exc:
+        from iobundle.replay.export._patches import specialisation_patches
+
+        retry = _SPECIALISED in str(exc) and specialisation_patches(
+            plan.module, dynamic=plan.dynamic, dynamic_batch=plan.dynamic_batch
+        )
+        if not retry:
+            raise _export_error(exc, plan, report) from exc
+        # The model's code made a dynamic dimension a constant: trace again with the patches for
+        # that (``sizes_through_int``); when they do not help, the first trace's failure is raised.
+        first = exc
+        del report.options[kept[0] :], report.patches[kept[1] :]
+        report.options.append(f"traced again with {', '.join(retry)}: the first trace failed: {_first_line(first)}")
         try:
-            ep = torch.export.export(
-                plan.module, plan.args, plan.kwargs, dynamic_shapes=plan.dynamic_shapes, strict=strict
-            )
-        except Exception as exc:
-            hint = named_dims_hint(str(exc)) if plan.dim_names is not None else ""
-            raise ExportError(
-                f"torch.export failed on recorded call {report.traced_call}: {type(exc).__name__}: "
-                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}{hint}\nSet IOBUNDLE_DEBUG=1 for the full traceback.",
-                report=report,
-            ) from exc
+            ep = _trace(rc, plan, report, strict=strict, remedy=remedy, specialised=True)
+        except Exception as again:
+            cause = first if _SPECIALISED in str(again) else again
+            raise _export_error(cause, plan, report) from cause
     report.export_seconds = time.perf_counter() - begin
     notify(on_progress, "torch.export", 1, 1)
     return ep, plan, report

@@ -53,16 +53,22 @@ The patches (checked against torch 2.13 and transformers 5.24):
     changes: the rebuilt offsets are shifted together and the mask is exact.
 
 ``layout_copies``
-    ``reshape``, ``flatten``, ``contiguous`` and the batched ``matmul`` decide between a view
-    and a copy from the strides, and for a transposed or sliced tensor (Falcon's
-    ``transpose(1, 2).reshape(...)`` of its fused qkv, eager attention's ``query @ key.T`` and
-    ``attn_output.transpose(1, 2).contiguous()``) that decision depends on whether the query
-    length is 1: ``torch.export`` records it as a guard, ``q_length == 1`` when traced from a
-    decode call (the prefill is rejected) or ``!= 1`` from the prefill. While tracing, a
+    ``reshape``, ``flatten``, ``contiguous``, the batched ``matmul`` and ``linear`` decide
+    between a view and a copy from the strides, and for a transposed or sliced tensor
+    (Falcon's ``transpose(1, 2).reshape(...)`` of its fused qkv, eager attention's
+    ``query @ key.T`` and ``attn_output.transpose(1, 2).contiguous()``, ProphetNet's main
+    stream cut from its n-gram streams by ``chunk`` and fed to a ``Linear``) that decision
+    depends on whether the query length, or the batch, is 1: ``torch.export`` records it as
+    a guard, ``q_length == 1`` when traced from a
+    decode call (the prefill is rejected) or ``!= 1`` from the prefill (ProphetNet:
+    ``batch != 1``, a program that refuses a batch of 1). While tracing, a
     ``TorchFunctionMode`` copies such an input to a contiguous layout first, unless it is
     contiguous for every size (``is_contiguous_or_false``, which never guards); a copy is
-    always valid, so the program takes one path for every length. Same values; the cost
-    is a copy where the eager model might have had a view.
+    always valid, so the program takes one path for every length. A branch on
+    ``is_contiguous()`` (ProphetNet's ``if not logits.is_contiguous(): logits =
+    logits.contiguous()``, whose answer for a slice depends on whether the batch is 1) gets
+    the same answer: contiguous only when it is so for every size. Same values; the cost is
+    a copy where the eager model might have had a view.
 
 ``moe_batched_experts``
     transformers' mixture-of-experts layers (Mixtral, Qwen3-MoE, ...) pick their experts
@@ -108,6 +114,18 @@ The patches (checked against torch 2.13 and transformers 5.24):
     float rounding level). Entered last, so that it is the innermost mode: the model's ops reach
     it first, and ``layout_copies`` sees real pairs only.
 
+``sizes_through_int``
+    ``int()`` of a traced size is a guard that fixes the size: ProphetNet's positional
+    embedding computes a decode step's position as ``int(padding_idx + past_length + 1)``,
+    and the trace then holds the cache length as a constant ("You marked ... as dynamic but
+    your code specialized it to be a constant"): non-strict tracing runs the model's Python as
+    is, and ``int()`` asks the size for its value. While tracing, the modules that define the model's classes (not torch's, nor
+    iobundle's) see a module-level ``int`` that returns a traced integer (a ``SymInt``)
+    unchanged and hands every other value to the builtin (a ``SymFloat`` too: truncating one
+    still fixes the size, as before); ``isinstance(x, int)`` and ``issubclass`` answer as for
+    the builtin. It is entered only when a trace without it failed on such a specialisation
+    (``ExportPatch.on_specialised``), and the export is traced again: no other export changes.
+
 ``contiguous_last_token``
     ``logits_to_keep=1`` slices the last position before ``lm_head``; the slice is not
     contiguous, and the matmul on it makes ``torch.export`` guard ``batch == 1``. A forward
@@ -147,8 +165,10 @@ __all__ = [
     "patch_layout_copies",
     "patch_moe_batched_experts",
     "patch_sdpa_without_is_causal",
+    "patch_sizes_through_int",
     "patch_sliding_window_offsets",
     "patch_whisper_cross_attention_recompute",
+    "specialisation_patches",
 ]
 
 logger = logging.getLogger(__name__)
@@ -382,7 +402,8 @@ class _LayoutCopies(torch.overrides.TorchFunctionMode):
     """Copies a possibly non-contiguous input of a view-or-copy operation to a contiguous layout first.
 
     Reshapes (``reshape``, ``flatten``, ``contiguous``) of tensors of rank ``reshape_rank`` or more
-    are copied; matmuls only of tensors of rank 3 or more (a 2-D matmul input is often a
+    are copied, and ``is_contiguous()`` of them answers without a guard; the input of a
+    ``linear`` and matmuls only of tensors of rank 3 or more (a 2-D matmul input is often a
     transposed weight, which a copy would duplicate in every call).
     """
 
@@ -394,6 +415,7 @@ class _LayoutCopies(torch.overrides.TorchFunctionMode):
         self._reshape_rank = reshape_rank
         self._reshapes = {torch.reshape, torch.Tensor.reshape, torch.flatten, torch.Tensor.flatten}
         self._matmuls = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
+        self._linear = torch.nn.functional.linear
 
     def _copied(self, value: Any, rank: int = 3) -> Any:
         if isinstance(value, torch.Tensor) and value.dim() >= rank and not self._definitely_contiguous(value):
@@ -407,8 +429,14 @@ class _LayoutCopies(torch.overrides.TorchFunctionMode):
         if func is torch.Tensor.contiguous and not kwargs and len(args) == 1:
             copied = args[0].dim() >= self._reshape_rank
             return self._copied(args[0], self._reshape_rank) if copied else func(*args)
+        if func is torch.Tensor.is_contiguous and not kwargs and len(args) == 1:
+            if args[0].dim() >= self._reshape_rank:  # "not for every size" takes the copying branch
+                return self._definitely_contiguous(args[0])
+            return func(*args)
         if func in self._reshapes and args:
             args = (self._copied(args[0], self._reshape_rank), *args[1:])
+        elif func is self._linear and args:
+            args = (self._copied(args[0]), *args[1:])
         elif func in self._matmuls:
             args = tuple(self._copied(a) for a in args)
         return func(*args, **kwargs)
@@ -604,6 +632,51 @@ def patch_latent_keys_concat(model: torch.nn.Module) -> Iterator[None]:
             del module.expand_kv
 
 
+# --------------------------------------------------------------------------- sizes_through_int
+
+
+class _IntMeta(type):
+    """The metaclass of :class:`_SizeInt`: ``isinstance`` and ``issubclass`` answer as for the builtin ``int``."""
+
+    def __instancecheck__(cls, value: Any) -> bool:
+        return isinstance(value, int)
+
+    def __subclasscheck__(cls, subclass: type) -> bool:
+        return issubclass(subclass, int)
+
+
+class _SizeInt(int, metaclass=_IntMeta):
+    """``int`` as the patched modules see it while tracing: a traced integer stays symbolic."""
+
+    def __new__(cls, value: Any = 0, *args: Any) -> Any:  # type: ignore[misc]
+        if not args and isinstance(value, torch.SymInt):
+            return value
+        return int(value, *args)
+
+
+def _model_code_modules(model: torch.nn.Module) -> list[Any]:
+    """The Python modules that define the classes of ``model``'s submodules, torch's and iobundle's left out."""
+    names = dict.fromkeys(type(m).__module__ for m in model.modules())
+    return [
+        sys.modules[n]
+        for n in names
+        if n in sys.modules and n.split(".")[0] not in ("torch", "iobundle") and "int" not in vars(sys.modules[n])
+    ]
+
+
+@contextlib.contextmanager
+def patch_sizes_through_int(model: torch.nn.Module) -> Iterator[None]:
+    """``int()`` of a traced size kept symbolic in the model's own code while tracing (see the module docstring)."""
+    modules = _model_code_modules(model)
+    for module in modules:
+        module.int = _SizeInt
+    try:
+        yield
+    finally:
+        for module in modules:
+            del module.int
+
+
 # --------------------------------------------------------------------------- complex_as_real
 
 
@@ -635,6 +708,8 @@ class ExportPatch:
     applies: Callable[[torch.nn.Module, bool, bool], bool]
     patch: Callable[[torch.nn.Module], contextlib.AbstractContextManager[Any]]
     listed_if_used: bool = False
+    on_specialised: bool = False
+    """Entered only when a trace without it specialised a dynamic dimension (``export_patches(specialised=True)``)."""
 
 
 PATCHES: tuple[ExportPatch, ...] = (
@@ -669,6 +744,12 @@ PATCHES: tuple[ExportPatch, ...] = (
         patch_latent_keys_concat,
     ),
     ExportPatch(
+        "sizes_through_int",
+        lambda m, dynamic, _batch: dynamic and bool(_model_code_modules(m)),
+        patch_sizes_through_int,
+        on_specialised=True,
+    ),
+    ExportPatch(
         "contiguous_last_token",
         lambda m, _dynamic, batch: batch and _output_embeddings(m) is not None,
         patch_contiguous_last_token,
@@ -682,9 +763,19 @@ PATCHES: tuple[ExportPatch, ...] = (
 )
 
 
+def specialisation_patches(model: torch.nn.Module, *, dynamic: bool, dynamic_batch: bool) -> list[str]:
+    """The names of the ``on_specialised`` patches that apply to ``model`` (what a second trace would add)."""
+    return [p.name for p in PATCHES if p.on_specialised and p.applies(model, dynamic, dynamic_batch)]
+
+
 @contextlib.contextmanager
 def export_patches(
-    model: torch.nn.Module, *, dynamic: bool = True, dynamic_batch: bool, applied: list[str]
+    model: torch.nn.Module,
+    *,
+    dynamic: bool = True,
+    dynamic_batch: bool,
+    applied: list[str],
+    specialised: bool = False,
 ) -> Iterator[None]:
     """Enter every patch of :data:`PATCHES` that applies to ``model``; append their names to ``applied``.
 
@@ -695,6 +786,8 @@ def export_patches(
             ``latent_keys_concat``).
         applied: Receives the names of the patches entered, in order; a patch listed only if
             used (``complex_as_real``) is appended when the block ends, if it changed something.
+        specialised: A trace without the ``on_specialised`` patches specialised a dynamic
+            dimension: enter those too (``sizes_through_int``).
 
     Example:
         >>> names = []
@@ -706,7 +799,7 @@ def export_patches(
     found: list[tuple[str, Any]] = []
     with contextlib.ExitStack() as stack:
         for entry in PATCHES:
-            if entry.applies(model, dynamic, dynamic_batch):
+            if (specialised or not entry.on_specialised) and entry.applies(model, dynamic, dynamic_batch):
                 state = stack.enter_context(entry.patch(model))
                 if entry.listed_if_used:
                     found.append((entry.name, state))

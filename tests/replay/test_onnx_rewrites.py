@@ -1,0 +1,61 @@
+"""The rewrites of an exported graph before ``torch.onnx.export``: each one needed, and the same values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from iobundle.replay.export._onnx_rewrites import rewrite_for_onnx
+
+ort = pytest.importorskip("onnxruntime")
+
+DYNAMIC = torch.export.Dim.DYNAMIC
+
+
+class InvertedMask(torch.nn.Module):
+    """ProphetNet-style: ``1.0 - mask`` of an integer mask, scaled to the additive bias of the scores."""
+
+    def forward(self, mask: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        bias = (1.0 - mask[:, None, None, :].repeat(1, 4, 1, 1)) * torch.finfo(torch.float32).min
+        return scores + bias, torch.rsub(mask, 1.5, alpha=2)
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    mask = torch.tensor([[1, 1, 0, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1, 1]])
+    return mask, torch.randn(2, 4, 1, 7, generator=torch.Generator().manual_seed(0))
+
+
+def _export(model: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> torch.export.ExportedProgram:
+    return torch.export.export(model, args, dynamic_shapes=tuple({0: DYNAMIC} for _ in args))
+
+
+def test_rsub_of_an_integer_mask_fails_to_convert_without_the_rewrite() -> None:
+    with pytest.raises(Exception, match="decompose"):
+        torch.onnx.export(_export(InvertedMask(), _inputs()), (), dynamo=True, verbose=False)
+
+
+def test_rsub_of_an_integer_mask_rewritten_converts_with_the_same_values() -> None:
+    model, args = InvertedMask(), _inputs()
+    ep = _export(model, args)
+    assert rewrite_for_onnx(ep) == [
+        "aten.rsub.Scalar of an integer tensor -> aten.rsub.Scalar of its torch.float32 cast"
+    ]
+    for got, want in zip(ep.module()(*args), model(*args)):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    program = torch.onnx.export(ep, (), dynamo=True, verbose=False)
+    session = ort.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    mask, scores = torch.ones(3, 7, dtype=torch.long), torch.randn(3, 4, 1, 7)  # another batch, too
+    mask[1, :3] = 0
+    feeds = {i.name: v.numpy() for i, v in zip(session.get_inputs(), (mask, scores))}
+    for got, want in zip(session.run(None, feeds), model(mask, scores)):
+        np.testing.assert_array_equal(got, want.numpy())
+
+
+def test_rsub_of_a_float_tensor_is_left_as_it_is() -> None:
+    class FloatMask(torch.nn.Module):
+        def forward(self, mask: torch.Tensor) -> torch.Tensor:
+            return 1.0 - mask.float()
+
+    ep = _export(FloatMask(), (torch.ones(2, 3, dtype=torch.long),))
+    assert rewrite_for_onnx(ep) == []
