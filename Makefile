@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # pytest-xdist workers: one per core of these 2-core machines (the zoo's replays are subprocesses of them)
 TEST_WORKERS ?= 2
 
-.PHONY: demo test lint bench bench-large fuzz schema zoo clean
+.PHONY: demo test lint bench bench-large bench-layers fuzz schema zoo clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ bench: $(STAMP)
 # captured, exported and validated from its bundle, one process per stage; writes the large block of BENCHMARKS.md
 bench-large: $(STAMP)
 	nice $(PY) benchmarks/large.py
+
+# Per-layer scaling (not CI): each export step's time at 6, 12, 24 and 48 layers of a narrow Llama-shaped
+# decoder, twice per size, and its growth exponent (1 = linear); writes the layers block of BENCHMARKS.md
+bench-layers: $(STAMP)
+	nice $(PY) benchmarks/layers.py
 
 # The model zoo (tests/zoo): every family exported and validated from its bundle; the matrix goes into docs/llm.md
 zoo: $(STAMP)

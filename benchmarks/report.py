@@ -9,6 +9,8 @@ RESULTS_BEGIN = "<!-- results:begin (written by benchmarks/run.py; edit outside 
 RESULTS_END = "<!-- results:end -->"
 LARGE_BEGIN = "<!-- large:begin (written by benchmarks/large.py; edit outside these markers) -->"
 LARGE_END = "<!-- large:end -->"
+LAYERS_BEGIN = "<!-- layers:begin (written by benchmarks/layers.py; edit outside these markers) -->"
+LAYERS_END = "<!-- layers:end -->"
 # -- output -----------------------------------------------------------------------------------------
 
 
@@ -97,6 +99,8 @@ Run `make bench` (about eight minutes on two busy cores; `--only 1c,7` for singl
 figures (decode-loop overhead, D2H throughput of the snapshot) where a GPU is present.
 `make bench-large` (`benchmarks/large.py`, not in `make bench` nor CI) writes the real-size block at
 the end: a Llama-shaped decoder captured, exported and validated from its bundle at 201M–606M parameters.
+`make bench-layers` (`benchmarks/layers.py`, neither) writes the per-layer block: each export step's time
+at 6 to 48 layers of a narrow decoder and its growth exponent (1 is linear).
 
 """
 

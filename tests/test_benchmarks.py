@@ -198,3 +198,83 @@ def test_large_benchmark_runs_end_to_end_on_a_tiny_decoder(tmp_path):
     table = (out / "BENCHMARKS.md").read_text("utf-8")
     assert "<!-- large:begin" in table and table.rstrip().endswith("<!-- large:end -->")
     assert "| layers | params | weights |" in table and "Growth with the number of layers" in table
+
+
+def _layers_module():
+    spec = importlib.util.spec_from_file_location("iobundle_benchmarks_layers", BENCHMARKS / "layers.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_layers_benchmark_gives_each_step_its_growth_exponent():
+    layers = _layers_module()
+    counts = [6, 12, 24]
+    # a linear step, a quadratic one, a constant one: exponents 1, 2, 0 between every pair and over the range
+    runs = {
+        n: [{"cpu_seconds": {step: 0.1 * n if i == 0 else 0.01 * n * n if i == 1 else 3.0 for i, step in enumerate(layers.STEPS)}}
+            for _ in range(2)]
+        for n in counts
+    }  # fmt: skip
+    runs[12][1]["cpu_seconds"][layers.STEPS[0]] = 5.0  # a slower repetition: the fastest one counts
+    rows = {r["step"]: r for r in layers.summarise(counts, runs)}
+    assert list(rows) == [*layers.STEPS, "total"]
+    linear, quadratic, constant = rows[layers.STEPS[0]], rows[layers.STEPS[1]], rows[layers.STEPS[2]]
+    assert linear["cpu_seconds"] == pytest.approx([0.6, 1.2, 2.4])
+    assert linear["pair_exponents"] == pytest.approx([1, 1]) and linear["exponent"] == pytest.approx(1)
+    assert quadratic["pair_exponents"] == pytest.approx([2, 2]) and quadratic["exponent"] == pytest.approx(2)
+    assert constant["exponent"] == pytest.approx(0)
+    results = {
+        "started": "now", "seconds": 1.0, "machine": "m", "loadavg_start": None, "loadavg_end": None,
+        "config": {"hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocab": 512, "batch": 2,
+                   "prompt": 8, "new_tokens": 3, "threads": 1, "reps": 2, "layers": counts},
+        "sizes": [{"layers": n, "params": 1000 * n, "calls": 3} for n in counts],
+        "steps": list(rows.values()),
+    }  # fmt: skip
+    table = layers.render(results).splitlines()
+    assert any(line.startswith(f"| {layers.STEPS[1]} |") and line.endswith("| 2.00 | **no** |") for line in table)
+    assert any(line.startswith(f"| {layers.STEPS[0]} |") and line.endswith("| 1.00 | yes |") for line in table)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--layers", "6"], "give at least two layer counts"),
+        (["--reps", "0"], "--reps 0: give a positive integer"),
+        (["--layers", "12,6"], "distinct positive layer counts in increasing order"),
+    ],
+)
+def test_layers_benchmark_refuses_bad_arguments(args, message):
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "layers.py"), *args], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert proc.returncode == 2
+    assert message in proc.stderr
+
+
+@pytest.mark.slow
+def test_layers_benchmark_runs_end_to_end_on_two_tiny_sizes(tmp_path):
+    # make bench-layers at two tiny sizes, one repetition: every step timed in the export process
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "layers.py"), "--layers", "1,2", "--reps", "1", "--new-tokens", "2",
+         "--out", str(out), "--workdir", str(tmp_path / "w")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    layers = _layers_module()
+    results = json.loads((out / "results_layers.json").read_text("utf-8"))
+    assert [s["layers"] for s in results["sizes"]] == [1, 2]
+    for size in results["sizes"]:
+        assert size["calls"] == 2 and len(size["runs"]) == 1
+        run = size["runs"][0]
+        assert list(run["cpu_seconds"]) == list(run["wall_seconds"]) == list(layers.STEPS)
+        assert all(run["wall_seconds"][step] > 0 for step in layers.STEPS), run  # every step was marked
+        assert all(run["cpu_seconds"][step] >= 0 for step in layers.STEPS), run
+    assert [r["step"] for r in results["steps"]] == [*layers.STEPS, "total"]
+    assert all(len(r["pair_exponents"]) == 1 for r in results["steps"])
+    table = (out / "BENCHMARKS.md").read_text("utf-8")
+    assert "<!-- layers:begin" in table and table.rstrip().endswith("<!-- layers:end -->")
+    assert "| step | 1 layers | 2 layers | exp. 1→2 | exponent |" in table

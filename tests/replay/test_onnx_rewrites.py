@@ -59,3 +59,28 @@ def test_rsub_of_a_float_tensor_is_left_as_it_is() -> None:
 
     ep = _export(FloatMask(), (torch.ones(2, 3, dtype=torch.long),))
     assert rewrite_for_onnx(ep) == []
+
+
+class CrossMask(torch.nn.Module):
+    """Mllama-style: ``(1.0 - mask).to(dtype)`` of an integer cross-attention mask."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return x * (1.0 - mask).to(x.dtype)
+
+
+def test_rsub_rewrite_is_on_the_export_report_and_the_onnx_file_validates(tmp_path) -> None:
+    from iobundle import InputObserver, load_bundle
+
+    model, observer = CrossMask().eval(), InputObserver()
+    with torch.no_grad(), observer(model):
+        for rows in (2, 3):
+            model(torch.randn(rows, 4), torch.randint(-2, 3, (rows, 4)))
+    observer.save(tmp_path / "mask.iobundle")
+    bundle = load_bundle(tmp_path / "mask.iobundle")
+    path = bundle.to_onnx(CrossMask().eval(), tmp_path / "mask.onnx")
+    assert (
+        "rewritten for ONNX: aten.rsub.Scalar of an integer tensor -> aten.rsub.Scalar of its torch.float32 cast"
+        in bundle.export_report().options
+    )
+    rows = bundle.check_discrepancies(path, atol=0.0, rtol=0.0)
+    assert [(r["index"], r["SUCCESS"]) for r in rows] == [(0, True), (1, True)]

@@ -193,3 +193,51 @@ def test_writing_an_index_checks_the_same_rules(tmp_path):
     with pytest.raises(ManifestError, match=r"programs\[1\]\.name"):
         write_program_index(ProgramIndex(programs=[entry, entry]), tmp_path / "m.programs.json")
     assert not (tmp_path / "m.programs.json").exists()
+
+
+class ImageStates(torch.nn.Module):
+    """The first call computes states from ``image`` and returns them; the later calls pass them back as ``states``.
+
+    As Idefics' prefill takes ``pixel_values`` and its decode calls ``image_encoder_embeddings``: no call
+    passes both keywords.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.vision = torch.nn.Linear(6, 4)
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(
+        self, x: torch.Tensor, image: torch.Tensor | None = None, states: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if image is not None:
+            states = self.vision(image)
+        assert states is not None
+        return self.lin(x) + states.mean(dim=1), states
+
+
+def test_calls_passing_different_keywords_are_phases_of_their_own(tmp_path):
+    model = ImageStates().eval()
+    observer = InputObserver()
+    with torch.no_grad(), observer(model):
+        _, states = model(torch.randn(2, 4), image=torch.randn(2, 3, 6))
+        for _ in range(2):
+            model(torch.randn(2, 4), states=states)
+    observer.save(tmp_path / "states.iobundle")
+    bundle = load_bundle(tmp_path / "states.iobundle")
+    phases = partition_calls(bundle._recorded())
+    assert [(p.calls, p.inputs) for p in phases] == [
+        ((0,), {"x": "present", "image": "present", "states": "absent"}),
+        ((1, 2), {"x": "present", "states": "present", "image": "absent"}),
+    ]
+    result = bundle.export_programs(model)
+    assert "one program: Call 1 passes keyword argument(s) ['states']" in result.reason
+    assert [c.success for c in result.report.calls] == [True, True, True]
+    index_path = result.to_onnx(tmp_path / "states.onnx")
+    rows = bundle.check_discrepancies(index_path)
+    assert [(r["index"], r["program"], r["SUCCESS"]) for r in rows] == [
+        (0, "p0", True),
+        (1, "p1", True),
+        (2, "p1", True),
+    ]

@@ -602,6 +602,131 @@ FAMILIES += [
 ]
 
 
+# --------------------------------------------------------------------------- cross-attention to image states (issue 19)
+
+
+def _open_gates(model: torch.nn.Module) -> torch.nn.Module:
+    """Set every ``*gate`` parameter that is all zeros to 0.5; return ``model``.
+
+    Gated cross-attention starts closed (``tanh(0) = 0``): with random weights the image
+    would not reach the logits, and a wrong cross-attention would still validate.
+    """
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.rsplit(".", 1)[-1].endswith("gate") and not parameter.any():
+                parameter.fill_(0.5)
+    return model
+
+
+MLLAMA_IMAGE_TOKEN = VOCAB  # Mllama's text embedding has 8 rows past the vocabulary, the image token among them
+
+
+def _mllama() -> tuple[torch.nn.Module, dict[str, Any]]:
+    """A tiny Llama 3.2 Vision: a 2-layer text decoder whose layer 1 cross-attends to the vision states.
+
+    The inputs are the ones the processor gives, built by hand: a batch of 2 prompts, the first
+    left-padded by 2, each with the image token first; ``pixel_values`` of one image per prompt cut
+    into 2 tiles of 14x14 (aspect ratio 1x2: ``aspect_ratio_ids`` 2), ``aspect_ratio_mask`` and
+    the ``cross_attention_mask`` (the image token and the text after it see both tiles). At
+    prefill the model runs the vision tower and stores the projected vision keys and values in the
+    cross-attention layer of its ``DynamicCache``; the decode calls pass no image and read them there.
+    """
+    import transformers
+
+    vision = {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_global_layers": 1,
+        "attention_heads": 2, "image_size": 14, "patch_size": 7, "max_num_tiles": 2,
+        "intermediate_layers_indices": [0, 1], "vision_output_dim": 96,
+        "supported_aspect_ratios": [[1, 1], [1, 2], [2, 1]],
+    }  # fmt: skip
+    text = {
+        "vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 64, "cross_attention_layers": [1],
+        "max_position_embeddings": 128, "pad_token_id": PAD, "bos_token_id": 1, "eos_token_id": 2,
+    }  # fmt: skip
+    cfg = transformers.MllamaConfig(vision_config=vision, text_config=text, image_token_index=MLLAMA_IMAGE_TOKEN)
+    model = _seeded(lambda: _open_gates(transformers.MllamaForConditionalGeneration(cfg)))
+    prompt = left_padded_prompt(7, pad=2)
+    cross = torch.zeros(2, 7, 1, 2, dtype=torch.long)  # (batch, text, images, tiles)
+    for row, image_at in enumerate((2, 0)):
+        prompt["input_ids"][row, image_at] = MLLAMA_IMAGE_TOKEN
+        cross[row, image_at:] = 1
+    pixels = torch.randn(2, 1, 2, 3, 14, 14, generator=torch.Generator().manual_seed(4))
+    return model, greedy(
+        5, **prompt, pixel_values=pixels, aspect_ratio_ids=torch.full((2, 1), 2),
+        aspect_ratio_mask=torch.ones(2, 1, 2, dtype=torch.long), cross_attention_mask=cross,
+    )  # fmt: skip
+
+
+def _idefics() -> tuple[torch.nn.Module, dict[str, Any]]:
+    """A tiny Idefics: gated cross-attention before each decoder layer, to a 14x14 image's vision states.
+
+    The prefill gets ``pixel_values`` and runs the vision tower; ``generate()`` then passes the
+    states it returned (``image_encoder_embeddings``) to every decode call: computed once,
+    reused as an input, never recomputed (not in the cache: Idefics' cross-attention caches nothing).
+    """
+    import transformers
+
+    cfg = transformers.IdeficsConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=128, pad_token_id=PAD, bos_token_id=1, eos_token_id=2, alpha_initializer="ones",
+        vision_config={"embed_dim": 32, "image_size": 14, "patch_size": 7, "num_hidden_layers": 2,
+                       "num_attention_heads": 2, "intermediate_size": 64},
+    )  # fmt: skip
+    model = _seeded(lambda: transformers.IdeficsForVisionText2Text(cfg))
+    prompt = left_padded_prompt(7, pad=2)
+    image_mask = torch.zeros(2, 7, 1, dtype=torch.long)  # (batch, text, images)
+    for row, image_at in enumerate((2, 0)):
+        image_mask[row, image_at:, 0] = 1
+    pixels = torch.randn(2, 1, 3, 14, 14, generator=torch.Generator().manual_seed(4))
+    return model, greedy(5, **prompt, pixel_values=pixels, image_attention_mask=image_mask)
+
+
+def _pix2struct() -> tuple[torch.nn.Module, dict[str, Any]]:
+    """A tiny Pix2Struct: an image encoder over flattened patches, a text decoder cross-attending to its states.
+
+    The bundle holds the decoder calls (``generate()`` runs the encoder once, outside ``forward``,
+    and passes its states as ``encoder_outputs`` to every call). The first decoder call projects the encoder's states into the cross-attention keys and
+    values of its ``EncoderDecoderCache``; the later calls read them from there. The second
+    image of the batch has 3 padding patches (zero rows, masked out), as the processor pads.
+    """
+    import transformers
+
+    cfg = transformers.Pix2StructConfig(
+        text_config={"vocab_size": VOCAB, "hidden_size": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_heads": 4,
+                     "use_cache": True, "decoder_start_token_id": PAD, "pad_token_id": PAD, "eos_token_id": 2},
+        vision_config={"hidden_size": 32, "patch_embed_hidden_size": 48, "d_ff": 64, "d_kv": 8,
+                       "num_hidden_layers": 2, "num_attention_heads": 4, "seq_len": 16},
+    )  # fmt: skip
+    model = _seeded(lambda: transformers.Pix2StructForConditionalGeneration(cfg))
+    patches = torch.randn(2, 12, 48, generator=torch.Generator().manual_seed(4))
+    rows, cols = torch.arange(12) // 4 + 1, torch.arange(12) % 4 + 1  # a 3x4 grid of 4x4 patches, 1-based
+    flattened = torch.cat([rows.expand(2, 12)[..., None], cols.expand(2, 12)[..., None], patches], dim=-1)
+    flattened[1, 9:] = 0
+    mask = (flattened.sum(-1) != 0).long()
+    return model, greedy(5, flattened_patches=flattened, attention_mask=mask)
+
+
+FAMILIES += [
+    Family(
+        "mllama",
+        _mllama,
+        notes="Llama 3.2 Vision: cross-attention layer to the vision states (2 tiles), kept in the cache "
+        "after prefill; left-padded batch of 2",
+    ),
+    Family(
+        "idefics",
+        _idefics,
+        notes="gated cross-attention to the image states computed at prefill, passed back to every decode call",
+    ),
+    Family(
+        "pix2struct",
+        _pix2struct,
+        notes="image encoder-decoder: cross-attention keys/values of the image states in the EncoderDecoderCache",
+    ),
+]
+
+
 def family(name: str) -> Family:
     """The zoo entry called ``name``."""
     for entry in FAMILIES:

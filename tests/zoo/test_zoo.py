@@ -17,7 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from families import FAMILIES, Family, missing_requirement
+import torch
+from families import FAMILIES, Family, family, missing_requirement
 from harness import FamilyResult, run_families
 
 pytestmark = pytest.mark.slow
@@ -80,3 +81,15 @@ def test_family_exports_and_validates_from_bundle(entry: Family, zoo: Callable[[
         assert bundle.programs >= 1
         # The batch a program refused on a guard is served (program and eager model agree there) by these.
         assert bundle.remedies == list(entry.remedies), bundle.export_output
+
+
+@pytest.mark.parametrize("name", ["mllama", "idefics"])
+def test_cross_attention_families_read_the_image(name: str) -> None:
+    # Their gated cross-attention starts closed in a model built from a config: the zoo opens it,
+    # so that the image reaches the logits and a wrong cross-attention would not validate.
+    model, kwargs = family(name).build()
+    inputs = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    with torch.no_grad():
+        logits = model(**inputs).logits
+        other = model(**{**inputs, "pixel_values": inputs["pixel_values"] + 1.0}).logits
+    assert (logits - other).abs().max() > 1e-3

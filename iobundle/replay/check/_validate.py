@@ -32,7 +32,7 @@ from iobundle.replay.check._compare import (
     tolerance_options,
 )
 from iobundle.replay.check._widen import HALF_TYPES, float32_copy, half_types
-from iobundle.replay.infer import align_calls, aligned_tensors, call_structure, phase_calls, placeholder_inputs
+from iobundle.replay.infer import align_calls, aligned_tensors, call_structures, phase_calls, placeholder_inputs
 from iobundle.schema import load_program_index
 
 # ONNX metadata that export writes and validation reads back.
@@ -695,7 +695,7 @@ def check_program_index(
 ) -> tuple[list[dict[str, Any]], list[Any]]:
     """Validate every recorded call with the program of ``index_path`` whose structure it has.
 
-    Calls are assigned by structure (:func:`call_structure`), not by index, so an index also
+    Calls are assigned by structure (:func:`call_structures`), not by index, so an index also
     validates another bundle of the same model. The calls of each program are validated with
     ``options`` as one ONNX file is; each of its rows gets a ``program`` column. A call that no program serves is a failed row saying so.
 
@@ -705,12 +705,12 @@ def check_program_index(
     """
     index_path = Path(index_path)
     index = load_program_index(index_path)
-    alignment = align_calls(rc)
     assigned: dict[str, list[int]] = {p.name: [] for p in index.programs}
     rows: list[dict[str, Any]] = []
     checks: list[Any] = []
-    for position, call in enumerate(alignment.calls):
-        structure = call_structure(rc, alignment, position)
+    calls = {call.index: call for call in rc.ok_calls}
+    for index_of_call, structure in call_structures(rc):
+        call = calls[index_of_call]
         program = next((p for p in index.programs if p.inputs == structure), None)
         if program is None:
             odd = ", ".join(f"{k} {v}" for k, v in structure.items() if v != "present") or "every input present"

@@ -31,10 +31,10 @@ import torch
 
 from iobundle._remote import resolve_output
 from iobundle.calls import RecordedCalls
-from iobundle.errors import ExportError
+from iobundle.errors import AlignmentError, ExportError
 from iobundle.replay.check import Tolerances, tolerance_options
 from iobundle.replay.export._export import CallCheck, ExportReport, export_program, save_onnx
-from iobundle.replay.infer import DynamicSpec, align_calls, call_structure, phase_calls
+from iobundle.replay.infer import DynamicSpec, call_structures, phase_calls
 from iobundle.schema import ProgramEntry, ProgramIndex, write_program_index
 
 __all__ = [
@@ -75,18 +75,18 @@ class Phase:
 
 
 def partition_calls(rc: RecordedCalls) -> list[Phase]:
-    """Group the ok calls by structure (:func:`call_structure`), phases in the order of their first call.
+    """Group the ok calls by structure (:func:`call_structures`), phases in the order of their first call.
+
+    Calls that pass different keyword names (no call passes them all) are in different phases.
 
     Raises:
-        AlignmentError: The recorded calls cannot be aligned.
+        AlignmentError: The recorded calls cannot be aligned, even in groups passing the same keywords.
     """
-    alignment = align_calls(rc)
     groups: dict[tuple[tuple[str, str], ...], list[int]] = {}
     structures: dict[tuple[tuple[str, str], ...], dict[str, str]] = {}
-    for position, call in enumerate(alignment.calls):
-        structure = call_structure(rc, alignment, position)
+    for index, structure in call_structures(rc):
         key = tuple(structure.items())
-        groups.setdefault(key, []).append(call.index)
+        groups.setdefault(key, []).append(index)
         structures.setdefault(key, structure)
     return [Phase(f"p{i}", tuple(calls), structures[key]) for i, (key, calls) in enumerate(groups.items())]
 
@@ -235,7 +235,7 @@ def export_programs(
         try:
             ep = export_program(rc, model, check=True, **options)
             single = ProgramSet([PhaseProgram(every, ep, rc, dynamic)])
-        except ExportError as exc:
+        except (ExportError, AlignmentError) as exc:
             reason = f"one program: {_first_line(exc)}"
         if single is not None:
             unchecked = [c.index for c in single.report.calls if c.success is None]

@@ -18,6 +18,7 @@ __all__ = [
     "align_calls",
     "call_shape",
     "call_structure",
+    "call_structures",
     "owner_name",
     "phase_calls",
     # Dynamic shapes, batch axes and dim names
@@ -63,6 +64,7 @@ from iobundle.replay.infer._align import (
     align_calls,
     call_shape,
     call_structure,
+    call_structures,
     owner_name,
     phase_calls,
 )

@@ -422,6 +422,43 @@ def call_structure(rc: RecordedCalls, alignment: Alignment, position: int) -> di
     return result
 
 
+def call_structures(rc: RecordedCalls) -> list[tuple[int, dict[str, str]]]:
+    """Each ok call's recorded index and structure (:func:`call_structure`), in recording order.
+
+    When the calls align on one layout (:func:`align_calls`), that alignment gives them. When
+    they cannot because no call passes every keyword the others pass (Idefics' prefill passes
+    ``pixel_values``; its decode calls pass, instead, the image states the prefill returned, as
+    ``image_encoder_embeddings``), the calls that pass the same keyword names are aligned as a
+    group of their own, and each structure also lists, as ``absent``, the keywords that only
+    other groups pass: two calls of different groups never have the same structure, so each
+    group is a phase of its own (one program each).
+
+    Raises:
+        AlignmentError: The calls cannot be aligned, and not because they pass different
+            keyword names; or a group of calls passing the same names cannot be aligned.
+    """
+    try:
+        alignment = align_calls(rc)
+    except AlignmentError:
+        groups: dict[frozenset[str], list[int]] = {}
+        for call in rc.ok_calls:
+            groups.setdefault(frozenset(call.kwargs), []).append(call.index)
+        if len(groups) < 2:
+            raise
+    else:
+        return [(call.index, call_structure(rc, alignment, i)) for i, call in enumerate(alignment.calls)]
+    names = list(dict.fromkeys(name for call in rc.ok_calls for name in call.kwargs))
+    result = []
+    for indices in groups.values():
+        group = phase_calls(rc, indices)
+        alignment = align_calls(group)
+        for position, call in enumerate(alignment.calls):
+            structure = call_structure(group, alignment, position)
+            structure.update((name, "absent") for name in names if name not in structure)
+            result.append((call.index, structure))
+    return sorted(result, key=lambda item: item[0])
+
+
 def phase_calls(rc: RecordedCalls, indices: Collection[int]) -> RecordedCalls:
     """The recorded calls ``indices`` (``CallEntry.index``) as recorded calls of their own (same store)."""
     wanted = set(indices)
