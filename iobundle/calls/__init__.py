@@ -7,6 +7,7 @@
 - dtype names and the tensor file primitives: one writer of safetensors files (``_tensorfile_write``),
   one of segments (``_segments``: many calls' small tensors appended to one file) and one
   reader of untrusted bundle members (``_tensorfile_read``: names, sizes, hashes, mapped tensors), side by side;
+- the ``torch.autocast`` state of a call, read at capture and re-entered at replay;
 - delta storage (a tensor stored as what it adds to one stored before) and the integrity hashes.
 
 Capture fills a :class:`RecordedCalls` while observing; replay builds one from a manifest.
@@ -24,6 +25,12 @@ __all__ = [
     "record_inputs",
     "signature_entry",
     "split_kwargs",
+    # torch.autocast at a recorded call
+    "AUTOCAST_DEVICE_TYPES",
+    "ReplayAutocast",
+    "autocast_state",
+    "module_device_type",
+    "replay_autocast",
     # Value trees and node types
     "DYNAMIC_CACHE_NAME",
     "ENCODER_DECODER_CACHE_NAME",
@@ -98,6 +105,13 @@ __all__ = [
 import importlib
 from contextlib import AbstractContextManager
 
+from iobundle.calls._autocast import (
+    AUTOCAST_DEVICE_TYPES,
+    ReplayAutocast,
+    autocast_state,
+    module_device_type,
+    replay_autocast,
+)
 from iobundle.calls._calls import DictTensorStore, RecordedCalls, TensorStore, positional_names, signature_entry
 from iobundle.calls._config import MAX_CONFIG_BYTES, read_stored_config
 from iobundle.calls._delta import DeltaIndex, Match, extends_bytes, rebuild

@@ -7,7 +7,7 @@ from typing import Any
 
 from iobundle.calls._calls import RecordedCalls, positional_names
 from iobundle.calls._tree import TensorCollector, record_value
-from iobundle.schema import CallEntry, Node, NoneNode
+from iobundle.schema import AutocastEntry, CallEntry, Node, NoneNode
 
 __all__ = ["record_inputs", "split_kwargs"]
 
@@ -49,8 +49,12 @@ def record_inputs(
     *,
     index: int,
     on_opaque: Callable[[str, str, str], None],
+    autocast: list[AutocastEntry] | None = None,
 ) -> CallEntry:
-    """Record the inputs of one call, filling absent arguments from ``rc.value_if_missing``."""
+    """Record the inputs of one call, filling absent arguments from ``rc.value_if_missing``.
+
+    ``autocast`` is the ``torch.autocast`` state the call runs under (:func:`~iobundle.calls.autocast_state`).
+    """
     cst, kept = split_kwargs(rc, kwargs)
     arg_nodes: list[Node] = [
         record_value(a, collector, path=f"args[{i}]", on_opaque=on_opaque) for i, a in enumerate(args)
@@ -80,4 +84,4 @@ def record_inputs(
     if filled:
         order = {n: i for i, n in enumerate(rc.names)}
         kw_nodes = dict(sorted(kw_nodes.items(), key=lambda kv: order.get(kv[0], len(order))))
-    return CallEntry(index=index, args=arg_nodes, kwargs=kw_nodes, cst_kwargs=cst, filled=filled)
+    return CallEntry(index=index, args=arg_nodes, kwargs=kw_nodes, cst_kwargs=cst, filled=filled, autocast=autocast)

@@ -22,6 +22,7 @@ from iobundle._remote import Staging, join_url, local_path, open_filesystem, sta
 from iobundle.calls import (
     RecordedCalls,
     TensorCollector,
+    autocast_state,
     record_inputs,
     record_value,
     signature_entry,
@@ -386,13 +387,19 @@ class CallRecorder:
         """Record the inputs of a call; on failure, an incomplete call without inputs and the reason."""
         journal: list[str] = []
         self._table.journal = journal
+        autocast = None
         try:
-            call = record_inputs(rc, self._collector, args, kwargs, index=len(rc.calls), on_opaque=self._opaque)
+            autocast = autocast_state()  # on the caller's thread: torch.autocast's state is thread-local
+            call = record_inputs(
+                rc, self._collector, args, kwargs, index=len(rc.calls), on_opaque=self._opaque, autocast=autocast
+            )
             return call, ""
         except Exception as exc:  # observation never breaks the observed program
             self._table.discard(journal)
             reason = _failure("the inputs", exc)
-            entry = CallEntry(index=len(rc.calls), status="incomplete", error=reason, args=[], kwargs={})
+            entry = CallEntry(
+                index=len(rc.calls), status="incomplete", error=reason, args=[], kwargs={}, autocast=autocast
+            )
             return entry, self._warning_once("the inputs", entry.index, exc, reason)
         finally:
             self._table.journal = None

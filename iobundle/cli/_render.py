@@ -533,6 +533,9 @@ def format_inspect(
     lines += ["", plain("producer   " + ", ".join(versions))]
     if producer.devices:
         lines.append(plain("devices    " + ", ".join(producer.devices)))
+    autocast = _autocast_line(manifest.calls)
+    if autocast:
+        lines.append(plain("autocast   " + autocast))
     lines += ["", "dynamic shapes (inferred from the calls; Dim.DYNAMIC where sizes differ)"]
     if dynamic_shapes_error is not None:
         lines.append(plain(f"  error: {dynamic_shapes_error}"))
@@ -695,6 +698,20 @@ def format_verdict(text: str, ok: bool) -> str:
     from rich.text import Text
 
     return render(Text(plain(text), style="bold green" if ok else "bold red"))
+
+
+def _autocast_line(calls: Any) -> str:
+    """``cuda bfloat16 on 4 of 4 calls (replayed under it)``: the torch.autocast the calls were recorded under."""
+    states: dict[str, int] = {}
+    for call in calls:
+        for entry in call.autocast or ():
+            if entry.enabled:
+                key = f"{entry.device_type} {entry.dtype}"
+                states[key] = states.get(key, 0) + 1
+    if not states:
+        return ""
+    parts = [f"{key} on {count} of {len(calls)} calls" for key, count in states.items()]
+    return "torch.autocast " + "; ".join(parts) + " (replay runs the model under it)"
 
 
 def format_export(report: Any, onnx_path: str | None) -> str:

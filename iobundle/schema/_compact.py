@@ -1,4 +1,4 @@
-"""Format versions 3 and 4: the compact layout of ``manifest.json`` and of the journal's lines.
+"""Format versions 3, 4 and 5: the compact layout of ``manifest.json`` and of the journal's lines.
 
 Versions 1 and 2 write every call's whole trees and one object per tensor and per file, indented:
 about 2.9 KiB per decoder step. Version 3 writes what repeats once. In memory nothing changes:
@@ -40,7 +40,7 @@ plus ``"journal": 1``; each call is then one line, ``{"call": {...}, "files": {.
 record with its structure written out in place of its number, and the files it added, each naming
 its ``hash``.
 
-Format version 4 (written now) is this layout plus segment files. A segment,
+Format version 4 is this layout plus segment files. A segment,
 ``calls/segment-NNNNNN.bin``, has no header: it is the bytes of the small tensors of many calls
 back to back, each call's bytes one range appended once (never rewritten), so that a decode step
 creates no file and pays no header. Its record gives ``ranges`` instead of ``digest``::
@@ -57,6 +57,13 @@ creates no file and pays no header. Its record gives ``ranges`` instead of ``dig
   it. Every tensor lies inside one range, and the tensors fill the ranges exactly;
 - a tensor whose stored bytes reach ``SEGMENT_TENSOR_BYTES`` (:mod:`iobundle.capture._writer`) keeps its call's
   own safetensors file (``calls/NNNNNN.safetensors``, as in version 3), memory-mapped when read.
+
+Format version 5 (written now) is the layout of version 4 plus, in a call's record, ``autocast``:
+the ``torch.autocast`` state the call ran under (see :class:`~iobundle.schema.AutocastEntry`), left
+out when autocast was enabled on no device type::
+
+    {"index":3,"structure":1,"keys":["t9","t1"],"latency":0.0012,
+     "autocast":[{"device_type":"cuda","dtype":"BF16","enabled":true},{"device_type":"cpu","dtype":"BF16","enabled":false}]}
 
 Reading checks everything versions 1 and 2 check (limits, tensor ranks and sizes, extensions) and
 keeps compact rows (:mod:`iobundle.schema._deferred`); a call's trees are built from its structure
@@ -90,6 +97,7 @@ from iobundle.schema._manifest import (
     DTYPES,
     FORMAT,
     HASH_ALGORITHMS,
+    AutocastEntry,
     CallEntry,
     ConstNode,
     DictNode,
@@ -133,8 +141,8 @@ __all__ = [
     "file_records",
 ]
 
-COMPACT_VERSION = 4
-COMPACT_VERSIONS = (3, 4)
+COMPACT_VERSION = 5
+COMPACT_VERSIONS = (3, 4, 5)
 DEFAULT_HASH = "xxh3-128"
 
 # -- the models of the file (the JSON Schema, and the validation of everything but the bulk) -----
@@ -198,6 +206,8 @@ class CallRecord(_Model):
     status: Literal["ok", "failed", "incomplete"] = "ok"
     error: str | None = None
     latency: float | None = None
+    autocast: list[AutocastEntry] | None = None
+    """The ``torch.autocast`` state of the call (format version 5); absent when not under autocast."""
 
 
 Shape = list[Annotated[StrictInt, Field(ge=0)]]
@@ -232,10 +242,10 @@ class FileRecord(_Model):
 
 
 class CompactManifest(_Model):
-    """``manifest.json`` of format versions 3 and 4 (see the module docstring)."""
+    """``manifest.json`` of format versions 3, 4 and 5 (see the module docstring)."""
 
     format: Literal["iobundle"] = FORMAT
-    format_version: Literal[3, 4] = COMPACT_VERSION
+    format_version: Literal[3, 4, 5] = COMPACT_VERSION
     producer: Producer
     signature: SignatureEntry
     value_if_missing: list[MissingValueEntry] = Field(default_factory=list)
@@ -283,7 +293,8 @@ _FIELDS: dict[type[BaseModel], set[str]] = {
         Manifest,
     )
 }
-_CALL_FIELDS = frozenset({"index", "structure", "keys", "status", "error", "latency"})
+_CALL_FIELDS = frozenset({"index", "structure", "keys", "status", "error", "latency", "autocast"})
+_AUTOCAST = TypeAdapter(list[AutocastEntry])
 _FILE_FIELDS = frozenset({"size", "hash", "digest", "ranges", "tensors"})
 _OPTION_FIELDS = frozenset({"device", "name"})
 _STATUSES = frozenset({"ok", "failed", "incomplete"})
@@ -344,6 +355,8 @@ def _record(call: CallEntry, keys: list[str]) -> dict[str, Any]:
         record["error"] = call.error
     if call.latency is not None:
         record["latency"] = call.latency
+    if call.autocast is not None:
+        record["autocast"] = [a.model_dump() for a in call.autocast]
     return record
 
 
@@ -427,12 +440,12 @@ def _model_json(model: BaseModel) -> str:
 
 
 def dump_compact(manifest: Manifest, *, one_line: bool = False) -> str:
-    """``manifest`` as format-version-4 JSON text: one line per field, structure, call and file.
+    """``manifest`` as format-version-5 JSON text: one line per field, structure, call and file.
 
     With ``one_line`` the text has no line break (a journal head).
 
     Raises:
-        ManifestError: The manifest cannot be written in format version 4 (see :func:`file_records`).
+        ManifestError: The manifest cannot be written in format version 5 (see :func:`file_records`).
     """
     algorithms = [f.algorithm for f in manifest.files.values()]
     default_hash = max(set(algorithms), key=algorithms.count) if algorithms else DEFAULT_HASH
@@ -551,7 +564,19 @@ class _Reader:
 
     # -- the bulk: calls and files
 
-    def calls(self, raw: Any, tables: CompactTables) -> list[DeferredCall]:
+    def autocast(self, raw: Any, where: str, version: int) -> list[AutocastEntry]:
+        """A call's ``autocast`` entries, checked (a format-version-5 field)."""
+        if version < 5:
+            self.fail(where, f"autocast is a format_version 5 field; this manifest says {version}")
+        try:
+            return _AUTOCAST.validate_python(raw)
+        except pydantic.ValidationError as exc:
+            first = exc.errors()[0]
+            at = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
+            self.fail(f"{where}{at}", first["msg"])
+            raise  # unreachable: fail raises
+
+    def calls(self, raw: Any, tables: CompactTables, version: int = COMPACT_VERSION) -> list[DeferredCall]:
         if not isinstance(raw, list):
             self.fail("calls", f"expected a list, found {type(raw).__name__}")
         out = []
@@ -589,7 +614,10 @@ class _Reader:
                 if type(latency) is not int:
                     self.fail(f"calls[{i}].latency", f"expected a number or null, found {_short(latency)}")
                 latency = float(latency)
-            values = {"index": index, "status": status, "error": error, "latency": latency}
+            autocast = rec.get("autocast")
+            if autocast is not None:
+                autocast = self.autocast(autocast, f"calls[{i}].autocast", version)
+            values = {"index": index, "status": status, "error": error, "latency": latency, "autocast": autocast}
             out.append(make(tables, structure, keys, values))
         return out
 
@@ -815,7 +843,7 @@ def expand_compact(
     check_trees: Callable[[Iterable[tuple[str, Node]], str], None],
     describe: Callable[[pydantic.ValidationError], str],
 ) -> Manifest:
-    """Check a format-version-3 or 4 manifest parsed from JSON and build the in-memory :class:`Manifest`.
+    """Check a format-version-3, 4 or 5 manifest parsed from JSON and build the in-memory :class:`Manifest`.
 
     Everything but ``calls`` and ``files`` is checked by :class:`CompactManifest`; those two, the bulk,
     are checked here, field by field, with the same rules.
@@ -855,7 +883,7 @@ def expand_compact(
     structures = [reader.structure(s, f"structures[{i}]") for i, s in enumerate(parsed.structures)]
     files, tensors = reader.files(files_raw, parsed.hash, parsed.format_version)
     tables = CompactTables(structures, tensors)
-    calls = reader.calls(calls_raw, tables)
+    calls = reader.calls(calls_raw, tables, parsed.format_version)
     return deferred_manifest(
         {
             "format": FORMAT,

@@ -6,7 +6,7 @@ Reading ``manifest.json`` (or a journal) of format version 3 checks every field 
 - per distinct structure, one :class:`CompactStructure`: its number of tensor slots, a builder of
   its trees, and (on first use) the structure of its inputs as :func:`~iobundle.schema.call_key` gives it;
 - per call, a :class:`DeferredCall`: a :class:`~iobundle.schema.CallEntry` holding only ``index``,
-  ``status``, ``error`` and ``latency``, plus its structure and tensor keys; its trees (``args``,
+  ``status``, ``error``, ``latency`` and ``autocast``, plus its structure and tensor keys; its trees (``args``,
   ``kwargs``, ``cst_kwargs``, ``filled``, ``outputs``) are built on first access;
 - per tensor, one :class:`TensorInfo` row (a named tuple) in :attr:`CompactTables.tensors`.
 
@@ -208,7 +208,7 @@ class DeferredCall(_Deferred, CallEntry):
 def deferred_call(
     tables: CompactTables, structure: CompactStructure, keys: list[str], values: dict[str, Any]
 ) -> DeferredCall:
-    """A call of ``structure`` with tensor ``keys``; ``values`` holds index, status, error and latency."""
+    """A call of ``structure`` with tensor ``keys``; ``values`` holds index, status, error, latency and autocast."""
     call: DeferredCall = _made(DeferredCall, values, CallEntry)
     _setattr(call, "_structure", structure)
     _setattr(call, "_keys", keys)

@@ -253,7 +253,8 @@ def _check_tensor_shapes(manifest: Manifest, source: str) -> None:
 def _check_version_fields(manifest: Manifest, source: str) -> None:
     """Version 1 holds no format-2 field: no ``extends``, no ``hash``/``digest`` (version 2 may spell ``sha256``).
 
-    Neither holds a format-4 field (segments: ``FileEntry.ranges``, ``TensorEntry.offset``).
+    Neither holds a format-4 field (segments: ``FileEntry.ranges``, ``TensorEntry.offset``) nor a format-5 one
+    (``CallEntry.autocast``).
     """
     files = [(f"files[{n!r}]", e) for n, e in manifest.files.items()]
     if manifest.model is not None:
@@ -262,6 +263,12 @@ def _check_version_fields(manifest: Manifest, source: str) -> None:
         if file.ranges is not None:
             raise ManifestError(
                 f"{source}: {where}.ranges is a format_version 4 field; this manifest says "
+                f"version {manifest.format_version}."
+            )
+    for i, call in enumerate(manifest.calls):
+        if call.autocast is not None:
+            raise ManifestError(
+                f"{source}: calls[{i}].autocast is a format_version 5 field; this manifest says "
                 f"version {manifest.format_version}."
             )
     for key, tensor in manifest.tensors.items():

@@ -22,10 +22,12 @@ Format version 2 (written since iobundle 0.2) adds, and version 1 never holds:
 
 Format version 3 stores the same content compactly: call structures written once, a tensor table
 per file, the hash algorithm named once (see :mod:`iobundle.schema._compact`). Format version 4
-(what iobundle writes now) has the layout of version 3 and adds segment files: files without a
+has the layout of version 3 and adds segment files: files without a
 header that many calls append their small tensors to, each call's bytes one range with its own
-digest (``FileEntry.ranges``, ``TensorEntry.offset``). These models are the in-memory manifest of
-every version, and the file layout of versions 1 and 2.
+digest (``FileEntry.ranges``, ``TensorEntry.offset``). Format version 5 (what iobundle writes now)
+has the layout of version 4 and adds ``CallEntry.autocast``: the ``torch.autocast`` state the
+observed call ran under (absent: not under autocast, as every call of versions 1 to 4). These
+models are the in-memory manifest of every version, and the file layout of versions 1 and 2.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ __all__ = [
     "SUPPORTED_FORMAT_VERSIONS",
     "HASH_ALGORITHMS",
     "DTYPE_ITEMSIZES",
+    "AutocastEntry",
     "CallEntry",
     "Extension",
     "ConstNode",
@@ -76,8 +79,8 @@ __all__ = [
 ]
 
 FORMAT = "iobundle"
-FORMAT_VERSION = 4
-SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4)
+FORMAT_VERSION = 5
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4, 5)
 
 HASH_ALGORITHMS = {"sha256": 64, "xxh3-128": 32}
 """Integrity hashes a format-2 file entry may name, with the length of their hex digest."""
@@ -268,8 +271,37 @@ def duplicate_call_index(index: int, first: int) -> str:
     )
 
 
-class CallEntry(_Model):
-    """One recorded call of the observed method."""
+AUTOCAST_DTYPES = ("F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2")
+"""The dtypes an :class:`AutocastEntry` may name (those ``torch.autocast`` takes on some device type)."""
+
+
+class AutocastEntry(_Model):
+    """``torch.autocast`` on one device type at a recorded call (format version 5).
+
+    Capture lists, for a call made while autocast was enabled on some device type, each device
+    type whose autocast is enabled, and ``"cpu"`` (enabled or not: whether CPU operations were
+    autocast too). Replay runs the eager model and traces the program under the same autocast.
+
+    Attributes:
+        device_type: The device type, as ``torch.autocast`` names it (``"cuda"``, ``"cpu"``, ``"xpu"``).
+        dtype: The lower-precision dtype autocast ran its eligible operations in (``"BF16"``, ``"F16"``).
+        enabled: ``torch.is_autocast_enabled(device_type)`` at the call.
+    """
+
+    device_type: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
+    dtype: Literal[AUTOCAST_DTYPES]  # type: ignore[valid-type]
+    enabled: StrictBool
+
+
+class CallEntry(_OmitsUnset):
+    """One recorded call of the observed method.
+
+    ``autocast`` (format version 5) is the ``torch.autocast`` state the call ran under, one entry per
+    device type (see :class:`AutocastEntry`); None (left out of the JSON) when autocast was enabled
+    on no device type, and for every call of format versions 1 to 4.
+    """
+
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"autocast"})
 
     index: Annotated[StrictInt, Field(ge=0)]
     status: Literal["ok", "failed", "incomplete"] = "ok"
@@ -280,6 +312,7 @@ class CallEntry(_Model):
     filled: list[Union[StrictStr, StrictInt]] = Field(default_factory=list)
     outputs: Node | None = None
     latency: float | None = None
+    autocast: list[AutocastEntry] | None = None
 
 
 class ParameterEntry(_Model):
@@ -367,7 +400,7 @@ class Manifest(_Model):
     """
 
     format: Literal["iobundle"] = FORMAT
-    format_version: Literal[1, 2, 3, 4] = FORMAT_VERSION
+    format_version: Literal[1, 2, 3, 4, 5] = FORMAT_VERSION
     producer: Producer
     signature: SignatureEntry
     value_if_missing: list[MissingValueEntry] = Field(default_factory=list)

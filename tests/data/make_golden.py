@@ -188,6 +188,19 @@ def make_segments_model(path: Path) -> None:
     observer.save(path, overwrite=True, include_model=True)
 
 
+def make_autocast(path: Path) -> None:
+    """Format version 5: the MLP (float32 weights) called under ``torch.autocast("cpu", bfloat16)`` twice, then once
+    without: the first two calls record the autocast state (their outputs are bfloat16), the third none."""
+    torch.manual_seed(0)
+    model, observer = MLP(), InputObserver()
+    with torch.no_grad(), observer(model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.randn(2, 8))
+            model(torch.randn(3, 8))
+        model(torch.randn(4, 8))
+    observer.save(path, overwrite=True)
+
+
 BUNDLES: dict[str, Callable[[Path], None]] = {
     # format version 1: written before version 2 existed; this script cannot write them again
     "plain": make_plain,
@@ -201,16 +214,19 @@ BUNDLES: dict[str, Callable[[Path], None]] = {
     "compact_nested": make_compact_nested,
     "compact_growing": make_compact_growing,
     "compact_journal": make_compact_journal,
-    # format version 4
+    # format version 4: likewise, since version 5
     "segments_nested": make_segments_nested,
     "segments_growing": make_segments_growing,
     "segments_journal": make_segments_journal,
     "segments_model": make_segments_model,
+    # format version 5
+    "autocast": make_autocast,
 }
 OLDER = (
     {name: 1 for name in ("plain", "nested", "streamed", "llama_cache")}
     | {"growing": 2, "journal": 2}
     | {name: 3 for name in ("compact_nested", "compact_growing", "compact_journal")}
+    | {name: 4 for name in ("segments_nested", "segments_growing", "segments_journal", "segments_model")}
 )
 
 

@@ -111,8 +111,8 @@ class TestGoldenValues:
         assert Manifest.model_validate(manifest.model_dump()) == manifest
         again = parse_manifest(dump_manifest(manifest))
         text = (GOLDEN / "compact_nested" / "manifest.json").read_text()
-        assert again == manifest.model_copy(update={"format_version": 4})  # written as the newest version
-        assert dump_manifest(again) == text.replace('"format_version":3', '"format_version":4', 1)
+        assert again == manifest.model_copy(update={"format_version": 5})  # written as the newest version
+        assert dump_manifest(again) == text.replace('"format_version":3', '"format_version":5', 1)
 
     def test_tensor_nodes_and_constant_subtrees_are_shared(self):
         m = load_manifest(GOLDEN / "compact_growing")
@@ -176,8 +176,8 @@ def test_a_base_listed_after_its_extension_cannot_be_written():
 
 class TestJournal:
     def test_rebuilds_the_manifest(self, lines):
-        golden = load_manifest(GOLDEN / "compact_growing")  # format version 3; the journal is written in 4
-        assert parse_journal(b"".join(lines)) == golden.model_copy(update={"format_version": 4})
+        golden = load_manifest(GOLDEN / "compact_growing")  # format version 3; the journal is written in 5
+        assert parse_journal(b"".join(lines)) == golden.model_copy(update={"format_version": 5})
 
     def test_a_line_is_one_compact_record(self, lines):
         record = json.loads(lines[2])
@@ -407,3 +407,40 @@ def test_parsing_leaves_the_garbage_collector_as_it_was(text):
             assert gc.isenabled() == enabled
         finally:
             gc.enable()
+
+
+class TestAutocastField:
+    """Format version 5's ``autocast`` of a call record: read back, refused where it has no meaning or is wrong."""
+
+    def test_reads_back_and_survives_a_rewrite(self):
+        manifest = load_manifest(GOLDEN / "autocast")
+        assert [c.autocast is not None for c in manifest.calls] == [True, True, False]
+        again = parse_manifest(dump_manifest(manifest))
+        assert [c.autocast for c in again.calls] == [c.autocast for c in manifest.calls]
+
+    def test_a_version_4_manifest_holds_none(self):
+        raw = golden("autocast")
+        raw["format_version"] = 4
+        with pytest.raises(ManifestError, match=r"calls\[0\]\.autocast: autocast is a format_version 5 field"):
+            parse_manifest(json.dumps(raw))
+
+    def test_a_version_2_manifest_holds_none(self):
+        raw = golden("growing")  # the layout of versions 1 and 2: whole call entries
+        raw["calls"][0]["autocast"] = [{"device_type": "cpu", "dtype": "BF16", "enabled": True}]
+        with pytest.raises(ManifestError, match=r"calls\[0\]\.autocast is a format_version 5 field"):
+            parse_manifest(json.dumps(raw))
+
+    @pytest.mark.parametrize(
+        ("entry", "where"),
+        [
+            ({"device_type": "cuda", "dtype": "I64", "enabled": True}, r"\[0\]\.dtype"),
+            ({"device_type": "../cuda", "dtype": "BF16", "enabled": True}, r"\[0\]\.device_type"),
+            ({"device_type": "cuda", "dtype": "BF16", "enabled": 1}, r"\[0\]\.enabled"),
+            ({"device_type": "cuda", "dtype": "BF16", "enabled": True, "extra": 1}, r"\[0\]\.extra"),
+        ],
+    )
+    def test_a_bad_entry_is_refused_by_its_field(self, entry, where):
+        raw = golden("autocast")
+        raw["calls"][1]["autocast"] = [entry]
+        with pytest.raises(ManifestError, match=r"calls\[1\]\.autocast" + where):
+            parse_manifest(json.dumps(raw))

@@ -9,7 +9,8 @@ tensors stored as extensions of earlier ones, and a stream's journal without its
 stored once, a tensor table per file; the last one a version-3 journal without its manifest);
 ``segments_nested``, ``segments_growing`` and ``segments_journal`` are version 4 (the same
 recordings, the calls' tensors appended as ranges of one segment file; the journal's segment holds
-bytes of a call past its last complete line).
+bytes of a call past its last complete line); ``autocast`` is version 5 (the MLP called under
+``torch.autocast``: each call records the autocast state it ran under).
 """
 
 from __future__ import annotations
@@ -171,6 +172,13 @@ EXPECTED["segments_model"] = {
     ],
     "tensors": 4,
 }
+EXPECTED["autocast"] = {
+    "version": 5,
+    "num_obs": 3,
+    "dynamic_shapes": ({0: DYN},),
+    "arguments": [(((n, 8), F32),) for n in (2, 3, 4)],
+    "tensors": 6,
+}
 SEGMENTED = ("segments_nested", "segments_growing", "segments_journal")
 
 
@@ -234,10 +242,30 @@ class TestGolden:
             b.outputs(i)
 
 
-def test_version_1_to_4_bundles_all_load():
-    """The reader keeps format versions 1 to 3 while the writer writes version 4."""
-    names = ("plain", "streamed", "growing", "journal", "compact_growing", "compact_journal", *SEGMENTED)
-    assert {load_bundle(GOLDEN / name).manifest.format_version for name in names} == {1, 2, 3, 4}
+def test_version_1_to_5_bundles_all_load():
+    """The reader keeps format versions 1 to 4 while the writer writes version 5."""
+    names = ("plain", "streamed", "growing", "journal", "compact_growing", "compact_journal", *SEGMENTED, "autocast")
+    assert {load_bundle(GOLDEN / name).manifest.format_version for name in names} == {1, 2, 3, 4, 5}
+
+
+@pytest.mark.parametrize("name", sorted(n for n in EXPECTED if EXPECTED[n].get("version", 1) < 5))
+def test_older_versions_were_not_recorded_under_autocast(name):
+    """Format versions 1 to 4 have no autocast field: their calls read as recorded without autocast."""
+    _needs(name)
+    assert [c.autocast for c in load_bundle(GOLDEN / name).manifest.calls] == [None] * len(
+        load_bundle(GOLDEN / name).manifest.calls
+    )
+
+
+def test_version_5_records_the_autocast_state_of_each_call():
+    """The first two calls ran under torch.autocast("cpu", bfloat16): their state is recorded, their outputs are
+    bfloat16 from float32 weights; the third ran without autocast and records none."""
+    from iobundle.schema import AutocastEntry
+
+    b = load_bundle(GOLDEN / "autocast")
+    cpu_bf16 = [AutocastEntry(device_type="cpu", dtype="BF16", enabled=True)]
+    assert [c.autocast for c in b.manifest.calls] == [cpu_bf16, cpu_bf16, None]
+    assert [b.outputs(i).dtype for i in range(3)] == [torch.bfloat16, torch.bfloat16, torch.float32]
 
 
 @pytest.mark.parametrize("name", SEGMENTED)

@@ -50,6 +50,8 @@ class Family:
         store_n_calls: How many calls each observer records (at least every call of the generate()).
         known_failure: Why the family does not pass yet; None when it must pass.
         dtype: The dtype the model runs (and is recorded) in: ``float32``, ``bfloat16``, ``float16``.
+        autocast: The dtype of ``torch.autocast("cpu", ...)`` the ``generate()`` runs under (weights stay
+            in ``dtype``), as a GPU box records under ``torch.autocast("cuda", ...)``; None without autocast.
         requires: A module the capture needs beyond the test dependencies (``optimum.quanto``);
             where it cannot be imported the family's test is skipped.
         remedies: The remedies (``iobundle.replay.export._dims.GUARD_REMEDIES``) whose re-export serves
@@ -64,8 +66,14 @@ class Family:
     store_n_calls: int = 32
     known_failure: str | None = None
     dtype: str = "float32"
+    autocast: str | None = None
     requires: str | None = None
     remedies: tuple[str, ...] = ()
+
+    @property
+    def precision(self) -> str:
+        """The matrix's dtype column: ``float32``, or ``float32, autocast bfloat16``."""
+        return f"{self.dtype}, autocast {self.autocast}" if self.autocast else self.dtype
 
 
 # A quanto-quantized cache: 4-bit keys and values in groups of 8 channels (the head size of the
@@ -546,6 +554,27 @@ FAMILIES += [
         atol=5e-3,
         dtype="float16",
         notes="float16, attention biases",
+    ),
+    Family(
+        "qwen2_autocast_bf16",
+        decoder_only("Qwen2Config", "Qwen2ForCausalLM"),
+        atol=2e-2,
+        autocast="bfloat16",
+        notes="float32 weights, generate() under torch.autocast bfloat16: replayed and traced under it",
+    ),
+    Family(
+        "phi3_autocast_bf16",
+        decoder_only("Phi3Config", "Phi3ForCausalLM", pad=2),
+        atol=2e-2,
+        autocast="bfloat16",
+        notes="autocast bfloat16, fused qkv, left padding",
+    ),
+    Family(
+        "gemma2_autocast_fp16",
+        decoder_only("Gemma2Config", "Gemma2ForCausalLM", head_dim=8, sliding_window=8, prompt=7, new_tokens=6),
+        atol=5e-3,
+        autocast="float16",
+        notes="autocast float16, sliding window and soft-capping",
     ),
     Family(
         "deepseek_v3",

@@ -139,6 +139,8 @@ def capture_family(entry: Family, root: Path) -> tuple[dict[str, Path], float]:
     modules = entry.observe(model) if entry.observe else {entry.name: model}
     observers = {name: InputObserver() for name in modules}
     with torch.no_grad(), contextlib.ExitStack() as stack:
+        if entry.autocast:
+            stack.enter_context(torch.autocast("cpu", dtype=getattr(torch, entry.autocast)))
         for name, observer in observers.items():
             stack.enter_context(observer(modules[name], store_n_calls=entry.store_n_calls))
         model.generate(**kwargs)

@@ -57,11 +57,11 @@ def format_matrix(
         note = entry.notes if not failures else f"{entry.notes}; {entry.known_failure or failures[0]}"
         note = note.replace("|", "\\|").replace("\n", " ")
         if not result.bundles:
-            lines.append(f"| {entry.name} | {entry.dtype} | - | {status} | - | - | - | - | - | {note} |")
+            lines.append(f"| {entry.name} | {entry.precision} | - | {status} | - | - | - | - | - | {note} |")
         for b in result.bundles:
             name = entry.name if b.name == entry.name else f"{entry.name} ({b.name})"
             lines.append(
-                f"| {name} | {entry.dtype} | {b.cache} | {status} | {b.calls} | {b.programs} | "
+                f"| {name} | {entry.precision} | {b.cache} | {status} | {b.calls} | {b.programs} | "
                 f"{', '.join([*b.patches, *(f'{r} (remedy)' for r in b.remedies)]) or '-'} | "
                 f"{b.export_seconds:.1f} / {b.onnx_seconds:.1f} | {_error(b.ep_max_abs)} / {_error(b.ort_max_abs)} | "
                 f"{note} |"

@@ -14,14 +14,14 @@ import inspect
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from iobundle._lazy import lazy_module
-from iobundle.calls import path_matches, tensor_paths
+from iobundle.calls import path_matches, replay_autocast, tensor_paths
 from iobundle.errors import ToleranceError
 from iobundle.replay.check._quantiles import median_and_quantile
-from iobundle.schema import Node, TensorNode
+from iobundle.schema import CallEntry, Node, TensorNode
 
 if TYPE_CHECKING:
     import numpy as np
@@ -479,6 +479,11 @@ from the recorded half-precision run by a few units of the last place of each in
 2-layer models up to 2e-3 in float16 and 1.7e-2 in bfloat16 (encoder states), 2.5 to 5 times
 below these values. A per-output tolerance (``--atol NAME=VALUE``, ``--atol '*=VALUE'`` for every
 output) beats this table.
+
+Calls recorded under ``torch.autocast`` (the manifest's ``autocast``, format version 5) ran their
+eligible operations in the autocast dtype whatever the dtype of their outputs: a float32 logits or
+key tensor holds bfloat16 precision. Their float32 and float64 outputs take the autocast dtype's
+row (:meth:`Tolerances.for_calls`).
 """
 
 
@@ -511,6 +516,27 @@ class Tolerances:
     error_quantile: float = 0.99
     """The quantile of ``check_error_stat="quantile"`` (and of ``quantile_abs``)."""
     by_dtype: Mapping[str, tuple[float, float]] = field(default_factory=lambda: dict(DTYPE_TOLERANCES))
+    autocast: str | None = None
+    """The ``torch.autocast`` dtype the compared calls were recorded under (:meth:`for_calls`), else None."""
+
+    def under_autocast(self, dtype: str) -> Tolerances:
+        """These tolerances for calls recorded under ``torch.autocast`` in ``dtype`` (``"bfloat16"``).
+
+        Float32 and float64 outputs take ``dtype``'s row of ``by_dtype``: autocast ran the operations
+        that made them in ``dtype``. Per-output overrides still win.
+        """
+        row = self.by_dtype.get(dtype)
+        if row is None:
+            return self
+        return replace(self, by_dtype={**self.by_dtype, "float32": row, "float64": row}, autocast=dtype)
+
+    def for_calls(self, calls: Iterable[CallEntry]) -> Tolerances:
+        """These tolerances for ``calls``: :meth:`under_autocast` when a call was recorded under autocast."""
+        for call in calls:
+            state = replay_autocast(call.autocast)
+            if state is not None:
+                return self.under_autocast(state.dtype_name)
+        return self
 
     @classmethod
     def build(
@@ -578,6 +604,8 @@ class Tolerances:
         overrides += [f"{k}: rtol={v:g}" for k, v in self.per_output_rtol.items()]
         if overrides:
             extra.append(", ".join(overrides))
+        if self.autocast is not None:
+            extra.insert(0, f"recorded under torch.autocast({self.autocast}): float32 outputs take its row")
         return text + (f" ({'; '.join(extra)})" if extra else "")
 
 
@@ -588,11 +616,11 @@ TOLERANCE_OPTION_DOCS: Mapping[str, str] = {
     "dtype's row of ``DTYPE_TOLERANCES`` instead).",
     "rtol": "The relative tolerance of every output (likewise).",
     "output_atol": "Absolute tolerances per output: its name in the output tree (``logits``, "
-    "``past_key_values[0]``), its ONNX name or an ``fnmatch`` pattern, e.g. ``{\"logits\": 1e-3}``.",
+    '``past_key_values[0]``), its ONNX name or an ``fnmatch`` pattern, e.g. ``{"logits": 1e-3}``.',
     "output_rtol": "Relative tolerances per output, keyed like ``output_atol``.",
     "check_error_stat": "The statistic of an output's errors that decides it: ``max`` (every element "
     "within tolerance), ``mean``, ``median`` or ``quantile``.",
-    "error_quantile": "The quantile of ``check_error_stat=\"quantile\"`` (and of the reported ``quantile_abs``).",
+    "error_quantile": 'The quantile of ``check_error_stat="quantile"`` (and of the reported ``quantile_abs``).',
 }
 """What each keyword option of :meth:`Tolerances.build` means: the docstrings of the functions
 :func:`tolerance_options` decorates list the options they take with these words."""
@@ -613,7 +641,6 @@ def _options_doc(doc: str | None, names: Sequence[str]) -> str:
     if at == len(lines):
         section = ["", *section[:-1]]
     return "\n".join([*lines[:at], *section, *lines[at:]])
-
 
 
 def tolerance_options(*names: str, positional: Sequence[str] = (), after: str = "") -> Callable[[_F], _F]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import torch
 
 from iobundle._progress import ProgressCallback, notify
-from iobundle.calls import RecordedCalls, tensor_keys
+from iobundle.calls import RecordedCalls, module_device_type, replay_autocast, tensor_keys
 from iobundle.errors import ReplayError
 from iobundle.replay.check._compare import (
     OutputCheck,
@@ -48,8 +49,9 @@ def rerun_model(
 
     This measures the numerical drift between the machine (or library versions) that recorded the
     bundle and this one: the same model, the same inputs, another run. Each call gets fresh copies
-    of its recorded inputs (the model may update a cache in place), runs under ``torch.no_grad()``,
-    and its outputs are compared output by output as in :func:`iobundle.replay.validate_onnx`.
+    of its recorded inputs (the model may update a cache in place), runs under ``torch.no_grad()``
+    and under the ``torch.autocast`` it was recorded under (on the model's device type: a call
+    recorded under CUDA autocast re-runs under CPU autocast of the same dtype on a CPU), and its outputs are compared output by output as in :func:`iobundle.replay.validate_onnx`.
     A call that raises is a failed row (its ``error`` says why); failed recorded calls are skipped.
 
     Args:
@@ -80,6 +82,8 @@ def rerun_model(
         )
     begin = time.perf_counter()
     calls = rc.ok_calls
+    tolerances = tolerances.for_calls(calls)  # under torch.autocast: float32 outputs take its dtype's row
+    device_type = torch.device(device).type if device is not None else module_device_type(model)
     refuse_unknown_outputs(tolerances, recorded_output_names(calls))  # before the run, not after it
     rows: list[dict[str, Any]] = []
     checks: list[OutputCheck] = []
@@ -89,9 +93,11 @@ def rerun_model(
         expected = [rc.store.get(k) for k in tensor_keys(call.outputs)] if call.outputs is not None else []
         t0 = time.perf_counter()
         row: dict[str, Any]
+        autocast = None
         try:
             args, kwargs = received_arguments(rc, call, device)
-            with torch.no_grad():
+            autocast = replay_autocast(call.autocast, device_type)
+            with torch.no_grad(), autocast.context() if autocast is not None else contextlib.nullcontext():
                 obtained = flatten_outputs(method(*args, **kwargs))
             error = None
         except Exception as exc:  # a call the model cannot run is a failed row, not a crash
@@ -109,6 +115,8 @@ def rerun_model(
             )  # fmt: skip
             checks.extend(call_checks)
         row.update(index=call.index, duration_torch=call.latency, duration_rerun=seconds)
+        if autocast is not None:
+            row["ran"] = f"eager model under {autocast.describe()}, as recorded"
         rows.append(row)
         logger.debug("call %d re-run in %.3fs: %s", call.index, seconds, "ok" if row["SUCCESS"] else "differs")
         notify(on_progress, "re-run", done, len(calls), f"call {call.index}")

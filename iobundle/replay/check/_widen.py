@@ -62,10 +62,13 @@ def _widen_graph(graph: onnx.GraphProto, seen: set[int]) -> None:
 
 
 def half_types(model: onnx.ModelProto) -> list[str]:
-    """The half-precision types (``bfloat16``, ``float16``) the graph's inputs, outputs or initializers hold."""
+    """The half-precision types (``bfloat16``, ``float16``) the graph's inputs, outputs or initializers hold,
+    or its casts name (a float32 program traced under ``torch.autocast`` casts to the autocast dtype)."""
     graph = model.graph
     types = {t.data_type for t in graph.initializer}
     types |= {i.type.tensor_type.elem_type for i in [*graph.input, *graph.output]}
+    for nodes in [graph.node, *(f.node for f in model.functions)]:
+        types |= {a.i for n in nodes if n.op_type == "Cast" for a in n.attribute if a.name == "to"}
     return sorted(HALF_TYPES[t] for t in types if t in HALF_TYPES)
 
 

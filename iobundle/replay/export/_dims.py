@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from iobundle.calls import RecordedCalls, tensor_keys
+from iobundle.calls import RecordedCalls, ReplayAutocast, tensor_keys
 from iobundle.replay.check import compare_outputs, flatten_outputs
 from iobundle.replay.infer import Alignment, BatchSpec, batch_axes, find_batch_axes, infer_arguments
 from iobundle.schema import SizeCondition
@@ -351,3 +351,4 @@ class _Plan:
     dims: list[list[int]] = field(default_factory=list)
     dim_names: list[dict[int, str]] | None = None  # per slot, with dim_names
     batch_axes: list[int | None] = field(default_factory=list)  # per slot, see program_batch_axes
+    autocast: ReplayAutocast | None = None  # the torch.autocast ``module`` runs under (the traced call's)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from iobundle._progress import ProgressCallback, notify
-from iobundle.calls import RecordedCalls, tensor_keys
+from iobundle.calls import RecordedCalls, ReplayAutocast, module_device_type, replay_autocast, tensor_keys
 from iobundle.errors import BundleExistsError, ExportError, ToleranceError
 from iobundle.replay.check import (
     INPUT_SLOTS_KEY,
@@ -167,6 +167,35 @@ class _MethodAsModule(torch.nn.Module):
         self._method_name = method_name
 
 
+class _UnderAutocast(torch.nn.Module):
+    """Runs ``module`` under the autocast the traced call was recorded under; ``forward`` keeps its signature.
+
+    ``torch.export`` ignores an autocast entered around it, but keeps one entered inside the traced
+    function (a ``wrap_with_autocast`` region, which ``torch.onnx`` lowers to casts to the autocast
+    dtype): the program computes what the recorded model computed, and the eager checks run the
+    same way.
+    """
+
+    def __new__(cls, module: torch.nn.Module, autocast: ReplayAutocast) -> _UnderAutocast:
+        signature = inspect.signature(module.forward)
+
+        def forward(self: _UnderAutocast, *args: Any, **kwargs: Any) -> Any:
+            with self.autocast.context():
+                return self.module(*args, **kwargs)
+
+        self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        forward.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=[self_param, *signature.parameters.values()]
+        )
+        subclass = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
+        return super().__new__(subclass)  # type: ignore[no-any-return]
+
+    def __init__(self, module: torch.nn.Module, autocast: ReplayAutocast) -> None:
+        super().__init__()
+        self.module = module
+        self.autocast = autocast
+
+
 def _explicit_signature(rc: RecordedCalls, extra: list[str]) -> inspect.Signature:
     params = []
     for p in rc.signature.parameters:
@@ -219,6 +248,9 @@ def _plan(
     module: torch.nn.Module = model
     if flatten_var_kw or rc.signature.method != "forward":
         module = _MethodAsModule(model, rc.signature.method, _explicit_signature(rc, extra if flatten_var_kw else []))
+    autocast = replay_autocast(alignment.calls[traced].autocast, module_device_type(model))
+    if autocast is not None:
+        module = _UnderAutocast(module, autocast)
     if flatten_var_kw and isinstance(ds, dict):
         ds = spread_var_keyword(ds, var_kw)
     # A dynamic dimension seen as 0 or 1 is specialised by torch.export unless size-oblivious.
@@ -236,7 +268,7 @@ def _plan(
     dynamic_batch = any(axis is not None and axis in d for axis, d in zip(axes, dims))
     return _Plan(
         module, tuple(args), kwargs, ds, alignment, traced, flatten_var_kw, oblivious, dynamic_batch, any(dims),
-        dims=dims, dim_names=slot_names, batch_axes=axes,
+        dims=dims, dim_names=slot_names, batch_axes=axes, autocast=autocast,
     )  # fmt: skip
 
 
@@ -453,6 +485,8 @@ def _export(
     notify(on_progress, "torch.export", 0, 1)
     plan = _plan(rc, model, batch, dynamic, dim_names)
     report = report or ExportReport(traced_call=plan.alignment.calls[plan.traced].index)
+    if plan.autocast is not None:
+        report.options.append(f"traced and checked under {plan.autocast.describe()}, as the calls were recorded")
     begin = time.perf_counter()
     kept = len(report.options), len(report.patches)
     try:
@@ -525,6 +559,7 @@ def export_program(
     """
     if tolerances.per_output:
         _refuse_unknown_tolerances(rc, tolerances)
+    tolerances = tolerances.for_calls(rc.ok_calls)  # under torch.autocast: float32 outputs take its dtype's row
     ep, plan, report = _export(
         rc, model, batch=set_batch_dimension_for, strict=strict, dynamic=dynamic, dim_names=dim_names,
         on_progress=on_progress,
