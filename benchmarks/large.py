@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -409,21 +409,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.stage:
-        return run_stage(args)
+def measure_and_write(
+    args: argparse.Namespace,
+    *,
+    name: str,
+    measure: Callable[[argparse.Namespace, Path, Any], dict[str, Any]],
+    render: Callable[[dict[str, Any]], str],
+    config_keys: tuple[str, ...],
+    markers: tuple[str, str],
+) -> int:
+    """Run ``measure`` in the work folder, write ``results_<name>.json`` and the ``markers`` block of BENCHMARKS.md.
+
+    Shared by ``make bench-large`` and ``make bench-layers``: with ``--out`` both files go there,
+    else to benchmarks/ and the repository's BENCHMARKS.md.
+    """
     from benchmarks.common import loadavg, machine_info
 
     def log(message: str) -> None:
-        print(f"[bench-large {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+        print(f"[bench-{name} {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
     started, t0, load_start = time.strftime("%Y-%m-%d %H:%M:%S %Z"), time.perf_counter(), loadavg()
     with _workdir(args.workdir) as workdir:
         m = machine_info(workdir)
         measured = measure(args, workdir, log)
-    config = {k: getattr(args, k) for k in ("hidden", "intermediate", "heads", "kv_heads", "vocab", "batch",
-                                            "prompt", "new_tokens", "threads")}  # fmt: skip
+    config = {k: getattr(args, k) for k in config_keys}
     config["layers"] = args.layer_counts
     results = {
         "started": started, "config": config, "loadavg_start": load_start, "loadavg_end": loadavg(),
@@ -433,14 +442,24 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
-    json_path = (out or ROOT / "benchmarks") / "results_large.json"
+    json_path = (out or ROOT / "benchmarks") / f"results_{name}.json"
     md_path = (out or ROOT) / "BENCHMARKS.md"
     json_path.write_text(json.dumps(results, indent=1) + "\n", "utf-8")
     table = render(results)
-    write_block(md_path, table, LARGE_BEGIN, LARGE_END)
+    write_block(md_path, table, *markers)
     print(table)
     log(f"wrote {json_path} and {md_path}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.stage:
+        return run_stage(args)
+    keys = ("hidden", "intermediate", "heads", "kv_heads", "vocab", "batch", "prompt", "new_tokens", "threads")
+    return measure_and_write(
+        args, name="large", measure=measure, render=render, config_keys=keys, markers=(LARGE_BEGIN, LARGE_END)
+    )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: sys.path[0] is benchmarks/, the repository root is not
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.large import PhaseSampler, _growth, _layer_counts, _llama_config, _workdir
-from benchmarks.report import LAYERS_BEGIN, LAYERS_END, write_block
+from benchmarks.large import PhaseSampler, _growth, _layer_counts, _llama_config, measure_and_write
+from benchmarks.report import LAYERS_BEGIN, LAYERS_END
 
 ROOT = Path(__file__).resolve().parents[1]
 GROWTH_TARGET = 1.1  # as benchmarks/large.py: 1 is linear, 0.1 of timing noise
@@ -363,36 +363,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         return run_child(args)
-    from benchmarks.common import loadavg, machine_info
-
-    def log(message: str) -> None:
-        print(f"[bench-layers {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
-    started, t0, load_start = time.strftime("%Y-%m-%d %H:%M:%S %Z"), time.perf_counter(), loadavg()
-    with _workdir(args.workdir) as workdir:
-        m = machine_info(workdir)
-        measured = measure(args, workdir, log)
-    config = {k: getattr(args, k) for k in ("hidden", "intermediate", "heads", "kv_heads", "vocab", "batch",
-                                            "prompt", "new_tokens", "threads", "reps")}  # fmt: skip
-    config["layers"] = args.layer_counts
-    results = {
-        "started": started, "config": config, "loadavg_start": load_start, "loadavg_end": loadavg(),
-        "machine": f"{m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM", **measured,
-        "seconds": time.perf_counter() - t0,
-    }  # fmt: skip
-    out = Path(args.out) if args.out else None
-    if out:
-        out.mkdir(parents=True, exist_ok=True)
-    json_path = (out or ROOT / "benchmarks") / "results_layers.json"
-    md_path = (out or ROOT) / "BENCHMARKS.md"
-    json_path.write_text(json.dumps(results, indent=1) + "\n", "utf-8")
-    table = render(results)
-    write_block(md_path, table, LAYERS_BEGIN, LAYERS_END)
-    print(table)
-    log(f"wrote {json_path} and {md_path}")
-    return 0
+    keys = ("hidden", "intermediate", "heads", "kv_heads", "vocab", "batch", "prompt", "new_tokens", "threads", "reps")
+    return measure_and_write(
+        args, name="layers", measure=measure, render=render, config_keys=keys, markers=(LAYERS_BEGIN, LAYERS_END)
+    )
 
 
 if __name__ == "__main__":
