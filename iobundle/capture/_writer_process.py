@@ -305,7 +305,11 @@ class WriterProcess:
         self._reader.start()
 
     def submit(self, call: CallEntry) -> bool:
-        """Copy the new tensors of ``call`` into the ring and hand it to the child; False if the child is gone."""
+        """Copy the new tensors of ``call`` into the ring and hand it to the child; False if the child is gone.
+
+        False means the call is the caller's to write: it was never handed over, and the reader
+        thread will not report it among the calls the child lost (it would be written twice).
+        """
         with self._submit_lock:
             specs: list[tuple[str, tuple[Any, ...]]] = []
             copies: list[tuple[torch.Tensor, int, int]] = []
@@ -355,8 +359,13 @@ class WriterProcess:
             try:
                 # JSON rather than a pickle of the pydantic model: half the time, the manifest's own form
                 self._child.send(("call", seq, call.model_dump_json(), start, ring.size, specs))
-            except OSError:
-                return False  # the reader thread sees the child gone and reports the call
+            except OSError:  # the child is gone and never read this call
+                with self._cond:
+                    if seq not in self._calls:
+                        return True  # the reader thread took it among the calls lost, and reports it
+                    del self._calls[seq]  # the caller writes it: it is not reported lost too
+                    ring.release(seq)
+                return False
             return True
 
     def close(self) -> None:

@@ -616,6 +616,36 @@ class TestWriterProcess:
         loaded = load_bundle(tmp_path / "run")
         assert [c.status for c in loaded.calls] == ["ok"] * 4 and loaded.verify() == []
 
+    def test_a_call_whose_child_died_while_it_was_handed_over_is_written_once(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The child dies after a call was handed over and the reader sees it before the call's send fails:
+        the call is among the lost ones, and the thread writes it once (it was written twice)."""
+        child = tmp_path / "a-child-that-never-starts"
+        child.write_text("#!/bin/sh\nexec sleep 600\n")
+        child.chmod(0o755)
+        monkeypatch.setattr(_writer_process, "_IDLE", [])
+        monkeypatch.setattr(sys, "executable", str(child))
+        real_send = _writer_process._Child.send
+        handed: list[int] = []
+
+        def send(self: _writer_process._Child, message: tuple[Any, ...]) -> None:
+            if message[0] == "call" and not handed:
+                handed.append(message[1])
+                reader = next(t for t in threading.enumerate() if t.name.startswith("iobundle-writer-reader"))
+                self.proc.kill()
+                reader.join(60)  # it saw the child's end and took this call among the lost ones
+                assert not reader.is_alive()
+            real_send(self, message)  # the pipe is closed now: OSError
+
+        monkeypatch.setattr(_writer_process._Child, "send", send)
+        with pytest.warns(ObservationWarning) as record:
+            run(Decoder(), InputObserver(), decoder_calls(4), stream_to=tmp_path / "run")
+        messages = [str(w.message) for w in record]
+        assert handed and len(messages) == 1 and "stopped" in messages[0], messages
+        loaded = load_bundle(tmp_path / "run")
+        assert [c.status for c in loaded.calls] == ["ok"] * 4 and loaded.verify() == []
+
     def test_a_killed_writer_process_leaves_the_next_calls_to_the_thread(self, tmp_path: Path) -> None:
         bundle = tmp_path / "run.iobundle"
         model, observer = Doubler(), InputObserver()
