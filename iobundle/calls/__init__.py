@@ -60,6 +60,7 @@ __all__ = [
     "replace_tensors",
     "tensor_keys",
     "tree_key",
+    "restore_token_counts",
     "transformers_pytree_nodes",
     # Tensor paths (what reports show and --atol NAME=... takes)
     "OUTPUT_ROOT",
@@ -103,7 +104,9 @@ __all__ = [
 ]
 
 import importlib
+import sys
 from contextlib import AbstractContextManager
+from typing import Any
 
 from iobundle.calls._autocast import (
     AUTOCAST_DEVICE_TYPES,
@@ -175,6 +178,22 @@ from iobundle.schema import call_key, collect_tensor_keys, tree_key
 
 # transformers' node types register themselves the first time one of its classes is met (or named).
 register_provider("transformers", lambda: importlib.import_module("iobundle.calls._transformers").register_all())
+
+
+def restore_token_counts(arguments: dict[str, Any]) -> int:
+    """Give the rebuilt sliding-window cache layers among a call's ``arguments`` (by name) their token count.
+
+    A bundle cannot carry a sliding layer's count of tokens seen (a Python int); a rebuilt
+    layer counts its cached keys only, which is too few once the window is full. The count is
+    taken from the call's 2-D attention mask (its length minus the new tokens); see
+    ``iobundle.calls._transformers``. Returns how many layers were given one; nothing is
+    imported unless transformers' caches are loaded already (so none can be among the values).
+    """
+    if "transformers.cache_utils" not in sys.modules:
+        return 0
+    from iobundle.calls._transformers import restore_token_counts as restore
+
+    return restore(arguments)
 
 
 def transformers_pytree_nodes() -> AbstractContextManager[None]:

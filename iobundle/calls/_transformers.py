@@ -51,12 +51,18 @@ Flattened layouts (all version 1):
     A sliding layer also holds a Python int, ``cumulative_length`` (tokens seen so far),
     which changes at every decode call and so cannot go in the context. It is rebuilt as the
     cached length ``keys.shape[-2]``. That is exact until the window is full; afterwards the
-    rebuilt cache reports a shorter length. A model called with explicit ``position_ids``
-    (generate() passes them) computes the same logits with either cache; one that derives
-    positions from ``cache.get_seq_length()`` does not. It is not made a tensor child (as
+    rebuilt cache reports a shorter length, and transformers' ``get_mask_sizes`` a key offset
+    of 0, which reads the padding of a left-padded batch from the wrong columns of the mask
+    and, for chunked attention (whose chunk boundaries are absolute positions), masks the
+    wrong keys even without padding. :func:`restore_token_counts` gives the rebuilt layers of
+    a call's arguments the count its 2-D attention mask implies (mask length minus new
+    tokens); the replay runs it on every call it rebuilds (``infer_arguments``, the arguments
+    of an eager re-run), so the eager model reproduces the recorded outputs, on the recorded
+    batch and on a cut of it. It is not made a tensor child (as
     ``StaticCache`` does): transformers branches on it in Python (``get_mask_sizes``:
     ``if cumulative_length >= sliding_window``, ``max(...)``), which a traced program cannot
-    do on a tensor, and a tensor would not change the logits when positions are passed.
+    do on a tensor; the exported program takes the count from the mask the same way (the
+    ``sliding_window_offsets`` patch of ``iobundle.replay.export``).
 
     A ``DynamicCache()`` built without a config and not used yet has no layers at all: it
     flattens to no children and an empty context, and unflattens to such a lazy cache.
@@ -321,6 +327,61 @@ def _fill_dynamic_attention(layer: Any, key: Any, value: Any, kind: Any) -> None
     if isinstance(layer, DynamicSlidingWindowLayer):
         # Only the cached length is known; see the module docstring.
         layer.cumulative_length = key.shape[-2]
+
+
+# The names of a call's 2-D attention mask and of its new tokens, tried in order; an
+# encoder-decoder cache's sliding layers belong to the decoder.
+_DECODER_INPUTS = (("decoder_attention_mask", ("decoder_input_ids", "decoder_inputs_embeds")),)
+_INPUTS = (("attention_mask", ("input_ids", "inputs_embeds")),)
+
+
+def restore_token_counts(arguments: dict[str, Any]) -> int:
+    """Give each rebuilt sliding-window layer among a call's ``arguments`` (by name) the token count the call implies.
+
+    A rebuilt ``DynamicSlidingWindowLayer`` counts the cached keys only (see the module
+    docstring): once its window is full, that is fewer than the tokens seen, and transformers'
+    ``get_mask_sizes`` gives a key offset of 0 instead of ``tokens_seen - window + 1``. A 2-D
+    attention mask covers the tokens seen plus the new ones (what transformers' masks assume,
+    and what ``generate()`` passes), so the count is ``mask length - new tokens``. It is set
+    where it agrees with the cache (the layer holds ``min(count, window - 1)`` keys and does not
+    record past states); sizes that are symbolic (while tracing) are not compared, so that no
+    guard is added. Returns how many layers were given a count; without such a mask, none.
+    """
+    count = 0
+    for value in arguments.values():
+        if not isinstance(value, Cache):
+            continue
+        names = _INPUTS
+        if isinstance(value, EncoderDecoderCache):
+            value, names = value.self_attention_cache, _DECODER_INPUTS + _INPUTS
+        tokens = _seen_tokens(arguments, names)
+        if tokens is None:
+            continue
+        for layer in getattr(value, "layers", ()):
+            if isinstance(layer, DynamicSlidingWindowLayer) and _agrees(layer, tokens):
+                layer.cumulative_length = tokens
+                count += 1
+    return count
+
+
+def _seen_tokens(arguments: dict[str, Any], names: tuple[tuple[str, tuple[str, ...]], ...]) -> Any:
+    """``mask length - new tokens`` from the first of ``names`` the call has, or None."""
+    for mask_name, token_names in names:
+        mask = arguments.get(mask_name)
+        tokens = next((arguments[n] for n in token_names if isinstance(arguments.get(n), torch.Tensor)), None)
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and tokens is not None and tokens.dim() >= 2:
+            return mask.shape[-1] - tokens.shape[1]
+    return None
+
+
+def _agrees(layer: Any, tokens: Any) -> bool:
+    """Whether a sliding layer holding its keys can have seen ``tokens`` tokens (always, for symbolic sizes)."""
+    if layer.record_past:
+        return False
+    cached = layer.keys.shape[-2] if layer.is_initialized and layer.keys is not None and layer.keys.dim() == 4 else 0
+    if not (isinstance(tokens, int) and isinstance(cached, int)):
+        return True
+    return cached == min(tokens, layer.sliding_window - 1)
 
 
 def _build_linear_layer(kind: dict[str, Any], children: list[Any], index: int) -> Any:

@@ -152,6 +152,7 @@ from typing import Any
 
 import torch
 
+from iobundle.calls import restore_token_counts
 from iobundle.replay.export._complex_pairs import ComplexAsPairs
 
 __all__ = [
@@ -315,15 +316,6 @@ def _torch_sdpa_for_export(torch_sdpa: Callable[..., torch.Tensor]) -> Callable[
 # --------------------------------------------------------------------------- sliding_window_offsets
 
 
-def _sliding_layers(cache: Any) -> list[Any]:
-    """The ``DynamicSlidingWindowLayer`` layers of a cache (the self-attention cache of an encoder-decoder cache)."""
-    from transformers.cache_utils import DynamicSlidingWindowLayer, EncoderDecoderCache
-
-    if isinstance(cache, EncoderDecoderCache):
-        cache = cache.self_attention_cache
-    return [layer for layer in getattr(cache, "layers", ()) if isinstance(layer, DynamicSlidingWindowLayer)]
-
-
 def _uses_sliding_cache(model: torch.nn.Module) -> bool:
     for module in _transformers_modules(model):
         config = getattr(module, "config", None)
@@ -362,19 +354,11 @@ def patch_sliding_window_offsets(model: torch.nn.Module) -> Iterator[None]:
     all three are put back on exit.
     """
     import transformers.masking_utils as masking_utils
-    from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
+    from transformers.cache_utils import DynamicSlidingWindowLayer
 
     def set_token_counts(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        mask = kwargs.get("attention_mask")
-        tokens = kwargs.get("input_ids")
-        if tokens is None:
-            tokens = kwargs.get("inputs_embeds")
-        if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not isinstance(tokens, torch.Tensor):
-            return
-        for value in [*args, *kwargs.values()]:
-            if isinstance(value, Cache):
-                for layer in _sliding_layers(value):
-                    layer.cumulative_length = mask.shape[-1] - tokens.shape[1]
+        # The cache torch.export rebuilds from the program's inputs counts its cached keys only.
+        restore_token_counts({**{f"\x00{i}": a for i, a in enumerate(args)}, **kwargs})
 
     ignore_causal_mask = masking_utils._ignore_causal_mask_sdpa
 

@@ -12,6 +12,7 @@ from iobundle.calls import (
     build_value,
     positional_names,
     replace_tensors,
+    restore_token_counts,
 )
 from iobundle.errors import AlignmentError, InputSelectionError
 from iobundle.replay.infer._align import Alignment, _is_absent, align_calls
@@ -126,6 +127,7 @@ def infer_arguments(
     best = alignment.best_call
     args, kwargs = _rebuild(rc, best, tensors)
     kwargs = {**kwargs, **best.cst_kwargs}
+    restore_token_counts({**dict(zip(rc.names, args)), **kwargs})  # rebuilt sliding layers: tokens seen
     if as_args_kwargs:
         return tuple(args), kwargs
     if not kwargs:
@@ -233,6 +235,7 @@ def received_arguments(
         args.append(None if filled else build_value(node, tensor, path=f"args[{i}]"))
     kwargs = {k: build_value(v, tensor, path=k) for k, v in call.kwargs.items() if k not in call.filled}
     kwargs.update(call.cst_kwargs)
+    restore_token_counts({**dict(zip(names, args)), **kwargs})  # rebuilt sliding layers: tokens seen
     return args, kwargs
 
 
