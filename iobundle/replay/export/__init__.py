@@ -21,9 +21,10 @@ __all__ = [
     "partition_calls",
     # The batch check
     "BatchCheck",
+    "cut_call",
     "explain_guard",
 ]
 
-from iobundle.replay.export._dims import BatchCheck, explain_guard
+from iobundle.replay.export._dims import BatchCheck, cut_call, explain_guard
 from iobundle.replay.export._export import CallCheck, ExportReport, SplitProgram, export_onnx, export_program
 from iobundle.replay.export._phases import Phase, ProgramSet, ProgramsMode, export_programs, partition_calls

@@ -28,8 +28,17 @@ from typing import Any
 import torch
 
 from iobundle.calls import RecordedCalls, ReplayAutocast, tensor_keys
+from iobundle.errors import AlignmentError
 from iobundle.replay.check import compare_outputs, flatten_outputs
-from iobundle.replay.infer import Alignment, BatchSpec, batch_axes, find_batch_axes, infer_arguments
+from iobundle.replay.infer import (
+    Alignment,
+    BatchSpec,
+    align_calls,
+    batch_axes,
+    find_batch_axes,
+    flat_dynamic_dims,
+    infer_arguments,
+)
 from iobundle.schema import SizeCondition
 
 __all__ = [
@@ -37,6 +46,7 @@ __all__ = [
     "BatchCheck",
     "GuardRemedy",
     "check_other_batch",
+    "cut_call",
     "cut_plan",
     "explain_guard",
     "program_batch_axes",
@@ -59,6 +69,10 @@ class BatchCheck:
         abs_eager: Max abs difference between the program and the eager model on these inputs.
         abs_recorded: Max abs difference between the program and the recorded outputs cut the same way
             (informative: a cut recorded output is not always what the model returns for the cut inputs).
+        rows_differ: When the eager model on the cut inputs is itself beyond tolerance of the recorded
+            outputs cut the same way: its max abs difference from them (the summary says so). The
+            cut keeps every state a cache holds, so this is the model's own dependence on the other
+            rows of its batch, or a recorded output that is not per row; None when they agree.
         error: Why the check could not run, if it failed to.
         assumption: When a program refused the inputs on a guard: what it assumes, in words
             (see :func:`explain_guard`); kept when a remedy then served them.
@@ -78,6 +92,7 @@ class BatchCheck:
     success: bool | None = False
     abs_eager: float | None = None
     abs_recorded: float | None = None
+    rows_differ: float | None = None
     error: str | None = None
     assumption: str | None = None
     refused: str | None = None
@@ -102,6 +117,11 @@ class BatchCheck:
         verdict = "ok" if self.success else "DIFFERS"
         detail = ", ".join(p for p in parts if p)
         text = f"{head}{verdict} ({detail})"
+        if self.rows_differ is not None:
+            text += (
+                f"; the eager model on these inputs differs from the recorded rows by {self.rows_differ:.3g}: "
+                "its output for a row depends on the other rows of the recorded batch, or an output is not per row"
+            )
         if self.split is not None:
             first, second = (
                 " and ".join(SizeCondition.model_validate(c).describe() for c in self.split[k])
@@ -259,6 +279,9 @@ def check_other_batch(
             # Informative only: cutting every recorded output with a batch-sized dimension 0 is not
             # always what the model would return (a static cache's rows), the eager model is.
             result.abs_recorded = compare_outputs(expected, obtained, atol=atol, rtol=rtol).abs
+            rows = compare_outputs(expected, eager, atol=atol, rtol=rtol)
+            if not rows.success:
+                result.rows_differ = rows.abs
     except Exception as exc:  # a report, never a crash: the recorded calls already passed
         result.success, result.error = False, _first_line(exc)
         result.assumption = explain_guard(str(exc), recorded)
@@ -266,22 +289,68 @@ def check_other_batch(
     return result
 
 
+def cut_call(
+    rc: RecordedCalls, index: int, batch: int, *, set_batch_dimension_for: BatchSpec = True
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments of recorded call ``index`` cut (or repeated) to ``batch`` rows: what the check beyond the calls feeds.
+
+    Each input whose batch axis (see :func:`program_batch_axes`, with ``set_batch_dimension_for``
+    as the export takes it) is dynamic and equal to the call's batch keeps its first ``batch``
+    rows along that axis (or its rows repeated), caches included: their layers are rebuilt
+    from the cut tensors, and a sliding layer's count of tokens seen from the cut attention
+    mask (:func:`iobundle.calls.restore_token_counts`). Other inputs are left whole. Returns
+    fresh ``(args, kwargs)`` for the model's observed method (``**kwargs`` not spread).
+
+    Raises:
+        AlignmentError: ``index`` is not a recorded call's.
+    """
+    alignment = align_calls(rc)
+    if not -len(alignment.calls) <= index < len(alignment.calls):
+        raise AlignmentError(f"No recorded call {index}: there are {len(alignment.calls)} successful calls.")
+    dims = flat_dynamic_dims(rc, alignment, set_batch_dimension_for)
+    axes = program_batch_axes(rc, alignment, set_batch_dimension_for)
+    _, _, arguments = _cut_arguments(rc, alignment, index, dims, axes, batch=batch)
+    return arguments()
+
+
 def _cut_call(
     rc: RecordedCalls, plan: _Plan
 ) -> tuple[BatchCheck, Callable[[], tuple[tuple[Any, ...], dict[str, Any]]]]:
     """The check's empty result and a function returning fresh arguments of the traced call cut to its batch."""
-    alignment, index = plan.alignment, plan.traced
-    call = alignment.calls[index]
+    call = plan.alignment.calls[plan.traced]
+    recorded, batch, arguments = _cut_arguments(rc, plan.alignment, plan.traced, plan.dims, plan.batch_axes)
+    result = BatchCheck(call=call.index, recorded_batch=recorded, batch=batch)
+    if not plan.flatten_var_kw or not rc.var_keyword:
+        return result, arguments
+
+    def spread() -> tuple[tuple[Any, ...], dict[str, Any]]:
+        args, kwargs = arguments()
+        if rc.var_keyword in kwargs:
+            kwargs = {**{k: v for k, v in kwargs.items() if k != rc.var_keyword}, **kwargs[rc.var_keyword]}
+        return args, kwargs
+
+    return result, spread
+
+
+def _cut_arguments(
+    rc: RecordedCalls,
+    alignment: Alignment,
+    index: int,
+    dims: list[list[int]],
+    batch_axes: list[int | None],
+    *,
+    batch: int | None = None,
+) -> tuple[int, int, Callable[[], tuple[tuple[Any, ...], dict[str, Any]]]]:
+    """Call ``index``'s batch B, the batch it is cut to (``batch``; default B - 1, or 2 when B is 1), and fresh arguments so cut."""
     tensors = infer_arguments(rc, index, flat=True, alignment=alignment)
-    axes = [
-        a if a is not None and a in d and a < t.dim() else None for t, d, a in zip(tensors, plan.dims, plan.batch_axes)
-    ]
+    axes = [a if a is not None and a in d and a < t.dim() else None for t, d, a in zip(tensors, dims, batch_axes)]
     sizes = collections.Counter(t.shape[a] for t, a in zip(tensors, axes) if a is not None)
     recorded = sizes.most_common(1)[0][0] if sizes else 0
-    result = BatchCheck(call=call.index, recorded_batch=recorded, batch=recorded - 1 if recorded > 1 else 2)
+    if batch is None:
+        batch = recorded - 1 if recorded > 1 else 2
     keys = [f"\x02{i}" for i in range(len(tensors))]
     resized = {
-        k: _resize(t, result.batch, a) if a is not None and t.shape[a] == recorded else t
+        k: _resize(t, batch, a) if a is not None and t.shape[a] == recorded else t
         for k, t, a in zip(keys, tensors, axes)
     }
 
@@ -289,12 +358,9 @@ def _cut_call(
         # Fresh copies for each run: a model may update its inputs in place (a state-space
         # cache's convolution and recurrent states), which must not reach the other run.
         fresh = {k: t.clone() for k, t in resized.items()}
-        args, kwargs = infer_arguments(rc, alignment=alignment, slots=list(keys), extra=fresh, as_args_kwargs=True)
-        if plan.flatten_var_kw and rc.var_keyword in kwargs:
-            kwargs = {**{k: v for k, v in kwargs.items() if k != rc.var_keyword}, **kwargs[rc.var_keyword]}
-        return args, kwargs
+        return infer_arguments(rc, alignment=alignment, slots=list(keys), extra=fresh, as_args_kwargs=True)
 
-    return result, arguments
+    return recorded, batch, arguments
 
 
 def cut_plan(rc: RecordedCalls, plan: _Plan) -> _Plan:
