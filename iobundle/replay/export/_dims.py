@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from iobundle.calls import RecordedCalls, ReplayAutocast, tensor_keys
+from iobundle.calls import NONE_NODE, RecordedCalls, ReplayAutocast, positional_names, tensor_keys
 from iobundle.errors import AlignmentError
 from iobundle.replay.check import compare_outputs, flatten_outputs
 from iobundle.replay.infer import (
@@ -38,6 +38,7 @@ from iobundle.replay.infer import (
     find_batch_axes,
     flat_dynamic_dims,
     infer_arguments,
+    placeholder_inputs,
 )
 from iobundle.schema import SizeCondition
 
@@ -72,7 +73,11 @@ class BatchCheck:
         rows_differ: When the eager model on the cut inputs is itself beyond tolerance of the recorded
             outputs cut the same way: its max abs difference from them (the summary says so). The
             cut keeps every state a cache holds, so this is the model's own dependence on the other
-            rows of its batch, or a recorded output that is not per row; None when they agree.
+            rows of its batch, a recorded output that is not per row, or the stand-ins of ``stand_ins``;
+            None when they agree.
+        stand_ins: Inputs of the traced call that were absent at capture and are fed a stand-in
+            (zeros, an empty tensor) to both runs: the model never saw those values, so the recorded
+            rows are not what it returns for them.
         error: Why the check could not run, if it failed to.
         assumption: When a program refused the inputs on a guard: what it assumes, in words
             (see :func:`explain_guard`); kept when a remedy then served them.
@@ -93,6 +98,7 @@ class BatchCheck:
     abs_eager: float | None = None
     abs_recorded: float | None = None
     rows_differ: float | None = None
+    stand_ins: list[str] = field(default_factory=list)
     error: str | None = None
     assumption: str | None = None
     refused: str | None = None
@@ -118,10 +124,13 @@ class BatchCheck:
         detail = ", ".join(p for p in parts if p)
         text = f"{head}{verdict} ({detail})"
         if self.rows_differ is not None:
-            text += (
-                f"; the eager model on these inputs differs from the recorded rows by {self.rows_differ:.3g}: "
-                "its output for a row depends on the other rows of the recorded batch, or an output is not per row"
+            why = (
+                f"both runs are fed stand-ins for inputs absent at capture ({', '.join(self.stand_ins)}), "
+                "values the model never saw"
+                if self.stand_ins
+                else "its output for a row depends on the other rows of the recorded batch, or an output is not per row"
             )
+            text += f"; the eager model on these inputs differs from the recorded rows by {self.rows_differ:.3g}: {why}"
         if self.split is not None:
             first, second = (
                 " and ".join(SizeCondition.model_validate(c).describe() for c in self.split[k])
@@ -256,6 +265,7 @@ def check_other_batch(
     """
     result, arguments = _cut_call(rc, plan)
     call = plan.alignment.calls[plan.traced]
+    result.stand_ins = [str(i) for i in placeholder_inputs(plan.alignment, call, plan.alignment.slots[plan.traced])]
     recorded = result.recorded_batch
     try:
         args, kwargs = arguments()
@@ -292,14 +302,17 @@ def check_other_batch(
 def cut_call(
     rc: RecordedCalls, index: int, batch: int, *, set_batch_dimension_for: BatchSpec = True
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The arguments of recorded call ``index`` cut (or repeated) to ``batch`` rows: what the check beyond the calls feeds.
+    """The arguments recorded call ``index`` received, cut (or repeated) to ``batch`` rows, as the check beyond the calls cuts them.
 
     Each input whose batch axis (see :func:`program_batch_axes`, with ``set_batch_dimension_for``
     as the export takes it) is dynamic and equal to the call's batch keeps its first ``batch``
     rows along that axis (or its rows repeated), caches included: their layers are rebuilt
     from the cut tensors, and a sliding layer's count of tokens seen from the cut attention
-    mask (:func:`iobundle.calls.restore_token_counts`). Other inputs are left whole. Returns
-    fresh ``(args, kwargs)`` for the model's observed method (``**kwargs`` not spread).
+    mask (:func:`iobundle.calls.restore_token_counts`). Other inputs are left whole. An input
+    the call did not receive (absent or None at capture, or a ``value_if_missing`` placeholder)
+    is left out (None where positional), where a program's inputs would hold a stand-in: these
+    are arguments for the eager model. Returns fresh ``(args, kwargs)`` for the model's
+    observed method (``**kwargs`` not spread).
 
     Raises:
         AlignmentError: ``index`` is not a recorded call's.
@@ -310,7 +323,18 @@ def cut_call(
     dims = flat_dynamic_dims(rc, alignment, set_batch_dimension_for)
     axes = program_batch_axes(rc, alignment, set_batch_dimension_for)
     _, _, arguments = _cut_arguments(rc, alignment, index, dims, axes, batch=batch)
-    return arguments()
+    args, kwargs = arguments()
+    call = alignment.calls[index]
+    names = list(positional_names(rc.signature))
+
+    def received(node: Any, *names_of: int | str) -> bool:  # passed, not None, not a placeholder
+        return node is not None and node != NONE_NODE and not any(n in call.filled for n in names_of)
+
+    args = tuple(
+        a if i < len(call.args) and received(call.args[i], i, *names[i : i + 1]) else None for i, a in enumerate(args)
+    )
+    kwargs = {k: v for k, v in kwargs.items() if k in call.cst_kwargs or received(call.kwargs.get(k), k)}
+    return args, kwargs
 
 
 def _cut_call(
