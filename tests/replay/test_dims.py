@@ -92,6 +92,33 @@ def test_export_checks_another_batch_size(bundle):
     assert bundle.export(model).iobundle_report.batch_check is None  # the batch is static: nothing to cut
 
 
+class BatchCentred(torch.nn.Module):
+    """Each row minus the batch's mean: a row's output depends on the other rows."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - x.mean(dim=0, keepdim=True)
+
+
+def test_batch_check_says_when_the_eager_model_differs_from_the_recorded_rows():
+    model = BatchCentred().eval()
+    observer = InputObserver()
+    with torch.no_grad(), observer(model):
+        for length in (4, 5):
+            model(torch.arange(3 * length, dtype=torch.float32).reshape(3, length) ** 2)
+    check = observer.export(model, set_batch_dimension_for=True).iobundle_report.batch_check
+    assert (check.batch, check.success, check.abs_eager) == (2, True, 0.0)  # the program is the eager model
+    assert check.rows_differ is not None and check.rows_differ == check.abs_recorded > 1
+    assert check.stand_ins == []
+    assert "differs from the recorded rows by" in check.summary()
+    assert "depends on the other rows of the recorded batch" in check.summary()
+
+
+def test_batch_check_is_silent_on_rows_when_they_agree(bundle):
+    ep = bundle.export(Tokens().eval(), set_batch_dimension_for=True, dynamic={"input_ids": {1}, "attention_mask": {1}})
+    check = ep.iobundle_report.batch_check
+    assert check.rows_differ is None and "recorded rows by" not in check.summary()
+
+
 def test_cli_dynamic_flag_and_warnings(bundle, capsys):
     assert main(["shapes", str(bundle.path), "--json"]) == 0
     err = capsys.readouterr().err
