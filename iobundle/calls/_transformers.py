@@ -325,7 +325,7 @@ def _fill_dynamic_attention(layer: Any, key: Any, value: Any, kind: Any) -> None
     layer.device = key.device
     layer.is_initialized = True
     if isinstance(layer, DynamicSlidingWindowLayer):
-        # Only the cached length is known; see the module docstring.
+        # Only the cached length is known here; restore_token_counts gives the count a call implies.
         layer.cumulative_length = key.shape[-2]
 
 

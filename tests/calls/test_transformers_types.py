@@ -39,7 +39,7 @@ from transformers.cache_utils import (
 from transformers.modeling_outputs import CausalLMOutputWithPast, Seq2SeqLMOutput
 from transformers.utils import ModelOutput
 
-from iobundle.calls import node_layout
+from iobundle.calls import node_layout, restore_token_counts
 from iobundle.calls._layouts import BUILTIN_LAYOUTS
 from iobundle.calls._registry import find_node_type, lookup_node_type
 from iobundle.calls._transformers import register_all, torch_pytree_nodes
@@ -328,6 +328,36 @@ class TestSlidingWindowCache:
         assert rebuilt.get_seq_length() == cache.get_seq_length() == 3
         expected = logits_with(mistral, call, copy.deepcopy(cache))
         torch.testing.assert_close(logits_with(mistral, call, rebuilt), expected, atol=1e-6, rtol=0)
+
+    def test_token_count_is_restored_from_the_attention_mask(
+        self, mistral: MistralForCausalLM, mistral_calls: list[dict[str, Any]]
+    ) -> None:
+        full = [call for call in mistral_calls[1:] if call["cache"].get_seq_length() >= WINDOW]
+        assert len(full) >= 2
+        for call in full:
+            seen = call["cache"].get_seq_length()
+            rebuilt = deep_round_trip(call["cache"])
+            mask = torch.ones(1, seen + 1, dtype=torch.long)
+            assert restore_token_counts({"input_ids": call["input_ids"], "attention_mask": mask, "cache": rebuilt}) == 2
+            assert rebuilt.get_seq_length() == seen
+            # No positions passed: the model derives them from the cache, which now counts every token.
+            kwargs = {k: v for k, v in call.items() if k != "position_ids"}
+            expected = logits_with(mistral, kwargs, copy.deepcopy(call["cache"]))
+            torch.testing.assert_close(logits_with(mistral, kwargs, rebuilt), expected, atol=1e-6, rtol=0)
+
+    def test_token_count_is_left_alone_where_the_mask_disagrees(self, mistral_calls: list[dict[str, Any]]) -> None:
+        call = next(c for c in mistral_calls[1:] if c["cache"].get_seq_length() >= WINDOW)
+        rebuilt = deep_round_trip(call["cache"])
+        tokens = call["input_ids"]
+        short = torch.ones(1, WINDOW - 2, dtype=torch.long)  # fewer tokens seen than the layer caches
+        assert restore_token_counts({"input_ids": tokens, "attention_mask": short, "cache": rebuilt}) == 0
+        assert restore_token_counts({"input_ids": tokens, "cache": rebuilt}) == 0  # no mask: nothing to go by
+        four_d = torch.ones(1, 1, 1, 20)
+        assert restore_token_counts({"input_ids": tokens, "attention_mask": four_d, "cache": rebuilt}) == 0
+        assert rebuilt.get_seq_length() == WINDOW - 1
+        rebuilt.layers[0].record_past = True  # may hold more than window - 1 keys: its count is not implied
+        mask = torch.ones(1, 20, dtype=torch.long)
+        assert restore_token_counts({"input_ids": tokens, "attention_mask": mask, "cache": rebuilt}) == 1
 
     def test_rebuilt_layer_has_the_attributes_of_a_real_one(self, mistral_calls: list[dict[str, Any]]) -> None:
         original = mistral_calls[2]["cache"].layers[0]

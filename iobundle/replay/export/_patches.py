@@ -35,14 +35,17 @@ The patches (checked against torch 2.13 and transformers 5.24):
     ``attention_chunk_size``: there the chunk boundaries are absolute positions, so a wrong key
     offset masks the wrong keys even without padding) keeps only the last ``window - 1`` keys, and counts the tokens seen in a Python
     int, ``cumulative_length``, which a bundle cannot carry (see
-    ``iobundle.capture._transformers``); rebuilt caches set it to the cached length. Its
+    ``iobundle.calls._transformers``). The replay's calls get it back from their mask
+    (``iobundle.calls.restore_token_counts``), but the cache torch.export rebuilds from the
+    program's inputs while tracing counts its cached keys only. Its
     ``get_mask_sizes`` then gives a key offset of 0 instead of ``tokens_seen - window + 1``
     once the window is full, so the padding part of the mask is read from the wrong
     positions of ``attention_mask`` (a silently wrong program on a left-padded batch), and
     its ``if cumulative_length >= window`` branch makes the trace guard on the relation
     between the mask and the cache lengths (decode calls past the window rejected). While
     tracing, (1) a forward pre-hook on the exported module sets ``cumulative_length`` of each
-    sliding layer to ``attention_mask.shape[-1] - query_length`` (a 2-D mask covers the
+    sliding layer to ``attention_mask.shape[-1] - query_length`` (``restore_token_counts``,
+    which compares no symbolic size; a 2-D mask covers the
     tokens seen plus the new ones, which is what transformers' masks assume and what
     ``generate()`` passes); (2) ``get_mask_sizes`` is computed without a branch as
     ``(cached + query_length, cumulative_length - cached)``, equal to transformers' values
