@@ -31,6 +31,8 @@ KINDS = {
     "static": ("llama_static_cache", "StaticCache"),
     "state-space": ("mamba", "LinearAttentionLayer"),
     "hybrid": ("lfm2", "LinearAttentionLayer"),
+    # A static attention part beside the convolution, and a mask dict whose "conv" entry is None at decode.
+    "hybrid-static": ("lfm2_static_cache", "StaticCache"),
     "encoder-decoder": ("pix2struct", "EncoderDecoderCache"),
     "quantized": ("llama_quantized_cache", "QuantizedCache"),
 }

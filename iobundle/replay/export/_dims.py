@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from iobundle.calls import NONE_NODE, RecordedCalls, ReplayAutocast, positional_names, tensor_keys
+from iobundle.calls import RecordedCalls, ReplayAutocast, tensor_keys
 from iobundle.errors import AlignmentError
 from iobundle.replay.check import compare_outputs, flatten_outputs
 from iobundle.replay.infer import (
@@ -39,6 +39,7 @@ from iobundle.replay.infer import (
     flat_dynamic_dims,
     infer_arguments,
     placeholder_inputs,
+    received_arguments,
 )
 from iobundle.schema import SizeCondition
 
@@ -308,11 +309,11 @@ def cut_call(
     as the export takes it) is dynamic and equal to the call's batch keeps its first ``batch``
     rows along that axis (or its rows repeated), caches included: their layers are rebuilt
     from the cut tensors, and a sliding layer's count of tokens seen from the cut attention
-    mask (:func:`iobundle.calls.restore_token_counts`). Other inputs are left whole. An input
-    the call did not receive (absent or None at capture, or a ``value_if_missing`` placeholder)
-    is left out (None where positional), where a program's inputs would hold a stand-in: these
-    are arguments for the eager model. Returns fresh ``(args, kwargs)`` for the model's
-    observed method (``**kwargs`` not spread).
+    mask (:func:`iobundle.calls.restore_token_counts`). Other inputs are left whole. The
+    arguments have the call's own structure: what it did not receive (an absent input, a None
+    at any depth, a ``value_if_missing`` placeholder) stays so, where a program's inputs would
+    hold a stand-in: these are arguments for the eager model. Returns fresh ``(args, kwargs)``
+    for the model's observed method (``**kwargs`` not spread).
 
     Raises:
         AlignmentError: ``index`` is not a recorded call's.
@@ -322,19 +323,10 @@ def cut_call(
         raise AlignmentError(f"No recorded call {index}: there are {len(alignment.calls)} successful calls.")
     dims = flat_dynamic_dims(rc, alignment, set_batch_dimension_for)
     axes = program_batch_axes(rc, alignment, set_batch_dimension_for)
-    _, _, arguments = _cut_arguments(rc, alignment, index, dims, axes, batch=batch)
-    args, kwargs = arguments()
-    call = alignment.calls[index]
-    names = list(positional_names(rc.signature))
-
-    def received(node: Any, *names_of: int | str) -> bool:  # passed, not None, not a placeholder
-        return node is not None and node != NONE_NODE and not any(n in call.filled for n in names_of)
-
-    args = tuple(
-        a if i < len(call.args) and received(call.args[i], i, *names[i : i + 1]) else None for i, a in enumerate(args)
-    )
-    kwargs = {k: v for k, v in kwargs.items() if k in call.cst_kwargs or received(call.kwargs.get(k), k)}
-    return args, kwargs
+    _, _, tensors = _cut_tensors(rc, alignment, index, dims, axes, batch=batch)
+    cut = {key: t for key, t in zip(alignment.slots[index], tensors) if key is not None}
+    args, kwargs = received_arguments(rc, alignment.calls[index], replace=cut)  # the call's own tree: no stand-ins
+    return tuple(args), kwargs
 
 
 def _cut_call(
@@ -366,17 +358,9 @@ def _cut_arguments(
     batch: int | None = None,
 ) -> tuple[int, int, Callable[[], tuple[tuple[Any, ...], dict[str, Any]]]]:
     """Call ``index``'s batch B, the batch it is cut to (``batch``; default B - 1, or 2 when B is 1), and fresh arguments so cut."""
-    tensors = infer_arguments(rc, index, flat=True, alignment=alignment)
-    axes = [a if a is not None and a in d and a < t.dim() else None for t, d, a in zip(tensors, dims, batch_axes)]
-    sizes = collections.Counter(t.shape[a] for t, a in zip(tensors, axes) if a is not None)
-    recorded = sizes.most_common(1)[0][0] if sizes else 0
-    if batch is None:
-        batch = recorded - 1 if recorded > 1 else 2
+    recorded, batch, tensors = _cut_tensors(rc, alignment, index, dims, batch_axes, batch=batch)
     keys = [f"\x02{i}" for i in range(len(tensors))]
-    resized = {
-        k: _resize(t, batch, a) if a is not None and t.shape[a] == recorded else t
-        for k, t, a in zip(keys, tensors, axes)
-    }
+    resized = dict(zip(keys, tensors))
 
     def arguments() -> tuple[tuple[Any, ...], dict[str, Any]]:
         # Fresh copies for each run: a model may update its inputs in place (a state-space
@@ -385,6 +369,26 @@ def _cut_arguments(
         return infer_arguments(rc, alignment=alignment, slots=list(keys), extra=fresh, as_args_kwargs=True)
 
     return recorded, batch, arguments
+
+
+def _cut_tensors(
+    rc: RecordedCalls,
+    alignment: Alignment,
+    index: int,
+    dims: list[list[int]],
+    batch_axes: list[int | None],
+    *,
+    batch: int | None = None,
+) -> tuple[int, int, list[torch.Tensor]]:
+    """Call ``index``'s batch B, the batch it is cut to, and its aligned tensors so cut (stand-ins included)."""
+    tensors = infer_arguments(rc, index, flat=True, alignment=alignment)
+    axes = [a if a is not None and a in d and a < t.dim() else None for t, d, a in zip(tensors, dims, batch_axes)]
+    sizes = collections.Counter(t.shape[a] for t, a in zip(tensors, axes) if a is not None)
+    recorded = sizes.most_common(1)[0][0] if sizes else 0
+    if batch is None:
+        batch = recorded - 1 if recorded > 1 else 2
+    resized = [_resize(t, batch, a) if a is not None and t.shape[a] == recorded else t for t, a in zip(tensors, axes)]
+    return recorded, batch, resized
 
 
 def cut_plan(rc: RecordedCalls, plan: _Plan) -> _Plan:

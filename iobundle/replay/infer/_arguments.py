@@ -215,17 +215,22 @@ def remove_inputs(rc: RecordedCalls, names: Collection[str]) -> int:
 
 
 def received_arguments(
-    rc: RecordedCalls, call: CallEntry, device: str | torch.device | None = None
+    rc: RecordedCalls,
+    call: CallEntry,
+    device: str | torch.device | None = None,
+    *,
+    replace: dict[str, torch.Tensor] | None = None,
 ) -> tuple[list[Any], dict[str, Any]]:
     """The arguments the model received in ``call``, to call the eager model with (``run``, the export check).
 
     Fresh copies (the model may change its inputs in place; the store is read-only), moved to
     ``device`` when given; the placeholders the observer filled in for absent inputs
     (``value_if_missing``) are left out, as the model never saw them; constants included.
+    ``replace`` gives tensors to use instead of the stored ones, by key (a call cut to another batch).
     """
 
     def tensor(key: str) -> torch.Tensor:
-        t = rc.store.get(key).clone()
+        t = (replace[key] if replace is not None and key in replace else rc.store.get(key)).clone()
         return t.to(device) if device is not None else t
 
     names = list(positional_names(rc.signature))
