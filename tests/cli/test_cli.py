@@ -301,6 +301,17 @@ class TestVerify:
         assert code == 5
         assert out.splitlines()[0] == f"{fresh_bundle}: calls/000000.safetensors: missing from the bundle."
 
+    @pytest.mark.parametrize("command", ["verify", "inspect"])
+    def test_a_killed_writers_leftover_is_a_warning_line_not_a_failure(self, capsys, fresh_bundle, command):
+        (fresh_bundle / "calls" / ".000002.safetensors.tmp").write_bytes(b"half a file")
+        code, out, err = run(capsys, command, fresh_bundle)
+        assert code == 0
+        assert out.startswith("OK: 2 files") if command == "verify" else "damaged" not in out
+        warnings = [line for line in err.splitlines() if line.startswith("WARNING")]
+        assert len(warnings) == 1, err
+        assert f"{fresh_bundle / 'calls' / '.000002.safetensors.tmp'}: not listed by the manifest" in warnings[0]
+        assert "--overwrite" in warnings[0]
+
     def test_unreadable_manifest_exits_5(self, capsys, fresh_bundle):
         (fresh_bundle / "manifest.json").write_text("{not json", encoding="utf-8")
         code, out, err = run(capsys, "verify", fresh_bundle)
