@@ -196,14 +196,21 @@ class Bundle(RecordedCallsAPI):
         listed = set(listed_files(self.manifest))
         with Tree(self.path) as tree:
             # an open (or killed) stream lists its calls in the journal; a journal beside a manifest is a leftover
-            listed.add(MANIFEST_FILENAME if tree.kind(MANIFEST_FILENAME) == FILE else JOURNAL_FILENAME)
+            closed = tree.kind(MANIFEST_FILENAME) == FILE
+            listed.add(MANIFEST_FILENAME if closed else JOURNAL_FILENAME)
             found = unlisted_files(tree, listed)
         messages = []
-        for name, kind, writer in found:
+        for name, kind, writer in sorted(found):
             where = self.path / name
             if writer and kind == FILE:
+                who = (
+                    "a writer killed while writing the bundle left it"
+                    if closed
+                    else f"the stream's writer is writing it, or was killed while writing it ({JOURNAL_FILENAME}, "
+                    "no manifest yet)"
+                )
                 messages.append(
-                    f"{where}: not listed by the manifest; a writer killed while writing the bundle left it. "
+                    f"{where}: not listed by the manifest; {who}. "
                     "Nothing reads it; replacing the bundle (overwrite=True, --overwrite) removes it."
                 )
             else:
