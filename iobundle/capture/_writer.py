@@ -507,6 +507,8 @@ class BundleWriter:
         try:
             with Tree(self.path, error=BundleWriteError) as tree:
                 tree.unlink(MANIFEST_FILENAME, missing_ok=True)
+        except BundleWriteError:
+            raise  # a link at manifest.json: the message names it
         except OSError as exc:
             raise BundleWriteError(
                 f"Cannot open {path}: {exc.strerror or exc}. Check free space and permissions."
