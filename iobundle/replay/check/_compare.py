@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from iobundle._lazy import lazy_module
+from iobundle._units import format_calls
 from iobundle.calls import path_matches, replay_autocast, tensor_paths
 from iobundle.errors import ToleranceError
 from iobundle.replay.check._quantiles import median_and_quantile
@@ -631,7 +632,7 @@ class Tolerances:
         elif under:
             for dtype, indices in reversed(under.items()):
                 row = self.by_dtype.get(dtype, (self.atol, self.rtol))
-                calls = f"call{'s' if len(indices) > 1 else ''} {_index_ranges(indices)}"
+                calls = format_calls(indices)
                 extra.insert(
                     0, f"{calls} recorded under torch.autocast({dtype}): their float32 outputs take its row "
                     f"(atol={row[0]:g} rtol={row[1]:g}), the calls recorded without float32's",
@@ -648,17 +649,6 @@ class Tolerances:
 
     def _all_under(self) -> bool:
         return bool(self.autocast_calls) and all(dtype is not None for _, dtype in self.autocast_calls)
-
-
-def _index_ranges(indices: Sequence[int]) -> str:
-    """``0, 2, 4-6``: call indices, runs of consecutive ones as ranges."""
-    runs: list[list[int]] = []
-    for i in sorted(indices):
-        if runs and i == runs[-1][-1] + 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

@@ -23,6 +23,7 @@ from collections.abc import Collection, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from iobundle._units import format_calls
 from iobundle.calls import (
     RecordedCalls,
     count_leaves,
@@ -441,25 +442,13 @@ class KeywordGroup:
 
     def describe(self) -> str:
         """``calls 1-2: pass states; not image (only other calls pass it)``: what sets the group apart."""
-        calls = _index_text(self.calls)
+        calls = format_calls(self.calls)
         verb = "passes" if len(self.calls) == 1 else "pass"
         parts = [f"{verb} {', '.join(self.distinct)}"] if self.distinct else []
         if self.absent:
             it = "it" if len(self.absent) == 1 else "them"
             parts.append(f"not {', '.join(self.absent)} (only other calls pass {it})")
         return f"{calls}: {'; '.join(parts) or f'{verb} the keywords every call passes'}"
-
-
-def _index_text(indices: Collection[int]) -> str:
-    """``call 0``, ``calls 1-3``, ``calls 1, 4, 6-7``."""
-    runs: list[list[int]] = []
-    for i in sorted(indices):
-        if runs and i == runs[-1][-1] + 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    text = ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
-    return f"call{'s' if len(indices) > 1 else ''} {text}"
 
 
 def keyword_groups(rc: RecordedCalls) -> list[KeywordGroup]:
