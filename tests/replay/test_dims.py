@@ -111,6 +111,7 @@ def test_batch_check_says_when_the_eager_model_differs_from_the_recorded_rows():
     assert check.stand_ins == []
     assert "differs from the recorded rows by" in check.summary()
     assert "depends on the other rows of the recorded batch" in check.summary()
+    assert check.rows_differ_at is not None and f"(first at {check.rows_differ_at})" in check.summary()
 
 
 def test_batch_check_is_silent_on_rows_when_they_agree(bundle):

@@ -29,7 +29,7 @@ import torch
 
 from iobundle.calls import RecordedCalls, ReplayAutocast, tensor_keys
 from iobundle.errors import AlignmentError
-from iobundle.replay.check import compare_outputs, flatten_outputs
+from iobundle.replay.check import compare_outputs, flatten_outputs, output_paths
 from iobundle.replay.infer import (
     Alignment,
     BatchSpec,
@@ -76,6 +76,7 @@ class BatchCheck:
             cut keeps every state a cache holds, so this is the model's own dependence on the other
             rows of its batch, a recorded output that is not per row, or the stand-ins of ``stand_ins``;
             None when they agree.
+        rows_differ_at: The first output (its path in the output tree) beyond tolerance there.
         stand_ins: Inputs of the traced call that were absent at capture and are fed a stand-in
             (zeros, an empty tensor) to both runs: the model never saw those values, so the recorded
             rows are not what it returns for them.
@@ -99,6 +100,7 @@ class BatchCheck:
     abs_eager: float | None = None
     abs_recorded: float | None = None
     rows_differ: float | None = None
+    rows_differ_at: str | None = None
     stand_ins: list[str] = field(default_factory=list)
     error: str | None = None
     assumption: str | None = None
@@ -129,9 +131,13 @@ class BatchCheck:
                 f"both runs are fed stand-ins for inputs absent at capture ({', '.join(self.stand_ins)}), "
                 "values the model never saw"
                 if self.stand_ins
-                else "its output for a row depends on the other rows of the recorded batch, or an output is not per row"
+                else "its output for a row depends on the other rows of the recorded batch, or that output is not per "
+                "row (a counter, rows a cache shares)"
             )
-            text += f"; the eager model on these inputs differs from the recorded rows by {self.rows_differ:.3g}: {why}"
+            at = f" (first at {self.rows_differ_at})" if self.rows_differ_at else ""
+            text += (
+                f"; the eager model on these inputs differs from the recorded rows by {self.rows_differ:.3g}{at}: {why}"
+            )
         if self.split is not None:
             first, second = (
                 " and ".join(SizeCondition.model_validate(c).describe() for c in self.split[k])
@@ -293,6 +299,15 @@ def check_other_batch(
             rows = compare_outputs(expected, eager, atol=atol, rtol=rtol)
             if not rows.success:
                 result.rows_differ = rows.abs
+                names = output_paths(call.outputs)
+                result.rows_differ_at = next(
+                    (
+                        name
+                        for name, e, o in zip(names, expected, eager)
+                        if not compare_outputs([e], [o], atol=atol, rtol=rtol).success
+                    ),
+                    None,
+                )
     except Exception as exc:  # a report, never a crash: the recorded calls already passed
         result.success, result.error = False, _first_line(exc)
         result.assumption = explain_guard(str(exc), recorded)
