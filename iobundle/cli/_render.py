@@ -69,7 +69,6 @@ WIDTH = 100
 """Dynamic shapes longer than this are spread over several lines."""
 
 
-
 # --------------------------------------------------------------------------- output
 
 
