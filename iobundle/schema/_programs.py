@@ -241,7 +241,12 @@ def load_program_index(path: str | os.PathLike[str]) -> ProgramIndex:
     try:
         index = ProgramIndex.model_validate(data)
     except pydantic.ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])
+        # A size is one of two tuples: the location names the field, not which of them pydantic tried.
+        found = (
+            f"{'.'.join(str(p) for p in e['loc'] if not (isinstance(p, str) and '[' in p))}: {e['msg']}"
+            for e in exc.errors()[:8]
+        )
+        problems = "; ".join(list(dict.fromkeys(found))[:5])
         raise ManifestError(f"{path}: invalid program index: {problems}") from exc
     _check_rules(index, f"{path}: ")
     _check_no_links(index, path)

@@ -336,6 +336,7 @@ def guard_sources(rc: RecordedCalls, plan: _Plan) -> dict[str, tuple[str, int | 
             continue
         if count == 1:
             sources[name] = (name, None)
+            continue
         leaves = [path for path, leaf in pytree.tree_flatten_with_path(value)[0] if isinstance(leaf, torch.Tensor)]
         if len(leaves) == count:
             sources.update({f"{name}{pytree.keystr(path)}": (name, i) for i, path in enumerate(leaves)})

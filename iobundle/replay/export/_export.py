@@ -46,6 +46,7 @@ from iobundle.replay.infer import (
     DynamicSpec,
     align_calls,
     call_sizes,
+    call_structure,
     fed_shapes,
     flat_dynamic_dims,
     infer_arguments,
@@ -630,8 +631,9 @@ def _split_recorded_calls(
     """A second program for the recorded calls the first refused on a guard that is a size rule, or None.
 
     When every call the program fails is refused on a guard, the first one's guard is a size rule
-    (:func:`split_rule`), every refused call meets its negation and every reproduced call the rule
-    itself, the refused calls are exported again on their own (:func:`export_program` on those
+    (:func:`split_rule`), each refused call has the structure of some reproduced call (the same
+    inputs present: sides of a size rule, not phases), every refused call meets the rule's negation
+    and every reproduced call the rule itself, the refused calls are exported again on their own (:func:`export_program` on those
     calls: their own traced call and dynamic shapes, checked on them) and the first program keeps
     the others: ``report.calls`` then lists only those, and ``report.options`` says what was split.
     Otherwise the report's options say why the calls were not split, and None.
@@ -653,6 +655,14 @@ def _split_recorded_calls(
         return conditions_met([condition], call_sizes(rc, plan.alignment, position[index]))
 
     served = [c.index for c in report.calls if c.success is not False]
+    shapes = {i: call_structure(rc, plan.alignment, position[i]) for i in [*indices, *served]}
+    alone = [i for i in indices if all(shapes[i] != shapes[j] for j in served)]
+    if alone:
+        report.options.append(
+            f"calls {indices} refused on a guard, not split into two programs: calls {alone} have a structure "
+            "no reproduced call has (a phase of their own, not a side of a size rule)"
+        )
+        return None
     stray = [i for i in indices if not meets(i, negation)] + [i for i in served if not meets(i, holds)]
     if stray:
         report.options.append(

@@ -1,0 +1,92 @@
+"""A branch of the model's code on a size that splits the recorded calls: one program per side of the rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from iobundle import InputObserver, load_bundle
+
+LENGTHS = (2, 4, 6, 3, 5)  # 2 and 3 below the branch, 4, 6 and 5 above it
+
+
+class LongPath(torch.nn.Module):
+    """Other math from 4 tokens on: ``if x.shape[1] + 1 >= 5``, the way a cache moves its residual."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] + 1 >= 5:
+            return (x * 2).cumsum(dim=1)
+        return x - x.mean(dim=1, keepdim=True)
+
+
+@pytest.fixture
+def recorded(tmp_path):
+    model = LongPath().eval()
+    observer = InputObserver()
+    torch.manual_seed(0)
+    with torch.no_grad(), observer(model, store_n_calls=len(LENGTHS)):
+        for length in LENGTHS:
+            model(torch.randn(2, length, 3))
+    observer.save(tmp_path / "long.iobundle")
+    return model, load_bundle(tmp_path / "long.iobundle")
+
+
+def test_recorded_calls_on_both_sides_of_a_size_branch_get_one_program_each(recorded, tmp_path):
+    model, bundle = recorded
+    result = bundle.export_programs(model)
+    assert [(p.phase.name, p.phase.calls, p.split_of) for p in result.programs] == [
+        ("p0", (0, 3), None),
+        ("p1", (1, 2, 4), "p0"),
+    ]
+    rules = [[c.model_dump(mode="json") for c in p.sizes] for p in result.programs]
+    assert rules == [[{"of": [["x", 1]], "op": "<=", "value": 3}], [{"of": [["x", 1]], "op": ">", "value": 3}]]
+    assert result.ok and [c.index for c in result.report.calls] == [0, 1, 2, 3, 4]
+    # Each program was traced from a call of its side and is dynamic in the length of its own calls.
+    first, second = (p.program.module() for p in result.programs)
+    for length in (2, 3):
+        x = torch.randn(2, length, 3)
+        torch.testing.assert_close(first(x), model(x), atol=0, rtol=0)
+    for length in (4, 7, 9):
+        x = torch.randn(2, length, 3)
+        torch.testing.assert_close(second(x), model(x), atol=0, rtol=0)
+    with pytest.raises(AssertionError, match="Guard failed"):
+        first(torch.randn(2, 6, 3))
+    index = result.to_onnx(tmp_path / "long.onnx")
+    rows = bundle.check_discrepancies(index)
+    assert [(r["index"], r["program"], r["SUCCESS"]) for r in rows] == [
+        (0, "p0", True),
+        (1, "p1", True),
+        (2, "p1", True),
+        (3, "p0", True),
+        (4, "p1", True),
+    ]
+    other = InputObserver()  # lengths no call had, each side
+    with torch.no_grad(), other(model):
+        for length in (3, 8):
+            model(torch.randn(2, length, 3))
+    rows = other.check_discrepancies(index)
+    assert [(r["program"], r["SUCCESS"]) for r in rows] == [("p0", True), ("p1", True)]
+    assert max(r["abs"] for r in rows) < 1e-5
+
+
+class PairSum(torch.nn.Module):
+    """A branch on a sum of two sizes (``x`` and ``y`` lengths), which no size rule expresses."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] + y.shape[1] >= 5:
+            return torch.cat([x, y], dim=1).cumsum(dim=1)
+        return torch.cat([x, y], dim=1) * 3
+
+
+def test_a_guard_no_size_rule_expresses_is_said_and_not_split(tmp_path):
+    from iobundle.errors import ExportError
+
+    model = PairSum().eval()
+    observer = InputObserver()
+    with torch.no_grad(), observer(model, store_n_calls=4):
+        for a, b in ((2, 2), (3, 3), (2, 1), (4, 2)):
+            model(torch.randn(2, a, 3), torch.randn(2, b, 3))
+    with pytest.raises(ExportError) as raised:
+        observer.export(model)
+    options = raised.value.report.options
+    assert any("not split into two programs" in o and "a sum of 2 sizes" in o for o in options), options
