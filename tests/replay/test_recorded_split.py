@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from iobundle import InputObserver, load_bundle
+from iobundle.errors import ExportError
+from iobundle.replay.export._dims import split_rule
 
 LENGTHS = (2, 4, 6, 3, 5)  # 2 and 3 below the branch, 4, 6 and 5 above it
 
@@ -79,8 +81,6 @@ class PairSum(torch.nn.Module):
 
 
 def test_a_guard_no_size_rule_expresses_is_said_and_not_split(tmp_path):
-    from iobundle.errors import ExportError
-
     model = PairSum().eval()
     observer = InputObserver()
     with torch.no_grad(), observer(model, store_n_calls=4):
@@ -90,3 +90,32 @@ def test_a_guard_no_size_rule_expresses_is_said_and_not_split(tmp_path):
         observer.export(model)
     options = raised.value.report.options
     assert any("not split into two programs" in o and "a sum of 2 sizes" in o for o in options), options
+
+
+@pytest.mark.parametrize(
+    ("guard", "holds"),
+    [
+        ("1 + cache['key_0'].size()[2] >= 3", {"of": [["cache", 2, 0]], "op": ">=", "value": 2}),
+        ("cache['key_0'].size()[2] <= 2", {"of": [["cache", 2, 0]], "op": "<=", "value": 2}),
+        ("x.size()[1] * x.size()[0] + 2 != 3", {"of": [["x", 1], ["x", 0]], "op": "!=", "value": 1}),
+    ],
+)
+def test_a_guard_becomes_a_size_rule_and_its_negation(guard, holds):
+    sources = {"x": ("x", None), "cache['key_0']": ("cache", 0), "cache['value_0']": ("cache", 1)}
+    first, second = split_rule(f"AssertionError: Guard failed: {guard}", sources)
+    assert first.model_dump(mode="json") == holds
+    assert second.of == first.of and second.value == first.value and second.op != first.op
+
+
+@pytest.mark.parametrize(
+    ("guard", "reason"),
+    [
+        ("cache['key_0'].size()[2] + x.size()[1] < 4", "relates a sum of 2 sizes to a number"),
+        ("y.size()[0] >= 2", "names 'y.size()[0]', not a size of a tensor the program takes"),
+        ("x.size()[0] != x.size()[1]", "does not compare sizes with a number"),
+        ("x.size()[0] + 5 >= 3", "compares sizes with a negative number"),
+    ],
+)
+def test_a_guard_of_another_shape_says_why_it_has_no_size_rule(guard, reason):
+    assert reason in split_rule(f"AssertionError: Guard failed: {guard}", {"x": ("x", None)})
+    assert split_rule("RuntimeError: shapes differ", {}) == "the program refused them on no guard"
