@@ -633,9 +633,10 @@ def _split_recorded_calls(
     When every call the program fails is refused on a guard, the first one's guard is a size rule
     (:func:`split_rule`), each refused call has the structure of some reproduced call (the same
     inputs present: sides of a size rule, not phases), every refused call meets the rule's negation
-    and every reproduced call the rule itself, the refused calls are exported again on their own (:func:`export_program` on those
-    calls: their own traced call and dynamic shapes, checked on them) and the first program keeps
-    the others: ``report.calls`` then lists only those, and ``report.options`` says what was split.
+    and every reproduced call the rule itself, the refused calls are exported again on their own
+    (:func:`export_program` on those calls: their own traced call and dynamic shapes, checked on
+    them; never split again) and the first program keeps the others: ``report.calls`` then lists
+    only those, and ``report.options`` says what was split.
     Otherwise the report's options say why the calls were not split, and None.
     """
     refused = [c for c in report.calls if c.success is False]
