@@ -63,7 +63,6 @@ _PROTOCOL_EXTRAS = {
     "hf": "pip install 'iobundle[remote]' huggingface_hub",
 }
 
-
 def resolve_output(location: str | os.PathLike[str], *, remote: bool, what: str = "this output") -> Path | str:
     """Where an output goes: a local :class:`~pathlib.Path`, or a URL (a ``str``) whose filesystem is installed.
 

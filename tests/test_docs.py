@@ -87,10 +87,7 @@ def test_api_pages_show_the_tolerance_keywords(site, page, anchor):
 def test_cli_reference_is_current():
     """The reference in docs/cli.md is generated from the parsers: run `python tools/cli_reference.py` after changing one."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "cli_reference.py"), "--check"],
-        capture_output=True,
-        text=True,
-        timeout=120,
+        [sys.executable, str(ROOT / "tools" / "cli_reference.py"), "--check"], capture_output=True, text=True, timeout=120
     )
     if proc.returncode == 2:
         pytest.skip(proc.stderr.strip())  # argparse's layout differs between Python versions

@@ -150,12 +150,7 @@ def cache_child_labels(name: str, context: Any) -> list[tuple[str, ...]] | None:
         return None
 
 
-_PARTS = {
-    "indexer_keys": "indexer_key",
-    "indexer_position_ids": "indexer_position",
-    "conv": "state",
-    "recurrent": "state",
-}
+_PARTS = {"indexer_keys": "indexer_key", "indexer_position_ids": "indexer_position", "conv": "state", "recurrent": "state"}
 
 
 def dynamic_cache_parts(context: Any) -> list[tuple[Any, str]]:

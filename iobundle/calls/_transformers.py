@@ -531,7 +531,9 @@ def _quanto_settings(layer: Any, index: int) -> dict[str, int]:
             "regroups them; axis_key=0 and axis_value=0 (the default) can be recorded.",
         )
     if layer._pending_beam_idx is not None:
-        raise _refuse_layer(layer, index, "QuantizedCache", "it holds a beam reordering not applied yet (beam search).")
+        raise _refuse_layer(
+            layer, index, "QuantizedCache", "it holds a beam reordering not applied yet (beam search)."
+        )
     return settings
 
 

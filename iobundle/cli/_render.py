@@ -69,6 +69,7 @@ WIDTH = 100
 """Dynamic shapes longer than this are spread over several lines."""
 
 
+
 # --------------------------------------------------------------------------- output
 
 

@@ -182,11 +182,7 @@ def test_corrupt_iobundle_metadata_exits_2_naming_the_model_and_key(workdir, goo
     import onnx
 
     proto = onnx.load(good_onnx)
-    assert {p.key for p in proto.metadata_props} >= {
-        "iobundle.input_slots",
-        "iobundle.output_names",
-        "iobundle.output_paths",
-    }
+    assert {p.key for p in proto.metadata_props} >= {"iobundle.input_slots", "iobundle.output_names", "iobundle.output_paths"}
     for p in proto.metadata_props:
         if p.key == key:
             p.value = value

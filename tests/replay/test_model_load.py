@@ -187,9 +187,7 @@ def test_missing_and_unexpected_weights_are_refused_by_name(llama_bundle: tuple[
     tensors = {k: v for k, v in model.state_dict().items() if k not in ("lm_head.weight", "model.norm.weight")}
     tensors["extra.weight"] = torch.ones(3)
     rewrite_weights(path, tensors)
-    with pytest.raises(
-        ModelLoadError, match=r"missing weights \['model\.norm\.weight'\], unexpected \['extra\.weight'\]"
-    ):
+    with pytest.raises(ModelLoadError, match=r"missing weights \['model\.norm\.weight'\], unexpected \['extra\.weight'\]"):
         load_bundle_model(path)
 
 

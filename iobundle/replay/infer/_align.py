@@ -396,9 +396,9 @@ def owner_name(rc: RecordedCalls, owner: int | str) -> str:
 
 
 def call_sizes(rc: RecordedCalls, alignment: Alignment, position: int) -> Callable[[str, int, int | None], int | None]:
-    """``size(input, axis, item)`` of the ``position``-th aligned call, as :func:`iobundle.schema.sizes_match` asks it: that
-    axis of the input's ``item``-th tensor (in the layout's order, None where the call lacks it), or of
-    its first tensor present when ``item`` is None."""
+    """``size(input, axis, item)`` of the ``position``-th aligned call, as :func:`iobundle.schema.sizes_match`
+    asks it: that axis of the input's ``item``-th tensor (in the layout's order, None where the call
+    lacks it), or of its first tensor present when ``item`` is None."""
     slots = alignment.slots[position]
 
     def size(name: str, axis: int, item: int | None = None) -> int | None:
