@@ -71,6 +71,53 @@ def test_recorded_calls_on_both_sides_of_a_size_branch_get_one_program_each(reco
     assert max(r["abs"] for r in rows) < 1e-5
 
 
+class ShortPath(torch.nn.Module):
+    """``if len(rows) + 1 >= 3`` on a list's first tensor: below the branch it has 0 or 1 rows, where export is
+    size-oblivious (the list stays present when its first tensor is empty, as a cache with an emptied residual)."""
+
+    def forward(self, state: list[torch.Tensor]) -> torch.Tensor:
+        rows, base = state
+        if rows.shape[1] + 1 >= 3:
+            return (rows.cumsum(dim=1) * 2).sum(dim=1) + base
+        return rows.sum(dim=1) + base + 1
+
+
+def short_state(length: int) -> list[torch.Tensor]:
+    return [torch.randn(2, length, 3), torch.randn(2, 3)]
+
+
+def test_a_side_of_sizes_0_and_1_is_traced_knowing_its_rule(tmp_path):
+    model = ShortPath().eval()
+    observer = InputObserver()
+    torch.manual_seed(0)
+    with torch.no_grad(), observer(model, store_n_calls=4):
+        for length in (2, 0, 3, 1):
+            model(short_state(length))
+    observer.save(tmp_path / "short.iobundle")
+    bundle = load_bundle(tmp_path / "short.iobundle")
+    result = bundle.export_programs(model)
+    assert [(p.phase.name, p.phase.calls, [c.describe() for c in p.sizes]) for p in result.programs] == [
+        ("p0", (0, 2), ["axis 1 of state (tensor 0) >= 2"]),
+        ("p1", (1, 3), ["axis 1 of state (tensor 0) < 2"]),
+    ]
+    # The side of 0 and 1 rows, exported size-obliviously, is traced knowing its rule (checked on its inputs).
+    assert (
+        "traced knowing axis 1 of state (tensor 0) < 2 (the size rule it serves)" in result.programs[1].report.options
+    )
+    second = result.programs[1].program.module()
+    for length in (0, 1):
+        state = short_state(length)
+        torch.testing.assert_close(second(state), model(state), atol=0, rtol=0)
+    index = result.to_onnx(tmp_path / "short.onnx")
+    rows = bundle.check_discrepancies(index)
+    assert [(r["index"], r["program"], r["SUCCESS"]) for r in rows] == [
+        (0, "p0", True),
+        (1, "p1", True),
+        (2, "p0", True),
+        (3, "p1", True),
+    ]
+
+
 class PairSum(torch.nn.Module):
     """A branch on a sum of two sizes (``x`` and ``y`` lengths), which no size rule expresses."""
 

@@ -77,15 +77,16 @@ class Family:
 
 
 # A quanto-quantized cache: 4-bit keys and values in groups of 8 channels (the head size of the
-# tiny models), the new tokens kept in full precision beside them until the residual reaches 4:
-# the fourth decode step moves it into the quantized states, another branch of the cache's code
+# tiny models), the new tokens kept in full precision beside them until the residual reaches 3:
+# the third decode step moves it into the quantized states, another branch of the cache's code
 # whose guard splits the recorded decode steps, so they export as two programs selected by the
-# residual's length (see docs/llm.md, "Beyond the recorded calls").
+# residual's length, the one of the steps that append to it traced knowing it is 0 or 1 (see
+# docs/llm.md, "A guard between the recorded calls").
 QUANTO_CACHE: dict[str, Any] = {
     "cache_implementation": "quantized",
-    "cache_config": {"backend": "quanto", "nbits": 4, "q_group_size": 8, "residual_length": 4},
+    "cache_config": {"backend": "quanto", "nbits": 4, "q_group_size": 8, "residual_length": 3},
 }
-QUANTO_NOTES = 'cache_implementation="quantized" (quanto, 4 bits, groups of 8, residual 4: a flush recorded)'
+QUANTO_NOTES = 'cache_implementation="quantized" (quanto, 4 bits, groups of 8, residual 3: a flush recorded)'
 
 
 def missing_requirement(entry: Family) -> str | None:
