@@ -13,7 +13,6 @@ __all__ = [
     "CompactManifest",
     "ProgramEntry",
     "ProgramIndex",
-    "SIZE_OPS",
     "SizeCondition",
     "TensorInfo",
     "call_key",
@@ -67,7 +66,6 @@ from iobundle.schema._manifest import SUPPORTED_FORMAT_VERSIONS, Manifest
 from iobundle.schema._names import MEMBER_NAME_RULE, SEGMENT_FILE_NAME, is_member_name, segment_file_name
 from iobundle.schema._programs import (
     PROGRAM_INDEX_FORMAT,
-    SIZE_OPS,
     ProgramEntry,
     ProgramIndex,
     SizeCondition,

@@ -63,7 +63,7 @@ from iobundle.replay.infer import (
     to_export_dims,
     to_torch_dims,
 )
-from iobundle.schema import SIZE_OPS, ObjectNode, SizeCondition, conditions_met
+from iobundle.schema import ObjectNode, SizeCondition, conditions_met
 
 __all__ = [
     "CallCheck",
@@ -204,47 +204,6 @@ class _UnderAutocast(torch.nn.Module):
         self.autocast = autocast
 
 
-class _UnderSizeRule(torch.nn.Module):
-    """Runs ``module`` after ``torch._check`` of a size rule on its inputs; ``forward`` keeps its signature.
-
-    Traced this way, torch.export knows the sizes the rule allows before the model's code branches
-    on them: a side of a split whose sizes are 0 or 1 is not traced as if they were 2 or more (what
-    ``backed_size_oblivious`` assumes where it finds no guard). Each condition's sizes are those of
-    :class:`iobundle.schema.SizeCondition`: an axis of an argument's first (or ``item``-th) tensor.
-    """
-
-    def __new__(cls, module: torch.nn.Module, conditions: list[SizeCondition]) -> _UnderSizeRule:
-        signature = inspect.signature(module.forward)
-
-        def forward(self: _UnderSizeRule, *args: Any, **kwargs: Any) -> Any:
-            from torch.utils import _pytree as pytree
-
-            arguments = signature.bind_partial(*args, **kwargs).arguments
-            for condition in self.conditions:
-                product: Any = 1
-                for term in condition.of:
-                    leaves = [t for t in pytree.tree_leaves(arguments.get(term[0])) if isinstance(t, torch.Tensor)]
-                    item = term[2] if len(term) == 3 else 0
-                    if item >= len(leaves) or term[1] >= leaves[item].dim():
-                        break
-                    product = product * leaves[item].shape[term[1]]
-                else:
-                    torch._check(SIZE_OPS[condition.op](product, condition.value))
-            return self.module(*args, **kwargs)
-
-        self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        forward.__signature__ = signature.replace(  # type: ignore[attr-defined]
-            parameters=[self_param, *signature.parameters.values()]
-        )
-        subclass = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
-        return super().__new__(subclass)  # type: ignore[no-any-return]
-
-    def __init__(self, module: torch.nn.Module, conditions: list[SizeCondition]) -> None:
-        super().__init__()
-        self.module = module
-        self.conditions = conditions
-
-
 def _explicit_signature(rc: RecordedCalls, extra: list[str]) -> inspect.Signature:
     params = []
     for p in rc.signature.parameters:
@@ -277,7 +236,6 @@ def _plan(
     batch: Collection[int | str] | bool | None,
     dynamic: DynamicSpec = None,
     dim_names: DimNamesSpec = False,
-    assume: list[SizeCondition] | None = None,
 ) -> _Plan:
     alignment = align_calls(rc)
     traced = choose_traced_call(rc, alignment, batch, dynamic)
@@ -301,8 +259,6 @@ def _plan(
     autocast = replay_autocast(alignment.calls[traced].autocast, module_device_type(model))
     if autocast is not None:
         module = _UnderAutocast(module, autocast)
-    if assume:
-        module = _UnderSizeRule(module, assume)
     if flatten_var_kw and isinstance(ds, dict):
         ds = spread_var_keyword(ds, var_kw)
     # A dynamic dimension seen as 0 or 1 is specialised by torch.export unless size-oblivious.
@@ -533,10 +489,9 @@ def _export(
     dim_names: DimNamesSpec = False,
     on_progress: ProgressCallback | None = None,
     remedy: GuardRemedy | None = None,
-    assume: list[SizeCondition] | None = None,
 ) -> tuple[torch.export.ExportedProgram, _Plan, ExportReport]:
     notify(on_progress, "torch.export", 0, 1)
-    plan = _plan(rc, model, batch, dynamic, dim_names, assume)
+    plan = _plan(rc, model, batch, dynamic, dim_names)
     report = report or ExportReport(traced_call=plan.alignment.calls[plan.traced].index)
     if plan.autocast is not None:
         report.options.append(f"traced and checked under {plan.autocast.describe()}, as the calls were recorded")
@@ -631,17 +586,13 @@ def _export_checked(
     on_progress: ProgressCallback | None,
     tolerances: Tolerances,
     split: bool,
-    assume: list[SizeCondition] | None = None,
 ) -> torch.export.ExportedProgram:
-    """:func:`export_program` after its argument checks; ``split``: the recorded calls may be split by a size rule;
-    ``assume``: the size rule the calls meet, checked on the inputs before the model runs (:class:`_UnderSizeRule`)."""
+    """:func:`export_program` after its argument checks; ``split``: the recorded calls may be split by a size rule."""
     tolerances = tolerances.for_calls(rc.ok_calls)  # under torch.autocast: float32 outputs take its dtype's row
     ep, plan, report = _export(
         rc, model, batch=set_batch_dimension_for, strict=strict, dynamic=dynamic, dim_names=dim_names,
-        on_progress=on_progress, assume=assume,
+        on_progress=on_progress,
     )  # fmt: skip
-    if assume:
-        report.options.append(f"traced knowing {' and '.join(c.describe() for c in assume)} (the size rule it serves)")
     with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
         _check_calls(
             rc, plan, ep.module(), tolerances=tolerances, report=report, eager=plan.module, on_progress=on_progress
@@ -721,9 +672,7 @@ def _split_recorded_calls(
         )
         return None
     try:
-        ep2 = _export_checked(
-            phase_calls(rc, indices), model, check=True, split=False, on_progress=None, assume=[negation], **options
-        )
+        ep2 = _export_checked(phase_calls(rc, indices), model, check=True, split=False, on_progress=None, **options)
     except ExportError as exc:
         report.options.append(
             f"calls {indices} refused on a guard ({negation.describe()}): a second program from them failed "
