@@ -80,8 +80,8 @@ class Family:
 # tiny models), the new tokens kept in full precision beside them until the residual reaches 3:
 # the third decode step moves it into the quantized states, another branch of the cache's code
 # whose guard splits the recorded decode steps, so they export as two programs selected by the
-# residual's length, the one of the steps that append to it traced knowing it is 0 or 1 (see
-# docs/llm.md, "A guard between the recorded calls").
+# residual's length (see docs/llm.md, "A guard between the recorded calls"; residual_length=2
+# does not export yet).
 QUANTO_CACHE: dict[str, Any] = {
     "cache_implementation": "quantized",
     "cache_config": {"backend": "quanto", "nbits": 4, "q_group_size": 8, "residual_length": 3},
