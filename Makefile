@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# pytest-xdist workers: one per core of these 2-core machines (the zoo's replays are subprocesses of them)
+# pytest-xdist workers: one per core of these 2-core machines (the zoo's replays are subprocesses of them);
+# --no-loadscope-reorder keeps the start order tests/conftest.py gives (xdist would sort the units by size)
 TEST_WORKERS ?= 2
 
 .PHONY: demo test lint bench bench-large bench-layers fuzz schema zoo clean
@@ -23,7 +24,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check iobundle tests benchmarks tools
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 lint: $(STAMP)
 	$(PY) -m ruff check iobundle tests benchmarks tools

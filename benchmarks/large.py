@@ -25,119 +25,43 @@ writes both there instead).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
-import math
-import os
 import resource
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: sys.path[0] is benchmarks/, the repository root is not
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.report import LARGE_BEGIN, LARGE_END, write_block
+from benchmarks.common import ROOT
+from benchmarks.measure import (
+    DECODER_SIZES,
+    GB,
+    GROWTH_TARGET,
+    PhaseSampler,
+    capture_decoder,
+    check_decoder_arguments,
+    child_argv,
+    growth,
+    layer_counts,
+    measure_and_write,
+    met,
+)
+from benchmarks.report import LARGE_BEGIN, LARGE_END
 
-ROOT = Path(__file__).resolve().parents[1]
-GB = 1000**3
 STAGES = ("capture", "export", "validate")
 PEAK_TARGET = 3.0  # peak RSS / weight bytes
-GROWTH_TARGET = 1.1  # growth exponent with the number of layers (1 = linear; 0.1 of timing noise)
 
 # -- the stages (each in its own process) ---------------------------------------------------------
 
 
-class PhaseSampler:
-    """Each phase's peak RSS, exact: the kernel's high-water mark (``VmHWM``), reset when a phase starts.
-
-    ``mark(name)`` ends the current phase (its peak is the ``VmHWM`` reached since it began) and resets
-    the mark to the current RSS (``/proc/self/clear_refs``), so that a peak reached inside C code that
-    holds the interpreter lock (a protobuf serialisation) is counted too. Where the reset is refused,
-    each phase's peak is the process's peak so far (``reset`` is False).
-    """
-
-    def __init__(self) -> None:
-        self._page = os.sysconf("SC_PAGE_SIZE")
-        self._t0 = time.perf_counter()
-        self.phases: list[dict[str, Any]] = []
-        self.reset = True
-        self.mark("start")
-
-    def rss(self) -> int:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * self._page
-
-    @staticmethod
-    def _hwm() -> int:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-    def mark(self, name: str) -> None:
-        if self.phases and self.phases[-1]["phase"] == name:
-            return
-        now = time.perf_counter() - self._t0
-        if self.phases:
-            last = self.phases[-1]
-            last["seconds"] = now - last["begin"]
-            last["rss_peak"] = max(self._hwm(), last["rss_begin"])
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            self.reset = False
-        self.phases.append({"phase": name, "begin": now, "rss_begin": self.rss()})
-
-    def stop(self) -> list[dict[str, Any]]:
-        self.mark("end")
-        return self.phases[:-1]
-
-
-def _llama_config(args: argparse.Namespace, layers: int) -> Any:
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(256, args.prompt + args.new_tokens),
-        tie_word_embeddings=False,
-    )
-
-
 def _stage_capture(args: argparse.Namespace, sampler: PhaseSampler) -> dict[str, Any]:
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from iobundle import InputObserver
-
-    sampler.mark("build model (random weights)")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(_llama_config(args, args.layers)).eval()
-    params = sum(p.numel() for p in model.parameters())
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    prompt = torch.randint(0, args.vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
-    observer = InputObserver()
-    sampler.mark("generate(), recorded")
-    with torch.no_grad(), observer(model, store_n_calls=args.new_tokens + 4):
-        model.generate(
-            prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0
-        )
-    calls = observer.num_obs()
-    sampler.mark("save(include_model=True)")
-    observer.save(args.bundle, include_model=True)
-    return {"params": params, "weight_bytes": weight_bytes, "calls": calls}
+    return capture_decoder(args, sampler.mark)
 
 
 def _patch_onnx_save(sampler: PhaseSampler) -> None:
@@ -227,16 +151,6 @@ def run_stage(args: argparse.Namespace) -> int:
 # -- the parent: one process per stage and layer count, then the report ----------------------------
 
 
-def _stage_argv(args: argparse.Namespace, stage: str, layers: int, work: Path) -> list[str]:
-    return [
-        sys.executable, str(Path(__file__).resolve()), "--stage", stage, "--layers", str(layers),
-        "--hidden", str(args.hidden), "--intermediate", str(args.intermediate), "--heads", str(args.heads),
-        "--kv-heads", str(args.kv_heads), "--vocab", str(args.vocab), "--batch", str(args.batch),
-        "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
-        "--bundle", str(work / "run.iobundle"), "--onnx", str(work / "onnx" / "model.onnx"),
-    ]  # fmt: skip
-
-
 def _run_child(argv: list[str], log: Any) -> dict[str, Any]:
     begin = time.perf_counter()
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
@@ -251,10 +165,6 @@ def _run_child(argv: list[str], log: Any) -> dict[str, Any]:
     return out
 
 
-def _growth(a: float, b: float, layers_a: int, layers_b: int) -> float:
-    return math.log(b / a) / math.log(layers_b / layers_a) if a > 0 and b > 0 else float("nan")
-
-
 def measure(args: argparse.Namespace, workdir: Path, log: Any) -> dict[str, Any]:
     sizes = []
     for layers in args.layer_counts:
@@ -262,7 +172,7 @@ def measure(args: argparse.Namespace, workdir: Path, log: Any) -> dict[str, Any]
         shutil.rmtree(work, ignore_errors=True)
         (work / "onnx").mkdir(parents=True)
         log(f"{layers} layers ...")
-        stages = {stage: _run_child(_stage_argv(args, stage, layers, work), log) for stage in STAGES}
+        stages = {stage: _run_child(child_argv(args, __file__, ("--stage", stage), layers, work), log) for stage in STAGES}
         weight_bytes = stages["capture"]["weight_bytes"]
         bundle_bytes = sum(p.stat().st_size for p in (work / "run.iobundle").rglob("*") if p.is_file())
         for out in stages.values():
@@ -274,21 +184,17 @@ def measure(args: argparse.Namespace, workdir: Path, log: Any) -> dict[str, Any]
                       "onnx_files": stages["export"]["onnx_files"], "stages": stages})  # fmt: skip
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    growth = []
+    rows = []
     for small, large in itertools.pairwise(sizes):
         for stage in STAGES:
             a, b = small["stages"][stage], large["stages"][stage]
-            growth.append({
+            rows.append({
                 "stage": stage, "layers": [small["layers"], large["layers"]],
                 "time_ratio": b["seconds"] / a["seconds"], "peak_ratio": b["rss_peak"] / a["rss_peak"],
-                "time_exponent": _growth(a["seconds"], b["seconds"], small["layers"], large["layers"]),
-                "peak_exponent": _growth(a["rss_peak"], b["rss_peak"], small["layers"], large["layers"]),
+                "time_exponent": growth(a["seconds"], b["seconds"], small["layers"], large["layers"]),
+                "peak_exponent": growth(a["rss_peak"], b["rss_peak"], small["layers"], large["layers"]),
             })  # fmt: skip
-    return {"sizes": sizes, "growth": growth}
-
-
-def _met(ok: bool) -> str:
-    return "yes" if ok else "**no**"
+    return {"sizes": sizes, "growth": rows}
 
 
 def render(results: dict[str, Any]) -> str:
@@ -316,7 +222,7 @@ def render(results: dict[str, Any]) -> str:
                 f"| {size['layers']} | {size['params'] / 1e6:,.0f} M | {size['weight_bytes'] / GB:.2f} GB | "
                 f"{size['bundle_bytes'] / GB:.2f} GB | {size['onnx_bytes'] / GB:.2f} GB ({len(size['onnx_files'])}) | "
                 f"{stage} | {out['seconds']:.1f} s | {out['rss_peak'] / GB:.2f} GB | {out['peak_over_weights']:.2f} | "
-                f"{_met(out['peak_over_weights'] <= PEAK_TARGET)} |"
+                f"{met(out['peak_over_weights'] <= PEAK_TARGET)} |"
             )
     if results["growth"]:
         lines += [
@@ -331,7 +237,7 @@ def render(results: dict[str, Any]) -> str:
             ok = g["time_exponent"] <= GROWTH_TARGET and g["peak_exponent"] <= GROWTH_TARGET
             lines.append(
                 f"| {g['stage']} | {g['layers'][0]} → {g['layers'][1]} | {g['time_ratio']:.2f} | "
-                f"{g['time_exponent']:.2f} | {g['peak_ratio']:.2f} | {g['peak_exponent']:.2f} | {_met(ok)} |"
+                f"{g['time_exponent']:.2f} | {g['peak_ratio']:.2f} | {g['peak_exponent']:.2f} | {met(ok)} |"
             )
     for size in results["sizes"]:
         lines += ["", f"Phases of each stage, {size['layers']} layers (peak RSS: the kernel's high-water mark, reset as each phase starts):", "",
@@ -347,32 +253,9 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-@contextlib.contextmanager
-def _workdir(path: str | None) -> Iterator[Path]:
-    if path:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        yield Path(path)
-        return
-    root = Path(tempfile.mkdtemp(prefix="iobundle-bench-large-"))
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def _layer_counts(text: str) -> list[int]:
-    try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give layer counts as integers, e.g. 12,24,48") from None
-    if not counts or any(c < 1 for c in counts) or counts != sorted(set(counts)):
-        raise argparse.ArgumentTypeError(f"{text!r}: give distinct positive layer counts in increasing order")
-    return counts
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", default="12,24,48", type=_layer_counts,
+    parser.add_argument("--layers", default="12,24,48", type=layer_counts,
                         help="layer counts at the same width (default 12,24,48: 201M, 336M and 606M parameters, "
                         "the last one's ONNX over 2 GB)")  # fmt: skip
     parser.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
@@ -393,14 +276,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--bundle", help=argparse.SUPPRESS)
     parser.add_argument("--onnx", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    for name in ("hidden", "intermediate", "heads", "kv_heads", "vocab", "batch", "prompt", "new_tokens", "threads"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give a positive integer")
-    if args.hidden % args.heads or args.heads % args.kv_heads:
-        parser.error(
-            f"--hidden {args.hidden}, --heads {args.heads}, --kv-heads {args.kv_heads}: the hidden size must be a "
-            "multiple of the heads, and the heads a multiple of the key/value heads"
-        )
+    check_decoder_arguments(parser, args)
     args.layer_counts = args.layers
     if args.stage:
         if len(args.layer_counts) != 1 or not args.bundle or not args.onnx:
@@ -409,56 +285,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def measure_and_write(
-    args: argparse.Namespace,
-    *,
-    name: str,
-    measure: Callable[[argparse.Namespace, Path, Any], dict[str, Any]],
-    render: Callable[[dict[str, Any]], str],
-    config_keys: tuple[str, ...],
-    markers: tuple[str, str],
-) -> int:
-    """Run ``measure`` in the work folder, write ``results_<name>.json`` and the ``markers`` block of BENCHMARKS.md.
-
-    Shared by ``make bench-large`` and ``make bench-layers``: with ``--out`` both files go there,
-    else to benchmarks/ and the repository's BENCHMARKS.md.
-    """
-    from benchmarks.common import loadavg, machine_info
-
-    def log(message: str) -> None:
-        print(f"[bench-{name} {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-    started, t0, load_start = time.strftime("%Y-%m-%d %H:%M:%S %Z"), time.perf_counter(), loadavg()
-    with _workdir(args.workdir) as workdir:
-        m = machine_info(workdir)
-        measured = measure(args, workdir, log)
-    config = {k: getattr(args, k) for k in config_keys}
-    config["layers"] = args.layer_counts
-    results = {
-        "started": started, "config": config, "loadavg_start": load_start, "loadavg_end": loadavg(),
-        "machine": f"{m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM", **measured,
-        "seconds": time.perf_counter() - t0,
-    }  # fmt: skip
-    out = Path(args.out) if args.out else None
-    if out:
-        out.mkdir(parents=True, exist_ok=True)
-    json_path = (out or ROOT / "benchmarks") / f"results_{name}.json"
-    md_path = (out or ROOT) / "BENCHMARKS.md"
-    json_path.write_text(json.dumps(results, indent=1) + "\n", "utf-8")
-    table = render(results)
-    write_block(md_path, table, *markers)
-    print(table)
-    log(f"wrote {json_path} and {md_path}")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.stage:
         return run_stage(args)
-    keys = ("hidden", "intermediate", "heads", "kv_heads", "vocab", "batch", "prompt", "new_tokens", "threads")
     return measure_and_write(
-        args, name="large", measure=measure, render=render, config_keys=keys, markers=(LARGE_BEGIN, LARGE_END)
+        args, name="large", measure=measure, render=render, config_keys=DECODER_SIZES, markers=(LARGE_BEGIN, LARGE_END)
     )
 
 

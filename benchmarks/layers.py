@@ -45,11 +45,21 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: sys.path[0] is benchmarks/, the repository root is not
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.large import PhaseSampler, _growth, _layer_counts, _llama_config, measure_and_write
+from benchmarks.common import ROOT
+from benchmarks.measure import (
+    DECODER_SIZES,
+    GROWTH_TARGET,
+    PhaseSampler,
+    capture_decoder,
+    check_decoder_arguments,
+    child_argv,
+    growth,
+    layer_counts,
+    measure_and_write,
+    met,
+)
 from benchmarks.report import LAYERS_BEGIN, LAYERS_END
 
-ROOT = Path(__file__).resolve().parents[1]
-GROWTH_TARGET = 1.1  # as benchmarks/large.py: 1 is linear, 0.1 of timing noise
 # The steps, in the order they run; the names are the phases the export process marks.
 STEPS = (
     "load model from the bundle",
@@ -69,28 +79,6 @@ STEPS = (
 
 
 # -- the child processes ----------------------------------------------------------------------------
-
-
-def _capture(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from iobundle import InputObserver
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(_llama_config(args, args.layers)).eval()
-    prompt = torch.randint(0, args.vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
-    observer = InputObserver()
-    with torch.no_grad(), observer(model, store_n_calls=args.new_tokens + 4):
-        model.generate(
-            prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0
-        )
-    observer.save(args.bundle, include_model=True)
-    return {
-        "params": sum(p.numel() for p in model.parameters()),
-        "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-        "calls": observer.num_obs(),
-    }
 
 
 class CpuSampler(PhaseSampler):
@@ -190,7 +178,7 @@ def run_child(args: argparse.Namespace) -> int:
     import iobundle.replay  # noqa: F401
 
     if args.child == "capture":
-        out = _capture(args)
+        out = capture_decoder(args)
     elif args.profile:
         import cProfile
 
@@ -209,13 +197,7 @@ def run_child(args: argparse.Namespace) -> int:
 
 
 def _child_argv(args: argparse.Namespace, child: str, layers: int, work: Path, profile: Path | None) -> list[str]:
-    argv = [
-        sys.executable, str(Path(__file__).resolve()), "--child", child, "--layers", str(layers),
-        "--hidden", str(args.hidden), "--intermediate", str(args.intermediate), "--heads", str(args.heads),
-        "--kv-heads", str(args.kv_heads), "--vocab", str(args.vocab), "--batch", str(args.batch),
-        "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
-        "--bundle", str(work / "run.iobundle"), "--onnx", str(work / "onnx" / "model.onnx"),
-    ]  # fmt: skip
+    argv = child_argv(args, __file__, ("--child", child), layers, work)
     return argv + (["--profile", str(profile)] if profile else [])
 
 
@@ -247,7 +229,7 @@ def summarise(layer_counts: list[int], runs: dict[int, list[dict[str, Any]]]) ->
             times = [sum(r["cpu_seconds"].values()) if step == "total" else r["cpu_seconds"][step] for r in runs[n]]
             best.append(min(times))
         pairs = [
-            _growth(a, b, la, lb)
+            growth(a, b, la, lb)
             for (a, b), (la, lb) in zip(itertools.pairwise(best), itertools.pairwise(layer_counts))
         ]
         rows.append({"step": step, "cpu_seconds": best, "pair_exponents": pairs, "exponent": slope(layer_counts, best)})
@@ -277,10 +259,6 @@ def measure(args: argparse.Namespace, workdir: Path, log: Any) -> dict[str, Any]
         "sizes": [{"layers": n, **sizes[n], "runs": runs[n]} for n in args.layer_counts],
         "steps": summarise(args.layer_counts, runs),
     }
-
-
-def _met(ok: bool) -> str:
-    return "yes" if ok else "**no**"
 
 
 def _exp(value: float) -> str:
@@ -313,13 +291,13 @@ def render(results: dict[str, Any]) -> str:
         times = " | ".join(f"{s:.2f} s" for s in row["cpu_seconds"])
         pairs = " | ".join(_exp(e) for e in row["pair_exponents"])
         ok = not row["exponent"] > GROWTH_TARGET  # nan (a step too short to time) is not a failure
-        lines.append(f"| {name} | {times} | {pairs} | {_exp(row['exponent'])} | {_met(ok)} |")
+        lines.append(f"| {name} | {times} | {pairs} | {_exp(row['exponent'])} | {met(ok)} |")
     return "\n".join(lines) + "\n"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", default="6,12,24,48", type=_layer_counts,
+    parser.add_argument("--layers", default="6,12,24,48", type=layer_counts,
                         help="layer counts at the same width (default 6,12,24,48)")  # fmt: skip
     parser.add_argument("--reps", type=int, default=2, help="export processes per size (default 2)")
     parser.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
@@ -340,15 +318,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--bundle", help=argparse.SUPPRESS)
     parser.add_argument("--onnx", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    for name in ("reps", "hidden", "intermediate", "heads", "kv_heads", "vocab", "batch", "prompt", "new_tokens",
-                 "threads"):  # fmt: skip
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give a positive integer")
-    if args.hidden % args.heads or args.heads % args.kv_heads:
-        parser.error(
-            f"--hidden {args.hidden}, --heads {args.heads}, --kv-heads {args.kv_heads}: the hidden size must be a "
-            "multiple of the heads, and the heads a multiple of the key/value heads"
-        )
+    check_decoder_arguments(parser, args, "reps")
     args.layer_counts = args.layers
     if args.child:
         if len(args.layer_counts) != 1 or not args.bundle or not args.onnx:
@@ -365,9 +335,13 @@ def main(argv: list[str] | None = None) -> int:
         return run_child(args)
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
-    keys = ("hidden", "intermediate", "heads", "kv_heads", "vocab", "batch", "prompt", "new_tokens", "threads", "reps")
     return measure_and_write(
-        args, name="layers", measure=measure, render=render, config_keys=keys, markers=(LAYERS_BEGIN, LAYERS_END)
+        args,
+        name="layers",
+        measure=measure,
+        render=render,
+        config_keys=(*DECODER_SIZES, "reps"),
+        markers=(LAYERS_BEGIN, LAYERS_END),
     )
 
 

@@ -18,15 +18,16 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from iobundle._leftovers import remove_leftovers
 from iobundle._locations import is_url, local_path
-from iobundle._paths import DIR, FILE, LINK, MISSING, Tree, check_relative_name, link_message, reported_link
+from iobundle._paths import FILE, LINK, MISSING, Tree, check_relative_name, link_message, reported_link
 from iobundle.errors import BundleExistsError, BundleNotFoundError, BundleWriteError, MissingDependencyError
-from iobundle.schema import MEMBER_NAME_RULE, SEGMENT_FILE_NAME, is_member_name
+from iobundle.schema import MEMBER_NAME_RULE, is_member_name
 
 __all__ = [
     "MANIFEST_NAME",
@@ -185,36 +186,15 @@ def clear_bundle(
     return [MANIFEST_NAME, *names]
 
 
-def remove_unlisted_segments(tree: Tree, listed: Collection[str]) -> list[str]:
-    """Remove the segment files of the bundle ``tree`` opens that ``listed`` does not name; return their names.
-
-    Such a file is one a writer created and died before listing any of its ranges: nothing reads it.
-    Only regular files of ``calls/`` whose member name :data:`~iobundle.schema.SEGMENT_FILE_NAME`
-    matches whole are removed, never a link (nor anything through one: a linked ``calls/`` is left alone),
-    never another file of the folder.
-
-    Raises:
-        OSError: A segment file cannot be removed (permissions).
-    """
-    if tree.kind("calls") != DIR:
-        return []
-    removed = []
-    for name, kind in list(tree.listing(("calls",)).items()):
-        member = f"calls/{name}"
-        if kind == FILE and member not in listed and SEGMENT_FILE_NAME.fullmatch(member):
-            tree.unlink(member, missing_ok=True)
-            removed.append(member)
-    return removed
-
-
 def clear_local_bundle(root: Path) -> None:
-    """:func:`clear_bundle` for the local bundle directory ``root``, its unlisted segments, then its folders left empty.
+    """:func:`clear_bundle` for the local bundle directory ``root``, what a killed writer left, then its folders left empty.
 
     Every file is reached from ``root``'s descriptor without following a link (:class:`iobundle._paths.Tree`),
     and every listed file is checked before anything is removed: a bundle whose ``calls/`` (or any
     listed file, or the manifest) is a link, or whose listed name is a folder, is refused whole, so
-    nothing outside ``root`` is ever removed. Segment files a killed writer left unlisted go too
-    (:func:`remove_unlisted_segments`); no other file the manifest does not list is removed.
+    nothing outside ``root`` is ever removed. The files a killed writer left unlisted go too (a journal,
+    temporary files, call files and segments: :func:`iobundle._leftovers.remove_leftovers`, by exact
+    name); no other file the manifest does not list is removed.
 
     Raises:
         BundleExistsError: See :func:`listed_names`; or a listed file or a folder above it is a link
@@ -249,7 +229,7 @@ def clear_local_bundle(root: Path) -> None:
         try:
             listed = listed_names(read(MANIFEST_NAME), str(root / MANIFEST_NAME))
             removed = clear_bundle(read, remove, where=str(root / MANIFEST_NAME), missing_ok=FileNotFoundError)
-            removed += remove_unlisted_segments(tree, listed)
+            removed += remove_leftovers(tree)
         except BundleExistsError:
             raise  # an OSError too (FileExistsError), but the message says what to do already
         except OSError as exc:

@@ -1,10 +1,11 @@
-"""How every renderer writes a size in bytes and a latency: one formatter each."""
+"""How every renderer writes a size in bytes, a latency and a list of call indices: one formatter each."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
-__all__ = ["format_latency", "format_size"]
+__all__ = ["format_calls", "format_latency", "format_size"]
 
 
 def format_size(n: int) -> str:
@@ -24,3 +25,15 @@ def format_latency(seconds: float | None, missing: str = "-") -> str:
     ms = seconds * 1000.0
     digits = 3 if ms < 1 else 2 if ms < 10 else 1 if ms < 100 else 0
     return f"{ms:.{digits}f} ms"
+
+
+def format_calls(indices: Iterable[int]) -> str:
+    """``call 0``, ``calls 1-3``, ``calls 0, 2, 4-6``: call indices, runs of consecutive ones as ranges."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    text = ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+    return f"call{'s' if sum(map(len, runs)) > 1 else ''} {text}"

@@ -15,7 +15,9 @@ one worker. Two rules keep the two workers busy and each expensive fixture built
   by several end-to-end tests: the longest units, such as the LLM families' replay), then the
   other ``slow`` tests (a demo, a zoo family: each exports and validates a model in fresh
   processes), then the other groups, then single tests, the many short ones that even out the
-  end; within each rank the order of the files is kept (see :func:`start_order`).
+  end; within each rank the order of the files is kept (see :func:`start_order`). ``make test``
+  passes ``--no-loadscope-reorder``: without it pytest-xdist 3.8 sorts the units by their number
+  of tests, and this order only holds among the units of one size.
 
 The server runs in its own process, started once per test process (each pytest-xdist worker
 starts its own, on a port the operating system picks) and stopped at the end of the session.

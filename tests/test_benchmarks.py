@@ -137,6 +137,16 @@ def test_benchmarks_use_only_public_faces_of_iobundle():
     assert private == []
 
 
+def test_benchmarks_use_no_private_name_of_another_benchmark_module():
+    """What two benchmarks share lives in a module of its own (``benchmarks/measure.py``), imported by its public names."""
+    private = []
+    for path in sorted(BENCHMARKS.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks"):
+                private += [f"{path.name}:{node.lineno} {a.name}" for a in node.names if a.name.startswith("_")]
+    assert private == []
+
+
 def test_no_benchmark_module_over_800_lines():
     lengths = {p.name: len(p.read_text("utf-8").splitlines()) for p in BENCHMARKS.glob("*.py")}
     assert len(lengths) > 2 and {n: k for n, k in lengths.items() if k > 800} == {}

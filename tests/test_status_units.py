@@ -7,7 +7,7 @@ import math
 import pytest
 
 from iobundle._status import call_status, row_status, status_class
-from iobundle._units import format_latency, format_size
+from iobundle._units import format_calls, format_latency, format_size
 
 
 @pytest.mark.parametrize(
@@ -30,3 +30,11 @@ def test_sizes_and_latencies_have_one_formatter():
     assert [format_size(n) for n in (512, 1536, 12 * 2**20, 3 * 2**30)] == ["512 B", "1.5 KiB", "12.0 MiB", "3.0 GiB"]
     assert [format_latency(s) for s in (0.000179, 0.0123, 0.237)] == ["0.179 ms", "12.3 ms", "237 ms"]
     assert format_latency(None) == "-" and format_latency(math.nan, missing="") == ""
+
+
+@pytest.mark.parametrize(
+    ("indices", "text"),
+    [([0], "call 0"), ([2, 1, 3], "calls 1-3"), ([0, 2, 4, 5, 6], "calls 0, 2, 4-6"), ([3, 7], "calls 3, 7")],
+)
+def test_call_lists_have_one_formatter(indices, text):
+    assert format_calls(indices) == text

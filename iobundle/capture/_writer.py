@@ -21,7 +21,6 @@ import contextlib
 import logging
 import os
 import platform
-import shutil
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -29,9 +28,10 @@ from pathlib import Path
 import torch
 
 from iobundle._atomic import fsync_dir, fsync_files, write_atomically
+from iobundle._leftovers import remove_leftovers
 from iobundle._paths import FILE, LINK, Tree, link_message
 from iobundle._progress import ProgressCallback, notify
-from iobundle._remote import clear_local_bundle, remove_unlisted_segments
+from iobundle._remote import clear_local_bundle
 from iobundle._version import __version__
 from iobundle.calls import (
     DeltaIndex,
@@ -48,6 +48,7 @@ from iobundle.errors import BundleExistsError, BundleWriteError, IobundleError, 
 from iobundle.schema import (
     JOURNAL_FILENAME,
     MANIFEST_FILENAME,
+    MISSING_VALUES_FILE,
     SEGMENT_FILE_NAME,
     CallEntry,
     Extension,
@@ -59,6 +60,7 @@ from iobundle.schema import (
     Producer,
     TensorEntry,
     TensorNode,
+    call_file_name,
     journal_call_line,
     journal_head_line,
     segment_file_name,
@@ -72,17 +74,12 @@ logger = logging.getLogger(__name__)
 TensorGetter = Callable[[str], torch.Tensor]
 
 CALLS_DIR = "calls"
-MISSING_FILE = f"{CALLS_DIR}/value_if_missing.safetensors"
 
 SEGMENT_TENSOR_BYTES = 64 * 1024
 """A tensor whose stored bytes are fewer goes to a segment; a larger one to its call's own file."""
 
 SEGMENT_MAX_BYTES = 16 * 1024**2
 """A segment is not grown past this size (unless one call's small tensors alone exceed it)."""
-
-
-def call_file_name(index: int) -> str:
-    return f"{CALLS_DIR}/{index:06d}.safetensors"
 
 
 def _producer(devices: Iterable[str]) -> Producer:
@@ -143,9 +140,12 @@ class BundleWriter:
 
     Args:
         path: The bundle directory; created if missing.
-        overwrite: Replace the bundle ``path`` holds: its manifest, then the files it lists (files
-            beside it stay). Without it a non-empty directory is refused, and with it one that holds
-            no bundle.
+        overwrite: Replace the bundle ``path`` holds: its manifest, then the files it lists, then
+            what a killed writer left there (its journal, temporary files, files nothing lists yet),
+            each by the exact name a writer gives (:func:`iobundle.schema.is_writer_file`); other
+            files, in ``calls/`` or beside it, stay, and no link is followed. A stream killed before
+            its manifest (a journal, no manifest) is replaced the same way. Without it a non-empty
+            directory is refused, and with it one that holds no bundle.
         retain_all: Every tensor written may be extended by a later one (its memory is held
             anyway, as when saving an in-memory recording); see :class:`iobundle.calls.DeltaIndex`.
         deltas: Store tensors that extend earlier ones as their new part (format version 2).
@@ -184,17 +184,18 @@ class BundleWriter:
                         "Remove it yourself, or choose another path."
                     )
                 if journal == FILE and manifest != FILE:
-                    # a stream killed before its manifest: the journal first, then its calls/ folder
-                    (self.path / JOURNAL_FILENAME).unlink()
-                    shutil.rmtree(self.path / CALLS_DIR, ignore_errors=True)
+                    # a stream killed before its manifest: the journal first, then the files its writers named
+                    with Tree(self.path, error=BundleExistsError) as tree:
+                        removed = remove_leftovers(tree)
+                    logger.info("removed what the stream killed in %s left: %s", self.path, removed)
                 elif manifest != FILE:
                     raise BundleExistsError(
                         f"'{self.path}' is not a bundle (no {MANIFEST_FILENAME}); refusing to replace what it "
                         "holds. Choose another path, or empty it yourself."
                     )
                 else:
-                    clear_local_bundle(self.path)  # its manifest first, then the files it lists; nothing else
-                    (self.path / JOURNAL_FILENAME).unlink(missing_ok=True)
+                    # its manifest first, then the files it lists and what a killed writer left; nothing else
+                    clear_local_bundle(self.path)
             self.created = not self.path.exists()
             with Tree(self.path, error=BundleExistsError) as tree:
                 tree.folder((CALLS_DIR,), create=True)  # never a link: the tensor files go inside the bundle
@@ -319,8 +320,8 @@ class BundleWriter:
                         on_written(k)
         except BaseException as exc:
             if own and small and self.files.pop(file, None) is not None:  # the call's own file, of a call not written
-                with contextlib.suppress(OSError):
-                    target.unlink()
+                with contextlib.suppress(OSError, IobundleError), Tree(self.path, error=BundleWriteError) as tree:
+                    tree.unlink(file)
             if deltas is not None:
                 deltas.forget(new)  # never written: no later tensor may extend them
             if isinstance(exc, OSError):
@@ -446,7 +447,7 @@ class BundleWriter:
     ) -> list[str]:
         """Write the tensors of ``value_if_missing`` to their own file."""
         return self.write_tensors(
-            MISSING_FILE, [k for e in entries for k in tensor_keys(e.value)], get, durable=durable
+            MISSING_VALUES_FILE, [k for e in entries for k in tensor_keys(e.value)], get, durable=durable
         )
 
     def close_segment(self) -> None:
@@ -504,7 +505,10 @@ class BundleWriter:
         path = self.path / JOURNAL_FILENAME
         write_atomically(path, [journal_head_line(self.manifest(rc, calls))], durable=durable)
         try:
-            (self.path / MANIFEST_FILENAME).unlink(missing_ok=True)
+            with Tree(self.path, error=BundleWriteError) as tree:
+                tree.unlink(MANIFEST_FILENAME, missing_ok=True)
+        except BundleWriteError:
+            raise  # a link at manifest.json: the message names it
         except OSError as exc:
             raise BundleWriteError(
                 f"Cannot open {path}: {exc.strerror or exc}. Check free space and permissions."
@@ -557,11 +561,13 @@ class BundleWriter:
             ) from exc
 
     def finish_journal(self, rc: RecordedCalls, calls: Iterable[CallEntry]) -> Manifest:
-        """Write ``manifest.json`` (with fsync), then close and remove the journal, then unlisted segments.
+        """Write ``manifest.json`` (with fsync), then close and remove the journal, then what a dead writer left.
 
-        Every writer of the stream has stopped by now: a segment file the manifest does not list was
-        left by a writer process that died before listing any of its ranges (best effort: one that
-        cannot be removed stays, and replacing the bundle removes it).
+        Every writer of the stream has stopped by now: a file of a name the writers give that the
+        manifest does not list was left by a writer process that died (a temporary file, a call's
+        file renamed before its journal line, a segment before its first range was listed), and is
+        removed (:func:`iobundle._leftovers.remove_leftovers`; best effort: one that cannot be
+        removed stays, and replacing the bundle removes it).
 
         Raises:
             BundleWriteError: The manifest cannot be written (the journal is kept: the bundle still opens).
@@ -571,24 +577,32 @@ class BundleWriter:
         fd, self._journal = self._journal, None
         if fd is not None:
             os.close(fd)
-        (self.path / JOURNAL_FILENAME).unlink(missing_ok=True)
-        fsync_dir(self.path)
         try:
             with Tree(self.path, error=BundleWriteError) as tree:
-                removed = remove_unlisted_segments(tree, manifest.files)
+                tree.unlink(JOURNAL_FILENAME, missing_ok=True)
+                fsync_dir(self.path)
+                removed = remove_leftovers(tree, keep={MANIFEST_FILENAME, *manifest.files})
         except (OSError, BundleWriteError) as exc:
-            logger.debug("unlisted segments of %s kept: %s", self.path, exc)
+            logger.debug("what a dead writer left in %s is kept: %s", self.path, exc)
         else:
             if removed:
-                logger.info("removed %d segment files no call of %s lists: %s", len(removed), self.path, removed)
+                logger.info("removed %d files a dead writer left in %s: %s", len(removed), self.path, removed)
         return manifest
 
     def discard(self) -> None:
-        """Remove what this writer wrote (best effort), so no half-written bundle is left behind."""
+        """Remove what this writer wrote (best effort), so no half-written bundle is left behind.
+
+        Once the writer prepared its directory, every file there of a name the writers give is its
+        own (what it replaced went first): those go, by exact name, then ``calls/`` if it is left
+        empty, and the directory itself if this writer made it and it is left empty; other files stay.
+        """
         self.close_segment()
-        (self.path / MANIFEST_FILENAME).unlink(missing_ok=True)
-        (self.path / JOURNAL_FILENAME).unlink(missing_ok=True)
-        shutil.rmtree(self.path / CALLS_DIR, ignore_errors=True)
+        try:
+            with Tree(self.path, error=BundleWriteError) as tree:
+                remove_leftovers(tree)
+                tree.rmdir((CALLS_DIR,))  # only when empty
+        except (OSError, IobundleError) as exc:
+            logger.debug("what the failed write left in %s is kept: %s", self.path, exc)
         if self.created:
             try:
                 self.path.rmdir()

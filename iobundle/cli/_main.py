@@ -253,7 +253,10 @@ def _build_parser() -> argparse.ArgumentParser:
         subparsers,
         "shapes",
         summary="print the dynamic_shapes to give torch.export.export",
-        description="Infer the dynamic_shapes argument of torch.export.export from the recorded calls.",
+        description="Infer the dynamic_shapes argument of torch.export.export from the recorded calls. When no call "
+        "passes every keyword name the others pass (a cross-attention VLM's prefill and decode calls), print the "
+        "shapes of each group of calls passing the same names (export makes one program per group), each under a "
+        'comment naming its calls and keywords (--json: a list under "$groups").',
     )
     p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
     _add_batch_flags(p)
@@ -377,10 +380,16 @@ def _inspect(args: argparse.Namespace) -> int:
     bundle = _open_bundle(args.bundle)
     shapes: Any = None
     shapes_error: str | None = None
+    groups: list[Any] = []
     try:
         shapes = bundle.infer_dynamic_spec()
     except ReplayError as exc:  # the rest of the report is still worth printing
-        shapes_error = str(exc)
+        try:
+            groups = bundle.infer_group_shapes()  # calls that align group by group (keyword names differ)
+        except ReplayError:
+            groups = []
+        if not groups:
+            shapes_error = str(exc)
     model = None
     if bundle.manifest.model is not None:
         from iobundle.replay import describe_bundle_model
@@ -392,6 +401,7 @@ def _inspect(args: argparse.Namespace) -> int:
             bundle.manifest,
             dynamic_shapes=shapes,
             dynamic_shapes_error=shapes_error,
+            group_shapes=groups,
             model=model,
             packed=bundle.packed,
             remote=bundle.remote,
@@ -410,6 +420,14 @@ def _cmd_shapes(args: argparse.Namespace) -> int:
     spec = _batch_spec(args, bundle)
     dynamic = _programs.dynamic_spec(args, bundle)
     refuse_damaged(bundle, args.bundle)
+    groups = bundle.infer_group_shapes(spec, args.dim_names, dynamic=dynamic)
+    if groups:  # no call passes every keyword name: one set of shapes per group, as export makes one program each
+        _render.out(
+            _render.format_group_shapes_json(groups, batch=bool(spec))
+            if args.json
+            else _render.format_group_shapes(groups)
+        )
+        return EXIT_OK
     shapes = bundle.infer_dynamic_spec(set_batch_dimension_for=spec, dim_names=args.dim_names, dynamic=dynamic)
     _programs.warn_static_dims(bundle, spec, dynamic)
     batch_axes = bundle.infer_batch_axes(spec) if spec else None

@@ -46,6 +46,8 @@ __all__ = [
     "err",
     "format_dynamic_shapes",
     "format_dynamic_shapes_json",
+    "format_group_shapes",
+    "format_group_shapes_json",
     "format_inputs",
     "format_inspect",
     "format_latency",
@@ -464,6 +466,7 @@ def format_inspect(
     *,
     dynamic_shapes: Any = None,
     dynamic_shapes_error: str | None = None,
+    group_shapes: Sequence[Any] = (),
     model: StoredModel | None = None,
     packed: bool | None = None,
     remote: bool = False,
@@ -475,6 +478,8 @@ def format_inspect(
     is ``"all"`` (one row per call), ``"runs"`` (one row per run of consecutive calls that differ
     only in tensor sizes, each size shown as the range it spans: ``1x2x5..1003x8 f32``, see
     :func:`call_runs`) or ``"auto"`` (every call up to :data:`MAX_CALL_ROWS` calls, runs beyond).
+    ``group_shapes`` (:class:`~iobundle.replay.infer.GroupShapes`) stand for the dynamic shapes of
+    calls that align only group by group, each group's shown under the calls and keywords it has.
     """
     from iobundle.schema import deferred_calls, tensor_rows
 
@@ -536,6 +541,10 @@ def format_inspect(
     autocast = _autocast_line(manifest.calls)
     if autocast:
         lines.append(plain("autocast   " + autocast))
+    if group_shapes:
+        lines += ["", f"dynamic shapes per keyword group ({GROUPS_REASON}; Dim.DYNAMIC where sizes differ)"]
+        lines.extend("  " + line for line in format_group_shapes(group_shapes, header=False).splitlines())
+        return "\n".join(lines)
     lines += ["", "dynamic shapes (inferred from the calls; Dim.DYNAMIC where sizes differ)"]
     if dynamic_shapes_error is not None:
         lines.append(plain(f"  error: {dynamic_shapes_error}"))
@@ -664,6 +673,46 @@ def format_dynamic_shapes_json(dynamic_shapes: Any, batch_axes: Sequence[Any] | 
             {k: v for k, v in group.items() if k != "count"} for group in _group_batch_axes(batch_axes)
         ]
     return json.dumps(value, indent=2)
+
+
+#: Why a bundle's calls have dynamic shapes per keyword group, not one set (inspect and shapes say it).
+GROUPS_REASON = (
+    "no call passes every keyword name the others pass, so export makes one program per group, "
+    "each inferred from its calls alone"
+)
+
+#: The key of ``shapes --json`` that holds the keyword groups, in place of one set of shapes.
+GROUPS_KEY = "$groups"
+
+
+def format_group_shapes(group_shapes: Sequence[Any], *, header: bool = True) -> str:
+    """Each keyword group's calls and keywords as a Python comment, then its shapes (and batch axes, if taken)."""
+    lines = [f"# dynamic shapes per keyword group: {GROUPS_REASON}"] if header else []
+    for found in group_shapes:
+        lines.append(plain("# " + found.group.describe()))
+        lines.append(format_dynamic_shapes(found.dynamic_shapes))
+        if found.batch_axes:
+            lines.append(format_batch_axes(found.batch_axes))
+    return "\n".join(lines)
+
+
+def format_group_shapes_json(group_shapes: Sequence[Any], *, batch: bool = False) -> str:
+    """The keyword groups as indented JSON under :data:`GROUPS_KEY`: calls, keywords, shapes (and batch axes)."""
+    groups = []
+    for found in group_shapes:
+        entry: dict[str, Any] = {
+            "calls": list(found.group.calls),
+            "keywords": list(found.group.keywords),
+            "absent": list(found.group.absent),
+            "distinct": list(found.group.distinct),
+            "dynamic_shapes": dynamic_shapes_to_json(found.dynamic_shapes),
+        }
+        if batch:
+            entry["batch_axes"] = [
+                {k: v for k, v in group.items() if k != "count"} for group in _group_batch_axes(found.batch_axes)
+            ]
+        groups.append(entry)
+    return json.dumps({GROUPS_KEY: groups, "reason": GROUPS_REASON}, indent=2)
 
 
 # --------------------------------------------------------------------------- verify

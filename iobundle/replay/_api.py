@@ -11,7 +11,7 @@ from iobundle._progress import ProgressCallback
 from iobundle.calls import RecordedCalls, TensorCollector, record_inputs, replace_tensors, tensor_keys
 from iobundle.errors import AlignmentError, InputSelectionError
 from iobundle.replay import infer
-from iobundle.replay.infer import DimNamesSpec, InputCandidate, ObservationInfo, StaticDimHint
+from iobundle.replay.infer import DimNamesSpec, GroupShapes, InputCandidate, ObservationInfo, StaticDimHint
 from iobundle.schema import CallEntry, Node, TensorNode
 
 if TYPE_CHECKING:
@@ -120,6 +120,35 @@ class RecordedCallsAPI:
         return infer.infer_dynamic_shapes(
             self._recorded(), set_batch_dimension_for, dim_names=dim_names, dynamic=dynamic
         )
+
+    def infer_group_shapes(
+        self,
+        set_batch_dimension_for: Collection[int | str] | bool | None = None,
+        dim_names: DimNamesSpec = False,
+        *,
+        dynamic: Mapping[int | str, Collection[int]] | None = None,
+    ) -> list[GroupShapes]:
+        """The dynamic shapes of each group of calls passing the same keyword names, when no call passes them all.
+
+        Such calls (a cross-attention VLM's prefill passes ``pixel_values``, its decode calls the
+        image states instead) have no single ``dynamic_shapes``, so :meth:`infer_dynamic_spec`
+        refuses them; :meth:`export_programs` exports one program per group. Each
+        :class:`~iobundle.replay.infer.GroupShapes` names its calls and keywords
+        (``group.describe()``) and holds the shapes inferred from its calls alone, as plain data
+        (no torch needed), with the batch axes taken when ``set_batch_dimension_for`` is given. An
+        empty list when the calls align on one layout. The arguments are those of
+        :meth:`infer_dynamic_shapes`; a name only other groups pass is left out of a group's.
+
+        Raises:
+            AlignmentError: The calls cannot be aligned, and not because they pass different keyword names.
+            DynamicShapeError: A tensor changes rank across a group's calls, or ``dynamic`` names an unknown axis.
+            InputSelectionError: ``dim_names`` names an unknown input or dimension.
+
+        Example:
+            >>> {g.group.calls: g.dynamic_shapes for g in bundle.infer_group_shapes()}
+            {(0,): {'x': {}, 'image': {}}, (1, 2): {'x': {0: DYNAMIC}, 'states': {0: DYNAMIC}}}
+        """
+        return infer.infer_group_shapes(self._recorded(), set_batch_dimension_for, dim_names=dim_names, dynamic=dynamic)
 
     def static_dim_hints(
         self,

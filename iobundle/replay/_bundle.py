@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from iobundle._collector import collector_paused
+from iobundle._leftovers import unlisted_files
+from iobundle._paths import DIR, FILE, LINK, Tree
 from iobundle._progress import BYTES, ProgressCallback, notify
 from iobundle._remote import local_path, remote_kind
 from iobundle.calls import (
@@ -27,6 +30,7 @@ from iobundle.replay._archive import ArchiveRoot, open_archive
 from iobundle.replay._remote import RemoteRoot
 from iobundle.replay.infer import call_shape
 from iobundle.schema import (
+    JOURNAL_FILENAME,
     MANIFEST_FILENAME,
     CallEntry,
     Manifest,
@@ -38,6 +42,8 @@ from iobundle.schema import (
 )
 
 __all__ = ["Bundle", "load_bundle"]
+
+logger = logging.getLogger(__name__)
 
 
 class Bundle(RecordedCallsAPI):
@@ -144,9 +150,14 @@ class Bundle(RecordedCallsAPI):
             on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` (task ``"verify"``,
                 counted in bytes) before the first file and after each one, the file's name as detail.
 
+        Files the manifest does not list are not checked (nothing reads them), but each one that
+        :meth:`unlisted_files` reports is logged as a warning: a killed writer's leftovers, say.
+
         Returns:
             One message per bad file, naming it (empty when every file is good).
         """
+        for message in self.unlisted_files():
+            logger.warning("%s", message)
         problems = []
         files = listed_files(self.manifest)
         total = sum(entry.size for entry in files.values())
@@ -167,6 +178,48 @@ class Bundle(RecordedCallsAPI):
             done += entry.size
             notify(on_progress, "verify", done, total, name, unit=BYTES)
         return problems
+
+
+    def unlisted_files(self) -> list[str]:
+        """One message per file of the bundle directory that the manifest does not list, naming it.
+
+        Reported: every file of a name iobundle's writers give (what a writer killed mid-write
+        left: ``calls/.NNNNNN.safetensors.tmp``, a call file or segment renamed or created before
+        its journal line, a journal beside the manifest), and any other entry of ``calls/``. Other
+        files beside the bundle are the user's and not reported. Nothing reads such files; the
+        writers' ones are removed when the bundle is replaced (``overwrite=True``, ``--overwrite``)
+        or when a stream to it is closed, the others never. A bundle opened from a packed file or a
+        URL reports none (a packed bundle holds only the files it lists).
+        """
+        if not isinstance(self.path, Path) or self.packed or not self.path.is_dir():
+            return []
+        listed = set(listed_files(self.manifest))
+        with Tree(self.path) as tree:
+            # an open (or killed) stream lists its calls in the journal; a journal beside a manifest is a leftover
+            closed = tree.kind(MANIFEST_FILENAME) == FILE
+            listed.add(MANIFEST_FILENAME if closed else JOURNAL_FILENAME)
+            found = unlisted_files(tree, listed)
+        messages = []
+        for name, kind, writer in sorted(found):
+            where = self.path / name
+            if writer and kind == FILE:
+                who = (
+                    "a writer killed while writing the bundle left it"
+                    if closed
+                    else f"the stream's writer is writing it, or was killed while writing it ({JOURNAL_FILENAME}, "
+                    "no manifest yet)"
+                )
+                messages.append(
+                    f"{where}: not listed by the manifest; {who}. "
+                    "Nothing reads it; replacing the bundle (overwrite=True, --overwrite) removes it."
+                )
+            else:
+                what = {FILE: "a file", LINK: "a symbolic link", DIR: "a folder"}.get(kind, "a special file")
+                messages.append(
+                    f"{where}: {what} the manifest does not list, among the bundle's tensor files. Nothing reads "
+                    "it and iobundle never removes it: move it out of the bundle if it is yours."
+                )
+        return messages
 
 
 def _check_references(store: BundleTensorStore, manifest: Manifest) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from iobundle._progress import ProgressCallback, notify
-from iobundle.calls import NAME_TO_DTYPE, child_path, item_labels, positional_names
+from iobundle.calls import NAME_TO_DTYPE, child_path, item_labels, positional_names, replay_autocast
 from iobundle.errors import NothingToCompareError
 from iobundle.replay._bundle import Bundle, load_bundle
 from iobundle.replay.check import (
@@ -162,6 +162,11 @@ def _call_pairs(a: Bundle, b: Bundle, ca: CallEntry, cb: CallEntry, out: list[st
     return pairs
 
 
+def _autocast_side(ca: CallEntry, cb: CallEntry) -> CallEntry:
+    """The call of a pair whose ``torch.autocast`` state decides its tolerances: A's, or B's when only B's had one."""
+    return cb if replay_autocast(ca.autocast) is None and replay_autocast(cb.autocast) is not None else ca
+
+
 def _open(value: Bundle | str | os.PathLike[str]) -> Bundle:
     return value if isinstance(value, Bundle) else load_bundle(value)
 
@@ -180,7 +185,10 @@ def diff_bundles(
     outputs (containers, keys, registered classes, number of cache layers), the constants, each
     tensor's shape and dtype, then the values of the tensors that agree in shape and dtype: the
     outputs output by output as in :func:`iobundle.replay.validate_onnx` (per-output tolerances,
-    ``check_error_stat``), the inputs with the default tolerances. A call differs when anything
+    ``check_error_stat``), the inputs with the default tolerances. A pair recorded under
+    ``torch.autocast`` (A's call, or B's when only B's was) is compared as validate compares such
+    a call (:meth:`~iobundle.replay.check.Tolerances.for_call`): its float32 outputs and inputs take
+    the autocast dtype's row of the dtype table, call by call. A call differs when anything
     structural differs or a value is out of tolerance. Typical uses: a capture on a GPU vs one on
     a CPU, a capture before vs after a library upgrade.
 
@@ -222,19 +230,21 @@ def diff_bundles(
     checks: list[OutputCheck] = []
     scratch = Scratch()
     n = min(len(ba.calls), len(bb.calls))
+    tolerances = tolerances.for_calls(_autocast_side(ca, cb) for ca, cb in zip(ba.calls, bb.calls))
     notify(on_progress, "diff", 0, n)
     for i, (ca, cb) in enumerate(zip(ba.calls, bb.calls)):
         diffs: list[str] = []
         pairs = _call_pairs(ba, bb, ca, cb, diffs, outputs=not redacted)
+        own = tolerances.for_call(_autocast_side(ca, cb))  # under torch.autocast: float32 takes its dtype's row
         outs = [p for p in pairs if not p.is_input]
         ins = [p for p in pairs if p.is_input]
         row, call_checks = compare_call(
             [ba.tensor(p.key_a) for p in outs], [bb.tensor(p.key_b) for p in outs], call_index=ca.index,
-            names=[p.path or "output" for p in outs], tolerances=tolerances, scratch=scratch,
+            names=[p.path or "output" for p in outs], tolerances=own, scratch=scratch,
         )  # fmt: skip
         in_row, in_checks = compare_call(
             [ba.tensor(p.key_a) for p in ins], [bb.tensor(p.key_b) for p in ins], call_index=ca.index,
-            names=[p.path for p in ins], tolerances=replace(tolerances, per_output_atol={}, per_output_rtol={}, check_error_stat="max"),
+            names=[p.path for p in ins], tolerances=replace(own, per_output_atol={}, per_output_rtol={}, check_error_stat="max"),
             scratch=scratch,
         )  # fmt: skip
         diffs += [

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 __all__ = [
+    "CALL_FILE_NAME",
     "JOURNAL_FILENAME",
     "MANIFEST_FILENAME",
     "MAX_EXTENSION_DEPTH",
     "PROGRAM_INDEX_FORMAT",
     "MAX_MANIFEST_BYTES",
     "MEMBER_NAME_RULE",
+    "MISSING_VALUES_FILE",
     "SEGMENT_FILE_NAME",
     "CompactManifest",
     "ProgramEntry",
@@ -21,8 +23,10 @@ __all__ = [
     "deferred_calls",
     "deferred_keys",
     "deferred_shape",
+    "call_file_name",
     "dump_manifest",
     "is_member_name",
+    "is_writer_file",
     "journal_call_line",
     "journal_head_line",
     "load_journal",
@@ -34,6 +38,7 @@ __all__ = [
     "program_structures",
     "segment_file_name",
     "sizes_match",
+    "temporary_name",
     "tensor_rows",
     "tree_key",
     "validate_manifest",
@@ -63,7 +68,17 @@ from iobundle.schema._journal import journal_call_line, journal_head_line, load_
 from iobundle.schema._load import load_manifest
 from iobundle.schema._manifest import *  # noqa: F403 (the models of manifest.json, listed in _manifest.__all__)
 from iobundle.schema._manifest import SUPPORTED_FORMAT_VERSIONS, Manifest
-from iobundle.schema._names import MEMBER_NAME_RULE, SEGMENT_FILE_NAME, is_member_name, segment_file_name
+from iobundle.schema._names import (
+    CALL_FILE_NAME,
+    MEMBER_NAME_RULE,
+    MISSING_VALUES_FILE,
+    SEGMENT_FILE_NAME,
+    call_file_name,
+    is_member_name,
+    is_writer_file,
+    segment_file_name,
+    temporary_name,
+)
 from iobundle.schema._programs import (
     PROGRAM_INDEX_FORMAT,
     ProgramEntry,

@@ -68,6 +68,7 @@ from iobundle.schema._manifest import (
     TupleNode,
     duplicate_call_index,
 )
+from iobundle.schema._names import JOURNAL_FILENAME, MANIFEST_FILENAME
 
 __all__ = [
     "JOURNAL_FILENAME",
@@ -85,8 +86,6 @@ __all__ = [
     "write_manifest",
 ]
 
-MANIFEST_FILENAME = "manifest.json"
-JOURNAL_FILENAME = "journal.jsonl"
 MAX_MANIFEST_BYTES = 256 * 1024**2
 MAX_NESTING_DEPTH = 100
 MAX_CALLS = 100_000

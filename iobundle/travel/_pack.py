@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -70,6 +69,29 @@ def _copy(src: BinaryIO, dst: BinaryIO, size: int, name: str) -> None:
             raise TensorFileError(f"{name}: changed while it was being copied (cut short).")
         dst.write(buffer[:n])
         left -= n
+
+
+def _remove_written(tree: Tree, names: list[str]) -> None:
+    """Remove the members ``names`` an unpack wrote into the folder it made, then the folders left empty, then it.
+
+    By name, from the folders' descriptors (best effort): a file that someone else put there meanwhile stays.
+    """
+    for name in names:
+        try:
+            tree.unlink(name, missing_ok=True)
+        except (OSError, IobundleError):
+            pass
+    for parts in sorted({tuple(n.split("/"))[:-1] for n in names}, key=len, reverse=True):
+        try:
+            while parts and tree.rmdir(parts):  # only when empty
+                parts = parts[:-1]
+        except (OSError, IobundleError):
+            pass
+    tree.close()
+    try:
+        tree.path.rmdir()
+    except OSError:
+        pass
 
 
 def _kernel_copy(src: int, offset: int, dst: int, size: int) -> bool:
@@ -302,9 +324,9 @@ def unpack_bundle(
             total += size
             notify(on_progress, UNPACK_TASK, total, expected, name, unit=BYTES)
     except (OSError, IobundleError) as exc:
+        if created:  # what was written is no bundle (manifest.json comes last): leave nothing of it behind
+            _remove_written(tree, names)
         tree.close()
-        if created:  # what was written is no bundle (manifest.json comes last): leave nothing behind
-            shutil.rmtree(target, ignore_errors=True)
         if isinstance(exc, IobundleError):
             raise
         raise BundleWriteError(

@@ -284,6 +284,22 @@ class TestStreaming:
         segments = {p.name for p in (target / "calls").glob("segment-*")}
         assert segments == {n.split("/")[1] for n in bundle.manifest.files if "segment-" in n} | {"segment-42.bin"}
 
+    def test_leaving_the_block_removes_every_file_a_dead_writer_left_unlisted(self, tmp_path: Path) -> None:
+        """A dead writer process's temporary file and unlisted call file go with its segments; other names stay."""
+        target, model, observer = tmp_path / "run", Decoder(), InputObserver()
+        left = ["calls/.000042.safetensors.tmp", "calls/000042.safetensors", ".manifest.json.tmp"]
+        kept = ["calls/000042.safetensors.old", "calls/.000042.tmp", "calls/notes.txt", "000042.safetensors"]
+        with observer(model, store_n_calls=3, stream_to=target):
+            for args, kw in decoder_calls(3):
+                model(*args, **kw)
+            for name in left + kept:
+                (target / name).write_bytes(b"x")
+        bundle = load_bundle(target)
+        assert bundle.verify() == [] and len(bundle.calls) == 3
+        assert not any((target / name).exists() for name in left)
+        assert all((target / name).read_bytes() == b"x" for name in kept)
+        assert len(bundle.unlisted_files()) == 3  # those in calls/: the one beside it is the user's business
+
     def test_a_second_block_appends_to_the_same_bundle(self, tmp_path: Path) -> None:
         model, observer = Decoder(), InputObserver()
         calls = decoder_calls(5)
@@ -1006,3 +1022,87 @@ def test_sigkill_at_any_moment_leaves_a_loadable_bundle(tmp_path: Path) -> None:
     assert {r["state"] for r in by_mode["manifest-renamed"]} == {"journal+manifest"}, summary
     assert {r["state"] for r in by_mode["reopen-rename"]} == {"manifest"}, summary
     assert {r["state"] for r in by_mode["reopen-renamed"]} == {"journal+manifest"}, summary
+
+
+# --------------------------------------------------------------------------- after a killed writer
+
+KILLED_WRITER = textwrap.dedent(
+    """
+    import os, signal, sys
+    import torch
+    from iobundle import InputObserver
+    from iobundle.capture import _stream, _writer
+
+    _stream.WRITER = "thread"
+    path, moment = sys.argv[1], sys.argv[2]
+    if moment == "rename":  # a call's own file is complete under its temporary name, not renamed yet
+        real_replace = os.replace
+
+        def replace(src, dst):
+            if str(src).endswith("calls/.000002.safetensors.tmp"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            real_replace(src, dst)
+
+        os.replace = replace
+    else:  # a call's own file is renamed into place, its journal line not written yet
+        appended = []
+
+        def write_all(fd, data):
+            appended.append(data)
+            if len(appended) == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            os.write(fd, data)
+
+        _writer._write_all = write_all
+
+    class Doubler(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    model, observer = Doubler(), InputObserver()
+    with observer(model, store_n_calls=5, stream_to=path):
+        for i in range(5):  # 80 KB tensors: each call has its own file
+            model(torch.full((20_000,), float(i)))
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("moment", "left"), [("rename", "calls/.000002.safetensors.tmp"), ("journal", "calls/000002.safetensors")]
+)
+def test_a_killed_streams_leftovers_are_reported_then_removed_by_the_next_stream(
+    tmp_path: Path, moment: str, left: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A writer SIGKILLed mid-file leaves a temporary file, or a complete file no line lists: the bundle opens
+    without them, verify() warns about them, and the next stream (overwrite=True) removes them, only them."""
+    bundle, outside = tmp_path / "run", tmp_path / "outside.bin"
+    script = tmp_path / "capture.py"
+    script.write_text(KILLED_WRITER)
+    done = subprocess.run([sys.executable, str(script), str(bundle), moment], capture_output=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()
+    assert (bundle / "journal.jsonl").is_file() and not (bundle / "manifest.json").exists()
+    assert (bundle / left).is_file()
+    loaded = load_bundle(bundle)
+    assert [c.index for c in loaded.calls] == [0, 1]
+    with caplog.at_level("WARNING", logger="iobundle"):
+        assert loaded.verify() == []  # a warning, not a problem
+    assert [r.getMessage() for r in caplog.records] == loaded.unlisted_files()
+    assert len(loaded.unlisted_files()) == 1 and str(bundle / left) in loaded.unlisted_files()[0]
+    assert "killed" in loaded.unlisted_files()[0]
+    # what is not the writers': a user's file in calls/ and beside it, a near-miss name, a link leading outside
+    outside.write_bytes(b"mine")
+    (bundle / "calls" / "notes.txt").write_text("mine")
+    (bundle / "calls" / "000002.safetensors.bak").write_text("mine")
+    (bundle / "notes.txt").write_text("mine")
+    (bundle / "calls" / "000004.safetensors").symlink_to(outside)
+    mine = {"calls/notes.txt", "calls/000002.safetensors.bak", "calls/000004.safetensors"}
+    with pytest.raises(BundleExistsError, match="overwrite=True"), InputObserver()(Doubler(), stream_to=bundle):
+        pass
+    run(Doubler(), InputObserver(), [((torch.ones(3),), {})], stream_to=bundle, overwrite=True)
+    reloaded = load_bundle(bundle)
+    assert len(reloaded.calls) == 1 and reloaded.verify() == []
+    files = {p.relative_to(bundle).as_posix() for p in bundle.rglob("*") if not p.is_dir()}
+    assert files == {"manifest.json", "notes.txt", *mine, *reloaded.manifest.files}
+    assert (bundle / "calls" / "000004.safetensors").is_symlink() and outside.read_bytes() == b"mine"
+    assert {m.split(": ")[0] for m in reloaded.unlisted_files()} == {str(bundle / n) for n in mine}
+    assert all("never removes it" in m for m in reloaded.unlisted_files())

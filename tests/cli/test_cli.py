@@ -14,6 +14,7 @@ import torch
 
 from iobundle import BundleNotFoundError, InputObserver, load_bundle
 from iobundle.cli import main
+from iobundle.replay import infer
 
 
 class Model(torch.nn.Module):
@@ -270,6 +271,90 @@ class TestShapes:
         assert "hint: `iobundle inspect BUNDLE` shows the recorded calls" in err and "IOBUNDLE_DEBUG=1" in err
 
 
+# --------------------------------------------------------------------------- keyword groups
+
+
+class ImageModel(torch.nn.Module):
+    """A cross-attention VLM's calls: the prefill passes ``pixel_values``, the decode steps the image states instead."""
+
+    def forward(self, input_ids, pixel_values=None, image_states=None):
+        return input_ids * 2
+
+
+@pytest.fixture(scope="module")
+def group_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model, observer = ImageModel(), InputObserver()
+    with observer(model):
+        model(torch.ones(2, 5), pixel_values=torch.ones(2, 3, 8, 8))
+        for n in (6, 7):
+            model(torch.ones(2, n), image_states=torch.ones(2, 4, 16))
+    path = tmp_path_factory.mktemp("bundles") / "groups.iobundle"
+    observer.save(path)
+    return path
+
+
+GROUPS_TEXT = """\
+# call 0: passes pixel_values; not image_states (only other calls pass it)
+{'input_ids': {}, 'pixel_values': {}}
+# calls 1-2: pass image_states; not pixel_values (only other calls pass it)
+{'input_ids': {1: Dim.DYNAMIC}, 'image_states': {}}"""
+
+
+class TestKeywordGroups:
+    """Calls passing different keyword names (none passing them all) have their shapes shown group by group."""
+
+    def test_inspect_shows_the_shapes_of_each_group(self, capsys, group_bundle):
+        code, out, _ = run(capsys, "inspect", group_bundle)
+        assert code == 0
+        section = out.split("\ndynamic shapes", 1)[1]
+        assert section.startswith(" per keyword group (no call passes every keyword name the others pass")
+        assert "error" not in section
+        assert section.splitlines()[1:] == ["  " + line for line in GROUPS_TEXT.splitlines()]
+
+    def test_shapes_text_names_the_calls_and_keywords_of_each_group(self, capsys, group_bundle):
+        code, out, err = run(capsys, "shapes", group_bundle)
+        assert code == 0, err
+        header, *rest = out.strip().splitlines()
+        assert header.startswith("# dynamic shapes per keyword group: no call passes every keyword name")
+        assert "\n".join(rest) == GROUPS_TEXT
+        groups = load_bundle(group_bundle).infer_group_shapes()
+        texts = [line for line in rest if not line.startswith("#")]
+        assert [eval(t, {"Dim": torch.export.Dim}) for t in texts] == [
+            infer.to_torch_dims(g.dynamic_shapes) for g in groups
+        ]
+
+    def test_shapes_json_and_batch_axes_per_group(self, capsys, group_bundle):
+        code, out, _ = run(capsys, "shapes", group_bundle, "--json", "--batch-all")
+        assert code == 0
+        value = json.loads(out)
+        assert value["reason"].startswith("no call passes every keyword name")
+        assert [(g["calls"], g["keywords"], g["absent"]) for g in value["$groups"]] == [
+            ([0], ["pixel_values"], ["image_states"]),
+            ([1, 2], ["image_states"], ["pixel_values"]),
+        ]
+        assert value["$groups"][1]["dynamic_shapes"] == {"input_ids": {"0": "DYNAMIC", "1": "DYNAMIC"},
+                                                         "image_states": {"0": "DYNAMIC"}}  # fmt: skip
+        assert [a["input"] for a in value["$groups"][0]["batch_axes"]] == ["input_ids", "pixel_values"]
+
+    def test_a_batch_input_of_another_group_is_left_out_of_a_group(self, capsys, group_bundle):
+        code, out, _ = run(capsys, "shapes", group_bundle, "--json", "--batch", "pixel_values")
+        assert code == 0
+        first, second = json.loads(out)["$groups"]
+        assert first["dynamic_shapes"]["pixel_values"] == {"0": "DYNAMIC"}
+        assert second["batch_axes"] == [] and second["dynamic_shapes"]["image_states"] == {}
+
+    def test_a_plain_bundle_has_no_groups_and_its_outputs_are_unchanged(self, capsys, bundle):
+        assert load_bundle(bundle).infer_group_shapes() == []
+        code, out, _ = run(capsys, "inspect", bundle)
+        assert code == 0 and "keyword group" not in out
+        assert out.split("\n\ndynamic shapes", 1)[1].splitlines() == [
+            " (inferred from the calls; Dim.DYNAMIC where sizes differ)",
+            "  {'x': {1: Dim.DYNAMIC}, 'cache': [{}]}",
+        ]
+        code, out, _ = run(capsys, "shapes", bundle, "--json")
+        assert code == 0 and json.loads(out) == {"x": {"1": "DYNAMIC"}, "cache": [{}]}
+
+
 # --------------------------------------------------------------------------- verify
 
 
@@ -300,6 +385,17 @@ class TestVerify:
         code, out, _ = run(capsys, "verify", fresh_bundle)
         assert code == 5
         assert out.splitlines()[0] == f"{fresh_bundle}: calls/000000.safetensors: missing from the bundle."
+
+    @pytest.mark.parametrize("command", ["verify", "inspect"])
+    def test_a_killed_writers_leftover_is_a_warning_line_not_a_failure(self, capsys, fresh_bundle, command):
+        (fresh_bundle / "calls" / ".000002.safetensors.tmp").write_bytes(b"half a file")
+        code, out, err = run(capsys, command, fresh_bundle)
+        assert code == 0
+        assert out.startswith("OK: 2 files") if command == "verify" else "damaged" not in out
+        warnings = [line for line in err.splitlines() if line.startswith("WARNING")]
+        assert len(warnings) == 1, err
+        assert f"{fresh_bundle / 'calls' / '.000002.safetensors.tmp'}: not listed by the manifest" in warnings[0]
+        assert "--overwrite" in warnings[0]
 
     def test_unreadable_manifest_exits_5(self, capsys, fresh_bundle):
         (fresh_bundle / "manifest.json").write_text("{not json", encoding="utf-8")

@@ -330,3 +330,30 @@ def test_json_reports_keep_bundle_strings_as_data(cwd, capsys):
     text = (cwd / "r.json").read_text("utf-8")
     assert not CONTROL.search(text.replace("\n", ""))
     assert {r["worst_output"] for r in json.loads(text)} <= {FORMULA, AT_SUM}  # exactly as recorded
+
+
+class Keywords(torch.nn.Module):
+    def forward(self, x, **kwargs):
+        return x * 2
+
+
+def test_keyword_groups_draw_keyword_names_as_text(tmp_path, capsys, monkeypatch):
+    """Calls passing different keyword names: inspect and shapes name each group's keywords as text, JSON as data."""
+    monkeypatch.setenv("NO_COLOR", "1")
+    model, observer = Keywords(), InputObserver()
+    with observer(model):
+        model(torch.ones(2, 3), **{HOSTILE: torch.ones(2)})
+        for n in (4, 5):
+            model(torch.ones(2, n), **{"state " + ESCAPES: torch.ones(2)})
+    observer.save(tmp_path / "g")
+    for argv in (["inspect", str(tmp_path / "g")], ["shapes", str(tmp_path / "g")]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        check_terminal(out)
+        assert "# call 0: passes # heading \\x1b]0;title\\x07" in out
+        assert "# calls 1-2: pass state \\x1b]0;title\\x07" in out
+    assert main(["shapes", str(tmp_path / "g"), "--json"]) == 0
+    text = capsys.readouterr().out
+    assert not CONTROL.search(text.replace("\n", ""))
+    groups = json.loads(text)["$groups"]
+    assert [g["keywords"] for g in groups] == [[HOSTILE], ["state " + ESCAPES]]  # exactly as recorded

@@ -24,6 +24,7 @@ from iobundle.errors import (
     ArchiveError,
     BundleExistsError,
     BundleNotFoundError,
+    BundleWriteError,
     IntegrityError,
     IobundleError,
     TensorFileError,
@@ -145,6 +146,24 @@ class TestPackUnpack:
         assert result.files == len(members(bundle))
         assert result.bytes == sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file()) > 0
         assert load_bundle(tmp_path / "out").verify() == []
+
+    def test_a_failed_unpack_removes_what_it_wrote_and_nothing_else(self, tmp_path, packed, monkeypatch):
+        """The folder it made goes with the members it wrote; a file someone put there meanwhile stays."""
+        from iobundle.travel import _pack
+
+        target, real, copies = tmp_path / "out", _pack._kernel_copy, []
+
+        def full_at_the_second_member(src: int, offset: int, dst: int, size: int) -> bool:
+            copies.append(size)
+            if len(copies) == 2:
+                (target / "notes.txt").write_text("not the unpack's")
+                raise OSError(28, "No space left on device")
+            return real(src, offset, dst, size)
+
+        monkeypatch.setattr(_pack, "_kernel_copy", full_at_the_second_member)
+        with pytest.raises(BundleWriteError, match="No space left"):
+            unpack_bundle(packed, target)
+        assert {p.relative_to(target).as_posix() for p in target.rglob("*")} == {"notes.txt"}
 
     def test_pack_reports_bytes_per_member_up_to_the_total(self, tmp_path, bundle):
         events = []

@@ -120,3 +120,45 @@ def test_cache_outputs_are_named_as_validate_names_them(tmp_path):
     assert report.rows[0]["worst_output"] == "past_key_values[1]"
     loose = {"past_key_values[1]": 0.1, "past_key_values[3]": 0.1}
     assert diff_bundles(a, b, rtol=0.0, output_atol=loose).ok
+
+
+class Small(torch.nn.Module):
+    """Outputs of about 1e-2 in float32 tensors, computed in bfloat16 under ``torch.autocast``; ``offset`` shifts them."""
+
+    def __init__(self, offset: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 4)
+        with torch.no_grad():
+            self.lin.weight.mul_(0.03)
+            self.lin.bias.zero_()
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).float() + self.offset
+
+
+def record_autocast(path: Path, *, offset: float = 0.0, autocast: bool = True) -> Path:
+    """Two calls of :class:`Small`, under CPU autocast in bfloat16 (or without, ``autocast=False``)."""
+    model, observer = Small(offset).eval(), InputObserver()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), observer(model):
+        for n in (2, 3):
+            model(torch.randn(n, 8, generator=g))
+    observer.save(path)
+    return path
+
+
+def test_autocast_captures_take_the_autocast_dtypes_tolerances(tmp_path):
+    """Two bfloat16 autocast captures differing by 3e-3 on outputs of 1e-2 are alike; a regression of 0.1 is not."""
+    a = record_autocast(tmp_path / "a")
+    near = record_autocast(tmp_path / "near", offset=3e-3)
+    report = diff_bundles(a, near)
+    assert report.ok, report.verdict()
+    assert {(c.dtype, c.atol) for c in report.outputs} == {("float32", 2e-2)}
+    assert "recorded under torch.autocast(bfloat16): float32 outputs take its row" in report.criterion()
+    assert not diff_bundles(a, record_autocast(tmp_path / "far", offset=0.1)).ok
+    assert not diff_bundles(a, near, output_atol={"output": 1e-4}).ok  # still overridable
+    # the same difference between plain captures is out of float32's tolerances
+    plain = record_autocast(tmp_path / "plain", autocast=False)
+    assert not diff_bundles(plain, record_autocast(tmp_path / "plain_near", offset=3e-3, autocast=False)).ok

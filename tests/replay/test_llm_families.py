@@ -60,9 +60,11 @@ REPLAY_SCRIPT = textwrap.dedent(
             model = load_bundle_model(bundle)
             result["class"] = type(model).__name__
             result["calls"] = bundle.num_obs()
-            batch = job.get("batch")
-            ep = bundle.export(model, set_batch_dimension_for=batch, check=False, atol=%(atol)r)
-            report = ep.iobundle_report
+            # One torch.export per bundle: the program checked here is the one written to ONNX below.
+            programs = bundle.export_programs(
+                model, programs="one", set_batch_dimension_for=job.get("batch"), check=False, atol=%(atol)r
+            )
+            ep, report = programs.programs[0].program, programs.report
             result.update(
                 traced_call=report.traced_call,
                 patches=list(report.patches),
@@ -82,8 +84,8 @@ REPLAY_SCRIPT = textwrap.dedent(
                     expected = model(*a, **k)
                 result["batch_one_abs"] = float((got.logits - expected.logits).abs().max())
             onnx_path = job["bundle"] + ".onnx"
-            bundle.to_onnx(model, onnx_path, set_batch_dimension_for=batch, check=False)
-            result["onnx_seconds"] = bundle.export_report().onnx_seconds
+            programs.to_onnx(onnx_path)
+            result["onnx_seconds"] = report.onnx_seconds
             rows = bundle.check_discrepancies(onnx_path, atol=%(atol)r, include_io=False)
             result["onnx"] = [dict(index=r["index"], success=r["SUCCESS"], abs=r["abs"], error=r.get("error")) for r in rows]
         except Exception:

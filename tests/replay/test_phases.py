@@ -231,6 +231,12 @@ def test_calls_passing_different_keywords_are_phases_of_their_own(tmp_path):
         ((0,), {"x": "present", "image": "present", "states": "absent"}),
         ((1, 2), {"x": "present", "states": "present", "image": "absent"}),
     ]
+    groups = bundle.infer_group_shapes()  # what inspect and shapes show: one set of shapes per phase
+    assert [(g.group.calls, g.group.distinct, g.group.absent) for g in groups] == [
+        ((0,), ("image",), ("states",)),
+        ((1, 2), ("states",), ("image",)),
+    ]
+    assert [g.dynamic_shapes for g in groups] == [{"x": {}, "image": {}}, {"x": {}, "states": {}}]
     result = bundle.export_programs(model)
     assert "one program: Call 1 passes keyword argument(s) ['states']" in result.reason
     assert [c.success for c in result.report.calls] == [True, True, True]

@@ -291,3 +291,59 @@ def test_a_changed_bfloat16_model_fails_through_the_float32_copy(bf16_affine, tm
     path = load_bundle(bundle).to_onnx(model, tmp_path / "changed.onnx", check=False)
     report = load_bundle(bundle).validate(path)
     assert not report.ok and report.n_failed == 2 and report.ran
+
+
+class Alternating(torch.nn.Module):
+    """Float32 outputs of about 1e-2; ``drift`` is added to the outputs of the calls made without autocast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 4)
+        with torch.no_grad():
+            self.lin.weight.mul_(0.03)
+            self.lin.bias.zero_()
+        self.drift = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x).float()
+        return y if torch.is_autocast_enabled("cpu") else y + self.drift
+
+
+def _alternating(path: Path, drift: float) -> tuple[Alternating, Path]:
+    """Four calls alternating CPU autocast (bfloat16) on and off; the plain calls drift by ``drift``."""
+    model, observer = Alternating().eval(), InputObserver()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad(), observer(model, store_n_calls=4):
+        for i, n in enumerate((2, 3, 4, 5)):
+            model.drift = drift
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=i % 2 == 0):
+                model(torch.randn(n, 8, generator=g))
+    model.drift = 0.0
+    observer.save(path)
+    return model, path
+
+
+def test_calls_alternating_autocast_take_each_their_own_tolerances(tmp_path):
+    """A plain call keeps float32's tolerances in a bundle that mixes autocast and plain calls, in validate and export.
+
+    The plain calls are recorded 3e-3 off the model: within bfloat16's tolerances (atol 2e-2), out of float32's.
+    """
+    model, path = _alternating(tmp_path / "same.iobundle", drift=0.0)
+    bundle = load_bundle(path)
+    assert [c.autocast is not None for c in bundle.calls] == [True, False, True, False]
+    onnx_path = bundle.to_onnx(model, tmp_path / "m.onnx", set_batch_dimension_for=True)
+    report = bundle.validate(onnx_path)
+    assert report.ok, report.verdict()
+    assert [(c.call, c.atol) for c in report.outputs] == [(0, 2e-2), (1, 1e-4), (2, 2e-2), (3, 1e-4)]
+    assert report.criterion() == (
+        "atol=0.0001 rtol=0.1 (calls 0, 2 recorded under torch.autocast(bfloat16): their float32 outputs take its "
+        "row (atol=0.02 rtol=0.1), the calls recorded without float32's)"
+    )
+
+    model, path = _alternating(tmp_path / "drift.iobundle", drift=3e-3)
+    drifted = load_bundle(path)
+    rows = drifted.check_discrepancies(onnx_path)
+    assert [r["SUCCESS"] for r in rows] == [True, False, True, False]
+    ep = drifted.export(model, set_batch_dimension_for=True, check=False)
+    assert [c.success for c in ep.iobundle_report.calls] == [True, False, True, False]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from iobundle._lazy import lazy_module
+from iobundle._units import format_calls
 from iobundle.calls import path_matches, replay_autocast, tensor_paths
 from iobundle.errors import ToleranceError
 from iobundle.replay.check._quantiles import median_and_quantile
@@ -483,7 +484,8 @@ output) beats this table.
 Calls recorded under ``torch.autocast`` (the manifest's ``autocast``, format version 5) ran their
 eligible operations in the autocast dtype whatever the dtype of their outputs: a float32 logits or
 key tensor holds bfloat16 precision. Their float32 and float64 outputs take the autocast dtype's
-row (:meth:`Tolerances.for_calls`).
+row, call by call (:meth:`Tolerances.for_call`): in a bundle whose calls were recorded some under
+autocast and some without, a call without keeps float32's row.
 """
 
 
@@ -517,10 +519,12 @@ class Tolerances:
     """The quantile of ``check_error_stat="quantile"`` (and of ``quantile_abs``)."""
     by_dtype: Mapping[str, tuple[float, float]] = field(default_factory=lambda: dict(DTYPE_TOLERANCES))
     autocast: str | None = None
-    """The ``torch.autocast`` dtype the compared calls were recorded under (:meth:`for_calls`), else None."""
+    """The ``torch.autocast`` dtype of the call these tolerances decide (:meth:`for_call`), else None."""
+    autocast_calls: tuple[tuple[int, str | None], ...] = ()
+    """Each compared call's index and ``torch.autocast`` dtype (None: recorded without), for reports (:meth:`for_calls`)."""
 
     def under_autocast(self, dtype: str) -> Tolerances:
-        """These tolerances for calls recorded under ``torch.autocast`` in ``dtype`` (``"bfloat16"``).
+        """These tolerances for a call recorded under ``torch.autocast`` in ``dtype`` (``"bfloat16"``).
 
         Float32 and float64 outputs take ``dtype``'s row of ``by_dtype``: autocast ran the operations
         that made them in ``dtype``. Per-output overrides still win.
@@ -530,13 +534,27 @@ class Tolerances:
             return self
         return replace(self, by_dtype={**self.by_dtype, "float32": row, "float64": row}, autocast=dtype)
 
+    def for_call(self, call: CallEntry) -> Tolerances:
+        """These tolerances for ``call``, by its own ``torch.autocast`` state: :meth:`under_autocast` if it had one.
+
+        The one place the autocast rule is applied: validate, run, diff and the export check call
+        it for each call they compare, so a bundle whose calls alternate autocast on and off
+        decides each call by its own state.
+        """
+        state = replay_autocast(call.autocast)
+        return self if state is None else self.under_autocast(state.dtype_name)
+
     def for_calls(self, calls: Iterable[CallEntry]) -> Tolerances:
-        """These tolerances for ``calls``: :meth:`under_autocast` when a call was recorded under autocast."""
+        """These tolerances as a report of ``calls`` describes them: which calls were recorded under autocast.
+
+        Comparing still goes call by call (:meth:`for_call`); this value only names, in
+        :meth:`describe`, the calls whose float32 outputs took an autocast dtype's row.
+        """
+        states = []
         for call in calls:
             state = replay_autocast(call.autocast)
-            if state is not None:
-                return self.under_autocast(state.dtype_name)
-        return self
+            states.append((call.index, None if state is None else state.dtype_name))
+        return replace(self, autocast_calls=tuple(states))
 
     @classmethod
     def build(
@@ -595,18 +613,42 @@ class Tolerances:
     def describe(self, dtypes: Iterable[str] = ()) -> str:
         """``atol=0.0001 rtol=0.1`` plus the table rows of ``dtypes`` and the overrides.
 
-        E.g. ``atol=0.0001 rtol=0.1 (bfloat16: atol=0.02 rtol=0.1; logits: atol=0.001)``.
+        E.g. ``atol=0.0001 rtol=0.1 (bfloat16: atol=0.02 rtol=0.1; logits: atol=0.001)``. Calls
+        recorded under ``torch.autocast`` (:meth:`for_calls`) are named, with the row their float32
+        outputs took.
         """
         text = f"atol={self.atol:g} rtol={self.rtol:g}"
+        under = self._autocast_dtypes()
+        every = self.autocast or (next(iter(under)) if len(under) == 1 and self._all_under() else None)
+        table = self.under_autocast(every).by_dtype if every is not None else self.by_dtype
         seen = dict.fromkeys(str(d).replace("torch.", "") for d in dtypes)
-        extra = [f"{d}: atol={self.by_dtype[d][0]:g} rtol={self.by_dtype[d][1]:g}" for d in seen if d in self.by_dtype]
+        extra = [f"{d}: atol={table[d][0]:g} rtol={table[d][1]:g}" for d in seen if d in table]
         overrides = [f"{k}: atol={v:g}" for k, v in self.per_output_atol.items()]
         overrides += [f"{k}: rtol={v:g}" for k, v in self.per_output_rtol.items()]
         if overrides:
             extra.append(", ".join(overrides))
-        if self.autocast is not None:
-            extra.insert(0, f"recorded under torch.autocast({self.autocast}): float32 outputs take its row")
+        if every is not None:  # every call (or the one these tolerances decide)
+            extra.insert(0, f"recorded under torch.autocast({every}): float32 outputs take its row")
+        elif under:
+            for dtype, indices in reversed(under.items()):
+                row = self.by_dtype.get(dtype, (self.atol, self.rtol))
+                calls = format_calls(indices)
+                extra.insert(
+                    0, f"{calls} recorded under torch.autocast({dtype}): their float32 outputs take its row "
+                    f"(atol={row[0]:g} rtol={row[1]:g}), the calls recorded without float32's",
+                )  # fmt: skip
         return text + (f" ({'; '.join(extra)})" if extra else "")
+
+    def _autocast_dtypes(self) -> dict[str, list[int]]:
+        """The calls of :meth:`for_calls` recorded under autocast, by autocast dtype."""
+        under: dict[str, list[int]] = {}
+        for index, dtype in self.autocast_calls:
+            if dtype is not None:
+                under.setdefault(dtype, []).append(index)
+        return under
+
+    def _all_under(self) -> bool:
+        return bool(self.autocast_calls) and all(dtype is not None for _, dtype in self.autocast_calls)
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

@@ -82,7 +82,7 @@ def rerun_model(
         )
     begin = time.perf_counter()
     calls = rc.ok_calls
-    tolerances = tolerances.for_calls(calls)  # under torch.autocast: float32 outputs take its dtype's row
+    tolerances = tolerances.for_calls(calls)  # the report names the calls under torch.autocast
     device_type = torch.device(device).type if device is not None else module_device_type(model)
     refuse_unknown_outputs(tolerances, recorded_output_names(calls))  # before the run, not after it
     rows: list[dict[str, Any]] = []
@@ -110,7 +110,7 @@ def rerun_model(
             row = {"SUCCESS": False, "error": error, "abs": float("nan"), "rel": float("nan"), "n": 0, "dnan": 0}
         else:
             row, call_checks = compare_call(
-                expected, obtained, call_index=call.index, names=output_paths(call.outputs), tolerances=tolerances,
+                expected, obtained, call_index=call.index, names=output_paths(call.outputs), tolerances=tolerances.for_call(call),
                 scratch=scratch,
             )  # fmt: skip
             checks.extend(call_checks)

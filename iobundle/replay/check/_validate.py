@@ -471,7 +471,7 @@ def _run_checks(
             row.update({f">{h}": 0 for h in hist})
         else:
             cmp_row, call_checks = compare_call(
-                expected, obtained, call_index=call.index, names=names, tolerances=tolerances, hist=hist,
+                expected, obtained, call_index=call.index, names=names, tolerances=tolerances.for_call(call), hist=hist,
                 skip_none=skip_none, scratch=scratch, per_output=per_output, other_names=other_names,
             )  # fmt: skip
             row.update(cmp_row)
@@ -635,7 +635,7 @@ def validate_onnx(
         ``error_quantile``, ``on_progress``.
     """
     begin = time.perf_counter()
-    tolerances = tolerances.for_calls(rc.ok_calls)  # under torch.autocast: float32 outputs take its dtype's row
+    tolerances = tolerances.for_calls(rc.ok_calls)  # the report names the calls under torch.autocast
     rows, checks = _run_checks(
         rc, onnx_model, tolerances=tolerances, hist=(0.1, 0.01), progress_bar=False, include_io=False,
         skip_none=True, per_output=True, on_progress=on_progress,

@@ -393,11 +393,12 @@ def _check_calls(
                 check.seconds = time.perf_counter() - t0
                 report.calls.append(check)
                 continue
-            half = any(str(getattr(e, "dtype", "")).replace("torch.", "") in tolerances.by_dtype for e in expected)
-            if (tolerances.per_output or half) and call.outputs is not None:
-                cmp = _compare_per_output(expected, obtained, output_paths(call.outputs), tolerances)
+            own = tolerances.for_call(call)  # its own torch.autocast state: float32 outputs may take its dtype's row
+            half = any(str(getattr(e, "dtype", "")).replace("torch.", "") in own.by_dtype for e in expected)
+            if (own.per_output or half) and call.outputs is not None:
+                cmp = _compare_per_output(expected, obtained, output_paths(call.outputs), own)
             else:
-                cmp = compare_outputs(expected, obtained, atol=tolerances.atol, rtol=tolerances.rtol)
+                cmp = compare_outputs(expected, obtained, atol=own.atol, rtol=own.rtol)
             check.success, check.abs, check.rel, check.error = cmp.success, cmp.abs, cmp.rel, cmp.error
             if check.absent_inputs and not cmp.success:
                 check.success = None  # fed a stand-in the model never saw: not a numeric mismatch
@@ -588,7 +589,7 @@ def _export_checked(
     split: bool,
 ) -> torch.export.ExportedProgram:
     """:func:`export_program` after its argument checks; ``split``: the recorded calls may be split by a size rule."""
-    tolerances = tolerances.for_calls(rc.ok_calls)  # under torch.autocast: float32 outputs take its dtype's row
+    tolerances = tolerances.for_calls(rc.ok_calls)  # the report names the calls under torch.autocast
     ep, plan, report = _export(
         rc, model, batch=set_batch_dimension_for, strict=strict, dynamic=dynamic, dim_names=dim_names,
         on_progress=on_progress,

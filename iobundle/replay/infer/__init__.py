@@ -4,7 +4,7 @@ Works on :class:`iobundle.calls.RecordedCalls` (from memory or from a bundle) an
 only: never onnx, onnxruntime or transformers (unless the calls hold transformers objects).
 Dynamic shapes and static-axis hints need no torch for a bundle: a dynamic dimension is
 :data:`DYNAMIC` until :func:`to_torch_dims` converts it. Each stage is a module: align
-(``_align``), dynamic shapes (``_dynamic``, its marker ``_dynamic_dim``), batch axes (``_batch``), arguments
+(``_align``), dynamic shapes (``_dynamic``, its marker ``_dynamic_dim``; per keyword group ``_groups``), batch axes (``_batch``), arguments
 (``_arguments``), dim names (``_dim_names``), static axes (``_static_dims``), what the calls
 hold (``_info``).
 """
@@ -20,6 +20,8 @@ __all__ = [
     "call_sizes",
     "call_structure",
     "call_structures",
+    "KeywordGroup",
+    "keyword_groups",
     "owner_name",
     "phase_calls",
     # Dynamic shapes, batch axes and dim names
@@ -34,7 +36,9 @@ __all__ = [
     "fed_shapes",
     "find_batch_axes",
     "flat_dynamic_dims",
+    "GroupShapes",
     "infer_dynamic_shapes",
+    "infer_group_shapes",
     "name_dims",
     "named_dims_hint",
     "onnx_axis_names",
@@ -61,12 +65,14 @@ from iobundle.replay.infer._align import (
     Alignment,
     BatchSpec,
     DynamicSpec,
+    KeywordGroup,
     align_call,
     align_calls,
     call_shape,
     call_sizes,
     call_structure,
     call_structures,
+    keyword_groups,
     owner_name,
     phase_calls,
 )
@@ -90,5 +96,6 @@ from iobundle.replay.infer._dim_names import (
 )
 from iobundle.replay.infer._dynamic import empty_dims, fed_shapes, flat_dynamic_dims, infer_dynamic_shapes
 from iobundle.replay.infer._dynamic_dim import DYNAMIC, DynamicDim, to_torch_dims
+from iobundle.replay.infer._groups import GroupShapes, infer_group_shapes
 from iobundle.replay.infer._info import InputCandidate, ObservationInfo
 from iobundle.replay.infer._static_dims import StaticDimHint, static_dim_hints

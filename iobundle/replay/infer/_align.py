@@ -23,6 +23,7 @@ from collections.abc import Callable, Collection, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from iobundle._units import format_calls
 from iobundle.calls import (
     RecordedCalls,
     count_leaves,
@@ -443,14 +444,77 @@ def call_structure(rc: RecordedCalls, alignment: Alignment, position: int) -> di
     return result
 
 
+@dataclass(frozen=True)
+class KeywordGroup:
+    """Recorded calls that pass the same keyword names, where no call passes every name the others pass.
+
+    Attributes:
+        calls: The recorded indices (``CallEntry.index``) of its calls, in recording order.
+        keywords: The keyword names its calls pass, in the order the calls pass them.
+        absent: The keyword names that only calls of other groups pass.
+        distinct: The keyword names it passes that some other group does not: with ``absent``,
+            what sets it apart.
+    """
+
+    calls: tuple[int, ...]
+    keywords: tuple[str, ...]
+    absent: tuple[str, ...]
+    distinct: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """``calls 1-2: pass states; not image (only other calls pass it)``: what sets the group apart."""
+        calls = format_calls(self.calls)
+        verb = "passes" if len(self.calls) == 1 else "pass"
+        parts = [f"{verb} {', '.join(self.distinct)}"] if self.distinct else []
+        if self.absent:
+            it = "it" if len(self.absent) == 1 else "them"
+            parts.append(f"not {', '.join(self.absent)} (only other calls pass {it})")
+        return f"{calls}: {'; '.join(parts) or f'{verb} the keywords every call passes'}"
+
+
+def keyword_groups(rc: RecordedCalls) -> list[KeywordGroup]:
+    """The groups of calls passing the same keyword names, when the calls align only group by group; else ``[]``.
+
+    When the calls align on one layout (:func:`align_calls`), there are no groups. When they
+    cannot because no call passes every keyword name the others pass (Idefics' prefill passes
+    ``pixel_values``; its decode calls pass, instead, the image states the prefill returned, as
+    ``image_encoder_embeddings``), each set of keyword names that some calls pass is a group, in
+    the order of its first call. Each group's calls are aligned on their own (:func:`phase_calls`):
+    export makes one program per group, and ``inspect`` and ``shapes`` show the shapes of each.
+
+    Raises:
+        AlignmentError: The calls cannot be aligned, and some call passes every keyword name (the
+            calls differ in something else: their constants, the number of tensors of an input).
+    """
+    try:
+        align_calls(rc)
+    except AlignmentError:
+        by_names: dict[frozenset[str], list[CallEntry]] = {}
+        for call in rc.ok_calls:
+            by_names.setdefault(frozenset(call.kwargs), []).append(call)
+        names = list(dict.fromkeys(name for call in rc.ok_calls for name in call.kwargs))
+        if len(by_names) < 2 or any(len(key) == len(names) for key in by_names):
+            raise  # some call passes every name: the calls fail to align for another reason (constants, sizes)
+    else:
+        return []
+    everywhere = frozenset.intersection(*by_names)
+    return [
+        KeywordGroup(
+            calls=tuple(c.index for c in calls),
+            keywords=tuple(n for n in names if n in key),
+            absent=tuple(n for n in names if n not in key),
+            distinct=tuple(n for n in names if n in key and n not in everywhere),
+        )
+        for key, calls in by_names.items()
+    ]
+
+
 def call_structures(rc: RecordedCalls) -> list[tuple[int, dict[str, str]]]:
     """Each ok call's recorded index and structure (:func:`call_structure`), in recording order.
 
     When the calls align on one layout (:func:`align_calls`), that alignment gives them. When
-    they cannot because no call passes every keyword the others pass (Idefics' prefill passes
-    ``pixel_values``; its decode calls pass, instead, the image states the prefill returned, as
-    ``image_encoder_embeddings``), the calls that pass the same keyword names are aligned as a
-    group of their own, and each structure also lists, as ``absent``, the keywords that only
+    they align only in groups passing the same keyword names (:func:`keyword_groups`), each group
+    is aligned on its own, and each structure also lists, as ``absent``, the keywords that only
     other groups pass: two calls of different groups never have the same structure, so each
     group is a phase of its own (one program each).
 
@@ -458,24 +522,17 @@ def call_structures(rc: RecordedCalls) -> list[tuple[int, dict[str, str]]]:
         AlignmentError: The calls cannot be aligned, and not because they pass different
             keyword names; or a group of calls passing the same names cannot be aligned.
     """
-    try:
+    groups = keyword_groups(rc)
+    if not groups:
         alignment = align_calls(rc)
-    except AlignmentError:
-        groups: dict[frozenset[str], list[int]] = {}
-        for call in rc.ok_calls:
-            groups.setdefault(frozenset(call.kwargs), []).append(call.index)
-        if len(groups) < 2:
-            raise
-    else:
         return [(call.index, call_structure(rc, alignment, i)) for i, call in enumerate(alignment.calls)]
-    names = list(dict.fromkeys(name for call in rc.ok_calls for name in call.kwargs))
     result = []
-    for indices in groups.values():
-        group = phase_calls(rc, indices)
+    for found in groups:
+        group = phase_calls(rc, found.calls)
         alignment = align_calls(group)
         for position, call in enumerate(alignment.calls):
             structure = call_structure(group, alignment, position)
-            structure.update((name, "absent") for name in names if name not in structure)
+            structure.update((name, "absent") for name in found.absent if name not in structure)
             result.append((call.index, structure))
     return sorted(result, key=lambda item: item[0])
 
