@@ -113,7 +113,8 @@ refuses that batch on a guard is re-exported with a remedy that serves it, when 
 else, when the guard is a rule on sizes (a branch of the model's code on batch x length), a
 second program is traced from the refused inputs and both are written with an index whose
 size rules select one. The line says what the program assumed and what was done, or that
-nothing serves it.
+nothing serves it. Recorded calls that a program refuses on such a rule (a quantized cache's
+step that moves its residual into the quantized part) get a program of their own the same way.
 
 --from-bundle rebuilds the model from the config and weights a self-contained bundle carries
 (observer.save(path, include_model=True)), for the classes transformers registers in its

@@ -30,7 +30,8 @@ refused inputs, and each program says which sizes it serves::
       {"name": "p1", ..., "calls": [], "sizes": [{"of": [["h", 1], ["h", 0]], "op": "==", "value": 1}]}
 
 Each condition multiplies the sizes of ``of`` (pairs of an input's name and an axis of the
-input's first tensor) and compares the product with ``value`` by ``op`` (one of ``==``, ``!=``,
+input's first tensor, or triples naming the input's tensor too: ``["cache", 2, 0]`` is axis 2 of
+the cache's first tensor in the program's order) and compares the product with ``value`` by ``op`` (one of ``==``, ``!=``,
 ``<``, ``<=``, ``>``, ``>=``); a program serves a call when every condition holds (no ``sizes``:
 any sizes). A call goes to the first program whose structure it has and whose rule it meets.
 ``inputs`` may also be a list of structures (a program that serves calls of several). The rule
@@ -66,6 +67,7 @@ __all__ = [
     "ProgramIndex",
     "SIZE_OPS",
     "SizeCondition",
+    "conditions_met",
     "load_program_index",
     "sizes_match",
     "program_structures",
@@ -88,17 +90,25 @@ SIZE_OPS: dict[str, Callable[[int, int], bool]] = {
 
 
 class SizeCondition(BaseModel):
-    """One condition of a size rule: the product of the sizes ``of`` compared with ``value`` by ``op``."""
+    """One condition of a size rule: the product of the sizes ``of`` compared with ``value`` by ``op``.
+
+    Each size is ``[input, axis]`` (that axis of the input's first tensor) or ``[input, axis, item]``
+    (that axis of the input's ``item``-th tensor, in the order the program takes them: a cache's
+    ``key_0`` residual).
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    of: list[tuple[StrictStr, StrictInt]] = Field(min_length=1, max_length=16)
+    of: list[tuple[StrictStr, StrictInt] | tuple[StrictStr, StrictInt, StrictInt]] = Field(min_length=1, max_length=16)
     op: Literal["==", "!=", "<", "<=", ">", ">="]
     value: StrictInt
 
     def describe(self) -> str:
-        """``axis 1 of h * axis 0 of h == 1``."""
-        return f"{' * '.join(f'axis {axis} of {name}' for name, axis in self.of)} {self.op} {self.value}"
+        """``axis 1 of h * axis 0 of h == 1``; ``axis 2 of cache (tensor 0) >= 3``."""
+        terms = (
+            f"axis {term[1]} of {term[0]}" + (f" (tensor {term[2]})" if len(term) == 3 else "") for term in self.of
+        )
+        return f"{' * '.join(terms)} {self.op} {self.value}"
 
 
 class ProgramEntry(BaseModel):
@@ -123,13 +133,19 @@ def program_structures(program: ProgramEntry) -> list[dict[str, str]]:
     return program.inputs if isinstance(program.inputs, list) else [program.inputs]
 
 
-def sizes_match(program: ProgramEntry, size: Callable[[str, int], int | None]) -> bool:
-    """Whether a call meets ``program``'s size rule; ``size(input, axis)`` is that axis of the input's first
-    tensor in the call, None when the input holds no tensor or the tensor has no such axis (not met then)."""
-    for condition in program.sizes:
+def sizes_match(program: ProgramEntry, size: Callable[[str, int, int | None], int | None]) -> bool:
+    """Whether a call meets ``program``'s size rule; ``size(input, axis, item)`` is that axis of the input's
+    ``item``-th tensor in the call (its first tensor when ``item`` is None), None when there is no such
+    tensor or the tensor has no such axis (not met then)."""
+    return conditions_met(program.sizes, size)
+
+
+def conditions_met(conditions: list[SizeCondition], size: Callable[[str, int, int | None], int | None]) -> bool:
+    """Whether every condition of a size rule holds, sizes asked of ``size`` as :func:`sizes_match` does."""
+    for condition in conditions:
         product = 1
-        for name, axis in condition.of:
-            found = size(name, axis)
+        for term in condition.of:
+            found = size(term[0], term[1], term[2] if len(term) == 3 else None)
             if found is None:
                 return False
             product *= found
@@ -178,11 +194,12 @@ def _check_rules(index: ProgramIndex, where: str) -> None:
                 "set format_version to 2 or export again with `iobundle export`."
             )
         for j, condition in enumerate(program.sizes):
-            for name, axis in condition.of:
-                if axis < 0 or condition.value < 0:
+            for term in condition.of:
+                if min(term[1:]) < 0 or condition.value < 0:
                     raise ManifestError(
-                        f"{field}.sizes[{j}]: axis {axis} of {name!r} compared with {condition.value}: "
-                        "axes and sizes are non-negative."
+                        f"{field}.sizes[{j}]: axis {term[1]} of {term[0]!r}"
+                        + (f" (tensor {term[2]})" if len(term) == 3 else "")
+                        + f" compared with {condition.value}: axes, tensor positions and sizes are non-negative."
                     )
         if program.traced_call < 0:
             raise ManifestError(f"{field}.traced_call: {program.traced_call} is negative; call numbers start at 0.")
@@ -224,7 +241,12 @@ def load_program_index(path: str | os.PathLike[str]) -> ProgramIndex:
     try:
         index = ProgramIndex.model_validate(data)
     except pydantic.ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])
+        # A size is one of two tuples: the location names the field, not which of them pydantic tried.
+        found = (
+            f"{'.'.join(str(p) for p in e['loc'] if not (isinstance(p, str) and '[' in p))}: {e['msg']}"
+            for e in exc.errors()[:8]
+        )
+        problems = "; ".join(list(dict.fromkeys(found))[:5])
         raise ManifestError(f"{path}: invalid program index: {problems}") from exc
     _check_rules(index, f"{path}: ")
     _check_no_links(index, path)

@@ -398,7 +398,8 @@ def test_a_guard_neither_a_remedy_nor_a_second_program_serves_is_said_plainly():
     assert report.ok and (check.success, check.remedy, check.split) == (False, None, None)
     assert check.error.startswith("AssertionError: Guard failed: ") and "h.size()[1]" in check.error
     assert check.tried[1:] == [
-        "a second program: the guard is not a size of inputs holding one tensor compared with a number"
+        "a second program: no size rule to split on (the guard h.size()[0] != h.size()[1] does not compare sizes "
+        "with a number)"
     ]
     assert "none serves it, the first program is kept" in check.summary()
 

@@ -11,7 +11,7 @@ import torch
 from iobundle import InputObserver, load_bundle
 from iobundle.errors import ExportError, ManifestError, UnsafeBundleError
 from iobundle.replay import partition_calls
-from iobundle.schema import load_program_index
+from iobundle.schema import load_program_index, sizes_match
 
 pytest.importorskip("onnxruntime")
 
@@ -280,6 +280,11 @@ def _sized(sizes, version=2):
         (_sized([{"of": [["x", 0]], "op": "==", "value": 1, "code": "import os"}]), r"programs\.0\.sizes\.0\.code"),
         (_sized([{"of": [["x", -1]], "op": "==", "value": 1}]), r"programs\[0\]\.sizes\[0\]: axis -1 of 'x'"),
         (_sized([{"of": [["x", 0]], "op": "==", "value": 1}], version=1), r"programs\[0\]\.sizes: a format_version 1"),
+        (
+            _sized([{"of": [["c", 2, -1]], "op": "==", "value": 1}]),
+            r"programs\[0\]\.sizes\[0\]: axis 2 of 'c' \(tensor -1\)",
+        ),
+        (_sized([{"of": [["c", 2, 0, 1]], "op": "==", "value": 1}]), r"programs\.0\.sizes\.0\.of\.0"),
     ],
 )
 def test_a_malformed_size_rule_is_refused_naming_the_field(tmp_path, index, match):
@@ -287,3 +292,21 @@ def test_a_malformed_size_rule_is_refused_naming_the_field(tmp_path, index, matc
     path.write_text(json.dumps(index))
     with pytest.raises(ManifestError, match=match):
         load_program_index(path)
+
+
+def test_a_size_rule_names_a_tensor_inside_an_input(tmp_path):
+    path = tmp_path / "m.programs.json"
+    path.write_text(json.dumps(_sized([{"of": [["cache", 2, 1], ["x", 0]], "op": ">=", "value": 6}])))
+    program = load_program_index(path).programs[0]
+    assert program.describe_sizes() == "axis 2 of cache (tensor 1) * axis 0 of x >= 6"
+    shapes = {("cache", 0): (2, 2, 9), ("cache", 1): (2, 2, 3), ("x", 0): (2, 5)}
+
+    def size(name, axis, item):
+        shape = shapes.get((name, item or 0))
+        return shape[axis] if shape is not None else None
+
+    assert sizes_match(program, size)  # 3 (the second tensor of the cache, not the first's 9) * 2
+    shapes[("cache", 1)] = (2, 2, 2)
+    assert not sizes_match(program, size)
+    del shapes[("cache", 1)]
+    assert not sizes_match(program, size)  # a tensor the call lacks meets no rule

@@ -77,14 +77,16 @@ class Family:
 
 
 # A quanto-quantized cache: 4-bit keys and values in groups of 8 channels (the head size of the
-# tiny models), the new tokens kept in full precision beside them (residual_length above the
-# number of new tokens: a decode step that moves the residual into the quantized states takes
-# another branch, which the programs of the other steps refuse by a guard; see docs/llm.md).
+# tiny models), the new tokens kept in full precision beside them until the residual reaches 3:
+# the third decode step moves it into the quantized states, another branch of the cache's code
+# whose guard splits the recorded decode steps, so they export as two programs selected by the
+# residual's length (see docs/llm.md, "A guard between the recorded calls"; residual_length=2
+# does not export yet).
 QUANTO_CACHE: dict[str, Any] = {
     "cache_implementation": "quantized",
-    "cache_config": {"backend": "quanto", "nbits": 4, "q_group_size": 8, "residual_length": 8},
+    "cache_config": {"backend": "quanto", "nbits": 4, "q_group_size": 8, "residual_length": 3},
 }
-QUANTO_NOTES = 'cache_implementation="quantized" (quanto, 4 bits, groups of 8, residual 8)'
+QUANTO_NOTES = 'cache_implementation="quantized" (quanto, 4 bits, groups of 8, residual 3: a flush recorded)'
 
 
 def missing_requirement(entry: Family) -> str | None:
@@ -94,7 +96,9 @@ def missing_requirement(entry: Family) -> str | None:
     try:
         importlib.import_module(entry.requires)
     except ImportError as exc:
-        return f"{entry.name} records with {entry.requires}, which does not import ({exc}): pip install 'iobundle[quanto]'"
+        return (
+            f"{entry.name} records with {entry.requires}, which does not import ({exc}): pip install 'iobundle[quanto]'"
+        )
     return None
 
 

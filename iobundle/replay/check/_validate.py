@@ -35,8 +35,8 @@ from iobundle.replay.check._widen import HALF_TYPES, float32_copy, half_types
 from iobundle.replay.infer import (
     align_calls,
     aligned_tensors,
+    call_sizes,
     call_structures,
-    owner_name,
     phase_calls,
     placeholder_inputs,
 )
@@ -695,20 +695,6 @@ def refuse_unknown_outputs(tolerances: Tolerances, groups: Sequence[Sequence[str
         )
 
 
-def _call_sizes(rc: RecordedCalls, alignment: Any, position: int) -> Any:
-    """``size(input, axis)`` of the ``position``-th aligned call, as :func:`sizes_match` asks it (first tensor)."""
-    slots = alignment.slots[position]
-
-    def size(name: str, axis: int) -> int | None:
-        for owner, key in zip(alignment.owners, slots):
-            if key is not None and owner_name(rc, owner) == name:
-                shape = rc.store.shape(key)
-                return int(shape[axis]) if axis < len(shape) else None
-        return None
-
-    return size
-
-
 def check_program_index(
     rc: RecordedCalls,
     index_path: str | os.PathLike[str],
@@ -735,7 +721,7 @@ def check_program_index(
         call = calls[index_of_call]
         shaped = [p for p in index.programs if structure in program_structures(p)]
         alone = phase_calls(rc, [index_of_call])
-        program = next((p for p in shaped if sizes_match(p, _call_sizes(alone, align_calls(alone), 0))), None)
+        program = next((p for p in shaped if sizes_match(p, call_sizes(alone, align_calls(alone), 0))), None)
         if program is None:
             odd = ", ".join(f"{k} {v}" for k, v in structure.items() if v != "present") or "every input present"
             if shaped:  # the structure is served, not these sizes

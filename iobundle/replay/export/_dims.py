@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import logging
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,7 @@ from iobundle.replay.infer import (
     find_batch_axes,
     flat_dynamic_dims,
     infer_arguments,
+    owner_name,
     placeholder_inputs,
     received_arguments,
 )
@@ -416,30 +417,82 @@ def cut_plan(rc: RecordedCalls, plan: _Plan) -> _Plan:
     return dataclasses.replace(plan, args=args, kwargs=kwargs)
 
 
-_TERM = re.compile(r"^([A-Za-z_]\w*)\.size\(\)\[(\d+)\]$")
+_TERM = re.compile(r"^(\w+(?:\[[^\]]*\])*)\.size\(\)\[(\d+)\]$")
 _NEGATION = {"==": "!=", "!=": "==", "<": ">=", ">=": "<", ">": "<=", "<=": ">"}
 
 
-def split_rule(message: str, names: Collection[str]) -> tuple[SizeCondition, SizeCondition] | None:
+def guard_sources(rc: RecordedCalls, plan: _Plan) -> dict[str, tuple[str, int | None]]:
+    """How a guard names the traced call's tensors (``h``, ``cache['key_0']``): per name, the input and,
+    for an input holding several tensors, the tensor's position among them (a size rule's ``item``).
+
+    The names are those torch.export gives its inputs: the argument's name, then the key path of
+    the tensor inside it (under the pytree registrations of :func:`export_context`). An input
+    whose tensors do not line up with its slots of the alignment gets no nested names.
+    """
+    from torch.utils import _pytree as pytree
+
+    slots = collections.Counter(plan.alignment.owners)
+    kwargs = plan.kwargs
+    if plan.flatten_var_kw and rc.var_keyword in kwargs:
+        kwargs = {**kwargs, **kwargs[rc.var_keyword]}
+    sources: dict[str, tuple[str, int | None]] = {}
+    for owner, count in slots.items():
+        name = owner_name(rc, owner)
+        if name in kwargs:
+            value = kwargs[name]
+        elif isinstance(owner, int) and owner < len(plan.args):
+            value = plan.args[owner]
+        else:
+            continue
+        if count == 1:
+            sources[name] = (name, None)
+            continue
+        leaves = [path for path, leaf in pytree.tree_flatten_with_path(value)[0] if isinstance(leaf, torch.Tensor)]
+        if len(leaves) == count:
+            sources.update({f"{name}{pytree.keystr(path)}": (name, i) for i, path in enumerate(leaves)})
+    return sources
+
+
+def split_rule(
+    message: str, sources: Mapping[str, tuple[str, int | None]]
+) -> tuple[SizeCondition, SizeCondition] | str:
     """The guard of ``Guard failed: EXPR`` as two size conditions: the one the program holds, and its negation.
 
-    Only a guard on a product of sizes of inputs named in ``names`` compared with a number
-    (``h.size()[1] * h.size()[0] != 1``, ``x.size()[0] >= 2``) has one; None for another (a
-    relation between sizes, a size of a nested input).
+    A guard has one when it compares a product of sizes plus a number with a number
+    (``h.size()[1] * h.size()[0] != 1``, ``1 + cache['key_0'].size()[2] >= 3``: the number moves to
+    the right, ``axis 2 of cache (tensor 0) >= 2``), each size of a tensor ``sources`` names (see
+    :func:`guard_sources`). Otherwise the reason it has none, in words: a sum of several sizes (a
+    relation between sizes), a size of a tensor the inputs do not name, or no guard at all.
     """
     found = _GUARD.search(message)
     if found is None:
-        return None
-    parts = re.fullmatch(r"(.+?)\s*(==|!=|<=|>=|<|>)\s*(\d+)", found.group(1).strip().rstrip("."))
+        return "the program refused them on no guard"
+    expr = found.group(1).strip().rstrip(".")
+    parts = re.fullmatch(r"(.+?)\s*(==|!=|<=|>=|<|>)\s*(-?\d+)", expr)
     if parts is None:
-        return None
-    of = []
-    for term in parts.group(1).split("*"):
-        size = _TERM.match(term.strip())
-        if size is None or size.group(1) not in names:
-            return None
-        of.append((size.group(1), int(size.group(2))))
-    op, value = parts.group(2), int(parts.group(3))
+        return f"the guard {expr} does not compare sizes with a number"
+    constant, products = 0, []
+    for addend in parts.group(1).split("+"):
+        addend = addend.strip()
+        if re.fullmatch(r"-?\d+", addend):
+            constant += int(addend)
+        else:
+            products.append(addend)
+    if len(products) != 1:
+        return (
+            f"the guard {expr} relates a sum of {len(products)} sizes to a number; a size rule is one product of "
+            "sizes compared with a number"
+        )
+    of: list[tuple[str, int] | tuple[str, int, int]] = []
+    for factor in products[0].split("*"):
+        size = _TERM.match(factor.strip())
+        if size is None or size.group(1) not in sources:
+            return f"the guard {expr} names {factor.strip()!r}, not a size of a tensor the program takes"
+        name, item = sources[size.group(1)]
+        of.append((name, int(size.group(2))) if item is None else (name, int(size.group(2)), item))
+    op, value = parts.group(2), int(parts.group(3)) - constant
+    if value < 0:
+        return f"the guard {expr} compares sizes with a negative number"
     return SizeCondition(of=of, op=op, value=value), SizeCondition(of=of, op=_NEGATION[op], value=value)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import inspect
 import json
@@ -37,6 +36,7 @@ from iobundle.replay.export._dims import (
     _Plan,
     check_other_batch,
     cut_plan,
+    guard_sources,
     program_batch_axes,
     split_rule,
 )
@@ -45,6 +45,8 @@ from iobundle.replay.infer import (
     DimNamesSpec,
     DynamicSpec,
     align_calls,
+    call_sizes,
+    call_structure,
     fed_shapes,
     flat_dynamic_dims,
     infer_arguments,
@@ -52,7 +54,7 @@ from iobundle.replay.infer import (
     name_dims,
     named_dims_hint,
     onnx_axis_names,
-    owner_name,
+    phase_calls,
     placeholder_inputs,
     received_arguments,
     rename_onnx_axes,
@@ -61,7 +63,7 @@ from iobundle.replay.infer import (
     to_export_dims,
     to_torch_dims,
 )
-from iobundle.schema import ObjectNode
+from iobundle.schema import ObjectNode, SizeCondition, conditions_met
 
 __all__ = [
     "CallCheck",
@@ -131,6 +133,9 @@ class ExportReport:
 class SplitProgram:
     """The second program of a split: traced from the inputs the first refused on a guard, for the sizes it refused.
 
+    Those inputs are recorded calls (``calls``) or, when the first program served every recorded
+    call, the check beyond them (a recorded call cut to another batch).
+
     Kept on the first program as ``ep.iobundle_split`` (:func:`export_program` still returns the
     first); :func:`iobundle.replay.export.export_programs` writes both, with a program index whose
     size rules (``first``, ``second``: :class:`iobundle.schema.SizeCondition`) select between them.
@@ -139,6 +144,9 @@ class SplitProgram:
     program: torch.export.ExportedProgram
     first: Any
     second: Any
+    calls: tuple[int, ...] = ()
+    """The recorded calls the second program serves (exported and checked on them), when the first
+    refused them on the guard; empty for a split for sizes beyond the recorded calls."""
 
 
 class _MethodAsModule(torch.nn.Module):
@@ -560,6 +568,27 @@ def export_program(
     """
     if tolerances.per_output:
         _refuse_unknown_tolerances(rc, tolerances)
+    return _export_checked(
+        rc, model, set_batch_dimension_for=set_batch_dimension_for, strict=strict, check=check, dynamic=dynamic,
+        check_batch=check_batch, dim_names=dim_names, on_progress=on_progress, tolerances=tolerances, split=True,
+    )  # fmt: skip
+
+
+def _export_checked(
+    rc: RecordedCalls,
+    model: torch.nn.Module,
+    *,
+    set_batch_dimension_for: Collection[int | str] | bool | None,
+    strict: bool,
+    check: bool,
+    dynamic: DynamicSpec,
+    check_batch: bool,
+    dim_names: DimNamesSpec,
+    on_progress: ProgressCallback | None,
+    tolerances: Tolerances,
+    split: bool,
+) -> torch.export.ExportedProgram:
+    """:func:`export_program` after its argument checks; ``split``: the recorded calls may be split by a size rule."""
     tolerances = tolerances.for_calls(rc.ok_calls)  # the report names the calls under torch.autocast
     ep, plan, report = _export(
         rc, model, batch=set_batch_dimension_for, strict=strict, dynamic=dynamic, dim_names=dim_names,
@@ -569,6 +598,12 @@ def export_program(
         _check_calls(
             rc, plan, ep.module(), tolerances=tolerances, report=report, eager=plan.module, on_progress=on_progress
         )
+    if split and not report.ok:
+        ep.iobundle_split = _split_recorded_calls(  # type: ignore[attr-defined]
+            rc, model, plan, report, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
+            dynamic=dynamic, check_batch=check_batch, dim_names=dim_names, tolerances=tolerances,
+        )  # fmt: skip
+    with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
         if check_batch and plan.dynamic_batch and report.ok:
             report.batch_check = check_other_batch(rc, plan, ep, atol=tolerances.atol, rtol=tolerances.rtol)
     if report.batch_check is not None and report.batch_check.assumption is not None:
@@ -585,6 +620,76 @@ def export_program(
             f"The exported program does not reproduce every recorded call ({report.summary()}): {bad}", report=report
         )
     return ep
+
+
+def _split_recorded_calls(
+    rc: RecordedCalls,
+    model: torch.nn.Module,
+    plan: _Plan,
+    report: ExportReport,
+    **options: Any,
+) -> SplitProgram | None:
+    """A second program for the recorded calls the first refused on a guard that is a size rule, or None.
+
+    When every call the program fails is refused on a guard, the first one's guard is a size rule
+    (:func:`split_rule`), each refused call has the structure of some reproduced call (the same
+    inputs present: sides of a size rule, not phases), every refused call meets the rule's negation
+    and every reproduced call the rule itself, the refused calls are exported again on their own
+    (:func:`export_program` on those calls: their own traced call and dynamic shapes, checked on
+    them; never split again) and the first program keeps the others: ``report.calls`` then lists
+    only those, and ``report.options`` says what was split.
+    Otherwise the report's options say why the calls were not split, and None.
+    """
+    refused = [c for c in report.calls if c.success is False]
+    if not refused or not all("Guard failed" in (c.error or "") for c in refused):
+        return None
+    indices = [c.index for c in refused]
+    with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
+        sources = guard_sources(rc, plan)  # under the pytree registrations: a cache's tensors by their key paths
+    rule = split_rule(refused[0].error or "", sources)
+    if isinstance(rule, str):
+        report.options.append(f"calls {indices} refused on a guard, not split into two programs: {rule}")
+        return None
+    holds, negation = rule
+    position = {call.index: i for i, call in enumerate(plan.alignment.calls)}
+
+    def meets(index: int, condition: SizeCondition) -> bool:
+        return conditions_met([condition], call_sizes(rc, plan.alignment, position[index]))
+
+    served = [c.index for c in report.calls if c.success is not False]
+    shapes = {i: call_structure(rc, plan.alignment, position[i]) for i in [*indices, *served]}
+    alone = [i for i in indices if all(shapes[i] != shapes[j] for j in served)]
+    if alone:
+        report.options.append(
+            f"calls {indices} refused on a guard, not split into two programs: calls {alone} have a structure "
+            "no reproduced call has (a phase of their own, not a side of a size rule)"
+        )
+        return None
+    stray = [i for i in indices if not meets(i, negation)] + [i for i in served if not meets(i, holds)]
+    if stray:
+        report.options.append(
+            f"calls {indices} refused on a guard, not split into two programs: the size rule "
+            f"{holds.describe()} does not separate them from the others (calls {stray} are on the wrong side)"
+        )
+        return None
+    try:
+        ep2 = _export_checked(phase_calls(rc, indices), model, check=True, split=False, on_progress=None, **options)
+    except ExportError as exc:
+        report.options.append(
+            f"calls {indices} refused on a guard ({negation.describe()}): a second program from them failed "
+            f"({_first_line(exc)})"
+        )
+        return None
+    second: ExportReport = ep2.iobundle_report  # type: ignore[attr-defined]
+    report.calls = [c for c in report.calls if c.index not in indices]
+    report.options.append(
+        f"split by a size rule between the recorded calls: this program serves {holds.describe()} (calls "
+        f"{served}); calls {indices} ({negation.describe()}), refused on a guard of the model's code "
+        f"({(refused[0].error or '').split('Guard failed: ')[-1]}), are served by a second program traced "
+        f"from call {second.traced_call}"
+    )
+    logger.info("%s", report.options[-1])
+    return SplitProgram(ep2, holds, negation, calls=tuple(indices))
 
 
 def _serve_refused_batch(
@@ -656,11 +761,11 @@ def _split_program(
     the refused inputs (the same check). Then ``report.batch_check`` becomes that check, naming the
     split, and the second program's report (``iobundle_report``) says where it was traced from.
     """
-    owners = collections.Counter(plan.alignment.owners)
-    single = {owner_name(rc, owner) for owner, n in owners.items() if n == 1}
-    rule = split_rule(first.error or "", single)
-    if rule is None:
-        tried.append("a second program: the guard is not a size of inputs holding one tensor compared with a number")
+    with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
+        sources = guard_sources(rc, plan)
+    rule = split_rule(first.error or "", sources)
+    if isinstance(rule, str):
+        tried.append(f"a second program: no size rule to split on ({rule})")
         return None
     cut = cut_plan(rc, plan)
     where = f"traced from call {first.call} cut to batch {first.batch} (refused by the first program)"

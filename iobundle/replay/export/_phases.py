@@ -106,7 +106,8 @@ class PhaseProgram:
     structures: list[dict[str, str]] = field(default_factory=list)
     """The call structures it serves when not only its phase's (a split of one program for every call)."""
     split_of: str | None = None
-    """The program whose refused sizes this one serves (a second program traced from the refused inputs)."""
+    """The program whose refused sizes this one serves (a second program traced from the refused inputs:
+    recorded calls, or a recorded call cut to another batch)."""
 
     @property
     def report(self) -> ExportReport:
@@ -136,7 +137,7 @@ class ProgramSet:
         """Every program's report merged: one check per recorded call, in recording order."""
         if len(self.programs) == 1:
             return self.programs[0].report
-        if len(self.programs) == 2 and self.programs[1].split_of is not None:
+        if len(self.programs) == 2 and self.programs[1].split_of is not None and not self.programs[1].phase.calls:
             return self.programs[0].report  # one program for the recorded calls, split for the sizes it refused
         reports = [p.report for p in self.programs]
         calls: list[CallCheck] = sorted((c for r in reports for c in r.calls), key=lambda c: c.index)
@@ -283,7 +284,8 @@ def _split(result: ProgramSet, phases: list[Phase]) -> ProgramSet:
 
     (``ep.iobundle_split``, see :class:`iobundle.replay.export._export.SplitProgram`.) The first keeps
     its calls and gets the size rule its guard holds, the second no recorded call and the negated
-    rule; the reason says why. One program for every call serves the structures of every phase.
+    rule; the reason says why. A split between recorded calls gives the second program the calls the
+    first refused. One program for every call serves the structures of every phase.
     """
     if not any(getattr(p.program, "iobundle_split", None) is not None for p in result.programs):
         return result
@@ -296,15 +298,18 @@ def _split(result: ProgramSet, phases: list[Phase]) -> ProgramSet:
             continue
         whole = program.phase.name == "all"
         structures = [p.inputs for p in phases] if whole else []
-        first = Phase("p0" if whole else program.phase.name, program.phase.calls, program.phase.inputs)
-        second = Phase("p1" if whole else f"{first.name}_split", (), program.phase.inputs)
+        kept = tuple(c for c in program.phase.calls if c not in split.calls)
+        first = Phase("p0" if whole else program.phase.name, kept, program.phase.inputs)
+        second = Phase("p1" if whole else f"{first.name}_split", split.calls, program.phase.inputs)
         programs.append(dataclasses.replace(program, phase=first, sizes=[split.first], structures=structures))
+        second_rc = phase_calls(program.rc, split.calls) if split.calls else program.rc
         programs.append(
-            PhaseProgram(second, split.program, program.rc, program.dynamic, [split.second], structures, first.name)
+            PhaseProgram(second, split.program, second_rc, program.dynamic, [split.second], structures, first.name)
         )
+        traced = f"traced from its recorded calls {list(split.calls)}" if split.calls else "traced from such inputs"
         reasons.append(
             f"program {first.name} refuses {split.second.describe()} on a guard of the model's code; "
-            f"program {second.name}, traced from such inputs, serves them"
+            f"program {second.name}, {traced}, serves them"
         )
     return ProgramSet(programs, reason="; ".join(reasons))
 

@@ -19,7 +19,7 @@ import collections
 import dataclasses
 import functools
 import weakref
-from collections.abc import Collection, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -394,6 +394,27 @@ def owner_name(rc: RecordedCalls, owner: int | str) -> str:
     if isinstance(owner, int) and owner < len(rc.names):
         return rc.names[owner]
     return str(owner)
+
+
+def call_sizes(rc: RecordedCalls, alignment: Alignment, position: int) -> Callable[[str, int, int | None], int | None]:
+    """``size(input, axis, item)`` of the ``position``-th aligned call, as :func:`iobundle.schema.sizes_match`
+    asks it: that axis of the input's ``item``-th tensor (in the layout's order, None where the call
+    lacks it), or of its first tensor present when ``item`` is None."""
+    slots = alignment.slots[position]
+
+    def size(name: str, axis: int, item: int | None = None) -> int | None:
+        owned = [key for owner, key in zip(alignment.owners, slots) if owner_name(rc, owner) == name]
+        if item is not None:
+            owned = owned[item : item + 1]
+        for key in owned:
+            if key is not None:
+                shape = rc.store.shape(key)
+                return int(shape[axis]) if axis < len(shape) else None
+            if item is not None:
+                return None
+        return None
+
+    return size
 
 
 def call_structure(rc: RecordedCalls, alignment: Alignment, position: int) -> dict[str, str]:
