@@ -6,7 +6,7 @@ run the same code. Needs torch; onnx,
 onnxruntime and onnxscript only to export and validate. The names below are imported when first
 used: ``import iobundle.replay`` and opening a bundle load no onnx. Each job is a room with its own
 public face: :mod:`iobundle.replay.infer`, :mod:`iobundle.replay.export`, :mod:`iobundle.replay.check`;
-converting and redacting are :mod:`iobundle.travel`'s (its names are still reachable from here).
+packing, converting and redacting are :mod:`iobundle.travel`'s.
 """
 
 from __future__ import annotations
@@ -21,16 +21,15 @@ __all__ = [
     "BatchCheck",
     "Bundle",
     "CallCheck",
-    "ConvertResult",
     "DiffReport",
     "ErrorStats",
     "ExportReport",
+    "ExportResult",
     "InputCandidate",
     "ObservationInfo",
     "Phase",
     "ProgramSet",
     "StaticDimHint",
-    "PackResult",
     "RecordedCallsAPI",
     "OutputCheck",
     "ProgressEvent",
@@ -41,9 +40,6 @@ __all__ = [
     "build_export_report",
     "build_report",
     "check_discrepancies",
-    "convert_to_npz",
-    "convert_to_onnx_testdata",
-    "copy_model_files",
     "describe_bundle_model",
     "diff_bundles",
     "export_onnx",
@@ -54,16 +50,14 @@ __all__ = [
     "model_from_factory",
     "partition_calls",
     "static_dim_hints",
-    "pack_bundle",
-    "redact_calls",
-    "unpack_bundle",
+    "recorded_calls",
     "rerun_model",
     "validate_onnx",
 ]
 
 if TYPE_CHECKING:
     from iobundle._progress import ProgressEvent
-    from iobundle.replay._api import RecordedCallsAPI
+    from iobundle.replay._api import RecordedCallsAPI, recorded_calls
     from iobundle.replay._archive import ArchiveRoot
     from iobundle.replay._bundle import Bundle, load_bundle
     from iobundle.replay._diff import DiffReport, diff_bundles
@@ -83,6 +77,7 @@ if TYPE_CHECKING:
         BatchCheck,
         CallCheck,
         ExportReport,
+        ExportResult,
         Phase,
         ProgramSet,
         export_onnx,
@@ -92,25 +87,24 @@ if TYPE_CHECKING:
     )
     from iobundle.replay.infer import DYNAMIC, InputCandidate, ObservationInfo, StaticDimHint, static_dim_hints
 
-# iobundle.travel's names are forwarded by name only: travel sits on top of replay.
 _LAZY = {
     "DYNAMIC": "iobundle.replay.infer",
     "ArchiveRoot": "iobundle.replay._archive",
     "BatchCheck": "iobundle.replay.export",
     "Bundle": "iobundle.replay._bundle",
     "CallCheck": "iobundle.replay.export",
-    "ConvertResult": "iobundle.travel",
     "DiffReport": "iobundle.replay._diff",
     "ErrorStats": "iobundle.replay.check",
     "ExportReport": "iobundle.replay.export",
+    "ExportResult": "iobundle.replay.export",
     "InputCandidate": "iobundle.replay.infer",
     "ObservationInfo": "iobundle.replay.infer",
     "OutputCheck": "iobundle.replay.check",
-    "PackResult": "iobundle.travel",
     "Phase": "iobundle.replay.export",
     "ProgramSet": "iobundle.replay.export",
     "ProgressEvent": "iobundle._progress",
     "RecordedCallsAPI": "iobundle.replay._api",
+    "recorded_calls": "iobundle.replay._api",
     "Report": "iobundle.replay._report",
     "StaticDimHint": "iobundle.replay.infer",
     "StoredModel": "iobundle.replay._model_load",
@@ -119,9 +113,6 @@ _LAZY = {
     "build_export_report": "iobundle.replay._report",
     "build_report": "iobundle.replay._report",
     "check_discrepancies": "iobundle.replay.check",
-    "convert_to_npz": "iobundle.travel",
-    "convert_to_onnx_testdata": "iobundle.travel",
-    "copy_model_files": "iobundle.travel",
     "describe_bundle_model": "iobundle.replay._model_load",
     "diff_bundles": "iobundle.replay._diff",
     "export_onnx": "iobundle.replay.export",
@@ -130,12 +121,9 @@ _LAZY = {
     "load_bundle": "iobundle.replay._bundle",
     "load_bundle_model": "iobundle.replay._model_load",
     "model_from_factory": "iobundle.replay._factory",
-    "pack_bundle": "iobundle.travel",
     "partition_calls": "iobundle.replay.export",
-    "redact_calls": "iobundle.travel",
     "rerun_model": "iobundle.replay.check",
     "static_dim_hints": "iobundle.replay.infer",
-    "unpack_bundle": "iobundle.travel",
     "validate_onnx": "iobundle.replay.check",
 }
 

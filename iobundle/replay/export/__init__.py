@@ -10,9 +10,11 @@ __all__ = [
     # Export one program
     "CallCheck",
     "ExportReport",
+    "ExportResult",
     "SplitProgram",
     "export_onnx",
     "export_program",
+    "save_onnx",
     # Programs per phase
     "Phase",
     "ProgramSet",
@@ -26,5 +28,13 @@ __all__ = [
 ]
 
 from iobundle.replay.export._dims import BatchCheck, cut_call, explain_guard
-from iobundle.replay.export._export import CallCheck, ExportReport, SplitProgram, export_onnx, export_program
+from iobundle.replay.export._export import (
+    CallCheck,
+    ExportReport,
+    ExportResult,
+    SplitProgram,
+    export_onnx,
+    export_program,
+    save_onnx,
+)
 from iobundle.replay.export._phases import Phase, ProgramSet, ProgramsMode, export_programs, partition_calls
