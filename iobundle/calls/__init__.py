@@ -1,5 +1,7 @@
 """The recorded calls: what capture and replay both work on. Needs torch and safetensors; never onnx.
 
+Internal tier: ``__all__`` is the interface between iobundle's parts, not a public API.
+
 - the in-memory model of recorded calls and its tensor stores (:class:`RecordedCalls`);
 - value trees (containers, scalars, tensor references, registered node types) and the
   node-type registry, transformers' caches and outputs included;

@@ -1,4 +1,7 @@
-"""The bundle format: pydantic models of ``manifest.json`` and their JSON I/O. Never imports torch."""
+"""The bundle format: pydantic models of ``manifest.json`` and their JSON I/O. Never imports torch.
+
+Internal tier: ``__all__`` is the interface between iobundle's parts, not a public API.
+"""
 
 from __future__ import annotations
 

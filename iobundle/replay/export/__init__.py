@@ -2,6 +2,7 @@
 
 On top of ``infer`` and ``check`` (each exported program is checked against the recorded calls).
 ONNX export needs onnx and onnxscript, imported when a program is converted.
+Internal tier: the public names are :mod:`iobundle.replay`'s.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Dynamic shapes and static-axis hints need no torch for a bundle: a dynamic dimen
 :data:`DYNAMIC` until :func:`to_torch_dims` converts it. Each stage is a module: align
 (``_align``), dynamic shapes (``_dynamic``, its marker ``_dynamic_dim``; per keyword group ``_groups``), batch axes (``_batch``), arguments
 (``_arguments``), dim names (``_dim_names``), static axes (``_static_dims``), what the calls
-hold (``_info``).
+hold (``_info``). Internal tier: the public names are :mod:`iobundle.replay`'s.
 """
 
 from __future__ import annotations
