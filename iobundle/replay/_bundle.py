@@ -27,7 +27,7 @@ from iobundle.calls import (
 from iobundle.errors import IobundleError, UnsafeBundleError
 from iobundle.replay._api import RecordedCallsAPI
 from iobundle.replay._archive import ArchiveRoot, open_archive
-from iobundle.replay._remote import RemoteRoot
+from iobundle.replay._remote_root import RemoteRoot
 from iobundle.replay.infer import call_shape
 from iobundle.schema import (
     JOURNAL_FILENAME,

@@ -82,7 +82,7 @@ from iobundle.schema._names import (
     segment_file_name,
     temporary_name,
 )
-from iobundle.schema._programs import (
+from iobundle.schema._program_index import (
     PROGRAM_INDEX_FORMAT,
     ProgramEntry,
     ProgramIndex,
