@@ -5,7 +5,7 @@ under ``TYPE_CHECKING``. Two rules:
 
 - a private module (``iobundle.X._y``, or anything below it) is imported only from inside ``X``:
   another part goes through ``X``'s public face (a module named in a string, as lazy imports and
-  ``_LAZY`` tables name them, is imported too); nor does a part read another part's private
+  tables of lazy names spell them, is imported too); nor does a part read another part's private
   attributes (``bundle._store`` in ``travel``);
 - the parts of the package (``iobundle.<name>``: ``schema``, ``calls``, ``capture``, ``replay``,
   ``observer``, ``cli``, ...; the facade ``iobundle/__init__.py`` is a part of its own) import
@@ -48,8 +48,8 @@ def _modules(root: Path) -> Iterator[tuple[str, ast.Module]]:
 def imports(root: Path) -> Iterator[tuple[str, str, int]]:
     """Yield ``(importer, imported module, line)`` for every import of ``root``'s package, inside functions too.
 
-    A string that is the name of one of the package's modules (``lazy_module("pkg.a")``, a ``_LAZY``
-    table's values) is an import as well: the name is imported by string when first used.
+    A string that is the name of one of the package's modules (``lazy_module("pkg.a")``, the values of a
+    table of lazy names) is an import as well: the name is imported by string when first used.
     """
     dotted = re.compile(rf"{re.escape(root.name)}(\.\w+)+")
     for importer, tree in _modules(root):

@@ -6,11 +6,9 @@ Internal tier: ``__all__`` is the interface between iobundle's parts, not a publ
 from __future__ import annotations
 
 __all__ = [
-    "CALL_FILE_NAME",
     "JOURNAL_FILENAME",
     "MANIFEST_FILENAME",
     "MAX_EXTENSION_DEPTH",
-    "PROGRAM_INDEX_FORMAT",
     "MAX_MANIFEST_BYTES",
     "MEMBER_NAME_RULE",
     "MISSING_VALUES_FILE",
@@ -44,7 +42,6 @@ __all__ = [
     "temporary_name",
     "tensor_rows",
     "tree_key",
-    "validate_manifest",
     "write_manifest",
     "write_program_index",
 ]
@@ -64,7 +61,6 @@ from iobundle.schema._io import (
     MAX_MANIFEST_BYTES,
     dump_manifest,
     parse_manifest,
-    validate_manifest,
     write_manifest,
 )
 from iobundle.schema._journal import journal_call_line, journal_head_line, load_journal, parse_journal
@@ -72,7 +68,6 @@ from iobundle.schema._load import load_manifest
 from iobundle.schema._manifest import *  # noqa: F403 (the models of manifest.json, listed in _manifest.__all__)
 from iobundle.schema._manifest import SUPPORTED_FORMAT_VERSIONS, Manifest
 from iobundle.schema._names import (
-    CALL_FILE_NAME,
     MEMBER_NAME_RULE,
     MISSING_VALUES_FILE,
     SEGMENT_FILE_NAME,
@@ -83,7 +78,6 @@ from iobundle.schema._names import (
     temporary_name,
 )
 from iobundle.schema._program_index import (
-    PROGRAM_INDEX_FORMAT,
     ProgramEntry,
     ProgramIndex,
     SizeCondition,

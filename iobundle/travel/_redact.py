@@ -264,7 +264,7 @@ def copy_model_files(bundle: Bundle, target: str | os.PathLike[str]) -> ModelEnt
 
     Raises:
         ModelLoadError: ``bundle`` stores no model.
-        IntegrityError: A model file's size or sha256 differs from the manifest.
+        IntegrityError: A model file's size or hash differs from the manifest.
     """
     entry = bundle.manifest.model
     if entry is None:
