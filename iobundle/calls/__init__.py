@@ -66,7 +66,6 @@ __all__ = [
     "Match",
     "PinnedStager",
     "WRITE_HASH",
-    "extends_bytes",
     "new_hasher",
     "rebuild",
     # Tensor files
@@ -90,7 +89,6 @@ __all__ = [
     "open_regular",
     "read_sized_member",
     # The stored model config
-    "MAX_CONFIG_BYTES",
     "read_stored_config",
 ]
 
@@ -106,8 +104,8 @@ from iobundle.calls._autocast import (
     replay_autocast,
 )
 from iobundle.calls._calls import DictTensorStore, RecordedCalls, TensorStore, positional_names, signature_entry
-from iobundle.calls._config import MAX_CONFIG_BYTES, read_stored_config
-from iobundle.calls._delta import DeltaIndex, Match, extends_bytes, rebuild
+from iobundle.calls._config import read_stored_config
+from iobundle.calls._delta import DeltaIndex, Match, rebuild
 from iobundle.calls._dtypes import FLOATING_NAMES, NAME_TO_DTYPE, dtype_name
 from iobundle.calls._hashing import WRITE_HASH, new_hasher
 from iobundle.calls._layouts import (

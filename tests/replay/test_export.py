@@ -203,6 +203,9 @@ def test_observer_exports_in_memory_like_the_bundle(tmp_path, model_module):
     observer = _capture(toy_models.nested(), tmp_path / "b")
     ep = observer.export(toy_models.nested())
     assert all(c.success for c in ep.report.calls)
+    # the result is ours: nothing is hung on torch's program, and the recorded calls keep no report
+    assert [name for name in vars(ep.program) if name.startswith("iobundle")] == []
+    assert not hasattr(observer._recorded(), "last_export_report") and observer.export_report() is ep.report
     path = observer.to_onnx(toy_models.nested(), tmp_path / "m.onnx")
     assert [r["SUCCESS"] for r in observer.check_discrepancies(path)] == [True, True, True]
 
