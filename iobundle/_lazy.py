@@ -29,11 +29,18 @@ def lazy_names(facade: str) -> Callable[[str], Any]:
 
             with open(sys.modules[facade].__file__ or "", encoding="utf-8") as source:
                 tree = ast.parse(source.read())
-            for block in tree.body:
-                if isinstance(block, ast.If) and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING":
-                    for node in block.body:
-                        if isinstance(node, ast.ImportFrom) and node.module:
-                            where.update({alias.asname or alias.name: node.module for alias in node.names})
+            where.update(  # at once: another thread never sees half the table
+                {
+                    alias.asname or alias.name: node.module
+                    for block in tree.body
+                    if isinstance(block, ast.If)
+                    and isinstance(block.test, ast.Name)
+                    and block.test.id == "TYPE_CHECKING"
+                    for node in block.body
+                    if isinstance(node, ast.ImportFrom) and node.module
+                    for alias in node.names
+                }
+            )
         module = where.get(name)
         if module is None:
             raise AttributeError(f"module {facade!r} has no attribute {name!r}")
