@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from iobundle.cli import _render
-from iobundle.cli._progress import ProgressBars
+from iobundle.cli._progress_bar import ProgressBars
 from iobundle.errors import CLIError
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ Raise :class:`~iobundle.errors.CLIError` for bad flag combinations; return :data
 when a check the user asked for fails.
 
 The comparing commands (``validate`` here, ``run`` and ``diff`` registered by
-:mod:`iobundle.cli._checks`) share their flags, progress bars (:mod:`iobundle.cli._progress`) and
+:mod:`iobundle.cli._checks`) share their flags, progress bars (:mod:`iobundle.cli._progress_bar`) and
 report files (:mod:`iobundle.cli._reports`: Markdown, HTML, JSON, CSV).
 """
 

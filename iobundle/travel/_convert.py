@@ -36,7 +36,7 @@ from iobundle._progress import ProgressCallback, notify
 from iobundle._remote import resolve_output
 from iobundle.calls import RecordedCalls, tensor_keys
 from iobundle.errors import BundleExistsError, BundleWriteError, ModelLoadError, ReplayError
-from iobundle.replay import RecordedCallsAPI
+from iobundle.replay import RecordedCallsAPI, recorded_calls
 from iobundle.replay.check import input_mapping, model_label, output_mapping, output_paths, read_metadata
 from iobundle.replay.infer import align_calls, aligned_tensors
 from iobundle.schema import DictNode, ListNode, Node, ObjectNode, TensorNode, TupleNode
@@ -97,11 +97,6 @@ def tensor_proto(tensor: torch.Tensor, name: str) -> onnx.TensorProto:
     proto.dims.extend(t.shape)
     proto.raw_data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
     return proto
-
-
-def _calls_of(source: RecordedCallsAPI | RecordedCalls) -> RecordedCalls:
-    """The recorded calls of a ``Bundle`` or an ``InputObserver`` (or of the calls themselves)."""
-    return source if isinstance(source, RecordedCalls) else source._recorded()
 
 
 def _refuse_repeated_indices(rc: RecordedCalls) -> None:
@@ -189,7 +184,7 @@ def convert_to_onnx_testdata(
         >>> convert_to_onnx_testdata(load_bundle("run.iobundle"), "model.onnx", "testdata").paths[0]
         PosixPath('testdata/test_data_set_0/input_0.pb')
     """
-    rc = _calls_of(calls)
+    rc = recorded_calls(calls)
     inputs, outputs, meta = _load_graph(model)
     alignment = align_calls(rc)
     metadata = read_metadata(meta, model_label(model), len(alignment.owners))
@@ -352,7 +347,7 @@ def convert_to_npz(
         >>> sorted(numpy.load("arrays/call_000000.npz"))
         ['args.0', 'outputs']
     """
-    rc = _calls_of(calls)
+    rc = recorded_calls(calls)
     _refuse_repeated_indices(rc)
     target = resolve_output(output, remote=False, what="convert")
     assert isinstance(target, Path)
