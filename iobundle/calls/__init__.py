@@ -64,6 +64,7 @@ __all__ = [
     # Delta storage and hashes
     "DeltaIndex",
     "Match",
+    "Packed",
     "PinnedStager",
     "WRITE_HASH",
     "new_hasher",
@@ -126,7 +127,7 @@ from iobundle.calls._registry import (
     register_provider,
 )
 from iobundle.calls._segments import SegmentWriter
-from iobundle.calls._staging import PinnedStager
+from iobundle.calls._staging import Packed, PinnedStager
 from iobundle.calls._tensorfile_read import (
     BundleRoot,
     BundleTensorStore,
