@@ -523,9 +523,14 @@ def load_bundle_model(bundle: Bundle | str | os.PathLike[str]) -> torch.nn.Modul
         bundle = Bundle.load(bundle)
     entry = bundle.manifest.model
     if entry is None:
+        redacted = bundle.manifest.redacted is not None
         raise ModelLoadError(
-            f"The bundle '{bundle.path}' stores no model. Save it with observer.save(path, include_model=True), "
-            "or build the model yourself."
+            f"The bundle '{bundle.path}' stores no model: "
+            + ("`iobundle redact` dropped it (--keep-model keeps it)" if redacted else "it was saved without it")
+            + ". Build the model yourself, or store it (observer.save(path, include_model=True)).",
+            hint="redact the original bundle again with --keep-model, or pass --model MODULE:FACTORY"
+            if redacted
+            else "save the bundle with observer.save(path, include_model=True), or pass --model MODULE:FACTORY",
         )
     types, config_dict = _stored_config(bundle, entry)
     _check_config_dict(entry.config_file, config_dict)  # before the class's module is imported
