@@ -305,11 +305,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--atol", action="append", metavar="[NAME=]VALUE",
-        help="the check's " + _checks.TOLERANCE_HELP.format(what="absolute", default=_checks.DEFAULT_ATOL),
+        help="the check's " + _checks.tolerance_help("absolute"),
     )  # fmt: skip
     p.add_argument(
         "--rtol", action="append", metavar="[NAME=]VALUE",
-        help="the check's " + _checks.TOLERANCE_HELP.format(what="relative", default=_checks.DEFAULT_RTOL),
+        help="the check's " + _checks.tolerance_help("relative"),
     )  # fmt: skip
     p.set_defaults(handler=_programs.cmd_export)
 
@@ -410,7 +410,7 @@ def _inspect(args: argparse.Namespace) -> int:
             model=model,
             packed=bundle.packed,
             remote=bundle.remote,
-            calls_shown=args.calls,
+            calls_shown="none" if _checks.quiet(args) else args.calls,
         )
     )
     problems = damaged_files(bundle, args.bundle)

@@ -121,8 +121,9 @@ def _check_writable(path: str, flag: str, *, overwrite: bool) -> None:
             )
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
+        what = "is not a directory" if os.path.lexists(parent) else "does not exist (iobundle does not create it)"
         raise BundleWriteError(
-            f"{flag} {path}: the folder {parent} does not exist (iobundle does not create it).",
+            f"{flag} {path}: the folder {parent} {what}.",
             hint="create the folder first, or choose a path in an existing one",
         )
     try:  # a file made and removed: os.access says yes to root in /proc or on a read-only mount

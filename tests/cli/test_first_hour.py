@@ -165,3 +165,71 @@ def test_demo_never_replaces_a_bundle_it_did_not_write(bundle, tmp_path, capsys)
     assert sorted(p.name for p in (directory / "demo.iobundle").rglob("*")) == before
     assert main(["inspect", str(directory / "demo.iobundle")]) == 0
     assert "Model.forward(x)" in capsys.readouterr().out
+
+
+def test_tolerance_help_gives_the_defaults_by_dtype_instead_of_a_docs_page():
+    from iobundle.cli._checks import tolerance_help
+    from iobundle.replay.check import DTYPE_TOLERANCES
+
+    for i, what in enumerate(("absolute", "relative")):
+        text = tolerance_help(what)
+        half, bfloat = DTYPE_TOLERANCES["float16"][i], DTYPE_TOLERANCES["bfloat16"][i]
+        assert f"float16 outputs get {half:g}, bfloat16 outputs {bfloat:g}" in text and "docs" not in text
+
+
+# --------------------------------------------------------------------------- numbers that do not confuse
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self, scale: float = 1.0, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.scale, self.dtype = scale, dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.scale).to(self.dtype)
+
+
+def _record(path: Path, model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> Path:
+    observer = InputObserver()
+    with observer(model):
+        for n in (2, 3):
+            model(torch.ones(n, 3, dtype=dtype))
+    observer.save(path)
+    return path
+
+
+def test_diff_of_a_bf16_copy_names_the_dtype_and_keeps_the_table_narrow(tmp_path, capsys):
+    a = _record(tmp_path / "a.iobundle", Scaled())
+    b = _record(tmp_path / "b.iobundle", Scaled(dtype=torch.bfloat16), torch.bfloat16)
+    assert main(["diff", str(a), str(b)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert "FAIL: dtype float32 in A, bfloat16 in B" in lines[2]
+    assert len(lines[1]) < 100 and set(lines[1]) == {"─"}  # the rule under the header
+    assert "call 0: x: dtype float32 in A, bfloat16 in B; output: dtype float32 in A, bfloat16 in B" in lines
+
+
+def test_a_passing_row_with_a_huge_relative_error_says_how_it_is_computed(tmp_path, capsys):
+    a = _record(tmp_path / "a.iobundle", Scaled(1e-12))  # expected values near 0
+    b = _record(tmp_path / "b.iobundle", Scaled(3e-12))
+    assert main(["diff", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "2.00e+00" in out and "max rel is |actual - expected| / |expected|" in out
+    assert main(["diff", str(a), str(a)]) == 0
+    assert "max rel is" not in capsys.readouterr().out
+
+
+def test_one_file_is_one_file_and_inspect_q_is_quieter(bundle, capsys):
+    assert main(["verify", str(bundle)]) == 0
+    assert capsys.readouterr().out.startswith("OK: 1 file, ")
+    assert main(["inspect", str(bundle)]) == 0
+    full = capsys.readouterr().out
+    assert main(["inspect", "-q", str(bundle)]) == 0
+    quiet = capsys.readouterr().out
+    assert "in 1 file," in quiet and "latency" in full and "latency" not in quiet
+    assert len(quiet.splitlines()) < len(full.splitlines())
+
+
+@pytest.mark.parametrize(("command", "stale"), [("unpack", "sha256"), ("run", "the bundle directory")])
+def test_help_says_what_the_command_does_today(capsys, command, stale):
+    assert main([command, "--help"]) == 0
+    assert stale not in " ".join(capsys.readouterr().out.split())
