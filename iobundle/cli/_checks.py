@@ -70,6 +70,7 @@ not exist, the model cannot be loaded or a tolerance names no output, 4 when the
 recorded outputs (redacted): nothing compared, 5 when the bundle is damaged.""",
 }
 
+
 def tolerance_help(what: str) -> str:
     """The help of ``--atol`` (``what="absolute"``) or ``--rtol`` (``"relative"``), with the defaults by dtype.
 
