@@ -399,7 +399,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if bundle.manifest.model is not None:
         from iobundle.replay import describe_bundle_model
 
-        model = describe_bundle_model(bundle)
+        model = describe_bundle_model(bundle, registry=False)  # a file-reading command imports no transformers
     _render.out(
         _render.format_inspect(
             args.bundle,
