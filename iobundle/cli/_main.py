@@ -488,16 +488,13 @@ def _run_step(argv: list[str]) -> int:
     return subprocess.run([sys.executable, "-c", _CHILD, *argv], check=False).returncode
 
 
-_DEMO_MARKER = ".iobundle-demo.json"
-
-
-def _demo_outputs(directory: str, names: list[str], *, overwrite: bool) -> None:
-    """Refuse an output of the demo that is there and was not written by an earlier demo (listed in its marker)."""
+def _claim_demo_outputs(directory: str, names: list[str], *, overwrite: bool) -> None:
+    """Refuse an output there that no earlier demo wrote (its marker lists what it wrote), then list these in it."""
     import json
 
     from iobundle.errors import BundleExistsError
 
-    marker = os.path.join(directory, _DEMO_MARKER)
+    marker = os.path.join(directory, ".iobundle-demo.json")
     try:
         with open(marker, encoding="utf-8") as f:
             ours = set(json.load(f)["files"])
@@ -510,10 +507,11 @@ def _demo_outputs(directory: str, names: list[str], *, overwrite: bool) -> None:
                 "the demo replaces only its own outputs."
             )
     try:
+        os.makedirs(directory, exist_ok=True)
         with open(marker, "w", encoding="utf-8") as f:
             json.dump({"written_by": "iobundle demo", "files": sorted(ours | set(names))}, f)
     except OSError as exc:
-        raise BundleWriteError(f"Cannot write {marker}: {exc.strerror or exc}.") from exc
+        raise BundleWriteError(f"Cannot write into {directory}: {exc.strerror or exc}.") from exc
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -529,18 +527,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                 "iobundle demo --llama needs transformers: pip install 'iobundle[transformers]'."
             ) from exc
     directory = os.path.abspath(args.directory)
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as exc:
-        raise BundleWriteError(f"Cannot create {directory}: {exc.strerror or exc}.") from exc
-    stem = "llama" if args.llama else "model"
+    stem, bundle_name = ("llama", "llama.iobundle") if args.llama else ("model", "demo.iobundle")
     onnx_path = os.path.join(directory, f"{stem}.onnx")
     report = os.path.join(directory, f"{stem}-report.md")
-    _demo_outputs(
-        directory,
-        ["llama.iobundle" if args.llama else "demo.iobundle", *map(os.path.basename, (onnx_path, report))],
-        overwrite=args.overwrite,
-    )
+    _claim_demo_outputs(directory, [bundle_name, f"{stem}.onnx", f"{stem}-report.md"], overwrite=args.overwrite)
     begin = time.perf_counter()
     if args.llama:
         bundle, n_calls = capture_llama_demo(directory)

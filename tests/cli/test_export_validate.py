@@ -158,6 +158,7 @@ def test_llama_demo_exports_from_the_bundle_alone(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "captured 6 calls of LlamaForCausalLM.forward" in proc.stdout
     assert "--from-bundle" in proc.stdout
+    assert "patch: sdpa_without_is_causal" in proc.stdout and "patch: layout_copies" in proc.stdout
     assert "PASS: 6/6 calls" in proc.stdout
     manifest = json.loads((tmp_path / "demo" / "llama.iobundle" / "manifest.json").read_text())
     assert manifest["model"]["class_name"] == "LlamaForCausalLM"
