@@ -23,7 +23,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -32,15 +32,7 @@ from iobundle.calls import WRITE_HASH, new_hasher
 from iobundle.errors import BundleWriteError, IobundleError, ObserverArgumentError
 from iobundle.schema import FileEntry, ModelEntry
 
-__all__ = [
-    "MODEL_CONFIG_FILE",
-    "MODEL_DIR",
-    "MODEL_WEIGHTS_FILE",
-    "ModelToStore",
-    "check_model",
-    "find_submodule",
-    "write_model",
-]
+__all__ = ["MODEL_CONFIG_FILE", "MODEL_DIR", "MODEL_WEIGHTS_FILE", "check_model", "find_submodule", "write_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,16 +116,8 @@ def _config_json(model: Any) -> str:
     return json.dumps(config, indent=1, sort_keys=True, allow_nan=True)
 
 
-class ModelToStore(NamedTuple):
-    """A model checked for storing (:func:`check_model`), what :func:`write_model` writes."""
-
-    model: torch.nn.Module
-    submodule: str
-    config_text: str
-
-
-def check_model(model: Any, observed: Any | None = None) -> ModelToStore:
-    """Check that ``model`` can be stored, before anything of the bundle is written.
+def check_model(model: Any, observed: Any | None = None) -> tuple[str, str]:
+    """Check that ``model`` can be stored, before anything of the bundle is written; return its path and config.
 
     Args:
         model: A transformers model (a ``PreTrainedModel`` subclass defined by transformers).
@@ -156,20 +140,19 @@ def check_model(model: Any, observed: Any | None = None) -> ModelToStore:
             f"The observed {type(observed).__name__} is not a submodule of the {type(model).__name__} given "
             "as include_model. Pass the model that holds it."
         )
-    return ModelToStore(model, submodule, _config_json(model))
+    return submodule, _config_json(model)
 
 
-def write_model(bundle_dir: str | os.PathLike[str], stored: ModelToStore) -> ModelEntry:
-    """Write the config and weights of a model :func:`check_model` passed under ``bundle_dir/model/``.
-
-    Returns the manifest entry. On failure the files it wrote are removed.
+def write_model(bundle_dir: str | os.PathLike[str], model: torch.nn.Module, observed: Any | None = None) -> ModelEntry:
+    """Write ``model``'s config and weights under ``bundle_dir/model/`` (removed on failure); return the manifest entry.
 
     Raises:
+        ObserverArgumentError: See :func:`check_model`.
         BundleWriteError: The files cannot be written.
     """
     from safetensors.torch import save_model
 
-    model, submodule, config_text = stored
+    submodule, config_text = check_model(model, observed)
     root = Path(bundle_dir)
     directory = root / MODEL_DIR
     try:

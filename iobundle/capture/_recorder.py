@@ -515,19 +515,19 @@ class CallRecorder:
                 f"'{path}' is the bundle this observer streamed its calls to (stream_to=); it already holds "
                 "them, and its tensors are read back from it. Save to another path."
             )
-        stored = None
         if include_model is not False:  # checked before the first byte is written
             from iobundle.capture._model_store import check_model, write_model
             from iobundle.schema import write_manifest
 
             observed = getattr(self, "_observed_model", None)
             model = observed if include_model is True else include_model
-            stored = check_model(model, None if model is observed else observed)
+            inside = None if model is observed else observed
+            check_model(model, inside)
         existed = os.path.lexists(target)
         manifest = save_recorded_calls(rc, path, overwrite=overwrite)
-        if stored is not None:
+        if include_model is not False:
             try:
-                entry = write_model(path, stored)
+                entry = write_model(path, model, inside)
                 manifest = manifest.model_copy(update={"model": entry})
                 write_manifest(path, manifest)
             except BaseException:  # a failed save leaves nothing behind

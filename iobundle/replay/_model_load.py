@@ -453,10 +453,7 @@ class StoredModel:
 def _stored_config(
     bundle: Bundle, entry: ModelEntry, *, registry: bool = True
 ) -> tuple[frozenset[str], dict[str, Any]]:
-    """The model types ``entry``'s class is registered for, and its stored config (class and attention checked first).
-
-    Without ``registry`` the class is not looked up in transformers (nothing imported) and no type is returned.
-    """
+    """The model types ``entry``'s class is registered for (none without ``registry``), and its stored config."""
     types = _check_class_name(entry.class_name) if registry else frozenset()
     _check_implementation(
         "manifest.json",
