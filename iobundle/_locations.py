@@ -68,15 +68,11 @@ def refuse_overlap(source: str | os.PathLike[str], output: str | os.PathLike[str
         BundleExistsError: The two overlap (the message says how).
     """
     src, out = _parts(source), _parts(output)
-    if out == src:
-        how = "is the input itself"
-    elif out[: len(src)] == src:
-        how = "is inside the input"
-    elif src[: len(out)] == out:
-        how = "holds the input"
-    else:
-        return
-    raise BundleExistsError(
-        f"{what}: the output '{output}' {how}, '{source}'; writing it would destroy what is read.",
-        hint="choose an output outside the input (and not a folder that holds it)",
-    )
+    if src[: len(out)] == out[: len(src)]:
+        how = (
+            "is the input itself" if out == src else "is inside the input" if len(out) > len(src) else "holds the input"
+        )
+        raise BundleExistsError(
+            f"{what}: the output '{output}' {how}, '{source}'; writing it would destroy what is read.",
+            hint="choose an output outside the input (and not a folder that holds it)",
+        )
