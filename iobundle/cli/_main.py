@@ -474,9 +474,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return _checks.finish_comparison(args, report, [bundle])
 
 
-# `python -c` puts the current folder first on sys.path, where a folder named iobundle would shadow the
-# installed package: the child drops it (what `python -P` does, from Python 3.11 on).
-_CHILD = "import sys; del sys.path[0]; from iobundle.cli import main; sys.exit(main())"
+# `python -c` puts the current folder first on sys.path (unless PYTHONSAFEPATH is set), where a folder named
+# iobundle would shadow the installed package: the child drops it (what `python -P` does, from Python 3.11 on).
+_CHILD = (
+    "import sys; getattr(sys.flags, 'safe_path', False) or sys.path.pop(0); "
+    "from iobundle.cli import main; sys.exit(main())"
+)
 
 
 def _run_step(argv: list[str]) -> int:
