@@ -114,7 +114,10 @@ def _refuse_repeated_indices(rc: RecordedCalls) -> None:
 def _load_graph(model: str | os.PathLike[str]) -> tuple[list[str], list[str], dict[str, str]]:
     path = Path(model)
     if not path.is_file():
-        raise ModelLoadError(f"ONNX model '{path}' does not exist.")
+        raise ModelLoadError(
+            f"ONNX model '{path}' does not exist.",
+            hint="check the path of the ONNX model (`iobundle export -o` writes one)",
+        )
     try:
         proto = onnx.load(str(path), load_external_data=False)
     except Exception as exc:
@@ -375,6 +378,8 @@ def convert_to_npz(
             np.savez(path, **_call_arrays(rc, i))  # type: ignore[arg-type]
             paths.append(path)
             notify(on_progress, CONVERT_TASK, done, len(ok), f"call {index}")
+    except BundleExistsError:
+        raise  # an OSError too, whose message says what to do already
     except OSError as exc:
         raise BundleWriteError(f"Cannot write {target}: {exc.strerror or exc}.") from exc
     return ConvertResult(paths=paths, calls=len(ok))
