@@ -247,7 +247,8 @@ class _Child:
             env = dict(os.environ)
             env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
             env.setdefault("OMP_NUM_THREADS", "1")  # the child's torch ops are copies and comparisons
-            code = "from iobundle.capture._writer_process import serve; serve()"
+            # not the current folder first (``-c`` puts it there): a folder named iobundle would shadow this package
+            code = "import sys; del sys.path[0]; from iobundle.capture._writer_process import serve; serve()"
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", code, str(to_child[0]), str(from_child[1]), str(ring.fd)],
                 pass_fds=(to_child[0], from_child[1], ring.fd),
