@@ -384,14 +384,24 @@ def _read_small(path: Member, name: str, entry: FileEntry, *, hash_check: bool) 
     if done != entry.size and (entry.ranges is None or done < entry.size):
         raise IntegrityError(f"{name}: changed while it was being read ({done} bytes, expected {entry.size}).")
     del data[size:]
-    if hash_check and entry.ranges is not None:
-        with memoryview(data) as view:
-            _check_ranges(name, entry, [view])
-    elif hash_check:
-        hasher = new_hasher(entry.algorithm)
-        hasher.update(data)
-        check_digest(name, entry, hasher.hexdigest())
+    if hash_check:
+        check_bytes(name, entry, data)
     return data
+
+
+def check_bytes(name: str, entry: FileEntry, data: Any) -> None:
+    """Hash the bytes of bundle member ``name`` as read (a buffer: bytes, a mapping): its digest, or a segment's ranges.
+
+    Raises:
+        IntegrityError: A digest differs from the manifest's.
+    """
+    with memoryview(data) as view:
+        if entry.ranges is not None:
+            _check_ranges(name, entry, [view[: entry.size]])
+            return
+        hasher = new_hasher(entry.algorithm)
+        hasher.update(view)
+    check_digest(name, entry, hasher.hexdigest())
 
 
 def stored_shape(entry: TensorInfo, base: TensorInfo | None) -> tuple[int, ...]:
@@ -443,40 +453,56 @@ def check_file_header(
     return spans, data_start, size
 
 
+def _map(path: Member, name: str, size: int, *, segment: bool = False) -> torch.Tensor:
+    """The first ``size`` bytes of member ``name`` (all of it, but for a segment) as a uint8 tensor.
+
+    Memory-mapped, or read once where it cannot be (a remote file).
+    """
+    try:
+        if isinstance(path, Path):
+            return torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+        data = path.map(size)
+        if data is None and not segment:
+            data = torch.frombuffer(read_sized_member(path, name, size), dtype=torch.uint8)
+        elif data is None:  # a segment's bytes past its size are no part of the bundle
+            f, _ = _open_member(path, name)
+            raw = bytearray(size)
+            with f:
+                read_exactly(f, size, name, into=memoryview(raw))
+            data = torch.frombuffer(raw, dtype=torch.uint8)
+        return data
+    except (RuntimeError, OSError, ValueError) as exc:
+        raise TensorFileError(f"{name}: cannot be memory-mapped ({exc}).") from exc
+
+
 class _OpenFile:
     def __init__(self, name: str, path: Member, entries: dict[str, TensorInfo]) -> None:
         self.name = name
         self.spans, self.data_start, size = check_file_header(path, name, entries)
         self.data: torch.Tensor | None = None
         if any(end > begin for begin, end in self.spans.values()):
-            try:
-                if isinstance(path, Path):
-                    self.data = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
-                else:
-                    self.data = path.map(size)
-                    if self.data is None:  # not mappable (a remote file): read once, tensors view the bytes
-                        self.data = torch.frombuffer(read_sized_member(path, name, size), dtype=torch.uint8)
-            except (RuntimeError, OSError, ValueError) as exc:
-                raise TensorFileError(f"{name}: cannot be memory-mapped ({exc}).") from exc
+            self.data = _map(path, name, size)
 
     @classmethod
-    def from_bytes(cls, name: str, data: bytearray, entries: dict[str, TensorInfo]) -> _OpenFile:
-        """The file whose whole content is ``data`` (read by :func:`_read_small`); tensors view it."""
-        position = 0
+    def from_bytes(cls, name: str, data: bytearray | torch.Tensor, entries: dict[str, TensorInfo]) -> _OpenFile:
+        """The file whose whole content is ``data`` (read by :func:`_read_small`, or mapped and hashed); tensors view it."""
+        with memoryview(data.numpy() if isinstance(data, torch.Tensor) else data) as view:
+            position = 0
 
-        def read(n: int) -> bytes:
-            nonlocal position
-            position += n
-            return bytes(data[position - n : position])
+            def read(n: int) -> bytes:
+                nonlocal position
+                position += n
+                return bytes(view[position - n : position])
 
-        header, data_start = parse_header(name, len(data), read)
+            header, data_start = parse_header(name, len(view), read)
+            size = len(view)
         self = cls.__new__(cls)
         self.name = name
         self.data_start = data_start
-        self.spans = {key: _tensor_span(name, header, e, key, len(data) - data_start) for key, e in entries.items()}
+        self.spans = {key: _tensor_span(name, header, e, key, size - data_start) for key, e in entries.items()}
         self.data = None
         if any(end > begin for begin, end in self.spans.values()):
-            self.data = torch.frombuffer(data, dtype=torch.uint8)
+            self.data = data if isinstance(data, torch.Tensor) else torch.frombuffer(data, dtype=torch.uint8)
         return self
 
     @classmethod
@@ -609,8 +635,12 @@ class BundleTensorStore:
                     path = self.bundle_root.member(name)
                     data = _read_small(path, name, entry, hash_check=self.verify)
                     opened = _OpenFile.from_bytes(name, data, self.file_entries(name))
+                elif self.verify:  # mapped, hashed as mapped, its header read there: one read of the file
+                    data = _map(check_file(self.bundle_root, name, entry, hash_check=False), name, entry.size)
+                    check_bytes(name, entry, data.numpy())
+                    opened = _OpenFile.from_bytes(name, data, self.file_entries(name))
                 else:
-                    path = check_file(self.bundle_root, name, entry, hash_check=self.verify)
+                    path = check_file(self.bundle_root, name, entry, hash_check=False)
                     opened = _OpenFile(name, path, self.file_entries(name))
             except TensorFileError as exc:  # say which bundle: a command may read two (diff)
                 raise type(exc)(f"{exc} (bundle '{self.root}')") from exc
@@ -623,21 +653,10 @@ class BundleTensorStore:
         if entry.size <= READ_WHOLE_BYTES:
             raw = _read_small(self.bundle_root.member(name), name, entry, hash_check=self.verify)
             data = torch.frombuffer(raw, dtype=torch.uint8) if raw else None
-        else:
-            path = check_file(self.bundle_root, name, entry, hash_check=self.verify)
-            try:
-                if isinstance(path, Path):
-                    data = torch.from_file(str(path), shared=False, size=entry.size, dtype=torch.uint8)
-                else:
-                    data = path.map(entry.size)
-                    if data is None:
-                        f, _ = _open_member(path, name)
-                        raw = bytearray(entry.size)
-                        with f:
-                            read_exactly(f, entry.size, name, into=memoryview(raw))
-                        data = torch.frombuffer(raw, dtype=torch.uint8)
-            except (RuntimeError, OSError, ValueError) as exc:
-                raise TensorFileError(f"{name}: cannot be memory-mapped ({exc}).") from exc
+        else:  # mapped, then hashed as mapped when verifying: one read of the file
+            data = _map(check_file(self.bundle_root, name, entry, hash_check=False), name, entry.size, segment=True)
+            if self.verify:
+                check_bytes(name, entry, data.numpy())
         return _OpenFile.segment(name, data, self.file_entries(name))
 
     def _stored(self, key: str) -> torch.Tensor:
