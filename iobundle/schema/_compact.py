@@ -124,7 +124,6 @@ from iobundle.schema._manifest import (
     _Model,
     duplicate_call_index,
 )
-from iobundle.schema._rows import bulk_rows
 from iobundle.schema._structure import call_key
 
 __all__ = [
@@ -300,6 +299,7 @@ _FILE_FIELDS = frozenset({"size", "hash", "digest", "ranges", "tensors"})
 _OPTION_FIELDS = frozenset({"device", "name"})
 _STATUSES = frozenset({"ok", "failed", "incomplete"})
 _DTYPES = frozenset(DTYPES)
+_INT_ONLY = frozenset({int})
 _STR_ONLY = frozenset({str})
 _HEX = {n: re.compile(f"[0-9a-f]{{{n}}}") for n in set(HASH_ALGORITHMS.values())}
 
@@ -644,13 +644,6 @@ class _Reader:
         return out
 
     def files(self, raw: Any, default_hash: str, version: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The files and the tensor rows: each file's table checked in bulk, or row by row to name what is wrong."""
-        try:
-            return self.walk_files(raw, default_hash, version, bulk=True)
-        except _RowByRow:
-            return self.walk_files(raw, default_hash, version, bulk=False)
-
-    def walk_files(self, raw: Any, default_hash: str, version: int, *, bulk: bool) -> tuple[dict[str, Any], dict[str, Any]]:
         if not isinstance(raw, dict):
             self.fail("files", f"expected an object, found {type(raw).__name__}")
         count = sum(len(r["tensors"]) for r in raw.values() if type(r) is dict and type(r.get("tensors")) is dict)
@@ -659,7 +652,11 @@ class _Reader:
         files: dict[str, Any] = {}
         tensors: dict[str, TensorInfo] = {}
         depths: dict[str, int] = {}  # per extension, the length of its chain (other tensors: 0)
-        extensions = 0  # in bulk: no chain is longer than their number
+        max_chain, max_rank, max_elements = self.max_chain, self.max_rank, self.max_elements
+        prod = math.prod
+        int_only = _INT_ONLY
+        row_of, info = tuple.__new__, TensorInfo  # a namedtuple's own __new__ is Python code: one call per row
+        dtypes = _DTYPES
         file_fields, hex_of, algorithms = _FILE_FIELDS, _HEX, HASH_ALGORITHMS
         for name, rec in raw.items():
             if type(rec) is not dict:
@@ -693,60 +690,102 @@ class _Reader:
             rows = rec.get("tensors", {})
             if type(rows) is not dict:
                 self.fail(f"files[{name!r}].tensors", f"expected an object, found {type(rows).__name__}")
-            if bulk:
-                made = bulk_rows(name, rows, tensors, ranges, size, max_rank=self.max_rank, max_elements=self.max_elements)
-                if made is None or (extensions := extensions + made[1]) > self.max_chain:
-                    raise _RowByRow
-                tensors.update(made[0])
-                continue
             for key, row in rows.items():
-                at = f"files[{name!r}].tensors[{key!r}]"
                 if key in tensors:
-                    self.fail(at, "a tensor listed a second time")
-                if type(row) is not list or not 2 <= len(row) <= 4:
-                    self.fail(at, f"expected [dtype, shape, extends?, options?], found {_short(row)}")
-                dtype, shape, ext, options = [*row, None, None][:4]
-                if type(dtype) is not str or dtype not in _DTYPES:
-                    self.fail(at, f"dtype {_short(dtype)} is not one of {', '.join(DTYPES)}")
+                    self.fail(f"files[{name!r}].tensors[{key!r}]", "a tensor listed a second time")
+                n = len(row) if type(row) is list else 0
+                options = None
+                if n == 2:
+                    dtype, shape = row
+                    ext = None
+                elif n == 3:
+                    dtype, shape, ext = row
+                elif n == 4:
+                    dtype, shape, ext, options = row
+                else:
+                    self.fail(
+                        f"files[{name!r}].tensors[{key!r}]",
+                        f"expected [dtype, shape, extends?, options?], found {_short(row)}",
+                    )
+                if type(dtype) is not str or dtype not in dtypes:
+                    self.fail(
+                        f"files[{name!r}].tensors[{key!r}]", f"dtype {_short(dtype)} is not one of {', '.join(DTYPES)}"
+                    )
                 if type(shape) is not list:
-                    self.fail(at, f"shape must be a list of integers, found {_short(shape)}")
+                    self.fail(
+                        f"files[{name!r}].tensors[{key!r}]", f"shape must be a list of integers, found {_short(shape)}"
+                    )
                 dims = tuple(shape)
-                self.shape(dims, at)
+                # the checks of self.shape, inline for a good shape; self.shape says what is wrong with another
+                if not (
+                    set(map(type, dims)) <= int_only  # not bool nor float: True == 1 and 2.0 == 2
+                    and len(dims) <= max_rank
+                    and (not dims or min(dims) >= 0)
+                    and (prod(dims) if 0 not in dims else prod(d or 1 for d in dims)) <= max_elements
+                ):
+                    self.shape(dims, f"files[{name!r}].tensors[{key!r}]")
                 extends = None
                 if ext is not None:
-                    base_key, dim = self.extension(ext, at)
+                    if type(ext) is list and len(ext) == 2 and type(ext[0]) is str and type(ext[1]) is int:
+                        base_key, dim = ext  # the common case, checked inline (a negative dim: below)
+                    else:
+                        base_key, dim = self.extension(ext, f"files[{name!r}].tensors[{key!r}]")
+                    if dim < 0:
+                        self.extension(ext, f"files[{name!r}].tensors[{key!r}]")
                     base = tensors.get(base_key)
                     if base is None:
                         problem = "is not listed before it" if base_key != key else "is itself"
-                        self.fail(f"{at}.extends", f"tensor {base_key!r} {problem}; an extended tensor must come "
-                                  "earlier (in an earlier file or earlier in this one)", unsafe=True)  # fmt: skip
-                    self.compatible(base_key, (base[2], base[3]), key, dtype, dims, dim, f"files[{name!r}]")
+                        self.fail(
+                            f"files[{name!r}].tensors[{key!r}].extends",
+                            f"tensor {base_key!r} {problem}; an extended "
+                            "tensor must come earlier (in an earlier file or earlier in this one)",
+                            unsafe=True,
+                        )
+                    had = base[3]  # the checks of self.compatible, inline for a good extension
+                    if not (
+                        base[2] == dtype
+                        and len(had) == len(dims) > dim
+                        and had[dim] <= dims[dim]
+                        and had[:dim] == dims[:dim]
+                        and had[dim + 1 :] == dims[dim + 1 :]
+                    ):
+                        self.compatible(base_key, (base[2], had), key, dtype, dims, dim, f"files[{name!r}]")
                     depth = depths[key] = depths.get(base_key, 0) + 1
-                    if depth > self.max_chain:
-                        self.fail(f"{at}.extends", f"a chain of more than {self.max_chain} extensions "
-                                  "(MAX_EXTENSION_DEPTH)", unsafe=True)  # fmt: skip
+                    if depth > max_chain:
+                        self.fail(
+                            f"files[{name!r}].tensors[{key!r}].extends",
+                            f"a chain of more than {max_chain} extensions (MAX_EXTENSION_DEPTH)",
+                            unsafe=True,
+                        )
                     extends = (base_key, dim)
-                device, in_file = ("cpu", key) if options is None else self.options(options, key, at)
-                count = math.prod(dims)
+                if options is None:
+                    device, in_file = "cpu", key
+                else:
+                    device, in_file = self.options(options, key, f"files[{name!r}].tensors[{key!r}]")
+                offset = None
+                count = prod(dims)
                 if extends is not None and count:  # stored: the part past the base along dim
                     count = count // dims[dim] * (dims[dim] - tensors[base_key][3][dim])
                 nbytes = count * DTYPE_ITEMSIZES[dtype]
-                offset = None
-                if ranges is None and nbytes > size:
-                    self.fail(at, f"{dtype} {list(dims)} needs {nbytes} bytes but its file {name!r} has {size}", unsafe=True)
+                if ranges is None and nbytes > size:  # what load_bundle checked for manifests of tensor entries
+                    self.fail(f"files[{name!r}].tensors[{key!r}]", f"{dtype} {list(dims)} needs {nbytes} bytes but "
+                              f"its file {name!r} has {size}", unsafe=True)  # fmt: skip
                 elif ranges is not None:
                     if in_file != key:
-                        self.fail(at, "a segment's tensor has no name but its key")
+                        self.fail(f"files[{name!r}].tensors[{key!r}]", "a segment's tensor has no name but its key")
                     if nbytes:
                         while current < len(ends) and position >= ends[current]:
                             current += 1
                         if current == len(ends) or position + nbytes > ends[current]:
-                            self.fail(at, f"its {nbytes} bytes at offset {position} do not lie inside one range "
-                                      "(each tensor is stored inside the range of the call that added it)",
-                                      unsafe=True)  # fmt: skip
+                            self.fail(
+                                f"files[{name!r}].tensors[{key!r}]",
+                                f"its {nbytes} bytes at offset {position} do not lie inside one range "
+                                "(each tensor is stored inside the range of the call that added it)",
+                                unsafe=True,
+                            )
                     offset = position
                     position += nbytes
-                tensors[key] = TensorInfo(name, in_file, dtype, dims, device, extends, offset)
+                tensors[key] = row_of(info, (name, in_file, dtype, dims, device, extends, offset))
             if ranges is not None and position != size:
                 self.fail(f"files[{name!r}].tensors", f"the tensors fill {position} bytes of the {size} its ranges hold",
                           unsafe=True)  # fmt: skip
@@ -788,10 +827,6 @@ class _Reader:
         if type(device) is not str or type(name) is not str:
             self.fail(where, f"device and name must be strings, found {_short(options)}")
         return device, name
-
-
-class _RowByRow(Exception):
-    """A file's table did not pass in bulk: read every file again row by row, to name what is wrong."""
 
 
 def _short(value: Any, limit: int = 80) -> str:

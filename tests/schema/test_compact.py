@@ -446,53 +446,7 @@ class TestAutocastField:
             parse_manifest(json.dumps(raw))
 
 
-# -- the tensor table checked in bulk ----------------------------------------------------------
-
-
-def _both_readers(raw: dict[str, Any]) -> tuple[Any, Any]:
-    """What the bulk reader and the row-by-row reader make of ``raw``'s files: the result or the error class."""
-    from iobundle.schema._compact import _Reader
-
-    outcomes = []
-    for bulk in (True, False):
-        reader = _Reader("m.json", 10_000_000, 64, 2**40, 100_000)
-        try:
-            outcomes.append(
-                reader.walk_files(raw["files"], raw.get("hash", "xxh3-128"), raw["format_version"], bulk=bulk)
-            )
-        except IobundleError as exc:
-            outcomes.append(type(exc))
-        except Exception as exc:  # the bulk reader hands over: _RowByRow
-            outcomes.append(type(exc).__name__)
-    return outcomes[0], outcomes[1]
-
-
-@pytest.mark.parametrize(
-    "name", ["compact_nested", "compact_growing", "segments_growing", "segments_nested", "segments_model"]
-)
-def test_the_bulk_reader_reads_every_golden_table_as_the_row_reader_does(name):
-    raw = golden(name)
-    bulk, rows = _both_readers(raw)
-    assert isinstance(rows, tuple) and bulk == rows
-    assert [type(r) for r in rows[1].values()] == [type(r) for r in bulk[1].values()]
-
-
-@pytest.mark.parametrize("name", ["compact_growing", "segments_growing"])
-def test_the_bulk_reader_never_accepts_a_table_the_row_reader_refuses(name):
-    """Every value of every tensor row replaced in turn by another: the bulk reader gives the same rows or hands over."""
-    raw = golden(name)
-    replacements = [None, -1, 0, 2**40, True, 1.0, "F32", "t0", [], [0], [1, 1], ["t0", 0], {"device": 1}, {}]
-    for file in raw["files"]:
-        for key, row in raw["files"][file]["tensors"].items():
-            for path in [(i,) for i in range(len(row))] + [(1, j) for j in range(len(row[1]))]:
-                for value in replacements:
-                    edited = copy.deepcopy(raw)
-                    target = edited["files"][file]["tensors"][key]
-                    for step in path[:-1]:
-                        target = target[step]
-                    target[path[-1]] = value
-                    bulk, rows = _both_readers(edited)
-                    assert bulk == rows or bulk == "_RowByRow", (file, key, path, value, bulk, rows)
+# -- sizes
 
 
 def test_a_tensor_larger_than_its_file_is_refused_when_the_manifest_is_read():
