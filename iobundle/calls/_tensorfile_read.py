@@ -6,16 +6,17 @@ The order of the checks is what makes reading a hostile file safe:
    no control character) and no component of it is a symbolic link (:class:`iobundle._paths.Tree`:
    its folders opened without following one, its file opened with ``O_NOFOLLOW``);
 2. the file is a regular file (a FIFO or a device would block or never end), opened without
-   blocking, and its size is the one the manifest records; its hash too (the algorithm the
-   manifest names: XXH3-128 in format version 2, sha256 in version 1), the first time it is read,
-   unless verification is off;
+   blocking, and its size is the one the manifest records. Only then is it read: whole when small,
+   else memory-mapped (a mapping past the end of a file is a SIGBUS, not an exception, so nothing
+   is mapped before the size check). Its hash (the algorithm the manifest names: XXH3-128 in
+   format version 2, sha256 in version 1) is checked on those bytes, the first time it is read,
+   unless verification is off: each file is read once;
 3. the header length fits in the file and under
    :data:`iobundle.calls._tensorfile_write.MAX_HEADER_BYTES`, the header is a JSON object, and every
    tensor the manifest puts in this file is there with the manifest's dtype and shape and a byte
    span inside the data area of exactly the right length (the checks
    :mod:`iobundle.calls._tensorfile_write` shares with the streaming observer's read-back);
-4. only then is the file memory-mapped. A mapping past the end of a file is a SIGBUS, not an
-   exception, so nothing is mapped before the size checks.
+4. only then do tensors view the bytes.
 
 A segment (format version 4, ``FileEntry.ranges``) has no header: its tensors' byte spans come from
 the manifest (``TensorEntry.offset``, checked to lie inside the ranges when the manifest was read).
@@ -453,8 +454,8 @@ def check_file_header(
     return spans, data_start, size
 
 
-def _map(path: Member, name: str, size: int, *, segment: bool = False) -> torch.Tensor:
-    """The first ``size`` bytes of member ``name`` (all of it, but for a segment) as a uint8 tensor.
+def _map(path: Member, name: str, size: int) -> torch.Tensor:
+    """The first ``size`` bytes of member ``name`` (checked to have them) as a uint8 tensor.
 
     Memory-mapped, or read once where it cannot be (a remote file).
     """
@@ -462,9 +463,7 @@ def _map(path: Member, name: str, size: int, *, segment: bool = False) -> torch.
         if isinstance(path, Path):
             return torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
         data = path.map(size)
-        if data is None and not segment:
-            data = torch.frombuffer(read_sized_member(path, name, size), dtype=torch.uint8)
-        elif data is None:  # a segment's bytes past its size are no part of the bundle
+        if data is None:  # a segment's bytes past its size are no part of the bundle
             f, _ = _open_member(path, name)
             raw = bytearray(size)
             with f:
@@ -476,16 +475,9 @@ def _map(path: Member, name: str, size: int, *, segment: bool = False) -> torch.
 
 
 class _OpenFile:
-    def __init__(self, name: str, path: Member, entries: dict[str, TensorInfo]) -> None:
-        self.name = name
-        self.spans, self.data_start, size = check_file_header(path, name, entries)
-        self.data: torch.Tensor | None = None
-        if any(end > begin for begin, end in self.spans.values()):
-            self.data = _map(path, name, size)
-
     @classmethod
     def from_bytes(cls, name: str, data: bytearray | torch.Tensor, entries: dict[str, TensorInfo]) -> _OpenFile:
-        """The file whose whole content is ``data`` (read by :func:`_read_small`, or mapped and hashed); tensors view it."""
+        """The file whose whole content is ``data`` (read by :func:`_read_small`, or mapped); tensors view it."""
         with memoryview(data.numpy() if isinstance(data, torch.Tensor) else data) as view:
             position = 0
 
@@ -635,13 +627,11 @@ class BundleTensorStore:
                     path = self.bundle_root.member(name)
                     data = _read_small(path, name, entry, hash_check=self.verify)
                     opened = _OpenFile.from_bytes(name, data, self.file_entries(name))
-                elif self.verify:  # mapped, hashed as mapped, its header read there: one read of the file
+                else:  # mapped, hashed there when verifying, its header read there: one read of the file
                     data = _map(check_file(self.bundle_root, name, entry, hash_check=False), name, entry.size)
-                    check_bytes(name, entry, data.numpy())
+                    if self.verify:
+                        check_bytes(name, entry, data.numpy())
                     opened = _OpenFile.from_bytes(name, data, self.file_entries(name))
-                else:
-                    path = check_file(self.bundle_root, name, entry, hash_check=False)
-                    opened = _OpenFile(name, path, self.file_entries(name))
             except TensorFileError as exc:  # say which bundle: a command may read two (diff)
                 raise type(exc)(f"{exc} (bundle '{self.root}')") from exc
             self._files[name] = opened
@@ -654,7 +644,7 @@ class BundleTensorStore:
             raw = _read_small(self.bundle_root.member(name), name, entry, hash_check=self.verify)
             data = torch.frombuffer(raw, dtype=torch.uint8) if raw else None
         else:  # mapped, then hashed as mapped when verifying: one read of the file
-            data = _map(check_file(self.bundle_root, name, entry, hash_check=False), name, entry.size, segment=True)
+            data = _map(check_file(self.bundle_root, name, entry, hash_check=False), name, entry.size)
             if self.verify:
                 check_bytes(name, entry, data.numpy())
         return _OpenFile.segment(name, data, self.file_entries(name))
