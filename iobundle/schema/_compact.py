@@ -765,7 +765,7 @@ class _Reader:
                 offset = None
                 count = prod(dims)
                 if extends is not None and count:  # stored: the part past the base along dim
-                    count = count // dims[dim] * (dims[dim] - tensors[base_key][3][dim])
+                    count = count // dims[dim] * (dims[dim] - had[dim])
                 nbytes = count * DTYPE_ITEMSIZES[dtype]
                 if ranges is None and nbytes > size:  # what load_bundle checked for manifests of tensor entries
                     self.fail(f"files[{name!r}].tensors[{key!r}]", f"{dtype} {list(dims)} needs {nbytes} bytes but "
