@@ -364,7 +364,7 @@ def _read_header(path: Member, name: str, expected: int | None = None) -> tuple[
 
 
 def _read_small(path: Member, name: str, entry: FileEntry, *, hash_check: bool) -> bytearray:
-    """The whole bundle member ``name`` (at most :data:`READ_WHOLE_BYTES`), checked as :func:`check_file` does."""
+    """The whole bundle member ``name`` (small, or not mappable), checked as :func:`check_file` does."""
     f, size = _open_member(path, name)
     problem = _size_problem(name, size, entry)
     if problem is not None:
@@ -391,11 +391,7 @@ def _read_small(path: Member, name: str, entry: FileEntry, *, hash_check: bool) 
 
 
 def check_bytes(name: str, entry: FileEntry, data: Any) -> None:
-    """Hash the bytes of bundle member ``name`` as read (a buffer: bytes, a mapping): its digest, or a segment's ranges.
-
-    Raises:
-        IntegrityError: A digest differs from the manifest's.
-    """
+    """Check the digest (a segment: each range's) of member ``name`` on its bytes as read (a buffer); IntegrityError if not."""
     with memoryview(data) as view:
         if entry.ranges is not None:
             _check_ranges(name, entry, [view[: entry.size]])
@@ -454,21 +450,14 @@ def check_file_header(
     return spans, data_start, size
 
 
-def _map(path: Member, name: str, size: int) -> torch.Tensor:
-    """The first ``size`` bytes of member ``name`` (checked to have them) as a uint8 tensor.
-
-    Memory-mapped, or read once where it cannot be (a remote file).
-    """
+def _map(path: Member, name: str, entry: FileEntry) -> torch.Tensor:
+    """The ``entry.size`` bytes of member ``name`` (checked to have them) as a uint8 tensor."""
     try:
         if isinstance(path, Path):
-            return torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
-        data = path.map(size)
-        if data is None:  # a segment's bytes past its size are no part of the bundle
-            f, _ = _open_member(path, name)
-            raw = bytearray(size)
-            with f:
-                read_exactly(f, size, name, into=memoryview(raw))
-            data = torch.frombuffer(raw, dtype=torch.uint8)
+            return torch.from_file(str(path), shared=False, size=entry.size, dtype=torch.uint8)
+        data = path.map(entry.size)
+        if data is None:  # not mappable (a remote file): read once
+            data = torch.frombuffer(_read_small(path, name, entry, hash_check=False), dtype=torch.uint8)
         return data
     except (RuntimeError, OSError, ValueError) as exc:
         raise TensorFileError(f"{name}: cannot be memory-mapped ({exc}).") from exc
@@ -478,16 +467,15 @@ class _OpenFile:
     @classmethod
     def from_bytes(cls, name: str, data: bytearray | torch.Tensor, entries: dict[str, TensorInfo]) -> _OpenFile:
         """The file whose whole content is ``data`` (read by :func:`_read_small`, or mapped); tensors view it."""
-        with memoryview(data.numpy() if isinstance(data, torch.Tensor) else data) as view:
-            position = 0
+        view, position = memoryview(data.numpy() if isinstance(data, torch.Tensor) else data), 0
 
-            def read(n: int) -> bytes:
-                nonlocal position
-                position += n
-                return bytes(view[position - n : position])
+        def read(n: int) -> bytes:
+            nonlocal position
+            position += n
+            return bytes(view[position - n : position])
 
-            header, data_start = parse_header(name, len(view), read)
-            size = len(view)
+        header, data_start = parse_header(name, len(view), read)
+        size = len(view)
         self = cls.__new__(cls)
         self.name = name
         self.data_start = data_start
@@ -628,7 +616,7 @@ class BundleTensorStore:
                     data = _read_small(path, name, entry, hash_check=self.verify)
                     opened = _OpenFile.from_bytes(name, data, self.file_entries(name))
                 else:  # mapped, hashed there when verifying, its header read there: one read of the file
-                    data = _map(check_file(self.bundle_root, name, entry, hash_check=False), name, entry.size)
+                    data = _map(check_file(self.bundle_root, name, entry, hash_check=False), name, entry)
                     if self.verify:
                         check_bytes(name, entry, data.numpy())
                     opened = _OpenFile.from_bytes(name, data, self.file_entries(name))
@@ -644,7 +632,7 @@ class BundleTensorStore:
             raw = _read_small(self.bundle_root.member(name), name, entry, hash_check=self.verify)
             data = torch.frombuffer(raw, dtype=torch.uint8) if raw else None
         else:  # mapped, then hashed as mapped when verifying: one read of the file
-            data = _map(check_file(self.bundle_root, name, entry, hash_check=False), name, entry.size)
+            data = _map(check_file(self.bundle_root, name, entry, hash_check=False), name, entry)
             if self.verify:
                 check_bytes(name, entry, data.numpy())
         return _OpenFile.segment(name, data, self.file_entries(name))

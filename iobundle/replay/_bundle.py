@@ -34,7 +34,6 @@ from iobundle.schema import (
     MANIFEST_FILENAME,
     CallEntry,
     Manifest,
-    compact_tables,
     deferred_calls,
     deferred_keys,
     load_manifest,
@@ -239,7 +238,7 @@ def _check_references(store: BundleTensorStore, manifest: Manifest) -> None:
     else:
         for name in manifest.files:
             root.member(name)
-    if compact_tables(manifest) is None:  # a compact manifest's rows were checked against their files' sizes
+    if type(manifest) is Manifest:  # format version 1 or 2: a compact manifest's rows were checked when read
         store.check_sizes()
     keys: list[str] = []
     for e in manifest.value_if_missing:

@@ -20,7 +20,6 @@ __all__ = [
     "call_key",
     "collect_tensor_keys",
     "conditions_met",
-    "compact_tables",
     "deferred_calls",
     "deferred_keys",
     "deferred_shape",
@@ -54,14 +53,7 @@ from pydantic import TypeAdapter
 
 from iobundle.schema import _manifest
 from iobundle.schema._compact import CompactManifest
-from iobundle.schema._deferred import (
-    TensorInfo,
-    compact_tables,
-    deferred_calls,
-    deferred_keys,
-    deferred_shape,
-    tensor_rows,
-)
+from iobundle.schema._deferred import TensorInfo, deferred_calls, deferred_keys, deferred_shape, tensor_rows
 from iobundle.schema._io import (
     JOURNAL_FILENAME,
     MANIFEST_FILENAME,

@@ -341,10 +341,9 @@ class ErrorStats:
 def _errors(a: np.ndarray, b: np.ndarray, scratch: Scratch) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Flat float64 ``(abs errors, |expected|, where exactly one side is NaN)`` of two arrays of one shape.
 
-    The float64 conversions go to ``scratch``'s buffers (reused: fresh memory costs a page fault per
-    page, more than the copy), the errors to a new array; ``|expected|`` is one of the buffers. The
-    NaN and infinity bookkeeping runs only when some error is not finite. The mask is None when no
-    element is NaN on one side only.
+    The float64 copies go to ``scratch``'s reused buffers (fresh memory costs a page fault per page);
+    ``|expected|`` is one of them. The NaN and infinity bookkeeping runs only when some error is not
+    finite. The mask is None when no element is NaN on one side only.
     """
     a64, b64 = scratch.get(np.dtype(np.float64), a.size, 2), scratch.get(np.dtype(np.float64), a.size, 3)
     np.copyto(a64, a.reshape(-1), casting="unsafe")
