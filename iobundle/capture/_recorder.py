@@ -452,7 +452,7 @@ class CallRecorder:
     def _append(self, call: CallEntry) -> None:
         rc = self._rc
         assert rc is not None
-        rc.calls.append(call.model_copy(update={"index": len(rc.calls)}))
+        rc.calls.append(call if call.index == len(rc.calls) else call.model_copy(update={"index": len(rc.calls)}))
         rc.touch()
 
     # -- results ------------------------------------------------------------------------------
