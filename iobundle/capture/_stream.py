@@ -778,7 +778,7 @@ class CallStream:
         """
         taken, off_cpu = self._table.take_copied()
         process = self.process
-        if process is not None and (not recorded_now or WRITER == "process" or taken < PROCESS_MAX_BYTES):
+        if process is not None and (not recorded_now or stream_writer_kind() == "process" or taken < PROCESS_MAX_BYTES):
             with self._cond:
                 if self._closed:
                     self._failures.append(
