@@ -68,6 +68,8 @@ __all__ = [
     "item_labels",
     "path_matches",
     "tensor_paths",
+    "call_paths",
+    "escape_key",
     # Delta storage and hashes
     "DeltaIndex",
     "Match",
@@ -85,6 +87,8 @@ __all__ = [
     "parse_header",
     "read_exactly",
     "SegmentWriter",
+    "segment_header",
+    "segment_header_entry",
     "tensor_bytes",
     "tensor_span",
     "write_tensor_file",
@@ -94,6 +98,7 @@ __all__ = [
     "Root",
     "check_file",
     "check_file_header",
+    "check_segment_member",
     "check_member_name",
     "listed_files",
     "open_regular",
@@ -129,7 +134,15 @@ from iobundle.calls._layouts import (
     cache_child_labels,
     dynamic_cache_parts,
 )
-from iobundle.calls._paths import OUTPUT_ROOT, child_path, item_labels, path_matches, tensor_paths
+from iobundle.calls._paths import (
+    OUTPUT_ROOT,
+    call_paths,
+    child_path,
+    escape_key,
+    item_labels,
+    path_matches,
+    tensor_paths,
+)
 from iobundle.calls._record import record_inputs, split_kwargs
 from iobundle.calls._registry import (
     NodeType,
@@ -139,7 +152,7 @@ from iobundle.calls._registry import (
     register_node_type,
     register_provider,
 )
-from iobundle.calls._segments import SegmentWriter
+from iobundle.calls._segments import SegmentWriter, segment_header, segment_header_entry
 from iobundle.calls._staging import PinnedStager
 from iobundle.calls._tensorfile_read import (
     BundleRoot,
@@ -147,6 +160,7 @@ from iobundle.calls._tensorfile_read import (
     Root,
     check_file,
     check_file_header,
+    check_segment_member,
     check_member_name,
     listed_files,
     open_regular,

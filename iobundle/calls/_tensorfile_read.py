@@ -17,11 +17,15 @@ The order of the checks is what makes reading a hostile file safe:
 4. only then is the file memory-mapped. A mapping past the end of a file is a SIGBUS, not an
    exception, so nothing is mapped before the size checks.
 
-A segment (format version 4, ``FileEntry.ranges``) has no header: its tensors' byte spans come from
-the manifest (``TensorEntry.offset``, checked to lie inside the ranges when the manifest was read).
+A segment (``FileEntry.ranges``) holds many calls' small tensors; their byte spans come from the
+manifest (``TensorEntry.offset``, checked to lie inside the ranges when the manifest was read).
 Steps 1, 2 and 4 apply to it, with two differences: the file may be longer than the manifest's
 size (the bytes past it, a call a killed writer was appending, are never read), and the hash is
-checked range by range (each range has its own digest, named with the call that wrote it).
+checked range by range (each range has its own digest, named with the call that wrote it). In
+format version 4 and 5 it has no header; in version 6 its first range starts past its header
+region, and a sealed header (:mod:`iobundle.calls._segments`) must list exactly the tensors the
+manifest puts there, as stored, at their offsets (:func:`check_segment_header`); an unsealed one
+(length 0: a stream still open, or killed) claims nothing.
 
 A tensor stored as an extension of another (format version 2, ``TensorEntry.extends``) is rebuilt
 on each read: its chain of parts (which the manifest checks bounded and acyclic) is read, each part
@@ -34,6 +38,7 @@ mapped: a bundle of many thousands of calls can be read without running out of d
 from __future__ import annotations
 
 import errno
+import io
 import math
 import os
 import re
@@ -72,6 +77,8 @@ __all__ = [
     "Root",
     "BundleTensorStore",
     "check_file",
+    "check_segment_header",
+    "check_segment_member",
     "check_file_header",
     "listed_files",
     "read_sized_member",
@@ -247,8 +254,12 @@ def _check_ranges(name: str, entry: FileEntry, chunks: Iterable[memoryview]) -> 
     """
     ranges = entry.ranges or []
     j, position = 0, 0
+    skip = ranges[0][1] if ranges else 0  # the header region (format version 6) is no range's
     hasher = new_hasher(entry.algorithm)
     for chunk in chunks:
+        if position < skip:
+            take = min(len(chunk), skip - position)
+            chunk, position = chunk[take:], position + take
         while j < len(ranges):
             call, start, length, digest = ranges[j]
             take = min(len(chunk), start + length - position)
@@ -392,6 +403,67 @@ def _read_small(path: Member, name: str, entry: FileEntry, *, hash_check: bool) 
         hasher.update(data)
         check_digest(name, entry, hasher.hexdigest())
     return data
+
+
+def check_segment_header(name: str, head: bytes, entry: FileEntry, entries: dict[str, TensorInfo]) -> None:
+    """Check the header of segment ``name`` (its first bytes ``head``, up to its first range) against the manifest.
+
+    ``entries`` are the segment's tensors as stored (:meth:`BundleTensorStore.file_entries`). A
+    header of length 0 is an unsealed segment's, which claims nothing (format version 4 and 5
+    segments have no header region, nothing to check).
+
+    Raises:
+        TensorFileError: The header is unreadable or disagrees with the manifest (its length, a
+            tensor's name, key, dtype, stored shape or data_offsets, a tensor too many or missing).
+    """
+    start = entry.ranges[0][1] if entry.ranges else 0
+    if start == 0 or not any(head[:8]):
+        return
+    header, data_start = parse_header(name, len(head), io.BytesIO(head).read)
+    if data_start != start:
+        raise TensorFileError(
+            f"{name}: the header ends at byte {data_start}, but the manifest's first range starts at {start}. "
+            "The file was changed or is not this bundle's."
+        )
+    meta = header.pop("__metadata__", None)
+    keys = {tensor: meta.get(tensor) if isinstance(meta, dict) else None for tensor in header}
+    for tensor, key in keys.items():
+        if key not in entries:
+            raise TensorFileError(
+                f"{name}: tensor {tensor!r} of the header is {_key_problem(key)}. The file disagrees with the manifest."
+            )
+    if len(set(keys.values())) != len(entries):
+        missing = sorted(entries.keys() - set(keys.values()))
+        raise TensorFileError(
+            f"{name}: the header lists {len(keys)} tensors, the manifest {len(entries)} "
+            f"(missing: {', '.join(map(repr, missing[:5]))}). The file disagrees with the manifest."
+        )
+    for tensor, key in keys.items():
+        e = entries[str(key)]
+        begin, _ = tensor_span(name, header, tensor, dtype=e.dtype, shape=e.shape, data_len=entry.size - start, key=key)
+        if e.offset is not None and begin != e.offset - start:
+            raise TensorFileError(
+                f"{name}: tensor {tensor!r} (key {key!r}) starts at byte {begin} of the data, "
+                f"the manifest says {e.offset - start}. The file disagrees with the manifest."
+            )
+
+
+def check_segment_member(path: Member, name: str, entry: FileEntry, entries: dict[str, TensorInfo]) -> None:
+    """:func:`check_segment_header` on the header region of the segment ``path`` (read from the file)."""
+    if entry.ranges and entry.ranges[0][1]:
+        f, _ = _open_member(path, name)
+        try:
+            with f:
+                head = read_exactly(f, entry.ranges[0][1], name)
+        except OSError as exc:
+            raise TensorFileError(f"{name}: cannot be read ({exc.strerror or exc}).") from exc
+        check_segment_header(name, head, entry, entries)
+
+
+def _key_problem(key: object) -> str:
+    if key is None:
+        return "named by no key of __metadata__"
+    return f"key {str(key)[:80]!r} in __metadata__, which the manifest does not put in this file"
 
 
 def stored_shape(entry: TensorInfo, base: TensorInfo | None) -> tuple[int, ...]:
@@ -638,6 +710,8 @@ class BundleTensorStore:
                         data = torch.frombuffer(raw, dtype=torch.uint8)
             except (RuntimeError, OSError, ValueError) as exc:
                 raise TensorFileError(f"{name}: cannot be memory-mapped ({exc}).") from exc
+        if data is not None and entry.ranges:
+            check_segment_header(name, data[: entry.ranges[0][1]].numpy().tobytes(), entry, self.file_entries(name))
         return _OpenFile.segment(name, data, self.file_entries(name))
 
     def _stored(self, key: str) -> torch.Tensor:

@@ -79,8 +79,8 @@ __all__ = [
 ]
 
 FORMAT = "iobundle"
-FORMAT_VERSION = 5
-SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4, 5)
+FORMAT_VERSION = 6
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4, 5, 6)
 
 HASH_ALGORITHMS = {"sha256": 64, "xxh3-128": 32}
 """Integrity hashes a format-2 file entry may name, with the length of their hex digest."""
@@ -400,7 +400,7 @@ class Manifest(_Model):
     """
 
     format: Literal["iobundle"] = FORMAT
-    format_version: Literal[1, 2, 3, 4, 5] = FORMAT_VERSION
+    format_version: Literal[1, 2, 3, 4, 5, 6] = FORMAT_VERSION
     producer: Producer
     signature: SignatureEntry
     value_if_missing: list[MissingValueEntry] = Field(default_factory=list)
