@@ -87,6 +87,7 @@ __all__ = [
     "parse_header",
     "read_exactly",
     "SegmentWriter",
+    "seal_segment",
     "segment_header",
     "segment_header_entry",
     "tensor_bytes",
@@ -152,7 +153,7 @@ from iobundle.calls._registry import (
     register_node_type,
     register_provider,
 )
-from iobundle.calls._segments import SegmentWriter, segment_header, segment_header_entry
+from iobundle.calls._segments import SegmentWriter, seal_segment, segment_header, segment_header_entry
 from iobundle.calls._staging import PinnedStager
 from iobundle.calls._tensorfile_read import (
     BundleRoot,
@@ -160,8 +161,8 @@ from iobundle.calls._tensorfile_read import (
     Root,
     check_file,
     check_file_header,
-    check_segment_member,
     check_member_name,
+    check_segment_member,
     listed_files,
     open_regular,
     read_sized_member,

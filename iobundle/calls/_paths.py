@@ -118,7 +118,9 @@ def _stored_paths(node: Node | None, prefix: str) -> Iterator[tuple[str, str]]:
             yield from _stored_paths(item, f"{prefix}.{escape_key(key)}")
     elif isinstance(node, ObjectNode):
         context: Any = node.context
-        named = isinstance(context, list) and len(context) == len(node.items) and all(isinstance(c, str) for c in context)
+        named = (
+            isinstance(context, list) and len(context) == len(node.items) and all(isinstance(c, str) for c in context)
+        )
         for name, item in zip(context if named else range(len(node.items)), node.items):
             yield from _stored_paths(item, f"{prefix}.{escape_key(name)}")
 

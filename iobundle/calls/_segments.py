@@ -29,7 +29,7 @@ from iobundle.calls._hashing import WRITE_HASH, new_hasher
 from iobundle.errors import BundleWriteError
 from iobundle.schema import FileEntry
 
-__all__ = ["SegmentWriter", "segment_header", "segment_header_entry"]
+__all__ = ["SegmentWriter", "seal_segment", "segment_header", "segment_header_entry"]
 
 _IOV_MAX = 1024
 _HEAD = b'{"__metadata__":{"format":"pt"'
@@ -132,24 +132,13 @@ class SegmentWriter:
         return FileEntry.model_construct(size=self.size, hash=WRITE_HASH, ranges=list(self.ranges))
 
     def seal(self, *, durable: bool) -> None:
-        """Cut the file at its size, write the header of every tensor appended, then its length.
+        """Cut the file at its size, write the header of every tensor appended, then its length (see the module docstring).
 
         Raises:
             BundleWriteError: The header cannot be written (the ranges stand: the journal still reads them).
         """
-        region = self.data_start - 8
-        text = segment_header(self.entries)
-        assert self._fd is not None and len(text) <= region, "the header outgrew its region"
-        try:
-            os.ftruncate(self._fd, self.size)  # what a failed append left past the last range
-            os.pwrite(self._fd, text + b" " * (region - len(text)), 8)
-            if durable:
-                os.fsync(self._fd)
-            os.pwrite(self._fd, struct.pack("<Q", region), 0)  # last: sealed from here on
-            if durable:
-                os.fsync(self._fd)
-        except OSError as exc:
-            raise BundleWriteError(f"Cannot seal {self.path}: {exc.strerror or exc}. Check free space.") from exc
+        assert self._fd is not None, "the segment is closed"
+        _seal(self._fd, self.path, self.size, self.data_start, self.entries, durable=durable)
 
     def close(self, *, durable: bool = False) -> None:
         """Seal the segment (when it holds a range) and close it."""
@@ -160,3 +149,43 @@ class SegmentWriter:
             fd, self._fd = self._fd, None
             if fd is not None:
                 os.close(fd)
+
+
+def _seal(
+    fd: int, path: Path, size: int, data_start: int, entries: Sequence[tuple[bytes, bytes]], *, durable: bool
+) -> None:
+    region = data_start - 8
+    text = segment_header(entries)
+    if len(text) > region:
+        raise BundleWriteError(f"Cannot seal {path}: its header needs {len(text)} bytes, {region} are reserved.")
+    try:
+        os.ftruncate(fd, size)  # what a failed or killed append left past the last range
+        os.pwrite(fd, text + b" " * (region - len(text)), 8)
+        if durable:
+            os.fsync(fd)
+        os.pwrite(fd, struct.pack("<Q", region), 0)  # last: sealed from here on
+        if durable:
+            os.fsync(fd)
+    except OSError as exc:
+        raise BundleWriteError(f"Cannot seal {path}: {exc.strerror or exc}. Check free space.") from exc
+
+
+def seal_segment(path: Path, entry: FileEntry, entries: Sequence[tuple[bytes, bytes]], *, durable: bool) -> bool:
+    """Seal the segment ``path`` that another writer left unsealed (a writer process that died); False if sealed.
+
+    ``entry`` is its manifest entry and ``entries`` the header parts of its tensors, in file order.
+
+    Raises:
+        BundleWriteError: The file cannot be opened or sealed.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | _FLAGS)
+    except OSError as exc:
+        raise BundleWriteError(f"Cannot seal {path}: {exc.strerror or exc}.") from exc
+    try:
+        if any(os.pread(fd, 8, 0)):
+            return False
+        _seal(fd, path, entry.size, (entry.ranges or [(0, 8, 0, "")])[0][1], entries, durable=durable)
+        return True
+    finally:
+        os.close(fd)

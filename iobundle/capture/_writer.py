@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import platform
 import sys
@@ -43,6 +44,7 @@ from iobundle.calls import (
     call_paths,
     dtype_name,
     replace_tensors,
+    seal_segment,
     segment_header_entry,
     tensor_bytes,
     tensor_keys,
@@ -50,6 +52,7 @@ from iobundle.calls import (
 )
 from iobundle.errors import BundleExistsError, BundleWriteError, IobundleError, UnsupportedInputError
 from iobundle.schema import (
+    DTYPE_ITEMSIZES,
     JOURNAL_FILENAME,
     MANIFEST_FILENAME,
     MISSING_VALUES_FILE,
@@ -220,6 +223,7 @@ class BundleWriter:
         self._segment: SegmentWriter | None = None
         self._segments = 0
         self._opened = 0  # segments this writer created
+        self._sealed: set[str] = set()  # and sealed
         self._unsynced: dict[Path, None] = {}
         self.deltas = DeltaIndex(retain_all=retain_all) if deltas else None
         self.stager: PinnedStager | None = None  # made for the first CUDA tensor
@@ -248,6 +252,7 @@ class BundleWriter:
         self._segment = None  # a new segment for the next small call: the other writer may still append to its own
         self._segments = sum(SEGMENT_FILE_NAME.fullmatch(name) is not None for name in files)
         self._opened = 0
+        self._sealed = set()
         self._unsynced = {}
         self.deltas = DeltaIndex()
         self.stager = None
@@ -412,18 +417,17 @@ class BundleWriter:
             out = []
             for (key, t), part in zip(tensors.items(), parts):
                 name = f"call{call:06d}/{paths.get(key, key)}"
-                out.append(segment_header_entry(name, key, str(dtype_name(t.dtype)), t.shape, start, start + part.nbytes))
+                out.append(
+                    segment_header_entry(name, key, str(dtype_name(t.dtype)), t.shape, start, start + part.nbytes)
+                )
                 start += part.nbytes
             return out
 
         segment = self._segment
         if segment is not None:
             added = entries(segment.size - segment.data_start)
-            if roll or (segment.size > segment.data_start and segment.size + length > SEGMENT_MAX_BYTES):
-                added = None
-            elif not segment.fits(added):
-                added = None
-            if added is None:
+            full = segment.size > segment.data_start and segment.size + length > SEGMENT_MAX_BYTES
+            if roll or full or not segment.fits(added):
                 self.close_segment(durable=durable)
                 segment = None
         if segment is None:
@@ -496,6 +500,7 @@ class BundleWriter:
         segment, self._segment = self._segment, None
         if segment is not None:
             segment.close(durable=durable)
+            self._sealed.add(f"{CALLS_DIR}/{segment.path.name}")
 
     def sync(self) -> None:
         """fsync the files written with ``durable=False`` so far, their directories and the bundle's.
@@ -614,7 +619,9 @@ class BundleWriter:
             BundleWriteError: The manifest cannot be written (the journal is kept: the bundle still opens).
         """
         self.close_segment()
-        manifest = self.write_manifest(rc, calls, durable=True)
+        manifest = self.manifest(rc, calls)
+        self._seal_others(manifest)
+        write_manifest(self.path, manifest, durable=True)
         fd, self._journal = self._journal, None
         if fd is not None:
             os.close(fd)
@@ -629,6 +636,43 @@ class BundleWriter:
             if removed:
                 logger.info("removed %d files a dead writer left in %s: %s", len(removed), self.path, removed)
         return manifest
+
+    def _seal_others(self, manifest: Manifest) -> None:
+        """Seal the segments ``manifest`` lists that a writer process left unsealed (it died), from the manifest.
+
+        Raises:
+            BundleWriteError: One cannot be sealed (the journal is kept: the bundle still opens).
+        """
+        calls = {c.index: c for c in manifest.calls}
+        names: dict[int, dict[str, str]] = {}
+        by_file: dict[str, list[tuple[int, str, TensorEntry]]] = {}
+        for key, t in manifest.tensors.items():
+            if t.offset is not None and t.file not in self._sealed:
+                by_file.setdefault(t.file, []).append((t.offset, key, t))
+        for name, rows in by_file.items():
+            entry = manifest.files[name]
+            ranges, start = entry.ranges or [], (entry.ranges or [(0, 0, 0, "")])[0][1]
+            if not start:
+                continue  # a version-4 segment: no header region
+            entries, j = [], 0
+            for offset, key, t in sorted(rows, key=lambda r: r[0]):
+                while ranges[j][1] + ranges[j][2] <= offset and j + 1 < len(ranges):
+                    j += 1
+                call = ranges[j][0]
+                if call not in names:
+                    names[call] = _stored_names(calls[call]) if call in calls else {}
+                shape = list(t.shape)
+                if t.extends is not None:
+                    shape[t.extends.dim] -= manifest.tensors[t.extends.key].shape[t.extends.dim]
+                nbytes = math.prod(shape) * DTYPE_ITEMSIZES[t.dtype]
+                path = names[call].get(key, key)
+                entries.append(
+                    segment_header_entry(
+                        f"call{call:06d}/{path}", key, t.dtype, shape, offset - start, offset - start + nbytes
+                    )
+                )
+            if seal_segment(self.path / name, entry, entries, durable=True):
+                logger.info("sealed %s, which a writer process left unsealed", name)
 
     def discard(self) -> None:
         """Remove what this writer wrote (best effort), so no half-written bundle is left behind.

@@ -23,7 +23,6 @@ import os
 import re
 import shutil
 import zipfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,6 @@ from iobundle.errors import BundleExistsError, BundleWriteError, ModelLoadError,
 from iobundle.replay import RecordedCallsAPI
 from iobundle.replay.check import input_mapping, model_label, output_mapping, output_paths, read_metadata
 from iobundle.replay.infer import align_calls, aligned_tensors
-from iobundle.schema import DictNode, ListNode, Node, ObjectNode, TensorNode, TupleNode
 
 __all__ = [
     "ConvertResult",
