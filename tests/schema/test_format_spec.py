@@ -1,0 +1,185 @@
+"""Format version 6 as docs/format.md specifies it: every tensor in a safetensors file, read without iobundle.
+
+The reader recipe of docs/format.md (json and safetensors, torch as safetensors' framework) is taken
+from the page itself and run over every closed golden bundle of the newest version, over a
+streamed ``generate()`` of a tiny Llama and over a saved 3-call bundle: each call's tensors must
+be the bytes iobundle loads, and the recorded inputs the bytes the model was called with.
+``iobundle upgrade`` brings every older golden bundle to the newest version.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+safetensors = pytest.importorskip("safetensors")
+
+from iobundle import InputObserver, load_bundle, upgrade_bundle  # noqa: E402
+from iobundle.cli import main  # noqa: E402
+from iobundle.errors import BundleWriteError, TensorFileError  # noqa: E402
+from iobundle.schema import FORMAT_VERSION  # noqa: E402
+
+GOLDEN = Path(__file__).parents[1] / "data" / "bundles"
+FORMAT_PAGE = Path(__file__).parents[2] / "docs" / "format.md"
+sys.path.insert(0, str(Path(__file__).parents[1] / "cli"))  # tiny_models.py
+from tiny_models import tiny_llama  # noqa: E402
+
+
+def recipe() -> Any:
+    """``read_calls`` of the reader recipe in docs/format.md, executed from the page's code block."""
+    page = FORMAT_PAGE.read_text("utf-8")
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", page, re.DOTALL) if "def read_calls" in b]
+    namespace: dict[str, Any] = {}
+    exec(compile(code, str(FORMAT_PAGE), "exec"), namespace)
+    return namespace["read_calls"]
+
+
+def raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def check_recipe(path: Path) -> dict[int, list[torch.Tensor]]:
+    """Every file of ``calls/`` opens with safetensors; the recipe gives each call's tensors as iobundle loads them."""
+    for file in (path / "calls").iterdir():
+        with safetensors.safe_open(file, framework="pt") as f:
+            assert f.keys() is not None
+    b = load_bundle(path)
+    calls = dict(recipe()(path))
+    assert sorted(calls) == [c.index for c in b.manifest.calls]
+    for index, keys in slot_keys(path).items():
+        assert len(calls[index]) == len(keys)
+        for key, got in zip(keys, calls[index]):
+            want = b.tensor(key)
+            assert got.dtype == want.dtype and got.shape == want.shape and raw(got) == raw(want), (index, key)
+    return calls
+
+
+def slot_keys(path: Path) -> dict[int, list[str]]:
+    """Per call index, the keys of its tensor slots as manifest.json lists them."""
+    return {c["index"]: c["keys"] for c in json.loads((path / "manifest.json").read_text())["calls"]}
+
+
+NEWEST = sorted(
+    p.name
+    for p in GOLDEN.iterdir()
+    if (p / "manifest.json").exists() and f'"format_version":{FORMAT_VERSION},' in (p / "manifest.json").read_text()
+)
+
+
+def test_there_are_golden_bundles_of_the_newest_version():
+    assert {"sealed_nested", "sealed_growing", "sealed_llama"} <= set(NEWEST)
+
+
+@pytest.mark.parametrize("name", NEWEST)
+def test_the_recipe_reads_every_golden_bundle_of_the_newest_version(name):
+    if name == "sealed_llama":
+        pytest.importorskip("transformers")
+    check_recipe(GOLDEN / name)
+
+
+class Inputs:
+    """The tensors each call of ``model`` received (a forward pre-hook), cloned: what the bundle must hold."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.calls: list[dict[str, torch.Tensor]] = []
+        model.register_forward_pre_hook(self.hook, with_kwargs=True)
+
+    def hook(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        seen = {f"args.{i}": a for i, a in enumerate(args)} | {f"kwargs.{k}": v for k, v in kwargs.items()}
+        self.calls.append({k: v.detach().clone() for k, v in seen.items() if isinstance(v, torch.Tensor)})
+
+
+def check_inputs(path: Path, inputs: Inputs) -> None:
+    """Each recorded input tensor is in the recipe's tensors of its call, byte for byte (found by its stored path)."""
+    from iobundle.calls import call_paths
+
+    b = load_bundle(path)
+    calls = check_recipe(path)
+    assert len(b.manifest.calls) == len(inputs.calls)
+    for call, seen in zip(b.manifest.calls, inputs.calls):
+        by_path = dict(call_paths(call))
+        slots = slot_keys(path)[call.index]
+        for at, value in seen.items():
+            got = calls[call.index][slots.index(by_path[at])]
+            assert got.dtype == value.dtype and raw(got) == raw(value), (call.index, at)
+
+
+def test_a_streamed_generate_of_a_tiny_llama_is_safetensors_files_holding_the_inputs(tmp_path):
+    pytest.importorskip("transformers")
+    model, observer = tiny_llama(), InputObserver()
+    inputs = Inputs(model)
+    with torch.no_grad(), observer(model, stream_to=tmp_path / "run", store_n_calls=10):
+        model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert any(p.name.startswith("segment-") for p in (tmp_path / "run" / "calls").iterdir())
+    check_inputs(tmp_path / "run", inputs)
+
+
+def test_a_saved_three_call_bundle_is_safetensors_files_holding_the_inputs(tmp_path):
+    model, observer = torch.nn.Linear(4, 3), InputObserver()
+    inputs = Inputs(model)
+    with torch.no_grad(), observer(model):
+        for n in (1, 2, 3):
+            model(torch.randn(n, 4))
+    observer.save(tmp_path / "run")
+    assert [p.name for p in (tmp_path / "run" / "calls").iterdir()] == ["segment-000000.bin"]
+    check_inputs(tmp_path / "run", inputs)
+
+
+def test_a_segment_header_that_disagrees_with_the_manifest_is_refused_naming_the_file(tmp_path):
+    model, observer = torch.nn.Linear(4, 3), InputObserver()
+    with torch.no_grad(), observer(model):
+        model(torch.randn(2, 4))
+    observer.save(tmp_path / "run")
+    segment = tmp_path / "run" / "calls" / "segment-000000.bin"
+    data = bytearray(segment.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    header = data[8 : 8 + n].replace(b'"F32"', b'"I32"', 1)  # same length: only the dtype disagrees
+    data[8 : 8 + n] = header
+    segment.write_bytes(bytes(data))
+    with pytest.raises(
+        TensorFileError, match=r"calls/segment-000000\.bin: tensor 'call000000/args\.0' \(key 't0'\) is 'I32'"
+    ):
+        load_bundle(tmp_path / "run").tensor(load_bundle(tmp_path / "run").manifest.calls[0].args[0].key)
+    assert any("calls/segment-000000.bin" in p for p in load_bundle(tmp_path / "run").verify())
+
+
+def _version(path: Path) -> int:
+    """The format version of the golden bundle ``path`` (its manifest, or its journal's first line)."""
+    member = path / ("manifest.json" if (path / "manifest.json").exists() else "journal.jsonl")
+    return int(re.search(r'"format_version":\s*(\d+)', member.read_text("utf-8")).group(1))
+
+
+OLDER = sorted(p.name for p in GOLDEN.iterdir() if p.is_dir() and _version(p) < FORMAT_VERSION)
+
+
+@pytest.mark.parametrize("name", OLDER)
+def test_upgrade_brings_every_older_golden_bundle_to_the_newest_version(name, tmp_path):
+    if name in ("llama_cache", "segments_model"):
+        pytest.importorskip("transformers")
+    old = load_bundle(GOLDEN / name)
+    manifest = upgrade_bundle(GOLDEN / name, tmp_path / "new")
+    new = load_bundle(tmp_path / "new")
+    assert manifest.format_version == new.manifest.format_version == FORMAT_VERSION
+    assert new.verify() == []
+    assert [c.index for c in new.manifest.calls] == [c.index for c in old.manifest.calls]
+    assert new.manifest.producer == old.manifest.producer
+    assert new.manifest.model == old.manifest.model
+    for key in old.manifest.tensors:
+        assert raw(new.tensor(key)) == raw(old.tensor(key))
+    check_recipe(tmp_path / "new")
+
+
+def test_upgrade_finishes_a_killed_stream_and_never_writes_in_place(tmp_path, capsys):
+    assert main(["upgrade", str(GOLDEN / "sealed_journal"), str(tmp_path / "done")]) == 0
+    assert "format version 6" in capsys.readouterr().out
+    check_recipe(tmp_path / "done")
+    for target in (GOLDEN / "sealed_journal", GOLDEN / "sealed_journal" / "inside", GOLDEN):
+        with pytest.raises(BundleWriteError, match="never rewritten in place"):
+            upgrade_bundle(GOLDEN / "sealed_journal", target)
