@@ -64,8 +64,9 @@ def qualified_name(cls: type) -> str:
 class TensorCollector:
     """Gives each tensor met while recording a key, storing a snapshot once per distinct tensor.
 
-    Two references to the same tensor (same object, unchanged version counter) get the same
-    key, within a call and across calls, so a tensor passed to many calls is stored once.
+    Two references to the same tensor (same object, unchanged version counter, shape and strides)
+    get the same key, within a call and across calls, so a tensor passed to many calls is stored
+    once. The tensor node of a key is made once too: a tensor met again costs a dictionary look-up.
 
     Args:
         snapshot: ``tensor -> stored copy``; called once per distinct tensor.
@@ -73,7 +74,7 @@ class TensorCollector:
 
     def __init__(self, snapshot: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self._snapshot = snapshot
-        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, tuple[int, ...], tuple[int, ...], str]] = {}
+        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Size, tuple[int, ...], TensorNode]] = {}
         self.tensors: dict[str, torch.Tensor] = {}
         self._counter = 0
 
@@ -84,26 +85,29 @@ class TensorCollector:
 
     def add(self, tensor: torch.Tensor) -> str:
         """Return the key of ``tensor``, snapshotting it if it was not seen unchanged before."""
-        ident = id(tensor)
-        seen = self._seen.get(ident)
-        if seen is not None:
-            ref, version, shape, stride, key = seen
-            if (
-                ref() is tensor
-                and version == tensor._version
-                and shape == tuple(tensor.shape)
-                and stride == tuple(tensor.stride())
-                and key in self.tensors
-            ):
-                return key
+        return self.node(tensor).key
+
+    def node(self, tensor: torch.Tensor) -> TensorNode:
+        """The tensor node of ``tensor`` (its key), snapshotting it if it was not seen unchanged before."""
+        seen = self._seen.get(id(tensor))
+        if (
+            seen is not None
+            and seen[0]() is tensor
+            and seen[1] == tensor._version
+            and seen[2] == tensor.shape
+            and seen[3] == tensor.stride()
+            and seen[4].key in self.tensors
+        ):
+            return seen[4]
         key = self._new_key()
         self.tensors[key] = self._snapshot(tensor)
+        node = TensorNode(key=key)
         try:
             ref = weakref.ref(tensor)
         except TypeError:
-            return key
-        self._seen[ident] = (ref, tensor._version, tuple(tensor.shape), tuple(tensor.stride()), key)
-        return key
+            return node
+        self._seen[id(tensor)] = (ref, tensor._version, tensor.shape, tensor.stride(), node)
+        return node
 
     def forget(self, keys: set[str]) -> None:
         """Drop the stored snapshots of ``keys`` (after they were written to disk)."""
@@ -111,11 +115,29 @@ class TensorCollector:
             self.tensors.pop(key, None)
 
 
+_NORMALISED: dict[str, Any] = {}
+"""JSON text of a context -> its JSON value: a cache's context is the same from call to call."""
+
+
 def _json_normalise(context: Any) -> tuple[Any, bool]:
     try:
-        return json.loads(json.dumps(context)), True
+        text = json.dumps(context)
     except (TypeError, ValueError):
         return None, False
+    value = _NORMALISED.get(text)
+    if value is None:
+        value = json.loads(text)
+        if len(_NORMALISED) < 256:
+            _NORMALISED[text] = value  # contexts are frozen into nodes, never changed in place
+    return value, True
+
+
+def _path(where: Any) -> str:
+    """A path from where :func:`_record` stands: a path, or ``(parent, label, index)`` (made a path only for a message)."""
+    if isinstance(where, str):
+        return where
+    parent, label, index = where
+    return child_path(_path(parent), label, index)
 
 
 def record_value(
@@ -131,47 +153,51 @@ def record_value(
     Values that cannot be recorded become :class:`OpaqueNode` and ``on_opaque(path, type, reason)``
     is called; recording never raises for an unsupported value.
     """
-    if isinstance(value, torch.Tensor):
-        return TensorNode(key=collector.add(value))
+    return _record(value, collector, path, on_opaque)
+
+
+def _record(value: Any, collector: TensorCollector, where: Any, on_opaque: Callable[[str, str, str], None]) -> Node:
+    """:func:`record_value` with a lazy path: this runs once per value of every recorded call."""
+    cls = type(value)
+    if cls is torch.Tensor or isinstance(value, torch.Tensor):
+        return collector.node(value)
     if value is None:
         return NONE_NODE
     if isinstance(value, _SCALARS):
         # bool before int: bool is an int subclass; int/str enums are stored as plain values
         plain = next(t for t in _SCALARS if isinstance(value, t))
         return ConstNode(value=plain(value))
-    cls = type(value)
     if cls is list or cls is tuple or (isinstance(value, tuple) and hasattr(value, "_fields")):
-        items = [
-            record_value(v, collector, path=child_path(path, None, i), on_opaque=on_opaque) for i, v in enumerate(value)
-        ]
-        return ListNode(items=items) if cls is list else TupleNode(items=items)
+        items = [_record(v, collector, (where, None, i), on_opaque) for i, v in enumerate(value)]
+        return ListNode.model_construct(items=items) if cls is list else TupleNode.model_construct(items=items)
     if isinstance(value, dict) and (cls is dict or cls.__module__ == "collections"):
         keys = list(value)
         if all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in keys):
-            items = [record_value(value[k], collector, path=_key_path(path, k), on_opaque=on_opaque) for k in keys]
-            return DictNode(keys=keys, items=items)
+            items = [_record(value[k], collector, (where, k if isinstance(k, str) else None, k), on_opaque) for k in keys]
+            return DictNode.model_construct(keys=keys, items=items)
     node_type = find_node_type(value)
     if node_type is not None:
         children, context = node_type.flatten(value)
         context = _json_normalise(context)[0]
-        return ObjectNode(
+        # built from checked parts (nodes, a JSON value): validating would walk every item again
+        return ObjectNode.model_construct(
             type=node_type.name,
             version=node_type.version,
             context=context,
-            items=_record_children(children, context, collector, path, on_opaque),
+            items=_record_children(children, context, collector, where, on_opaque),
         )
     pytree_node = torch_pytree.SUPPORTED_NODES.get(cls)
     if pytree_node is not None and cls not in _CONTAINER_TYPES:
         children, context = pytree_node.flatten_fn(value)
         context, ok = _json_normalise(context)
-        return ObjectNode(
+        return ObjectNode.model_construct(
             type=PYTREE_PREFIX + qualified_name(cls),
             version=0 if ok else -1,
             context=context,
-            items=_record_children(children, context, collector, path, on_opaque),
+            items=_record_children(children, context, collector, where, on_opaque),
         )
     reason = "not a tensor, scalar, container or registered class"
-    on_opaque(path or OUTPUT_ROOT, qualified_name(cls), reason)
+    on_opaque(_path(where) or OUTPUT_ROOT, qualified_name(cls), reason)
     return OpaqueNode(type=qualified_name(cls), reason=reason)
 
 
@@ -180,15 +206,15 @@ def _key_path(path: str, key: Any) -> str:
 
 
 def _record_children(
-    children: list[Any], context: Any, collector: TensorCollector, path: str, on_opaque: Callable[[str, str, str], None]
+    children: list[Any], context: Any, collector: TensorCollector, where: Any, on_opaque: Callable[[str, str, str], None]
 ) -> list[Node]:
     """The recorded children of a registered class, each at its path (a field's name when the context names it)."""
-    named = isinstance(context, list) and len(context) == len(children)
-    labels = [c if named and isinstance(c, str) else None for c in (context if named else children)]
-    return [
-        record_value(c, collector, path=child_path(path, label, i), on_opaque=on_opaque)
-        for i, (label, c) in enumerate(zip(labels, children))
-    ]
+    if isinstance(context, list) and len(context) == len(children):
+        return [
+            _record(c, collector, (where, label if isinstance(label, str) else None, i), on_opaque)
+            for i, (label, c) in enumerate(zip(context, children))
+        ]
+    return [_record(c, collector, (where, None, i), on_opaque) for i, c in enumerate(children)]
 
 
 def iter_tensor_nodes(node: Node) -> Iterator[TensorNode]:

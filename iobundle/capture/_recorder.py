@@ -426,6 +426,10 @@ class CallRecorder:
         """Record the outputs of call ``index``; on failure, None, the reason and the warning to give."""
         journal: list[str] = []
         self._table.journal = journal
+        stream = self._stream
+        # A writer process copies the outputs into shared memory as soon as they are recorded, before
+        # the call returns (the model cannot have changed them yet): references, no copies.
+        self._table.reference = stream is not None and stream.process is not None
         try:
             return record_value(result, self._collector, path="", on_opaque=self._opaque), "", ""
         except Exception as exc:
@@ -434,6 +438,7 @@ class CallRecorder:
             return None, reason, self._warning_once("the outputs", index, exc, reason)
         finally:
             self._table.journal = None
+            self._table.reference = False
 
     def _finish(self, call: CallEntry) -> list[str]:
         """Append ``call`` (under the lock) and hand it to the stream; return the writer's complaints."""

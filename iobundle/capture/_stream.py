@@ -48,7 +48,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -60,7 +60,7 @@ from iobundle.calls import (
     rebuild,
     tensor_span,
 )
-from iobundle.capture._writer import BundleWriter, call_keys, mark_incomplete
+from iobundle.capture._writer import BundleWriter, TensorRow, call_keys, entry_row, mark_incomplete
 from iobundle.capture._writer_process import WriterProcess, WriterProcessUnavailable
 from iobundle.errors import BundleWriteError, TensorFileError
 from iobundle.schema import CallEntry, Manifest
@@ -212,12 +212,11 @@ class BufferPool:
             self._cond.notify_all()
 
 
-@dataclass(frozen=True)
-class _OnDisk:
+class _OnDisk(NamedTuple):
     """Where a snapshot went: the tensor ``name`` of the safetensors file ``path``, or bytes of a segment.
 
     For a segment, ``offset`` is where its bytes start and ``file_size`` the segment's size once they
-    were written (it only grows).
+    were written (it only grows). A named tuple: one is made for every tensor a stream writes.
     """
 
     path: Path
@@ -355,6 +354,11 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         """Bytes :meth:`snapshot` copied since :meth:`take_copied` last reset it."""
         self.copied_off_cpu = False
         """Whether one of those copies is not on the CPU."""
+        self.reference = False
+        """While True, :meth:`snapshot` keeps a reference to a contiguous CPU tensor instead of a copy:
+        set while the outputs of a call are recorded for a writer process, which copies them into
+        shared memory before the call returns (the model cannot have changed them yet)."""
+        self._referenced: dict[str, int] = {}  # key -> the version counter of the tensor referenced
 
     def take_copied(self) -> tuple[int, bool]:
         """``(copied_bytes, copied_off_cpu)`` since the last call of this method; resets both."""
@@ -371,6 +375,8 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         While streaming, a CUDA copy also gets an event: the copy runs on the model's current
         stream and the writer reads it from another thread (and stream), after the event.
         """
+        if self.reference and tensor.device.type == "cpu" and type(tensor) is torch.Tensor and tensor.is_contiguous():
+            return tensor
         pool = self.pool
         if pool is None or not _poolable(tensor):
             out = snapshot_tensor(tensor)
@@ -410,14 +416,19 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         return self.get(key)
 
     def __setitem__(self, key: str, value: torch.Tensor) -> None:
-        with self._lock:
-            self._memory[key] = value
-            self._pending.pop(key, None)
-            self._disk.pop(key, None)
-            self._lent.discard(key)
-            if self.journal is not None:
-                self.journal.append(key)
-            self._lock.notify_all()
+        if self.reference:
+            self._referenced[key] = value._version  # a copy's counter never moves: only references are checked
+        if key not in self._pending and key not in self._disk and key not in self._lent:
+            self._memory[key] = value  # a new key (every snapshot): nothing waits for it
+        else:
+            with self._lock:
+                self._memory[key] = value
+                self._pending.pop(key, None)
+                self._disk.pop(key, None)
+                self._lent.discard(key)
+                self._lock.notify_all()
+        if self.journal is not None:
+            self.journal.append(key)
 
     def __delitem__(self, key: str) -> None:
         with self._lock:
@@ -426,6 +437,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
             found = self._pending.pop(key, None) is not None or found
             found = self._disk.pop(key, None) is not None or found
             self._lent.discard(key)
+            self._referenced.pop(key, None)
             self._lock.notify_all()
         self._drop(tensor)
         if not found:
@@ -446,6 +458,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
             pending = self._pending.pop(key, None)
             on_disk = self._disk.pop(key, None)
             self._lent.discard(key)
+            self._referenced.pop(key, None)
             self._lock.notify_all()
         if value is None and pending is None and on_disk is None:
             if default:
@@ -455,6 +468,11 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         return value
 
     # -- TensorStore -----------------------------------------------------------------------------
+
+    def _changed(self, key: str) -> bool:
+        """Whether ``key`` references a tensor changed in place since it was recorded (read it from its file)."""
+        version = self._referenced.get(key)
+        return version is not None and key in self._memory and self._memory[key]._version != version
 
     def _meta(self, key: str) -> _OnDisk | _Pending:
         with self._lock:
@@ -474,12 +492,12 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
     def get(self, key: str, *default: Any) -> Any:  # type: ignore[override]
         """The tensor of ``key``: the snapshot itself while in memory, else a copy read from its file."""
         with self._lock:
-            while key in self._pending:  # its file is being written: wait for it
+            while key in self._pending or self._changed(key):  # its file is being written: wait for it
                 self._lock.wait()
             tensor = self._memory.get(key)
             if tensor is not None:
                 self._lent.add(key)  # handed out: its buffer is never recycled
-                return tensor
+                return tensor.detach() if key in self._referenced else tensor
             where = self._disk.get(key)
         if where is None:
             if default:
@@ -498,6 +516,10 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         parts = []
         while where.extends is not None:
             base, dim = where.extends
+            if where.stored_shape is None:  # its base was gone when it was written: its part has no shape
+                raise TensorFileError(
+                    f"{where.path}: tensor {where.name!r} extends {base!r}, which this observer no longer holds."
+                )
             parts.append((self._reader.read(where), dim))
             with self._lock:
                 while base in self._pending:
@@ -516,10 +538,21 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
     # -- the writer's side -----------------------------------------------------------------------
 
     def for_writing(self, key: str) -> torch.Tensor:
-        """The tensor of ``key`` for the writer (not marked as handed out)."""
+        """The tensor of ``key`` for the writer (not marked as handed out).
+
+        Raises:
+            TensorFileError: ``key`` is a reference to a tensor changed in place since it was recorded
+                (its bytes can no longer be what the model received or returned).
+        """
         tensor = self._memory.get(key)
         if tensor is None:
             return self.get(key)
+        version = self._referenced.get(key)
+        if version is not None and tensor._version != version:
+            raise TensorFileError(
+                f"tensor {key!r} was changed in place after it was recorded, before it could be written; "
+                "its recorded value is lost."
+            )
         event = getattr(tensor, "_iobundle_ready", None)
         if event is not None:
             event.synchronize()
@@ -536,52 +569,51 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
             return
         with self._lock:
             tensor = self._memory.get(key)
-            if tensor is None or key in self._lent or key in self.retained or not _poolable(tensor):
+            if (
+                tensor is None
+                or key in self._lent
+                or key in self.retained
+                or key in self._referenced
+                or not _poolable(tensor)
+            ):
                 return
             del self._memory[key]
             self._pending[key] = _Pending(dtype=tensor.dtype, shape=tuple(tensor.shape), device=str(tensor.device))
         _give_back(pool, tensor)
 
-    def written(
-        self,
-        keys: Iterable[str],
-        path: Path,
-        file_size: int,
-        extends: dict[str, tuple[str, int, tuple[int, ...]]] | None = None,
-        offsets: dict[str, int] | None = None,
-    ) -> None:
-        """Forget the snapshots of ``keys``, now in the file ``path``; recycle their buffers.
+    def written(self, rows: Iterable[TensorRow], root: Path, sizes: dict[str, int]) -> None:
+        """Forget the snapshots of the tensors ``rows`` describe, now in their files; recycle their buffers.
 
-        ``extends`` gives, for the keys stored as extensions, ``(base key, dim, stored shape)``;
-        ``offsets``, for a segment, where each key's bytes start.
+        ``root`` is the bundle's directory and ``sizes`` the size of each file the rows name (a
+        segment's once their bytes were written). A row that extends another tensor holds the part
+        past that tensor's, which this table knows (written before, or earlier in ``rows``).
         """
         pool = self.pool
-        extends = extends or {}
-        offsets = offsets or {}
-        for key in keys:
-            with self._lock:
+        paths = {file: root / file for file in sizes}
+        recycle = []
+        with self._lock:
+            for key, file, name, _, shape, _, ext, offset in rows:
                 pending = self._pending.pop(key, None)
                 tensor = self._memory.pop(key, None) if pending is None else None
                 meta = pending if pending is not None else tensor
                 if meta is None:
                     continue
-                ext = extends.get(key)
+                stored = None
+                if ext is not None:
+                    base = self._disk.get(ext[0]) or self._pending.get(ext[0]) or self._memory.get(ext[0])
+                    if base is not None:
+                        stored = list(shape)
+                        stored[ext[1]] -= base.shape[ext[1]]
+                        stored = tuple(stored)
                 self._disk[key] = _OnDisk(
-                    path=path,
-                    name=key,
-                    dtype=meta.dtype,
-                    shape=tuple(meta.shape),
-                    device=str(meta.device),
-                    file_size=file_size,
-                    extends=None if ext is None else (ext[0], ext[1]),
-                    stored_shape=None if ext is None else ext[2],
-                    offset=offsets.get(key),
+                    paths[file], name, meta.dtype, tuple(shape), str(meta.device), sizes[file], ext, stored, offset
                 )
-                lent = key in self._lent or key in self.retained
+                lent = key in self._lent or key in self.retained or self._referenced.pop(key, None) is not None
                 self._lent.discard(key)
-                self._lock.notify_all()
-            if tensor is None or pool is None:
-                continue
+                if tensor is not None and pool is not None:
+                    recycle.append((tensor, lent))
+            self._lock.notify_all()
+        for tensor, lent in recycle:
             if not lent and _poolable(tensor):
                 _give_back(pool, tensor)
             else:
@@ -597,6 +629,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
                     self._lent.discard(key)
                     dropped.append(tensor)
                 self._pending.pop(key, None)
+                self._referenced.pop(key, None)
             self._lock.notify_all()
         for tensor in dropped:
             self._drop(tensor)
@@ -796,8 +829,10 @@ class CallStream:
 
     # -- the writer process's answers (its reader thread) --------------------------------------
 
-    def _answered(self, call: CallEntry, keys: list[str] | None, error: str | None, journal_error: str | None) -> None:
-        self._settled(self._settle(call, keys or [], error), journal_error)
+    def _answered(
+        self, call: CallEntry, rows: list[TensorRow] | None, error: str | None, journal_error: str | None
+    ) -> None:
+        self._settled(self._settle(call, rows or [], error), journal_error)
 
     def _process_gone(self, lost: list[CallEntry], started: bool, reason: str) -> None:
         """The child ended before the stream closed: the thread takes over; ``lost`` are the calls it never answered."""
@@ -853,7 +888,7 @@ class CallStream:
             keys = writer.write_call(call, table.for_writing, durable=self.durable, on_written=table.released)
         except Exception as exc:  # the observed program never sees it: reported through take_failures
             error = f"its tensors could not be written to '{self.path}' ({type(exc).__name__}: {exc})"
-        entry = self._settle(call, keys, error)
+        entry = self._settle(call, [entry_row(k, writer.tensors[k]) for k in keys], error)
         journal_error = None
         try:
             writer.append_call(entry, keys, durable=self.durable)
@@ -861,8 +896,8 @@ class CallStream:
             journal_error = str(exc)
         self._settled(entry, journal_error)
 
-    def _settle(self, call: CallEntry, keys: list[str], error: str | None) -> CallEntry:
-        """Drop from memory the snapshots of ``keys`` (written), or mark ``call`` incomplete: its entry."""
+    def _settle(self, call: CallEntry, rows: list[TensorRow], error: str | None) -> CallEntry:
+        """Drop from memory the snapshots ``rows`` describe (written), or mark ``call`` incomplete: its entry."""
         writer, table = self.writer, self._table
         if error is not None:
             entry = mark_incomplete(call, lambda k: k in writer.tensors, error)
@@ -870,21 +905,9 @@ class CallStream:
             with self._cond:
                 self._failures.append((entry, f"iobundle could not record call {call.index}: {error}"))
             return entry
-        by_file: dict[str, list[str]] = {}
-        for k in keys:
-            by_file.setdefault(writer.tensors[k].file, []).append(k)
-        for file, in_file in by_file.items():
-            extends = {}
-            offsets = {}
-            for k in in_file:
-                e = writer.tensors[k]
-                if e.extends is not None:
-                    stored = list(e.shape)
-                    stored[e.extends.dim] -= writer.tensors[e.extends.key].shape[e.extends.dim]
-                    extends[k] = (e.extends.key, e.extends.dim, tuple(stored))
-                if e.offset is not None:
-                    offsets[k] = e.offset
-            table.written(in_file, writer.path / file, writer.files[file].size, extends, offsets)
+        if rows:
+            files = writer.files
+            table.written(rows, writer.path, {row[1]: files[row[1]].size for row in rows})
         return call
 
     def _settled(self, entry: CallEntry, journal_error: str | None) -> None:

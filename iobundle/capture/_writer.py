@@ -25,6 +25,7 @@ import math
 import os
 import platform
 import sys
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -74,7 +75,7 @@ from iobundle.schema import (
     write_manifest,
 )
 
-__all__ = ["BundleWriter", "call_keys", "mark_incomplete", "save_recorded_calls"]
+__all__ = ["BundleWriter", "TensorRow", "call_keys", "entry_row", "mark_incomplete", "save_recorded_calls"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,41 @@ def _producer(devices: Iterable[str]) -> Producer:
         python=platform.python_version(),
         transformers=getattr(transformers, "__version__", None),
         devices=sorted(set(devices)),
+    )
+
+
+TensorRow = tuple[str, str, str, str, tuple[int, ...], str, "tuple[str, int] | None", "int | None"]
+"""A :class:`TensorEntry` as plain values: ``(key, file, name, dtype, shape, device, (base, dim) or None, offset)``.
+
+What a writer process answers for each tensor it wrote: a tuple crosses a pipe in microseconds,
+where a pydantic model takes a hundred times longer to unpickle."""
+
+
+def entry_row(key: str, entry: TensorEntry) -> TensorRow:
+    ext = entry.extends
+    return (
+        key,
+        entry.file,
+        entry.name,
+        entry.dtype,
+        tuple(entry.shape),
+        entry.device,
+        None if ext is None else (ext.key, ext.dim),
+        entry.offset,
+    )
+
+
+def _row_entry(row: TensorRow) -> TensorEntry:
+    _, file, name, dtype, shape, device, ext, offset = row
+    # values a writer of this bundle made from checked tensors: no validation needed
+    return TensorEntry.model_construct(
+        file=file,
+        name=name,
+        dtype=dtype,
+        shape=list(shape),
+        device=device,
+        extends=None if ext is None else Extension.model_construct(key=ext[0], dim=ext[1]),
+        offset=offset,
     )
 
 
@@ -217,7 +253,9 @@ class BundleWriter:
             raise BundleWriteError(
                 f"Cannot prepare '{self.path}': {exc.strerror or exc}. Check the path, free space and permissions."
             ) from exc
-        self.tensors: dict[str, TensorEntry] = {}
+        self._tensors: dict[str, TensorEntry] = {}
+        self._rows: list[TensorRow] = []  # adopted from another writer, not made entries yet
+        self._rows_lock = threading.Lock()
         self.files: dict[str, FileEntry] = {}
         self._order: dict[str, int] = {}  # file -> its position among the files the manifest lists
         self._segment: SegmentWriter | None = None
@@ -246,7 +284,9 @@ class BundleWriter:
         self = cls.__new__(cls)
         self.path = Path(path)
         self.created = False
-        self.tensors = dict(tensors)
+        self._tensors = dict(tensors)
+        self._rows = []
+        self._rows_lock = threading.Lock()
         self.files = dict(files)
         self._order = {name: i for i, name in enumerate(files)}
         self._segment = None  # a new segment for the next small call: the other writer may still append to its own
@@ -265,11 +305,21 @@ class BundleWriter:
         """The indices of the calls written so far (by this writer or adopted)."""
         return frozenset(self._call_indices)
 
-    def adopt(self, index: int, tensors: dict[str, TensorEntry], files: dict[str, FileEntry]) -> None:
+    @property
+    def tensors(self) -> dict[str, TensorEntry]:
+        """Every tensor written so far, by key (the rows adopted from another writer become entries here)."""
+        if self._rows:
+            with self._rows_lock:
+                rows, self._rows = self._rows, []
+            self._tensors.update((row[0], _row_entry(row)) for row in rows)
+        return self._tensors
+
+    def adopt(self, index: int, rows: list[TensorRow], files: dict[str, FileEntry]) -> None:
         """Take in what another writer of the same bundle wrote for call ``index`` (its files are synced there)."""
-        self._call_indices.add(index)
-        self.tensors.update(tensors)
-        self.files.update(files)
+        with self._rows_lock:
+            self._call_indices.add(index)
+            self._rows.extend(rows)
+            self.files.update(files)
 
     def write_tensors(
         self,

@@ -39,11 +39,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import TypeAdapter
 
 from iobundle.calls import NAME_TO_DTYPE, dtype_name
-from iobundle.capture._writer import BundleWriter, call_keys, mark_incomplete
+from iobundle.capture._writer import BundleWriter, TensorRow, call_keys, entry_row, mark_incomplete
 from iobundle.errors import BundleWriteError, UnsupportedInputError
-from iobundle.schema import CallEntry, FileEntry, TensorEntry
+from iobundle.schema import CallEntry, FileEntry, Node
 
 __all__ = ["WriterProcess", "WriterProcessUnavailable"]
 
@@ -55,8 +56,30 @@ MAX_IN_FLIGHT = 64
 
 _ALIGN = 64
 
-# done(call, keys written or None, write error or None, journal error or None)
-Done = Callable[[CallEntry, list[str] | None, str | None, str | None], None]
+# done(call, rows of the tensors written or None, write error or None, journal error or None)
+Done = Callable[[CallEntry, list[TensorRow] | None, str | None, str | None], None]
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+_TREES = TypeAdapter(list[Node])
+_KEYWORD_TREES = TypeAdapter(dict[str, Node])
+_TREE = TypeAdapter(Node)
+
+
+def _call_json(call: CallEntry) -> bytes:
+    """``call`` as the manifest's JSON, its trees serialised straight to bytes.
+
+    JSON rather than a pickle of the pydantic model (half the time); and the trees apart from the
+    entry's other fields, whose serializer (``None`` fields left out) would first turn every node
+    of the trees into a Python dict: a third of the time again, on the model's thread.
+    """
+    head = call.model_dump_json(exclude={"args", "kwargs", "outputs"}).encode()
+    parts = [head[:-1], b',"args":', _TREES.dump_json(call.args), b',"kwargs":', _KEYWORD_TREES.dump_json(call.kwargs)]
+    if call.outputs is not None:
+        parts += [b',"outputs":', _TREE.dump_json(call.outputs)]
+    parts.append(b"}")
+    return b"".join(parts)
 
 
 class WriterProcessUnavailable(Exception):
@@ -148,6 +171,27 @@ class _Ring:
         os.close(self.fd)
 
 
+PIPE_BYTES = 1024 * 1024
+"""The pipe to the child holds this many bytes of messages (Linux; 64 KiB elsewhere): a few dozen
+calls' entries, so that a burst of calls (or a child slowed down by another process) does not make
+the model's thread wait in ``write``."""
+
+
+def _widen(fd: int) -> None:
+    """Grow the pipe ``fd`` to :data:`PIPE_BYTES` where the system allows it (best effort)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import fcntl
+
+    setpipe = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+    for size in (PIPE_BYTES, PIPE_BYTES // 4):
+        try:
+            fcntl.fcntl(fd, setpipe, size)
+            return
+        except OSError:  # above /proc/sys/fs/pipe-max-size for this user
+            continue
+
+
 class _Child:
     """A writer process, its pipes and its ring; reused by the streams of this process one after another."""
 
@@ -177,6 +221,7 @@ class _Child:
             raise WriterProcessUnavailable(f"{type(exc).__name__}: {exc}") from exc
         os.close(to_child[0])
         os.close(from_child[1])
+        _widen(to_child[1])
         self.out = Connection(to_child[1], readable=False)
         self.inbox = Connection(from_child[0], writable=False)
         self.started = False  # it answered once: it runs the writer
@@ -248,8 +293,8 @@ class WriterProcess:
             child writes is added to it (:meth:`BundleWriter.adopt`) as the answers come.
         get: The snapshot of a key (the stream's table).
         durable: The child fsyncs each call, and :meth:`submit` waits for the previous call.
-        done: Called by the reader thread for each call: ``(call, keys written or None,
-            write error or None, journal error or None)``.
+        done: Called by the reader thread for each call: ``(call, rows of the tensors written or
+            None, write error or None, journal error or None)``.
         gone: Called once by the reader thread if the child ends before :meth:`close`, with the
             calls it never answered, whether it had started (else it wrote none of them) and why.
         idle: Called by the reader thread when every call handed over is answered.
@@ -314,19 +359,22 @@ class WriterProcess:
             specs: list[tuple[str, tuple[Any, ...]]] = []
             copies: list[tuple[torch.Tensor, int, int]] = []
             total = 0
-            new = [k for k in dict.fromkeys(call_keys(call)) if k not in self._sent]
+            sent = self._sent
+            new = [k for k in dict.fromkeys(call_keys(call)) if k not in sent]
             for key in new:
                 try:
                     tensor = self._get(key)
                 except Exception as exc:  # its snapshot is gone: the child reports the call incomplete
                     specs.append((key, ("error", type(exc).__name__, str(exc))))
                     continue
-                name = dtype_name(tensor.dtype)
+                name = _DTYPE_NAMES.get(tensor.dtype) or dtype_name(tensor.dtype)
                 if name is None or tensor.layout != torch.strided or not tensor.is_contiguous():
                     specs.append((key, ("unsupported", str(tensor.dtype))))
                     continue
-                nbytes = tensor.numel() * tensor.element_size()
-                specs.append((key, ("tensor", name, tuple(tensor.shape), str(tensor.device), total, nbytes)))
+                _DTYPE_NAMES[tensor.dtype] = name
+                nbytes = tensor.nbytes
+                device = "cpu" if tensor.is_cpu else str(tensor.device)
+                specs.append((key, ("tensor", name, tuple(tensor.shape), device, total, nbytes)))
                 copies.append((tensor, total, nbytes))
                 total += -(-nbytes // _ALIGN) * _ALIGN
             ring = self._child.ring
@@ -351,14 +399,13 @@ class WriterProcess:
             for tensor, offset, nbytes in copies:
                 if not nbytes:
                     continue
-                if tensor.device.type == "cpu":  # one memcpy, without the lock: no torch op to dispatch
+                if tensor.is_cpu:  # one memcpy, without the lock: no torch op to dispatch
                     ctypes.memmove(base + offset, tensor.data_ptr(), nbytes)
                 else:  # to the host, synchronously: the ring is the host copy
                     view[start + offset : start + offset + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
             self._sent.update(new)
             try:
-                # JSON rather than a pickle of the pydantic model: half the time, the manifest's own form
-                self._child.send(("call", seq, call.model_dump_json(), start, ring.size, specs))
+                self._child.send(("call", seq, _call_json(call), start, ring.size, specs))
             except OSError:  # the child is gone and never read this call
                 with self._cond:
                     if seq not in self._calls:
@@ -407,13 +454,13 @@ class WriterProcess:
                         ring.release(message[1])
                         self._cond.notify_all()
                 elif kind == "done":
-                    _, seq, index, tensors, files, error, journal_error = message
-                    self._writer.adopt(index, tensors, files)
+                    _, seq, index, rows, files, error, journal_error = message
+                    self._writer.adopt(index, rows, files)
                     with self._cond:
                         call = self._calls[seq]
                     if error is not None:
                         self._sent.difference_update(k for k in call_keys(call) if k not in self._writer.tensors)
-                    self._done(call, list(tensors) if error is None else None, error, journal_error)
+                    self._done(call, rows if error is None else None, error, journal_error)
                     with self._cond:
                         del self._calls[seq]
                         idle = not self._calls
@@ -585,9 +632,9 @@ def _write(
             writer.append_call(entry, keys, durable=durable)
         except Exception as exc:
             failed_journal = str(exc)
-    written: dict[str, TensorEntry] = {k: writer.tensors[k] for k in keys}
-    written_files: dict[str, FileEntry] = {e.file: writer.files[e.file] for e in written.values()}
-    return ("done", seq, call.index, written, written_files, error, failed_journal)
+    rows = [entry_row(k, writer.tensors[k]) for k in keys]
+    written_files: dict[str, FileEntry] = {row[1]: writer.files[row[1]] for row in rows}
+    return ("done", seq, call.index, rows, written_files, error, failed_journal)
 
 
 class _Missing(Exception):

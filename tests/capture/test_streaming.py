@@ -479,7 +479,7 @@ class TestBufferPool:
         reader.start()
         time.sleep(0.05)
         assert not got  # waits for the writer
-        table.written(["t0"], path, entry.size)
+        table.written([("t0", path.name, "t0", "float32", tuple(x.shape), "cpu", None, None)], tmp_path, {path.name: entry.size})
         reader.join(10)
         assert torch.equal(got[0], x)
 
