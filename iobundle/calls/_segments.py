@@ -1,20 +1,13 @@
 """Append calls' small tensors to a segment, a safetensors file whose header is written when it is sealed.
 
-A segment (format version 6) is ``[8-byte header length][header, padded with spaces][data]``: the
-header region is reserved when the file is created (the data starts at ``8 + region``), and each
-call's small tensors are appended after the data so far, as one range: a call costs one
-``pwritev`` (and an fsync when durable), no file creation. What the bytes are is the manifest's
-(or the journal's) business (``FileEntry.ranges``, ``TensorEntry.offset``, see
-:mod:`iobundle.schema._compact`); a range counts only once a manifest or journal line names it,
-so bytes a failed or killed write left past the last range are never read, and the next call's
-bytes go over them.
-
-Until it is sealed the header length reads 0 (a file being appended to, or left by a killed
-writer). :meth:`SegmentWriter.seal` cuts the file at its size, writes the header (one tensor per
-stored tensor, named ``callNNNNNN/PATH``, ``__metadata__`` mapping each name to its key) and then,
-last, its length: an 8-byte write, so a writer killed while sealing leaves either an unsealed
-segment or a sealed one, never a torn header. The header must fit the reserved region:
-:meth:`SegmentWriter.fits` says whether a call's tensors still do.
+A segment (format version 6, see ``docs/format.md``) is ``[8-byte header length][header][data]``:
+the header region is reserved at creation, and each call's small tensors are appended after the
+data so far, as one range (one ``pwritev``, an fsync when durable, no file creation); a range
+counts once a manifest or journal line names it, so bytes a failed or killed write left past the
+last range are never read. Until sealed, the header length reads 0. :meth:`SegmentWriter.seal`
+cuts the file at its size, writes the header (each tensor named ``callNNNNNN/PATH``,
+``__metadata__`` mapping names to keys), then its length, last: a writer killed while sealing
+leaves the segment unsealed, never torn.
 """
 
 from __future__ import annotations
@@ -32,8 +25,7 @@ from iobundle.schema import FileEntry
 __all__ = ["SegmentWriter", "seal_segment", "segment_header", "segment_header_entry"]
 
 _IOV_MAX = 1024
-_HEAD = b'{"__metadata__":{"format":"pt"'
-"""A sealed header starts with this, then ``,NAME:KEY`` per tensor, ``}``, and ``,NAME:{...}`` per tensor."""
+_HEAD = b'{"__metadata__":{"format":"pt"'  # then ,NAME:KEY per tensor, }, and ,NAME:{...} per tensor
 
 _FLAGS = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 

@@ -17,15 +17,10 @@ The order of the checks is what makes reading a hostile file safe:
 4. only then is the file memory-mapped. A mapping past the end of a file is a SIGBUS, not an
    exception, so nothing is mapped before the size checks.
 
-A segment (``FileEntry.ranges``) holds many calls' small tensors; their byte spans come from the
-manifest (``TensorEntry.offset``, checked to lie inside the ranges when the manifest was read).
-Steps 1, 2 and 4 apply to it, with two differences: the file may be longer than the manifest's
-size (the bytes past it, a call a killed writer was appending, are never read), and the hash is
-checked range by range (each range has its own digest, named with the call that wrote it). In
-format version 4 and 5 it has no header; in version 6 its first range starts past its header
-region, and a sealed header (:mod:`iobundle.calls._segments`) must list exactly the tensors the
-manifest puts there, as stored, at their offsets (:func:`check_segment_header`); an unsealed one
-(length 0: a stream still open, or killed) claims nothing.
+A segment (``FileEntry.ranges``) gets steps 1, 2 and 4, its tensors' spans from the manifest
+(``TensorEntry.offset``); it may be longer than its size (a killed writer's bytes, never read), its
+hash is checked range by range, and a sealed header (version 6) must agree with the manifest
+(:func:`check_segment_header`).
 
 A tensor stored as an extension of another (format version 2, ``TensorEntry.extends``) is rebuilt
 on each read: its chain of parts (which the manifest checks bounded and acyclic) is read, each part

@@ -40,34 +40,10 @@ plus ``"journal": 1``; each call is then one line, ``{"call": {...}, "files": {.
 record with its structure written out in place of its number, and the files it added, each naming
 its ``hash``.
 
-Format version 4 is this layout plus segment files. A segment,
-``calls/segment-NNNNNN.bin``, has no header: it is the bytes of the small tensors of many calls
-back to back, each call's bytes one range appended once (never rewritten), so that a decode step
-creates no file and pays no header. Its record gives ``ranges`` instead of ``digest``::
-
-    "calls/segment-000000.bin":{"size":96,"ranges":[[0,0,64,"5d0f..."],[1,64,32,"a1c2..."]],
-     "tensors":{"t0":["I64",[1,3]],"t1":["F32",[1,2,2]],"t3":["I64",[1,1]],"t4":["F32",[1,2,3],["t1",2]]}}
-
-- ``ranges``: ``[call, start, length, digest]`` per call that added bytes (the call's index, and the
-  digest of those bytes, of the record's ``hash``), in file order: the first starts at 0, each where the one before ends, and
-  ``size`` is where the last ends;
-- ``tensors``: in the order of their bytes, each stored raw (little-endian, C order, no padding)
-  right after the one before, the first at byte 0: a tensor's offset is the sum of the stored sizes
-  (``dtype`` size times the stored shape: an extension stores its new part) of those listed before
-  it. Every tensor lies inside one range, and the tensors fill the ranges exactly;
-- a tensor whose stored bytes reach ``SEGMENT_TENSOR_BYTES`` (:mod:`iobundle.capture._writer`) keeps its call's
-  own safetensors file (``calls/NNNNNN.safetensors``, as in version 3), memory-mapped when read.
-
-Format version 6 (written now) is the layout of version 5; a segment is a safetensors file whose
-header region comes first: its first range starts at the data start (8 + the header region's
-length, more than 8), not at 0; offsets stay bytes of the file.
-
-Format version 5 is the layout of version 4 plus, in a call's record, ``autocast``:
-the ``torch.autocast`` state the call ran under (see :class:`~iobundle.schema.AutocastEntry`), left
-out when autocast was enabled on no device type::
-
-    {"index":3,"structure":1,"keys":["t9","t1"],"latency":0.0012,
-     "autocast":[{"device_type":"cuda","dtype":"BF16","enabled":true},{"device_type":"cpu","dtype":"BF16","enabled":false}]}
+Format version 4 adds segment files (a record gives ``ranges``, ``[call, start, length, digest]``
+per call, instead of ``digest``; its tensors' offsets follow from their order), version 5 a call's
+``autocast``, and in version 6 (written now) a segment's first range starts past its header region.
+``docs/format.md`` is their specification.
 
 Reading checks everything versions 1 and 2 check (limits, tensor ranks and sizes, extensions) and
 keeps compact rows (:mod:`iobundle.schema._deferred`); a call's trees are built from its structure

@@ -183,3 +183,19 @@ def test_upgrade_finishes_a_killed_stream_and_never_writes_in_place(tmp_path, ca
     for target in (GOLDEN / "sealed_journal", GOLDEN / "sealed_journal" / "inside", GOLDEN):
         with pytest.raises(BundleWriteError, match="never rewritten in place"):
             upgrade_bundle(GOLDEN / "sealed_journal", target)
+
+
+def test_a_segment_whose_seal_was_cut_short_still_reads_by_its_ranges(tmp_path):
+    """Sealing writes the header, then its length: killed in between, the length reads 0 and the ranges stand."""
+    model, observer = torch.nn.Linear(4, 3), InputObserver()
+    with torch.no_grad(), observer(model):
+        for n in (1, 2):
+            model(torch.randn(n, 4))
+    observer.save(tmp_path / "run")
+    before = {k: raw(load_bundle(tmp_path / "run").tensor(k)) for k in load_bundle(tmp_path / "run").manifest.tensors}
+    segment = tmp_path / "run" / "calls" / "segment-000000.bin"
+    data = bytearray(segment.read_bytes())
+    data[:8] = bytes(8)  # the header is there, its length not yet
+    segment.write_bytes(bytes(data))
+    b = load_bundle(tmp_path / "run")
+    assert b.verify() == [] and {k: raw(b.tensor(k)) for k in b.manifest.tensors} == before
