@@ -37,12 +37,9 @@ def segment_header_entry(
 
     ``begin`` and ``end`` are relative to the data area (safetensors' ``data_offsets``).
     """
-    quoted = json.dumps(name)
-    info = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
-    return (
-        f",{quoted}:{json.dumps(key)}".encode(),
-        f",{quoted}:{json.dumps(info, separators=(',', ':'))}".encode(),
-    )
+    quoted, dims = json.dumps(name), ",".join(map(str, shape))
+    info = f'{{"dtype":"{dtype}","shape":[{dims}],"data_offsets":[{begin},{end}]}}'  # a dtype name needs no escape
+    return f",{quoted}:{json.dumps(key)}".encode(), f",{quoted}:{info}".encode()
 
 
 def segment_header(entries: Sequence[tuple[bytes, bytes]]) -> bytes:

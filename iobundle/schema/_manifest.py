@@ -255,11 +255,6 @@ class FileEntry(_OmitsUnset):
         return "sha256" if self.sha256 is not None else str(self.hash)
 
     @property
-    def is_segment(self) -> bool:
-        """Whether the file is a segment (format version 4 on): ranges of calls."""
-        return self.ranges is not None
-
-    @property
     def hexdigest(self) -> str:
         """The recorded digest, whichever format version wrote it."""
         return self.sha256 if self.sha256 is not None else str(self.digest)
