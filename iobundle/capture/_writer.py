@@ -445,7 +445,9 @@ class BundleWriter:
             if dtype_name(t.dtype) is None:
                 raise UnsupportedInputError(f"Tensor {key!r} has dtype {t.dtype}, which a bundle cannot store.")
             ext = extends.get(key)
-            if t.numel() * t.element_size() >= SEGMENT_TENSOR_BYTES or (ext is not None and ext.key in own):
+            # complex128 (C128), which the safetensors library cannot read, keeps its call's file: segments stay readable
+            big = t.numel() * t.element_size() >= SEGMENT_TENSOR_BYTES or t.dtype == torch.complex128
+            if big or (ext is not None and ext.key in own):
                 own.add(key)
                 continue
             if ext is not None and ext.key not in small:

@@ -199,3 +199,20 @@ def test_a_segment_whose_seal_was_cut_short_still_reads_by_its_ranges(tmp_path):
     segment.write_bytes(bytes(data))
     b = load_bundle(tmp_path / "run")
     assert b.verify() == [] and {k: raw(b.tensor(k)) for k in b.manifest.tensors} == before
+
+
+def test_a_complex128_tensor_keeps_its_call_file_so_the_segment_stays_readable(tmp_path):
+    """The safetensors library has no C128: such a tensor goes to its call's own file, never to a segment."""
+
+    class Twice(torch.nn.Module):
+        def forward(self, x, z):
+            return x * 2
+
+    model, observer = Twice(), InputObserver()
+    with torch.no_grad(), observer(model):
+        model(torch.randn(2), torch.zeros(2, dtype=torch.complex128))
+    observer.save(tmp_path / "run")
+    b = load_bundle(tmp_path / "run")
+    assert {e.file for e in b.manifest.tensors.values() if e.dtype == "C128"} == {"calls/000000.safetensors"}
+    with safetensors.safe_open(tmp_path / "run" / "calls" / "segment-000000.bin", framework="pt") as f:
+        assert len(f.keys()) == 2
