@@ -36,6 +36,9 @@ class Config:
     llama_long_tokens: int = 200
     llama_long_reps: int = 3
     decode_steps: int = 48  # figure 1e
+    depth_layers: tuple[int, ...] = (2, 8, 32, 64, 80)  # figure 1f
+    depth_tokens: int = 24
+    depth_reps: int = 5
     size_tokens: int = 100  # figure 7: bundle bytes for N and 2N new tokens
     hash_mib: int = 256
     open_many_calls: int = 1000
@@ -67,6 +70,9 @@ QUICK = Config(
     llama_long_tokens=6,
     llama_long_reps=1,
     decode_steps=4,
+    depth_layers=(2, 4),
+    depth_tokens=3,
+    depth_reps=1,
     size_tokens=4,
     hash_mib=8,
     open_many_calls=50,
@@ -84,7 +90,7 @@ QUICK = Config(
     warmup=False,
 )
 
-FIGURES = ("1a", "1b", "1c", "1d", "1e", "2", "3", "3r", "4", "5", "6", "7", "8")
+FIGURES = ("1a", "1b", "1c", "1d", "1e", "1f", "2", "3", "3r", "4", "5", "6", "7", "8")
 
 
 # -- statistics and result records -----------------------------------------------------------

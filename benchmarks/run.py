@@ -14,6 +14,8 @@ ratios are medians of the per-repetition ratios), one module per family:
   model, a Linear and a tiny Llama ``generate()`` (short and long); 1a and 1b with a second floor, the raw
   write of the same bytes to a new file per call; 1e: the time a decode step spends in the observed call
   on the recording thread (µs), unobserved vs in memory vs streaming;
+- ``depth.py``, 1f: what streaming adds to a decode call at 2 to 80 layers, per call and per tensor, and its
+  growth exponent in depth;
 - ``memory.py``, 2: peak RSS growth while recording many calls (one subprocess per variant);
 - ``storage.py``, 3, 3r, 4, 6: bundle write throughput vs a raw sequential write,
   ``safetensors.torch.save_file`` and ``torch.save`` (every variant fsyncs), read throughput
@@ -61,6 +63,7 @@ from benchmarks.common import (
     streaming_supported,
     versions,
 )
+from benchmarks.depth import figure_1f
 from benchmarks.many_calls import figure_7, figure_8
 from benchmarks.memory import figure_2, memory_child
 from benchmarks.report import render_markdown, write_markdown
@@ -104,6 +107,7 @@ def run(cfg: Config, workdir: Path, only: set[str], log: Callable[[str], None]) 
         ("1c", lambda: figure_1c(cfg, workdir)),
         ("1d", lambda: figure_1c(cfg, workdir, long=True)),
         ("1e", lambda: figure_1e(cfg, workdir)),
+        ("1f", lambda: figure_1f(cfg, workdir)),
         ("2", lambda: figure_2(cfg, workdir)),
         ("3", lambda: None),  # figure 3 and 3r together, below
         ("4", lambda: figure_4(cfg, workdir)),

@@ -76,6 +76,7 @@ class TensorCollector:
         self._snapshot = snapshot
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Size, tuple[int, ...], TensorNode]] = {}
         self.tensors: dict[str, torch.Tensor] = {}
+        self._objects: dict[int, tuple[weakref.ref[Any], ObjectNode]] = {}
         self._counter = 0
 
     def _new_key(self) -> str:
@@ -107,6 +108,30 @@ class TensorCollector:
         except TypeError:
             return node
         self._seen[id(tensor)] = (ref, tensor._version, tensor.shape, tensor.stride(), node)
+        return node
+
+    def same_object(self, value: Any, node: ObjectNode) -> ObjectNode:
+        """``node`` (the tree of ``value``, a registered class), or the equal node made for ``value`` last time.
+
+        A cache passed to every call (the same object, its tensors unchanged since it was returned)
+        is then one node shared by the calls that hold it, which its writers serialise once.
+        """
+        last = self._objects.get(id(value))
+        if (
+            last is not None
+            and last[0]() is value
+            and last[1].type == node.type
+            and last[1].context == node.context
+            and len(last[1].items) == len(node.items)
+            and all(a is b for a, b in zip(last[1].items, node.items))
+        ):
+            return last[1]
+        if len(self._objects) >= 256:  # a model output is a new object every call: keep the recent ones
+            self._objects.clear()
+        try:
+            self._objects[id(value)] = (weakref.ref(value), node)
+        except TypeError:
+            pass
         return node
 
     def forget(self, keys: set[str]) -> None:
@@ -173,19 +198,22 @@ def _record(value: Any, collector: TensorCollector, where: Any, on_opaque: Calla
     if isinstance(value, dict) and (cls is dict or cls.__module__ == "collections"):
         keys = list(value)
         if all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in keys):
-            items = [_record(value[k], collector, (where, k if isinstance(k, str) else None, k), on_opaque) for k in keys]
+            items = [
+                _record(value[k], collector, (where, k if isinstance(k, str) else None, k), on_opaque) for k in keys
+            ]
             return DictNode.model_construct(keys=keys, items=items)
     node_type = find_node_type(value)
     if node_type is not None:
         children, context = node_type.flatten(value)
         context = _json_normalise(context)[0]
         # built from checked parts (nodes, a JSON value): validating would walk every item again
-        return ObjectNode.model_construct(
+        node = ObjectNode.model_construct(
             type=node_type.name,
             version=node_type.version,
             context=context,
             items=_record_children(children, context, collector, where, on_opaque),
         )
+        return collector.same_object(value, node)
     pytree_node = torch_pytree.SUPPORTED_NODES.get(cls)
     if pytree_node is not None and cls not in _CONTAINER_TYPES:
         children, context = pytree_node.flatten_fn(value)
@@ -206,7 +234,11 @@ def _key_path(path: str, key: Any) -> str:
 
 
 def _record_children(
-    children: list[Any], context: Any, collector: TensorCollector, where: Any, on_opaque: Callable[[str, str, str], None]
+    children: list[Any],
+    context: Any,
+    collector: TensorCollector,
+    where: Any,
+    on_opaque: Callable[[str, str, str], None],
 ) -> list[Node]:
     """The recorded children of a registered class, each at its path (a field's name when the context names it)."""
     if isinstance(context, list) and len(context) == len(children):

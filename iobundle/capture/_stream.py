@@ -86,16 +86,23 @@ BUDGET_CALLS = 1.5
 """While the writer still holds buffers of earlier calls, the pool lends at most this many times
 the largest call's pooled bytes; a copy beyond it waits for the writer to return a buffer."""
 
-WRITER = os.environ.get("IOBUNDLE_WRITER", "thread")
-"""Where a stream's calls are written: ``"thread"`` (the default: a thread of the recording
-process) or ``"process"`` (a writer process fed through shared memory,
-:mod:`iobundle.capture._writer_process`). ``IOBUNDLE_WRITER=process`` in the environment sets it
-when iobundle is imported. See docs/capture.md for the measurements behind the default."""
+WRITER = os.environ.get("IOBUNDLE_WRITER", "auto")
+"""Who writes a stream's calls: ``"auto"`` (the default: the writer process for small calls, a thread
+of the recording process for large ones, :data:`PROCESS_MAX_BYTES`), ``"process"`` (every call to the
+writer process, :mod:`iobundle.capture._writer_process`) or ``"thread"`` (every call to the thread).
+``IOBUNDLE_WRITER`` in the environment sets it when iobundle is imported. See docs/capture.md for the
+measurements behind the default."""
+
+PROCESS_MAX_BYTES = 4 * 1024 * 1024
+"""With :data:`WRITER` ``"auto"``, a call whose snapshots add up to fewer bytes goes to the writer
+process; a larger one to the writer thread. Below it a call's cost on the model's thread is per
+tensor, which the process takes off the interpreter lock; above it, it is per byte, and the ring
+would copy the bytes once more and hold them (figures 1a and 2 of BENCHMARKS.md)."""
 
 
 def stream_writer_kind() -> str:
-    """``"process"`` or ``"thread"``: what :data:`WRITER` means for a stream opened now (anything but ``"process"`` is the thread)."""
-    return "process" if WRITER == "process" else "thread"
+    """``"auto"``, ``"process"`` or ``"thread"``: what :data:`WRITER` means for a stream opened now (anything else is ``"auto"``)."""
+    return WRITER if WRITER in ("process", "thread") else "auto"
 
 
 _HEADER_CACHE = 64
@@ -351,7 +358,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         self.retained: set[str] = set()
         """Keys the writer keeps as bases of later extensions: their buffers are never recycled."""
         self.copied_bytes = 0
-        """Bytes :meth:`snapshot` copied since :meth:`take_copied` last reset it."""
+        """Bytes :meth:`snapshot` took (copied, or referenced) since :meth:`take_copied` last reset it."""
         self.copied_off_cpu = False
         """Whether one of those copies is not on the CPU."""
         self.reference = False
@@ -375,7 +382,8 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         While streaming, a CUDA copy also gets an event: the copy runs on the model's current
         stream and the writer reads it from another thread (and stream), after the event.
         """
-        if self.reference and tensor.device.type == "cpu" and type(tensor) is torch.Tensor and tensor.is_contiguous():
+        if self.reference and tensor.is_cpu and type(tensor) is torch.Tensor and tensor.is_contiguous():
+            self.copied_bytes += tensor.nbytes
             return tensor
         pool = self.pool
         if pool is None or not _poolable(tensor):
@@ -558,6 +566,13 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
             event.synchronize()
         return tensor
 
+    def own(self, keys: Iterable[str]) -> None:
+        """Replace the references among ``keys`` by copies: a writer thread will read them while the model runs on."""
+        with self._lock:
+            for key in keys:
+                if self._referenced.pop(key, None) is not None and key in self._memory:
+                    self._memory[key] = snapshot_tensor(self._memory[key])
+
     def released(self, key: str) -> None:
         """The bytes of ``key`` are in its file (not complete yet): recycle its buffer now if it is pooled.
 
@@ -692,6 +707,7 @@ class CallStream:
         self._written: list[CallEntry] = list(written)
         self._failures: list[tuple[CallEntry | None, str]] = []
         self._queue: list[CallEntry] = []
+        self._told: list[tuple[int, list[TensorRow]]] = []  # what the thread wrote, for the writer process
         self._busy = False
         self._closed = False
         self._cond = threading.Condition()
@@ -701,7 +717,7 @@ class CallStream:
         table.pool = self.pool
         self._thread: threading.Thread | None = None
         self.process: WriterProcess | None = None
-        if stream_writer_kind() == "process":
+        if stream_writer_kind() != "thread":
             try:
                 self.process = WriterProcess(
                     writer,
@@ -741,27 +757,49 @@ class CallStream:
     def submit(self, call: CallEntry, *, recorded_now: bool = True) -> None:
         """Hand ``call`` to the writer process, or write it / queue it for the writer thread.
 
+        Which writer takes it is decided per call (:data:`WRITER` ``"auto"``, the default): a call
+        whose snapshots add up to less than :data:`PROCESS_MAX_BYTES` goes to the writer process
+        (on the model's thread it costs one ``memmove`` per new tensor and a message), a larger one
+        to the writer thread (one copy, written while the model computes the next call, where the
+        ring would add a second copy and its memory). The two never write at once: a call that
+        changes writer first waits until the other one has written everything it was given.
+
         With the thread: after waiting for the previous call to be written, a small CPU call
         (its snapshots under :data:`INLINE_MAX_BYTES`; not ``durable``) is written here, by the
         calling thread: the writer thread is idle then, and handing the call over would cost more
         than writing it. Others go to the writer thread, which writes them while the model
         computes the next call. ``recorded_now=False`` (a call recorded before the stream opened,
-        whose copies :meth:`SnapshotTable.take_copied` did not count) always goes to the thread.
+        whose copies :meth:`SnapshotTable.take_copied` did not count) goes to the process if there
+        is one, else to the thread.
         """
-        copied, off_cpu = self._table.take_copied()
+        taken, off_cpu = self._table.take_copied()
         process = self.process
-        if process is not None:
+        if process is not None and (not recorded_now or WRITER == "process" or taken < PROCESS_MAX_BYTES):
             with self._cond:
                 if self._closed:
                     self._failures.append(
                         (None, f"the stream to '{self.path}' is closed; call {call.index} stays in memory")
                     )
                     return
+            self._wait_thread_idle()
             self.pool.set_draining(True)
+            if self._told:
+                told, self._told = self._told, []
+                process.tell(told, self.writer.files)
             if process.submit(call):
                 return
             process.wait_gone()  # the child ended: the thread writes from now on
-        self._submit_to_thread(call, recorded_now and not self.durable and not off_cpu and copied < INLINE_MAX_BYTES)
+        elif process is not None:
+            process.wait_idle()  # a large call: the thread writes it, once the process has written the rest
+            self._table.own(call_keys(call))  # the thread reads them while the model runs on
+            if self._thread is None:
+                self._start_thread()
+        self._submit_to_thread(call, recorded_now and not self.durable and not off_cpu and taken < INLINE_MAX_BYTES)
+
+    def _wait_thread_idle(self) -> None:
+        with self._cond:
+            while self._thread is not None and (self._busy or self._queue) and self._thread.is_alive():
+                self._cond.wait()
 
     def _submit_to_thread(self, call: CallEntry, inline: bool) -> None:
         with self._cond:
@@ -888,7 +926,11 @@ class CallStream:
             keys = writer.write_call(call, table.for_writing, durable=self.durable, on_written=table.released)
         except Exception as exc:  # the observed program never sees it: reported through take_failures
             error = f"its tensors could not be written to '{self.path}' ({type(exc).__name__}: {exc})"
-        entry = self._settle(call, [entry_row(k, writer.tensors[k]) for k in keys], error)
+        rows = [entry_row(k, writer.tensors[k]) for k in keys]
+        entry = self._settle(call, rows, error)
+        if self.process is not None:
+            with self._cond:
+                self._told.append((call.index, rows))  # the writer process must not write them again
         journal_error = None
         try:
             writer.append_call(entry, keys, durable=self.durable)

@@ -24,6 +24,7 @@ stream's bookkeeping (the snapshots written are dropped from memory, the failure
 from __future__ import annotations
 
 import ctypes
+import json
 import mmap
 import os
 import pickle
@@ -44,7 +45,7 @@ from pydantic import TypeAdapter
 from iobundle.calls import NAME_TO_DTYPE, dtype_name
 from iobundle.capture._writer import BundleWriter, TensorRow, call_keys, entry_row, mark_incomplete
 from iobundle.errors import BundleWriteError, UnsupportedInputError
-from iobundle.schema import CallEntry, FileEntry, Node
+from iobundle.schema import CallEntry, FileEntry, ListNode, Node, ObjectNode, TensorNode, TupleNode
 
 __all__ = ["WriterProcess", "WriterProcessUnavailable"]
 
@@ -62,24 +63,63 @@ Done = Callable[[CallEntry, list[TensorRow] | None, str | None, str | None], Non
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
-_TREES = TypeAdapter(list[Node])
-_KEYWORD_TREES = TypeAdapter(dict[str, Node])
 _TREE = TypeAdapter(Node)
 
+_MEMO_NODES = 8192
 
-def _call_json(call: CallEntry) -> bytes:
-    """``call`` as the manifest's JSON, its trees serialised straight to bytes.
 
-    JSON rather than a pickle of the pydantic model (half the time); and the trees apart from the
-    entry's other fields, whose serializer (``None`` fields left out) would first turn every node
-    of the trees into a Python dict: a third of the time again, on the model's thread.
+class _CallJson:
+    """Recorded calls as the manifest's JSON, for the child, at a cost that does not grow with what repeats.
+
+    The child validates what it receives, so any JSON of the entry will do; this one is put together
+    from the JSON of each node, remembered for the nodes calls share: a tensor node is made once
+    per tensor, and a cache passed to the next call is the node its previous call returned
+    (:meth:`iobundle.calls.TensorCollector.same_object`). A decode step thus serialises only
+    what it adds. The rest of the entry goes through pydantic (its None fields left out).
     """
-    head = call.model_dump_json(exclude={"args", "kwargs", "outputs"}).encode()
-    parts = [head[:-1], b',"args":', _TREES.dump_json(call.args), b',"kwargs":', _KEYWORD_TREES.dump_json(call.kwargs)]
-    if call.outputs is not None:
-        parts += [b',"outputs":', _TREE.dump_json(call.outputs)]
-    parts.append(b"}")
-    return b"".join(parts)
+
+    def __init__(self) -> None:
+        self._memo: dict[int, tuple[Node, bytes]] = {}
+
+    def __call__(self, call: CallEntry) -> bytes:
+        head = call.model_dump_json(exclude={"args", "kwargs", "outputs"}).encode()
+        parts = [head[:-1], b',"args":[', b",".join(map(self._node, call.args)), b'],"kwargs":{']
+        parts.append(b",".join(json.dumps(k).encode() + b":" + self._node(v) for k, v in call.kwargs.items()))
+        parts.append(b"}")
+        if call.outputs is not None:
+            parts += [b',"outputs":', self._node(call.outputs)]
+        parts.append(b"}")
+        return b"".join(parts)
+
+    def _node(self, node: Node) -> bytes:
+        hit = self._memo.get(id(node))
+        if hit is not None and hit[0] is node:
+            return hit[1]
+        if isinstance(node, TensorNode):
+            key = node.key
+            quoted = b'"' + key.encode() + b'"' if key.isalnum() and key.isascii() else json.dumps(key).encode()
+            text = b'{"kind":"tensor","key":' + quoted + b"}"
+        elif isinstance(node, ObjectNode):
+            text = b"".join(
+                (
+                    b'{"kind":"node","type":',
+                    json.dumps(node.type).encode(),
+                    b',"version":%d,"context":' % node.version,
+                    json.dumps(node.context).encode(),
+                    b',"items":[',
+                    b",".join(map(self._node, node.items)),
+                    b"]}",
+                )
+            )
+        elif isinstance(node, (ListNode, TupleNode)):
+            kind = b"list" if isinstance(node, ListNode) else b"tuple"
+            return b'{"kind":"' + kind + b'","items":[' + b",".join(map(self._node, node.items)) + b"]}"
+        else:  # None, a constant (floats need pydantic's inf/nan), a dict, an opaque value: small, rare
+            return _TREE.dump_json(node)
+        if len(self._memo) >= _MEMO_NODES:
+            self._memo.clear()
+        self._memo[id(node)] = (node, text)
+        return text
 
 
 class WriterProcessUnavailable(Exception):
@@ -321,6 +361,7 @@ class WriterProcess:
         self._gone = gone
         self._idle = idle
         self._sent: set[str] = set(writer.tensors)
+        self._json = _CallJson()
         self._calls: dict[int, CallEntry] = {}
         self._seq = 0
         self._closing = False
@@ -405,7 +446,7 @@ class WriterProcess:
                     view[start + offset : start + offset + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
             self._sent.update(new)
             try:
-                self._child.send(("call", seq, _call_json(call), start, ring.size, specs))
+                self._child.send(("call", seq, self._json(call), start, ring.size, specs))
             except OSError:  # the child is gone and never read this call
                 with self._cond:
                     if seq not in self._calls:
@@ -414,6 +455,27 @@ class WriterProcess:
                     ring.release(seq)
                 return False
             return True
+
+    def tell(self, written: list[tuple[int, list[TensorRow]]], files: dict[str, FileEntry]) -> None:
+        """What another writer of the stream wrote meanwhile: ``(call index, rows)`` pairs, and the files.
+
+        The child takes them in (a later call that holds those tensors refers to them) and is never
+        handed their tensors again.
+        """
+        rows = [row for _, call_rows in written for row in call_rows]
+        named = {row[1]: files[row[1]] for row in rows if row[1] in files}
+        with self._submit_lock:
+            self._sent.update(row[0] for row in rows)
+            try:
+                self._child.send(("adopt", [index for index, _ in written], rows, named))
+            except OSError:
+                pass  # the child is gone: the reader thread reports it
+
+    def wait_idle(self) -> None:
+        """Wait until the child has answered every call handed to it (or is gone)."""
+        with self._cond:
+            while self._calls and not self._dead:
+                self._cond.wait()
 
     def close(self) -> None:
         """Wait until the child has written every call and synced its files (unless durable).
@@ -550,6 +612,10 @@ def serve() -> None:
             writer.close_journal()
             writer = None
             answer(("closed", error))
+        elif kind == "adopt" and writer is not None:
+            _, indices, rows, files = message
+            for i, index in enumerate(indices):
+                writer.adopt(index, rows if i == 0 else [], files if i == 0 else {})
         elif kind == "call" and writer is not None:
             _, seq, call_json, start, size, specs = message
             call = CallEntry.model_validate_json(call_json)

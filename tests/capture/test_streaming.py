@@ -549,10 +549,8 @@ class TestWriterProcess:
         for i, call in enumerate(loaded.calls):
             assert torch.equal(loaded.tensor(call.args[0].key), torch.arange(10 + i))
 
-    @pytest.mark.parametrize("variable", ["process", "thread", None])
-    def test_iobundle_writer_process_in_the_environment_writes_with_a_process(
-        self, tmp_path: Path, variable: str | None
-    ) -> None:
+    @pytest.mark.parametrize("variable", ["process", "thread", "auto", None])
+    def test_iobundle_writer_in_the_environment_chooses_the_writer(self, tmp_path: Path, variable: str | None) -> None:
         script = textwrap.dedent(
             f"""
             import torch
@@ -571,10 +569,12 @@ class TestWriterProcess:
             env["IOBUNDLE_WRITER"] = variable
         done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
-        assert done.stdout.split() == (["1", "2"] if variable == "process" else ["0", "2"])  # default: the thread
+        assert done.stdout.split() == (["0", "2"] if variable == "thread" else ["1", "2"])  # default: auto
 
-    @pytest.mark.parametrize(("setting", "kind"), [("process", "process"), ("thread", "thread"), ("", "thread")])
-    def test_only_process_selects_the_writer_process(
+    @pytest.mark.parametrize(
+        ("setting", "kind"), [("process", "process"), ("thread", "thread"), ("auto", "auto"), ("", "auto")]
+    )
+    def test_the_writer_setting_is_process_thread_or_auto(
         self, monkeypatch: pytest.MonkeyPatch, setting: str, kind: str
     ) -> None:
         from iobundle.capture import _stream
@@ -715,7 +715,8 @@ ZYGOTE = textwrap.dedent(
 
         from iobundle.capture import _stream
 
-        _stream.WRITER = "process" if mode.startswith("process") else "thread"  # the hooks below patch this process
+        # the hooks below patch this process
+        _stream.WRITER = "process" if mode.startswith("process") else "auto" if mode.startswith("auto") else "thread"
 
         if slow:
             real_replace = os.replace
@@ -761,7 +762,8 @@ ZYGOTE = textwrap.dedent(
         with observer(model, store_n_calls=100_000, stream_to=path, durable=durable):
             say("ready")
             for i in range(first):
-                model(torch.full((size + i,), float(i)), shared)
+                n = size + i if mode != "auto-mixed" or i % 3 != 2 else 2_000_000 + i  # every third call large
+                model(torch.full((n,), float(i)), shared)
                 say(f"done {i + 1}")
         say("closed")
         if mode.startswith("reopen"):  # a second block appends to the same bundle
@@ -856,7 +858,13 @@ MODES = {  # mode: (floats per tensor, seconds each rename or append is held)
     "reopen-renamed": (1000, 0.1),  # a second block: kill once it is renamed, the manifest not yet removed
     "process-delay": (1000, 0.0),  # the writer process: kill the recording process after a random delay
     "process-big": (2_000_000, 0.0),  # the writer process, 8 MB tensors
+    "auto-mixed": (1000, 0.0),  # the default: small calls to the writer process, every third one (8 MB) to the thread
 }
+
+
+def call_length(mode: str, size: int, i: int) -> int:
+    """The length of call ``i``'s first input (the zygote's capture makes the same)."""
+    return size + i if mode != "auto-mixed" or i % 3 != 2 else 2_000_000 + i
 
 
 def writer_children(pid: int) -> list[int]:
@@ -905,7 +913,7 @@ def kill_trial(zygote: Zygote, workdir: Path, mode: str, durable: bool, rng: ran
             assert len(children) == 1, f"{mode}: the writer processes of {pid}: {children}"
         if mode in ("delay", "process-delay"):
             time.sleep(rng.uniform(0.0, 0.3))
-        elif mode in ("big", "process-big"):
+        elif mode in ("big", "process-big", "auto-mixed"):
             time.sleep(rng.uniform(0.0, 1.0))
         elif mode in ("journal-append", "segment-append"):
             after = wait_for(log, lambda line: line == f"done {k}")
@@ -939,7 +947,7 @@ def kill_trial(zygote: Zygote, workdir: Path, mode: str, durable: bool, rng: ran
         assert call.status == "ok"
         x, shared = (loaded.tensor(node.key) for node in call.args)
         doubled, head = (loaded.tensor(k) for k in tensor_keys(call.outputs))
-        assert torch.equal(x, torch.full((size + i,), float(i)))
+        assert torch.equal(x, torch.full((call_length(mode, size, i),), float(i)))
         assert torch.equal(doubled, x * 2)
         assert torch.equal(head, shared[:4] + 1)
         assert all(loaded.manifest.tensors[k].file in loaded.manifest.files for k in call_keys(call))
@@ -985,7 +993,8 @@ def test_sigkill_at_any_moment_leaves_a_loadable_bundle(tmp_path: Path) -> None:
         "reopen-renamed",
     ]
     modes = [(m, False) for m in ["delay"] * 6 + ["big"] * 5 + steps * 3 + ["process-delay"] * 4 + ["process-big"] * 3]
-    modes += [(m, True) for m in ["delay", "big", *steps, "process-delay", "process-big"]]
+    modes += [(m, False) for m in ["auto-mixed"] * 4]
+    modes += [(m, True) for m in ["delay", "big", *steps, "process-delay", "process-big", "auto-mixed"]]
     trials = [(i, mode, durable, random.Random(rng.random())) for i, (mode, durable) in enumerate(modes)]
     workers = 2
     zygotes = [Zygote(script) for _ in range(workers)]

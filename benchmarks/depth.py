@@ -1,0 +1,168 @@
+"""Figure 1f: what recording adds to a decode call as the model gets deeper (issue 27).
+
+A tiny Llama (hidden 32, 4 heads, 2 key-value heads, vocabulary 128) at several depths, batch 1, an
+8-token prompt and ``depth_tokens`` new tokens: plain ``generate()`` against ``generate()`` under
+``InputObserver`` streaming to a bundle, interleaved, one repetition of each per round. A decode call
+carries about four tensors per layer (the cache in and out) plus a few: a cost per tensor is a cost per
+layer. Reported per depth: the plain time per call, what streaming adds per call (wall clock, medians),
+the ratio, and the CPU time the recording thread spends per recorded tensor (its thread time over the
+plain run's, per call, over the tensors a decode call carries); then the growth exponent of the added
+time in depth (a least-squares slope of log(added) on log(layers): 0 is a cost per call, 1 per tensor).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import Config, Figure, Row, Target, at_most, defer_remove, observer_call, run_interleaved
+
+
+def _tensors(node: Any) -> int:
+    """The tensors of a recorded tree (a manifest node)."""
+    if getattr(node, "kind", None) == "tensor":
+        return 1
+    return sum(_tensors(item) for item in getattr(node, "items", ()) or ())
+
+
+def _llama(layers: int) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def _growth(layers: list[int], added: list[float]) -> float | None:
+    """Least-squares slope of log(added) on log(layers); None unless every added time is positive."""
+    if len(layers) < 2 or any(a <= 0 for a in added):
+        return None
+    xs, ys = [math.log(n) for n in layers], [math.log(a) for a in added]
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def _measure(
+    cfg: Config, workdir: Path, layers: int, prompt: Any
+) -> tuple[dict[str, dict[str, list[float]]], int, int]:
+    """Plain and streamed runs at one depth: the samples (wall and thread CPU seconds per generate()),
+    the forward calls per generate() and the tensors of a decode call."""
+    import torch
+
+    from iobundle import InputObserver, load_bundle
+
+    tokens = cfg.depth_tokens
+    model = _llama(layers)
+    calls = {"n": 0, "tensors": 0}
+
+    def generate() -> Any:
+        return model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+
+    def plain(rep: int) -> dict[str, float]:
+        with torch.no_grad():
+            begin, cpu = time.perf_counter(), time.thread_time()
+            generate()
+            return {"wall": time.perf_counter() - begin, "cpu": time.thread_time() - cpu}
+
+    def streamed(rep: int) -> dict[str, float]:
+        observer, target = InputObserver(), workdir / f"depth-{layers}-{rep}.iobundle"
+        with torch.no_grad(), observer_call(observer, model, tokens + 8, target):
+            begin, cpu = time.perf_counter(), time.thread_time()
+            generate()
+            wall, cpu = time.perf_counter() - begin, time.thread_time() - cpu
+        if not calls["n"]:
+            recorded = load_bundle(target).calls
+            last = recorded[-1]
+            calls["n"] = len(recorded)
+            calls["tensors"] = sum(map(_tensors, [*last.args, *last.kwargs.values(), last.outputs]))
+        defer_remove(target)
+        return {"wall": wall, "cpu": cpu}
+
+    variants: dict[str, Callable[[int], dict[str, float]]] = {"plain": plain, "streamed": streamed}
+    samples = run_interleaved(cfg.depth_reps, variants, warmup=cfg.warmup)
+    return samples, max(calls["n"], 1), calls["tensors"]
+
+
+def figure_1f(cfg: Config, workdir: Path) -> Figure:
+    import torch
+
+    tokens = cfg.depth_tokens
+    fig = Figure(
+        "1f",
+        f"Recording cost by depth: tiny Llama (hidden 32) generate() of {tokens} new tokens, batch 1, "
+        f"every call streamed, at {', '.join(map(str, cfg.depth_layers))} layers",
+        "ms per forward call",
+        f"plain_{cfg.depth_layers[0]}",
+        "streamed / plain at the same depth (paired by repetition)",
+    )
+    prompt = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+    added_by_depth, per_tensor = [], {}
+    for layers in cfg.depth_layers:
+        samples, n, tensors = _measure(cfg, workdir, layers, prompt)
+        plain_ms = [w * 1e3 / n for w in samples["plain"]["wall"]]
+        streamed_ms = [w * 1e3 / n for w in samples["streamed"]["wall"]]
+        rows = (
+            Row(f"plain_{layers}", f"{layers} layers: plain generate() (unobserved)", plain_ms),
+            Row(f"streamed_{layers}", f"{layers} layers: streamed to a bundle ({tensors} tensors per decode call)", streamed_ms),
+        )  # fmt: skip
+        rows[0].ratio = 1.0
+        rows[1].ratio = statistics.median(s / p for s, p in zip(streamed_ms, plain_ms))
+        fig.rows.extend(rows)
+        added = statistics.median(streamed_ms) - statistics.median(plain_ms)
+        added_by_depth.append(added)
+        cpu_added = (statistics.median(samples["streamed"]["cpu"]) - statistics.median(samples["plain"]["cpu"])) / n
+        per_tensor[layers] = cpu_added * 1e6 / max(tensors, 1)
+        fig.notes.append(
+            f"{layers} layers: {n} forward calls per generate(), {tensors} tensors per decode call; added "
+            f"{added:+.2f} ms per call (wall, medians); the recording thread's CPU "
+            f"{cpu_added * 1e3:+.2f} ms per call, {per_tensor[layers]:.1f} µs per tensor."
+        )
+    reference = 32 if 32 in cfg.depth_layers else cfg.depth_layers[-1]
+    at = cfg.depth_layers.index(reference)
+    added = added_by_depth[at]
+    ratio = fig.row(f"streamed_{reference}").ratio
+    fig.targets.append(
+        Target(f"{reference} layers: ms added per decode call", added, "≤ 1.00 ms", at_most(added, 1.0), f"streamed_{reference}")
+    )  # fmt: skip
+    fig.targets.append(
+        Target(f"{reference} layers: streamed / plain", ratio, "≤ 1.10", at_most(ratio, 1.10), f"streamed_{reference}")
+    )
+    cost = per_tensor[reference]
+    fig.targets.append(
+        Target(
+            f"{reference} layers: recording-thread CPU per recorded tensor (µs)",
+            cost,
+            "≤ 5 µs",
+            at_most(cost, 5.0),
+            f"streamed_{reference}",
+        )
+    )
+    slope = _growth(list(cfg.depth_layers), added_by_depth)
+    fig.targets.append(
+        Target(
+            "growth exponent of the added time in depth (0: per call, 1: per tensor)",
+            slope,
+            "(goal 0)",
+            None,
+            f"streamed_{cfg.depth_layers[-1]}",
+            "" if slope is not None else "an added time was not positive: no slope",
+        )
+    )
+    fig.notes.append(
+        "Each round runs plain and streamed once, in alternating order, after one warm-up round; one torch "
+        "thread; the writer process (the default writer for calls this size) has the other core."
+    )
+    return fig

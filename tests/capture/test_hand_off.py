@@ -1,0 +1,125 @@
+"""What the model's thread hands over when a call is recorded, and who writes it.
+
+- A tensor is taken once: an output as a reference when the writer process copies it before the call
+  returns, a copy otherwise; whatever the model or the caller does to it afterwards, the bundle holds
+  what the model received and returned.
+- With the default writer (``auto``), small calls go to the writer process and large ones to the
+  writer thread, the two never writing at once, and never writing a tensor twice.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from iobundle import InputObserver, load_bundle
+from iobundle.capture import _stream, _writer_process
+from iobundle.capture._writer import CALLS_DIR
+
+
+class InPlace(torch.nn.Module):
+    """A static cache: the model writes the new token into a state it returns, in place, at each call.
+
+    The state is 1 MiB: more than a call the model's thread writes itself, less than one for the thread.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = torch.zeros(4, WIDTH)
+
+    def forward(self, x: torch.Tensor, position: int, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        state[position].copy_(x)  # the input changes during the call
+        return state, state.sum(0)
+
+
+WIDTH = 65_536
+WRITERS = ["auto", "process", "thread", None]  # None: recorded in memory
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+def test_a_tensor_changed_in_place_after_the_call_is_recorded_as_returned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str | None
+) -> None:
+    if writer is not None:
+        monkeypatch.setattr(_stream, "WRITER", writer)
+    real_write = _stream.CallStream._write
+
+    def slow_write(self: _stream.CallStream, call: object) -> None:
+        time.sleep(0.1)  # the writer thread starts after the caller changed what the call returned
+        real_write(self, call)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_stream.CallStream, "_write", slow_write)
+    model, observer = InPlace(), InputObserver()
+    state = model.state
+    target = None if writer is None else tmp_path / "run"
+    expected_inputs, expected_outputs = [], []
+    with observer(model, store_n_calls=4, stream_to=target):
+        for i in range(4):
+            expected_inputs.append(state.clone())
+            out, total = model(torch.full((WIDTH,), float(i + 1)), i, state)
+            expected_outputs.append((out.clone(), total.clone()))
+            out.mul_(-7.0)  # the caller changes what the model returned: the bundle keeps what it returned
+            total.add_(100.0)
+    recorded = load_bundle(target) if target is not None else observer
+    calls = recorded.calls if target is not None else observer._rc.calls
+    store = recorded if target is not None else None
+    assert len(calls) == 4
+    for i, call in enumerate(calls):
+        assert call.status == "ok"
+        get = store.tensor if store is not None else observer._table.get
+        assert torch.equal(get(call.args[2].key), expected_inputs[i]), f"input state of call {i}"
+        out_key, total_key = (node.key for node in call.outputs.items)
+        assert torch.equal(get(out_key), expected_outputs[i][0]), f"output state of call {i}"
+        assert torch.equal(get(total_key), expected_outputs[i][1]), f"output sum of call {i}"
+    if target is not None:
+        assert load_bundle(target).verify() == []
+
+
+class Mixed(torch.nn.Module):
+    def forward(self, x: torch.Tensor, small: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x + 1, small * 2
+
+
+def test_auto_writes_small_calls_with_the_process_and_large_ones_with_the_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_stream, "WRITER", "auto")
+    monkeypatch.setattr(_stream, "PROCESS_MAX_BYTES", 256 * 1024)
+    by_process, by_thread = [], []
+    real_submit, real_write = _writer_process.WriterProcess.submit, _stream.CallStream._write
+
+    def submit(self: _writer_process.WriterProcess, call: object) -> bool:
+        by_process.append(call.index)  # type: ignore[attr-defined]
+        return real_submit(self, call)  # type: ignore[arg-type]
+
+    def write(self: _stream.CallStream, call: object) -> None:
+        by_thread.append(call.index)  # type: ignore[attr-defined]
+        real_write(self, call)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_writer_process.WriterProcess, "submit", submit)
+    monkeypatch.setattr(_stream.CallStream, "_write", write)
+    model, observer = Mixed(), InputObserver()
+    small = torch.arange(8.0)  # the same tensor in every call: written once, by whichever writer met it first
+    sizes = [16, 16, 200_000, 16, 200_000, 200_000, 16, 16]  # floats: 64 B or 800 KB
+    with observer(model, store_n_calls=len(sizes), stream_to=tmp_path / "run"):
+        for i, n in enumerate(sizes):
+            model(torch.full((n,), float(i)), small)
+    assert by_process == [0, 1, 3, 6, 7]
+    assert by_thread == [2, 4, 5]
+    bundle = load_bundle(tmp_path / "run")
+    assert bundle.verify() == []
+    assert [c.index for c in bundle.calls] == list(range(len(sizes)))
+    keys = set()
+    for i, (call, n) in enumerate(zip(bundle.calls, sizes)):
+        x = bundle.tensor(call.args[0].key)
+        assert torch.equal(x, torch.full((n,), float(i)))
+        assert torch.equal(bundle.tensor(call.outputs.items[0].key), x + 1)
+        keys.add(call.args[1].key)
+    assert len(keys) == 1  # the shared tensor has one key, stored once
+    (key,) = keys
+    entry = bundle.manifest.tensors[key]
+    listed = [name for name in bundle.manifest.files if name.startswith(f"{CALLS_DIR}/")]
+    assert entry.file == listed[0]  # the first file written holds it: neither writer wrote it again
