@@ -132,7 +132,27 @@ def test_a_saved_three_call_bundle_is_safetensors_files_holding_the_inputs(tmp_p
     check_inputs(tmp_path / "run", inputs)
 
 
-def test_a_segment_header_that_disagrees_with_the_manifest_is_refused_naming_the_file(tmp_path):
+HEADER_EDITS = {  # an edit of the sealed header (parsed), and what the error says
+    "dtype": (
+        lambda h: h["call000000/args.0"].update(dtype="I32"),
+        r"tensor 'call000000/args\.0' \(key 't0'\) is 'I32'",
+    ),
+    "stored shape": (lambda h: h["call000000/args.0"].update(shape=[8]), r"is 'F32' \[8\] in the file, F32 \[2, 4\]"),
+    "offsets": (
+        lambda h: h["call000000/outputs"].update(data_offsets=[0, 24]),
+        r"tensor 'call000000/outputs' \(key 't1'\) starts at byte 0 of the data, the manifest says 32",
+    ),
+    "a key": (lambda h: h["__metadata__"].update({"call000000/args.0": "t9"}), r"key 't9' in __metadata__"),
+    "a tensor too many": (
+        lambda h: h.update({"extra": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}}),
+        r"tensor 'extra' of the header is named by no key",
+    ),
+    "a tensor missing": (lambda h: h.pop("call000000/outputs"), r"the header lists 1 tensors, the manifest 2"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(HEADER_EDITS))
+def test_a_segment_header_that_disagrees_with_the_manifest_is_refused_naming_the_file(edit, tmp_path):
     model, observer = torch.nn.Linear(4, 3), InputObserver()
     with torch.no_grad(), observer(model):
         model(torch.randn(2, 4))
@@ -140,14 +160,33 @@ def test_a_segment_header_that_disagrees_with_the_manifest_is_refused_naming_the
     segment = tmp_path / "run" / "calls" / "segment-000000.bin"
     data = bytearray(segment.read_bytes())
     (n,) = struct.unpack("<Q", data[:8])
-    header = data[8 : 8 + n].replace(b'"F32"', b'"I32"', 1)  # same length: only the dtype disagrees
-    data[8 : 8 + n] = header
+    header = json.loads(data[8 : 8 + n])
+    change, message = HEADER_EDITS[edit]
+    change(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    data[8 : 8 + n] = text + b" " * (n - len(text))  # the same region: only the header disagrees
     segment.write_bytes(bytes(data))
-    with pytest.raises(
-        TensorFileError, match=r"calls/segment-000000\.bin: tensor 'call000000/args\.0' \(key 't0'\) is 'I32'"
-    ):
-        load_bundle(tmp_path / "run").tensor(load_bundle(tmp_path / "run").manifest.calls[0].args[0].key)
-    assert any("calls/segment-000000.bin" in p for p in load_bundle(tmp_path / "run").verify())
+    b = load_bundle(tmp_path / "run")
+    with pytest.raises(TensorFileError, match=r"calls/segment-000000\.bin: .*" + message):
+        b.tensor(b.manifest.calls[0].args[0].key)
+    assert any(
+        "calls/segment-000000.bin" in p and re.search(message, p) for p in load_bundle(tmp_path / "run").verify()
+    )
+
+
+def test_a_segment_header_length_other_than_the_region_is_refused(tmp_path):
+    model, observer = torch.nn.Linear(4, 3), InputObserver()
+    with torch.no_grad(), observer(model):
+        model(torch.randn(2, 4))
+    observer.save(tmp_path / "run")
+    segment = tmp_path / "run" / "calls" / "segment-000000.bin"
+    data = bytearray(segment.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    data[:8] = struct.pack("<Q", n - 8)  # still inside the file: it ends in the padding
+    segment.write_bytes(bytes(data))
+    b = load_bundle(tmp_path / "run")
+    with pytest.raises(TensorFileError, match=r"calls/segment-000000\.bin: the header ends at byte 4088, but"):
+        b.tensor(b.manifest.calls[0].args[0].key)
 
 
 def _version(path: Path) -> int:
