@@ -423,7 +423,7 @@ def check_segment_header(name: str, head: bytes, entry: FileEntry, entries: dict
     meta = header.pop("__metadata__", None)
     keys = {tensor: meta.get(tensor) if isinstance(meta, dict) else None for tensor in header}
     for tensor, key in keys.items():
-        if key not in entries:
+        if type(key) is not str or key not in entries:
             raise TensorFileError(
                 f"{name}: tensor {tensor!r} of the header is {_key_problem(key)}. The file disagrees with the manifest."
             )
@@ -434,7 +434,7 @@ def check_segment_header(name: str, head: bytes, entry: FileEntry, entries: dict
             f"(missing: {', '.join(map(repr, missing[:5]))}). The file disagrees with the manifest."
         )
     for tensor, key in keys.items():
-        e = entries[str(key)]
+        e = entries[key]
         begin, _ = tensor_span(name, header, tensor, dtype=e.dtype, shape=e.shape, data_len=entry.size - start, key=key)
         if e.offset is not None and begin != e.offset - start:
             raise TensorFileError(
@@ -456,9 +456,9 @@ def check_segment_member(path: Member, name: str, entry: FileEntry, entries: dic
 
 
 def _key_problem(key: object) -> str:
-    if key is None:
+    if type(key) is not str:
         return "named by no key of __metadata__"
-    return f"key {str(key)[:80]!r} in __metadata__, which the manifest does not put in this file"
+    return f"key {key[:80]!r} in __metadata__, which the manifest does not put in this file"
 
 
 def stored_shape(entry: TensorInfo, base: TensorInfo | None) -> tuple[int, ...]:

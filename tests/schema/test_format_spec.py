@@ -143,6 +143,10 @@ HEADER_EDITS = {  # an edit of the sealed header (parsed), and what the error sa
         r"tensor 'call000000/outputs' \(key 't1'\) starts at byte 0 of the data, the manifest says 32",
     ),
     "a key": (lambda h: h["__metadata__"].update({"call000000/args.0": "t9"}), r"key 't9' in __metadata__"),
+    "a key not a string": (
+        lambda h: h["__metadata__"].update({"call000000/args.0": ["t0"]}),
+        r"tensor 'call000000/args\.0' of the header is named by no key",
+    ),
     "a tensor too many": (
         lambda h: h.update({"extra": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}}),
         r"tensor 'extra' of the header is named by no key",
