@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from iobundle._progress import ProgressCallback
-from iobundle._remote import local_path, staged
+from iobundle._remote import clear_local_bundle, local_path, staged
 from iobundle.capture import save_recorded_calls
 from iobundle.errors import BundleWriteError, IntegrityError
 from iobundle.replay import load_bundle
@@ -40,7 +40,8 @@ def upgrade_bundle(
     Raises:
         BundleWriteError: ``output`` is ``bundle``, inside it or holds it.
         BundleExistsError: ``output`` is not empty and ``overwrite`` is False.
-        IntegrityError: The written bundle does not read back as ``bundle`` (the message names what differs).
+        IntegrityError: The written bundle does not read back as ``bundle`` (the message names what
+            differs); it is removed.
     """
     source, target = local_path(bundle), local_path(output)
     if source is not None and target is not None:
@@ -65,6 +66,8 @@ def upgrade_bundle(
             if not _same(old.tensor(k), new.tensor(k))
         ]
         if problems:
+            if target is not None:  # never leave a bundle that does not read back as the old one
+                clear_local_bundle(Path(local))
             raise IntegrityError(
                 f"The upgrade of '{bundle}' into '{output}' does not read back: " + "; ".join(problems[:5])
             )

@@ -259,3 +259,14 @@ def test_a_complex128_tensor_keeps_its_call_file_so_the_segment_stays_readable(t
     assert {e.file for e in b.manifest.tensors.values() if e.dtype == "C128"} == {"calls/000000.safetensors"}
     with safetensors.safe_open(tmp_path / "run" / "calls" / "segment-000000.bin", framework="pt") as f:
         assert len(f.keys()) == 2
+
+
+def test_an_upgrade_that_does_not_read_back_is_refused_and_removed(tmp_path, monkeypatch):
+    """A written bundle whose tensors differ from the old one's (a writer bug, simulated) raises and is removed."""
+    from iobundle.errors import IntegrityError
+    from iobundle.observer import _upgrade
+
+    monkeypatch.setattr(_upgrade, "_same", lambda a, b: False)
+    with pytest.raises(IntegrityError, match=r"does not read back: tensor 't\d+' differs"):
+        upgrade_bundle(GOLDEN / "compact_growing", tmp_path / "new")
+    assert not (tmp_path / "new" / "manifest.json").exists() and not list((tmp_path / "new").rglob("*.bin"))
