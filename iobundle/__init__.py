@@ -28,14 +28,4 @@ if TYPE_CHECKING:
     from iobundle.observer import InputCandidate, InputObserver, redact_bundle, upgrade_bundle
     from iobundle.replay import Bundle, load_bundle
 
-_LAZY = {
-    "InputCandidate": "iobundle.observer",
-    "InputObserver": "iobundle.observer",
-    "Bundle": "iobundle.replay",
-    "load_bundle": "iobundle.replay",
-    "redact_bundle": "iobundle.observer",
-    "upgrade_bundle": "iobundle.observer",
-}
-
-
-__getattr__ = lazy_names(__name__, _LAZY)
+__getattr__ = lazy_names(__name__)  # each name from where the TYPE_CHECKING block imports it

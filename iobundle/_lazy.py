@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
 from typing import Any, Generic, TypeVar
@@ -13,13 +14,33 @@ V = TypeVar("V")
 __all__ = ["LazyMapping", "lazy_module", "lazy_names"]
 
 
-def lazy_names(facade: str, where: Mapping[str, str]) -> Callable[[str], Any]:
-    """A module ``__getattr__`` for ``facade`` that imports ``name`` from the module ``where[name]``.
+def lazy_names(facade: str) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for ``facade`` that imports each name from where its ``TYPE_CHECKING`` block does.
 
-    The facade's own ``import`` statements stay light; the first use of a name pays for its module.
+    The facade lists its names once, as ``from <module> import <name>`` under ``if TYPE_CHECKING:``
+    (what a type checker and the docs read); its own ``import`` statements stay light, and the first
+    use of a name imports its module, found in that block of the facade's source (parsed once).
     """
+    where: dict[str, str] = {}
 
     def __getattr__(name: str) -> Any:
+        if not where:
+            import ast
+
+            with open(sys.modules[facade].__file__ or "", encoding="utf-8") as source:
+                tree = ast.parse(source.read())
+            where.update(  # at once: another thread never sees half the table
+                {
+                    alias.asname or alias.name: node.module
+                    for block in tree.body
+                    if isinstance(block, ast.If)
+                    and isinstance(block.test, ast.Name)
+                    and block.test.id == "TYPE_CHECKING"
+                    for node in block.body
+                    if isinstance(node, ast.ImportFrom) and node.module
+                    for alias in node.names
+                }
+            )
         module = where.get(name)
         if module is None:
             raise AttributeError(f"module {facade!r} has no attribute {name!r}")

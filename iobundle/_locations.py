@@ -9,9 +9,9 @@ import os
 import re
 from pathlib import Path
 
-from iobundle.errors import BundleNotFoundError
+from iobundle.errors import BundleExistsError, BundleNotFoundError
 
-__all__ = ["is_url", "local_path", "require_existing"]
+__all__ = ["is_url", "local_path", "refuse_overlap", "require_existing"]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 
@@ -49,4 +49,30 @@ def require_existing(location: str | os.PathLike[str]) -> None:
     if local is not None and not os.path.lexists(local):
         raise BundleNotFoundError(
             f"'{location}' does not exist. Pass the folder written by observer.save() (or a packed file, or a URL)."
+        )
+
+
+def _parts(location: str | os.PathLike[str]) -> tuple[str, ...]:
+    """``location``'s parts: a local path's after its links are resolved, a URL's by its text (scheme first)."""
+    local = local_path(location)
+    if local is not None:
+        return Path(os.path.realpath(local)).parts
+    scheme, rest = str(location).split("://", 1)
+    return (scheme.lower() + "://", *(p for p in rest.split("/") if p))
+
+
+def refuse_overlap(source: str | os.PathLike[str], output: str | os.PathLike[str], what: str) -> None:
+    """Refuse an ``output`` that is ``source``, lies inside it, or holds it: writing it would destroy what is read.
+
+    Raises:
+        BundleExistsError: The two overlap (the message says how).
+    """
+    src, out = _parts(source), _parts(output)
+    if src[: len(out)] == out[: len(src)]:
+        how = (
+            "is the input itself" if out == src else "is inside the input" if len(out) > len(src) else "holds the input"
+        )
+        raise BundleExistsError(
+            f"{what}: the output '{output}' {how}, '{source}'; writing it would destroy what is read.",
+            hint="choose an output outside the input (and not a folder that holds it)",
         )

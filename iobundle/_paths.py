@@ -293,13 +293,3 @@ class Tree:
             raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(self.path / source))
         os.replace(src, dst, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
         self._listings.pop(tuple(dst_folder), None)
-
-    def fsync_folder(self, parts: tuple[str, ...] = ()) -> None:
-        """fsync folder ``parts`` (its entries), ignoring systems that cannot."""
-        fd = self._fds.get(parts)
-        if fd is None:
-            return
-        try:
-            os.fsync(fd)
-        except OSError:
-            pass

@@ -16,7 +16,7 @@ Every error a user can trigger is a subclass of :class:`IobundleError`, so
     │   │   ├── UnsupportedFormatVersionError  .found, .supported
     │   │   └── UnsafeBundleError              a path outside the bundle, an unknown node type, a limit
     │   └── TensorFileError                    a tensor file missing, truncated, corrupt or inconsistent
-    │       └── IntegrityError                 a file's size or sha256 differs from the manifest
+    │       └── IntegrityError                 a file's size or XXH3-128 digest differs from the manifest
     ├── CaptureError
     │   ├── ObserverArgumentError(ValueError)  a method the model lacks, a value_if_missing name or
     │   │                                      position outside the signature, a bad include_model
@@ -102,7 +102,15 @@ __all__ = [
 
 
 class IobundleError(Exception):
-    """Root of every error iobundle raises on purpose."""
+    """Root of every error iobundle raises on purpose.
+
+    ``hint`` (keyword only) says what to do about this condition when the class's own hint (the
+    command line's, :mod:`iobundle.cli._exits`) would not fit it.
+    """
+
+    def __init__(self, *args: Any, hint: str | None = None) -> None:
+        super().__init__(*args)
+        self.hint = hint
 
 
 class MissingDependencyError(IobundleError, ImportError):
@@ -159,7 +167,7 @@ class TensorFileError(BundleError):
 
 
 class IntegrityError(TensorFileError):
-    """A file's size or sha256 differs from what the manifest records."""
+    """A file's size or XXH3-128 digest differs from what the manifest records."""
 
 
 class CaptureError(IobundleError):

@@ -15,7 +15,7 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("transformers")
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-FIGURES = {"1a", "1b", "1c", "1d", "1e", "2", "3", "3r", "4", "5", "6", "7", "8"}
+FIGURES = {"1a", "1b", "1c", "1d", "1e", "1f", "2", "3", "3r", "4", "5", "6", "7", "8"}
 
 
 @pytest.mark.slow
@@ -40,7 +40,7 @@ def test_quick_run_reports_every_figure(tmp_path):
             if row["available"]:
                 assert row["min"] <= row["median"] <= row["max"], (fig["id"], row["variant"])
                 assert row["ratio"] is not None and row["ratio"] > 0, (fig["id"], row["variant"])
-    for fig_id in ("1a", "1b", "1c", "1d", "1e", "2", "3", "4", "5", "6", "7", "8"):
+    for fig_id in ("1a", "1b", "1c", "1d", "1e", "1f", "2", "3", "4", "5", "6", "7", "8"):
         assert figures[fig_id]["targets"], fig_id
         for target in figures[fig_id]["targets"]:
             assert target["met"] in (True, False, None)
@@ -66,6 +66,10 @@ def test_quick_run_reports_every_figure(tmp_path):
     if results["streaming_available"]:
         target = figures["1e"]["targets"][1]
         assert target["target"] == "≤ 300 µs" and target["met"] == (target["ratio"] <= 300)
+    # 1f: per depth a plain and a streamed row, the targets at the deepest (32 in a full run) and the growth
+    rows_1f = [r["variant"] for r in figures["1f"]["rows"]]
+    assert rows_1f == ["plain_2", "streamed_2", "plain_4", "streamed_4"]
+    assert [t["target"] for t in figures["1f"]["targets"]] == ["≤ 1.00 ms", "≤ 1.10", "≤ 5 µs", "(no target)"]
     assert results["streaming_available"] == figures["1a"]["rows"][-1]["available"]
     table = (out / "BENCHMARKS.md").read_text("utf-8")
     assert "| figure | check | ratio | target | met? |" in table

@@ -67,9 +67,9 @@ def _signature(page: str, anchor: str) -> str:
 @pytest.mark.parametrize(
     ("page", "anchor"),
     [
-        ("replay.check", "iobundle.replay.check.check_discrepancies"),
-        ("replay.check", "iobundle.replay.check.validate_onnx"),
-        ("replay.export", "iobundle.replay.export.export_onnx"),
+        ("replay", "iobundle.replay.check_discrepancies"),
+        ("replay", "iobundle.replay.validate_onnx"),
+        ("replay", "iobundle.replay.export_onnx"),
         ("replay", "iobundle.replay.RecordedCallsAPI.check_discrepancies"),
         ("replay", "iobundle.replay.RecordedCallsAPI.to_onnx"),
     ],
@@ -87,7 +87,10 @@ def test_api_pages_show_the_tolerance_keywords(site, page, anchor):
 def test_cli_reference_is_current():
     """The reference in docs/cli.md is generated from the parsers: run `python tools/cli_reference.py` after changing one."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "cli_reference.py"), "--check"], capture_output=True, text=True, timeout=120
+        [sys.executable, str(ROOT / "tools" / "cli_reference.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     if proc.returncode == 2:
         pytest.skip(proc.stderr.strip())  # argparse's layout differs between Python versions

@@ -4,7 +4,9 @@ Every ``import`` of every module counts: at module level, inside functions (lazy
 under ``TYPE_CHECKING``. Two rules:
 
 - a private module (``iobundle.X._y``, or anything below it) is imported only from inside ``X``:
-  another part goes through ``X``'s public face;
+  another part goes through ``X``'s public face (a module named in a string, as lazy imports and
+  tables of lazy names spell them, is imported too); nor does a part read another part's private
+  attributes (``bundle._store`` in ``travel``);
 - the parts of the package (``iobundle.<name>``: ``schema``, ``calls``, ``capture``, ``replay``,
   ``observer``, ``cli``, ...; the facade ``iobundle/__init__.py`` is a part of its own) import
   each other without a cycle, and so do its modules: no two modules import each other, directly
@@ -14,6 +16,7 @@ under ``TYPE_CHECKING``. Two rules:
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,12 +40,24 @@ def _exists(name: str, root: Path) -> bool:
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
-def imports(root: Path) -> Iterator[tuple[str, str, int]]:
-    """Yield ``(importer, imported module, line)`` for every import of ``root``'s package, inside functions too."""
+def _modules(root: Path) -> Iterator[tuple[str, ast.Module]]:
     for path in sorted(root.rglob("*.py")):
-        importer = _module_name(path, root)
-        for node in ast.walk(ast.parse(path.read_text("utf-8"), str(path))):
-            if isinstance(node, ast.Import):
+        yield _module_name(path, root), ast.parse(path.read_text("utf-8"), str(path))
+
+
+def imports(root: Path) -> Iterator[tuple[str, str, int]]:
+    """Yield ``(importer, imported module, line)`` for every import of ``root``'s package, inside functions too.
+
+    A string that is the name of one of the package's modules (``lazy_module("pkg.a")``, the values of a
+    table of lazy names) is an import as well: the name is imported by string when first used.
+    """
+    dotted = re.compile(rf"{re.escape(root.name)}(\.\w+)+")
+    for importer, tree in _modules(root):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and dotted.fullmatch(node.value):
+                if _exists(node.value, root):
+                    yield importer, node.value, node.lineno
+            elif isinstance(node, ast.Import):
                 for alias in node.names:
                     yield importer, alias.name, node.lineno
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -76,6 +91,47 @@ def private_import_violations(root: Path) -> list[str]:
 def part_of(module: str, root: Path) -> str:
     parts = module.split(".")
     return FACADE if len(parts) == 1 else f"{root.name}.{parts[1]}"
+
+
+FOREIGN = {"_version", "_data"}  # torch.Tensor._version; optimum-quanto's packed tensors' _data
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.endswith("__")
+
+
+def private_attribute_violations(root: Path) -> list[str]:
+    """``x._name`` read in one part where only another part defines ``_name`` (an attribute, method or function).
+
+    What a part defines: its functions, classes and methods, the names and ``self._x`` attributes it
+    assigns, and the private names it spells in strings (``__slots__``, ``setattr``). ``self._x`` and
+    ``cls._x`` are not counted, nor the attributes of other libraries' objects in ``FOREIGN``.
+    """
+    modules = list(_modules(root))
+    defined: dict[str, set[str]] = {}
+    for module, tree in modules:
+        names = defined.setdefault(part_of(module, root), set())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+                names.add(node.value)
+    found = []
+    for module, tree in modules:
+        part = part_of(module, root)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and _private(node.attr)) or node.attr in defined[part] | FOREIGN:
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            owners = sorted(p for p, names in defined.items() if node.attr in names)
+            if owners:
+                found.append(f"{module} (line {node.lineno}) reads .{node.attr} of {owners[0]}: use its public face")
+    return found
 
 
 def part_graph(root: Path) -> dict[str, set[str]]:
@@ -124,6 +180,10 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_private_import_across_packages() -> None:
     assert private_import_violations(PACKAGE_ROOT) == []
+
+
+def test_no_private_attribute_across_parts() -> None:
+    assert private_attribute_violations(PACKAGE_ROOT) == []
 
 
 def test_no_cycle_between_parts() -> None:
@@ -179,6 +239,22 @@ def test_checks_catch_a_private_import_and_a_cycle(tmp_path: Path) -> None:
         "pkg.b._impl (line 2) imports pkg.a._impl: import it from pkg.a's public face instead"
     ]
     assert find_cycle(part_graph(root)) == ["pkg.a", "pkg.b", "pkg.a"]
+
+
+def test_checks_catch_a_string_import_and_a_private_attribute(tmp_path: Path) -> None:
+    """A name forwarded by string up the layers, and a private attribute of another part's object, are found."""
+    root = _write_package(
+        tmp_path / "pkg",
+        {
+            "__init__.py": "",
+            "a/__init__.py": "_LAZY = {'g': 'pkg.b'}\n",
+            "a/_impl.py": "class Store:\n    def __init__(self):\n        self._root = 1\n",
+            "b/__init__.py": "from pkg.a import Store\n",
+            "b/_use.py": "def root(store):\n    return store._root, store.__class__\n",
+        },
+    )
+    assert find_cycle(part_graph(root)) == ["pkg.a", "pkg.b", "pkg.a"]
+    assert private_attribute_violations(root) == ["pkg.b._use (line 2) reads ._root of pkg.a: use its public face"]
 
 
 def _room(module: str) -> str:

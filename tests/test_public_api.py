@@ -4,22 +4,70 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import pkgutil
+import re
+from pathlib import Path
 
 import pytest
 
 import iobundle
 import iobundle.errors
 
-PACKAGES = [
-    "iobundle",
-    "iobundle.errors",
-    "iobundle.schema",
-    "iobundle.calls",
-    "iobundle.capture",
-    "iobundle.replay",
-    "iobundle.observer",
-    "iobundle.cli",
-]
+# The public face, listed once: every name a user imports, by module. The API pages (docs/api/)
+# document these modules; a name added to one of their ``__all__`` must be added here too.
+ERRORS = [
+    "AlignmentError", "ArchiveError", "BundleError", "BundleExistsError", "BundleNotFoundError", "BundleWriteError",
+    "CLIError", "CaptureError", "DynamicShapeError", "ExportError", "InputSelectionError", "IntegrityError",
+    "IobundleError", "ManifestError", "MissingDependencyError", "ModelLoadError", "NothingToCompareError",
+    "ObserverArgumentError", "ObserverArgumentTypeError", "ObserverStateError", "ReplayError", "TensorFileError",
+    "ToleranceError", "UnsafeBundleError", "UnsupportedFormatVersionError", "UnsupportedInputError",
+]  # fmt: skip
+PUBLIC = {
+    "iobundle": ["Bundle", "InputCandidate", "InputObserver", "__version__", "load_bundle", "redact_bundle", *ERRORS],
+    "iobundle.errors": ERRORS,
+    "iobundle.observer": ["InputCandidate", "InputObserver", "ObservationInfo", "ObservationWarning", "redact_bundle"],
+    "iobundle.capture": [
+        "CallRecorder", "NodeType", "ObservationWarning", "RecordedCalls", "register_node_type", "save_recorded_calls",
+        "transformers_pytree_nodes",
+    ],
+    "iobundle.replay": [
+        "Bundle", "InputCandidate", "ObservationInfo", "ProgressEvent", "RecordedCallsAPI", "StaticDimHint",
+        "StoredModel", "load_bundle", "load_bundle_model",
+        "BatchCheck", "CallCheck", "ExportReport", "ExportResult", "Phase", "ProgramSet", "cut_call", "export_onnx",
+        "export_program", "export_programs",
+        "DiffReport", "ErrorStats", "OutputCheck", "Report", "Tolerances", "ValidationReport", "build_report",
+        "check_discrepancies", "diff_bundles", "rerun_model", "validate_onnx",
+    ],
+    "iobundle.travel": [
+        "ConvertResult", "PackResult", "convert_to_npz", "convert_to_onnx_testdata", "copy_model_files", "pack_bundle",
+        "redact_calls", "unpack_bundle",
+    ],
+    "iobundle.cli": ["main"],
+}  # fmt: skip
+# The internal tier: packages whose ``__all__`` is the interface between iobundle's parts, not a public API.
+INTERNAL = ["iobundle.calls", "iobundle.schema", "iobundle.replay.infer", "iobundle.replay.export",
+            "iobundle.replay.check", "iobundle.demo"]  # fmt: skip
+PACKAGES = [*PUBLIC, *INTERNAL]
+
+
+def test_public_face_is_listed_and_small() -> None:
+    """Each public module's ``__all__`` is its list above; together at most 100 names."""
+    for name, listed in PUBLIC.items():
+        assert sorted(importlib.import_module(name).__all__) == sorted(listed), f"{name}.__all__ differs from PUBLIC"
+    assert len({n for names in PUBLIC.values() for n in names}) <= 100
+
+
+def test_every_module_is_public_or_internal() -> None:
+    """A new package (a name without an underscore) is either in the public face or in the internal tier."""
+    found = {m.name for m in pkgutil.walk_packages(iobundle.__path__, "iobundle.")}
+    unnamed = {m for m in found if not any(p.startswith("_") for p in m.split(".")[1:])}
+    assert unnamed | {"iobundle"} == set(PACKAGES)
+
+
+def test_api_pages_document_the_public_modules() -> None:
+    pages = (Path(__file__).parents[1] / "docs" / "api").glob("*.md")
+    documented = {m for page in pages for m in re.findall(r"^::: (\S+)$", page.read_text("utf-8"), re.M)}
+    assert documented == set(PUBLIC) - {"iobundle", "iobundle.cli"}
 
 
 @pytest.mark.parametrize("name", PACKAGES)

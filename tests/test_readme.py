@@ -23,7 +23,7 @@ def test_readme_five_minutes_runs(tmp_path):
     pytest.importorskip("onnxruntime")
     code = five_minute_snippets()
     assert "observer.save" in code and "check_discrepancies" in code
-    code += '\nprint("RESULT", [r["SUCCESS"] for r in rows], ep.iobundle_report.ok)\n'
+    code += '\nprint("RESULT", [r["SUCCESS"] for r in rows], exported.report.ok)\n'
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "{'x': {0: DimHint(DYNAMIC)}, 'mask': {0: DimHint(DYNAMIC)}, 'scale': None}" in proc.stdout

@@ -21,7 +21,7 @@ from two_calls import Model, record  # noqa: E402
 
 from iobundle import BundleExistsError, BundleNotFoundError, InputObserver, load_bundle  # noqa: E402
 from iobundle._remote import is_url, local_path  # noqa: E402
-from iobundle.replay import pack_bundle, unpack_bundle  # noqa: E402
+from iobundle.travel import pack_bundle, unpack_bundle  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("own_files")  # these tests name the calls' safetensors files
 

@@ -14,7 +14,7 @@ fsspec = pytest.importorskip("fsspec")
 from two_calls import Model, record  # noqa: E402
 
 from iobundle import BundleExistsError, BundleNotFoundError, InputObserver, load_bundle  # noqa: E402
-from iobundle.replay import pack_bundle, unpack_bundle  # noqa: E402
+from iobundle.travel import pack_bundle, unpack_bundle  # noqa: E402
 
 # one worker starts the server for all of them; the calls in their own files, which the tests name
 pytestmark = [pytest.mark.xdist_group("s3"), pytest.mark.usefixtures("own_files")]

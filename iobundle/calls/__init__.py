@@ -1,5 +1,7 @@
 """The recorded calls: what capture and replay both work on. Needs torch and safetensors; never onnx.
 
+Internal tier: ``__all__`` is the interface between iobundle's parts, not a public API.
+
 - the in-memory model of recorded calls and its tensor stores (:class:`RecordedCalls`);
 - value trees (containers, scalars, tensor references, registered node types) and the
   node-type registry, transformers' caches and outputs included;
@@ -24,9 +26,7 @@ __all__ = [
     "positional_names",
     "record_inputs",
     "signature_entry",
-    "split_kwargs",
     # torch.autocast at a recorded call
-    "AUTOCAST_DEVICE_TYPES",
     "ReplayAutocast",
     "autocast_state",
     "module_device_type",
@@ -34,8 +34,6 @@ __all__ = [
     # Value trees and node types
     "DYNAMIC_CACHE_NAME",
     "ENCODER_DECODER_CACHE_NAME",
-    "NONE_NODE",
-    "PYTREE_PREFIX",
     "STATIC_CACHE_NAME",
     "Layout",
     "NodeType",
@@ -48,22 +46,17 @@ __all__ = [
     "count_tensors",
     "cache_child_labels",
     "dynamic_cache_parts",
-    "find_node_type",
     "iter_tensor_nodes",
-    "lookup_node_type",
     "map_structure",
     "node_layout",
-    "qualified_name",
     "record_value",
     "register_node_type",
-    "register_provider",
     "replace_tensors",
     "tensor_keys",
     "tree_key",
     "restore_token_counts",
     "transformers_pytree_nodes",
     # Tensor paths (what reports show and --atol NAME=... takes)
-    "OUTPUT_ROOT",
     "child_path",
     "item_labels",
     "path_matches",
@@ -73,15 +66,13 @@ __all__ = [
     # Delta storage and hashes
     "DeltaIndex",
     "Match",
+    "Packed",
     "PinnedStager",
     "WRITE_HASH",
-    "extends_bytes",
     "new_hasher",
     "rebuild",
     # Tensor files
-    "DTYPE_TO_NAME",
     "FLOATING_NAMES",
-    "MAX_HEADER_BYTES",
     "NAME_TO_DTYPE",
     "dtype_name",
     "parse_header",
@@ -105,7 +96,6 @@ __all__ = [
     "open_regular",
     "read_sized_member",
     # The stored model config
-    "MAX_CONFIG_BYTES",
     "read_stored_config",
 ]
 
@@ -115,16 +105,15 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from iobundle.calls._autocast import (
-    AUTOCAST_DEVICE_TYPES,
     ReplayAutocast,
     autocast_state,
     module_device_type,
     replay_autocast,
 )
 from iobundle.calls._calls import DictTensorStore, RecordedCalls, TensorStore, positional_names, signature_entry
-from iobundle.calls._config import MAX_CONFIG_BYTES, read_stored_config
-from iobundle.calls._delta import DeltaIndex, Match, extends_bytes, rebuild
-from iobundle.calls._dtypes import DTYPE_TO_NAME, FLOATING_NAMES, NAME_TO_DTYPE, dtype_name
+from iobundle.calls._config import read_stored_config
+from iobundle.calls._delta import DeltaIndex, Match, rebuild
+from iobundle.calls._dtypes import FLOATING_NAMES, NAME_TO_DTYPE, dtype_name
 from iobundle.calls._hashing import WRITE_HASH, new_hasher
 from iobundle.calls._layouts import (
     DYNAMIC_CACHE_NAME,
@@ -135,26 +124,16 @@ from iobundle.calls._layouts import (
     cache_child_labels,
     dynamic_cache_parts,
 )
-from iobundle.calls._paths import (
-    OUTPUT_ROOT,
-    call_paths,
-    child_path,
-    escape_key,
-    item_labels,
-    path_matches,
-    tensor_paths,
-)
-from iobundle.calls._record import record_inputs, split_kwargs
+from iobundle.calls._paths import call_paths, child_path, escape_key, item_labels, path_matches, tensor_paths
+from iobundle.calls._record import record_inputs
 from iobundle.calls._registry import (
     NodeType,
-    find_node_type,
-    lookup_node_type,
     node_layout,
     register_node_type,
     register_provider,
 )
 from iobundle.calls._segments import SegmentWriter, seal_segment, segment_header, segment_header_entry
-from iobundle.calls._staging import PinnedStager
+from iobundle.calls._staging import Packed, PinnedStager
 from iobundle.calls._tensorfile_read import (
     BundleRoot,
     BundleTensorStore,
@@ -168,7 +147,6 @@ from iobundle.calls._tensorfile_read import (
     read_sized_member,
 )
 from iobundle.calls._tensorfile_write import (
-    MAX_HEADER_BYTES,
     parse_header,
     read_exactly,
     tensor_bytes,
@@ -176,15 +154,12 @@ from iobundle.calls._tensorfile_write import (
     write_tensor_file,
 )
 from iobundle.calls._tree import (
-    NONE_NODE,
-    PYTREE_PREFIX,
     TensorCollector,
     build_value,
     count_leaves,
     count_tensors,
     iter_tensor_nodes,
     map_structure,
-    qualified_name,
     record_value,
     replace_tensors,
     tensor_keys,

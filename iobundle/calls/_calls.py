@@ -87,7 +87,6 @@ class RecordedCalls:
         store: Resolves tensor keys.
         value_if_missing: Placeholders given by the user, by name or position.
         version: Bumped whenever the calls change (cached inference results are then stale).
-        last_export_report: The ``ExportReport`` of the last export from these calls, if any.
     """
 
     signature: SignatureEntry
@@ -95,7 +94,6 @@ class RecordedCalls:
     store: TensorStore = field(default_factory=DictTensorStore)
     value_if_missing: list[MissingValueEntry] = field(default_factory=list)
     version: int = 0
-    last_export_report: Any = None
 
     @property
     def ok_calls(self) -> list[CallEntry]:

@@ -34,7 +34,7 @@ def read_stored_config(root: Path | Root, entry: ModelEntry) -> dict[str, Any]:
     Raises:
         UnsafeBundleError: The config is not listed, is over :data:`MAX_CONFIG_BYTES`, leads outside
             the bundle, or nests too deeply to parse.
-        IntegrityError: Its size or sha256 differs from the manifest.
+        IntegrityError: Its size or hash differs from the manifest.
         ModelLoadError: It is not JSON, or not a JSON object.
     """
     name = entry.config_file

@@ -15,6 +15,7 @@ their device, and only the new part is then copied to the host.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -174,6 +175,7 @@ class DeltaIndex:
         """Keys whose tensors this index references: their memory must not be recycled."""
         self._heads: dict[str, _Head] = {}
         self._by_signature: dict[tuple[object, ...], list[str]] = {}
+        self._shortest: dict[tuple[object, ...], int] = {}  # signature -> no key of it is shorter along its dim
         self._lengths: dict[tuple[object, ...], tuple[int, int]] = {}  # signature -> (longest, generation)
         self._growing: set[tuple[object, ...]] = set()
         self._last: tuple[torch.Tensor, list[tuple[object, ...]]] | None = None  # find's signatures, for add
@@ -188,15 +190,14 @@ class DeltaIndex:
         self._last = (tensor, signatures)
         for dim, sig in enumerate(signatures):
             keys = self._by_signature.get(sig)
-            if not keys:
-                continue
+            if not keys or self._shortest[sig] >= tensor.shape[dim]:
+                continue  # none is shorter along dim (a cache's other dimensions: every layer alike)
             # The most recent first: the longest base (the last call's layer, not an older one it extends
             # too). Once a tensor of this signature matched in this call, the next one most often extends
             # the key after that match (the next layer of a cache): that one first.
             hint = self._cursor.get(sig)
-            order = [hint] if hint is not None and hint < len(keys) else []
-            order += [i for i in range(len(keys) - 1, -1, -1) if i != hint]
-            for i in order:
+            first = [hint] if hint is not None and hint < len(keys) else []
+            for i in itertools.chain(first, (i for i in range(len(keys) - 1, -1, -1) if i != hint)):
                 key = keys[i]
                 head = self._heads.get(key)
                 if head is None or head.tensor.shape[dim] >= tensor.shape[dim] or head.depth >= MAX_DEPTH:
@@ -233,8 +234,9 @@ class DeltaIndex:
             return
         self._heads[key] = _Head(key, tensor, tensor._version, self.depth[key], self.generation, signatures)
         self.retained.add(key)
-        for sig in signatures:
+        for d, sig in enumerate(signatures):
             self._by_signature.setdefault(sig, []).append(key)
+            self._shortest[sig] = min(self._shortest.get(sig, tensor.shape[d]), tensor.shape[d])
 
     def touch(self, keys: Sequence[str]) -> None:
         """``keys`` were used by the call being written: their heads stay candidates for the next call."""
@@ -260,6 +262,7 @@ class DeltaIndex:
                 keys.remove(key)
                 if not keys:
                     del self._by_signature[sig]
+                    del self._shortest[sig]
 
     def end_call(self) -> None:
         """A call is written: drop the bases the next call cannot use (older than this call)."""

@@ -11,6 +11,10 @@ The streaming writer runs in its own thread. For the CUDA tensors of a call it
 3. gives the pinned buffers back once the file is written, for the next call (pinning memory
    is slow; reusing it is what makes the copy run at the bus's speed).
 
+The writer process's hand-off (:meth:`PinnedStager.to_pinned`) packs a call's CUDA tensors into one
+buffer per device on the side stream and copies it to pinned memory at once, without waiting; the
+bytes reach the shared ring when the call's message is sent (:meth:`PinnedStager.land`).
+
 The snapshots the copies read were made on the model's stream (a device-to-device clone, with an
 event the writer waited for): the model may change its own tensors meanwhile. CPU tensors pass
 through untouched.
@@ -20,9 +24,10 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import ctypes
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from iobundle._lazy import lazy_module
 
@@ -32,7 +37,16 @@ else:
     torch = lazy_module("torch", globals())
 
 
-__all__ = ["PinnedStager"]
+__all__ = ["Packed", "PinnedStager"]
+
+
+class Packed(NamedTuple):
+    """The bytes of one device's tensors of a call, on their way to pinned memory (:meth:`PinnedStager.to_pinned`)."""
+
+    event: torch.cuda.Event
+    buffer: torch.Tensor
+    places: list[tuple[int, int, int]]  # (offset in the call's range, bytes, position in the buffer)
+    packed: torch.Tensor  # the device copy, alive until the copy to the host is done
 
 
 def _round_up(nbytes: int) -> int:
@@ -89,6 +103,52 @@ class PinnedStager:
                 self._sizes.insert(i, buf.numel())
                 self._free.insert(i, buf)
                 self._free_bytes += buf.numel()
+
+    def to_pinned(self, items: list[tuple[torch.Tensor, int, int]]) -> list[Packed]:
+        """Queue one packed copy per device of the contiguous CUDA tensors ``items`` into pinned memory.
+
+        ``items`` are ``(tensor, offset, nbytes)``: where each tensor's bytes go in the call's range.
+        Per device the tensors are concatenated as bytes on the side stream (one kernel), after the
+        events their snapshots recorded (or the current stream), then copied to a pinned buffer with
+        ``non_blocking=True``: nothing waits here, neither this thread nor the model's stream.
+        :meth:`land` waits for the copies and moves the bytes to where they go.
+        """
+        by_device: dict[torch.device, list[tuple[torch.Tensor, int, int]]] = {}
+        for item in items:
+            by_device.setdefault(item[0].device, []).append(item)
+        packed = []
+        for device, group in by_device.items():
+            stream = self.stream(device)
+            for t, _, _ in group:
+                ready = getattr(t, "_iobundle_ready", None)
+                if ready is not None:
+                    stream.wait_event(ready)
+                else:
+                    stream.wait_stream(torch.cuda.current_stream(device))
+            total = sum(n for _, _, n in group)
+            buf = self._take(total)
+            with torch.cuda.stream(stream):
+                flat = torch.cat([t.reshape(-1).view(torch.uint8) for t, _, _ in group])
+                buf[:total].copy_(flat, non_blocking=True)
+                for t, _, _ in group:
+                    t.record_stream(stream)
+                event = torch.cuda.Event()
+                event.record(stream)
+            places, position = [], 0
+            for _, offset, nbytes in group:
+                places.append((offset, nbytes, position))
+                position += nbytes
+            packed.append(Packed(event, buf, places, flat))
+        return packed
+
+    def land(self, packed: list[Packed], base: int) -> None:
+        """Wait for the copies of :meth:`to_pinned`, then copy each tensor's bytes to ``base + offset``."""
+        for item in packed:
+            item.event.synchronize()  # this thread waits; the model's stream never does
+            start = item.buffer.data_ptr()
+            for offset, nbytes, position in item.places:
+                ctypes.memmove(base + offset, start + position, nbytes)
+        self.give_back([item.buffer for item in packed])
 
     def to_host(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
         """CPU copies of the CUDA tensors of ``tensors`` (others as they are), and the pinned buffers used.

@@ -176,7 +176,7 @@ class MemberHandle(Protocol):
     """A bundle member that is not a plain file of a directory: a member of a packed bundle, a remote file.
 
     :class:`BundleRoot` gives :class:`~pathlib.Path` members; other roots (``iobundle.replay._archive``,
-    ``iobundle.replay._remote``) give handles, which every reader here accepts in place of a path.
+    ``iobundle.replay._remote_root``) give handles, which every reader here accepts in place of a path.
     """
 
     def open(self) -> tuple[BinaryIO, int]:

@@ -18,6 +18,7 @@ the observed submodule and the two files with their size and hash.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ from iobundle.calls import WRITE_HASH, new_hasher
 from iobundle.errors import BundleWriteError, IobundleError, ObserverArgumentError
 from iobundle.schema import FileEntry, ModelEntry
 
-__all__ = ["MODEL_CONFIG_FILE", "MODEL_DIR", "MODEL_WEIGHTS_FILE", "find_submodule", "write_model"]
+__all__ = ["MODEL_CONFIG_FILE", "MODEL_DIR", "MODEL_WEIGHTS_FILE", "check_model", "find_submodule", "write_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,11 +116,10 @@ def _config_json(model: Any) -> str:
     return json.dumps(config, indent=1, sort_keys=True, allow_nan=True)
 
 
-def write_model(bundle_dir: str | os.PathLike[str], model: torch.nn.Module, observed: Any | None = None) -> ModelEntry:
-    """Write ``model``'s config and weights under ``bundle_dir/model/``; return the manifest entry.
+def check_model(model: Any, observed: Any | None = None) -> tuple[str, str]:
+    """Check that ``model`` can be stored, before anything of the bundle is written; return its path and config.
 
     Args:
-        bundle_dir: The bundle directory (it exists already).
         model: A transformers model (a ``PreTrainedModel`` subclass defined by transformers).
         observed: The object whose method was observed, when it is a submodule of ``model``
             (its path is recorded so that the loader hands it back); None for ``model`` itself.
@@ -127,7 +127,6 @@ def write_model(bundle_dir: str | os.PathLike[str], model: torch.nn.Module, obse
     Raises:
         ObserverArgumentError: ``model`` is not a transformers model, ``observed`` is not inside it, or
             a config value is not a JSON value (the error names its field).
-        BundleWriteError: The files cannot be written.
     """
     if not _is_transformers_model(model):
         raise ObserverArgumentError(
@@ -141,11 +140,21 @@ def write_model(bundle_dir: str | os.PathLike[str], model: torch.nn.Module, obse
             f"The observed {type(observed).__name__} is not a submodule of the {type(model).__name__} given "
             "as include_model. Pass the model that holds it."
         )
+    return submodule, _config_json(model)
+
+
+def write_model(bundle_dir: str | os.PathLike[str], model: torch.nn.Module, observed: Any | None = None) -> ModelEntry:
+    """Write ``model``'s config and weights under ``bundle_dir/model/`` (removed on failure); return the manifest entry.
+
+    Raises:
+        ObserverArgumentError: See :func:`check_model`.
+        BundleWriteError: The files cannot be written.
+    """
     from safetensors.torch import save_model
 
+    submodule, config_text = check_model(model, observed)
     root = Path(bundle_dir)
     directory = root / MODEL_DIR
-    config_text = _config_json(model)
     try:
         with Tree(
             root, error=BundleWriteError
@@ -158,12 +167,16 @@ def write_model(bundle_dir: str | os.PathLike[str], model: torch.nn.Module, obse
         # non-contiguous tensors; the metadata says what wrote the file.
         save_model(model, str(root / MODEL_WEIGHTS_FILE), metadata={"format": "pt", "producer": "iobundle"})
         files = {name: _file_entry(root / name) for name in (MODEL_CONFIG_FILE, MODEL_WEIGHTS_FILE)}
-    except IobundleError:
+    except BaseException as exc:
+        with contextlib.suppress(OSError, IobundleError), Tree(root, error=BundleWriteError) as tree:
+            for name in (MODEL_CONFIG_FILE, MODEL_WEIGHTS_FILE):
+                tree.unlink(name, missing_ok=True)
+            tree.rmdir((MODEL_DIR,))
+        if isinstance(exc, OSError) and not isinstance(exc, IobundleError):
+            raise BundleWriteError(
+                f"Cannot write the model into '{directory}': {exc.strerror or exc}. Check free space and permissions."
+            ) from exc
         raise
-    except OSError as exc:
-        raise BundleWriteError(
-            f"Cannot write the model into '{directory}': {exc.strerror or exc}. Check free space and permissions."
-        ) from exc
     entry = ModelEntry(
         class_name=type(model).__name__,
         config_file=MODEL_CONFIG_FILE,

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import torch
 
 from iobundle._implementations import ATTN_IMPLEMENTATIONS, SAFE_ATTN_IMPLEMENTATION
-from iobundle._remote import Staging, join_url, local_path, open_filesystem, staged
+from iobundle._remote import Staging, clear_local_bundle, join_url, local_path, open_filesystem, staged
 from iobundle.calls import (
     RecordedCalls,
     TensorCollector,
@@ -520,16 +520,27 @@ class CallRecorder:
                 f"'{path}' is the bundle this observer streamed its calls to (stream_to=); it already holds "
                 "them, and its tensors are read back from it. Save to another path."
             )
-        manifest = save_recorded_calls(rc, path, overwrite=overwrite)
-        if include_model is not False:
-            from iobundle.capture._model_store import write_model
+        if include_model is not False:  # checked before the first byte is written
+            from iobundle.capture._model_store import check_model, write_model
             from iobundle.schema import write_manifest
 
             observed = getattr(self, "_observed_model", None)
             model = observed if include_model is True else include_model
-            entry = write_model(path, model, None if model is observed else observed)
-            manifest = manifest.model_copy(update={"model": entry})
-            write_manifest(path, manifest)
+            inside = None if model is observed else observed
+            check_model(model, inside)
+        existed = os.path.lexists(target)
+        manifest = save_recorded_calls(rc, path, overwrite=overwrite)
+        if include_model is not False:
+            try:
+                entry = write_model(path, model, inside)
+                manifest = manifest.model_copy(update={"model": entry})
+                write_manifest(path, manifest)
+            except BaseException:  # a failed save leaves nothing behind
+                with contextlib.suppress(OSError):
+                    clear_local_bundle(target)
+                    if not existed:
+                        target.rmdir()
+                raise
             attention = entry.attn_implementation
             if attention is not None and attention not in ATTN_IMPLEMENTATIONS:
                 self._warn(_foreign_attention_message(attention), stacklevel=2)

@@ -41,6 +41,7 @@ file on demand (no cache), checking the file the way ``iobundle.replay`` checks 
 from __future__ import annotations
 
 import bisect
+import functools
 import os
 import stat
 import threading
@@ -545,8 +546,11 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
 
     # -- the writer's side -----------------------------------------------------------------------
 
-    def for_writing(self, key: str) -> torch.Tensor:
+    def for_writing(self, key: str, *, wait: bool = True) -> torch.Tensor:
         """The tensor of ``key`` for the writer (not marked as handed out).
+
+        A CUDA snapshot is returned once its copy is done, unless ``wait`` is False: the caller then
+        orders its own work after the snapshot's event (``_iobundle_ready``) on the device.
 
         Raises:
             TensorFileError: ``key`` is a reference to a tensor changed in place since it was recorded
@@ -561,7 +565,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
                 f"tensor {key!r} was changed in place after it was recorded, before it could be written; "
                 "its recorded value is lost."
             )
-        event = getattr(tensor, "_iobundle_ready", None)
+        event = getattr(tensor, "_iobundle_ready", None) if wait else None
         if event is not None:
             event.synchronize()
         return tensor
@@ -721,7 +725,7 @@ class CallStream:
             try:
                 self.process = WriterProcess(
                     writer,
-                    table.for_writing,
+                    functools.partial(table.for_writing, wait=False),
                     durable=durable,
                     done=self._answered,
                     gone=self._process_gone,

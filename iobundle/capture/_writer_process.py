@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from pydantic import TypeAdapter
 
-from iobundle.calls import NAME_TO_DTYPE, dtype_name
+from iobundle.calls import NAME_TO_DTYPE, Packed, PinnedStager, dtype_name
 from iobundle.capture._writer import BundleWriter, TensorRow, call_keys, entry_row, mark_incomplete
 from iobundle.errors import BundleWriteError, UnsupportedInputError
 from iobundle.schema import CallEntry, FileEntry, ListNode, Node, ObjectNode, TensorNode, TupleNode
@@ -247,7 +247,8 @@ class _Child:
             env = dict(os.environ)
             env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
             env.setdefault("OMP_NUM_THREADS", "1")  # the child's torch ops are copies and comparisons
-            code = "from iobundle.capture._writer_process import serve; serve()"
+            # not the current folder first (``-c`` puts it there): a folder named iobundle would shadow this package
+            code = "import sys; del sys.path[0]; from iobundle.capture._writer_process import serve; serve()"
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", code, str(to_child[0]), str(from_child[1]), str(ring.fd)],
                 pass_fds=(to_child[0], from_child[1], ring.fd),
@@ -362,6 +363,8 @@ class WriterProcess:
         self._idle = idle
         self._sent: set[str] = set(writer.tensors)
         self._json = _CallJson()
+        self._stager = PinnedStager()  # CUDA tensors: one packed copy per device into pinned memory
+        self._staged: tuple[tuple[Any, ...], list[Packed]] | None = None  # a call waiting for its device copies
         self._calls: dict[int, CallEntry] = {}
         self._seq = 0
         self._closing = False
@@ -437,24 +440,52 @@ class WriterProcess:
                 view = ring.view
             assert view is not None
             base = view.data_ptr() + start
+            on_device = []
             for tensor, offset, nbytes in copies:
                 if not nbytes:
                     continue
                 if tensor.is_cpu:  # one memcpy, without the lock: no torch op to dispatch
                     ctypes.memmove(base + offset, tensor.data_ptr(), nbytes)
-                else:  # to the host, synchronously: the ring is the host copy
-                    view[start + offset : start + offset + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+                else:
+                    on_device.append((tensor, offset, nbytes))
             self._sent.update(new)
-            try:
-                self._child.send(("call", seq, self._json(call), start, ring.size, specs))
-            except OSError:  # the child is gone and never read this call
-                with self._cond:
-                    if seq not in self._calls:
-                        return True  # the reader thread took it among the calls lost, and reports it
-                    del self._calls[seq]  # the caller writes it: it is not reported lost too
-                    ring.release(seq)
-                return False
-            return True
+            message = ("call", seq, self._json(call), start, specs)
+            self._flush()  # the previous call's device copies: the messages go in call order
+            if on_device:  # sent by the next submit (or close): the copies run meanwhile
+                self._staged = (message, self._stager.to_pinned(on_device))
+                return True
+            return self._send(message)
+
+    def _send(self, message: tuple[Any, ...]) -> bool:
+        """Send a call's message (with the ring's size now); False if the child is gone and the call is the caller's."""
+        seq = message[1]
+        try:
+            self._child.send((*message, self._child.ring.size))
+        except OSError:  # the child is gone and never read this call
+            with self._cond:
+                if seq not in self._calls:
+                    return True  # the reader thread took it among the calls lost, and reports it
+                del self._calls[seq]  # the caller writes it: it is not reported lost too
+                self._child.ring.release(seq)
+            return False
+        return True
+
+    def _flush(self) -> None:
+        """Finish the staged call: wait for its device copies, move them into its ring range, send it.
+
+        Were the child gone, the call stays among those handed over: the reader thread reports it lost.
+        """
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return
+        message, pinned = staged
+        view = self._child.ring.view
+        assert view is not None
+        self._stager.land(pinned, view.data_ptr() + message[3])
+        try:
+            self._child.send((*message, self._child.ring.size))
+        except OSError:
+            pass  # the child is gone: the call is among those handed over, which the reader thread reports
 
     def tell(self, written: list[tuple[int, list[TensorRow]]], files: dict[str, FileEntry]) -> None:
         """What another writer of the stream wrote meanwhile: ``(call index, rows)`` pairs, and the files.
@@ -465,6 +496,7 @@ class WriterProcess:
         rows = [row for _, call_rows in written for row in call_rows]
         named = {row[1]: files[row[1]] for row in rows if row[1] in files}
         with self._submit_lock:
+            self._flush()
             self._sent.update(row[0] for row in rows)
             try:
                 self._child.send(("adopt", [index for index, _ in written], rows, named))
@@ -473,6 +505,8 @@ class WriterProcess:
 
     def wait_idle(self) -> None:
         """Wait until the child has answered every call handed to it (or is gone)."""
+        with self._submit_lock:
+            self._flush()
         with self._cond:
             while self._calls and not self._dead:
                 self._cond.wait()
@@ -484,6 +518,7 @@ class WriterProcess:
             BundleWriteError: The child could not flush its files, or ended before finishing.
         """
         with self._submit_lock:
+            self._flush()
             with self._cond:
                 self._closing = True
                 dead = self._dead
@@ -617,7 +652,7 @@ def serve() -> None:
             for i, index in enumerate(indices):
                 writer.adopt(index, rows if i == 0 else [], files if i == 0 else {})
         elif kind == "call" and writer is not None:
-            _, seq, call_json, start, size, specs = message
+            _, seq, call_json, start, specs, size = message
             call = CallEntry.model_validate_json(call_json)
             answer(_write(writer, call, seq, start, specs, ring.view(size), durable, journal_error, answer))
     if writer is not None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from iobundle.cli import _render
-from iobundle.cli._progress import ProgressBars
+from iobundle.cli._progress_bar import ProgressBars
 from iobundle.errors import CLIError
 
 if TYPE_CHECKING:
@@ -28,6 +28,7 @@ __all__ = [
     "export_tolerances",
     "register",
     "finish_comparison",
+    "tolerance_help",
     "progress_bars",
     "quiet",
     "tolerances",
@@ -69,11 +70,19 @@ not exist, the model cannot be loaded or a tolerance names no output, 4 when the
 recorded outputs (redacted): nothing compared, 5 when the bundle is damaged.""",
 }
 
-TOLERANCE_HELP = (
-    "{what} tolerance: VALUE for every output, or NAME=VALUE for one output (its name in the output tree, "
-    "e.g. logits or past_key_values[0], or its ONNX name; fnmatch patterns allowed); repeat the flag "
-    "(default: {default:g}; float16 and bfloat16 outputs get their dtype's, looser: see the tolerance table in the docs)"
-)
+
+def tolerance_help(what: str) -> str:
+    """The help of ``--atol`` (``what="absolute"``) or ``--rtol`` (``"relative"``), with the defaults by dtype.
+
+    The help loads no torch: the values of ``iobundle.replay.check.DTYPE_TOLERANCES`` are written here
+    (tests/cli/test_first_hour.py compares them).
+    """
+    default, half, bfloat = (DEFAULT_ATOL, 5e-3, 2e-2) if what == "absolute" else (DEFAULT_RTOL, 0.1, 0.1)
+    return (
+        f"{what} tolerance: VALUE for every output, or NAME=VALUE for one output (its name in the output tree, "
+        "e.g. logits or past_key_values[0], or its ONNX name; fnmatch patterns allowed); repeat the flag "
+        f"(default: {default:g}; float16 outputs get {half:g}, bfloat16 outputs {bfloat:g})"
+    )
 
 
 def add_model_source(p: argparse.ArgumentParser) -> None:
@@ -95,14 +104,14 @@ def add_comparison_flags(parser: argparse.ArgumentParser, *, report: bool = True
         action="append",
         metavar="[NAME=]VALUE",
         default=None,
-        help=TOLERANCE_HELP.format(what="absolute", default=DEFAULT_ATOL),
+        help=tolerance_help("absolute"),
     )
     group.add_argument(
         "--rtol",
         action="append",
         metavar="[NAME=]VALUE",
         default=None,
-        help=TOLERANCE_HELP.format(what="relative", default=DEFAULT_RTOL),
+        help=tolerance_help("relative"),
     )
     group.add_argument(
         "--check-error-stat",
@@ -273,7 +282,7 @@ def register(subparsers: Any, add_command: AddCommand) -> None:
         summary="re-run the eager model on the recorded inputs and compare with the recorded outputs",
         description="Call the model again on every recorded call's inputs and compare with the recorded outputs.",
     )
-    p.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
+    p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
     add_model_source(p)
     p.add_argument("--device", metavar="DEVICE", help="run on this torch device (cpu, cuda, cuda:1, ...)")
     add_comparison_flags(p)

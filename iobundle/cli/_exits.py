@@ -104,6 +104,10 @@ HINTS: dict[type[IobundleError], str] = {
     "`iobundle export` still checks the program against the eager model",
 }
 
+OVERWRITE_REFUSED = (
+    "--overwrite replaces only what iobundle wrote there itself: choose another output path, or remove it yourself"
+)
+
 
 def _lookup(table: dict[type[IobundleError], object], exc: IobundleError) -> object:
     for cls in type(exc).__mro__:
@@ -118,9 +122,14 @@ def exit_code_for(exc: IobundleError) -> int:
     return EXIT_FAILED if code is None else int(code)  # type: ignore[call-overload]
 
 
-def hint_for(exc: IobundleError, command: str) -> str:
-    """What to do about ``exc``, in a few words; the debug variable for the full traceback."""
-    hint = _lookup(HINTS, exc)  # type: ignore[arg-type]
+def hint_for(exc: IobundleError, command: str, *, overwrite: bool = False) -> str:
+    """What to do about ``exc``, in a few words; the debug variable for the full traceback.
+
+    The error's own ``hint`` wins over its class's; an output that exists although ``--overwrite``
+    was given is one iobundle never replaces, so passing it again is not the hint.
+    """
+    hint = exc.hint or (OVERWRITE_REFUSED if overwrite and isinstance(exc, BundleExistsError) else None)
+    hint = hint or _lookup(HINTS, exc)  # type: ignore[arg-type]
     debug = f"{DEBUG_ENV}=1 shows the full traceback"
     if hint is None:
         return f"set {debug.replace(' shows', ' to see')}"

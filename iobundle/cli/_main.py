@@ -10,7 +10,7 @@ Raise :class:`~iobundle.errors.CLIError` for bad flag combinations; return :data
 when a check the user asked for fails.
 
 The comparing commands (``validate`` here, ``run`` and ``diff`` registered by
-:mod:`iobundle.cli._checks`) share their flags, progress bars (:mod:`iobundle.cli._progress`) and
+:mod:`iobundle.cli._checks`) share their flags, progress bars (:mod:`iobundle.cli._progress_bar`) and
 report files (:mod:`iobundle.cli._reports`: Markdown, HTML, JSON, CSV).
 """
 
@@ -38,7 +38,7 @@ from iobundle.cli._logs import configure_logging
 from iobundle.cli._programs import batch_spec as _batch_spec
 from iobundle.cli._programs import damaged_files, refuse_damaged
 from iobundle.cli._programs import open_bundle as _open_bundle
-from iobundle.errors import CLIError, IobundleError, ReplayError
+from iobundle.errors import BundleWriteError, IobundleError, MissingDependencyError, ReplayError
 
 __all__ = ["main"]  # the exit codes are iobundle.cli._exits's
 
@@ -305,11 +305,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--atol", action="append", metavar="[NAME=]VALUE",
-        help="the check's " + _checks.TOLERANCE_HELP.format(what="absolute", default=_checks.DEFAULT_ATOL),
+        help="the check's " + _checks.tolerance_help("absolute"),
     )  # fmt: skip
     p.add_argument(
         "--rtol", action="append", metavar="[NAME=]VALUE",
-        help="the check's " + _checks.TOLERANCE_HELP.format(what="relative", default=_checks.DEFAULT_RTOL),
+        help="the check's " + _checks.tolerance_help("relative"),
     )  # fmt: skip
     p.set_defaults(handler=_programs.cmd_export)
 
@@ -340,6 +340,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "--llama",
         action="store_true",
         help="use a tiny transformers LlamaForCausalLM and its generate() instead (needs transformers)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace outputs in DIR that an earlier demo did not write (its own are replaced anyway)",
     )
     p.set_defaults(handler=_cmd_demo)
 
@@ -394,7 +399,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if bundle.manifest.model is not None:
         from iobundle.replay import describe_bundle_model
 
-        model = describe_bundle_model(bundle)
+        model = describe_bundle_model(bundle, registry=False)  # a file-reading command imports no transformers
     _render.out(
         _render.format_inspect(
             args.bundle,
@@ -405,7 +410,7 @@ def _inspect(args: argparse.Namespace) -> int:
             model=model,
             packed=bundle.packed,
             remote=bundle.remote,
-            calls_shown=args.calls,
+            calls_shown="none" if _checks.quiet(args) else args.calls,
         )
     )
     problems = damaged_files(bundle, args.bundle)
@@ -469,13 +474,47 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return _checks.finish_comparison(args, report, [bundle])
 
 
+# `python -c` puts the current folder first on sys.path (unless PYTHONSAFEPATH is set), where a folder named
+# iobundle would shadow the installed package: the child drops it (what `python -P` does, from Python 3.11 on).
+_CHILD = (
+    "import sys; getattr(sys.flags, 'safe_path', False) or sys.path.pop(0); "
+    "from iobundle.cli import main; sys.exit(main())"
+)
+
+
 def _run_step(argv: list[str]) -> int:
-    """Run ``iobundle ARGV`` in a fresh interpreter, its output passed through."""
+    """Run ``iobundle ARGV`` in a fresh interpreter that imports the installed package, its output passed through."""
     import subprocess
 
     _render.out(f"$ iobundle {' '.join(argv)}")
     sys.stdout.flush()
-    return subprocess.run([sys.executable, "-m", "iobundle", *argv], check=False).returncode
+    return subprocess.run([sys.executable, "-c", _CHILD, *argv], check=False).returncode
+
+
+def _claim_demo_outputs(directory: str, names: list[str], *, overwrite: bool) -> None:
+    """Refuse an output there that no earlier demo wrote (its marker lists what it wrote), then list these in it."""
+    import json
+
+    from iobundle.errors import BundleExistsError
+
+    marker = os.path.join(directory, ".iobundle-demo.json")
+    try:
+        with open(marker, encoding="utf-8") as f:
+            ours = set(json.load(f)["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        ours = set()
+    for name in names:
+        if not overwrite and name not in ours and os.path.lexists(os.path.join(directory, name)):
+            raise BundleExistsError(
+                f"'{os.path.join(directory, name)}' is there and an earlier `iobundle demo` did not write it; "
+                "the demo replaces only its own outputs."
+            )
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(marker, "w", encoding="utf-8") as f:
+            json.dump({"written_by": "iobundle demo", "files": sorted(ours | set(names))}, f)
+    except OSError as exc:
+        raise BundleWriteError(f"Cannot write into {directory}: {exc.strerror or exc}.") from exc
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -483,14 +522,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     from iobundle.demo import DEMO_FACTORY, capture_demo, capture_llama_demo
 
-    directory = os.path.abspath(args.directory)
-    os.makedirs(directory, exist_ok=True)
-    begin = time.perf_counter()
     if args.llama:
         try:
             import transformers  # noqa: F401
         except ImportError as exc:
-            raise CLIError("iobundle demo --llama needs transformers: pip install 'transformers>=5'.") from exc
+            raise MissingDependencyError(
+                "iobundle demo --llama needs transformers: pip install 'iobundle[transformers]'."
+            ) from exc
+    directory = os.path.abspath(args.directory)
+    stem, bundle_name = ("llama", "llama.iobundle") if args.llama else ("model", "demo.iobundle")
+    onnx_path = os.path.join(directory, f"{stem}.onnx")
+    report = os.path.join(directory, f"{stem}-report.md")
+    _claim_demo_outputs(directory, [bundle_name, f"{stem}.onnx", f"{stem}-report.md"], overwrite=args.overwrite)
+    begin = time.perf_counter()
+    if args.llama:
         bundle, n_calls = capture_llama_demo(directory)
         what, source = "LlamaForCausalLM.forward during generate()", ["--from-bundle"]
     else:
@@ -500,12 +545,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         f"captured {n_calls} calls of {what} (1 prefill + {n_calls - 1} decode) "
         f"in {time.perf_counter() - begin:.2f}s -> {bundle}"
     )
-    stem = "llama" if args.llama else "model"
-    onnx_path = os.path.join(directory, f"{stem}.onnx")
-    report = os.path.join(directory, f"{stem}-report.md")
     steps = [
         ["inspect", str(bundle)],
-        ["export", str(bundle), *source, "-o", onnx_path, "--batch-all"],
+        ["export", str(bundle), *source, "-o", onnx_path, "--batch-all", "--overwrite"],
         ["validate", str(bundle), onnx_path, "--report", report],
     ]
     for argv in steps:
@@ -549,7 +591,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _render.err(f"error: {exc}")
             if _debug():
                 raise
-            _render.err(f"hint: {hint_for(exc, args.command)}")
+            _render.err(f"hint: {hint_for(exc, args.command, overwrite=getattr(args, 'overwrite', False))}")
             return exit_code_for(exc)
         except KeyboardInterrupt:
             _render.err("error: interrupted (what was printed above stays true)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 from iobundle._locations import require_existing
@@ -110,18 +111,28 @@ def _check_writable(path: str, flag: str, *, overwrite: bool) -> None:
                 "Remove the link, or choose another path."
             )
         if os.path.isdir(path):
-            raise BundleExistsError(f"{flag} {path}: a directory is there. Give a file name.")
+            raise BundleExistsError(
+                f"{flag} {path}: a directory is there. Give a file name.",
+                hint=f"give the path of a file, e.g. {os.path.join(path, 'model.onnx' if flag == '-o' else 'report.md')}",
+            )
         if not overwrite:
             raise BundleExistsError(
                 f"{flag} {path}: the file exists. Pass --overwrite to replace it, or choose another path."
             )
     parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):  # written into folders made on the way: the first existing one must be writable
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+    if not os.path.isdir(parent):
+        what = "is not a directory" if os.path.lexists(parent) else "does not exist (iobundle does not create it)"
         raise BundleWriteError(
-            f"{flag} {path}: cannot write into {parent} (not a writable directory). Choose another path."
+            f"{flag} {path}: the folder {parent} {what}.",
+            hint="create the folder first, or choose a path in an existing one",
         )
+    try:  # a file made and removed: os.access says yes to root in /proc or on a read-only mount
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError as exc:
+        raise BundleWriteError(
+            f"{flag} {path}: cannot write into {parent} ({exc.strerror or exc}).",
+            hint="choose a path in a folder you can write to",
+        ) from exc
 
 
 def _check_export_output(args: argparse.Namespace) -> str:

@@ -438,6 +438,8 @@ def format_stored_model(model: StoredModel) -> list[str]:
     if model.refused is None:
         lines.append(
             "           accepted by --from-bundle (a class transformers registers, a config that selects no code)"
+            if model.class_checked
+            else "           its config selects no code (--from-bundle also checks that transformers registers the class)"
         )
     else:
         lines.append(f"           refused by --from-bundle: {model.refused}")
@@ -477,7 +479,7 @@ def format_inspect(
     ``packed`` (None: unknown, no line) and ``remote`` say how the bundle is stored. ``calls_shown``
     is ``"all"`` (one row per call), ``"runs"`` (one row per run of consecutive calls that differ
     only in tensor sizes, each size shown as the range it spans: ``1x2x5..1003x8 f32``, see
-    :func:`call_runs`) or ``"auto"`` (every call up to :data:`MAX_CALL_ROWS` calls, runs beyond).
+    :func:`call_runs`), ``"auto"`` (every call up to :data:`MAX_CALL_ROWS` calls, runs beyond) or ``"none"``.
     ``group_shapes`` (:class:`~iobundle.replay.infer.GroupShapes`) stand for the dynamic shapes of
     calls that align only group by group, each group's shown under the calls and keywords it has.
     """
@@ -499,7 +501,8 @@ def format_inspect(
     lines += [
         f"method     {_signature(manifest)}",
         f"calls      {len(calls)}" + (f" ({status_text})" if calls else ""),
-        f"tensors    {len(tensor_rows(manifest))} in {len(manifest.files)} files, {format_size(total)}",
+        f"tensors    {len(tensor_rows(manifest))} in {len(manifest.files)} file{'s' * (len(manifest.files) != 1)}, "
+        + format_size(total),
     ]
     for entry in manifest.value_if_missing:
         key = entry.key if isinstance(entry.key, str) else _arg_name(manifest, entry.key)
@@ -507,7 +510,9 @@ def format_inspect(
     if model is not None:
         lines.extend(format_stored_model(model))
     lines.append("")
-    if calls and (calls_shown == "all" or (calls_shown == "auto" and len(calls) <= MAX_CALL_ROWS)):
+    if calls_shown == "none":  # inspect -q: the summary without its calls
+        lines.pop()
+    elif calls and (calls_shown == "all" or (calls_shown == "auto" and len(calls) <= MAX_CALL_ROWS)):
         rows = [
             [
                 str(c.index),
@@ -724,7 +729,8 @@ def format_verify(manifest: Manifest, problems: Sequence[str], *, quiet: bool = 
         verdict = f"DAMAGED: {len(problems)} of {len(manifest.files)} files differ from the manifest"
         return verdict if quiet else "\n".join([*map(plain, problems), verdict])
     total = sum(f.size for f in manifest.files.values())
-    return f"OK: {len(manifest.files)} files, {format_size(total)}, sizes and hashes match the manifest"
+    n = len(manifest.files)
+    return f"OK: {n} file{'s' if n != 1 else ''}, {format_size(total)}, sizes and hashes match the manifest"
 
 
 # --------------------------------------------------------------------------- export and validate
@@ -803,15 +809,15 @@ def format_validation(report: Any, *, quiet: bool = False) -> str:
             _error_cell(r["abs"]),
             _error_cell(r["rel"]),
         ]
-        if kind == "diff":
-            row += [_error_cell(r.get("inputs_abs")), r.get("differences") or "-"]
+        if kind == "diff":  # what differs goes below the table: one line per call, the table stays narrow
+            row.append(_error_cell(r.get("inputs_abs")))
         elif kind == "run":
             row += [format_latency(r.get("duration_torch")), format_latency(r.get("duration_rerun"))]
         else:
             row += [format_latency(r.get("duration_torch")), format_latency(r.get("ort_duration"))]
         rows.append(row)
     if kind == "diff":
-        headers += ["inputs abs", "differences"]
+        headers.append("inputs abs")
     elif kind == "run":
         headers += ["recorded", "re-run"]
     else:
@@ -822,8 +828,12 @@ def format_validation(report: Any, *, quiet: bool = False) -> str:
         for row, r in zip(rows, report.rows):
             row.insert(1, str(r.get("program") or "-"))
         status_column = 2
-    right = tuple(i for i, h in enumerate(headers) if h not in ("status", "program", "differences"))
+    right = tuple(i for i, h in enumerate(headers) if h not in ("status", "program"))
     lines = [format_table(headers, rows, right=right, styles=_styled(rows, status_column))]
+    lines += [f"call {r['index']}: {plain(r['differences'])}" for r in report.rows if r.get("differences")]
+    if any(r.get("SUCCESS") and (r.get("rel") or 0) > 1 for r in report.rows):  # an expected value near 0
+        lines.append("max rel is |actual - expected| / |expected|, large where an expected value is near 0; "
+                     "an output passes when its error is within atol or within rtol")  # fmt: skip
     worst = sorted(
         (c for c in getattr(report, "outputs", []) if c.success is False),
         key=lambda c: c.stats.max_abs if c.stats is not None else float("inf"),

@@ -35,7 +35,7 @@ examples:
 
 The archive is untrusted: links, devices, paths leaving the directory, duplicates and
 members past its end are refused before anything is written, and every file's size and
-sha256 are checked against the manifest (--no-verify skips the hashes).""",
+XXH3-128 digest are checked against the manifest (--no-verify skips the hashes).""",
     "redact": """\
 examples:
   iobundle redact run.iobundle -o bug-report.iobundle
@@ -94,13 +94,15 @@ def register(subparsers: Any, add_command: AddCommand) -> None:
         subparsers,
         "unpack",
         summary="unpack a packed bundle into a directory, refusing hostile entries",
-        description="Check the packed bundle FILE (its entries and every file's sha256), then write its files to DIR.",
+        description="Check the packed bundle FILE (its entries and every file's size and hash), then write its files to DIR.",
         epilog=EXAMPLES["unpack"],
     )
     p.add_argument("archive", metavar="FILE", help="the packed bundle (a path or a URL)")
     p.add_argument("-o", "--output", metavar="DIR", required=True, help="the bundle directory to write")
     p.add_argument("--overwrite", action="store_true", help="replace DIR if it holds a bundle")
-    p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the members")
+    p.add_argument(
+        "--no-verify", action="store_true", help="skip the hash check of the members (sizes are still checked)"
+    )
     p.set_defaults(handler=_cmd_unpack)
 
     p = add_command(
@@ -152,10 +154,13 @@ def _speed(n: int, seconds: float) -> str:
 
 
 def _output(args: argparse.Namespace, *, remote: bool) -> str:
-    """``-o`` (or OUTPUT) through the one resolver of paths and URLs, before any work (see :mod:`iobundle._remote`)."""
+    """``-o`` (or OUTPUT) through the one resolver of paths and URLs, before any work; never over the input."""
+    from iobundle._locations import refuse_overlap
     from iobundle._remote import resolve_output
 
-    return str(resolve_output(args.output, remote=remote, what=f"iobundle {args.command}"))
+    output = str(resolve_output(args.output, remote=remote, what=f"iobundle {args.command}"))
+    refuse_overlap(args.archive if args.command == "unpack" else args.bundle, output, f"iobundle {args.command}")
+    return output
 
 
 def _cmd_pack(args: argparse.Namespace) -> int:
@@ -196,7 +201,7 @@ def _cmd_unpack(args: argparse.Namespace) -> int:
         result = unpack_bundle(
             args.archive, output, overwrite=args.overwrite, verify=not args.no_verify, on_progress=bars
         )
-    checked = "" if args.no_verify else ", sizes and sha256 checked"
+    checked = "" if args.no_verify else ", sizes and hashes checked"
     _render.out(
         f"unpacked {result.files} files ({result.bytes} bytes) into {result.path} in {result.seconds:.2f}s{checked}"
     )

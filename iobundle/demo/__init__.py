@@ -1,4 +1,4 @@
-"""The built-in demo: a tiny decoder, captured during generation, exported and validated from its bundle."""
+"""The built-in demo: a tiny decoder, captured during generation, exported and validated from its bundle (internal)."""
 
 from __future__ import annotations
 

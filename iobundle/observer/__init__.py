@@ -10,6 +10,6 @@ __all__ = ["InputCandidate", "InputObserver", "ObservationInfo", "ObservationWar
 
 from iobundle.capture import ObservationWarning
 from iobundle.observer._observer import InputObserver
-from iobundle.observer._redact import redact_bundle
+from iobundle.observer._redact_bundle import redact_bundle
 from iobundle.observer._upgrade import upgrade_bundle
 from iobundle.replay import InputCandidate, ObservationInfo

@@ -6,7 +6,8 @@ run the same code. Needs torch; onnx,
 onnxruntime and onnxscript only to export and validate. The names below are imported when first
 used: ``import iobundle.replay`` and opening a bundle load no onnx. Each job is a room with its own
 public face: :mod:`iobundle.replay.infer`, :mod:`iobundle.replay.export`, :mod:`iobundle.replay.check`;
-converting and redacting are :mod:`iobundle.travel`'s (its names are still reachable from here).
+packing, converting and redacting are :mod:`iobundle.travel`'s. ``__all__`` is the public face; the other
+names imported below serve iobundle's other parts (travel, observer, cli).
 """
 
 from __future__ import annotations
@@ -16,47 +17,37 @@ from typing import TYPE_CHECKING
 from iobundle._lazy import lazy_names
 
 __all__ = [
-    "DYNAMIC",
-    "ArchiveRoot",
-    "BatchCheck",
+    # Open a bundle, infer from it
     "Bundle",
-    "CallCheck",
-    "ConvertResult",
-    "DiffReport",
-    "ErrorStats",
-    "ExportReport",
     "InputCandidate",
     "ObservationInfo",
+    "ProgressEvent",
+    "RecordedCallsAPI",
+    "StaticDimHint",
+    "StoredModel",
+    "load_bundle",
+    "load_bundle_model",
+    # Export
+    "BatchCheck",
+    "CallCheck",
+    "ExportReport",
+    "ExportResult",
     "Phase",
     "ProgramSet",
-    "StaticDimHint",
-    "PackResult",
-    "RecordedCallsAPI",
-    "OutputCheck",
-    "ProgressEvent",
-    "Report",
-    "StoredModel",
-    "Tolerances",
-    "ValidationReport",
-    "build_export_report",
-    "build_report",
-    "check_discrepancies",
-    "convert_to_npz",
-    "convert_to_onnx_testdata",
-    "copy_model_files",
-    "describe_bundle_model",
-    "diff_bundles",
+    "cut_call",
     "export_onnx",
     "export_program",
     "export_programs",
-    "load_bundle",
-    "load_bundle_model",
-    "model_from_factory",
-    "partition_calls",
-    "static_dim_hints",
-    "pack_bundle",
-    "redact_calls",
-    "unpack_bundle",
+    # Check, compare, report
+    "DiffReport",
+    "ErrorStats",
+    "OutputCheck",
+    "Report",
+    "Tolerances",
+    "ValidationReport",
+    "build_report",
+    "check_discrepancies",
+    "diff_bundles",
     "rerun_model",
     "validate_onnx",
 ]
@@ -64,12 +55,10 @@ __all__ = [
 if TYPE_CHECKING:
     from iobundle._progress import ProgressEvent
     from iobundle.replay._api import RecordedCallsAPI
-    from iobundle.replay._archive import ArchiveRoot
     from iobundle.replay._bundle import Bundle, load_bundle
     from iobundle.replay._diff import DiffReport, diff_bundles
-    from iobundle.replay._factory import model_from_factory
-    from iobundle.replay._model_load import StoredModel, describe_bundle_model, load_bundle_model
-    from iobundle.replay._report import Report, build_export_report, build_report
+    from iobundle.replay._model_load import StoredModel, load_bundle_model
+    from iobundle.replay._report import Report, build_report
     from iobundle.replay.check import (
         ErrorStats,
         OutputCheck,
@@ -83,61 +72,23 @@ if TYPE_CHECKING:
         BatchCheck,
         CallCheck,
         ExportReport,
+        ExportResult,
         Phase,
         ProgramSet,
+        cut_call,
         export_onnx,
         export_program,
         export_programs,
-        partition_calls,
     )
-    from iobundle.replay.infer import DYNAMIC, InputCandidate, ObservationInfo, StaticDimHint, static_dim_hints
+    from iobundle.replay.infer import InputCandidate, ObservationInfo, StaticDimHint
 
-# iobundle.travel's names are forwarded by name only: travel sits on top of replay.
-_LAZY = {
-    "DYNAMIC": "iobundle.replay.infer",
-    "ArchiveRoot": "iobundle.replay._archive",
-    "BatchCheck": "iobundle.replay.export",
-    "Bundle": "iobundle.replay._bundle",
-    "CallCheck": "iobundle.replay.export",
-    "ConvertResult": "iobundle.travel",
-    "DiffReport": "iobundle.replay._diff",
-    "ErrorStats": "iobundle.replay.check",
-    "ExportReport": "iobundle.replay.export",
-    "InputCandidate": "iobundle.replay.infer",
-    "ObservationInfo": "iobundle.replay.infer",
-    "OutputCheck": "iobundle.replay.check",
-    "PackResult": "iobundle.travel",
-    "Phase": "iobundle.replay.export",
-    "ProgramSet": "iobundle.replay.export",
-    "ProgressEvent": "iobundle._progress",
-    "RecordedCallsAPI": "iobundle.replay._api",
-    "Report": "iobundle.replay._report",
-    "StaticDimHint": "iobundle.replay.infer",
-    "StoredModel": "iobundle.replay._model_load",
-    "Tolerances": "iobundle.replay.check",
-    "ValidationReport": "iobundle.replay.check",
-    "build_export_report": "iobundle.replay._report",
-    "build_report": "iobundle.replay._report",
-    "check_discrepancies": "iobundle.replay.check",
-    "convert_to_npz": "iobundle.travel",
-    "convert_to_onnx_testdata": "iobundle.travel",
-    "copy_model_files": "iobundle.travel",
-    "describe_bundle_model": "iobundle.replay._model_load",
-    "diff_bundles": "iobundle.replay._diff",
-    "export_onnx": "iobundle.replay.export",
-    "export_program": "iobundle.replay.export",
-    "export_programs": "iobundle.replay.export",
-    "load_bundle": "iobundle.replay._bundle",
-    "load_bundle_model": "iobundle.replay._model_load",
-    "model_from_factory": "iobundle.replay._factory",
-    "pack_bundle": "iobundle.travel",
-    "partition_calls": "iobundle.replay.export",
-    "redact_calls": "iobundle.travel",
-    "rerun_model": "iobundle.replay.check",
-    "static_dim_hints": "iobundle.replay.infer",
-    "unpack_bundle": "iobundle.travel",
-    "validate_onnx": "iobundle.replay.check",
-}
+if TYPE_CHECKING:  # not public: for iobundle's other parts (travel, cli) and the tests
+    from iobundle.replay._api import recorded_calls  # noqa: F401
+    from iobundle.replay._archive import ArchiveRoot  # noqa: F401
+    from iobundle.replay._factory import model_from_factory  # noqa: F401
+    from iobundle.replay._model_load import describe_bundle_model  # noqa: F401
+    from iobundle.replay._report import build_export_report  # noqa: F401
+    from iobundle.replay.export import partition_calls  # noqa: F401
+    from iobundle.replay.infer import DYNAMIC, static_dim_hints  # noqa: F401
 
-
-__getattr__ = lazy_names(__name__, _LAZY)
+__getattr__ = lazy_names(__name__)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from iobundle._lazy import lazy_module
 from iobundle._progress import ProgressCallback
 from iobundle.calls import RecordedCalls, TensorCollector, record_inputs, replace_tensors, tensor_keys
-from iobundle.errors import AlignmentError, InputSelectionError
+from iobundle.errors import AlignmentError, ExportError, InputSelectionError
 from iobundle.replay import infer
 from iobundle.replay.infer import DimNamesSpec, GroupShapes, InputCandidate, ObservationInfo, StaticDimHint
 from iobundle.schema import CallEntry, Node, TensorNode
@@ -20,17 +20,31 @@ if TYPE_CHECKING:
 
     from iobundle.replay import check, export
     from iobundle.replay.check import Tolerances, ValidationReport
-    from iobundle.replay.export import ExportReport, ProgramSet, ProgramsMode
+    from iobundle.replay.export import ExportReport, ExportResult, ProgramSet, ProgramsMode
 else:  # exporting and checking need torch (and onnx): opening a bundle does not
     torch = lazy_module("torch", globals())
     check = lazy_module("iobundle.replay.check", globals())
     export = lazy_module("iobundle.replay.export", globals())
 
-__all__ = ["RecordedCallsAPI"]
+__all__ = ["RecordedCallsAPI", "recorded_calls"]
+
+R = TypeVar("R", bound="ExportResult | ProgramSet")
 
 
 class RecordedCallsAPI:
     """Methods over a :class:`RecordedCalls`; subclasses provide ``_recorded()``."""
+
+    _export_report: ExportReport | None = None
+
+    def _keep_report(self, run: Callable[[], R]) -> R:
+        """``run()``, an export whose report (the raised error's on failure) :meth:`export_report` then returns."""
+        try:
+            result = run()
+        except ExportError as exc:
+            self._export_report = exc.report
+            raise
+        self._export_report = result.report
+        return result
 
     def _recorded(self) -> RecordedCalls:
         raise NotImplementedError
@@ -278,15 +292,18 @@ class RecordedCallsAPI:
         on_progress: ProgressCallback | None = None,
         dynamic: Mapping[int | str, Collection[int]] | None = None,
         tolerances: Tolerances,
-    ) -> torch.export.ExportedProgram:
+    ) -> ExportResult:
         """Export ``model`` with ``torch.export`` from the recorded calls and check it on every call.
 
+        Returns the program (``result.program``) and its report (``result.report``).
         ``dim_names`` (see :meth:`infer_dynamic_shapes`) turns each name into one shared
         ``torch.export.Dim``. See :func:`iobundle.replay.export_program`.
         """
-        return export.export_program(
-            self._recorded(), model, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
-            check=check, dim_names=dim_names, on_progress=on_progress, dynamic=dynamic, tolerances=tolerances,
+        return self._keep_report(
+            lambda: export.export_program(
+                self._recorded(), model, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
+                check=check, dim_names=dim_names, on_progress=on_progress, dynamic=dynamic, tolerances=tolerances,
+            )
         )  # fmt: skip
 
     @check.tolerance_options("atol", "rtol", "output_atol", "output_rtol")
@@ -310,16 +327,17 @@ class RecordedCallsAPI:
         ``tolerances`` gives the whole comparison as one value instead.
         See :func:`iobundle.replay.export_programs`.
         """
-        return export.export_programs(
-            self._recorded(), model, programs=programs, set_batch_dimension_for=set_batch_dimension_for,
-            dynamic=dynamic, strict=strict, check=check, dim_names=dim_names, on_progress=on_progress,
-            tolerances=tolerances,
+        return self._keep_report(
+            lambda: export.export_programs(
+                self._recorded(), model, programs=programs, set_batch_dimension_for=set_batch_dimension_for,
+                dynamic=dynamic, strict=strict, check=check, dim_names=dim_names, on_progress=on_progress,
+                tolerances=tolerances,
+            )
         )  # fmt: skip
 
     def export_report(self) -> ExportReport | None:
-        """The per-call report of the last :meth:`export`, or None."""
-        report: ExportReport | None = self._recorded().last_export_report
-        return report
+        """The per-call report of the last :meth:`export` (or :meth:`export_programs`, :meth:`to_onnx`), or None."""
+        return self._export_report
 
     @check.tolerance_options("atol", "rtol", "output_atol", "output_rtol")
     def to_onnx(
@@ -352,10 +370,13 @@ class RecordedCallsAPI:
                 model, programs=programs, set_batch_dimension_for=set_batch_dimension_for, dynamic=dynamic,
                 strict=strict, check=check, dim_names=dim_names, on_progress=on_progress, tolerances=tolerances,
             ).to_onnx(path)  # fmt: skip
-        return export.export_onnx(
-            self._recorded(), model, path, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
-            check=check, dim_names=dim_names, on_progress=on_progress, dynamic=dynamic, tolerances=tolerances,
+        result = self.export(
+            model, set_batch_dimension_for=set_batch_dimension_for, strict=strict, check=check,
+            dim_names=dim_names, on_progress=on_progress, dynamic=dynamic, tolerances=tolerances,
         )  # fmt: skip
+        return export.save_onnx(
+            self._recorded(), result, path, on_progress=on_progress
+        )  # its report: ``result.report``
 
     @check.tolerance_options(positional=("atol", "rtol"), after="onnx_model")
     def check_discrepancies(
@@ -412,6 +433,11 @@ class RecordedCallsAPI:
         from iobundle.replay.check import rerun_model
 
         return rerun_model(self._recorded(), model, device=device, on_progress=on_progress, tolerances=tolerances)
+
+
+def recorded_calls(source: RecordedCallsAPI | RecordedCalls) -> RecordedCalls:
+    """The recorded calls of a ``Bundle`` or an ``InputObserver`` (or the calls themselves)."""
+    return source if isinstance(source, RecordedCalls) else source._recorded()
 
 
 def _candidate_index(rc: RecordedCalls, candidate: InputCandidate) -> int:

@@ -28,7 +28,7 @@ from iobundle.calls import (
 from iobundle.errors import IobundleError, UnsafeBundleError
 from iobundle.replay._api import RecordedCallsAPI
 from iobundle.replay._archive import ArchiveRoot, open_archive
-from iobundle.replay._remote import RemoteRoot
+from iobundle.replay._remote_root import RemoteRoot
 from iobundle.replay.infer import call_shape
 from iobundle.schema import (
     JOURNAL_FILENAME,
@@ -117,9 +117,14 @@ class Bundle(RecordedCallsAPI):
         return self._rc
 
     @property
+    def root(self) -> Root:
+        """Where the bundle's files lie (a directory, a packed file or a URL), read through every check."""
+        return self._store.bundle_root
+
+    @property
     def packed(self) -> bool:
         """True when the bundle is one file written by ``iobundle pack`` (read in place), False for a directory."""
-        return isinstance(self._store.bundle_root, ArchiveRoot)
+        return isinstance(self.root, ArchiveRoot)
 
     @property
     def remote(self) -> bool:

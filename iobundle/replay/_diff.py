@@ -77,31 +77,42 @@ def _shape(m: Manifest, key: str) -> str:
     return f"{'x'.join(map(str, entry.shape)) or 'scalar'} {str(dtype).replace('torch.', '') if dtype else entry.dtype}"
 
 
+def _what_differs(diffs: list[str]) -> str:
+    """A call's status: ``dtype float32 in A, bfloat16 in B`` when that is all that differs, else how many differ."""
+    dtypes = {d.split(": dtype ", 1)[-1] for d in diffs}
+    if len(dtypes) == 1 and all(": dtype " in d for d in diffs):
+        return f"dtype {dtypes.pop()}"
+    return f"{len(diffs)} difference{'s' if len(diffs) > 1 else ''}"
+
+
 def _walk(a: Node | None, b: Node | None, path: str, ma: Manifest, mb: Manifest, out: list[str], pairs: list[_Pair], is_input: bool) -> None:  # fmt: skip
     """Compare two trees; structural differences go to ``out``, tensors of one shape and dtype to ``pairs``."""
+    where = path or "output"  # a bare tensor returned
     if a is None or b is None:
         if (a is None) != (b is None):
             out.append(
-                f"{path}: {'absent' if a is None else 'present'} in A, {'absent' if b is None else 'present'} in B"
+                f"{where}: {'absent' if a is None else 'present'} in A, {'absent' if b is None else 'present'} in B"
             )
         return
     if a.kind != b.kind:
-        out.append(f"{path}: {a.kind} in A, {b.kind} in B")
+        out.append(f"{where}: {a.kind} in A, {b.kind} in B")
         return
     if isinstance(a, TensorNode) and isinstance(b, TensorNode):
         ea, eb = ma.tensors[a.key], mb.tensors[b.key]
-        if list(ea.shape) != list(eb.shape) or ea.dtype != eb.dtype:
-            out.append(f"{path}: {_shape(ma, a.key)} in A, {_shape(mb, b.key)} in B")
+        if list(ea.shape) != list(eb.shape):
+            out.append(f"{where}: {_shape(ma, a.key)} in A, {_shape(mb, b.key)} in B")
+        elif ea.dtype != eb.dtype:
+            out.append(f"{where}: dtype {_shape(ma, a.key).split()[-1]} in A, {_shape(mb, b.key).split()[-1]} in B")
         else:
             pairs.append(_Pair(path, a.key, b.key, is_input, node_a=a))
         return
     if isinstance(a, ConstNode) and isinstance(b, ConstNode):
         if a.value != b.value or type(a.value) is not type(b.value):
-            out.append(f"{path}: {a.value!r} in A, {b.value!r} in B")
+            out.append(f"{where}: {a.value!r} in A, {b.value!r} in B")
         return
     if isinstance(a, OpaqueNode) and isinstance(b, OpaqueNode):
         if a.type != b.type:
-            out.append(f"{path}: opaque {a.type} in A, {b.type} in B")
+            out.append(f"{where}: opaque {a.type} in A, {b.type} in B")
         return
     if isinstance(a, DictNode) and isinstance(b, DictNode):
         da, db = dict(zip(a.keys, a.items)), dict(zip(b.keys, b.items))
@@ -118,12 +129,12 @@ def _walk(a: Node | None, b: Node | None, path: str, ma: Manifest, mb: Manifest,
         )
         return
     if isinstance(a, ObjectNode) and isinstance(b, ObjectNode) and a.type != b.type:
-        out.append(f"{path}: {a.type} in A, {b.type} in B")
+        out.append(f"{where}: {a.type} in A, {b.type} in B")
         return
     items_a, items_b = getattr(a, "items", []), getattr(b, "items", [])
     if len(items_a) != len(items_b):
         what = "layers/items" if isinstance(a, ObjectNode) else "items"
-        out.append(f"{path}: {len(items_a)} {what} in A, {len(items_b)} in B")
+        out.append(f"{where}: {len(items_a)} {what} in A, {len(items_b)} in B")
     for i, (label, x, y) in enumerate(zip(item_labels(a), items_a, items_b)):  # paths as output_paths reads them
         _walk(x, y, child_path(path, label, i), ma, mb, out, pairs, is_input)
 
@@ -253,6 +264,8 @@ def diff_bundles(
             if c.success is False and c.stats
         ]
         checks.extend(call_checks)
+        if diffs:  # the status names what differs: values may be alike (max abs 0) where a dtype is not
+            row["error"] = _what_differs(diffs)
         row.update(
             SUCCESS=bool(row["SUCCESS"]) and bool(in_row["SUCCESS"]) and not diffs,
             index=ca.index,

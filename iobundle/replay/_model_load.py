@@ -27,15 +27,16 @@ import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from iobundle._implementations import ATTN_IMPLEMENTATIONS, EXPERTS_IMPLEMENTATIONS, SAFE_ATTN_IMPLEMENTATION
 from iobundle.calls import Root, check_file, read_sized_member, read_stored_config
 from iobundle.errors import IobundleError, MissingDependencyError, ModelLoadError, UnsafeBundleError
 from iobundle.replay._bundle import Bundle
 from iobundle.schema import ModelEntry
+
+if TYPE_CHECKING:  # iobundle inspect describes a stored model without torch
+    import torch
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
@@ -296,6 +297,8 @@ def _sub_configs(config: Any, path: str = "") -> Iterator[tuple[str, Any]]:
 
 def _check_config_object(file: str, config: Any) -> None:
     """The same checks on the built config, defaults included (a sub-config the JSON left out)."""
+    import torch
+
     for path, sub in _sub_configs(config):
         prefix = f"{path}." if path else ""
         model_type = getattr(type(sub), "model_type", "")
@@ -373,6 +376,7 @@ def _load_weights(root: Root, model: torch.nn.Module, entry: ModelEntry) -> None
 
 
 def _load_weights_file(path: Path, name: str, model: torch.nn.Module, entry: ModelEntry) -> None:
+    import torch
     from safetensors import safe_open
 
     # One tensor at a time into the model's own parameters: loading the whole file first (as
@@ -433,6 +437,7 @@ class StoredModel:
         config_bytes: Size of the config file.
         refused: Why the model would not be rebuilt (the error's message), or None when it passes
             every check made before the class's module is imported.
+        class_checked: Whether the class name was checked against transformers' registry.
     """
 
     class_name: str
@@ -442,11 +447,14 @@ class StoredModel:
     weights_bytes: int
     config_bytes: int
     refused: str | None
+    class_checked: bool = True
 
 
-def _stored_config(bundle: Bundle, entry: ModelEntry) -> tuple[frozenset[str], dict[str, Any]]:
-    """The model types ``entry``'s class is registered for, and its stored config (class and attention checked first)."""
-    types = _check_class_name(entry.class_name)
+def _stored_config(
+    bundle: Bundle, entry: ModelEntry, *, registry: bool = True
+) -> tuple[frozenset[str], dict[str, Any]]:
+    """The model types ``entry``'s class is registered for (none without ``registry``), and its stored config."""
+    types = _check_class_name(entry.class_name) if registry else frozenset()
     _check_implementation(
         "manifest.json",
         "model.attn_implementation",
@@ -457,13 +465,15 @@ def _stored_config(bundle: Bundle, entry: ModelEntry) -> tuple[frozenset[str], d
     return types, read_stored_config(bundle._store.bundle_root, entry)
 
 
-def describe_bundle_model(bundle: Bundle | str | os.PathLike[str]) -> StoredModel | None:
+def describe_bundle_model(bundle: Bundle | str | os.PathLike[str], *, registry: bool = True) -> StoredModel | None:
     """Describe the model stored in ``bundle`` (None when it stores none), without building it.
 
-    The config is read (size and sha256 checked) and given the checks of
+    The config is read (size and hash checked) and given the checks of
     :func:`load_bundle_model` that run before anything is imported: the class name, the
     attention setting and every config value. A failed check is reported in ``refused``,
-    not raised, so that ``iobundle inspect`` can show it.
+    not raised, so that ``iobundle inspect`` can show it. ``registry=False`` leaves out the one
+    check that imports transformers (is the class one it registers?): ``iobundle inspect`` imports
+    nothing heavy, and ``class_checked`` is then False.
 
     Example:
         >>> info = describe_bundle_model("run.iobundle")
@@ -478,7 +488,7 @@ def describe_bundle_model(bundle: Bundle | str | os.PathLike[str]) -> StoredMode
     model_type: str | None = None
     refused: str | None = None
     try:
-        _, config_dict = _stored_config(bundle, entry)
+        _, config_dict = _stored_config(bundle, entry, registry=registry)
         value = config_dict.get("model_type")
         model_type = value if isinstance(value, str) else None
         _check_config_dict(entry.config_file, config_dict)
@@ -494,6 +504,7 @@ def describe_bundle_model(bundle: Bundle | str | os.PathLike[str]) -> StoredMode
         weights_bytes=file.size if file is not None else 0,
         config_bytes=config_file.size if config_file is not None else 0,
         refused=refused,
+        class_checked=registry,
     )
 
 
@@ -523,9 +534,14 @@ def load_bundle_model(bundle: Bundle | str | os.PathLike[str]) -> torch.nn.Modul
         bundle = Bundle.load(bundle)
     entry = bundle.manifest.model
     if entry is None:
+        redacted = bundle.manifest.redacted is not None
         raise ModelLoadError(
-            f"The bundle '{bundle.path}' stores no model. Save it with observer.save(path, include_model=True), "
-            "or build the model yourself."
+            f"The bundle '{bundle.path}' stores no model: "
+            + ("`iobundle redact` dropped it (--keep-model keeps it)" if redacted else "it was saved without it")
+            + ". Build the model yourself, or store it (observer.save(path, include_model=True)).",
+            hint="redact the original bundle again with --keep-model, or pass --model MODULE:FACTORY"
+            if redacted
+            else "save the bundle with observer.save(path, include_model=True), or pass --model MODULE:FACTORY",
         )
     types, config_dict = _stored_config(bundle, entry)
     _check_config_dict(entry.config_file, config_dict)  # before the class's module is imported

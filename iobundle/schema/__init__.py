@@ -1,13 +1,14 @@
-"""The bundle format: pydantic models of ``manifest.json`` and their JSON I/O. Never imports torch."""
+"""The bundle format: pydantic models of ``manifest.json`` and their JSON I/O. Never imports torch.
+
+Internal tier: ``__all__`` is the interface between iobundle's parts, not a public API.
+"""
 
 from __future__ import annotations
 
 __all__ = [
-    "CALL_FILE_NAME",
     "JOURNAL_FILENAME",
     "MANIFEST_FILENAME",
     "MAX_EXTENSION_DEPTH",
-    "PROGRAM_INDEX_FORMAT",
     "MAX_MANIFEST_BYTES",
     "MEMBER_NAME_RULE",
     "MISSING_VALUES_FILE",
@@ -41,7 +42,6 @@ __all__ = [
     "temporary_name",
     "tensor_rows",
     "tree_key",
-    "validate_manifest",
     "write_manifest",
     "write_program_index",
 ]
@@ -61,7 +61,6 @@ from iobundle.schema._io import (
     MAX_MANIFEST_BYTES,
     dump_manifest,
     parse_manifest,
-    validate_manifest,
     write_manifest,
 )
 from iobundle.schema._journal import journal_call_line, journal_head_line, load_journal, parse_journal
@@ -69,7 +68,6 @@ from iobundle.schema._load import load_manifest
 from iobundle.schema._manifest import *  # noqa: F403 (the models of manifest.json, listed in _manifest.__all__)
 from iobundle.schema._manifest import SUPPORTED_FORMAT_VERSIONS, Manifest
 from iobundle.schema._names import (
-    CALL_FILE_NAME,
     MEMBER_NAME_RULE,
     MISSING_VALUES_FILE,
     SEGMENT_FILE_NAME,
@@ -79,8 +77,7 @@ from iobundle.schema._names import (
     segment_file_name,
     temporary_name,
 )
-from iobundle.schema._programs import (
-    PROGRAM_INDEX_FORMAT,
+from iobundle.schema._program_index import (
     ProgramEntry,
     ProgramIndex,
     SizeCondition,

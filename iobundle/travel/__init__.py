@@ -29,15 +29,4 @@ if TYPE_CHECKING:
     from iobundle.travel._pack import PackResult, pack_bundle, unpack_bundle
     from iobundle.travel._redact import copy_model_files, redact_calls
 
-_LAZY = {
-    "ConvertResult": "iobundle.travel._convert",
-    "convert_to_npz": "iobundle.travel._convert",
-    "convert_to_onnx_testdata": "iobundle.travel._convert",
-    "PackResult": "iobundle.travel._pack",
-    "pack_bundle": "iobundle.travel._pack",
-    "unpack_bundle": "iobundle.travel._pack",
-    "copy_model_files": "iobundle.travel._redact",
-    "redact_calls": "iobundle.travel._redact",
-}
-
-__getattr__ = lazy_names(__name__, _LAZY)
+__getattr__ = lazy_names(__name__)

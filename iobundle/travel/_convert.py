@@ -35,7 +35,7 @@ from iobundle._progress import ProgressCallback, notify
 from iobundle._remote import resolve_output
 from iobundle.calls import RecordedCalls, call_paths, tensor_keys
 from iobundle.errors import BundleExistsError, BundleWriteError, ModelLoadError, ReplayError
-from iobundle.replay import RecordedCallsAPI
+from iobundle.replay import RecordedCallsAPI, recorded_calls
 from iobundle.replay.check import input_mapping, model_label, output_mapping, output_paths, read_metadata
 from iobundle.replay.infer import align_calls, aligned_tensors
 
@@ -95,11 +95,6 @@ def tensor_proto(tensor: torch.Tensor, name: str) -> onnx.TensorProto:
     return proto
 
 
-def _calls_of(source: RecordedCallsAPI | RecordedCalls) -> RecordedCalls:
-    """The recorded calls of a ``Bundle`` or an ``InputObserver`` (or of the calls themselves)."""
-    return source if isinstance(source, RecordedCalls) else source._recorded()
-
-
 def _refuse_repeated_indices(rc: RecordedCalls) -> None:
     """Files are named after the calls' indices: two calls with one index would write one file twice."""
     seen: set[int] = set()
@@ -115,7 +110,10 @@ def _refuse_repeated_indices(rc: RecordedCalls) -> None:
 def _load_graph(model: str | os.PathLike[str]) -> tuple[list[str], list[str], dict[str, str]]:
     path = Path(model)
     if not path.is_file():
-        raise ModelLoadError(f"ONNX model '{path}' does not exist.")
+        raise ModelLoadError(
+            f"ONNX model '{path}' does not exist.",
+            hint="check the path of the ONNX model (`iobundle export -o` writes one)",
+        )
     try:
         proto = onnx.load(str(path), load_external_data=False)
     except Exception as exc:
@@ -185,7 +183,7 @@ def convert_to_onnx_testdata(
         >>> convert_to_onnx_testdata(load_bundle("run.iobundle"), "model.onnx", "testdata").paths[0]
         PosixPath('testdata/test_data_set_0/input_0.pb')
     """
-    rc = _calls_of(calls)
+    rc = recorded_calls(calls)
     inputs, outputs, meta = _load_graph(model)
     alignment = align_calls(rc)
     metadata = read_metadata(meta, model_label(model), len(alignment.owners))
@@ -309,7 +307,7 @@ def convert_to_npz(
         >>> sorted(numpy.load("arrays/call_000000.npz"))
         ['args.0', 'outputs']
     """
-    rc = _calls_of(calls)
+    rc = recorded_calls(calls)
     _refuse_repeated_indices(rc)
     target = resolve_output(output, remote=False, what="convert")
     assert isinstance(target, Path)
@@ -337,6 +335,8 @@ def convert_to_npz(
             np.savez(path, **_call_arrays(rc, i))  # type: ignore[arg-type]
             paths.append(path)
             notify(on_progress, CONVERT_TASK, done, len(ok), f"call {index}")
+    except BundleExistsError:
+        raise  # an OSError too, whose message says what to do already
     except OSError as exc:
         raise BundleWriteError(f"Cannot write {target}: {exc.strerror or exc}.") from exc
     return ConvertResult(paths=paths, calls=len(ok))

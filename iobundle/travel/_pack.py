@@ -266,7 +266,7 @@ def unpack_bundle(
 
     begin = time.perf_counter()
     bundle = Bundle.load(archive, verify=verify)
-    root = bundle._store.bundle_root
+    root = bundle.root
     if not isinstance(root, ArchiveRoot):
         raise BundleNotFoundError(f"'{archive}' is a bundle directory, not a packed bundle; nothing to unpack.")
     listed = listed_files(bundle.manifest)

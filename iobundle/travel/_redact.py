@@ -49,7 +49,7 @@ from iobundle.calls import (
     tensor_keys,
 )
 from iobundle.errors import BundleExistsError, IobundleError, ModelLoadError
-from iobundle.replay import Bundle
+from iobundle.replay import Bundle, recorded_calls
 from iobundle.schema import CallEntry, ModelEntry
 
 __all__ = ["POSITION_NAMES", "TOKEN_ID_NAMES", "copy_model_files", "redact_calls", "synthetic_like"]
@@ -175,7 +175,7 @@ def _vocab_size(bundle: Bundle) -> int | None:
     if entry is None:
         return None
     try:
-        config = read_stored_config(bundle._store.bundle_root, entry)
+        config = read_stored_config(bundle.root, entry)
     except IobundleError:
         return None  # the model loader says what is wrong with the config; here it only narrows the draws
     for part in (config, config.get("text_config")):
@@ -207,7 +207,7 @@ def redact_calls(
     :class:`~iobundle.replay.ProgressEvent` (task ``"redact"``) before the first call and after
     each call's inputs are made.
     """
-    rc = bundle._recorded()
+    rc = recorded_calls(bundle)
     generator = torch.Generator().manual_seed(seed)
     names = rc.names
     inputs: dict[str, str | None] = {}  # tensor key -> the parameter it was passed as
@@ -264,14 +264,14 @@ def copy_model_files(bundle: Bundle, target: str | os.PathLike[str]) -> ModelEnt
 
     Raises:
         ModelLoadError: ``bundle`` stores no model.
-        IntegrityError: A model file's size or sha256 differs from the manifest.
+        IntegrityError: A model file's size or hash differs from the manifest.
     """
     entry = bundle.manifest.model
     if entry is None:
         raise ModelLoadError(
             f"The bundle '{bundle.path}' stores no model, so there is none to keep. Drop --keep-model (keep_model=True)."
         )
-    root = bundle._store.bundle_root
+    root = bundle.root
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     with Tree(target, error=BundleExistsError) as tree:  # written from checked folders: never through a link
         for name, file in entry.files.items():

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from iobundle.calls import MAX_CONFIG_BYTES, read_stored_config
+from iobundle.calls import read_stored_config
+from iobundle.calls._config import MAX_CONFIG_BYTES
 from iobundle.errors import IntegrityError, ModelLoadError, UnsafeBundleError
 from iobundle.schema import FileEntry, ModelEntry
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from iobundle import InputObserver, load_bundle
-from iobundle.calls import DeltaIndex, extends_bytes, rebuild
-from iobundle.calls._delta import SMALL_COMPARE_BYTES
+from iobundle.calls import DeltaIndex, rebuild
+from iobundle.calls._delta import SMALL_COMPARE_BYTES, extends_bytes
 
 
 def grow(t: torch.Tensor, n: int = 1) -> torch.Tensor:

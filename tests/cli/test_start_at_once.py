@@ -125,16 +125,17 @@ def llm_bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     with torch.no_grad(), observer(llama, store_n_calls=4):
         llama.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False)
     observer.save(root / "llama.iobundle")
+    observer.save(root / "stored.iobundle", include_model=True)  # the bundle stores its model
     whisper = tiny_whisper()
     features = torch.randn(1, 8, 30, generator=torch.Generator().manual_seed(3))
     decoder = InputObserver()
     with torch.no_grad(), decoder(whisper.model.decoder, store_n_calls=4):
         whisper.generate(features, max_new_tokens=3, min_new_tokens=3, do_sample=False)
     decoder.save(root / "decoder.iobundle")
-    return {"llama": root / "llama.iobundle", "decoder": root / "decoder.iobundle"}
+    return {"llama": root / "llama.iobundle", "decoder": root / "decoder.iobundle", "stored": root / "stored.iobundle"}
 
 
-@pytest.mark.parametrize("family", ["llama", "decoder"])
+@pytest.mark.parametrize("family", ["llama", "decoder", "stored"])
 @pytest.mark.parametrize(
     "argv", [["inspect"], ["shapes", "--json"], ["shapes"]], ids=["inspect", "shapes-json", "shapes-text"]
 )

@@ -113,7 +113,7 @@ def test_inspect_says_whether_a_bundle_is_redacted_and_what_it_kept(bundle, tmp_
 
 def test_unpack_round_trips(packed, bundle, tmp_path, capsys):
     assert main(["unpack", str(packed), "-o", str(tmp_path / "out")]) == 0
-    assert "sizes and sha256 checked" in capsys.readouterr().out
+    assert "sizes and hashes checked" in capsys.readouterr().out
     assert load_bundle(tmp_path / "out").manifest == load_bundle(bundle).manifest
 
 

@@ -110,3 +110,21 @@ def test_every_public_name_of_torchs_observer_is_here_and_in_the_parity_table() 
         assert theirs_params <= set(inspect.signature(getattr(InputObserver, method)).parameters)
     reference_info = Reference()
     assert reference_info.info is None and InputObserver().info is None
+
+
+def test_a_save_that_cannot_store_the_model_writes_nothing(tmp_path: Path) -> None:
+    model = Add()
+    observer = InputObserver()
+    with observer(model):
+        model(torch.ones(2, 3))
+    path = tmp_path / "run.iobundle"
+    with pytest.raises(ObserverArgumentError, match="transformers models only"):
+        observer.save(path, include_model=True)  # a plain torch module: no config rebuilds it
+    assert not path.exists()
+    observer.save(path)  # the failed save left nothing that refuses the next one
+    assert load_bundle(path).manifest.model is None
+    (tmp_path / "kept.iobundle").mkdir()
+    (tmp_path / "kept.iobundle" / "notes.txt").write_text("mine")
+    with pytest.raises(ObserverArgumentError):
+        observer.save(tmp_path / "kept.iobundle", include_model=True, overwrite=True)
+    assert [p.name for p in (tmp_path / "kept.iobundle").iterdir()] == ["notes.txt"]

@@ -29,8 +29,8 @@ from iobundle.errors import (
     IobundleError,
     TensorFileError,
 )
-from iobundle.replay import pack_bundle, unpack_bundle
 from iobundle.schema import FORMAT_VERSION
+from iobundle.travel import pack_bundle, unpack_bundle
 
 BIG = (600, 600)  # 1.4 MB: over READ_WHOLE_BYTES, so its file is memory-mapped, not read whole
 

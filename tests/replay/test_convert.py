@@ -12,7 +12,8 @@ import torch
 from onnx import numpy_helper
 
 from iobundle import BundleExistsError, InputObserver, ModelLoadError, ReplayError, load_bundle, redact_bundle
-from iobundle.replay import convert_to_npz, convert_to_onnx_testdata, validate_onnx
+from iobundle.replay import validate_onnx
+from iobundle.travel import convert_to_npz, convert_to_onnx_testdata
 from iobundle.travel._convert import tensor_proto
 
 pytestmark = pytest.mark.slow

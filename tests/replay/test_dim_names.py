@@ -254,16 +254,16 @@ class TestExport:
     def test_export_turns_names_into_shared_dims(self, where: str, tmp_path: Path) -> None:
         ours = source(observe(Add(), add_calls()), where, tmp_path)
         ep = ours.export(Add(), dim_names=True)
-        x, y = (n.meta["val"] for n in ep.graph.nodes if n.op == "placeholder")
+        x, y = (n.meta["val"] for n in ep.program.graph.nodes if n.op == "placeholder")
         assert str(x.shape[1]) == str(y.shape[1])  # one symbol for the shared name
-        assert ep.iobundle_report.ok
+        assert ep.report.ok
 
     def test_export_says_which_names_torch_proved_equal(self, tmp_path: Path) -> None:
         calls: Calls = [((torch.randn(2, 3), torch.randn(2, 3)), {}), ((torch.randn(4, 5), torch.randn(4, 5)), {})]
         ours = observe(Add(), calls)
         with pytest.raises(ExportError, match=r"proved relations between named dimensions: c = a; d = b\."):
             ours.export(Add(), dim_names={"x": {0: "a", 1: "b"}, "y": {0: "c", 1: "d"}})
-        assert ours.export(Add(), dim_names={"x": {0: "a", 1: "b"}, "y": {0: "a", 1: "b"}}).iobundle_report.ok
+        assert ours.export(Add(), dim_names={"x": {0: "a", 1: "b"}, "y": {0: "a", 1: "b"}}).report.ok
 
     def test_to_onnx_names_the_graphs_dimensions(self, where: str, tmp_path: Path) -> None:
         ours = source(observe(Add(), add_calls()), where, tmp_path)

@@ -85,11 +85,11 @@ def test_static_dim_hints_batch_and_sequence(bundle):
 def test_export_checks_another_batch_size(bundle):
     model = Tokens().eval()
     ep = bundle.export(model, set_batch_dimension_for=True, dynamic={"input_ids": {1}, "attention_mask": {1}})
-    check = ep.iobundle_report.batch_check
+    check = ep.report.batch_check
     assert (check.recorded_batch, check.batch, check.success) == (3, 2, True)
     assert check.abs_eager == 0.0 and check.abs_recorded == 0.0
     assert "batch 2 (call 0 cut from batch 3): ok" in check.summary()
-    assert bundle.export(model).iobundle_report.batch_check is None  # the batch is static: nothing to cut
+    assert bundle.export(model).report.batch_check is None  # the batch is static: nothing to cut
 
 
 class BatchCentred(torch.nn.Module):
@@ -105,7 +105,7 @@ def test_batch_check_says_when_the_eager_model_differs_from_the_recorded_rows():
     with torch.no_grad(), observer(model):
         for length in (4, 5):
             model(torch.arange(3 * length, dtype=torch.float32).reshape(3, length) ** 2)
-    check = observer.export(model, set_batch_dimension_for=True).iobundle_report.batch_check
+    check = observer.export(model, set_batch_dimension_for=True).report.batch_check
     assert (check.batch, check.success, check.abs_eager) == (2, True, 0.0)  # the program is the eager model
     assert check.rows_differ is not None and check.rows_differ == check.abs_recorded > 1
     assert check.stand_ins == []
@@ -116,7 +116,7 @@ def test_batch_check_says_when_the_eager_model_differs_from_the_recorded_rows():
 
 def test_batch_check_is_silent_on_rows_when_they_agree(bundle):
     ep = bundle.export(Tokens().eval(), set_batch_dimension_for=True, dynamic={"input_ids": {1}, "attention_mask": {1}})
-    check = ep.iobundle_report.batch_check
+    check = ep.report.batch_check
     assert check.rows_differ is None and "recorded rows by" not in check.summary()
 
 
@@ -180,11 +180,11 @@ def test_a_guard_beyond_the_recorded_calls_is_explained_and_served_by_a_second_p
         "first": [{"of": [["x", 0]], "op": ">=", "value": 2}],
         "second": [{"of": [["x", 0]], "op": "<", "value": 2}],
     }
-    # export_program still returns the first program (it refuses batch 1); the second serves batch 1.
+    # export_program returns the first program (it refuses batch 1); the second serves batch 1.
     x, y, z = torch.randn(1, 1, 5, 3), torch.randn(1, 1, 5, 3), torch.ones(2)
     with pytest.raises(AssertionError, match="Guard failed"):
-        ep.module()(x, y, z)
-    torch.testing.assert_close(ep.iobundle_split.program.module()(x, y, z), model(x, y, z), atol=0, rtol=0)
+        ep.program.module()(x, y, z)
+    torch.testing.assert_close(ep.split.program.module()(x, y, z), model(x, y, z), atol=0, rtol=0)
 
 
 def test_the_split_of_a_size_oblivious_bound_validates_both_batches_in_onnxruntime(tmp_path):
@@ -272,7 +272,7 @@ def test_a_batch_refused_on_a_guard_is_served_by_a_remedy(how, rows, guard):
     with torch.no_grad():
         for length in (1, 3):
             x, past = torch.randn(1, length, 4), torch.randn(1, 6, 3)
-            torch.testing.assert_close(ep.module()(x, past), model(x, past), atol=0, rtol=0)
+            torch.testing.assert_close(ep.program.module()(x, past), model(x, past), atol=0, rtol=0)
 
 
 BRANCH = textwrap.dedent(
@@ -332,8 +332,8 @@ def test_a_branch_of_the_models_code_is_served_by_a_second_program(one_token_pat
     }
     one = (torch.randn(1, 1, 4), torch.randn(1, 1, 4))
     with pytest.raises(AssertionError, match="Guard failed"):
-        ep.module()(*one)
-    torch.testing.assert_close(ep.iobundle_split.program.module()(*one), model(*one), atol=0, rtol=0)
+        ep.program.module()(*one)
+    torch.testing.assert_close(ep.split.program.module()(*one), model(*one), atol=0, rtol=0)
     observer.save("one_token.iobundle")
     export = ["export", "one_token.iobundle", "--model", "guards:build", "--batch-all", "-o", "one_token.onnx"]
     code = main([*export, "--report", "one_token.json"])

@@ -276,19 +276,6 @@ def test_attention_submodule(replayed: dict[str, Any]) -> None:
     assert result["class"] == "LlamaAttention"
 
 
-@pytest.mark.slow
-def test_llama_demo_end_to_end(tmp_path: Path) -> None:
-    from iobundle.demo._llama import run_llama_demo
-
-    summary = run_llama_demo(tmp_path)
-    assert summary["ok"], summary
-    assert summary["calls"] == 6  # the prefill and 5 decode steps for 6 new tokens
-    assert summary["patches"] == ["sdpa_without_is_causal", "layout_copies"]
-    assert summary["max_abs_program"] <= ATOL and summary["max_abs_onnx"] <= ATOL
-    assert Path(summary["onnx"]).is_file()
-    assert (Path(summary["bundle"]) / "model" / "weights.safetensors").is_file()
-
-
 # --------------------------------------------------------------------------- patches: scoped and reversible
 
 

@@ -18,7 +18,8 @@ torch = pytest.importorskip("torch")
 
 from iobundle import InputObserver, load_bundle  # noqa: E402
 from iobundle.errors import IntegrityError, ManifestError, TensorFileError, UnsafeBundleError  # noqa: E402
-from iobundle.replay import convert_to_npz, diff_bundles, pack_bundle, unpack_bundle  # noqa: E402
+from iobundle.replay import diff_bundles  # noqa: E402
+from iobundle.travel import convert_to_npz, pack_bundle, unpack_bundle  # noqa: E402
 
 SEGMENT = "calls/segment-000000.bin"
 BIG = 20_000  # float32: 80 000 bytes, over SEGMENT_TENSOR_BYTES

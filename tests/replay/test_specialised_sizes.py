@@ -62,13 +62,13 @@ def test_int_of_a_cache_length_traced_again_serves_lengths_never_recorded() -> N
     model = PositionFromCacheLength().eval()
     observer = _observe(model, _growing_cache([2, 3, 4]))
     ep = observer.export(model)
-    report = ep.iobundle_report
+    report = ep.report
     assert "sizes_through_int" in report.patches
     assert any(o.startswith("traced again with sizes_through_int") for o in report.options)
     assert [c.success for c in report.calls] == [True, True, True]
     for length in (1, 9):  # the position follows the length in the program too
         x, past = _growing_cache([length])[0]
-        torch.testing.assert_close(ep.module()(x, past), model(x, past))
+        torch.testing.assert_close(ep.program.module()(x, past), model(x, past))
 
 
 def test_a_specialisation_the_patch_does_not_remove_reports_the_first_failure() -> None:
@@ -88,7 +88,7 @@ def test_a_model_that_traces_at_once_is_traced_once_without_the_patch() -> None:
     g = torch.Generator().manual_seed(3)
     model = Plain()
     observer = _observe(model, [(torch.randn(2, n, generator=g),) for n in (2, 5)])
-    report = observer.export(model).iobundle_report
+    report = observer.export(model).report
     assert "sizes_through_int" not in report.patches
     assert not any(o.startswith("traced again") for o in report.options)
 

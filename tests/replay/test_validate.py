@@ -346,4 +346,4 @@ def test_calls_alternating_autocast_take_each_their_own_tolerances(tmp_path):
     rows = drifted.check_discrepancies(onnx_path)
     assert [r["SUCCESS"] for r in rows] == [True, False, True, False]
     ep = drifted.export(model, set_batch_dimension_for=True, check=False)
-    assert [c.success for c in ep.iobundle_report.calls] == [True, False, True, False]
+    assert [c.success for c in ep.report.calls] == [True, False, True, False]

@@ -116,7 +116,10 @@ def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto) -> Session:
             return Session(session, meta)
         path = Path(onnx_model)
         if not path.is_file():
-            raise ModelLoadError(f"ONNX model '{path}' does not exist.")
+            raise ModelLoadError(
+                f"ONNX model '{path}' does not exist.",
+                hint="check the path of the ONNX model (`iobundle export -o` writes one)",
+            )
         try:
             session = _open_session(ort, str(path), options)
         except Exception as exc:

@@ -2,6 +2,7 @@
 
 On top of ``infer`` and ``check`` (each exported program is checked against the recorded calls).
 ONNX export needs onnx and onnxscript, imported when a program is converted.
+Internal tier: the public names are :mod:`iobundle.replay`'s.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ __all__ = [
     # Export one program
     "CallCheck",
     "ExportReport",
+    "ExportResult",
     "SplitProgram",
     "export_onnx",
     "export_program",
+    "save_onnx",
     # Programs per phase
     "Phase",
     "ProgramSet",
@@ -26,5 +29,13 @@ __all__ = [
 ]
 
 from iobundle.replay.export._dims import BatchCheck, cut_call, explain_guard
-from iobundle.replay.export._export import CallCheck, ExportReport, SplitProgram, export_onnx, export_program
+from iobundle.replay.export._export import (
+    CallCheck,
+    ExportReport,
+    ExportResult,
+    SplitProgram,
+    export_onnx,
+    export_program,
+    save_onnx,
+)
 from iobundle.replay.export._phases import Phase, ProgramSet, ProgramsMode, export_programs, partition_calls

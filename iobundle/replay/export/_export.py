@@ -68,6 +68,7 @@ from iobundle.schema import ObjectNode, SizeCondition, conditions_met
 __all__ = [
     "CallCheck",
     "ExportReport",
+    "ExportResult",
     "SplitProgram",
     "export_onnx",
     "export_program",
@@ -130,18 +131,29 @@ class ExportReport:
 
 
 @dataclass
-class SplitProgram:
+class ExportResult:
+    """What :func:`export_program` returns: the program, its report and, when it was split, the second program."""
+
+    program: torch.export.ExportedProgram
+    report: ExportReport
+    split: SplitProgram | None = None
+    """The second program, for the sizes this one refuses on a guard that is a size rule, or None."""
+    plan: Any = field(default=None, repr=False)
+    """How the program was traced (the alignment, the traced call, the dims), which :func:`save_onnx` reads."""
+
+
+@dataclass(kw_only=True)
+class SplitProgram(ExportResult):
     """The second program of a split: traced from the inputs the first refused on a guard, for the sizes it refused.
 
     Those inputs are recorded calls (``calls``) or, when the first program served every recorded
     call, the check beyond them (a recorded call cut to another batch).
 
-    Kept on the first program as ``ep.iobundle_split`` (:func:`export_program` still returns the
-    first); :func:`iobundle.replay.export.export_programs` writes both, with a program index whose
-    size rules (``first``, ``second``: :class:`iobundle.schema.SizeCondition`) select between them.
+    It is the first program's ``split`` (:func:`export_program`'s result is the first);
+    :func:`iobundle.replay.export.export_programs` writes both, with a program index whose size
+    rules (``first``, ``second``: :class:`iobundle.schema.SizeCondition`) select between them.
     """
 
-    program: torch.export.ExportedProgram
     first: Any
     second: Any
     calls: tuple[int, ...] = ()
@@ -536,11 +548,11 @@ def export_program(
     dim_names: DimNamesSpec = False,
     on_progress: ProgressCallback | None = None,
     tolerances: Tolerances,
-) -> torch.export.ExportedProgram:
+) -> ExportResult:
     """Export ``model`` with the inferred arguments and dynamic shapes, then run every recorded call through it.
 
-    The report (``ExportReport``: traced call, options, one check per call) is kept on
-    ``rc.last_export_report`` and, on failure, on the raised error's ``.report``.
+    Returns the program and its report (``ExportReport``: traced call, options, one check per
+    call); on failure the report is the raised error's ``.report``.
 
     Args:
         rc: The recorded calls.
@@ -587,7 +599,7 @@ def _export_checked(
     on_progress: ProgressCallback | None,
     tolerances: Tolerances,
     split: bool,
-) -> torch.export.ExportedProgram:
+) -> ExportResult:
     """:func:`export_program` after its argument checks; ``split``: the recorded calls may be split by a size rule."""
     tolerances = tolerances.for_calls(rc.ok_calls)  # the report names the calls under torch.autocast
     ep, plan, report = _export(
@@ -598,8 +610,9 @@ def _export_checked(
         _check_calls(
             rc, plan, ep.module(), tolerances=tolerances, report=report, eager=plan.module, on_progress=on_progress
         )
+    result = ExportResult(ep, report, plan=plan)
     if split and not report.ok:
-        ep.iobundle_split = _split_recorded_calls(  # type: ignore[attr-defined]
+        result.split = _split_recorded_calls(
             rc, model, plan, report, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
             dynamic=dynamic, check_batch=check_batch, dim_names=dim_names, tolerances=tolerances,
         )  # fmt: skip
@@ -607,19 +620,17 @@ def _export_checked(
         if check_batch and plan.dynamic_batch and report.ok:
             report.batch_check = check_other_batch(rc, plan, ep, atol=tolerances.atol, rtol=tolerances.rtol)
     if report.batch_check is not None and report.batch_check.assumption is not None:
-        ep, plan, report = _serve_refused_batch(
-            rc, model, ep, plan, report, batch=set_batch_dimension_for, strict=strict, dynamic=dynamic,
+        result = _serve_refused_batch(
+            rc, model, result, batch=set_batch_dimension_for, strict=strict, dynamic=dynamic,
             dim_names=dim_names, tolerances=tolerances,
         )  # fmt: skip
-    rc.last_export_report = report
-    ep.iobundle_report = report  # type: ignore[attr-defined]
-    ep.iobundle_plan = plan  # type: ignore[attr-defined]
+        report = result.report
     if check and not report.ok:
         bad = ", ".join(f"call {c.index}: {c.error or f'max abs error {c.abs:.3g}'}" for c in report.failures[:5])
         raise ExportError(
             f"The exported program does not reproduce every recorded call ({report.summary()}): {bad}", report=report
         )
-    return ep
+    return result
 
 
 def _split_recorded_calls(
@@ -673,35 +684,29 @@ def _split_recorded_calls(
         )
         return None
     try:
-        ep2 = _export_checked(phase_calls(rc, indices), model, check=True, split=False, on_progress=None, **options)
+        second = _export_checked(phase_calls(rc, indices), model, check=True, split=False, on_progress=None, **options)
     except ExportError as exc:
         report.options.append(
             f"calls {indices} refused on a guard ({negation.describe()}): a second program from them failed "
             f"({_first_line(exc)})"
         )
         return None
-    second: ExportReport = ep2.iobundle_report  # type: ignore[attr-defined]
     report.calls = [c for c in report.calls if c.index not in indices]
     report.options.append(
         f"split by a size rule between the recorded calls: this program serves {holds.describe()} (calls "
         f"{served}); calls {indices} ({negation.describe()}), refused on a guard of the model's code "
         f"({(refused[0].error or '').split('Guard failed: ')[-1]}), are served by a second program traced "
-        f"from call {second.traced_call}"
+        f"from call {second.report.traced_call}"
     )
     logger.info("%s", report.options[-1])
-    return SplitProgram(ep2, holds, negation, calls=tuple(indices))
+    return SplitProgram(
+        second.program, second.report, plan=second.plan, first=holds, second=negation, calls=tuple(indices)
+    )
 
 
 def _serve_refused_batch(
-    rc: RecordedCalls,
-    model: torch.nn.Module,
-    ep: torch.export.ExportedProgram,
-    plan: _Plan,
-    report: ExportReport,
-    *,
-    tolerances: Tolerances,
-    **options: Any,
-) -> tuple[torch.export.ExportedProgram, _Plan, ExportReport]:
+    rc: RecordedCalls, model: torch.nn.Module, result: ExportResult, *, tolerances: Tolerances, **options: Any
+) -> ExportResult:
     """Re-export with each remedy of ``GUARD_REMEDIES`` until a program serves the batch the first refused on a guard.
 
     A re-exported program is kept only when it reproduces every recorded call and passes the same
@@ -709,6 +714,7 @@ def _serve_refused_batch(
     how the first program refused. Otherwise the first program is kept, and its check lists what
     each remedy gave (``BatchCheck.tried``).
     """
+    plan, report = result.plan, result.report
     first: BatchCheck = report.batch_check
     tried: list[str] = []
     for remedy in GUARD_REMEDIES:
@@ -734,14 +740,14 @@ def _serve_refused_batch(
         attempt.batch_check = check
         attempt.export_seconds += report.export_seconds
         logger.info("beyond the recorded calls: %s", check.summary())
-        return ep2, plan2, attempt
+        return ExportResult(ep2, attempt, plan=plan2)
     split = _split_program(rc, plan, report, first, tolerances=tolerances, strict=options["strict"], tried=tried)
     if split is not None:
-        ep.iobundle_split = split  # type: ignore[attr-defined]
-        return ep, plan, report
+        result.split = split
+        return result
     first.tried = tried
     logger.info("beyond the recorded calls: no remedy serves batch %d: %s", first.batch, "; ".join(tried))
-    return ep, plan, report
+    return result
 
 
 def _split_program(
@@ -759,7 +765,7 @@ def _split_program(
     Kept only when the guard is a size rule (:func:`split_rule`: a product of sizes of inputs that
     hold one tensor, compared with a number) and the second program agrees with the eager model on
     the refused inputs (the same check). Then ``report.batch_check`` becomes that check, naming the
-    split, and the second program's report (``iobundle_report``) says where it was traced from.
+    split, and the second program's report says where it was traced from.
     """
     with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
         sources = guard_sources(rc, plan)
@@ -797,15 +803,8 @@ def _split_program(
     check.refused, check.assumption, check.tried = first.error, first.assumption, tried
     check.split = {"first": [holds.model_dump(mode="json")], "second": [refused.model_dump(mode="json")]}
     report.batch_check = check
-    ep2.iobundle_report = attempt  # type: ignore[attr-defined]
-    ep2.iobundle_plan = cut  # type: ignore[attr-defined]
     logger.info("beyond the recorded calls: %s", check.summary())
-    return SplitProgram(ep2, holds, refused)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+    return SplitProgram(ep2, attempt, plan=cut, first=holds, second=refused)
 
 
 @tolerance_options("atol", "rtol", "output_atol", "output_rtol")
@@ -842,21 +841,21 @@ def export_onnx(
     .. versionchanged:: 0.2
         ``output_atol``, ``output_rtol`` and ``tolerances``, as :func:`export_program` takes them.
     """
-    ep = export_program(
+    result = export_program(
         rc, model, set_batch_dimension_for=set_batch_dimension_for, strict=strict, check=check, dynamic=dynamic,
         dim_names=dim_names, on_progress=on_progress, tolerances=tolerances,
     )  # fmt: skip
-    return save_onnx(rc, ep, path, on_progress=on_progress)
+    return save_onnx(rc, result, path, on_progress=on_progress)
 
 
 def save_onnx(
     rc: RecordedCalls,
-    ep: torch.export.ExportedProgram,
+    result: ExportResult,
     path: str | os.PathLike[str],
     *,
     on_progress: ProgressCallback | None = None,
 ) -> str:
-    """Convert a program returned by :func:`export_program` from ``rc`` to ONNX at ``path``; return the path.
+    """Convert the program of :func:`export_program`'s ``result`` from ``rc`` to ONNX at ``path``; return the path.
 
     Weights of 256 MiB or more are saved as external data, ``<path>.data`` beside the file.
 
@@ -869,7 +868,7 @@ def save_onnx(
             raise BundleExistsError(
                 f"'{target}' is a symbolic link; iobundle never writes through one. Remove it, or choose another path."
             )
-    report: ExportReport = ep.iobundle_report  # type: ignore[attr-defined]
+    ep, report, plan = result.program, result.report, result.plan
     sig = ep.graph_signature
     from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 
@@ -879,7 +878,7 @@ def save_onnx(
     outputs = [
         s.arg.name for s in sig.output_specs if s.kind == OutputKind.USER_OUTPUT and isinstance(s.arg, TensorArgument)
     ]
-    n_slots = len(ep.iobundle_plan.alignment.owners)  # type: ignore[attr-defined]
+    n_slots = len(plan.alignment.owners)
     if len(inputs) != n_slots:
         raise ExportError(
             f"The exported program takes {len(inputs)} tensor inputs but the recorded calls hold {n_slots}.",
@@ -898,7 +897,6 @@ def save_onnx(
         ):
             program = torch.onnx.export(ep, (), dynamo=True, verbose=False)
         assert program is not None
-        plan: _Plan = ep.iobundle_plan  # type: ignore[attr-defined]
         if plan.dim_names is not None:
             rename_onnx_axes(program.model, onnx_axis_names(ep, inputs, plan.dim_names))
         # Outputs are named after the recorded outputs they reproduce, and the metadata maps them.

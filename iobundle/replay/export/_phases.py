@@ -34,7 +34,7 @@ from iobundle._remote import resolve_output
 from iobundle.calls import RecordedCalls
 from iobundle.errors import AlignmentError, ExportError
 from iobundle.replay.check import Tolerances, tolerance_options
-from iobundle.replay.export._export import CallCheck, ExportReport, export_program, save_onnx
+from iobundle.replay.export._export import CallCheck, ExportReport, ExportResult, export_program, save_onnx
 from iobundle.replay.infer import DynamicSpec, call_structures, phase_calls
 from iobundle.schema import ProgramEntry, ProgramIndex, SizeCondition, write_program_index
 
@@ -92,12 +92,11 @@ def partition_calls(rc: RecordedCalls) -> list[Phase]:
     return [Phase(f"p{i}", tuple(calls), structures[key]) for i, (key, calls) in enumerate(groups.items())]
 
 
-@dataclass
-class PhaseProgram:
-    """One exported program, the phase it serves and the calls it was exported from."""
+@dataclass(kw_only=True)
+class PhaseProgram(ExportResult):
+    """One exported program (with its report), the phase it serves and the calls it was exported from."""
 
     phase: Phase
-    program: torch.export.ExportedProgram
     rc: RecordedCalls
     dynamic: DynamicSpec = None
     """The ``dynamic=`` axes this program was exported with (those of inputs the phase holds)."""
@@ -109,10 +108,9 @@ class PhaseProgram:
     """The program whose refused sizes this one serves (a second program traced from the refused inputs:
     recorded calls, or a recorded call cut to another batch)."""
 
-    @property
-    def report(self) -> ExportReport:
-        report: ExportReport = self.program.iobundle_report  # type: ignore[attr-defined]
-        return report
+    @classmethod
+    def of(cls, result: ExportResult, phase: Phase, rc: RecordedCalls, dynamic: DynamicSpec) -> PhaseProgram:
+        return cls(result.program, result.report, result.split, result.plan, phase=phase, rc=rc, dynamic=dynamic)
 
 
 @dataclass
@@ -166,7 +164,7 @@ class ProgramSet:
         assert isinstance(path, Path)
         if len(self.programs) == 1:
             only = self.programs[0]
-            self.files = [save_onnx(only.rc, only.program, path)]
+            self.files = [save_onnx(only.rc, only, path)]
             return self.files[0]
         stem = path.name[: -len(path.suffix)] if path.suffix in (".onnx", ".json") else path.name
         if stem.endswith(".programs"):
@@ -175,7 +173,7 @@ class ProgramSet:
         for program in self.programs:
             file = path.parent / f"{stem}.{program.phase.name}.onnx"
             try:
-                save_onnx(program.rc, program.program, file)
+                save_onnx(program.rc, program, file)
             except ExportError as exc:
                 raise ExportError(
                     f"Program {program.phase.name} (calls {list(program.phase.calls)}): {exc}", report=exc.report
@@ -239,14 +237,14 @@ def export_programs(
     phases = partition_calls(rc)
     every = Phase("all", tuple(c.index for c in rc.ok_calls), {})
     if programs == "one" or len(phases) == 1:
-        ep = export_program(rc, model, check=check, **options)
-        return _split(ProgramSet([PhaseProgram(every, ep, rc, dynamic)]), phases)
+        one = export_program(rc, model, check=check, **options)
+        return _split(ProgramSet([PhaseProgram.of(one, every, rc, dynamic)]), phases)
     reason = f"programs={programs!r}"
     single: ProgramSet | None = None
     if programs == "auto":
         try:
-            ep = export_program(rc, model, check=True, **options)
-            single = ProgramSet([PhaseProgram(every, ep, rc, dynamic)])
+            one = export_program(rc, model, check=True, **options)
+            single = ProgramSet([PhaseProgram.of(one, every, rc, dynamic)])
         except (ExportError, AlignmentError) as exc:
             reason = f"one program: {_first_line(exc)}"
         if single is not None:
@@ -262,37 +260,34 @@ def export_programs(
         sub = phase_calls(rc, phase.calls)
         phase_dynamic = _phase_dynamic(rc, phase, dynamic)
         try:
-            ep = export_program(sub, model, check=check, **{**options, "dynamic": phase_dynamic})
+            one = export_program(sub, model, check=check, **{**options, "dynamic": phase_dynamic})
         except ExportError as exc:
             if single is not None:  # one program with unchecked calls beats none
                 logger.info("program %s failed (%s); keeping the single program", phase.name, _first_line(exc))
-                rc.last_export_report = single.report
                 return single
             raise ExportError(
                 f"Program {phase.name} (calls {list(phase.calls)}, {phase.describe()}): {exc}\n"
                 f"(one program for every call was tried first: {reason})",
                 report=exc.report,
             ) from exc
-        result.programs.append(PhaseProgram(phase, ep, sub, phase_dynamic))
-    result = _split(result, phases)
-    rc.last_export_report = result.report
-    return result
+        result.programs.append(PhaseProgram.of(one, phase, sub, phase_dynamic))
+    return _split(result, phases)
 
 
 def _split(result: ProgramSet, phases: list[Phase]) -> ProgramSet:
     """``result`` with each program split in two where its export kept a second program for the sizes it refused.
 
-    (``ep.iobundle_split``, see :class:`iobundle.replay.export._export.SplitProgram`.) The first keeps
+    (its ``split``, a :class:`iobundle.replay.export.SplitProgram`.) The first keeps
     its calls and gets the size rule its guard holds, the second no recorded call and the negated
     rule; the reason says why. A split between recorded calls gives the second program the calls the
     first refused. One program for every call serves the structures of every phase.
     """
-    if not any(getattr(p.program, "iobundle_split", None) is not None for p in result.programs):
+    if not any(p.split is not None for p in result.programs):
         return result
     programs: list[PhaseProgram] = []
     reasons = [result.reason] if result.reason else []
     for program in result.programs:
-        split = getattr(program.program, "iobundle_split", None)
+        split = program.split
         if split is None:
             programs.append(program)
             continue
@@ -301,11 +296,12 @@ def _split(result: ProgramSet, phases: list[Phase]) -> ProgramSet:
         kept = tuple(c for c in program.phase.calls if c not in split.calls)
         first = Phase("p0" if whole else program.phase.name, kept, program.phase.inputs)
         second = Phase("p1" if whole else f"{first.name}_split", split.calls, program.phase.inputs)
-        programs.append(dataclasses.replace(program, phase=first, sizes=[split.first], structures=structures))
-        second_rc = phase_calls(program.rc, split.calls) if split.calls else program.rc
         programs.append(
-            PhaseProgram(second, split.program, second_rc, program.dynamic, [split.second], structures, first.name)
+            dataclasses.replace(program, split=None, phase=first, sizes=[split.first], structures=structures)
         )
+        second_rc = phase_calls(program.rc, split.calls) if split.calls else program.rc
+        programs.append(PhaseProgram.of(split, second, second_rc, program.dynamic))
+        programs[-1].sizes, programs[-1].structures, programs[-1].split_of = [split.second], structures, first.name
         traced = f"traced from its recorded calls {list(split.calls)}" if split.calls else "traced from such inputs"
         reasons.append(
             f"program {first.name} refuses {split.second.describe()} on a guard of the model's code; "

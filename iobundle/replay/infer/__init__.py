@@ -6,7 +6,7 @@ Dynamic shapes and static-axis hints need no torch for a bundle: a dynamic dimen
 :data:`DYNAMIC` until :func:`to_torch_dims` converts it. Each stage is a module: align
 (``_align``), dynamic shapes (``_dynamic``, its marker ``_dynamic_dim``; per keyword group ``_groups``), batch axes (``_batch``), arguments
 (``_arguments``), dim names (``_dim_names``), static axes (``_static_dims``), what the calls
-hold (``_info``).
+hold (``_info``). Internal tier: the public names are :mod:`iobundle.replay`'s.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ __all__ = [
     "call_sizes",
     "call_structure",
     "call_structures",
-    "KeywordGroup",
-    "keyword_groups",
     "owner_name",
     "phase_calls",
     # Dynamic shapes, batch axes and dim names
@@ -29,10 +27,8 @@ __all__ = [
     "BatchAxis",
     "BatchSpec",
     "DimNamesSpec",
-    "DynamicDim",
     "DynamicSpec",
     "batch_axes",
-    "empty_dims",
     "fed_shapes",
     "find_batch_axes",
     "flat_dynamic_dims",
@@ -65,14 +61,12 @@ from iobundle.replay.infer._align import (
     Alignment,
     BatchSpec,
     DynamicSpec,
-    KeywordGroup,
     align_call,
     align_calls,
     call_shape,
     call_sizes,
     call_structure,
     call_structures,
-    keyword_groups,
     owner_name,
     phase_calls,
 )
@@ -94,8 +88,8 @@ from iobundle.replay.infer._dim_names import (
     rename_onnx_axes,
     to_export_dims,
 )
-from iobundle.replay.infer._dynamic import empty_dims, fed_shapes, flat_dynamic_dims, infer_dynamic_shapes
-from iobundle.replay.infer._dynamic_dim import DYNAMIC, DynamicDim, to_torch_dims
+from iobundle.replay.infer._dynamic import fed_shapes, flat_dynamic_dims, infer_dynamic_shapes
+from iobundle.replay.infer._dynamic_dim import DYNAMIC, to_torch_dims
 from iobundle.replay.infer._groups import GroupShapes, infer_group_shapes
 from iobundle.replay.infer._info import InputCandidate, ObservationInfo
 from iobundle.replay.infer._static_dims import StaticDimHint, static_dim_hints

@@ -540,4 +540,4 @@ def call_structures(rc: RecordedCalls) -> list[tuple[int, dict[str, str]]]:
 def phase_calls(rc: RecordedCalls, indices: Collection[int]) -> RecordedCalls:
     """The recorded calls ``indices`` (``CallEntry.index``) as recorded calls of their own (same store)."""
     wanted = set(indices)
-    return dataclasses.replace(rc, calls=[c for c in rc.calls if c.index in wanted], version=0, last_export_report=None)
+    return dataclasses.replace(rc, calls=[c for c in rc.calls if c.index in wanted], version=0)
