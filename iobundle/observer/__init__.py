@@ -6,7 +6,14 @@ It records with :class:`iobundle.capture.CallRecorder` and infers, exports and v
 
 from __future__ import annotations
 
-__all__ = ["InputCandidate", "InputObserver", "ObservationInfo", "ObservationWarning", "redact_bundle", "upgrade_bundle"]
+__all__ = [
+    "InputCandidate",
+    "InputObserver",
+    "ObservationInfo",
+    "ObservationWarning",
+    "redact_bundle",
+    "upgrade_bundle",
+]
 
 from iobundle.capture import ObservationWarning
 from iobundle.observer._observer import InputObserver
