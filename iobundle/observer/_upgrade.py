@@ -11,9 +11,9 @@ import torch
 
 from iobundle._progress import ProgressCallback
 from iobundle._remote import clear_local_bundle, local_path, staged
-from iobundle.capture import save_recorded_calls
+from iobundle.capture import RecordedCalls, save_recorded_calls
 from iobundle.errors import BundleWriteError, IntegrityError
-from iobundle.replay import load_bundle
+from iobundle.replay import Bundle, load_bundle
 from iobundle.schema import Manifest, write_manifest
 from iobundle.travel import copy_model_files
 
@@ -53,7 +53,13 @@ def upgrade_bundle(
             )
     old = load_bundle(bundle)
     with contextlib.nullcontext(target) if target is not None else staged(str(output), overwrite=overwrite) as local:
-        manifest = save_recorded_calls(old._recorded(), local, overwrite=overwrite, on_progress=on_progress)
+        calls = RecordedCalls(
+            signature=old.manifest.signature,
+            calls=old.calls,
+            store=_Tensors(old),
+            value_if_missing=list(old.manifest.value_if_missing),
+        )
+        manifest = save_recorded_calls(calls, local, overwrite=overwrite, on_progress=on_progress)
         model = copy_model_files(old, local) if old.manifest.model is not None else None
         update = {"producer": old.manifest.producer, "model": model, "redacted": old.manifest.redacted}
         manifest = manifest.model_copy(update=update)
@@ -73,6 +79,19 @@ def upgrade_bundle(
             )
     logger.info("upgraded %s (format version %d) into %s", bundle, old.manifest.format_version, output)
     return manifest
+
+
+class _Tensors:
+    """The old bundle's tensors, each read (and checked) when the writer asks for it."""
+
+    def __init__(self, bundle: Bundle) -> None:
+        self.get = bundle.tensor
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.get(key).shape)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.get(key).dtype
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
