@@ -22,14 +22,14 @@ from typing import Any
 from benchmarks.common import Config, Figure, Row, Target, at_most, defer_remove, observer_call, run_interleaved
 
 
-def _tensors(node: Any) -> int:
+def tensor_count(node: Any) -> int:
     """The tensors of a recorded tree (a manifest node)."""
     if getattr(node, "kind", None) == "tensor":
         return 1
-    return sum(_tensors(item) for item in getattr(node, "items", ()) or ())
+    return sum(tensor_count(item) for item in getattr(node, "items", ()) or ())
 
 
-def _llama(layers: int) -> Any:
+def llama_of_depth(layers: int) -> Any:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -65,7 +65,7 @@ def _measure(
     from iobundle import InputObserver, load_bundle
 
     tokens = cfg.depth_tokens
-    model = _llama(layers)
+    model = llama_of_depth(layers)
     calls = {"n": 0, "tensors": 0}
 
     def generate() -> Any:
@@ -87,7 +87,7 @@ def _measure(
             recorded = load_bundle(target).calls
             last = recorded[-1]
             calls["n"] = len(recorded)
-            calls["tensors"] = sum(map(_tensors, [*last.args, *last.kwargs.values(), last.outputs]))
+            calls["tensors"] = sum(map(tensor_count, [*last.args, *last.kwargs.values(), last.outputs]))
         defer_remove(target)
         return {"wall": wall, "cpu": cpu}
 

@@ -1,4 +1,4 @@
-"""CUDA figures of issue 6: recorded-vs-plain cost of a decode loop, and the D2H throughput of capture.
+"""CUDA figures of issues 6 and 27: recorded-vs-plain cost of a decode loop by depth, and the D2H throughput of capture.
 
 Prints one JSON object and exits 0. Without CUDA it prints ``{"skipped": "no CUDA", ...}``
 (CI has no GPU). Run it on a GPU machine with::
@@ -12,6 +12,10 @@ Measured (medians over repetitions, CUDA synchronised around every timing):
   vs iobundle streaming to disk; ratio = recorded / plain.
 - ``decode_step``: one decode step of the tiny Llama (a token and its cache), plain vs recorded in
   memory vs streamed; target: recorded <= 1.1x plain (``targets`` lists it).
+- ``depth``: figure 1f on the device (a bfloat16 tiny Llama at 2, 8 and 32 layers, plain vs streamed
+  ``generate()``; targets at 32 layers: <= 1.0 ms added per decode call, <= 1.10x), and
+  ``packed_d2h``: a 32-layer decode call's 132 tensors through the writer process's packed copy
+  (one copy per device into pinned memory), timed and checked byte for byte.
 - ``d2h``: device-to-host bandwidth of a pinned-memory copy (``torch.empty(..., pin_memory=True)
   .copy_(x, non_blocking=True)`` + synchronize: the device's ceiling), of a copy into pre-faulted
   pageable memory, of the D2H step iobundle's writer uses (``PinnedStager``: a side stream and reused
@@ -314,6 +318,74 @@ def d2h_checks(device: Any, reps: int, workdir: Path, mib: int) -> dict[str, Any
     return results
 
 
+def depth_checks(device: Any, reps: int, workdir: Path, new_tokens: int, depths: tuple[int, ...]) -> dict[str, Any]:
+    """Figure 1f on the device: a bfloat16 tiny Llama at several depths, plain vs streamed ``generate()``.
+
+    Per depth: ms per forward call (medians), what streaming adds per call, the ratio, and the tensors
+    of a decode call; ``packed_d2h``: one call's worth of small CUDA tensors through the writer
+    process's hand-off (one packed copy per device into pinned memory, then into host memory),
+    timed and checked byte for byte.
+    """
+    import torch
+
+    from benchmarks.depth import llama_of_depth, tensor_count
+    from iobundle import InputObserver, load_bundle
+
+    out: dict[str, Any] = {"dtype": "bfloat16", "new_tokens": new_tokens}
+    prompt = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0)).to(device)
+    for layers in depths:
+        model = llama_of_depth(layers).to(device=device, dtype=torch.bfloat16)
+        calls = {"n": 1}
+
+        def generate(model: Any = model) -> None:
+            model.generate(
+                prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+            )
+
+        def streamed(model: Any = model, layers: int = layers, calls: dict[str, int] = calls) -> None:
+            observer, path = InputObserver(), workdir / f"depth-{layers}.iobundle"
+            shutil.rmtree(path, ignore_errors=True)
+            with torch.no_grad(), observer(model, store_n_calls=new_tokens + 8, stream_to=str(path)):
+                generate()
+            calls["n"] = observer.num_obs()
+
+        with torch.no_grad():
+            plain = _median_time(generate, device, reps)
+        recorded = _median_time(streamed, device, reps)
+        n = calls["n"]
+        bundle = load_bundle(workdir / f"depth-{layers}.iobundle")
+        last = bundle.calls[-1]
+        tensors = sum(map(tensor_count, [*last.args, *last.kwargs.values(), last.outputs]))
+        p, r = statistics.median(plain) * 1e3 / n, statistics.median(recorded) * 1e3 / n
+        out[str(layers)] = {
+            "plain_ms_per_call": p,
+            "streamed_ms_per_call": r,
+            "added_ms_per_call": r - p,
+            "ratio": statistics.median(b / a for a, b in zip(plain, recorded)),
+            "tensors_per_decode_call": tensors,
+            "calls": n,
+        }
+        del model
+    if device.type == "cuda":
+        from iobundle.calls import PinnedStager
+
+        stager = PinnedStager()
+        items, offset = [], 0
+        for i in range(132):  # a 32-layer decode call: the cache in and out, and a few more
+            t = torch.randn(1, 2, 33, 8, device=device, dtype=torch.bfloat16) + i
+            items.append((t, offset, t.numel() * t.element_size()))
+            offset += -(-items[-1][2] // 64) * 64
+        host = torch.empty(offset, dtype=torch.uint8)
+
+        def packed() -> None:
+            stager.land(stager.to_pinned(items), host.data_ptr())
+
+        times = _median_time(packed, device, reps)
+        same = all(torch.equal(host[o : o + n].view(torch.bfloat16).view(t.shape), t.cpu()) for t, o, n in items)
+        out["packed_d2h"] = {**_summary(times), "tensors": len(items), "bytes": offset, "bytes_equal": same}
+    return out
+
+
 def _targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue-12 targets: a recorded decode step <= 1.1x a plain one; D2H of the writer vs a pinned copy."""
     out = []
@@ -326,6 +398,18 @@ def _targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "ratio": ratio,
                 "target": "<= 1.10",
                 "met": None if ratio is None else ratio <= 1.1,
+            }
+        )
+    at32 = result.get("depth", {}).get("32", {})
+    for check, key, limit in (("32 layers bf16: ms added per decode call", "added_ms_per_call", 1.0),
+                              ("32 layers bf16: streamed / plain", "ratio", 1.10)):  # fmt: skip
+        value = at32.get(key)
+        out.append(
+            {
+                "check": check,
+                "ratio": value,
+                "target": f"<= {limit:.2f}",
+                "met": None if value is None else value <= limit,
             }
         )
     d2h = result.get("d2h", {})
@@ -342,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--mib", type=int, default=256, help="size of the tensor copied device to host")
+    parser.add_argument("--depths", default="2,8,32", help="layers of the bfloat16 Llamas of the depth table")
     parser.add_argument("--allow-cpu", action="store_true", help="run on CPU without CUDA (tests the script only)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -368,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
             result["decode"] = decode_checks(device, args.reps, workdir, args.new_tokens)
             result["decode_step"] = decode_step_checks(device, args.reps, workdir, args.new_tokens)
             result["d2h"] = d2h_checks(device, args.reps, workdir, args.mib)
+            depths = tuple(int(d) for d in args.depths.split(","))
+            result["depth"] = depth_checks(device, args.reps, workdir, args.new_tokens, depths)
             result["targets"] = _targets(result)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -6,16 +6,17 @@ The order of the checks is what makes reading a hostile file safe:
    no control character) and no component of it is a symbolic link (:class:`iobundle._paths.Tree`:
    its folders opened without following one, its file opened with ``O_NOFOLLOW``);
 2. the file is a regular file (a FIFO or a device would block or never end), opened without
-   blocking, and its size is the one the manifest records; its hash too (the algorithm the
-   manifest names: XXH3-128 in format version 2, sha256 in version 1), the first time it is read,
-   unless verification is off;
+   blocking, and its size is the one the manifest records. Only then is it read: whole when small,
+   else memory-mapped (a mapping past the end of a file is a SIGBUS, not an exception, so nothing
+   is mapped before the size check). Its hash (the algorithm the manifest names: XXH3-128 in
+   format version 2, sha256 in version 1) is checked on those bytes, the first time it is read,
+   unless verification is off: each file is read once;
 3. the header length fits in the file and under
    :data:`iobundle.calls._tensorfile_write.MAX_HEADER_BYTES`, the header is a JSON object, and every
    tensor the manifest puts in this file is there with the manifest's dtype and shape and a byte
    span inside the data area of exactly the right length (the checks
    :mod:`iobundle.calls._tensorfile_write` shares with the streaming observer's read-back);
-4. only then is the file memory-mapped. A mapping past the end of a file is a SIGBUS, not an
-   exception, so nothing is mapped before the size checks.
+4. only then do tensors view the bytes.
 
 A segment (``FileEntry.ranges``) gets steps 1, 2 and 4, its tensors' spans from the manifest
 (``TensorEntry.offset``); it may be longer than its size (a killed writer's bytes, never read), its
@@ -369,7 +370,7 @@ def _read_header(path: Member, name: str, expected: int | None = None) -> tuple[
 
 
 def _read_small(path: Member, name: str, entry: FileEntry, *, hash_check: bool) -> bytearray:
-    """The whole bundle member ``name`` (at most :data:`READ_WHOLE_BYTES`), checked as :func:`check_file` does."""
+    """The whole bundle member ``name`` (small, or not mappable), checked as :func:`check_file` does."""
     f, size = _open_member(path, name)
     problem = _size_problem(name, size, entry)
     if problem is not None:
@@ -390,13 +391,8 @@ def _read_small(path: Member, name: str, entry: FileEntry, *, hash_check: bool) 
     if done != entry.size and (entry.ranges is None or done < entry.size):
         raise IntegrityError(f"{name}: changed while it was being read ({done} bytes, expected {entry.size}).")
     del data[size:]
-    if hash_check and entry.ranges is not None:
-        with memoryview(data) as view:
-            _check_ranges(name, entry, [view])
-    elif hash_check:
-        hasher = new_hasher(entry.algorithm)
-        hasher.update(data)
-        check_digest(name, entry, hasher.hexdigest())
+    if hash_check:
+        check_bytes(name, entry, data)
     return data
 
 
@@ -461,6 +457,17 @@ def _key_problem(key: object) -> str:
     return f"key {key[:80]!r} in __metadata__, which the manifest does not put in this file"
 
 
+def check_bytes(name: str, entry: FileEntry, data: Any) -> None:
+    """Check the digest (a segment: each range's) of member ``name`` on its bytes as read (a buffer); IntegrityError if not."""
+    with memoryview(data) as view:
+        if entry.ranges is not None:
+            _check_ranges(name, entry, [view[: entry.size]])
+            return
+        hasher = new_hasher(entry.algorithm)
+        hasher.update(view)
+    check_digest(name, entry, hasher.hexdigest())
+
+
 def stored_shape(entry: TensorInfo, base: TensorInfo | None) -> tuple[int, ...]:
     """The shape of what the file holds for ``entry``: the whole tensor, or its part past ``base`` (what it extends)."""
     if entry.extends is None or base is None:
@@ -510,40 +517,39 @@ def check_file_header(
     return spans, data_start, size
 
 
-class _OpenFile:
-    def __init__(self, name: str, path: Member, entries: dict[str, TensorInfo]) -> None:
-        self.name = name
-        self.spans, self.data_start, size = check_file_header(path, name, entries)
-        self.data: torch.Tensor | None = None
-        if any(end > begin for begin, end in self.spans.values()):
-            try:
-                if isinstance(path, Path):
-                    self.data = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
-                else:
-                    self.data = path.map(size)
-                    if self.data is None:  # not mappable (a remote file): read once, tensors view the bytes
-                        self.data = torch.frombuffer(read_sized_member(path, name, size), dtype=torch.uint8)
-            except (RuntimeError, OSError, ValueError) as exc:
-                raise TensorFileError(f"{name}: cannot be memory-mapped ({exc}).") from exc
+def _map(path: Member, name: str, entry: FileEntry) -> torch.Tensor:
+    """The ``entry.size`` bytes of member ``name`` (checked to have them) as a uint8 tensor."""
+    try:
+        if isinstance(path, Path):
+            return torch.from_file(str(path), shared=False, size=entry.size, dtype=torch.uint8)
+        data = path.map(entry.size)
+        if data is None:  # not mappable (a remote file): read once
+            data = torch.frombuffer(_read_small(path, name, entry, hash_check=False), dtype=torch.uint8)
+        return data
+    except (RuntimeError, OSError, ValueError) as exc:
+        raise TensorFileError(f"{name}: cannot be memory-mapped ({exc}).") from exc
 
+
+class _OpenFile:
     @classmethod
-    def from_bytes(cls, name: str, data: bytearray, entries: dict[str, TensorInfo]) -> _OpenFile:
-        """The file whose whole content is ``data`` (read by :func:`_read_small`); tensors view it."""
-        position = 0
+    def from_bytes(cls, name: str, data: bytearray | torch.Tensor, entries: dict[str, TensorInfo]) -> _OpenFile:
+        """The file whose whole content is ``data`` (read by :func:`_read_small`, or mapped); tensors view it."""
+        view, position = memoryview(data.numpy() if isinstance(data, torch.Tensor) else data), 0
 
         def read(n: int) -> bytes:
             nonlocal position
             position += n
-            return bytes(data[position - n : position])
+            return bytes(view[position - n : position])
 
-        header, data_start = parse_header(name, len(data), read)
+        header, data_start = parse_header(name, len(view), read)
+        size = len(view)
         self = cls.__new__(cls)
         self.name = name
         self.data_start = data_start
-        self.spans = {key: _tensor_span(name, header, e, key, len(data) - data_start) for key, e in entries.items()}
+        self.spans = {key: _tensor_span(name, header, e, key, size - data_start) for key, e in entries.items()}
         self.data = None
         if any(end > begin for begin, end in self.spans.values()):
-            self.data = torch.frombuffer(data, dtype=torch.uint8)
+            self.data = data if isinstance(data, torch.Tensor) else torch.frombuffer(data, dtype=torch.uint8)
         return self
 
     @classmethod
@@ -676,9 +682,11 @@ class BundleTensorStore:
                     path = self.bundle_root.member(name)
                     data = _read_small(path, name, entry, hash_check=self.verify)
                     opened = _OpenFile.from_bytes(name, data, self.file_entries(name))
-                else:
-                    path = check_file(self.bundle_root, name, entry, hash_check=self.verify)
-                    opened = _OpenFile(name, path, self.file_entries(name))
+                else:  # mapped, hashed there when verifying, its header read there: one read of the file
+                    data = _map(check_file(self.bundle_root, name, entry, hash_check=False), name, entry)
+                    if self.verify:
+                        check_bytes(name, entry, data.numpy())
+                    opened = _OpenFile.from_bytes(name, data, self.file_entries(name))
             except TensorFileError as exc:  # say which bundle: a command may read two (diff)
                 raise type(exc)(f"{exc} (bundle '{self.root}')") from exc
             self._files[name] = opened
@@ -690,21 +698,10 @@ class BundleTensorStore:
         if entry.size <= READ_WHOLE_BYTES:
             raw = _read_small(self.bundle_root.member(name), name, entry, hash_check=self.verify)
             data = torch.frombuffer(raw, dtype=torch.uint8) if raw else None
-        else:
-            path = check_file(self.bundle_root, name, entry, hash_check=self.verify)
-            try:
-                if isinstance(path, Path):
-                    data = torch.from_file(str(path), shared=False, size=entry.size, dtype=torch.uint8)
-                else:
-                    data = path.map(entry.size)
-                    if data is None:
-                        f, _ = _open_member(path, name)
-                        raw = bytearray(entry.size)
-                        with f:
-                            read_exactly(f, entry.size, name, into=memoryview(raw))
-                        data = torch.frombuffer(raw, dtype=torch.uint8)
-            except (RuntimeError, OSError, ValueError) as exc:
-                raise TensorFileError(f"{name}: cannot be memory-mapped ({exc}).") from exc
+        else:  # mapped, then hashed as mapped when verifying: one read of the file
+            data = _map(check_file(self.bundle_root, name, entry, hash_check=False), name, entry)
+            if self.verify:
+                check_bytes(name, entry, data.numpy())
         if data is not None and entry.ranges:
             check_segment_header(name, data[: entry.ranges[0][1]].numpy().tobytes(), entry, self.file_entries(name))
         return _OpenFile.segment(name, data, self.file_entries(name))

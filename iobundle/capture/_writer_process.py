@@ -52,6 +52,14 @@ __all__ = ["WriterProcess", "WriterProcessUnavailable"]
 RING_BYTES = 4 * 1024 * 1024
 """Initial size of the shared ring; it grows for a call that does not fit, and back between streams."""
 
+ANSWERS_AT_ONCE = 16
+"""While more calls wait in its pipe, the child answers up to this many calls in one message: each
+message wakes the recording process's reader thread, which then takes the interpreter lock from the model."""
+
+CONSUMED_EARLY_BYTES = 1024 * 1024
+"""A call whose tensors take at least this much of the ring gets its range back as soon as the child
+copied them out (a message of its own); a smaller one with its answer."""
+
 MAX_IN_FLIGHT = 64
 """Calls handed to the child and not confirmed yet, at most (a slow disk makes submit wait)."""
 
@@ -550,18 +558,19 @@ class WriterProcess:
                     with self._cond:
                         ring.release(message[1])
                         self._cond.notify_all()
-                elif kind == "done":
-                    _, seq, index, rows, files, error, journal_error = message
-                    self._writer.adopt(index, rows, files)
-                    with self._cond:
-                        call = self._calls[seq]
-                    if error is not None:
-                        self._sent.difference_update(k for k in call_keys(call) if k not in self._writer.tensors)
-                    self._done(call, rows if error is None else None, error, journal_error)
-                    with self._cond:
-                        del self._calls[seq]
-                        idle = not self._calls
-                        self._cond.notify_all()
+                elif kind == "done":  # the answers of one call or more, in call order
+                    for seq, index, rows, files, error, journal_error in message[1]:
+                        self._writer.adopt(index, rows, files)
+                        with self._cond:
+                            call = self._calls[seq]
+                        if error is not None:
+                            self._sent.difference_update(k for k in call_keys(call) if k not in self._writer.tensors)
+                        self._done(call, rows if error is None else None, error, journal_error)
+                        with self._cond:
+                            ring.release(seq)  # the child is done with its range (if it did not say so earlier)
+                            del self._calls[seq]
+                            idle = not self._calls
+                            self._cond.notify_all()
                     if idle:
                         self._idle()
                 elif kind == "closed":
@@ -621,12 +630,19 @@ def serve() -> None:
     writer: BundleWriter | None = None
     durable = False
     journal_error: str | None = None
+    done: list[tuple[Any, ...]] = []  # answers not sent yet: sent together while more calls wait
     while True:
+        if done and (len(done) >= ANSWERS_AT_ONCE or not inbox.poll(0)):
+            answer(("done", done))
+            done = []
         try:
             message = pickle.loads(inbox.recv_bytes())
         except EOFError:
             break  # the recording process is gone (or done): everything it sent is written
         kind = message[0]
+        if kind != "call" and done:
+            answer(("done", done))
+            done = []
         if kind == "start":
             _, length, size = message
             path, tensors, files, indices, durable = pickle.loads(ring.view(size)[:length].numpy().tobytes())
@@ -654,7 +670,9 @@ def serve() -> None:
         elif kind == "call" and writer is not None:
             _, seq, call_json, start, specs, size = message
             call = CallEntry.model_validate_json(call_json)
-            answer(_write(writer, call, seq, start, specs, ring.view(size), durable, journal_error, answer))
+            done.append(_write(writer, call, seq, start, specs, ring.view(size), durable, journal_error, answer))
+    if done:
+        answer(("done", done))
     if writer is not None:
         writer.close_journal()
 
@@ -705,7 +723,8 @@ def _write(
     except Exception as exc:  # a bug, or a message that does not fit the ring: this call fails, not the child
         snapshots = {key: exc for key, _ in specs}
     del view
-    answer(("consumed", seq))  # the ring range is free again before the slow part
+    if sum(spec[-1] for _, spec in specs if spec[0] == "tensor") >= CONSUMED_EARLY_BYTES:
+        answer(("consumed", seq))  # the ring range is free again before the slow part
 
     def get(key: str) -> torch.Tensor:
         found = snapshots.get(key)
@@ -735,7 +754,7 @@ def _write(
             failed_journal = str(exc)
     rows = [entry_row(k, writer.tensors[k]) for k in keys]
     written_files: dict[str, FileEntry] = {row[1]: writer.files[row[1]] for row in rows}
-    return ("done", seq, call.index, rows, written_files, error, failed_journal)
+    return (seq, call.index, rows, written_files, error, failed_journal)
 
 
 class _Missing(Exception):

@@ -543,7 +543,7 @@ def format_inspect(
     lines += ["", plain("producer   " + ", ".join(versions))]
     if producer.devices:
         lines.append(plain("devices    " + ", ".join(producer.devices)))
-    autocast = _autocast_line(manifest.calls)
+    autocast = _autocast_line(calls)
     if autocast:
         lines.append(plain("autocast   " + autocast))
     if group_shapes:

@@ -655,7 +655,7 @@ class _Reader:
         max_chain, max_rank, max_elements = self.max_chain, self.max_rank, self.max_elements
         prod = math.prod
         int_only = _INT_ONLY
-        row_of = TensorInfo
+        row_of, info = tuple.__new__, TensorInfo  # a namedtuple's own __new__ is Python code: one call per row
         dtypes = _DTYPES
         file_fields, hex_of, algorithms = _FILE_FIELDS, _HEX, HASH_ALGORITHMS
         for name, rec in raw.items():
@@ -763,13 +763,16 @@ class _Reader:
                 else:
                     device, in_file = self.options(options, key, f"files[{name!r}].tensors[{key!r}]")
                 offset = None
-                if ranges is not None:
+                count = prod(dims)
+                if extends is not None and count:  # stored: the part past the base along dim
+                    count = count // dims[dim] * (dims[dim] - had[dim])
+                nbytes = count * DTYPE_ITEMSIZES[dtype]
+                if ranges is None and nbytes > size:  # what load_bundle checked for manifests of tensor entries
+                    self.fail(f"files[{name!r}].tensors[{key!r}]", f"{dtype} {list(dims)} needs {nbytes} bytes but "
+                              f"its file {name!r} has {size}", unsafe=True)  # fmt: skip
+                elif ranges is not None:
                     if in_file != key:
                         self.fail(f"files[{name!r}].tensors[{key!r}]", "a segment's tensor has no name but its key")
-                    count = prod(dims)
-                    if extends is not None and count:  # stored: the part past the base along dim
-                        count = count // dims[dim] * (dims[dim] - tensors[base_key][3][dim])
-                    nbytes = count * DTYPE_ITEMSIZES[dtype]
                     if nbytes:
                         while current < len(ends) and position >= ends[current]:
                             current += 1
@@ -782,7 +785,7 @@ class _Reader:
                             )
                     offset = position
                     position += nbytes
-                tensors[key] = row_of(name, in_file, dtype, dims, device, extends, offset)
+                tensors[key] = row_of(info, (name, in_file, dtype, dims, device, extends, offset))
             if ranges is not None and position != size:
                 self.fail(f"files[{name!r}].tensors", f"the tensors fill {position} bytes of the {size} its ranges hold",
                           unsafe=True)  # fmt: skip

@@ -205,7 +205,7 @@ def _append_range(segment: Any, added: Any, where: str) -> None:
         if key in tensors:
             raise ManifestError(f"{where}: adds tensor {key!r} a second time.")
         tensors[key] = row
-    segment["ranges"] = [*segment["ranges"], *added["ranges"]]  # validation checks they lie back to back
+    segment["ranges"] += added["ranges"]  # in place (a copy per line is quadratic); validation checks they lie back to back
     segment["size"] = added.get("size")
 
 

@@ -315,6 +315,26 @@ def test_call_row_errors_are_the_largest_of_its_outputs() -> None:
     assert row["mean_abs"] == pytest.approx(every.mean())
 
 
+def test_output_statistics_reuse_the_float64_buffers_of_their_scratch() -> None:
+    """Fresh memory costs a page fault per page: the float64 copies of each output go to the scratch's buffers."""
+    from iobundle.replay.check._compare import compare_call
+
+    g = np.random.default_rng(4)
+    scratch, seen = Scratch(), []
+    for shape in [(64, 32), (16, 8), (64, 32)]:
+        expected = g.standard_normal(shape).astype(np.float32)
+        obtained = expected + np.float32(1e-3)
+        _, (check,) = compare_call(
+            [expected], [obtained], call_index=0, names=["y"], tolerances=Tolerances(error_quantile=0.9),
+            scratch=scratch,
+        )  # fmt: skip
+        diff = np.abs(expected.astype(np.float64) - obtained.astype(np.float64)).reshape(-1)
+        assert (check.stats.max_abs, check.stats.median_abs) == (diff.max(), np.median(diff))
+        seen.append({k: v for k, v in scratch._buffers.items() if k[0] == np.float64})
+    assert len(seen[0]) == 2 and all(s.keys() == seen[0].keys() for s in seen)
+    assert all(seen[0][k] is s[k] for s in seen for k in s)  # grown once, then reused
+
+
 ROW_CASES = {
     "close floats": ([np.linspace(-3, 3, 200, dtype=np.float32)], [np.linspace(-3, 3, 200, dtype=np.float32) + 1e-5]),
     "nan on one side": ([np.array([1.0, np.nan, np.nan, 2.0])], [np.array([1.5, np.nan, 0.0, 2.0])]),

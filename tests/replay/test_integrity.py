@@ -95,6 +95,21 @@ def test_hash_is_checked_once_per_file(bundle, monkeypatch):
     assert len(calls) == len(b.manifest.files) == 2
 
 
+def test_a_verified_file_is_read_once(bundle, monkeypatch):
+    """Hashing reads the bytes the tensors then view (read whole, or mapped): no file is read a second time."""
+    reads = []
+    real = tensorfile._open_member
+    monkeypatch.setattr(tensorfile, "_open_member", lambda path, name: reads.append(name) or real(path, name))
+    monkeypatch.setattr(tensorfile, "hash_file", lambda *a, **k: pytest.fail("a tensor file hashed by a second read"))
+    b = load_bundle(bundle)
+    for key in b.manifest.tensors:
+        b.tensor(key)
+    assert sorted(reads) == sorted(b.manifest.files)  # mapped: opened for its size, then mapped by name
+    flip_last_byte(bundle / FILE1)
+    with pytest.raises(IntegrityError, match=f"{FILE1}: xxh3-128 [0-9a-f]{{32}} differs from the manifest"):
+        load_bundle(bundle).tensor("t2")
+
+
 def test_verify_good_bundle(bundle):
     assert load_bundle(bundle).verify() == []
 

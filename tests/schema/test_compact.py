@@ -445,3 +445,13 @@ class TestAutocastField:
         raw["calls"][1]["autocast"] = [entry]
         with pytest.raises(ManifestError, match=r"calls\[1\]\.autocast" + where):
             parse_manifest(json.dumps(raw))
+
+
+# -- sizes
+
+
+def test_a_tensor_larger_than_its_file_is_refused_when_the_manifest_is_read():
+    raw = golden("compact_nested")
+    _row(raw, "t14")[1] = [1000, 1000]
+    with pytest.raises(UnsafeBundleError, match=r"tensors\['t14'\]: \w+ \[1000, 1000\] needs \d+ bytes but its file"):
+        parse(raw)

@@ -338,20 +338,21 @@ class ErrorStats:
         return getattr(self, f"{name}_abs"), getattr(self, f"{name}_rel")
 
 
-def _errors(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def _errors(a: np.ndarray, b: np.ndarray, scratch: Scratch) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Flat float64 ``(abs errors, |expected|, where exactly one side is NaN)`` of two arrays of one shape.
 
-    The float64 conversions are the only copies (a float64 input is read, never written); the
-    NaN and infinity bookkeeping runs only when some error is not finite. The mask is None when
-    no element is NaN on one side only.
+    The float64 copies go to ``scratch``'s reused buffers (fresh memory costs a page fault per page);
+    ``|expected|`` is one of them. The NaN and infinity bookkeeping runs only when some error is not
+    finite. The mask is None when no element is NaN on one side only.
     """
-    a64 = np.asarray(a, dtype=np.float64).reshape(-1)
-    b64 = np.asarray(b, dtype=np.float64).reshape(-1)
+    a64, b64 = scratch.get(np.dtype(np.float64), a.size, 2), scratch.get(np.dtype(np.float64), a.size, 3)
+    np.copyto(a64, a.reshape(-1), casting="unsafe")
+    np.copyto(b64, b.reshape(-1), casting="unsafe")
     with np.errstate(over="ignore", invalid="ignore"):
         diff = np.subtract(a64, b64)
         np.abs(diff, out=diff)
         if not diff.size or math.isfinite(diff.max()):  # a NaN or an infinity on either side shows in the max
-            return diff, np.abs(a64, out=a64 if not np.may_share_memory(a64, a) else None), None
+            return diff, np.abs(a64, out=a64), None
         nan_a, nan_b = np.isnan(a64), np.isnan(b64)
         one_nan = nan_a != nan_b
         diff[(nan_a & nan_b) | (np.isinf(a64) & (a64 == b64))] = 0.0
@@ -394,9 +395,11 @@ class _Output:
         return int(np.count_nonzero(self.diff > h)) - stats.dnan
 
 
-def _describe(a: np.ndarray, b: np.ndarray, *, atol: float, rtol: float, quantile: float) -> _Output:
+def _describe(
+    a: np.ndarray, b: np.ndarray, *, atol: float, rtol: float, quantile: float, scratch: Scratch | None = None
+) -> _Output:
     """Every statistic of one output in one pass over its errors (see :class:`ErrorStats`)."""
-    diff, scale, one_nan = _errors(a, b)
+    diff, scale, one_nan = _errors(a, b, scratch if scratch is not None else Scratch())
     n = int(diff.size)
     dnan = 0 if one_nan is None else int(np.count_nonzero(one_nan))
     if not n:
@@ -863,7 +866,7 @@ def compare_call(
             if not stopped:
                 result.success, result.error, stopped = False, f"output {i}: {check.error}", True
             continue
-        out = _describe(a, b, atol=atol, rtol=rtol, quantile=error_quantile)
+        out = _describe(a, b, atol=atol, rtol=rtol, quantile=error_quantile, scratch=scratch)
         check.stats = out.stats
         check.success = stat_passes(out.stats, atol=atol, rtol=rtol, check_error_stat=check_error_stat)
         described.append(out)
