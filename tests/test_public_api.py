@@ -23,9 +23,14 @@ ERRORS = [
     "ToleranceError", "UnsafeBundleError", "UnsupportedFormatVersionError", "UnsupportedInputError",
 ]  # fmt: skip
 PUBLIC = {
-    "iobundle": ["Bundle", "InputCandidate", "InputObserver", "__version__", "load_bundle", "redact_bundle", *ERRORS],
+    "iobundle": [
+        "Bundle", "InputCandidate", "InputObserver", "__version__", "load_bundle", "redact_bundle", "upgrade_bundle",
+        *ERRORS,
+    ],
     "iobundle.errors": ERRORS,
-    "iobundle.observer": ["InputCandidate", "InputObserver", "ObservationInfo", "ObservationWarning", "redact_bundle"],
+    "iobundle.observer": [
+        "InputCandidate", "InputObserver", "ObservationInfo", "ObservationWarning", "redact_bundle", "upgrade_bundle",
+    ],
     "iobundle.capture": [
         "CallRecorder", "NodeType", "ObservationWarning", "RecordedCalls", "register_node_type", "save_recorded_calls",
         "transformers_pytree_nodes",

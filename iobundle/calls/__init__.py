@@ -61,6 +61,8 @@ __all__ = [
     "item_labels",
     "path_matches",
     "tensor_paths",
+    "call_paths",
+    "escape_key",
     # Delta storage and hashes
     "DeltaIndex",
     "Match",
@@ -76,6 +78,9 @@ __all__ = [
     "parse_header",
     "read_exactly",
     "SegmentWriter",
+    "seal_segment",
+    "segment_header",
+    "segment_header_entry",
     "tensor_bytes",
     "tensor_span",
     "write_tensor_file",
@@ -85,6 +90,7 @@ __all__ = [
     "Root",
     "check_file",
     "check_file_header",
+    "check_segment_member",
     "check_member_name",
     "listed_files",
     "open_regular",
@@ -118,7 +124,7 @@ from iobundle.calls._layouts import (
     cache_child_labels,
     dynamic_cache_parts,
 )
-from iobundle.calls._paths import child_path, item_labels, path_matches, tensor_paths
+from iobundle.calls._paths import call_paths, child_path, escape_key, item_labels, path_matches, tensor_paths
 from iobundle.calls._record import record_inputs
 from iobundle.calls._registry import (
     NodeType,
@@ -126,7 +132,7 @@ from iobundle.calls._registry import (
     register_node_type,
     register_provider,
 )
-from iobundle.calls._segments import SegmentWriter
+from iobundle.calls._segments import SegmentWriter, seal_segment, segment_header, segment_header_entry
 from iobundle.calls._staging import Packed, PinnedStager
 from iobundle.calls._tensorfile_read import (
     BundleRoot,
@@ -135,6 +141,7 @@ from iobundle.calls._tensorfile_read import (
     check_file,
     check_file_header,
     check_member_name,
+    check_segment_member,
     listed_files,
     open_regular,
     read_sized_member,

@@ -10,17 +10,22 @@ which ``[``/``]`` are the path's own brackets, not character classes, and an ind
 written the older way, as a dotted part: ``past_key_values.3``, ``past_key_values.*`` and
 ``past_key_values[*]`` all match ``past_key_values[3]``; a leading ``outputs.`` (the npz key of
 an output) is dropped.
+
+The stored path of a tensor (:func:`call_paths`: npz keys, a segment's tensor names) is another,
+flat syntax that names every tensor of a call uniquely: ``args.0``, ``kwargs.past_key_values.3``,
+``outputs.logits``, each part escaped (:func:`escape_key`).
 """
 
 from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Iterator
 from typing import Any
 
-from iobundle.schema import DictNode, ListNode, Node, ObjectNode, TensorNode, TupleNode
+from iobundle.schema import CallEntry, DictNode, ListNode, Node, ObjectNode, TensorNode, TupleNode
 
-__all__ = ["OUTPUT_ROOT", "child_path", "item_labels", "path_matches", "tensor_paths"]
+__all__ = ["OUTPUT_ROOT", "call_paths", "child_path", "escape_key", "item_labels", "path_matches", "tensor_paths"]
 
 OUTPUT_ROOT = "output"
 
@@ -91,3 +96,40 @@ def path_matches(pattern: str, path: str) -> bool:
     if _dotted(pattern.removeprefix("outputs.")) == dotted:
         return True
     return bool(_pattern(pattern).fullmatch(dotted))
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def escape_key(key: object) -> str:
+    """``key`` as one part of a stored path: ``%XX`` (UTF-8 bytes) for each character but ``[A-Za-z0-9_-]``."""
+    return _UNSAFE.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode("utf-8", "surrogatepass")), str(key))
+
+
+def _stored_paths(node: Node | None, prefix: str) -> Iterator[tuple[str, str]]:
+    """``(path, key)`` of every tensor of ``node`` below ``prefix`` (used as it is), in flattening order."""
+    if isinstance(node, TensorNode):
+        yield prefix, node.key
+    elif isinstance(node, (ListNode, TupleNode)):
+        for i, item in enumerate(node.items):
+            yield from _stored_paths(item, f"{prefix}.{i}")
+    elif isinstance(node, DictNode):
+        for key, item in zip(node.keys, node.items):
+            yield from _stored_paths(item, f"{prefix}.{escape_key(key)}")
+    elif isinstance(node, ObjectNode):
+        context: Any = node.context
+        named = (
+            isinstance(context, list) and len(context) == len(node.items) and all(isinstance(c, str) for c in context)
+        )
+        for name, item in zip(context if named else range(len(node.items)), node.items):
+            yield from _stored_paths(item, f"{prefix}.{escape_key(name)}")
+
+
+def call_paths(call: CallEntry) -> list[tuple[str, str]]:
+    """``(stored path, key)`` of every tensor of ``call``: ``args.0``, ``kwargs.NAME...``, ``outputs...``.
+
+    The paths are unique within the call (every part escaped); a key passed twice has two paths.
+    """
+    pairs = [p for j, a in enumerate(call.args) for p in _stored_paths(a, f"args.{j}")]
+    pairs += [p for k, v in call.kwargs.items() for p in _stored_paths(v, f"kwargs.{escape_key(k)}")]
+    return pairs + list(_stored_paths(call.outputs, "outputs"))

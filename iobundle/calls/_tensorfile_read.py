@@ -18,11 +18,10 @@ The order of the checks is what makes reading a hostile file safe:
    :mod:`iobundle.calls._tensorfile_write` shares with the streaming observer's read-back);
 4. only then do tensors view the bytes.
 
-A segment (format version 4, ``FileEntry.ranges``) has no header: its tensors' byte spans come from
-the manifest (``TensorEntry.offset``, checked to lie inside the ranges when the manifest was read).
-Steps 1, 2 and 4 apply to it, with two differences: the file may be longer than the manifest's
-size (the bytes past it, a call a killed writer was appending, are never read), and the hash is
-checked range by range (each range has its own digest, named with the call that wrote it).
+A segment (``FileEntry.ranges``) gets steps 1, 2 and 4, its tensors' spans from the manifest
+(``TensorEntry.offset``); it may be longer than its size (a killed writer's bytes, never read), its
+hash is checked range by range, and a sealed header (version 6) must agree with the manifest
+(:func:`check_segment_header`).
 
 A tensor stored as an extension of another (format version 2, ``TensorEntry.extends``) is rebuilt
 on each read: its chain of parts (which the manifest checks bounded and acyclic) is read, each part
@@ -35,6 +34,7 @@ mapped: a bundle of many thousands of calls can be read without running out of d
 from __future__ import annotations
 
 import errno
+import io
 import math
 import os
 import re
@@ -73,6 +73,8 @@ __all__ = [
     "Root",
     "BundleTensorStore",
     "check_file",
+    "check_segment_header",
+    "check_segment_member",
     "check_file_header",
     "listed_files",
     "read_sized_member",
@@ -248,8 +250,12 @@ def _check_ranges(name: str, entry: FileEntry, chunks: Iterable[memoryview]) -> 
     """
     ranges = entry.ranges or []
     j, position = 0, 0
+    skip = ranges[0][1] if ranges else 0  # the header region (format version 6) is no range's
     hasher = new_hasher(entry.algorithm)
     for chunk in chunks:
+        if position < skip:
+            take = min(len(chunk), skip - position)
+            chunk, position = chunk[take:], position + take
         while j < len(ranges):
             call, start, length, digest = ranges[j]
             take = min(len(chunk), start + length - position)
@@ -388,6 +394,67 @@ def _read_small(path: Member, name: str, entry: FileEntry, *, hash_check: bool) 
     if hash_check:
         check_bytes(name, entry, data)
     return data
+
+
+def check_segment_header(name: str, head: bytes, entry: FileEntry, entries: dict[str, TensorInfo]) -> None:
+    """Check the header of segment ``name`` (its first bytes ``head``, up to its first range) against the manifest.
+
+    ``entries`` are the segment's tensors as stored (:meth:`BundleTensorStore.file_entries`). A
+    header of length 0 is an unsealed segment's, which claims nothing (format version 4 and 5
+    segments have no header region, nothing to check).
+
+    Raises:
+        TensorFileError: The header is unreadable or disagrees with the manifest (its length, a
+            tensor's name, key, dtype, stored shape or data_offsets, a tensor too many or missing).
+    """
+    start = entry.ranges[0][1] if entry.ranges else 0
+    if start == 0 or not any(head[:8]):
+        return
+    header, data_start = parse_header(name, len(head), io.BytesIO(head).read)
+    if data_start != start:
+        raise TensorFileError(
+            f"{name}: the header ends at byte {data_start}, but the manifest's first range starts at {start}. "
+            "The file was changed or is not this bundle's."
+        )
+    meta = header.pop("__metadata__", None)
+    keys = {tensor: meta.get(tensor) if isinstance(meta, dict) else None for tensor in header}
+    for tensor, key in keys.items():
+        if type(key) is not str or key not in entries:
+            raise TensorFileError(
+                f"{name}: tensor {tensor!r} of the header is {_key_problem(key)}. The file disagrees with the manifest."
+            )
+    if len(set(keys.values())) != len(entries):
+        missing = sorted(entries.keys() - set(keys.values()))
+        raise TensorFileError(
+            f"{name}: the header lists {len(keys)} tensors, the manifest {len(entries)} "
+            f"(missing: {', '.join(map(repr, missing[:5]))}). The file disagrees with the manifest."
+        )
+    for tensor, key in keys.items():
+        e = entries[key]
+        begin, _ = tensor_span(name, header, tensor, dtype=e.dtype, shape=e.shape, data_len=entry.size - start, key=key)
+        if e.offset is not None and begin != e.offset - start:
+            raise TensorFileError(
+                f"{name}: tensor {tensor!r} (key {key!r}) starts at byte {begin} of the data, "
+                f"the manifest says {e.offset - start}. The file disagrees with the manifest."
+            )
+
+
+def check_segment_member(path: Member, name: str, entry: FileEntry, entries: dict[str, TensorInfo]) -> None:
+    """:func:`check_segment_header` on the header region of the segment ``path`` (read from the file)."""
+    if entry.ranges and entry.ranges[0][1]:
+        f, _ = _open_member(path, name)
+        try:
+            with f:
+                head = read_exactly(f, entry.ranges[0][1], name)
+        except OSError as exc:
+            raise TensorFileError(f"{name}: cannot be read ({exc.strerror or exc}).") from exc
+        check_segment_header(name, head, entry, entries)
+
+
+def _key_problem(key: object) -> str:
+    if type(key) is not str:
+        return "named by no key of __metadata__"
+    return f"key {key[:80]!r} in __metadata__, which the manifest does not put in this file"
 
 
 def check_bytes(name: str, entry: FileEntry, data: Any) -> None:
@@ -635,6 +702,8 @@ class BundleTensorStore:
             data = _map(check_file(self.bundle_root, name, entry, hash_check=False), name, entry)
             if self.verify:
                 check_bytes(name, entry, data.numpy())
+        if data is not None and entry.ranges:
+            check_segment_header(name, data[: entry.ranges[0][1]].numpy().tobytes(), entry, self.file_entries(name))
         return _OpenFile.segment(name, data, self.file_entries(name))
 
     def _stored(self, key: str) -> torch.Tensor:

@@ -4,21 +4,24 @@ A tensor that extends one written recently (a growing KV cache, a growing mask) 
 new part only, with a reference to the tensor it extends (``TensorEntry.extends``, format
 version 2), once :class:`iobundle.calls.DeltaIndex` has checked the shared part byte for byte.
 
-Where a call's tensors go (format version 4): each tensor whose stored bytes are under
+Where a call's tensors go (format version 6): each tensor whose stored bytes are under
 :data:`SEGMENT_TENSOR_BYTES` is appended, with the call's other small ones, as one range of the
-current segment (``calls/segment-NNNNNN.bin``, :class:`iobundle.calls.SegmentWriter`); the others
-go to the call's own safetensors file (``calls/NNNNNN.safetensors``), memory-mapped when read. A
-decode step's few KiB thus create no file and pay no header. A new segment starts when the
-current one would pass :data:`SEGMENT_MAX_BYTES`, or when a small tensor extends a tensor of a
-call's own file written after the current segment began (the manifest lists an extended tensor
-before its extension, and lists each file's tensors together); a small tensor that extends one of
-its own call's file goes to that file.
+current segment (``calls/segment-NNNNNN.bin``, :class:`iobundle.calls.SegmentWriter`), named
+``callNNNNNN/PATH`` there (:func:`iobundle.calls.call_paths`); the others go to the call's own
+safetensors file (``calls/NNNNNN.safetensors``), memory-mapped when read. A decode step's few KiB
+thus create no file. A new segment starts when the current one would pass
+:data:`SEGMENT_MAX_BYTES` or its header would outgrow the region reserved for it, or when a small
+tensor extends a tensor of a call's own file written after the current segment began (the
+manifest lists an extended tensor before its extension, and lists each file's tensors together); a
+small tensor that extends one of its own call's file goes to that file. A segment is sealed (its
+safetensors header written) when the next one starts and when the writer closes it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import platform
 import sys
@@ -39,14 +42,18 @@ from iobundle.calls import (
     PinnedStager,
     RecordedCalls,
     SegmentWriter,
+    call_paths,
     dtype_name,
     replace_tensors,
+    seal_segment,
+    segment_header_entry,
     tensor_bytes,
     tensor_keys,
     write_tensor_file,
 )
 from iobundle.errors import BundleExistsError, BundleWriteError, IobundleError, UnsupportedInputError
 from iobundle.schema import (
+    DTYPE_ITEMSIZES,
     JOURNAL_FILENAME,
     MANIFEST_FILENAME,
     MISSING_VALUES_FILE,
@@ -81,6 +88,11 @@ SEGMENT_TENSOR_BYTES = 64 * 1024
 
 SEGMENT_MAX_BYTES = 16 * 1024**2
 """A segment is not grown past this size (unless one call's small tensors alone exceed it)."""
+
+SEGMENT_HEADER_BYTES = (4096, 65536)
+"""The header region a writer's first segment reserves (its data starts at 4 KiB), and the most any
+later one does: each reserves twice the one before, so a few calls make a small file and a long
+stream few files (and more when one call's tensors alone need more)."""
 
 
 def _producer(devices: Iterable[str]) -> Producer:
@@ -248,6 +260,8 @@ class BundleWriter:
         self._order: dict[str, int] = {}  # file -> its position among the files the manifest lists
         self._segment: SegmentWriter | None = None
         self._segments = 0
+        self._opened = 0  # segments this writer created
+        self._sealed: set[str] = set()  # and sealed
         self._unsynced: dict[Path, None] = {}
         self.deltas = DeltaIndex(retain_all=retain_all) if deltas else None
         self.stager: PinnedStager | None = None  # made for the first CUDA tensor
@@ -277,6 +291,8 @@ class BundleWriter:
         self._order = {name: i for i, name in enumerate(files)}
         self._segment = None  # a new segment for the next small call: the other writer may still append to its own
         self._segments = sum(SEGMENT_FILE_NAME.fullmatch(name) is not None for name in files)
+        self._opened = 0
+        self._sealed = set()
         self._unsynced = {}
         self.deltas = DeltaIndex()
         self.stager = None
@@ -314,11 +330,13 @@ class BundleWriter:
         durable: bool = True,
         on_written: Callable[[str], None] | None = None,
         call: int | None = None,
+        paths: dict[str, str] | None = None,
     ) -> list[str]:
         """Write the tensors of ``keys`` not written yet into ``file``; return their keys (none: no file).
 
         With ``call`` (the index of the call they belong to), the small ones go to the current
-        segment instead, as one range (see the module docstring). ``on_written`` is called with each
+        segment instead, as one range (see the module docstring), named after their ``paths`` in the
+        call (by key; the key when missing). ``on_written`` is called with each
         key once its bytes are in the file (before the file is complete): its memory may be reused
         from then on.
 
@@ -364,7 +382,7 @@ class BundleWriter:
                 self.files[file] = write_tensor_file(target, own, durable=durable, on_written=on_written)
             if small:
                 assert call is not None
-                segment = self._append(call, [todo[k] for k in small], roll=roll, durable=durable)
+                segment = self._append(call, {k: todo[k] for k in small}, paths or {}, roll=roll, durable=durable)
                 if on_written is not None:
                     for k in small:
                         on_written(k)
@@ -427,7 +445,9 @@ class BundleWriter:
             if dtype_name(t.dtype) is None:
                 raise UnsupportedInputError(f"Tensor {key!r} has dtype {t.dtype}, which a bundle cannot store.")
             ext = extends.get(key)
-            if t.numel() * t.element_size() >= SEGMENT_TENSOR_BYTES or (ext is not None and ext.key in own):
+            # complex128 (C128), which the safetensors library cannot read, keeps its call's file: segments stay readable
+            big = t.numel() * t.element_size() >= SEGMENT_TENSOR_BYTES or t.dtype == torch.complex128
+            if big or (ext is not None and ext.key in own):
                 own.add(key)
                 continue
             if ext is not None and ext.key not in small:
@@ -438,25 +458,47 @@ class BundleWriter:
             small.append(key)
         return small, roll
 
-    def _append(self, call: int, tensors: list[torch.Tensor], *, roll: bool, durable: bool) -> str:
+    def _append(
+        self, call: int, tensors: dict[str, torch.Tensor], paths: dict[str, str], *, roll: bool, durable: bool
+    ) -> str:
         """Append ``tensors`` as call ``call``'s range of the current segment (a new one if needed); return its name."""
-        parts = [tensor_bytes(t) for t in tensors]
+        parts = [tensor_bytes(t) for t in tensors.values()]
         length = sum(p.nbytes for p in parts)
+
+        def entries(start: int) -> list[tuple[bytes, bytes]]:
+            out = []
+            for (key, t), part in zip(tensors.items(), parts):
+                name = f"call{call:06d}/{paths.get(key, key)}"
+                out.append(
+                    segment_header_entry(name, key, str(dtype_name(t.dtype)), t.shape, start, start + part.nbytes)
+                )
+                start += part.nbytes
+            return out
+
         segment = self._segment
-        if segment is not None and (roll or (segment.size and segment.size + length > SEGMENT_MAX_BYTES)):
-            segment.close()
-            segment = self._segment = None
+        if segment is not None:
+            added = entries(segment.size - segment.data_start)
+            full = segment.size > segment.data_start and segment.size + length > SEGMENT_MAX_BYTES
+            if roll or full or not segment.fits(added):
+                self.close_segment(durable=durable)
+                segment = None
+        if segment is None:
+            added = entries(0)
+            first, most = SEGMENT_HEADER_BYTES
+            need = sum(len(m) + len(t) for m, t in added) + 64
+            reserve = max(min(first << self._opened, most), -(-need // first) * first) - 8
         while segment is None:
             name = segment_file_name(self._segments)
             self._segments += 1
             try:
-                segment = self._segment = SegmentWriter(self.path / name)
+                segment = self._segment = SegmentWriter(self.path / name, reserve)
             except FileExistsError:  # written by another writer of this bundle (a writer process): the next name
                 continue
+            self._opened += 1
             if durable:
                 fsync_dir(self.path / CALLS_DIR)
         name = segment_file_name(self._segments - 1)
-        segment.append(call, parts, durable=durable)
+        segment.append(call, parts, added, durable=durable)
         self.files[name] = segment.entry()
         return name
 
@@ -487,6 +529,7 @@ class BundleWriter:
                 durable=durable,
                 on_written=on_written,
                 call=call.index,
+                paths=_stored_names(call),
             )
         finally:
             if self.deltas is not None:
@@ -500,11 +543,16 @@ class BundleWriter:
             MISSING_VALUES_FILE, [k for e in entries for k in tensor_keys(e.value)], get, durable=durable
         )
 
-    def close_segment(self) -> None:
-        """Close the segment being appended to (the next small call starts a new one)."""
+    def close_segment(self, *, durable: bool = True) -> None:
+        """Seal and close the segment being appended to (the next small call starts a new one).
+
+        Raises:
+            BundleWriteError: Its header cannot be written (its ranges stand; the journal reads them).
+        """
         segment, self._segment = self._segment, None
         if segment is not None:
-            segment.close()
+            segment.close(durable=durable)
+            self._sealed.add(f"{CALLS_DIR}/{segment.path.name}")
 
     def sync(self) -> None:
         """fsync the files written with ``durable=False`` so far, their directories and the bundle's.
@@ -623,7 +671,9 @@ class BundleWriter:
             BundleWriteError: The manifest cannot be written (the journal is kept: the bundle still opens).
         """
         self.close_segment()
-        manifest = self.write_manifest(rc, calls, durable=True)
+        manifest = self.manifest(rc, calls)
+        self._seal_others(manifest)
+        write_manifest(self.path, manifest, durable=True)
         fd, self._journal = self._journal, None
         if fd is not None:
             os.close(fd)
@@ -639,6 +689,43 @@ class BundleWriter:
                 logger.info("removed %d files a dead writer left in %s: %s", len(removed), self.path, removed)
         return manifest
 
+    def _seal_others(self, manifest: Manifest) -> None:
+        """Seal the segments ``manifest`` lists that a writer process left unsealed (it died), from the manifest.
+
+        Raises:
+            BundleWriteError: One cannot be sealed (the journal is kept: the bundle still opens).
+        """
+        calls = {c.index: c for c in manifest.calls}
+        names: dict[int, dict[str, str]] = {}
+        by_file: dict[str, list[tuple[int, str, TensorEntry]]] = {}
+        for key, t in manifest.tensors.items():
+            if t.offset is not None and t.file not in self._sealed:
+                by_file.setdefault(t.file, []).append((t.offset, key, t))
+        for name, rows in by_file.items():
+            entry = manifest.files[name]
+            ranges, start = entry.ranges or [], (entry.ranges or [(0, 0, 0, "")])[0][1]
+            if not start:
+                continue  # a version-4 segment: no header region
+            entries, j = [], 0
+            for offset, key, t in sorted(rows, key=lambda r: r[0]):
+                while ranges[j][1] + ranges[j][2] <= offset and j + 1 < len(ranges):
+                    j += 1
+                call = ranges[j][0]
+                if call not in names:
+                    names[call] = _stored_names(calls[call]) if call in calls else {}
+                shape = list(t.shape)
+                if t.extends is not None:
+                    shape[t.extends.dim] -= manifest.tensors[t.extends.key].shape[t.extends.dim]
+                nbytes = math.prod(shape) * DTYPE_ITEMSIZES[t.dtype]
+                path = names[call].get(key, key)
+                entries.append(
+                    segment_header_entry(
+                        f"call{call:06d}/{path}", key, t.dtype, shape, offset - start, offset - start + nbytes
+                    )
+                )
+            if seal_segment(self.path / name, entry, entries, durable=True):
+                logger.info("sealed %s, which a writer process left unsealed", name)
+
     def discard(self) -> None:
         """Remove what this writer wrote (best effort), so no half-written bundle is left behind.
 
@@ -646,7 +733,8 @@ class BundleWriter:
         own (what it replaced went first): those go, by exact name, then ``calls/`` if it is left
         empty, and the directory itself if this writer made it and it is left empty; other files stay.
         """
-        self.close_segment()
+        with contextlib.suppress(IobundleError):
+            self.close_segment(durable=False)
         try:
             with Tree(self.path, error=BundleWriteError) as tree:
                 remove_leftovers(tree)
@@ -658,6 +746,20 @@ class BundleWriter:
                 self.path.rmdir()
             except OSError:
                 pass
+
+
+def _stored_names(call: CallEntry) -> dict[str, str]:
+    """Per key of ``call``, its first stored path (:func:`iobundle.calls.call_paths`), unique in the call.
+
+    Two tensors whose paths escape alike (dict keys ``1`` and ``"1"``) are told apart by ``~KEY``.
+    """
+    names: dict[str, str] = {}
+    taken: set[str] = set()
+    for path, key in call_paths(call):
+        if key not in names:
+            names[key] = path if path not in taken else f"{path}~{key}"
+            taken.add(names[key])
+    return names
 
 
 def _write_all(fd: int, data: bytes) -> None:

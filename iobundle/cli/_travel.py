@@ -1,4 +1,4 @@
-"""``iobundle pack | unpack | redact | convert``: bundles that travel, bug reports without private data, converters.
+"""``iobundle pack | unpack | redact | upgrade | convert``: bundles that travel, bug reports without private data, converters.
 
 :func:`register` adds the subcommands to the parser of :mod:`iobundle.cli._main`. Handlers import
 the library inside their body (``iobundle --help`` loads no torch), print through
@@ -49,6 +49,13 @@ the observed mean and spread. Recorded outputs and stored weights are dropped un
 `iobundle export` works from the result (it checks the exported program against the eager
 model on the synthetic inputs); `iobundle validate` says there is nothing to compare against
 (exit code 4) when the outputs were dropped.""",
+    "upgrade": """\
+examples:
+  iobundle upgrade old.iobundle new.iobundle
+  iobundle upgrade killed-stream.iobundle finished.iobundle   # a journal without its manifest
+
+The new bundle is written in the newest format version (segments are safetensors files),
+verified, and each tensor compared with the old one's; the old bundle is never changed.""",
     "convert": """\
 examples:
   iobundle convert run.iobundle --to onnx-testdata testdata --model model.onnx
@@ -66,7 +73,7 @@ AddCommand = Callable[..., argparse.ArgumentParser]
 
 
 def register(subparsers: Any, add_command: AddCommand) -> None:
-    """Add ``pack``, ``unpack``, ``redact`` and ``convert`` to ``subparsers``."""
+    """Add ``pack``, ``unpack``, ``redact``, ``upgrade`` and ``convert`` to ``subparsers``."""
     p = add_command(
         subparsers,
         "pack",
@@ -113,6 +120,19 @@ def register(subparsers: Any, add_command: AddCommand) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic values (default: %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")
     p.set_defaults(handler=_cmd_redact)
+
+    p = add_command(
+        subparsers,
+        "upgrade",
+        summary="rewrite a bundle of an older format version in the newest one, beside it",
+        description="Write BUNDLE (any format version, or a killed stream's journal) to OUT in the newest format "
+        "version, then verify OUT and compare every tensor with BUNDLE's. BUNDLE is never changed.",
+        epilog=EXAMPLES["upgrade"],
+    )
+    p.add_argument("bundle", metavar="BUNDLE", help="the bundle (directory, packed file or URL)")
+    p.add_argument("output", metavar="OUT", help="the new bundle directory (or URL), outside BUNDLE")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it holds a bundle")
+    p.set_defaults(handler=_cmd_upgrade)
 
     p = add_command(
         subparsers,
@@ -209,6 +229,18 @@ def _cmd_redact(args: argparse.Namespace) -> int:
     _render.out(
         f"redacted {len(manifest.calls)} calls into {args.output}: {len(manifest.tensors)} tensors, "
         f"inputs synthetic (seed {args.seed}), {', '.join(kept)}"
+    )
+    return 0
+
+
+def _cmd_upgrade(args: argparse.Namespace) -> int:
+    from iobundle import upgrade_bundle
+
+    with progress_bars(args) as bars:
+        manifest = upgrade_bundle(args.bundle, args.output, overwrite=args.overwrite, on_progress=bars)
+    _render.out(
+        f"upgraded {args.bundle} into {args.output} (format version {manifest.format_version}): "
+        f"{len(manifest.calls)} calls, {len(manifest.tensors)} tensors, verified"
     )
     return 0
 

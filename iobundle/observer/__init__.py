@@ -6,9 +6,17 @@ It records with :class:`iobundle.capture.CallRecorder` and infers, exports and v
 
 from __future__ import annotations
 
-__all__ = ["InputCandidate", "InputObserver", "ObservationInfo", "ObservationWarning", "redact_bundle"]
+__all__ = [
+    "InputCandidate",
+    "InputObserver",
+    "ObservationInfo",
+    "ObservationWarning",
+    "redact_bundle",
+    "upgrade_bundle",
+]
 
 from iobundle.capture import ObservationWarning
 from iobundle.observer._observer import InputObserver
 from iobundle.observer._redact_bundle import redact_bundle
+from iobundle.observer._upgrade import upgrade_bundle
 from iobundle.replay import InputCandidate, ObservationInfo

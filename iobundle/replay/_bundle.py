@@ -20,6 +20,7 @@ from iobundle.calls import (
     build_value,
     check_file,
     check_file_header,
+    check_segment_member,
     collect_tensor_keys,
     iter_tensor_nodes,
     listed_files,
@@ -170,13 +171,15 @@ class Bundle(RecordedCallsAPI):
         notify(on_progress, "verify", 0, total, unit=BYTES)
         for name, entry in files.items():
             try:
-                segment = entry.ranges is not None  # a segment has no header
+                segment = entry.ranges is not None  # a segment's header is checked against its ranges
                 if not hashes and name in self.manifest.files and not segment:  # one open: its size, then its header
                     path = self._store.bundle_root.member(name)
                     check_file_header(path, name, self._store.file_entries(name), size=entry.size)
                 else:
                     path = check_file(self._store.bundle_root, name, entry, hash_check=hashes)
-                    if name in self.manifest.files and not segment:
+                    if segment:
+                        check_segment_member(path, name, entry, self._store.file_entries(name))
+                    elif name in self.manifest.files:
                         check_file_header(path, name, self._store.file_entries(name))
             except IobundleError as exc:
                 problems.append(str(exc))

@@ -95,7 +95,7 @@ __all__ += _manifest.__all__  # the models of manifest.json
 def manifest_json_schema() -> str:
     """Return the JSON Schema of ``manifest.json``, as shipped in ``iobundle/schema/manifest.schema.json``.
 
-    One of two layouts: :class:`Manifest` for format versions 1 and 2, :class:`CompactManifest` for 3, 4 and 5.
+    One of two layouts: :class:`Manifest` for format versions 1 and 2, :class:`CompactManifest` for 3 to 6.
     """
     schema = TypeAdapter(Union[Manifest, CompactManifest]).json_schema()
     defs = schema["$defs"]
@@ -105,8 +105,9 @@ def manifest_json_schema() -> str:
     schema["title"] = "iobundle manifest, format_version " + ", ".join(map(str, SUPPORTED_FORMAT_VERSIONS))
     schema["description"] = (
         "Format versions 1 and 2: the Manifest layout (whole call trees, one entry per tensor and per file). "
-        "Format versions 3, 4 and 5: the CompactManifest layout (call structures stored once, a tensor table per file; "
+        "Format versions 3 to 6: the CompactManifest layout (call structures stored once, a tensor table per file; "
         "version 4 adds segment files, whose ranges hold many calls' small tensors; version 5 adds each call's "
-        "torch.autocast state, CallRecord.autocast)."
+        "torch.autocast state, CallRecord.autocast; in version 6 a segment is a safetensors file, its ranges "
+        "starting past its header region)."
     )
     return json.dumps(schema, indent=1, sort_keys=True) + "\n"

@@ -40,30 +40,10 @@ plus ``"journal": 1``; each call is then one line, ``{"call": {...}, "files": {.
 record with its structure written out in place of its number, and the files it added, each naming
 its ``hash``.
 
-Format version 4 is this layout plus segment files. A segment,
-``calls/segment-NNNNNN.bin``, has no header: it is the bytes of the small tensors of many calls
-back to back, each call's bytes one range appended once (never rewritten), so that a decode step
-creates no file and pays no header. Its record gives ``ranges`` instead of ``digest``::
-
-    "calls/segment-000000.bin":{"size":96,"ranges":[[0,0,64,"5d0f..."],[1,64,32,"a1c2..."]],
-     "tensors":{"t0":["I64",[1,3]],"t1":["F32",[1,2,2]],"t3":["I64",[1,1]],"t4":["F32",[1,2,3],["t1",2]]}}
-
-- ``ranges``: ``[call, start, length, digest]`` per call that added bytes (the call's index, and the
-  digest of those bytes, of the record's ``hash``), in file order: the first starts at 0, each where the one before ends, and
-  ``size`` is where the last ends;
-- ``tensors``: in the order of their bytes, each stored raw (little-endian, C order, no padding)
-  right after the one before, the first at byte 0: a tensor's offset is the sum of the stored sizes
-  (``dtype`` size times the stored shape: an extension stores its new part) of those listed before
-  it. Every tensor lies inside one range, and the tensors fill the ranges exactly;
-- a tensor whose stored bytes reach ``SEGMENT_TENSOR_BYTES`` (:mod:`iobundle.capture._writer`) keeps its call's
-  own safetensors file (``calls/NNNNNN.safetensors``, as in version 3), memory-mapped when read.
-
-Format version 5 (written now) is the layout of version 4 plus, in a call's record, ``autocast``:
-the ``torch.autocast`` state the call ran under (see :class:`~iobundle.schema.AutocastEntry`), left
-out when autocast was enabled on no device type::
-
-    {"index":3,"structure":1,"keys":["t9","t1"],"latency":0.0012,
-     "autocast":[{"device_type":"cuda","dtype":"BF16","enabled":true},{"device_type":"cpu","dtype":"BF16","enabled":false}]}
+Format version 4 adds segment files (a record gives ``ranges``, ``[call, start, length, digest]``
+per call, instead of ``digest``; its tensors' offsets follow from their order), version 5 a call's
+``autocast``, and in version 6 (written now) a segment's first range starts past its header region.
+``docs/format.md`` is their specification.
 
 Reading checks everything versions 1 and 2 check (limits, tensor ranks and sizes, extensions) and
 keeps compact rows (:mod:`iobundle.schema._deferred`); a call's trees are built from its structure
@@ -129,6 +109,7 @@ from iobundle.schema._structure import call_key
 __all__ = [
     "COMPACT_VERSION",
     "COMPACT_VERSIONS",
+    "written_version",
     "DEFAULT_HASH",
     "CallRecord",
     "CallStructure",
@@ -141,8 +122,11 @@ __all__ = [
     "file_records",
 ]
 
-COMPACT_VERSION = 5
-COMPACT_VERSIONS = (3, 4, 5)
+COMPACT_VERSION = 6
+
+MAX_SEGMENT_HEADER = 100 * 1024**2
+"""Largest header region of a segment (version 6), the bound the safetensors library sets on a header."""
+COMPACT_VERSIONS = (3, 4, 5, 6)
 DEFAULT_HASH = "xxh3-128"
 
 # -- the models of the file (the JSON Schema, and the validation of everything but the bulk) -----
@@ -242,10 +226,10 @@ class FileRecord(_Model):
 
 
 class CompactManifest(_Model):
-    """``manifest.json`` of format versions 3, 4 and 5 (see the module docstring)."""
+    """``manifest.json`` of format versions 3 to 6 (see the module docstring)."""
 
     format: Literal["iobundle"] = FORMAT
-    format_version: Literal[3, 4, 5] = COMPACT_VERSION
+    format_version: Literal[3, 4, 5, 6] = COMPACT_VERSION
     producer: Producer
     signature: SignatureEntry
     value_if_missing: list[MissingValueEntry] = Field(default_factory=list)
@@ -439,13 +423,21 @@ def _model_json(model: BaseModel) -> str:
     return model.model_dump_json()
 
 
-def dump_compact(manifest: Manifest, *, one_line: bool = False) -> str:
-    """``manifest`` as format-version-5 JSON text: one line per field, structure, call and file.
+def written_version(manifest: Manifest) -> int:
+    """The format version :func:`dump_compact` writes ``manifest`` in: 6, or 5 for headerless segments."""
+    headerless = any(f.ranges and f.ranges[0][1] == 0 for f in manifest.files.values())
+    return 5 if headerless else COMPACT_VERSION
 
+
+def dump_compact(manifest: Manifest, *, one_line: bool = False) -> str:
+    """``manifest`` as format-version-6 JSON text: one line per field, structure, call and file.
+
+    A manifest whose segments have no header region (read from version 4 or 5: their first range
+    starts at byte 0) is written as version 5, which describes those files.
     With ``one_line`` the text has no line break (a journal head).
 
     Raises:
-        ManifestError: The manifest cannot be written in format version 5 (see :func:`file_records`).
+        ManifestError: The manifest cannot be written in format version 6 (see :func:`file_records`).
     """
     algorithms = [f.algorithm for f in manifest.files.values()]
     default_hash = max(set(algorithms), key=algorithms.count) if algorithms else DEFAULT_HASH
@@ -467,7 +459,7 @@ def dump_compact(manifest: Manifest, *, one_line: bool = False) -> str:
     nl = "" if one_line else "\n"
     head = [
         f'"format":{dumps(manifest.format)}',
-        f'"format_version":{COMPACT_VERSION}',
+        f'"format_version":{written_version(manifest)}',
         f'"producer":{_model_json(manifest.producer)}',
         f'"signature":{_model_json(manifest.signature)}',
         f'"value_if_missing":[{",".join(_model_json(v) for v in manifest.value_if_missing)}]',
@@ -621,20 +613,28 @@ class _Reader:
             out.append(make(tables, structure, keys, values))
         return out
 
-    def ranges(self, raw: Any, size: int, algorithm: str, where: str) -> list[tuple[int, int, int, str]]:
-        """A segment's ranges, checked: back to back from byte 0 to ``size``, each with a digest of ``algorithm``."""
+    def ranges(self, raw: Any, size: int, algorithm: str, where: str, version: int) -> list[tuple[int, int, int, str]]:
+        """A segment's ranges, checked: back to back to ``size``, each with a digest of ``algorithm``.
+
+        They start at byte 0 (version 4, 5), or at the data start past the header region (version 6).
+        """
         if type(raw) is not list:
             self.fail(f"{where}.ranges", f"expected a list of [call, start, length, digest], found {_short(raw)}")
         n, pattern = HASH_ALGORITHMS[algorithm], _HEX[HASH_ALGORITHMS[algorithm]]
         out: list[tuple[int, int, int, str]] = []
         end = 0
+        if version >= 6 and raw and type(raw[0]) is list and len(raw[0]) > 1 and type(raw[0][1]) is int:
+            end = raw[0][1]
+            if not 8 < end <= 8 + MAX_SEGMENT_HEADER:
+                self.fail(f"{where}.ranges[0]", f"the data starts at byte {end}, not past a header region of "
+                          f"1 to {MAX_SEGMENT_HEADER} bytes", unsafe=True)  # fmt: skip
         for j, r in enumerate(raw):
             at = f"{where}.ranges[{j}]"
             if type(r) is not list or len(r) != 4 or any(type(v) is not int or v < 0 for v in r[:3]):
                 self.fail(at, f"expected [call, start, length, digest] (integers >= 0, a string), found {_short(r)}")
             if r[1] != end:
                 self.fail(at, f"call {r[0]}'s range starts at byte {r[1]}, where the range before ends at {end} "
-                          "(ranges lie back to back from byte 0, never overlapping)", unsafe=True)  # fmt: skip
+                          "(ranges lie back to back, never overlapping)", unsafe=True)  # fmt: skip
             if type(r[3]) is not str or not pattern.fullmatch(r[3]):
                 self.fail(at, f"expected {n} lowercase hex digits (a {algorithm} digest), found {_short(r[3])}")
             end = r[1] + r[2]
@@ -675,9 +675,9 @@ class _Reader:
                     self.fail(f"{where}.ranges", f"segments are a format_version 4 field; this manifest says {version}")
                 if digest is not None:
                     self.fail(where, "a segment gives a digest per range, not a digest")
-                ranges = self.ranges(rec["ranges"], size, algorithm, where)
+                ranges = self.ranges(rec["ranges"], size, algorithm, where, version)
                 ends = [start + length for _, start, length, _ in ranges]
-                position, current = 0, 0  # the next tensor's offset, the range it starts in
+                position, current = ranges[0][1] if ranges else 0, 0  # the next tensor's offset, the range it starts in
             elif type(digest) is not str or not hex_of[algorithms[algorithm]].fullmatch(digest):
                 self.fail(
                     f"files[{name!r}].digest",

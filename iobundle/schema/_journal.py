@@ -1,4 +1,4 @@
-"""``journal.jsonl``: the per-call journal of a bundle being streamed (format versions 2 to 4).
+"""``journal.jsonl``: the per-call journal of a bundle being streamed (format versions 2 to 6).
 
 While a stream is open, each call costs one appended line, not a rewrite of the whole manifest
 (whose size grows with the number of calls). ``manifest.json`` is written once, when the stream
@@ -10,7 +10,7 @@ written before the stream opened) plus ``"journal": 1``; its ``format_version`` 
 lines read. Each following line is one call, appended once its tensor file is complete (renamed into place)
 and its bytes are in its segment:
 
-- format version 4 (written now): as version 3, and a call's small tensors go to a segment
+- format version 4 to 6 (6 written now): as version 3, and a call's small tensors go to a segment
   (:mod:`iobundle.schema._compact`): the segment's record in the line gives the range the call
   appended, ``"ranges": [[call, start, length, digest]]``, the ``size`` the segment has with it, and the
   tensors stored in that range. Reading appends the range and the tensors to the segment's record

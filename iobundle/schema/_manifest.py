@@ -24,9 +24,11 @@ Format version 3 stores the same content compactly: call structures written once
 per file, the hash algorithm named once (see :mod:`iobundle.schema._compact`). Format version 4
 has the layout of version 3 and adds segment files: files without a
 header that many calls append their small tensors to, each call's bytes one range with its own
-digest (``FileEntry.ranges``, ``TensorEntry.offset``). Format version 5 (what iobundle writes now)
+digest (``FileEntry.ranges``, ``TensorEntry.offset``). Format version 5
 has the layout of version 4 and adds ``CallEntry.autocast``: the ``torch.autocast`` state the
-observed call ran under (absent: not under autocast, as every call of versions 1 to 4). These
+observed call ran under (absent: not under autocast, as every call of versions 1 to 4). In format
+version 6 (what iobundle writes now) a segment is a safetensors file: its first range starts past
+its header region (see :mod:`iobundle.calls._segments`). These
 models are the in-memory manifest of every version, and the file layout of versions 1 and 2.
 """
 
@@ -79,8 +81,8 @@ __all__ = [
 ]
 
 FORMAT = "iobundle"
-FORMAT_VERSION = 5
-SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4, 5)
+FORMAT_VERSION = 6
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4, 5, 6)
 
 HASH_ALGORITHMS = {"sha256": 64, "xxh3-128": 32}
 """Integrity hashes a format-2 file entry may name, with the length of their hex digest."""
@@ -218,7 +220,7 @@ class FileEntry(_OmitsUnset):
 
     Format version 1 records ``sha256``; version 2 records ``hash`` (the algorithm) and ``digest``.
     A segment (format version 4) records ``hash`` and ``ranges`` instead of ``digest``: the file is
-    the bytes of its ranges back to back, no header, each range with its own digest; ``size`` is
+    the bytes of its ranges back to back (after its header region in version 6), each range with its own digest; ``size`` is
     where the last range ends (bytes past it, a call a killed writer was appending, are no part of
     the bundle).
     """
@@ -395,7 +397,7 @@ class Manifest(_Model):
     """
 
     format: Literal["iobundle"] = FORMAT
-    format_version: Literal[1, 2, 3, 4, 5] = FORMAT_VERSION
+    format_version: Literal[1, 2, 3, 4, 5, 6] = FORMAT_VERSION
     producer: Producer
     signature: SignatureEntry
     value_if_missing: list[MissingValueEntry] = Field(default_factory=list)

@@ -23,7 +23,6 @@ import os
 import re
 import shutil
 import zipfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,19 +33,16 @@ import torch
 
 from iobundle._progress import ProgressCallback, notify
 from iobundle._remote import resolve_output
-from iobundle.calls import RecordedCalls, tensor_keys
+from iobundle.calls import RecordedCalls, call_paths, tensor_keys
 from iobundle.errors import BundleExistsError, BundleWriteError, ModelLoadError, ReplayError
 from iobundle.replay import RecordedCallsAPI, recorded_calls
 from iobundle.replay.check import input_mapping, model_label, output_mapping, output_paths, read_metadata
 from iobundle.replay.infer import align_calls, aligned_tensors
-from iobundle.schema import DictNode, ListNode, Node, ObjectNode, TensorNode, TupleNode
 
 __all__ = [
     "ConvertResult",
     "convert_to_npz",
     "convert_to_onnx_testdata",
-    "escape_key",
-    "tensor_paths",
     "tensor_proto",
 ]
 
@@ -247,42 +243,6 @@ def _write_proto(path: Path, proto: onnx.TensorProto) -> Path:
     return path
 
 
-_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
-
-
-def escape_key(key: object) -> str:
-    """``key`` as one part of a tensor path: ``%XX`` (UTF-8 bytes) for each character but ``[A-Za-z0-9_-]``."""
-    return _UNSAFE.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode("utf-8", "surrogatepass")), str(key))
-
-
-def tensor_paths(node: Node | None, prefix: str) -> Iterator[tuple[str, str]]:
-    """``(path, key)`` of every tensor of ``node``, in flattening order; see the module docstring.
-
-    ``prefix`` is used as it is; every part added to it is escaped (:func:`escape_key`).
-    """
-    if node is None:
-        return
-    if isinstance(node, TensorNode):
-        yield prefix, node.key
-    elif isinstance(node, (ListNode, TupleNode)):
-        for i, item in enumerate(node.items):
-            yield from tensor_paths(item, f"{prefix}.{i}")
-    elif isinstance(node, DictNode):
-        for key, item in zip(node.keys, node.items):
-            yield from tensor_paths(item, f"{prefix}.{escape_key(key)}")
-    elif isinstance(node, ObjectNode):
-        context: Any = node.context
-        names = (
-            context
-            if isinstance(context, list)
-            and len(context) == len(node.items)
-            and all(isinstance(c, str) for c in context)
-            else range(len(node.items))
-        )
-        for name, item in zip(names, node.items):
-            yield from tensor_paths(item, f"{prefix}.{escape_key(name)}")
-
-
 def _numpy(t: torch.Tensor) -> np.ndarray:
     t = t.detach().cpu()
     if t.dtype in (
@@ -299,10 +259,7 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 def _call_arrays(rc: RecordedCalls, index: int) -> dict[str, np.ndarray]:
     call = rc.calls[index]
     arrays: dict[str, np.ndarray] = {}
-    pairs = [p for j, a in enumerate(call.args) for p in tensor_paths(a, f"args.{j}")]
-    pairs += [p for k, v in call.kwargs.items() for p in tensor_paths(v, f"kwargs.{escape_key(k)}")]
-    pairs += list(tensor_paths(call.outputs, "outputs"))
-    for path, key in pairs:
+    for path, key in call_paths(call):
         if path in arrays:  # escaping makes paths unique; a recording that still repeats one is refused
             raise ReplayError(
                 f"Recorded call {call.index}: two tensors have the npz key {path!r}; refusing to keep only one. "

@@ -685,6 +685,12 @@ class TestWriterProcess:
         assert [c.status for c in loaded.calls] == ["ok"] * 6
         for call in loaded.calls:  # the calls after the kill were written by the thread
             assert torch.equal(loaded.tensor(call.outputs.key), torch.full((call.index + 1,), 2.0 * call.index))
+        from safetensors import safe_open
+
+        for file in (bundle / "calls").iterdir():  # the dead process's segment too: sealed when the stream closed
+            with safe_open(file, framework="pt") as f:
+                listed = [e for e in loaded.manifest.tensors.values() if e.file == f"calls/{file.name}"]
+                assert listed and len(f.keys()) == len(listed)
 
 
 class Doubler(torch.nn.Module):

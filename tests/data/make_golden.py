@@ -201,6 +201,38 @@ def make_autocast(path: Path) -> None:
     observer.save(path, overwrite=True)
 
 
+def make_sealed_nested(path: Path) -> None:
+    """Format version 6: the nested model; the segment is a safetensors file (its header sealed at save)."""
+    make_compact_nested(path)
+
+
+def make_sealed_growing(path: Path) -> None:
+    """Format version 6: the growing model; its sealed segment holds the caches' new parts, named by call and path."""
+    make_growing(path)
+
+
+def make_sealed_journal(path: Path) -> None:
+    """Format version 6: the growing model streamed, as a killed writer leaves it: journal.jsonl, no manifest, an
+    unsealed segment (header length 0), and half of a fourth call's range appended past what the journal lists."""
+    make_journal(path)
+    with (path / "calls" / "segment-000000.bin").open("ab") as f:
+        f.write(bytes(range(40)))
+
+
+def make_sealed_llama(path: Path) -> None:
+    """Format version 6: the 1-layer Llama of ``llama_cache`` streamed during generate() (3 new tokens), closed."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=16, max_position_embeddings=32,
+    )  # fmt: skip
+    model, observer = transformers.LlamaForCausalLM(config).eval(), InputObserver()
+    with torch.no_grad(), observer(model, store_n_calls=3, stream_to=path, overwrite=True):
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, min_new_tokens=3, do_sample=False)
+
+
 BUNDLES: dict[str, Callable[[Path], None]] = {
     # format version 1: written before version 2 existed; this script cannot write them again
     "plain": make_plain,
@@ -219,14 +251,20 @@ BUNDLES: dict[str, Callable[[Path], None]] = {
     "segments_growing": make_segments_growing,
     "segments_journal": make_segments_journal,
     "segments_model": make_segments_model,
-    # format version 5
+    # format version 5: likewise, since version 6
     "autocast": make_autocast,
+    # format version 6
+    "sealed_nested": make_sealed_nested,
+    "sealed_growing": make_sealed_growing,
+    "sealed_journal": make_sealed_journal,
+    "sealed_llama": make_sealed_llama,
 }
 OLDER = (
     {name: 1 for name in ("plain", "nested", "streamed", "llama_cache")}
     | {"growing": 2, "journal": 2}
     | {name: 3 for name in ("compact_nested", "compact_growing", "compact_journal")}
     | {name: 4 for name in ("segments_nested", "segments_growing", "segments_journal", "segments_model")}
+    | {"autocast": 5}
 )
 
 

@@ -67,10 +67,10 @@ def bundle(tmp_path: Path) -> Path:
 def read_manifest(path: Path) -> dict[str, Any]:
     """The manifest as format-version-2 JSON, the layout these edits address (one entry per tensor, whole trees).
 
-    The writer writes version 5 (tested in tests/schema/test_compact.py); a reader reads every version.
+    The writer writes version 6 (tested in tests/schema/test_compact.py); a reader reads every version.
     """
     manifest = json.loads((path / "manifest.json").read_text("utf-8"))
-    if manifest.get("format_version") in (3, 4, 5):
+    if manifest.get("format_version") in (3, 4, 5, 6):
         parsed = load_manifest(path).model_copy(update={"format_version": 2})
         manifest = json.loads(parsed.model_dump_json())
     return manifest
@@ -240,16 +240,16 @@ class TestFormatMarker:
             load_bundle(bundle)
 
     def test_newer_version(self, bundle):
-        edit_manifest(bundle, lambda m: m.update(format_version=6))
+        edit_manifest(bundle, lambda m: m.update(format_version=7))
         with pytest.raises(UnsupportedFormatVersionError) as info:
             load_bundle(bundle)
         message = str(info.value)
         assert "manifest.json" in message
-        assert "format_version 6 is not supported" in message
-        assert "reads format_version 1, 2, 3, 4, 5" in message
+        assert "format_version 7 is not supported" in message
+        assert "reads format_version 1, 2, 3, 4, 5, 6" in message
         assert "Upgrade iobundle" in message
-        assert info.value.found == 6
-        assert info.value.supported == (1, 2, 3, 4, 5)
+        assert info.value.found == 7
+        assert info.value.supported == (1, 2, 3, 4, 5, 6)
 
     @pytest.mark.parametrize("value", [0, -1, "1", 1.5, True, None, [1], 10**100])
     def test_bad_version(self, bundle, value):
@@ -982,8 +982,8 @@ class TestJournal:
 
     def test_future_version_in_the_head(self, journal):
         lines = (journal / "journal.jsonl").read_bytes().split(b"\n")
-        assert b'"format_version":5' in lines[0]
-        lines[0] = lines[0].replace(b'"format_version":5', b'"format_version":9')
+        assert b'"format_version":6' in lines[0]
+        lines[0] = lines[0].replace(b'"format_version":6', b'"format_version":9')
         (journal / "journal.jsonl").write_bytes(b"\n".join(lines))
         with pytest.raises(UnsupportedFormatVersionError, match="format_version 9 is not supported"):
             load_bundle(journal)

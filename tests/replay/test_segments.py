@@ -1,4 +1,4 @@
-"""Segments (format version 4): many calls' small tensors in one file, one hashed range per call.
+"""Segments (format version 4 on): many calls' small tensors in one file, one hashed range per call.
 
 A decoder loop in miniature (a growing cache, a token per step) plus one call with a tensor too large
 for a segment. The hostile edits change the version-4 manifest as the writer wrote it; every failure
@@ -66,7 +66,8 @@ def test_decode_steps_share_one_segment_and_a_large_tensor_keeps_its_own_file(tm
     b = load_bundle(path)
     segment = b.manifest.files[SEGMENT]
     assert [r[0] for r in segment.ranges] == [0, 1, 2, 3, 4]  # call 4's small tensors are a range too
-    assert segment.size == (path / SEGMENT).stat().st_size == sum(r[2] for r in segment.ranges)
+    start = segment.ranges[0][1]  # past the header region (format version 6)
+    assert segment.size == (path / SEGMENT).stat().st_size == start + sum(r[2] for r in segment.ranges)
     big = [k for k, e in b.manifest.tensors.items() if e.file == "calls/000004.safetensors"]
     assert [b.manifest.tensors[k].shape for k in big] == [[BIG], [BIG], [1, 1, BIG]]  # token, double, cache
     assert b.verify() == []
@@ -77,13 +78,14 @@ def test_decode_steps_share_one_segment_and_a_large_tensor_keeps_its_own_file(tm
 
 def test_the_manifest_lists_a_segment_as_ranges_and_its_tensors_in_byte_order(bundle: Path) -> None:
     record_ = raw(bundle)["files"][SEGMENT]
-    assert set(record_) == {"size", "ranges", "tensors"} and raw(bundle)["format_version"] == 5
+    assert set(record_) == {"size", "ranges", "tensors"} and raw(bundle)["format_version"] == 6
+    start = 4096  # the data starts past the header region
     assert [r[:3] for r in record_["ranges"]][:2] == [
-        [0, 0, record_["ranges"][0][2]],
-        [1, record_["ranges"][0][2], record_["ranges"][1][2]],
+        [0, start, record_["ranges"][0][2]],
+        [1, start + record_["ranges"][0][2], record_["ranges"][1][2]],
     ]
     offsets = [e.offset for e in load_bundle(bundle).manifest.tensors.values()]
-    assert offsets == sorted(offsets) and offsets[0] == 0
+    assert offsets == sorted(offsets) and offsets[0] == start
 
 
 class TestHostileRanges:

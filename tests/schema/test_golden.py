@@ -10,7 +10,10 @@ stored once, a tensor table per file; the last one a version-3 journal without i
 ``segments_nested``, ``segments_growing`` and ``segments_journal`` are version 4 (the same
 recordings, the calls' tensors appended as ranges of one segment file; the journal's segment holds
 bytes of a call past its last complete line); ``autocast`` is version 5 (the MLP called under
-``torch.autocast``: each call records the autocast state it ran under).
+``torch.autocast``: each call records the autocast state it ran under); ``sealed_nested``,
+``sealed_growing``, ``sealed_journal`` and ``sealed_llama`` are version 6 (segments are safetensors
+files, sealed when the bundle is closed; the journal's is unsealed, as a killed writer leaves it;
+the Llama was streamed during ``generate()``).
 """
 
 from __future__ import annotations
@@ -179,7 +182,13 @@ EXPECTED["autocast"] = {
     "arguments": [(((n, 8), F32),) for n in (2, 3, 4)],
     "tensors": 6,
 }
+# and in format version 6: segments are safetensors files
+EXPECTED["sealed_nested"] = {**EXPECTED["compact_nested"], "version": 6}
+EXPECTED["sealed_growing"] = {**EXPECTED["growing"], "version": 6}
+EXPECTED["sealed_journal"] = {**EXPECTED["journal"], "version": 6}
+EXPECTED["sealed_llama"] = {**EXPECTED["llama_cache"], "version": 6, "extensions": 4}  # streamed: caches as extensions
 SEGMENTED = ("segments_nested", "segments_growing", "segments_journal")
+SEALED = ("sealed_nested", "sealed_growing", "sealed_journal", "sealed_llama")
 
 
 def shapes_of(value: Any) -> Any:
@@ -200,7 +209,7 @@ def test_every_golden_bundle_is_checked():
 
 
 def _needs(name: str) -> None:
-    if name in ("llama_cache", "segments_model"):
+    if name in ("llama_cache", "segments_model", "sealed_llama"):
         pytest.importorskip("transformers")
 
 
@@ -242,10 +251,37 @@ class TestGolden:
             b.outputs(i)
 
 
-def test_version_1_to_5_bundles_all_load():
-    """The reader keeps format versions 1 to 4 while the writer writes version 5."""
+def test_version_1_to_6_bundles_all_load():
+    """The reader keeps format versions 1 to 5 while the writer writes version 6."""
     names = ("plain", "streamed", "growing", "journal", "compact_growing", "compact_journal", *SEGMENTED, "autocast")
-    assert {load_bundle(GOLDEN / name).manifest.format_version for name in names} == {1, 2, 3, 4, 5}
+    names += ("sealed_growing",)
+    assert {load_bundle(GOLDEN / name).manifest.format_version for name in names} == {1, 2, 3, 4, 5, 6}
+
+
+@pytest.mark.parametrize("name", SEALED)
+def test_version_6_segments_are_safetensors_files(name):
+    """Every file of a closed version-6 bundle opens with safetensors and holds exactly the manifest's tensors, as
+    stored, named by call and path; a killed writer's segment is unsealed (header length 0), its ranges read."""
+    from safetensors import safe_open
+
+    _needs(name)
+    b = load_bundle(GOLDEN / name)
+    (segment,) = (n for n, f in b.manifest.files.items() if f.ranges is not None)
+    if name == "sealed_journal":
+        assert (GOLDEN / name / segment).read_bytes()[:8] == bytes(8)
+        return
+    for file in b.manifest.files:
+        with safe_open(GOLDEN / name / file, "pt") as f:
+            stored = {k for k, e in b.manifest.tensors.items() if e.file == file}
+            names = {n: k for n, k in f.metadata().items() if n != "format"} if file == segment else None
+            assert len(list(f.keys())) == len(stored)
+            for tensor in f.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
+                key = names[tensor] if names is not None else tensor
+                assert key in stored
+                if names is not None:
+                    call = int(tensor[4:10])
+                    assert tensor.startswith("call") and any(r[0] == call for r in b.manifest.files[segment].ranges)
+                assert f.get_tensor(tensor).shape == b._store.file_entries(file)[key].shape
 
 
 @pytest.mark.parametrize("name", sorted(n for n in EXPECTED if EXPECTED[n].get("version", 1) < 5))
