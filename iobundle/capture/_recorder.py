@@ -27,7 +27,8 @@ from iobundle.calls import (
     record_value,
     signature_entry,
 )
-from iobundle.capture._stream import CallStream, SnapshotTable
+from iobundle.capture._snapshots import SnapshotTable
+from iobundle.capture._stream import CallStream
 from iobundle.capture._writer import BundleWriter, save_recorded_calls
 from iobundle.errors import (
     BundleExistsError,

@@ -25,7 +25,7 @@ from iobundle import (
     IobundleError,
     load_bundle,
 )
-from iobundle.capture import ObservationWarning, _stream, _writer
+from iobundle.capture import ObservationWarning, _snapshots, _writer
 
 DYN = torch.export.Dim.DYNAMIC
 
@@ -148,14 +148,14 @@ class TestTensorsThatCannotBeCopied:
     def test_a_failing_snapshot_makes_the_call_incomplete(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stream: bool
     ) -> None:
-        real = _stream.snapshot_tensor
+        real = _snapshots.snapshot_tensor
 
         def refuse_seven(tensor: torch.Tensor) -> torch.Tensor:
             if tensor.shape[0] == 7:
                 raise RuntimeError("cannot copy this one")
             return real(tensor)
 
-        monkeypatch.setattr(_stream, "snapshot_tensor", refuse_seven)
+        monkeypatch.setattr(_snapshots, "snapshot_tensor", refuse_seven)
         shared = torch.ones(5, 3)
         calls = [(torch.full((n, 3), float(n)), shared) for n in (2, 7, 3)]
         options = {"stream_to": tmp_path / "run"} if stream else {}
@@ -174,9 +174,9 @@ class TestTensorsThatCannotBeCopied:
         assert set(bundle.manifest.tensors) == referenced
 
     def test_an_output_snapshot_failure_keeps_the_inputs(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        real = _stream.snapshot_tensor
+        real = _snapshots.snapshot_tensor
         monkeypatch.setattr(
-            _stream,
+            _snapshots,
             "snapshot_tensor",
             lambda t: (_ for _ in ()).throw(RuntimeError("no")) if t.shape[0] == 9 else real(t),
         )
