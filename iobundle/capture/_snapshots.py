@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from iobundle.calls import dtype_name, parse_header, read_exactly, rebuild, tensor_span
-from iobundle.capture._writer import TensorRow
+from iobundle.capture._entries import TensorRow
 from iobundle.errors import TensorFileError
 
 __all__ = ["POOLED_MIN_BYTES", "BufferPool", "SnapshotTable", "snapshot_tensor"]

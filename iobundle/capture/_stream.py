@@ -44,13 +44,14 @@ import threading
 from collections.abc import Iterable
 
 from iobundle.calls import RecordedCalls
+from iobundle.capture._entries import TensorRow, call_keys, entry_row, mark_incomplete
 from iobundle.capture._snapshots import BufferPool, SnapshotTable
-from iobundle.capture._writer import BundleWriter, TensorRow, call_keys, entry_row, mark_incomplete
+from iobundle.capture._writer import BundleWriter
 from iobundle.capture._writer_process import WriterProcess, WriterProcessUnavailable
 from iobundle.errors import BundleWriteError
 from iobundle.schema import CallEntry, Manifest
 
-__all__ = ["CallStream", "mark_incomplete"]
+__all__ = ["CallStream"]
 
 INLINE_MAX_BYTES = 256 * 1024
 """A call whose snapshots add up to less than this (and are all on the CPU) is written by the thread

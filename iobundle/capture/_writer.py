@@ -44,13 +44,13 @@ from iobundle.calls import (
     SegmentWriter,
     call_paths,
     dtype_name,
-    replace_tensors,
     seal_segment,
     segment_header_entry,
     tensor_bytes,
     tensor_keys,
     write_tensor_file,
 )
+from iobundle.capture._entries import TensorRow, call_keys, row_entry
 from iobundle.errors import BundleExistsError, BundleWriteError, IobundleError, UnsupportedInputError
 from iobundle.schema import (
     DTYPE_ITEMSIZES,
@@ -63,11 +63,8 @@ from iobundle.schema import (
     FileEntry,
     Manifest,
     MissingValueEntry,
-    Node,
-    OpaqueNode,
     Producer,
     TensorEntry,
-    TensorNode,
     call_file_name,
     journal_call_line,
     journal_head_line,
@@ -75,7 +72,7 @@ from iobundle.schema import (
     write_manifest,
 )
 
-__all__ = ["BundleWriter", "TensorRow", "call_keys", "entry_row", "mark_incomplete", "save_recorded_calls"]
+__all__ = ["BundleWriter", "save_recorded_calls"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,76 +100,6 @@ def _producer(devices: Iterable[str]) -> Producer:
         python=platform.python_version(),
         transformers=getattr(transformers, "__version__", None),
         devices=sorted(set(devices)),
-    )
-
-
-TensorRow = tuple[str, str, str, str, tuple[int, ...], str, "tuple[str, int] | None", "int | None"]
-"""A :class:`TensorEntry` as plain values: ``(key, file, name, dtype, shape, device, (base, dim) or None, offset)``.
-
-What a writer process answers for each tensor it wrote: a tuple crosses a pipe in microseconds,
-where a pydantic model takes a hundred times longer to unpickle."""
-
-
-def entry_row(key: str, entry: TensorEntry) -> TensorRow:
-    ext = entry.extends
-    return (
-        key,
-        entry.file,
-        entry.name,
-        entry.dtype,
-        tuple(entry.shape),
-        entry.device,
-        None if ext is None else (ext.key, ext.dim),
-        entry.offset,
-    )
-
-
-def _row_entry(row: TensorRow) -> TensorEntry:
-    _, file, name, dtype, shape, device, ext, offset = row
-    # values a writer of this bundle made from checked tensors: no validation needed
-    return TensorEntry.model_construct(
-        file=file,
-        name=name,
-        dtype=dtype,
-        shape=list(shape),
-        device=device,
-        extends=None if ext is None else Extension.model_construct(key=ext[0], dim=ext[1]),
-        offset=offset,
-    )
-
-
-def call_keys(call: CallEntry) -> list[str]:
-    """Every tensor key a call refers to: inputs, then outputs."""
-    keys = [k for a in call.args for k in tensor_keys(a)]
-    keys += [k for v in call.kwargs.values() for k in tensor_keys(v)]
-    if call.outputs is not None:
-        keys += tensor_keys(call.outputs)
-    return keys
-
-
-def mark_incomplete(call: CallEntry, written: Callable[[str], bool], reason: str) -> CallEntry:
-    """``call`` with its unwritten tensors replaced by opaque nodes and its status ``incomplete``.
-
-    A failed call (its forward raised) keeps the status ``failed``; the reason is added to its error.
-    """
-
-    def strip(node: Node) -> Node:
-        return replace_tensors(
-            node,
-            (
-                TensorNode(key=k) if written(k) else OpaqueNode(type="torch.Tensor", reason=f"not written: {reason}")
-                for k in tensor_keys(node)
-            ),
-        )
-
-    return call.model_copy(
-        update={
-            "status": "failed" if call.status == "failed" else "incomplete",
-            "error": f"{call.error}; {reason}" if call.error else reason,
-            "args": [strip(a) for a in call.args],
-            "kwargs": {k: strip(v) for k, v in call.kwargs.items()},
-            "outputs": None if call.outputs is None else strip(call.outputs),
-        }
     )
 
 
@@ -311,7 +238,7 @@ class BundleWriter:
         if self._rows:
             with self._rows_lock:
                 rows, self._rows = self._rows, []
-            self._tensors.update((row[0], _row_entry(row)) for row in rows)
+            self._tensors.update((row[0], row_entry(row)) for row in rows)
         return self._tensors
 
     def adopt(self, index: int, rows: list[TensorRow], files: dict[str, FileEntry]) -> None:

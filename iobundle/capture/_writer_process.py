@@ -43,7 +43,8 @@ import torch
 from pydantic import TypeAdapter
 
 from iobundle.calls import NAME_TO_DTYPE, Packed, PinnedStager, dtype_name
-from iobundle.capture._writer import BundleWriter, TensorRow, call_keys, entry_row, mark_incomplete
+from iobundle.capture._entries import TensorRow, call_keys, entry_row, mark_incomplete
+from iobundle.capture._writer import BundleWriter
 from iobundle.errors import BundleWriteError, UnsupportedInputError
 from iobundle.schema import CallEntry, FileEntry, ListNode, Node, ObjectNode, TensorNode, TupleNode
 

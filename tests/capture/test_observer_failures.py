@@ -25,7 +25,7 @@ from iobundle import (
     IobundleError,
     load_bundle,
 )
-from iobundle.capture import ObservationWarning, _snapshots, _writer
+from iobundle.capture import ObservationWarning, _entries, _snapshots, _writer
 
 DYN = torch.export.Dim.DYNAMIC
 
@@ -170,7 +170,7 @@ class TestTensorsThatCannotBeCopied:
         assert bundle.calls[1].args == [] and "cannot copy this one" in bundle.calls[1].error
         assert str(bundle.infer_dynamic_shapes()) == str(observer.infer_dynamic_shapes()) == str(({0: DYN}, {}))
         # nothing half-recorded stays behind: every snapshot belongs to a recorded call
-        referenced = {k for c in bundle.calls for k in _writer.call_keys(c)}
+        referenced = {k for c in bundle.calls for k in _entries.call_keys(c)}
         assert set(bundle.manifest.tensors) == referenced
 
     def test_an_output_snapshot_failure_keeps_the_inputs(self, monkeypatch: pytest.MonkeyPatch) -> None:

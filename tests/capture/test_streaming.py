@@ -29,9 +29,9 @@ from iobundle import BundleExistsError, CaptureError, InputObserver, TensorFileE
 from iobundle.calls._tensorfile_write import write_tensor_file
 from iobundle.calls._tree import tensor_keys
 from iobundle.capture import ObservationWarning, _writer, _writer_process
+from iobundle.capture._entries import call_keys
 from iobundle.capture._snapshots import POOLED_MIN_BYTES, BufferPool, SnapshotTable
 from iobundle.capture._stream import INLINE_MAX_BYTES
-from iobundle.capture._writer import call_keys
 from iobundle.schema import load_manifest
 
 DYN = torch.export.Dim.DYNAMIC
