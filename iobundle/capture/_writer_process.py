@@ -100,6 +100,13 @@ class _CallJson:
         parts.append(b"}")
         return b"".join(parts)
 
+    def _items(self, items: list[Node]) -> bytes:
+        memo, parts = self._memo, []
+        for item in items:  # a node met before without a call: most items of a decode step are
+            hit = memo.get(id(item))
+            parts.append(hit[1] if hit is not None and hit[0] is item else self._node(item))
+        return b",".join(parts)
+
     def _node(self, node: Node) -> bytes:
         hit = self._memo.get(id(node))
         if hit is not None and hit[0] is node:
@@ -116,13 +123,13 @@ class _CallJson:
                     b',"version":%d,"context":' % node.version,
                     json.dumps(node.context).encode(),
                     b',"items":[',
-                    b",".join(map(self._node, node.items)),
+                    self._items(node.items),
                     b"]}",
                 )
             )
         elif isinstance(node, (ListNode, TupleNode)):
             kind = b"list" if isinstance(node, ListNode) else b"tuple"
-            return b'{"kind":"' + kind + b'","items":[' + b",".join(map(self._node, node.items)) + b"]}"
+            return b'{"kind":"' + kind + b'","items":[' + self._items(node.items) + b"]}"
         else:  # None, a constant (floats need pydantic's inf/nan), a dict, an opaque value: small, rare
             return _TREE.dump_json(node)
         if len(self._memo) >= _MEMO_NODES:
