@@ -416,6 +416,7 @@ class WriterProcess:
         thread will not report it among the calls the child lost (it would be written twice).
         """
         with self._submit_lock:
+            self._flush()  # the previous call's device copies, first: messages go in call order, and it holds room
             specs: list[tuple[str, tuple[Any, ...]]] = []
             copies: list[tuple[torch.Tensor, int, int]] = []
             total = 0
@@ -466,7 +467,6 @@ class WriterProcess:
                     on_device.append((tensor, offset, nbytes))
             self._sent.update(new)
             message = ("call", seq, self._json(call), start, specs)
-            self._flush()  # the previous call's device copies: the messages go in call order
             if on_device:  # sent by the next submit (or close): the copies run meanwhile
                 self._staged = (message, self._stager.to_pinned(on_device))
                 return True
