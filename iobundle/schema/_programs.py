@@ -32,7 +32,8 @@ refused inputs, and each program says which sizes it serves::
 Each condition multiplies the sizes of ``of`` (pairs of an input's name and an axis of the
 input's first tensor, or triples naming the input's tensor too: ``["cache", 2, 0]`` is axis 2 of
 the cache's first tensor in the program's order) and compares the product with ``value`` by ``op`` (one of ``==``, ``!=``,
-``<``, ``<=``, ``>``, ``>=``); a program serves a call when every condition holds (no ``sizes``:
+``<``, ``<=``, ``>``, ``>=``); an optional ``div`` (one divisor per size) floor-divides each size first
+(``pixel_values.size()[2] // 14 * (pixel_values.size()[3] // 14) == 4``, a number of patches); a program serves a call when every condition holds (no ``sizes``:
 any sizes). A call goes to the first program whose structure it has and whose rule it meets.
 ``inputs`` may also be a list of structures (a program that serves calls of several). The rule
 is data, evaluated by :func:`sizes_match`, never by ``eval``. A version 1 index (no ``sizes``)
@@ -50,10 +51,18 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
-from typing import Literal
+from typing import Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StrictInt,
+    StrictStr,
+    model_serializer,
+)
 
 from iobundle._atomic import write_atomically
 from iobundle._paths import FILE, LINK, MISSING, Tree, check_relative_name, link_message
@@ -94,7 +103,8 @@ class SizeCondition(BaseModel):
 
     Each size is ``[input, axis]`` (that axis of the input's first tensor) or ``[input, axis, item]``
     (that axis of the input's ``item``-th tensor, in the order the program takes them: a cache's
-    ``key_0`` residual).
+    ``key_0`` residual). With ``div``, each size is first floor-divided by its divisor there (a
+    number of patches: ``axis 2 of pixel_values // 14``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -102,11 +112,23 @@ class SizeCondition(BaseModel):
     of: list[tuple[StrictStr, StrictInt] | tuple[StrictStr, StrictInt, StrictInt]] = Field(min_length=1, max_length=16)
     op: Literal["==", "!=", "<", "<=", ">", ">="]
     value: StrictInt
+    div: list[StrictInt] | None = Field(default=None, min_length=1, max_length=16)
+
+    @model_serializer(mode="wrap")
+    def _without_div(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.div is None:
+            data.pop("div", None)  # the rules without division read as they did
+        return data
 
     def describe(self) -> str:
-        """``axis 1 of h * axis 0 of h == 1``; ``axis 2 of cache (tensor 0) >= 3``."""
+        """``axis 1 of h * axis 0 of h == 1``; ``axis 2 of cache (tensor 0) >= 3``; ``axis 2 of x // 14 ...``."""
+        divisors = self.div or [1] * len(self.of)
         terms = (
-            f"axis {term[1]} of {term[0]}" + (f" (tensor {term[2]})" if len(term) == 3 else "") for term in self.of
+            f"axis {term[1]} of {term[0]}"
+            + (f" (tensor {term[2]})" if len(term) == 3 else "")
+            + (f" // {d}" if d != 1 else "")
+            for term, d in zip(self.of, divisors)
         )
         return f"{' * '.join(terms)} {self.op} {self.value}"
 
@@ -144,11 +166,11 @@ def conditions_met(conditions: list[SizeCondition], size: Callable[[str, int, in
     """Whether every condition of a size rule holds, sizes asked of ``size`` as :func:`sizes_match` does."""
     for condition in conditions:
         product = 1
-        for term in condition.of:
+        for term, divisor in zip(condition.of, condition.div or [1] * len(condition.of)):
             found = size(term[0], term[1], term[2] if len(term) == 3 else None)
             if found is None:
                 return False
-            product *= found
+            product *= found // divisor
         if not SIZE_OPS[condition.op](product, condition.value):
             return False
     return True
@@ -201,6 +223,11 @@ def _check_rules(index: ProgramIndex, where: str) -> None:
                         + (f" (tensor {term[2]})" if len(term) == 3 else "")
                         + f" compared with {condition.value}: axes, tensor positions and sizes are non-negative."
                     )
+            if condition.div is not None and (len(condition.div) != len(condition.of) or min(condition.div) < 1):
+                raise ManifestError(
+                    f"{field}.sizes[{j}].div: {condition.div} must hold one divisor of 1 or more per size of 'of' "
+                    f"({len(condition.of)} sizes)."
+                )
         if program.traced_call < 0:
             raise ManifestError(f"{field}.traced_call: {program.traced_call} is negative; call numbers start at 0.")
         for call in program.calls:

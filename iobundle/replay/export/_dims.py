@@ -417,7 +417,7 @@ def cut_plan(rc: RecordedCalls, plan: _Plan) -> _Plan:
     return dataclasses.replace(plan, args=args, kwargs=kwargs)
 
 
-_TERM = re.compile(r"^(\w+(?:\[[^\]]*\])*)\.size\(\)\[(\d+)\]$")
+_FACTOR = re.compile(r"^(\w+(?:\[[^\]]*\])*)\.size\(\)\[(\d+)\](?:\s*//\s*(\d+))?$")
 _NEGATION = {"==": "!=", "!=": "==", "<": ">=", ">=": "<", ">": "<=", "<=": ">"}
 
 
@@ -460,7 +460,8 @@ def split_rule(
 
     A guard has one when it compares a product of sizes plus a number with a number
     (``h.size()[1] * h.size()[0] != 1``, ``1 + cache['key_0'].size()[2] >= 3``: the number moves to
-    the right, ``axis 2 of cache (tensor 0) >= 2``), each size of a tensor ``sources`` names (see
+    the right, ``axis 2 of cache (tensor 0) >= 2``), each size, or size floor-divided by a number
+    (``pixel_values.size()[2] // 14 * (pixel_values.size()[3] // 14) == 4``: patches of a ViT), of a tensor ``sources`` names (see
     :func:`guard_sources`). Otherwise the reason it has none, in words: a sum of several sizes (a
     relation between sizes), a size of a tensor the inputs do not name, or no guard at all.
     """
@@ -484,16 +485,23 @@ def split_rule(
             "sizes compared with a number"
         )
     of: list[tuple[str, int] | tuple[str, int, int]] = []
+    div: list[int] = []
     for factor in products[0].split("*"):
-        size = _TERM.match(factor.strip())
+        factor = factor.strip().removeprefix("(").removesuffix(")").strip()
+        size = _FACTOR.match(factor)
         if size is None or size.group(1) not in sources:
-            return f"the guard {expr} names {factor.strip()!r}, not a size of a tensor the program takes"
+            return f"the guard {expr} names {factor!r}, not a size of a tensor the program takes"
         name, item = sources[size.group(1)]
         of.append((name, int(size.group(2))) if item is None else (name, int(size.group(2)), item))
+        div.append(int(size.group(3) or 1))
     op, value = parts.group(2), int(parts.group(3)) - constant
-    if value < 0:
+    if value < 0 or min(div) < 1:
         return f"the guard {expr} compares sizes with a negative number"
-    return SizeCondition(of=of, op=op, value=value), SizeCondition(of=of, op=_NEGATION[op], value=value)
+    divided = div if max(div) > 1 else None
+    return (
+        SizeCondition(of=of, op=op, value=value, div=divided),
+        SizeCondition(of=of, op=_NEGATION[op], value=value, div=divided),
+    )
 
 
 @dataclass

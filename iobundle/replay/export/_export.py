@@ -923,10 +923,11 @@ def save_onnx(
     except ExportError:
         raise
     except Exception as exc:
-        raise ExportError(
-            f"torch.onnx.export failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
-            report=report,
-        ) from exc
+        from iobundle.replay.export._onnx_rewrites import untranslated_op
+
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        why = untranslated_op(str(exc), ep) or f"{type(exc).__name__}: {first}"
+        raise ExportError(f"torch.onnx.export failed: {why}", report=report) from exc
     report.onnx_seconds = time.perf_counter() - begin
     notify(on_progress, "torch.onnx.export", 1, 1)
     logger.info("exported %s (%d inputs, %d outputs)", path, len(inputs), len(outputs))
