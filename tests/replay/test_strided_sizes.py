@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from iobundle import InputObserver, load_bundle
 from iobundle.replay.export._dims import split_rule
+from iobundle.replay.infer import derive_dims
 from iobundle.schema import SizeCondition, conditions_met
 
 SIDES = ((28, 28), (42, 42), (56, 42), (28, 28))  # multiples of the patch size 14; 2 x 2 patches at 28
@@ -82,3 +83,55 @@ def test_a_vit_at_several_resolutions_gets_one_program_per_side_of_its_patch_cou
             model(torch.randn(1, 3, *side))
     rows = other.check_discrepancies(index)
     assert [(r["program"], r["SUCCESS"]) for r in rows] == [("p0", True), ("p1", True)]
+
+
+class PatchMask(torch.nn.Module):
+    """Patches of 14 pixels weighted by a mask of one value per patch: the mask's sides are the image's // 14."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Conv2d(3, 8, 14, stride=14)
+
+    def forward(self, pixel_values: torch.Tensor, patch_mask: torch.Tensor) -> torch.Tensor:
+        y = self.proj(pixel_values).flatten(2).transpose(1, 2)
+        return (y * patch_mask.flatten(1).unsqueeze(-1)).sum(1)
+
+
+class ClassToken(torch.nn.Module):
+    """Tokens and a mask one longer (a class token in front): lengths L and L + 1."""
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([tokens.new_zeros(tokens.shape[0], 1, tokens.shape[2]), tokens], 1)
+        return (x * mask.unsqueeze(-1)).sum(1)
+
+
+def test_derived_dimensions_are_inferred_from_the_recorded_sizes():
+    sizes = {"height": [28, 42, 56], "patches": [2, 3, 4], "mask": [3, 4, 5], "length": [4, 8, None], "free": [3, 9]}
+    derived = derive_dims(sizes, {"height", "mask", "length"})
+    assert derived == {"height": ("patches", 14, 0), "mask": ("patches", 1, 1), "length": (None, 4, 0)}
+    assert derive_dims(sizes, set()) == {}  # only the names torch.export found constraints on
+
+
+CASES = {
+    "patch_mask": (PatchMask, [(torch.randn(1, 3, h, w), torch.ones(1, h // 14, w // 14)) for h, w in SIDES[:3]]),
+    "class_token": (ClassToken, [(torch.randn(2, n, 4), torch.ones(2, n + 1)) for n in (3, 5, 8)]),
+    "patch_grid": (PatchGrid, [(torch.randn(1, 3, *side),) for side in SIDES]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_named_dimensions_tied_by_the_model_become_derived_dimensions(case, tmp_path):
+    torch.manual_seed(0)
+    build, calls = CASES[case]
+    model = build().eval()
+    observer = InputObserver()
+    with torch.no_grad(), observer(model, store_n_calls=len(calls)):
+        for args in calls:
+            model(*args)
+    observer.save(tmp_path / "m.iobundle")
+    bundle = load_bundle(tmp_path / "m.iobundle")
+    # Without derived dimensions: "Constraints violated (height, width)!" (a mask's side is the image's // 14).
+    result = bundle.export_programs(model, dim_names=True)
+    assert any(o.startswith("derived dimensions inferred") for p in result.programs for o in p.report.options)
+    rows = bundle.check_discrepancies(result.to_onnx(tmp_path / "m.onnx"))
+    assert [r["SUCCESS"] for r in rows] == [True] * len(calls)

@@ -35,6 +35,7 @@ from iobundle.replay.infer import (
     BatchSpec,
     align_calls,
     batch_axes,
+    derive_dims,
     find_batch_axes,
     flat_dynamic_dims,
     infer_arguments,
@@ -51,6 +52,7 @@ __all__ = [
     "check_other_batch",
     "cut_call",
     "cut_plan",
+    "derived_dims",
     "explain_guard",
     "program_batch_axes",
     "split_rule",
@@ -502,6 +504,23 @@ def split_rule(
         SizeCondition(of=of, op=op, value=value, div=divided),
         SizeCondition(of=of, op=_NEGATION[op], value=value, div=divided),
     )
+
+
+def derived_dims(rc: RecordedCalls, plan: _Plan, message: str) -> dict[str, tuple[str | None, int, int]]:
+    """When torch.export refused ``plan``'s named dimensions (``Constraints violated (H, W)``): the derived
+    dimensions (:func:`iobundle.replay.infer.derive_dims`) of the names it found constraints on, inferred
+    from the sizes each name had in the recorded calls; empty when there are none (or no names)."""
+    found = re.search(r"Constraints violated \(([^)]*)\)", message)
+    if found is None or plan.dim_names is None:
+        return {}
+    violated = {v.strip() for v in found.group(1).split(",")}
+    sizes: dict[str, list[int | None]] = {}
+    for position, slots in enumerate(plan.alignment.slots):
+        for key, names in zip(slots, plan.dim_names):
+            for axis, name in names.items() if key is not None else ():
+                row = sizes.setdefault(name, [None] * len(plan.alignment.slots))
+                row[position] = int(rc.store.shape(key)[axis]) if row[position] is None else row[position]
+    return derive_dims(sizes, {n for n in sizes if re.sub(r"\W", "_", n) in violated})
 
 
 @dataclass

@@ -36,6 +36,7 @@ from iobundle.replay.export._dims import (
     _Plan,
     check_other_batch,
     cut_plan,
+    derived_dims,
     guard_sources,
     program_batch_axes,
     split_rule,
@@ -236,6 +237,7 @@ def _plan(
     batch: Collection[int | str] | bool | None,
     dynamic: DynamicSpec = None,
     dim_names: DimNamesSpec = False,
+    derived: dict[str, tuple[str | None, int, int]] | None = None,
 ) -> _Plan:
     alignment = align_calls(rc)
     traced = choose_traced_call(rc, alignment, batch, dynamic)
@@ -245,7 +247,7 @@ def _plan(
     if dim_names is False:
         ds = to_torch_dims(ds)
     else:
-        ds, _ = to_export_dims(ds)  # one torch.export.Dim per name: equal names, one symbol
+        ds, _ = to_export_dims(ds, derived)  # one torch.export.Dim per name: equal names, one symbol
         slot_names = name_dims(
             rc, alignment, flat_dynamic_dims(rc, alignment, batch, dynamic), dim_names, fed_shapes(rc, alignment)
         )
@@ -503,6 +505,24 @@ def _export(
     except Exception as exc:
         from iobundle.replay.export._patches import specialisation_patches
 
+        derived = derived_dims(rc, plan, str(exc))
+        if derived:  # named dimensions tied by the model's code (a patch grid and its mask): derived Dims
+            plan = _plan(rc, model, batch, dynamic, dim_names, derived)
+            report.options.append(
+                "derived dimensions inferred from the recorded sizes: "
+                + ", ".join(
+                    f"{n} = {k} * {r or 'a dimension of its own'}" + (f" + {c}" if c else "")
+                    for n, (r, k, c) in derived.items()
+                )
+                + f" (torch.export found constraints on the named dimensions: {_first_line(exc)})"
+            )
+            try:
+                ep = _trace(rc, plan, report, strict=strict, remedy=remedy, specialised=False)
+                report.export_seconds = time.perf_counter() - begin
+                notify(on_progress, "torch.export", 1, 1)
+                return ep, plan, report
+            except Exception as again:
+                raise _export_error(again, plan, report) from again
         retry = _SPECIALISED in str(exc) and specialisation_patches(
             plan.module, dynamic=plan.dynamic, dynamic_batch=plan.dynamic_batch
         )

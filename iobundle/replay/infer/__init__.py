@@ -40,6 +40,7 @@ __all__ = [
     "infer_dynamic_shapes",
     "infer_group_shapes",
     "name_dims",
+    "derive_dims",
     "named_dims_hint",
     "onnx_axis_names",
     "rename_onnx_axes",
@@ -88,6 +89,7 @@ from iobundle.replay.infer._arguments import (
 from iobundle.replay.infer._batch import BatchAxis, batch_axes, find_batch_axes
 from iobundle.replay.infer._dim_names import (
     DimNamesSpec,
+    derive_dims,
     name_dims,
     named_dims_hint,
     onnx_axis_names,
