@@ -13,6 +13,7 @@ __all__ = [
     "MISSING_VALUES_FILE",
     "SEGMENT_FILE_NAME",
     "CompactManifest",
+    "FixedValues",
     "ProgramEntry",
     "ProgramIndex",
     "SizeCondition",
@@ -38,6 +39,7 @@ __all__ = [
     "program_structures",
     "segment_file_name",
     "sizes_match",
+    "values_match",
     "temporary_name",
     "tensor_rows",
     "tree_key",
@@ -81,6 +83,7 @@ from iobundle.schema._names import (
 )
 from iobundle.schema._programs import (
     PROGRAM_INDEX_FORMAT,
+    FixedValues,
     ProgramEntry,
     ProgramIndex,
     SizeCondition,
@@ -88,6 +91,7 @@ from iobundle.schema._programs import (
     load_program_index,
     program_structures,
     sizes_match,
+    values_match,
     write_program_index,
 )
 from iobundle.schema._structure import call_key, collect_tensor_keys, tree_key

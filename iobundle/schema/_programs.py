@@ -36,7 +36,9 @@ the cache's first tensor in the program's order) and compares the product with `
 (``pixel_values.size()[2] // 14 * (pixel_values.size()[3] // 14) == 4``, a number of patches); a program serves a call when every condition holds (no ``sizes``:
 any sizes). A call goes to the first program whose structure it has and whose rule it meets.
 ``inputs`` may also be a list of structures (a program that serves calls of several). The rule
-is data, evaluated by :func:`sizes_match`, never by ``eval``. A version 1 index (no ``sizes``)
+is data, evaluated by :func:`sizes_match`, never by ``eval``. ``values`` (per input, a shape and its
+flattened integers) says a program was traced with those values of an input fixed, because they
+fix sizes of its graph (``torch.split(x, lengths.tolist())``): it serves only calls holding them. A version 1 index (no ``sizes``)
 still loads and means what it meant.
 
 The index is data with rules, checked on load and on write: each ``file`` is an ONNX file
@@ -48,6 +50,7 @@ belongs to one program only.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
@@ -72,6 +75,7 @@ from iobundle.schema._names import MEMBER_NAME_RULE, is_member_name
 __all__ = [
     "MAX_INDEX_BYTES",
     "PROGRAM_INDEX_FORMAT",
+    "FixedValues",
     "ProgramEntry",
     "ProgramIndex",
     "SIZE_OPS",
@@ -79,6 +83,7 @@ __all__ = [
     "conditions_met",
     "load_program_index",
     "sizes_match",
+    "values_match",
     "program_structures",
     "write_program_index",
 ]
@@ -133,8 +138,19 @@ class SizeCondition(BaseModel):
         return f"{' * '.join(terms)} {self.op} {self.value}"
 
 
+class FixedValues(BaseModel):
+    """The values an input held in the calls a program serves (a program traced with them fixed): its first
+    tensor's ``shape`` and its elements, flattened."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    shape: list[StrictInt] = Field(max_length=8)
+    data: list[StrictInt] = Field(max_length=4096)
+
+
 class ProgramEntry(BaseModel):
-    """One program of the index: its ONNX file, the calls it serves, and (version 2) the sizes it serves."""
+    """One program of the index: its ONNX file, the calls it serves, (version 2) the sizes it serves, and the
+    values of inputs that fix sizes of its graph (``values``: a call is served only with those values)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -144,10 +160,12 @@ class ProgramEntry(BaseModel):
     traced_call: StrictInt
     inputs: dict[StrictStr, StrictStr] | list[dict[StrictStr, StrictStr]]
     sizes: list[SizeCondition] = Field(default_factory=list, max_length=64)
+    values: dict[StrictStr, FixedValues] = Field(default_factory=dict, max_length=16)
 
     def describe_sizes(self) -> str:
-        """The size rule in words (``any sizes`` without one)."""
-        return " and ".join(c.describe() for c in self.sizes) or "any sizes"
+        """The size rule in words (``any sizes`` without one), and the values it was traced with."""
+        values = [f"{name} holding {v.data} (shape {v.shape})" for name, v in self.values.items()]
+        return " and ".join([c.describe() for c in self.sizes] + values) or "any sizes"
 
 
 def program_structures(program: ProgramEntry) -> list[dict[str, str]]:
@@ -160,6 +178,12 @@ def sizes_match(program: ProgramEntry, size: Callable[[str, int, int | None], in
     ``item``-th tensor in the call (its first tensor when ``item`` is None), None when there is no such
     tensor or the tensor has no such axis (not met then)."""
     return conditions_met(program.sizes, size)
+
+
+def values_match(program: ProgramEntry, value: Callable[[str], tuple[list[int], list[int]] | None]) -> bool:
+    """Whether a call holds the values ``program`` was traced with; ``value(input)`` is the shape and flattened
+    elements of the input's first tensor in the call (None without one)."""
+    return all(value(name) == (fixed.shape, fixed.data) for name, fixed in program.values.items())
 
 
 def conditions_met(conditions: list[SizeCondition], size: Callable[[str, int, int | None], int | None]) -> bool:
@@ -215,6 +239,11 @@ def _check_rules(index: ProgramIndex, where: str) -> None:
                 f"{field}.sizes: a format_version 1 index has no size rules nor lists of structures; "
                 "set format_version to 2 or export again with `iobundle export`."
             )
+        for name, fixed in program.values.items():
+            if min(fixed.shape, default=0) < 0 or math.prod(fixed.shape) != len(fixed.data):
+                raise ManifestError(
+                    f"{field}.values[{name!r}]: shape {fixed.shape} does not hold {len(fixed.data)} elements."
+                )
         for j, condition in enumerate(program.sizes):
             for term in condition.of:
                 if min(term[1:]) < 0 or condition.value < 0:

@@ -20,7 +20,9 @@ call runs through the program whose structure it has.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import inspect
 import logging
 import os
 from collections.abc import Collection
@@ -35,8 +37,8 @@ from iobundle.calls import RecordedCalls
 from iobundle.errors import AlignmentError, ExportError
 from iobundle.replay.check import Tolerances, tolerance_options
 from iobundle.replay.export._export import CallCheck, ExportReport, export_program, save_onnx
-from iobundle.replay.infer import DynamicSpec, call_structures, phase_calls
-from iobundle.schema import ProgramEntry, ProgramIndex, SizeCondition, write_program_index
+from iobundle.replay.infer import DynamicSpec, align_calls, call_structures, call_values, owner_name, phase_calls
+from iobundle.schema import FixedValues, ProgramEntry, ProgramIndex, SizeCondition, write_program_index
 
 __all__ = [
     "INDEX_SUFFIX",
@@ -108,6 +110,8 @@ class PhaseProgram:
     split_of: str | None = None
     """The program whose refused sizes this one serves (a second program traced from the refused inputs:
     recorded calls, or a recorded call cut to another batch)."""
+    values: dict[str, FixedValues] = field(default_factory=dict)
+    """The values of inputs this program was traced with, fixed (see :func:`_per_value_set`)."""
 
     @property
     def report(self) -> ExportReport:
@@ -164,7 +168,7 @@ class ProgramSet:
         """
         path = resolve_output(path, remote=False, what="to_onnx")
         assert isinstance(path, Path)
-        if len(self.programs) == 1:
+        if len(self.programs) == 1 and not self.programs[0].values:
             only = self.programs[0]
             self.files = [save_onnx(only.rc, only.program, path)]
             return self.files[0]
@@ -190,6 +194,7 @@ class ProgramSet:
                     traced_call=program.report.traced_call,
                     inputs=structures[0] if len(structures) == 1 else structures,
                     sizes=program.sizes,
+                    values=program.values,
                 )
             )
         index_path = path.parent / f"{stem}{INDEX_SUFFIX}"
@@ -239,7 +244,14 @@ def export_programs(
     phases = partition_calls(rc)
     every = Phase("all", tuple(c.index for c in rc.ok_calls), {})
     if programs == "one" or len(phases) == 1:
-        ep = export_program(rc, model, check=check, **options)
+        try:
+            ep = export_program(rc, model, check=check, **options)
+        except ExportError as exc:
+            fixed = None if programs == "one" else _per_value_set(rc, model, phases[0], exc, check, options)
+            if fixed is None:
+                raise
+            rc.last_export_report = fixed.report
+            return fixed
         return _split(ProgramSet([PhaseProgram(every, ep, rc, dynamic)]), phases)
     reason = f"programs={programs!r}"
     single: ProgramSet | None = None
@@ -324,3 +336,118 @@ def _phase_dynamic(rc: RecordedCalls, phase: Phase, dynamic: DynamicSpec) -> Dyn
         if phase.inputs.get(name, "absent") != "absent":
             kept[key] = axes
     return kept
+
+
+_DATA_DEPENDENT = "data-dependent"
+MAX_FIXED_ELEMENTS = 4096
+
+
+class _ValuesFixed(torch.nn.Module):
+    """``model``'s observed method with the inputs of ``values`` replaced by those tensors (buffers of its own).
+
+    The method keeps its signature (the inputs stay arguments, unused): a program traced through it
+    takes what the recorded calls hold, and computes with the values it was traced with.
+    """
+
+    def __new__(cls, model: torch.nn.Module, method: str, values: dict[str, torch.Tensor]) -> _ValuesFixed:
+        from unittest import mock
+
+        from torch._subclasses import fake_tensor
+
+        signature = inspect.signature(getattr(model, method))
+
+        def forward(self: _ValuesFixed, *args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            # Tensors made from numbers while tracing are constants whose values torch.export's fake
+            # tensors keep, and propagate through the ops on them, up to CONSTANT_NUMEL_LIMIT elements.
+            with mock.patch.object(fake_tensor, "CONSTANT_NUMEL_LIMIT", MAX_FIXED_ELEMENTS):
+                for name, (data, shape, dtype) in self.fixed.items():
+                    bound.arguments[name] = torch.tensor(data, dtype=dtype).reshape(shape)
+                return getattr(self.model, method)(*bound.args, **bound.kwargs)
+
+        forward.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=[
+                inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+                *signature.parameters.values(),
+            ]
+        )
+        subclass = type(cls.__name__, (cls,), {"forward": forward, method: forward, "__module__": cls.__module__})
+        return super().__new__(subclass)  # type: ignore[no-any-return]
+
+    def __init__(self, model: torch.nn.Module, method: str, values: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        self.fixed = {name: (t.flatten().tolist(), list(t.shape), t.dtype) for name, t in values.items()}
+
+
+def _value_inputs(rc: RecordedCalls) -> list[str]:
+    """The inputs that may carry sizes in their values: one integer tensor of at most
+    :data:`MAX_FIXED_ELEMENTS` elements in every call (an image grid, lengths), smallest first."""
+    alignment = align_calls(rc)
+    counts = collections.Counter(alignment.owners)
+    found: dict[str, int] = {}
+    for owner, count in counts.items():
+        name = owner_name(rc, owner)
+        if count != 1 or name == rc.var_keyword:
+            continue
+        values = [call_values(rc, alignment, i)(name) for i in range(len(alignment.calls))]
+        if all(v is not None and len(v[1]) <= MAX_FIXED_ELEMENTS for v in values):
+            found[name] = max(len(v[1]) for v in values if v is not None)
+    return sorted(found, key=found.__getitem__)
+
+
+def _per_value_set(
+    rc: RecordedCalls, model: torch.nn.Module, phase: Phase, exc: ExportError, check: bool, options: dict[str, Any]
+) -> ProgramSet | None:
+    """When torch.export stopped on a size read from tensor values (``torch.split(x, lengths.tolist())``): one
+    program per recorded value set of the inputs carrying it, each traced with those values fixed; None when
+    the failure is another, or fixing no integer input's values lets the first value set export.
+
+    The inputs tried are those of :func:`_value_inputs`, each alone, then all together. Each program
+    serves the calls holding its values (the program index's ``values``) and is checked on them;
+    its report says which inputs fix sizes of its graph.
+    """
+    if _DATA_DEPENDENT not in str(exc) or rc.signature.method is None:
+        return None
+    candidates = _value_inputs(rc)
+    tries = [[name] for name in candidates] + ([candidates] if len(candidates) > 1 else [])
+    alignment = align_calls(rc)
+    for names in tries:
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for i, call in enumerate(alignment.calls):
+            value = call_values(rc, alignment, i)
+            groups.setdefault(tuple((n, *map(tuple, value(n) or ())) for n in names), []).append(call.index)
+        result = ProgramSet([], reason=f"one program: {_first_line(exc)}")
+        for number, (key, calls) in enumerate(groups.items()):
+            fixed = {n: FixedValues(shape=list(shape), data=list(data)) for n, shape, data in key}
+            sub = phase_calls(rc, calls)
+            tensors = {n: torch.tensor(v.data, dtype=_dtype_of(rc, n)).reshape(v.shape) for n, v in fixed.items()}
+            wrapped = _ValuesFixed(model, rc.signature.method, tensors)
+            try:
+                ep = export_program(sub, wrapped, check=check, **options)
+            except ExportError as again:
+                if number == 0:
+                    break  # fixing these inputs does not serve: try the next
+                raise ExportError(
+                    f"Calls {calls}, traced with the values of {', '.join(names)} fixed: {again}", report=again.report
+                ) from again
+            said = ", ".join(f"{n} = {v.data} (shape {v.shape})" for n, v in fixed.items())
+            ep.iobundle_report.options.append(  # type: ignore[attr-defined]
+                f"traced with the values of {', '.join(names)} fixed ({said}): they fix sizes of the graph, "
+                "torch.export stopped on a guard on data-dependent sizes without them; serves the calls holding them"
+            )
+            result.programs.append(PhaseProgram(Phase(f"p{number}", tuple(calls), phase.inputs), ep, sub, values=fixed))
+        else:
+            result.reason += (
+                f"; sizes read from the values of {', '.join(names)}: one program per recorded value set "
+                f"({len(groups)} sets)"
+            )
+            logger.info("%s", result.reason)
+            return result
+    return None
+
+
+def _dtype_of(rc: RecordedCalls, name: str) -> torch.dtype:
+    alignment = align_calls(rc)
+    key = next(k for o, k in zip(alignment.owners, alignment.slots[0]) if owner_name(rc, o) == name)
+    return rc.store.get(key).dtype
