@@ -33,6 +33,7 @@ from iobundle.replay.export._dims import (
     GUARD_REMEDIES,
     BatchCheck,
     GuardRemedy,
+    _first_line,
     _Plan,
     check_other_batch,
     cut_plan,
@@ -442,11 +443,6 @@ def _refuse_unknown_tolerances(rc: RecordedCalls, tolerances: Tolerances) -> Non
 _SPECIALISED = "your code specialized it to be a constant"
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-
-
 def _trace(
     rc: RecordedCalls,
     plan: _Plan,
@@ -521,8 +517,8 @@ def _export(
                 report.export_seconds = time.perf_counter() - begin
                 notify(on_progress, "torch.export", 1, 1)
                 return ep, plan, report
-            except Exception as again:
-                raise _export_error(again, plan, report) from again
+            except Exception:  # the first refusal says more (torch's suggested fixes for the names given)
+                raise _export_error(exc, plan, report) from exc
         retry = _SPECIALISED in str(exc) and specialisation_patches(
             plan.module, dynamic=plan.dynamic, dynamic_batch=plan.dynamic_batch
         )
@@ -821,11 +817,6 @@ def _split_program(
     ep2.iobundle_plan = cut  # type: ignore[attr-defined]
     logger.info("beyond the recorded calls: %s", check.summary())
     return SplitProgram(ep2, holds, refused)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 @tolerance_options("atol", "rtol", "output_atol", "output_rtol")

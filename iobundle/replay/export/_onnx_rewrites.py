@@ -31,8 +31,10 @@ What depends only on constants and weights, folded
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
+from typing import Any
 
 import torch
 
@@ -94,17 +96,18 @@ def _foldable(node: torch.fx.Node, constant: set[torch.fx.Node]) -> bool:
     return all(isinstance(a, torch.fx.Node) and a.op == "call_function" for a in written)
 
 
-def _translated(target: object) -> bool:
-    """Whether the ONNX exporter has a translation registered for op ``target`` (decompositions aside)."""
+@functools.cache
+def _registry() -> Any:
     from torch.onnx._internal.exporter._registration import ONNXRegistry
 
-    global _REGISTRY
-    if _REGISTRY is None:
-        _REGISTRY = ONNXRegistry.from_torchlib()
-    return bool(_REGISTRY.is_registered(target))  # type: ignore[arg-type]
+    return ONNXRegistry.from_torchlib()
 
 
-_REGISTRY = None
+def _translated(target: object) -> bool:
+    """Whether the ONNX exporter has a translation registered for op ``target`` (decompositions aside)."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return True  # ``operator.getitem`` of a node's several outputs: folded only when small
+    return bool(_registry().is_registered(target))
 
 
 def fold_constants(ep: torch.export.ExportedProgram) -> list[str]:
@@ -147,7 +150,8 @@ def fold_constants(ep: torch.export.ExportedProgram) -> list[str]:
     holders = [n for n in graph.nodes if n.op == "placeholder"]
     folded: list[str] = []
     tensors = [value(node) for node in chosen]  # before any node is replaced
-    for i, (node, tensor) in enumerate(zip(chosen, tensors)):
+    first = sum(1 for name in ep.constants if name.startswith("iobundle_folded_"))  # folded by an earlier call
+    for i, (node, tensor) in enumerate(zip(chosen, tensors), start=first):
         assert isinstance(tensor, torch.Tensor)
         name = f"iobundle_folded_{i}"
         ep.constants[name] = tensor.detach().clone()
@@ -160,7 +164,7 @@ def fold_constants(ep: torch.export.ExportedProgram) -> list[str]:
             holder = graph.placeholder(f"c_{name}")
         holder.meta["val"] = node.meta["val"]
         node.replace_all_uses_with(holder)
-        specs.insert(first_user + i, InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(holder.name), name))
+        specs.insert(first_user + i - first, InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(holder.name), name))
         folded.append(str(node.target))
     graph.eliminate_dead_code()
     ep.graph_module.recompile()

@@ -357,8 +357,10 @@ def derive_dims(
                 continue
             k = (pairs[-1][1] - pairs[0][1]) // (pairs[-1][0] - pairs[0][0])
             c = pairs[0][1] - k * pairs[0][0]
-            # Two sizes fit a line of any slope: a relation with both k > 1 and c != 0 needs three.
-            if k >= 1 and all(a == k * b + c for b, a in pairs) and (len(pairs) > 2 or k == 1 or c == 0):
+            # Two sizes fit a line of any slope: a relation with both k > 1 and c != 0 needs three. Equal
+            # sizes are not derived: two names for one size is the caller's to merge (named_dims_hint).
+            fits = all(a == k * b + c for b, a in pairs) and (len(pairs) > 2 or k == 1 or c == 0)
+            if k >= 1 and fits and (k, c) != (1, 0):
                 derived[name] = (root, k, c)
                 break
         else:
