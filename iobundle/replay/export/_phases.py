@@ -343,13 +343,14 @@ MAX_FIXED_ELEMENTS = 4096
 
 
 class _ValuesFixed(torch.nn.Module):
-    """``model``'s observed method with the inputs of ``values`` replaced by those tensors (buffers of its own).
+    """``model``'s observed method with the inputs of ``fixed`` replaced by tensors of those values
+    (``{name: (elements, shape, dtype)}``), made anew at each call.
 
     The method keeps its signature (the inputs stay arguments, unused): a program traced through it
     takes what the recorded calls hold, and computes with the values it was traced with.
     """
 
-    def __new__(cls, model: torch.nn.Module, method: str, values: dict[str, torch.Tensor]) -> _ValuesFixed:
+    def __new__(cls, model: torch.nn.Module, method: str, fixed: dict[str, tuple[Any, ...]]) -> _ValuesFixed:
         from unittest import mock
 
         from torch._subclasses import fake_tensor
@@ -374,26 +375,24 @@ class _ValuesFixed(torch.nn.Module):
         subclass = type(cls.__name__, (cls,), {"forward": forward, method: forward, "__module__": cls.__module__})
         return super().__new__(subclass)  # type: ignore[no-any-return]
 
-    def __init__(self, model: torch.nn.Module, method: str, values: dict[str, torch.Tensor]) -> None:
+    def __init__(self, model: torch.nn.Module, method: str, fixed: dict[str, tuple[Any, ...]]) -> None:
         super().__init__()
         self.model = model
-        self.fixed = {name: (t.flatten().tolist(), list(t.shape), t.dtype) for name, t in values.items()}
+        self.fixed = fixed
 
 
-def _value_inputs(rc: RecordedCalls) -> list[str]:
-    """The inputs that may carry sizes in their values: one integer tensor of at most
+def _value_inputs(rc: RecordedCalls) -> dict[str, torch.dtype]:
+    """The inputs that may carry sizes in their values, and their dtypes: one integer tensor of at most
     :data:`MAX_FIXED_ELEMENTS` elements in every call (an image grid, lengths), smallest first."""
     alignment = align_calls(rc)
-    counts = collections.Counter(alignment.owners)
-    found: dict[str, int] = {}
-    for owner, count in counts.items():
+    found: dict[str, tuple[int, torch.dtype]] = {}
+    for owner, count in collections.Counter(alignment.owners).items():
         name = owner_name(rc, owner)
-        if count != 1 or name == rc.var_keyword:
-            continue
         values = [call_values(rc, alignment, i)(name) for i in range(len(alignment.calls))]
-        if all(v is not None and len(v[1]) <= MAX_FIXED_ELEMENTS for v in values):
-            found[name] = max(len(v[1]) for v in values if v is not None)
-    return sorted(found, key=found.__getitem__)
+        if count == 1 and name != rc.var_keyword and all(v and len(v[1]) <= MAX_FIXED_ELEMENTS for v in values):
+            key = alignment.slots[0][alignment.owners.index(owner)]
+            found[name] = (max(len(v[1]) for v in values if v), rc.store.get(key).dtype)
+    return {name: found[name][1] for name in sorted(found, key=lambda n: found[n][0])}
 
 
 def _per_value_set(
@@ -409,8 +408,8 @@ def _per_value_set(
     """
     if _DATA_DEPENDENT not in str(exc) or rc.signature.method is None:
         return None
-    candidates = _value_inputs(rc)
-    tries = [[name] for name in candidates] + ([candidates] if len(candidates) > 1 else [])
+    dtypes = _value_inputs(rc)
+    tries = [[name] for name in dtypes] + ([list(dtypes)] if len(dtypes) > 1 else [])
     alignment = align_calls(rc)
     for names in tries:
         groups: dict[tuple[Any, ...], list[int]] = {}
@@ -421,8 +420,9 @@ def _per_value_set(
         for number, (key, calls) in enumerate(groups.items()):
             fixed = {n: FixedValues(shape=list(shape), data=list(data)) for n, shape, data in key}
             sub = phase_calls(rc, calls)
-            tensors = {n: torch.tensor(v.data, dtype=_dtype_of(rc, n)).reshape(v.shape) for n, v in fixed.items()}
-            wrapped = _ValuesFixed(model, rc.signature.method, tensors)
+            wrapped = _ValuesFixed(
+                model, rc.signature.method, {n: (v.data, v.shape, dtypes[n]) for n, v in fixed.items()}
+            )
             try:
                 ep = export_program(sub, wrapped, check=check, **options)
             except ExportError as again:
@@ -432,7 +432,8 @@ def _per_value_set(
                     f"Calls {calls}, traced with the values of {', '.join(names)} fixed: {again}", report=again.report
                 ) from again
             said = ", ".join(f"{n} = {v.data} (shape {v.shape})" for n, v in fixed.items())
-            ep.iobundle_report.options.append(  # type: ignore[attr-defined]
+            assert sub.last_export_report is not None
+            sub.last_export_report.options.append(
                 f"traced with the values of {', '.join(names)} fixed ({said}): they fix sizes of the graph, "
                 "torch.export stopped on a guard on data-dependent sizes without them; serves the calls holding them"
             )
@@ -445,9 +446,3 @@ def _per_value_set(
             logger.info("%s", result.reason)
             return result
     return None
-
-
-def _dtype_of(rc: RecordedCalls, name: str) -> torch.dtype:
-    alignment = align_calls(rc)
-    key = next(k for o, k in zip(alignment.owners, alignment.slots[0]) if owner_name(rc, o) == name)
-    return rc.store.get(key).dtype
