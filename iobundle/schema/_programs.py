@@ -234,7 +234,7 @@ def _check_rules(index: ProgramIndex, where: str) -> None:
                 f"{field}.name: {program.name!r} names two programs; each program of an index has its own name."
             )
         names.add(program.name)
-        if index.format_version < 2 and (program.sizes or isinstance(program.inputs, list)):
+        if index.format_version < 2 and (program.sizes or program.values or isinstance(program.inputs, list)):
             raise ManifestError(
                 f"{field}.sizes: a format_version 1 index has no size rules nor lists of structures; "
                 "set format_version to 2 or export again with `iobundle export`."

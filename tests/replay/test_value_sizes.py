@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from iobundle import InputObserver, load_bundle
+from iobundle.errors import ManifestError
+from iobundle.schema import load_program_index
 
 
 class Segments(torch.nn.Module):
@@ -90,3 +92,24 @@ def test_an_input_whose_values_fix_sizes_gets_one_program_per_recorded_value_set
     rows = other.check_discrepancies(index)
     assert rows[0]["SUCCESS"] is False and "serves call 0" in rows[0]["error"]
     assert f"{carrier} holding" in rows[0]["error"]
+
+
+def _index(tmp_path, version: int = 2, **program):
+    entry = {"name": "p0", "file": "m.onnx", "calls": [0], "traced_call": 0, "inputs": {"x": "present"}, **program}
+    path = tmp_path / "m.programs.json"
+    path.write_text(json.dumps({"format": "iobundle.programs", "format_version": version, "programs": [entry]}))
+    return path
+
+
+def test_an_index_refuses_malformed_values_and_division_naming_the_field(tmp_path):
+    values = {"lengths": {"shape": [2], "data": [3, 4]}}
+    assert load_program_index(_index(tmp_path, values=values)).programs[0].values["lengths"].data == [3, 4]
+    with pytest.raises(ManifestError, match=r"programs\[0\]\.values\['lengths'\]: shape \[3\] does not hold 2"):
+        load_program_index(_index(tmp_path, values={"lengths": {"shape": [3], "data": [3, 4]}}))
+    with pytest.raises(ManifestError, match="format_version 1 index has no size rules"):
+        load_program_index(_index(tmp_path, version=1, values=values))
+    rule = {"of": [["x", 2], ["x", 3]], "op": "==", "value": 4, "div": [14]}
+    with pytest.raises(ManifestError, match=r"programs\[0\]\.sizes\[0\]\.div: \[14\] must hold one divisor"):
+        load_program_index(_index(tmp_path, sizes=[rule]))
+    with pytest.raises(ManifestError, match=r"div: \[14, 0\] must hold one divisor of 1 or more"):
+        load_program_index(_index(tmp_path, sizes=[{**rule, "div": [14, 0]}]))
