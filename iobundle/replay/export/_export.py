@@ -900,14 +900,16 @@ def save_onnx(
     notify(on_progress, "torch.onnx.export", 0, 1)
     try:
         from iobundle.replay.export._onnx_optimizer import linear_rewrite_rules
-        from iobundle.replay.export._onnx_rewrites import rewrite_for_onnx
+        from iobundle.replay.export._onnx_rewrites import converted_folding, rewrite_for_onnx
 
         report.options += [f"rewritten for ONNX: {r}" for r in rewrite_for_onnx(ep)]
         with (
             export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)),
             linear_rewrite_rules(),  # the optimizer's O(nodes²) rules left out
         ):
-            program = torch.onnx.export(ep, (), dynamo=True, verbose=False)
+            program = converted_folding(
+                ep, lambda: torch.onnx.export(ep, (), dynamo=True, verbose=False), report.options
+            )
         assert program is not None
         plan: _Plan = ep.iobundle_plan  # type: ignore[attr-defined]
         if plan.dim_names is not None:

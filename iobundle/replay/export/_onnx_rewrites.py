@@ -19,7 +19,7 @@ converts, and listed on the export report's options when they changed something.
     to the result's dtype first (``aten._to_copy``); ``rsub`` of a float tensor decomposes
     and gives the same values.
 
-What depends only on constants and weights, folded
+What depends only on constants and weights, folded (when the conversion lacks a translation)
     A value computed from constants, parameters and buffers alone (a threshold from
     ``torch.distributions.Normal(0, 1).icdf(torch.tensor(0.95))``, which reaches the exporter as
     ``aten.erfinv``, decomposed into ``prims.erf_inv`` that has no translation) is computed once
@@ -27,6 +27,8 @@ What depends only on constants and weights, folded
     no translation, and each small one (at most :data:`FOLD_NUMEL` elements) that a node
     depending on the inputs uses. Larger values (a transposed weight) stay computed in the graph,
     so that a weight is not stored twice; random ops and buffers the program mutates are never folded.
+    Only when the conversion failed for want of a translation (:func:`converted_folding`): a
+    program that converts is converted as it is.
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ from __future__ import annotations
 import functools
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["FOLD_NUMEL", "fold_constants", "rewrite_for_onnx", "untranslated_op"]
+__all__ = ["FOLD_NUMEL", "converted_folding", "fold_constants", "rewrite_for_onnx", "untranslated_op"]
 
 logger = logging.getLogger(__name__)
 
@@ -173,8 +176,7 @@ def fold_constants(ep: torch.export.ExportedProgram) -> list[str]:
 
 def rewrite_for_onnx(ep: torch.export.ExportedProgram) -> list[str]:
     """Apply the rewrites of the module docstring to ``ep``'s graph in place; return what was rewritten."""
-    folded = fold_constants(ep)
-    done = [f"values computed from constants and weights alone folded ({', '.join(folded)})"] if folded else []
+    done: list[str] = []
     replacements = {torch.ops.aten._is_all_true.default: torch.ops.aten.all.default}
     graph = ep.graph_module.graph
     for node in list(graph.nodes):
@@ -196,6 +198,19 @@ def rewrite_for_onnx(ep: torch.export.ExportedProgram) -> list[str]:
 
 
 _NO_FUNCTION = re.compile(r"No ONNX function found for <OpOverload\(op='([\w.]+)', overload='(\w+)'\)>")
+
+
+def converted_folding(ep: torch.export.ExportedProgram, convert: Callable[[], Any], options: list[str]) -> Any:
+    """``convert()``; when it fails for want of an op's translation, again after :func:`fold_constants` folded
+    something, saying so on ``options``. A program that converts is converted as it is."""
+    try:
+        return convert()
+    except Exception as exc:
+        folded = fold_constants(ep) if _NO_FUNCTION.search(str(exc)) else []
+        if not folded:
+            raise
+    options.append(f"rewritten for ONNX: values computed from constants and weights alone folded ({', '.join(folded)})")
+    return convert()
 
 
 def untranslated_op(message: str, ep: torch.export.ExportedProgram) -> str | None:
