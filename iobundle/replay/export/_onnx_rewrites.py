@@ -201,12 +201,14 @@ _NO_FUNCTION = re.compile(r"No ONNX function found for <OpOverload\(op='([\w.]+)
 
 
 def converted_folding(ep: torch.export.ExportedProgram, convert: Callable[[], Any], options: list[str]) -> Any:
-    """``convert()``; when it fails for want of an op's translation, again after :func:`fold_constants` folded
-    something, saying so on ``options``. A program that converts is converted as it is."""
+    """``convert()``; when it fails for want of an op's translation, or on a guard on data-dependent sizes (the
+    decompositions retrace sizes read from constant values: a program traced with an input's values fixed),
+    again after :func:`fold_constants` folded something, saying so on ``options``. A program that converts
+    is converted as it is."""
     try:
         return convert()
     except Exception as exc:
-        folded = fold_constants(ep) if _NO_FUNCTION.search(str(exc)) else []
+        folded = fold_constants(ep) if _NO_FUNCTION.search(str(exc)) or "data-dependent" in str(exc) else []
         if not folded:
             raise
     options.append(f"rewritten for ONNX: values computed from constants and weights alone folded ({', '.join(folded)})")
