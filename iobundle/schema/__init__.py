@@ -14,6 +14,7 @@ __all__ = [
     "MISSING_VALUES_FILE",
     "SEGMENT_FILE_NAME",
     "CompactManifest",
+    "FixedValues",
     "ProgramEntry",
     "ProgramIndex",
     "SizeCondition",
@@ -39,6 +40,7 @@ __all__ = [
     "program_structures",
     "segment_file_name",
     "sizes_match",
+    "values_match",
     "temporary_name",
     "tensor_rows",
     "tree_key",
@@ -78,6 +80,7 @@ from iobundle.schema._names import (
     temporary_name,
 )
 from iobundle.schema._program_index import (
+    FixedValues,
     ProgramEntry,
     ProgramIndex,
     SizeCondition,
@@ -85,6 +88,7 @@ from iobundle.schema._program_index import (
     load_program_index,
     program_structures,
     sizes_match,
+    values_match,
     write_program_index,
 )
 from iobundle.schema._structure import call_key, collect_tensor_keys, tree_key

@@ -32,10 +32,13 @@ refused inputs, and each program says which sizes it serves::
 Each condition multiplies the sizes of ``of`` (pairs of an input's name and an axis of the
 input's first tensor, or triples naming the input's tensor too: ``["cache", 2, 0]`` is axis 2 of
 the cache's first tensor in the program's order) and compares the product with ``value`` by ``op`` (one of ``==``, ``!=``,
-``<``, ``<=``, ``>``, ``>=``); a program serves a call when every condition holds (no ``sizes``:
+``<``, ``<=``, ``>``, ``>=``); an optional ``div`` (one divisor per size) floor-divides each size first
+(``pixel_values.size()[2] // 14 * (pixel_values.size()[3] // 14) == 4``, a number of patches); a program serves a call when every condition holds (no ``sizes``:
 any sizes). A call goes to the first program whose structure it has and whose rule it meets.
 ``inputs`` may also be a list of structures (a program that serves calls of several). The rule
-is data, evaluated by :func:`sizes_match`, never by ``eval``. A version 1 index (no ``sizes``)
+is data, evaluated by :func:`sizes_match`, never by ``eval``. ``values`` (per input, a shape and its
+flattened integers) says a program was traced with those values of an input fixed, because they
+fix sizes of its graph (``torch.split(x, lengths.tolist())``): it serves only calls holding them. A version 1 index (no ``sizes``)
 still loads and means what it meant.
 
 The index is data with rules, checked on load and on write: each ``file`` is an ONNX file
@@ -47,13 +50,22 @@ belongs to one program only.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
-from typing import Literal
+from typing import Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StrictInt,
+    StrictStr,
+    model_serializer,
+)
 
 from iobundle._atomic import write_atomically
 from iobundle._paths import FILE, LINK, MISSING, Tree, check_relative_name, link_message
@@ -63,6 +75,7 @@ from iobundle.schema._names import MEMBER_NAME_RULE, is_member_name
 __all__ = [
     "MAX_INDEX_BYTES",
     "PROGRAM_INDEX_FORMAT",
+    "FixedValues",
     "ProgramEntry",
     "ProgramIndex",
     "SIZE_OPS",
@@ -70,6 +83,7 @@ __all__ = [
     "conditions_met",
     "load_program_index",
     "sizes_match",
+    "values_match",
     "program_structures",
     "write_program_index",
 ]
@@ -94,7 +108,8 @@ class SizeCondition(BaseModel):
 
     Each size is ``[input, axis]`` (that axis of the input's first tensor) or ``[input, axis, item]``
     (that axis of the input's ``item``-th tensor, in the order the program takes them: a cache's
-    ``key_0`` residual).
+    ``key_0`` residual). With ``div``, each size is first floor-divided by its divisor there (a
+    number of patches: ``axis 2 of pixel_values // 14``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -102,17 +117,40 @@ class SizeCondition(BaseModel):
     of: list[tuple[StrictStr, StrictInt] | tuple[StrictStr, StrictInt, StrictInt]] = Field(min_length=1, max_length=16)
     op: Literal["==", "!=", "<", "<=", ">", ">="]
     value: StrictInt
+    div: list[StrictInt] | None = Field(default=None, min_length=1, max_length=16)
+
+    @model_serializer(mode="wrap")
+    def _without_div(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.div is None:
+            data.pop("div", None)  # the rules without division read as they did
+        return data
 
     def describe(self) -> str:
-        """``axis 1 of h * axis 0 of h == 1``; ``axis 2 of cache (tensor 0) >= 3``."""
+        """``axis 1 of h * axis 0 of h == 1``; ``axis 2 of cache (tensor 0) >= 3``; ``axis 2 of x // 14 ...``."""
+        divisors = self.div or [1] * len(self.of)
         terms = (
-            f"axis {term[1]} of {term[0]}" + (f" (tensor {term[2]})" if len(term) == 3 else "") for term in self.of
+            f"axis {term[1]} of {term[0]}"
+            + (f" (tensor {term[2]})" if len(term) == 3 else "")
+            + (f" // {d}" if d != 1 else "")
+            for term, d in zip(self.of, divisors)
         )
         return f"{' * '.join(terms)} {self.op} {self.value}"
 
 
+class FixedValues(BaseModel):
+    """The values an input held in the calls a program serves (a program traced with them fixed): its first
+    tensor's ``shape`` and its elements, flattened."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    shape: list[StrictInt] = Field(max_length=8)
+    data: list[StrictInt] = Field(max_length=4096)
+
+
 class ProgramEntry(BaseModel):
-    """One program of the index: its ONNX file, the calls it serves, and (version 2) the sizes it serves."""
+    """One program of the index: its ONNX file, the calls it serves, (version 2) the sizes it serves, and the
+    values of inputs that fix sizes of its graph (``values``: a call is served only with those values)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -122,10 +160,12 @@ class ProgramEntry(BaseModel):
     traced_call: StrictInt
     inputs: dict[StrictStr, StrictStr] | list[dict[StrictStr, StrictStr]]
     sizes: list[SizeCondition] = Field(default_factory=list, max_length=64)
+    values: dict[StrictStr, FixedValues] = Field(default_factory=dict, max_length=16)
 
     def describe_sizes(self) -> str:
-        """The size rule in words (``any sizes`` without one)."""
-        return " and ".join(c.describe() for c in self.sizes) or "any sizes"
+        """The size rule in words (``any sizes`` without one), and the values it was traced with."""
+        values = [f"{name} holding {v.data} (shape {v.shape})" for name, v in self.values.items()]
+        return " and ".join([c.describe() for c in self.sizes] + values) or "any sizes"
 
 
 def program_structures(program: ProgramEntry) -> list[dict[str, str]]:
@@ -140,15 +180,21 @@ def sizes_match(program: ProgramEntry, size: Callable[[str, int, int | None], in
     return conditions_met(program.sizes, size)
 
 
+def values_match(program: ProgramEntry, value: Callable[[str], tuple[list[int], list[int]] | None]) -> bool:
+    """Whether a call holds the values ``program`` was traced with; ``value(input)`` is the shape and flattened
+    elements of the input's first tensor in the call (None without one)."""
+    return all(value(name) == (fixed.shape, fixed.data) for name, fixed in program.values.items())
+
+
 def conditions_met(conditions: list[SizeCondition], size: Callable[[str, int, int | None], int | None]) -> bool:
     """Whether every condition of a size rule holds, sizes asked of ``size`` as :func:`sizes_match` does."""
     for condition in conditions:
         product = 1
-        for term in condition.of:
+        for term, divisor in zip(condition.of, condition.div or [1] * len(condition.of)):
             found = size(term[0], term[1], term[2] if len(term) == 3 else None)
             if found is None:
                 return False
-            product *= found
+            product *= found // divisor
         if not SIZE_OPS[condition.op](product, condition.value):
             return False
     return True
@@ -188,11 +234,16 @@ def _check_rules(index: ProgramIndex, where: str) -> None:
                 f"{field}.name: {program.name!r} names two programs; each program of an index has its own name."
             )
         names.add(program.name)
-        if index.format_version < 2 and (program.sizes or isinstance(program.inputs, list)):
+        if index.format_version < 2 and (program.sizes or program.values or isinstance(program.inputs, list)):
             raise ManifestError(
                 f"{field}.sizes: a format_version 1 index has no size rules nor lists of structures; "
                 "set format_version to 2 or export again with `iobundle export`."
             )
+        for name, fixed in program.values.items():
+            if min(fixed.shape, default=0) < 0 or math.prod(fixed.shape) != len(fixed.data):
+                raise ManifestError(
+                    f"{field}.values[{name!r}]: shape {fixed.shape} does not hold {len(fixed.data)} elements."
+                )
         for j, condition in enumerate(program.sizes):
             for term in condition.of:
                 if min(term[1:]) < 0 or condition.value < 0:
@@ -201,6 +252,11 @@ def _check_rules(index: ProgramIndex, where: str) -> None:
                         + (f" (tensor {term[2]})" if len(term) == 3 else "")
                         + f" compared with {condition.value}: axes, tensor positions and sizes are non-negative."
                     )
+            if condition.div is not None and (len(condition.div) != len(condition.of) or min(condition.div) < 1):
+                raise ManifestError(
+                    f"{field}.sizes[{j}].div: {condition.div} must hold one divisor of 1 or more per size of 'of' "
+                    f"({len(condition.of)} sizes)."
+                )
         if program.traced_call < 0:
             raise ManifestError(f"{field}.traced_call: {program.traced_call} is negative; call numbers start at 0.")
         for call in program.calls:

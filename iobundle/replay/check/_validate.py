@@ -37,10 +37,11 @@ from iobundle.replay.infer import (
     aligned_tensors,
     call_sizes,
     call_structures,
+    call_values,
     phase_calls,
     placeholder_inputs,
 )
-from iobundle.schema import load_program_index, program_structures, sizes_match
+from iobundle.schema import load_program_index, program_structures, sizes_match, values_match
 
 # ONNX metadata that export writes and validation reads back.
 INPUT_SLOTS_KEY = "iobundle.input_slots"
@@ -724,7 +725,15 @@ def check_program_index(
         call = calls[index_of_call]
         shaped = [p for p in index.programs if structure in program_structures(p)]
         alone = phase_calls(rc, [index_of_call])
-        program = next((p for p in shaped if sizes_match(p, call_sizes(alone, align_calls(alone), 0))), None)
+        aligned = align_calls(alone)
+        program = next(
+            (
+                p
+                for p in shaped
+                if sizes_match(p, call_sizes(alone, aligned, 0)) and values_match(p, call_values(alone, aligned, 0))
+            ),
+            None,
+        )
         if program is None:
             odd = ", ".join(f"{k} {v}" for k, v in structure.items() if v != "present") or "every input present"
             if shaped:  # the structure is served, not these sizes

@@ -35,6 +35,7 @@ from iobundle.replay.infer import (
     BatchSpec,
     align_calls,
     batch_axes,
+    derive_dims,
     find_batch_axes,
     flat_dynamic_dims,
     infer_arguments,
@@ -51,6 +52,7 @@ __all__ = [
     "check_other_batch",
     "cut_call",
     "cut_plan",
+    "derived_dims",
     "explain_guard",
     "program_batch_axes",
     "split_rule",
@@ -417,7 +419,7 @@ def cut_plan(rc: RecordedCalls, plan: _Plan) -> _Plan:
     return dataclasses.replace(plan, args=args, kwargs=kwargs)
 
 
-_TERM = re.compile(r"^(\w+(?:\[[^\]]*\])*)\.size\(\)\[(\d+)\]$")
+_FACTOR = re.compile(r"^(\w+(?:\[[^\]]*\])*)\.size\(\)\[(\d+)\](?:\s*//\s*(\d+))?$")
 _NEGATION = {"==": "!=", "!=": "==", "<": ">=", ">=": "<", ">": "<=", "<=": ">"}
 
 
@@ -460,7 +462,8 @@ def split_rule(
 
     A guard has one when it compares a product of sizes plus a number with a number
     (``h.size()[1] * h.size()[0] != 1``, ``1 + cache['key_0'].size()[2] >= 3``: the number moves to
-    the right, ``axis 2 of cache (tensor 0) >= 2``), each size of a tensor ``sources`` names (see
+    the right, ``axis 2 of cache (tensor 0) >= 2``), each size, or size floor-divided by a number
+    (``pixel_values.size()[2] // 14 * (pixel_values.size()[3] // 14) == 4``: patches of a ViT), of a tensor ``sources`` names (see
     :func:`guard_sources`). Otherwise the reason it has none, in words: a sum of several sizes (a
     relation between sizes), a size of a tensor the inputs do not name, or no guard at all.
     """
@@ -484,16 +487,40 @@ def split_rule(
             "sizes compared with a number"
         )
     of: list[tuple[str, int] | tuple[str, int, int]] = []
+    div: list[int] = []
     for factor in products[0].split("*"):
-        size = _TERM.match(factor.strip())
+        factor = factor.strip().removeprefix("(").removesuffix(")").strip()
+        size = _FACTOR.match(factor)
         if size is None or size.group(1) not in sources:
-            return f"the guard {expr} names {factor.strip()!r}, not a size of a tensor the program takes"
+            return f"the guard {expr} names {factor!r}, not a size of a tensor the program takes"
         name, item = sources[size.group(1)]
         of.append((name, int(size.group(2))) if item is None else (name, int(size.group(2)), item))
+        div.append(int(size.group(3) or 1))
     op, value = parts.group(2), int(parts.group(3)) - constant
-    if value < 0:
+    if value < 0 or min(div) < 1:
         return f"the guard {expr} compares sizes with a negative number"
-    return SizeCondition(of=of, op=op, value=value), SizeCondition(of=of, op=_NEGATION[op], value=value)
+    divided = div if max(div) > 1 else None
+    return (
+        SizeCondition(of=of, op=op, value=value, div=divided),
+        SizeCondition(of=of, op=_NEGATION[op], value=value, div=divided),
+    )
+
+
+def derived_dims(rc: RecordedCalls, plan: _Plan, message: str) -> dict[str, tuple[str | None, int, int]]:
+    """When torch.export refused ``plan``'s named dimensions (``Constraints violated (H, W)``): the derived
+    dimensions (:func:`iobundle.replay.infer.derive_dims`) of the names it found constraints on, inferred
+    from the sizes each name had in the recorded calls; empty when there are none (or no names)."""
+    found = re.search(r"Constraints violated \(([^)]*)\)", message)
+    if found is None or plan.dim_names is None:
+        return {}
+    violated = {v.strip() for v in found.group(1).split(",")}
+    sizes: dict[str, list[int | None]] = {}
+    for position, slots in enumerate(plan.alignment.slots):
+        for key, names in zip(slots, plan.dim_names):
+            for axis, name in names.items() if key is not None else ():
+                row = sizes.setdefault(name, [None] * len(plan.alignment.slots))
+                row[position] = int(rc.store.shape(key)[axis]) if row[position] is None else row[position]
+    return derive_dims(sizes, {n for n in sizes if re.sub(r"\W", "_", n) in violated})
 
 
 @dataclass

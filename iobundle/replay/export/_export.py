@@ -33,9 +33,11 @@ from iobundle.replay.export._dims import (
     GUARD_REMEDIES,
     BatchCheck,
     GuardRemedy,
+    _first_line,
     _Plan,
     check_other_batch,
     cut_plan,
+    derived_dims,
     guard_sources,
     program_batch_axes,
     split_rule,
@@ -248,6 +250,7 @@ def _plan(
     batch: Collection[int | str] | bool | None,
     dynamic: DynamicSpec = None,
     dim_names: DimNamesSpec = False,
+    derived: dict[str, tuple[str | None, int, int]] | None = None,
 ) -> _Plan:
     alignment = align_calls(rc)
     traced = choose_traced_call(rc, alignment, batch, dynamic)
@@ -257,7 +260,7 @@ def _plan(
     if dim_names is False:
         ds = to_torch_dims(ds)
     else:
-        ds, _ = to_export_dims(ds)  # one torch.export.Dim per name: equal names, one symbol
+        ds, _ = to_export_dims(ds, derived)  # one torch.export.Dim per name: equal names, one symbol
         slot_names = name_dims(
             rc, alignment, flat_dynamic_dims(rc, alignment, batch, dynamic), dim_names, fed_shapes(rc, alignment)
         )
@@ -452,11 +455,6 @@ def _refuse_unknown_tolerances(rc: RecordedCalls, tolerances: Tolerances) -> Non
 _SPECIALISED = "your code specialized it to be a constant"
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-
-
 def _trace(
     rc: RecordedCalls,
     plan: _Plan,
@@ -515,6 +513,24 @@ def _export(
     except Exception as exc:
         from iobundle.replay.export._patches import specialisation_patches
 
+        derived = derived_dims(rc, plan, str(exc))
+        if derived:  # named dimensions tied by the model's code (a patch grid and its mask): derived Dims
+            plan = _plan(rc, model, batch, dynamic, dim_names, derived)
+            report.options.append(
+                "derived dimensions inferred from the recorded sizes: "
+                + ", ".join(
+                    f"{n} = {k} * {r or 'a dimension of its own'}" + (f" + {c}" if c else "")
+                    for n, (r, k, c) in derived.items()
+                )
+                + f" (torch.export found constraints on the named dimensions: {_first_line(exc)})"
+            )
+            try:
+                ep = _trace(rc, plan, report, strict=strict, remedy=remedy, specialised=False)
+                report.export_seconds = time.perf_counter() - begin
+                notify(on_progress, "torch.export", 1, 1)
+                return ep, plan, report
+            except Exception:  # the first refusal says more (torch's suggested fixes for the names given)
+                raise _export_error(exc, plan, report) from exc
         retry = _SPECIALISED in str(exc) and specialisation_patches(
             plan.module, dynamic=plan.dynamic, dynamic_batch=plan.dynamic_batch
         )
@@ -888,14 +904,16 @@ def save_onnx(
     notify(on_progress, "torch.onnx.export", 0, 1)
     try:
         from iobundle.replay.export._onnx_optimizer import linear_rewrite_rules
-        from iobundle.replay.export._onnx_rewrites import rewrite_for_onnx
+        from iobundle.replay.export._onnx_rewrites import converted_folding, rewrite_for_onnx
 
         report.options += [f"rewritten for ONNX: {r}" for r in rewrite_for_onnx(ep)]
         with (
             export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)),
             linear_rewrite_rules(),  # the optimizer's O(nodes²) rules left out
         ):
-            program = torch.onnx.export(ep, (), dynamo=True, verbose=False)
+            program = converted_folding(
+                ep, lambda: torch.onnx.export(ep, (), dynamo=True, verbose=False), report.options
+            )
         assert program is not None
         if plan.dim_names is not None:
             rename_onnx_axes(program.model, onnx_axis_names(ep, inputs, plan.dim_names))
@@ -921,10 +939,11 @@ def save_onnx(
     except ExportError:
         raise
     except Exception as exc:
-        raise ExportError(
-            f"torch.onnx.export failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
-            report=report,
-        ) from exc
+        from iobundle.replay.export._onnx_rewrites import untranslated_op
+
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        why = untranslated_op(str(exc), ep) or f"{type(exc).__name__}: {first}"
+        raise ExportError(f"torch.onnx.export failed: {why}", report=report) from exc
     report.onnx_seconds = time.perf_counter() - begin
     notify(on_progress, "torch.onnx.export", 1, 1)
     logger.info("exported %s (%d inputs, %d outputs)", path, len(inputs), len(outputs))

@@ -18,15 +18,30 @@ converts, and listed on the export report's options when they changed something.
     conversion stops with "Failed to decompose the FX graph". The rewrite casts the tensor
     to the result's dtype first (``aten._to_copy``); ``rsub`` of a float tensor decomposes
     and gives the same values.
+
+What depends only on constants and weights, folded (when the conversion lacks a translation)
+    A value computed from constants, parameters and buffers alone (a threshold from
+    ``torch.distributions.Normal(0, 1).icdf(torch.tensor(0.95))``, which reaches the exporter as
+    ``aten.erfinv``, decomposed into ``prims.erf_inv`` that has no translation) is computed once
+    and becomes a constant of the program (:func:`fold_constants`): each such node whose op has
+    no translation, and each small one (at most :data:`FOLD_NUMEL` elements) that a node
+    depending on the inputs uses. Larger values (a transposed weight) stay computed in the graph,
+    so that a weight is not stored twice; random ops and buffers the program mutates are never folded.
+    Only when the conversion failed for want of a translation (:func:`converted_folding`): a
+    program that converts is converted as it is.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import re
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-__all__ = ["rewrite_for_onnx"]
+__all__ = ["FOLD_NUMEL", "converted_folding", "fold_constants", "rewrite_for_onnx", "untranslated_op"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +57,121 @@ def _promoting_rsub(node: torch.fx.Node) -> torch.dtype | None:
     if value.dtype.is_floating_point or value.dtype.is_complex or not result.dtype.is_floating_point:
         return None
     return result.dtype
+
+
+FOLD_NUMEL = 4096
+"""The size up to which a value computed from constants and weights alone is folded (see the module docstring)."""
+
+
+def _constant_inputs(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
+    """The placeholders of ``ep`` that hold constants, parameters or buffers it does not mutate, by node name."""
+    from torch.export.graph_signature import InputKind
+
+    mutated = set(ep.graph_signature.buffers_to_mutate.values())
+    found: dict[str, torch.Tensor] = {}
+    for spec in ep.graph_signature.input_specs:
+        if (
+            spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+            or spec.target in mutated
+        ):
+            continue
+        value = ep.state_dict.get(spec.target, ep.constants.get(spec.target))  # type: ignore[arg-type]
+        if isinstance(value, torch.Tensor):
+            found[spec.arg.name] = value
+    return found
+
+
+def _foldable(node: torch.fx.Node, constant: set[torch.fx.Node]) -> bool:
+    """Whether ``node`` computes a value from the nodes of ``constant`` (and numbers) alone, deterministically."""
+    import operator
+
+    if node.op != "call_function" or not all(n in constant for n in node.all_input_nodes) or not node.all_input_nodes:
+        return False
+    if node.target is operator.getitem:
+        return True
+    if not isinstance(node.target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in node.target.tags:
+        return False
+    # An op writing into its input is folded only when that input is a value computed here (a fresh copy).
+    schema = node.target._schema
+    written = [
+        a for a, arg in zip(node.args, schema.arguments) if arg.alias_info is not None and arg.alias_info.is_write
+    ]
+    return all(isinstance(a, torch.fx.Node) and a.op == "call_function" for a in written)
+
+
+@functools.cache
+def _registry() -> Any:
+    from torch.onnx._internal.exporter._registration import ONNXRegistry
+
+    return ONNXRegistry.from_torchlib()
+
+
+def _translated(target: object) -> bool:
+    """Whether the ONNX exporter has a translation registered for op ``target`` (decompositions aside)."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return True  # ``operator.getitem`` of a node's several outputs: folded only when small
+    return bool(_registry().is_registered(target))
+
+
+def fold_constants(ep: torch.export.ExportedProgram) -> list[str]:
+    """Fold, in place, what ``ep`` computes from constants and weights alone (see the module docstring); return
+    the ops folded, one entry per op (``aten.erfinv.default``)."""
+    from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
+
+    values: dict[torch.fx.Node, object] = {}
+    placeholders = _constant_inputs(ep)
+    graph = ep.graph_module.graph
+    constant = {n for n in graph.nodes if n.op == "placeholder" and n.name in placeholders}
+    for node in graph.nodes:
+        if _foldable(node, constant):
+            constant.add(node)
+    chosen = []
+    for node in graph.nodes:
+        if node not in constant or node.op == "placeholder" or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        frontier = any(u not in constant for u in node.users) and node.meta["val"].numel() <= FOLD_NUMEL
+        if frontier or not _translated(node.target):
+            chosen.append(node)
+    if not chosen:
+        return []
+
+    def value(node: object) -> object:
+        if not isinstance(node, torch.fx.Node):
+            return node
+        if node not in values:
+            if node.op == "placeholder":
+                values[node] = placeholders[node.name]
+            else:
+                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
+                with torch.no_grad():
+                    values[node] = node.target(*args, **kwargs)  # type: ignore[operator]
+        return values[node]
+
+    # The new constants go before the user inputs, as torch.export orders its placeholders.
+    specs = ep.graph_signature.input_specs
+    first_user = next((i for i, s in enumerate(specs) if s.kind == InputKind.USER_INPUT), len(specs))
+    holders = [n for n in graph.nodes if n.op == "placeholder"]
+    folded: list[str] = []
+    tensors = [value(node) for node in chosen]  # before any node is replaced
+    first = sum(1 for name in ep.constants if name.startswith("iobundle_folded_"))  # folded by an earlier call
+    for i, (node, tensor) in enumerate(zip(chosen, tensors), start=first):
+        assert isinstance(tensor, torch.Tensor)
+        name = f"iobundle_folded_{i}"
+        ep.constants[name] = tensor.detach().clone()
+        where = (
+            graph.inserting_before(holders[first_user])
+            if first_user < len(holders)
+            else graph.inserting_after(holders[-1])
+        )
+        with where:
+            holder = graph.placeholder(f"c_{name}")
+        holder.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(holder)
+        specs.insert(first_user + i - first, InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(holder.name), name))
+        folded.append(str(node.target))
+    graph.eliminate_dead_code()
+    ep.graph_module.recompile()
+    return list(dict.fromkeys(folded))
 
 
 def rewrite_for_onnx(ep: torch.export.ExportedProgram) -> list[str]:
@@ -65,3 +195,49 @@ def rewrite_for_onnx(ep: torch.export.ExportedProgram) -> list[str]:
         ep.graph_module.recompile()
         logger.info("rewrote for ONNX: %s", ", ".join(done))
     return list(dict.fromkeys(done))
+
+
+_NO_FUNCTION = re.compile(r"No ONNX function found for <OpOverload\(op='([\w.]+)', overload='(\w+)'\)>")
+
+
+def converted_folding(ep: torch.export.ExportedProgram, convert: Callable[[], Any], options: list[str]) -> Any:
+    """``convert()``; when it fails for want of an op's translation, or on a guard on data-dependent sizes (the
+    decompositions retrace sizes read from constant values: a program traced with an input's values fixed),
+    again after :func:`fold_constants` folded something, saying so on ``options``. A program that converts
+    is converted as it is."""
+    try:
+        return convert()
+    except Exception as exc:
+        folded = fold_constants(ep) if _NO_FUNCTION.search(str(exc)) or "data-dependent" in str(exc) else []
+        if not folded:
+            raise
+    options.append(f"rewritten for ONNX: values computed from constants and weights alone folded ({', '.join(folded)})")
+    return convert()
+
+
+def untranslated_op(message: str, ep: torch.export.ExportedProgram) -> str | None:
+    """When the ONNX conversion failed for want of a translation of an op: the op and the module using it, in one
+    line (``no ONNX translation for prims.erf_inv, used by module 'gate' (Gate)``); None for another failure.
+
+    The op is named as the exporter names it, after its decompositions; the module is that of the
+    first node of ``ep`` whose op's name ends with that name, underscores aside
+    (``aten.special_erfinv`` is decomposed into ``prims.erf_inv``).
+    """
+    found = _NO_FUNCTION.search(message)
+    if found is None:
+        return None
+    op = found.group(1)
+    where = ""
+    bare = op.rsplit(".", 1)[-1].replace("_", "")
+    for node in ep.graph.nodes:
+        name = getattr(node.target, "__name__", "").split(".")[0].replace("_", "")
+        if node.op == "call_function" and name.endswith(bare):
+            stack = list((node.meta.get("nn_module_stack") or {}).values())
+            path, kind = stack[-1] if stack else ("", "")
+            kind = getattr(kind, "__name__", str(kind).rsplit(".", 1)[-1])
+            where = f", used by module {path!r} ({kind})" if path else f", used by the model's own code ({kind})"
+            break
+    return (
+        f"no ONNX translation for {op}{where}: it depends on the inputs, so it cannot be folded into a constant; "
+        "rewrite that code with ops ONNX has, or register a translation with torch.onnx"
+    )

@@ -20,7 +20,9 @@ call runs through the program whose structure it has.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import inspect
 import logging
 import os
 from collections.abc import Collection
@@ -35,8 +37,8 @@ from iobundle.calls import RecordedCalls
 from iobundle.errors import AlignmentError, ExportError
 from iobundle.replay.check import Tolerances, tolerance_options
 from iobundle.replay.export._export import CallCheck, ExportReport, ExportResult, export_program, save_onnx
-from iobundle.replay.infer import DynamicSpec, call_structures, phase_calls
-from iobundle.schema import ProgramEntry, ProgramIndex, SizeCondition, write_program_index
+from iobundle.replay.infer import DynamicSpec, align_calls, call_structures, call_values, owner_name, phase_calls
+from iobundle.schema import FixedValues, ProgramEntry, ProgramIndex, SizeCondition, write_program_index
 
 __all__ = [
     "INDEX_SUFFIX",
@@ -107,6 +109,8 @@ class PhaseProgram(ExportResult):
     split_of: str | None = None
     """The program whose refused sizes this one serves (a second program traced from the refused inputs:
     recorded calls, or a recorded call cut to another batch)."""
+    values: dict[str, FixedValues] = field(default_factory=dict)
+    """The values of inputs this program was traced with, fixed (see :func:`_per_value_set`)."""
 
     @classmethod
     def of(cls, result: ExportResult, phase: Phase, rc: RecordedCalls, dynamic: DynamicSpec) -> PhaseProgram:
@@ -162,7 +166,7 @@ class ProgramSet:
         """
         path = resolve_output(path, remote=False, what="to_onnx")
         assert isinstance(path, Path)
-        if len(self.programs) == 1:
+        if len(self.programs) == 1 and not self.programs[0].values:
             only = self.programs[0]
             self.files = [save_onnx(only.rc, only, path)]
             return self.files[0]
@@ -188,6 +192,7 @@ class ProgramSet:
                     traced_call=program.report.traced_call,
                     inputs=structures[0] if len(structures) == 1 else structures,
                     sizes=program.sizes,
+                    values=program.values,
                 )
             )
         index_path = path.parent / f"{stem}{INDEX_SUFFIX}"
@@ -237,7 +242,13 @@ def export_programs(
     phases = partition_calls(rc)
     every = Phase("all", tuple(c.index for c in rc.ok_calls), {})
     if programs == "one" or len(phases) == 1:
-        one = export_program(rc, model, check=check, **options)
+        try:
+            one = export_program(rc, model, check=check, **options)
+        except ExportError as exc:
+            fixed = None if programs == "one" else _per_value_set(rc, model, phases[0], exc, check, options)
+            if fixed is None:
+                raise
+            return fixed
         return _split(ProgramSet([PhaseProgram.of(one, every, rc, dynamic)]), phases)
     reason = f"programs={programs!r}"
     single: ProgramSet | None = None
@@ -320,3 +331,114 @@ def _phase_dynamic(rc: RecordedCalls, phase: Phase, dynamic: DynamicSpec) -> Dyn
         if phase.inputs.get(name, "absent") != "absent":
             kept[key] = axes
     return kept
+
+
+_DATA_DEPENDENT = "data-dependent"
+MAX_FIXED_ELEMENTS = 4096
+
+
+class _ValuesFixed(torch.nn.Module):
+    """``model``'s observed method with the inputs of ``fixed`` replaced by tensors of those values
+    (``{name: (elements, shape, dtype)}``), made anew at each call.
+
+    The method keeps its signature (the inputs stay arguments, unused): a program traced through it
+    takes what the recorded calls hold, and computes with the values it was traced with.
+    """
+
+    def __new__(cls, model: torch.nn.Module, method: str, fixed: dict[str, tuple[Any, ...]]) -> _ValuesFixed:
+        from unittest import mock
+
+        from torch._subclasses import fake_tensor
+
+        signature = inspect.signature(getattr(model, method))
+
+        def forward(self: _ValuesFixed, *args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            # Tensors made from numbers while tracing are constants whose values torch.export's fake
+            # tensors keep, and propagate through the ops on them, up to CONSTANT_NUMEL_LIMIT elements.
+            with mock.patch.object(fake_tensor, "CONSTANT_NUMEL_LIMIT", MAX_FIXED_ELEMENTS):
+                for name, (data, shape, dtype) in self.fixed.items():
+                    bound.arguments[name] = torch.tensor(data, dtype=dtype).reshape(shape)
+                return getattr(self.model, method)(*bound.args, **bound.kwargs)
+
+        forward.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=[
+                inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+                *signature.parameters.values(),
+            ]
+        )
+        subclass = type(cls.__name__, (cls,), {"forward": forward, method: forward, "__module__": cls.__module__})
+        return super().__new__(subclass)  # type: ignore[no-any-return]
+
+    def __init__(self, model: torch.nn.Module, method: str, fixed: dict[str, tuple[Any, ...]]) -> None:
+        super().__init__()
+        self.model = model
+        self.fixed = fixed
+
+
+def _value_inputs(rc: RecordedCalls) -> dict[str, torch.dtype]:
+    """The inputs that may carry sizes in their values, and their dtypes: one integer tensor of at most
+    :data:`MAX_FIXED_ELEMENTS` elements in every call (an image grid, lengths), smallest first."""
+    alignment = align_calls(rc)
+    found: dict[str, tuple[int, torch.dtype]] = {}
+    for owner, count in collections.Counter(alignment.owners).items():
+        name = owner_name(rc, owner)
+        values = [call_values(rc, alignment, i)(name) for i in range(len(alignment.calls))]
+        if count == 1 and name != rc.var_keyword and all(v and len(v[1]) <= MAX_FIXED_ELEMENTS for v in values):
+            key = alignment.slots[0][alignment.owners.index(owner)]
+            found[name] = (max(len(v[1]) for v in values if v), rc.store.get(key).dtype)
+    return {name: found[name][1] for name in sorted(found, key=lambda n: found[n][0])}
+
+
+def _per_value_set(
+    rc: RecordedCalls, model: torch.nn.Module, phase: Phase, exc: ExportError, check: bool, options: dict[str, Any]
+) -> ProgramSet | None:
+    """When torch.export stopped on a size read from tensor values (``torch.split(x, lengths.tolist())``): one
+    program per recorded value set of the inputs carrying it, each traced with those values fixed; None when
+    the failure is another, or fixing no integer input's values lets the first value set export.
+
+    The inputs tried are those of :func:`_value_inputs`, each alone, then all together. Each program
+    serves the calls holding its values (the program index's ``values``) and is checked on them;
+    its report says which inputs fix sizes of its graph.
+    """
+    if _DATA_DEPENDENT not in str(exc) or rc.signature.method is None:
+        return None
+    dtypes = _value_inputs(rc)
+    tries = [[name] for name in dtypes] + ([list(dtypes)] if len(dtypes) > 1 else [])
+    alignment = align_calls(rc)
+    for names in tries:
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for i, call in enumerate(alignment.calls):
+            value = call_values(rc, alignment, i)
+            groups.setdefault(tuple((n, *map(tuple, value(n) or ())) for n in names), []).append(call.index)
+        result = ProgramSet([], reason=f"one program: {_first_line(exc)}")
+        for number, (key, calls) in enumerate(groups.items()):
+            fixed = {n: FixedValues(shape=list(shape), data=list(data)) for n, shape, data in key}
+            sub = phase_calls(rc, calls)
+            wrapped = _ValuesFixed(
+                model, rc.signature.method, {n: (v.data, v.shape, dtypes[n]) for n, v in fixed.items()}
+            )
+            try:
+                one = export_program(sub, wrapped, check=check, **options)
+            except ExportError as again:
+                if number == 0:
+                    break  # fixing these inputs does not serve: try the next
+                raise ExportError(
+                    f"Calls {calls}, traced with the values of {', '.join(names)} fixed: {again}", report=again.report
+                ) from again
+            said = ", ".join(f"{n} = {v.data} (shape {v.shape})" for n, v in fixed.items())
+            one.report.options.append(
+                f"traced with the values of {', '.join(names)} fixed ({said}): they fix sizes of the graph, "
+                "torch.export stopped on a guard on data-dependent sizes without them; serves the calls holding them"
+            )
+            program = PhaseProgram.of(one, Phase(f"p{number}", tuple(calls), phase.inputs), sub, None)
+            program.values = fixed
+            result.programs.append(program)
+        else:
+            result.reason += (
+                f"; sizes read from the values of {', '.join(names)}: one program per recorded value set "
+                f"({len(groups)} sets)"
+            )
+            logger.info("%s", result.reason)
+            return result
+    return None

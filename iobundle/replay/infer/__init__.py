@@ -18,6 +18,7 @@ __all__ = [
     "align_calls",
     "call_shape",
     "call_sizes",
+    "call_values",
     "call_structure",
     "call_structures",
     "owner_name",
@@ -36,6 +37,7 @@ __all__ = [
     "infer_dynamic_shapes",
     "infer_group_shapes",
     "name_dims",
+    "derive_dims",
     "named_dims_hint",
     "onnx_axis_names",
     "rename_onnx_axes",
@@ -67,6 +69,7 @@ from iobundle.replay.infer._align import (
     call_sizes,
     call_structure,
     call_structures,
+    call_values,
     owner_name,
     phase_calls,
 )
@@ -82,6 +85,7 @@ from iobundle.replay.infer._arguments import (
 from iobundle.replay.infer._batch import BatchAxis, batch_axes, find_batch_axes
 from iobundle.replay.infer._dim_names import (
     DimNamesSpec,
+    derive_dims,
     name_dims,
     named_dims_hint,
     onnx_axis_names,

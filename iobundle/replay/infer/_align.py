@@ -417,6 +417,23 @@ def call_sizes(rc: RecordedCalls, alignment: Alignment, position: int) -> Callab
     return size
 
 
+def call_values(
+    rc: RecordedCalls, alignment: Alignment, position: int
+) -> Callable[[str], tuple[list[int], list[int]] | None]:
+    """``value(input)`` of the ``position``-th aligned call, as :func:`iobundle.schema.values_match` asks it: the
+    shape and flattened elements of the input's first tensor present (None without one, or for floats)."""
+    slots = alignment.slots[position]
+
+    def value(name: str) -> tuple[list[int], list[int]] | None:
+        key = next((k for o, k in zip(alignment.owners, slots) if owner_name(rc, o) == name and k is not None), None)
+        tensor = rc.store.get(key) if key is not None else None
+        if tensor is None or tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+            return None
+        return list(tensor.shape), [int(v) for v in tensor.flatten().tolist()]
+
+    return value
+
+
 def call_structure(rc: RecordedCalls, alignment: Alignment, position: int) -> dict[str, str]:
     """The structure of the ``position``-th aligned call: per input, which of its tensors it holds.
 

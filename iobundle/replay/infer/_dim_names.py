@@ -30,7 +30,7 @@ into shared ``torch.export.Dim`` objects for ``torch.export.export``.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,7 +55,15 @@ else:
 if TYPE_CHECKING:
     from iobundle.replay.infer._align import Alignment
 
-__all__ = ["DimNamesSpec", "name_dims", "named_dims_hint", "onnx_axis_names", "rename_onnx_axes", "to_export_dims"]
+__all__ = [
+    "DimNamesSpec",
+    "derive_dims",
+    "name_dims",
+    "named_dims_hint",
+    "onnx_axis_names",
+    "rename_onnx_axes",
+    "to_export_dims",
+]
 
 #: ``True`` (derive names), or explicit names by input name or position.
 DimNamesSpec = bool | Mapping[int | str, Any]
@@ -324,8 +332,53 @@ def _dims_dict(key: int | str, value: Any) -> Mapping[Any, Any]:
     return value
 
 
-def to_export_dims(dynamic_shapes: Any) -> tuple[Any, dict[str, str]]:
+def derive_dims(
+    sizes: Mapping[str, Sequence[int | None]], names: Collection[str]
+) -> dict[str, tuple[str | None, int, int]]:
+    """Derived dimensions among ``names``, inferred from the sizes each name had in the recorded calls.
+
+    ``sizes`` gives, per name, its size in each recorded call (None where the call lacks it). A
+    name whose size is ``k * B + c`` in every call, for a smaller name ``B`` of varying size and
+    integers ``k >= 1``, ``c`` (the patches of a ViT's ``pixel_values`` and its patch mask: 28, 42,
+    56 and 2, 3, 4; three calls at least when both ``k > 1`` and ``c != 0``), becomes ``(B, k, c)``: a ``torch.export`` derived dimension. A name tied to no
+    other whose sizes are all multiples of some ``k > 1`` (sizes 28, 42, 56) becomes
+    ``(None, k, 0)``: ``k`` times a dimension of its own. Names only of ``names`` are derived
+    (those torch.export found constraints on); a name derived from another relates to its root.
+    """
+    import math
+
+    chosen = sorted(sizes, key=lambda n: max((v for v in sizes[n] if v is not None), default=0))
+    roots: list[str] = []
+    derived: dict[str, tuple[str | None, int, int]] = {}
+    for name in chosen:
+        for root in roots if name in names else []:
+            pairs = sorted({(b, a) for b, a in zip(sizes[root], sizes[name]) if a is not None and b is not None})
+            if len({b for b, _ in pairs}) < 2 or (pairs[-1][1] - pairs[0][1]) % (pairs[-1][0] - pairs[0][0]):
+                continue
+            k = (pairs[-1][1] - pairs[0][1]) // (pairs[-1][0] - pairs[0][0])
+            c = pairs[0][1] - k * pairs[0][0]
+            # Two sizes fit a line of any slope: a relation with both k > 1 and c != 0 needs three. Equal
+            # sizes are not derived: two names for one size is the caller's to merge (named_dims_hint).
+            fits = all(a == k * b + c for b, a in pairs) and (len(pairs) > 2 or k == 1 or c == 0)
+            if k >= 1 and fits and (k, c) != (1, 0):
+                derived[name] = (root, k, c)
+                break
+        else:
+            roots.append(name)
+    for name in roots:
+        k = math.gcd(*(v for v in sizes[name] if v is not None))
+        if name in names and k > 1 and not any(r == name for r, _, _ in derived.values()):
+            derived[name] = (None, k, 0)
+    return derived
+
+
+def to_export_dims(
+    dynamic_shapes: Any, derived: Mapping[str, tuple[str | None, int, int]] | None = None
+) -> tuple[Any, dict[str, str]]:
     """Replace every name in ``dynamic_shapes`` by one shared ``torch.export.Dim`` per name (and ``DYNAMIC`` by torch's).
+
+    With ``derived`` (see :func:`derive_dims`), a name ``(root, k, c)`` is the derived dimension
+    ``k * root + c`` (``k`` times a dimension of its own when ``root`` is None).
 
     Returns:
         The converted structure and, per ``Dim`` name, the name it stands for (names that are
@@ -343,7 +396,12 @@ def to_export_dims(dynamic_shapes: Any) -> tuple[Any, dict[str, str]]:
             while ident in originals:
                 ident, n = f"{base}_{n}", n + 1
             originals[ident] = name
-            dims[name] = torch.export.Dim(ident)
+            root, k, c = (derived or {}).get(name, (name, 1, 0))
+            if root == name:
+                dims[name] = torch.export.Dim(ident)
+            else:
+                base = dim(root) if root is not None else torch.export.Dim(f"{ident}_over_{k}")
+                dims[name] = k * base + c if c else k * base
         return dims[name]
 
     def torch_hint(value: Any) -> Any:
