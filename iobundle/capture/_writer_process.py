@@ -102,9 +102,18 @@ class _CallJson:
 
     def _items(self, items: list[Node]) -> bytes:
         memo, parts = self._memo, []
-        for item in items:  # a node met before without a call: most items of a decode step are
+        for item in items:  # a node met before, or a new tensor's, without a call: most items of a decode step
             hit = memo.get(id(item))
-            parts.append(hit[1] if hit is not None and hit[0] is item else self._node(item))
+            if hit is not None and hit[0] is item:
+                parts.append(hit[1])
+            elif type(item) is TensorNode and item.key.isalnum() and item.key.isascii():
+                text = b'{"kind":"tensor","key":"%s"}' % item.key.encode()
+                memo[id(item)] = (item, text)
+                parts.append(text)
+            else:
+                parts.append(self._node(item))
+        if len(memo) >= _MEMO_NODES:
+            memo.clear()
         return b",".join(parts)
 
     def _node(self, node: Node) -> bytes:
@@ -420,24 +429,27 @@ class WriterProcess:
             specs: list[tuple[str, tuple[Any, ...]]] = []
             copies: list[tuple[torch.Tensor, int, int]] = []
             total = 0
-            sent = self._sent
+            sent, get, strided, names = self._sent, self._get, torch.strided, _DTYPE_NAMES
             new = [k for k in dict.fromkeys(call_keys(call)) if k not in sent]
-            for key in new:
+            for key in new:  # once per new tensor of every call: kept lean
                 try:
-                    tensor = self._get(key)
+                    tensor = get(key)
                 except Exception as exc:  # its snapshot is gone: the child reports the call incomplete
                     specs.append((key, ("error", type(exc).__name__, str(exc))))
                     continue
-                name = _DTYPE_NAMES.get(tensor.dtype) or dtype_name(tensor.dtype)
-                if name is None or tensor.layout != torch.strided or not tensor.is_contiguous():
+                name = names.get(tensor.dtype)
+                if name is None:
+                    name = dtype_name(tensor.dtype)
+                    if name is not None:
+                        names[tensor.dtype] = name
+                if name is None or tensor.layout is not strided or not tensor.is_contiguous():
                     specs.append((key, ("unsupported", str(tensor.dtype))))
                     continue
-                _DTYPE_NAMES[tensor.dtype] = name
                 nbytes = tensor.nbytes
                 device = "cpu" if tensor.is_cpu else str(tensor.device)
                 specs.append((key, ("tensor", name, tuple(tensor.shape), device, total, nbytes)))
                 copies.append((tensor, total, nbytes))
-                total += -(-nbytes // _ALIGN) * _ALIGN
+                total += (nbytes + _ALIGN - 1) & -_ALIGN
             ring = self._child.ring
             with self._cond:
                 self._seq += 1
