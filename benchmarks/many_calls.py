@@ -22,7 +22,7 @@ def _distinct_bytes(observer: Any) -> int:
     Brute force over *every* earlier tensor (not only the recent ones the writer compares with):
     an independent count of the distinct data the bundle must hold.
     """
-    from iobundle.calls._delta import extends_bytes
+    from iobundle.calls import extends_bytes
 
     table = observer._table  # the snapshots, by key, in recording order
     keys: dict[str, None] = {}

@@ -65,6 +65,7 @@ __all__ = [
     "escape_key",
     # Delta storage and hashes
     "DeltaIndex",
+    "extends_bytes",
     "Match",
     "Packed",
     "PinnedStager",
@@ -112,7 +113,7 @@ from iobundle.calls._autocast import (
 )
 from iobundle.calls._calls import DictTensorStore, RecordedCalls, TensorStore, positional_names, signature_entry
 from iobundle.calls._config import read_stored_config
-from iobundle.calls._delta import DeltaIndex, Match, rebuild
+from iobundle.calls._delta import DeltaIndex, Match, extends_bytes, rebuild
 from iobundle.calls._dtypes import FLOATING_NAMES, NAME_TO_DTYPE, dtype_name
 from iobundle.calls._hashing import WRITE_HASH, new_hasher
 from iobundle.calls._layouts import (
