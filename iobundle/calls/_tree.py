@@ -84,10 +84,6 @@ class TensorCollector:
         self._counter += 1
         return key
 
-    def add(self, tensor: torch.Tensor) -> str:
-        """Return the key of ``tensor``, snapshotting it if it was not seen unchanged before."""
-        return self.node(tensor).key
-
     def node(self, tensor: torch.Tensor) -> TensorNode:
         """The tensor node of ``tensor`` (its key), snapshotting it if it was not seen unchanged before."""
         seen = self._seen.get(id(tensor))
