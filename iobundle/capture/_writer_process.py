@@ -70,8 +70,6 @@ _ALIGN = 64
 Done = Callable[[CallEntry, list[TensorRow] | None, str | None, str | None], None]
 
 
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-
 _TREE = TypeAdapter(Node)
 
 _MEMO_NODES = 8192
@@ -106,24 +104,24 @@ class _CallJson:
             hit = memo.get(id(item))
             if hit is not None and hit[0] is item:
                 parts.append(hit[1])
-            elif type(item) is TensorNode and item.key.isalnum() and item.key.isascii():
-                text = b'{"kind":"tensor","key":"%s"}' % item.key.encode()
-                memo[id(item)] = (item, text)
-                parts.append(text)
+            elif type(item) is TensorNode:
+                parts.append(self._remember(item, _tensor_json(item.key)))
             else:
                 parts.append(self._node(item))
-        if len(memo) >= _MEMO_NODES:
-            memo.clear()
         return b",".join(parts)
+
+    def _remember(self, node: Node, text: bytes) -> bytes:
+        if len(self._memo) >= _MEMO_NODES:
+            self._memo.clear()
+        self._memo[id(node)] = (node, text)
+        return text
 
     def _node(self, node: Node) -> bytes:
         hit = self._memo.get(id(node))
         if hit is not None and hit[0] is node:
             return hit[1]
         if isinstance(node, TensorNode):
-            key = node.key
-            quoted = b'"' + key.encode() + b'"' if key.isalnum() and key.isascii() else json.dumps(key).encode()
-            text = b'{"kind":"tensor","key":' + quoted + b"}"
+            text = _tensor_json(node.key)
         elif isinstance(node, ObjectNode):
             text = b"".join(
                 (
@@ -141,10 +139,13 @@ class _CallJson:
             return b'{"kind":"' + kind + b'","items":[' + self._items(node.items) + b"]}"
         else:  # None, a constant (floats need pydantic's inf/nan), a dict, an opaque value: small, rare
             return _TREE.dump_json(node)
-        if len(self._memo) >= _MEMO_NODES:
-            self._memo.clear()
-        self._memo[id(node)] = (node, text)
-        return text
+        return self._remember(node, text)
+
+
+def _tensor_json(key: str) -> bytes:
+    """A tensor node's JSON (a collector's key, ``t123``, needs no escaping; any other is escaped)."""
+    quoted = b'"%s"' % key.encode() if key.isalnum() and key.isascii() else json.dumps(key).encode()
+    return b'{"kind":"tensor","key":' + quoted + b"}"
 
 
 class WriterProcessUnavailable(Exception):
@@ -429,7 +430,7 @@ class WriterProcess:
             specs: list[tuple[str, tuple[Any, ...]]] = []
             copies: list[tuple[torch.Tensor, int, int]] = []
             total = 0
-            sent, get, strided, names = self._sent, self._get, torch.strided, _DTYPE_NAMES
+            sent, get, strided = self._sent, self._get, torch.strided
             new = [k for k in dict.fromkeys(call_keys(call)) if k not in sent]
             for key in new:  # once per new tensor of every call: kept lean
                 try:
@@ -437,11 +438,7 @@ class WriterProcess:
                 except Exception as exc:  # its snapshot is gone: the child reports the call incomplete
                     specs.append((key, ("error", type(exc).__name__, str(exc))))
                     continue
-                name = names.get(tensor.dtype)
-                if name is None:
-                    name = dtype_name(tensor.dtype)
-                    if name is not None:
-                        names[tensor.dtype] = name
+                name = dtype_name(tensor.dtype)
                 if name is None or tensor.layout is not strided or not tensor.is_contiguous():
                     specs.append((key, ("unsupported", str(tensor.dtype))))
                     continue
