@@ -57,7 +57,9 @@ def test_objects_frozen_by_the_caller_stay_frozen(saved: Path) -> None:
         frozen = gc.get_freeze_count()
         assert frozen > 0
         assert load_bundle(saved).num_obs() == 1
-        assert gc.get_freeze_count() == frozen
+        # Frozen objects still die by reference count (other threads' too), and only gc.freeze() adds
+        # to the permanent generation: a freeze by the open would grow the count, an unfreeze empty it.
+        assert frozen * 0.9 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
 
