@@ -46,7 +46,7 @@ from iobundle.calls import NAME_TO_DTYPE, Packed, PinnedStager, dtype_name
 from iobundle.capture._entries import TensorRow, call_keys, entry_row, mark_incomplete
 from iobundle.capture._writer import BundleWriter
 from iobundle.errors import BundleWriteError, UnsupportedInputError
-from iobundle.schema import CallEntry, FileEntry, ListNode, Node, ObjectNode, TensorNode, TupleNode
+from iobundle.schema import CallEntry, FileEntry, ListNode, Node, ObjectNode, TensorNode, TupleNode, collect_tensor_keys
 
 __all__ = ["WriterProcess", "WriterProcessUnavailable"]
 
@@ -83,12 +83,18 @@ class _CallJson:
     per tensor, and a cache passed to the next call is the node its previous call returned
     (:meth:`iobundle.calls.TensorCollector.same_object`). A decode step thus serialises only
     what it adds. The rest of the entry goes through pydantic (its None fields left out).
+
+    Serialising a call also lists the keys of the tensor nodes met for the first time: only
+    those can be new to the child (a node met before was in a call handed over before).
     """
 
     def __init__(self) -> None:
         self._memo: dict[int, tuple[Node, bytes]] = {}
+        self._keys: list[str] = []
 
-    def __call__(self, call: CallEntry) -> bytes:
+    def __call__(self, call: CallEntry) -> tuple[bytes, list[str]]:
+        """The JSON of ``call`` and the keys of the tensor nodes serialised for it (not met before)."""
+        self._keys = keys = []
         head = call.model_dump_json(exclude={"args", "kwargs", "outputs"}).encode()
         parts = [head[:-1], b',"args":[', b",".join(map(self._node, call.args)), b'],"kwargs":{']
         parts.append(b",".join(json.dumps(k).encode() + b":" + self._node(v) for k, v in call.kwargs.items()))
@@ -96,15 +102,16 @@ class _CallJson:
         if call.outputs is not None:
             parts += [b',"outputs":', self._node(call.outputs)]
         parts.append(b"}")
-        return b"".join(parts)
+        return b"".join(parts), keys
 
     def _items(self, items: list[Node]) -> bytes:
-        memo, parts = self._memo, []
+        memo, parts, keys = self._memo, [], self._keys
         for item in items:  # a node met before, or a new tensor's, without a call: most items of a decode step
             hit = memo.get(id(item))
             if hit is not None and hit[0] is item:
                 parts.append(hit[1])
             elif type(item) is TensorNode:
+                keys.append(item.key)
                 parts.append(self._remember(item, _tensor_json(item.key)))
             else:
                 parts.append(self._node(item))
@@ -121,6 +128,7 @@ class _CallJson:
         if hit is not None and hit[0] is node:
             return hit[1]
         if isinstance(node, TensorNode):
+            self._keys.append(node.key)
             text = _tensor_json(node.key)
         elif isinstance(node, ObjectNode):
             text = b"".join(
@@ -138,6 +146,7 @@ class _CallJson:
             kind = b"list" if isinstance(node, ListNode) else b"tuple"
             return b'{"kind":"' + kind + b'","items":[' + self._items(node.items) + b"]}"
         else:  # None, a constant (floats need pydantic's inf/nan), a dict, an opaque value: small, rare
+            collect_tensor_keys(node, self._keys)
             return _TREE.dump_json(node)
         return self._remember(node, text)
 
@@ -389,6 +398,7 @@ class WriterProcess:
         self._idle = idle
         self._sent: set[str] = set(writer.tensors)
         self._json = _CallJson()
+        self._resend = False  # set when keys handed over were not written: serialise every node again
         self._stager = PinnedStager()  # CUDA tensors: one packed copy per device into pinned memory
         self._staged: tuple[tuple[Any, ...], list[Packed]] | None = None  # a call waiting for its device copies
         self._calls: dict[int, CallEntry] = {}
@@ -431,7 +441,10 @@ class WriterProcess:
             copies: list[tuple[torch.Tensor, int, int]] = []
             total = 0
             sent, get, strided = self._sent, self._get, torch.strided
-            new = [k for k in dict.fromkeys(call_keys(call)) if k not in sent]
+            if self._resend:  # the child failed a call: its unwritten tensors go again, whichever nodes hold them
+                self._json, self._resend = _CallJson(), False
+            call_json, met = self._json(call)
+            new = [k for k in dict.fromkeys(met) if k not in sent]
             for key in new:  # once per new tensor of every call: kept lean
                 try:
                     tensor = get(key)
@@ -475,7 +488,7 @@ class WriterProcess:
                 else:
                     on_device.append((tensor, offset, nbytes))
             self._sent.update(new)
-            message = ("call", seq, self._json(call), start, specs)
+            message = ("call", seq, call_json, start, specs)
             if on_device:  # sent by the next submit (or close): the copies run meanwhile
                 self._staged = (message, self._stager.to_pinned(on_device))
                 return True
@@ -582,6 +595,7 @@ class WriterProcess:
                             call = self._calls[seq]
                         if error is not None:
                             self._sent.difference_update(k for k in call_keys(call) if k not in self._writer.tensors)
+                            self._resend = True
                         self._done(call, rows if error is None else None, error, journal_error)
                         with self._cond:
                             ring.release(seq)  # the child is done with its range (if it did not say so earlier)
