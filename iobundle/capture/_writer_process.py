@@ -79,13 +79,13 @@ class _CallJson:
     """Recorded calls as the manifest's JSON, for the child, at a cost that does not grow with what repeats.
 
     The child validates what it receives, so any JSON of the entry will do; this one is put together
-    from the JSON of each node, remembered for the nodes calls share: a tensor node is made once
-    per tensor, and a cache passed to the next call is the node its previous call returned
+    from the JSON of each container node, remembered for the nodes calls share: a cache passed to
+    the next call is the node its previous call returned
     (:meth:`iobundle.calls.TensorCollector.same_object`). A decode step thus serialises only
     what it adds. The rest of the entry goes through pydantic (its None fields left out).
 
-    Serialising a call also lists the keys of the tensor nodes met for the first time: only
-    those can be new to the child (a node met before was in a call handed over before).
+    Serialising a call also lists the keys of the tensor nodes it wrote out: a remembered node's
+    were listed with the call that first held it, so only these can be new to the child.
     """
 
     def __init__(self) -> None:
@@ -106,15 +106,13 @@ class _CallJson:
 
     def _items(self, items: list[Node]) -> bytes:
         memo, parts, keys = self._memo, [], self._keys
-        for item in items:  # a node met before, or a new tensor's, without a call: most items of a decode step
-            hit = memo.get(id(item))
-            if hit is not None and hit[0] is item:
-                parts.append(hit[1])
-            elif type(item) is TensorNode:
+        for item in items:  # a tensor, or a node met before, without a call: most items of a decode step
+            if type(item) is TensorNode:  # not remembered: cheap to write again (sent filters its key)
                 keys.append(item.key)
-                parts.append(self._remember(item, _tensor_json(item.key)))
-            else:
-                parts.append(self._node(item))
+                parts.append(_tensor_json(item.key))
+                continue
+            hit = memo.get(id(item))
+            parts.append(hit[1] if hit is not None and hit[0] is item else self._node(item))
         return b",".join(parts)
 
     def _remember(self, node: Node, text: bytes) -> bytes:
@@ -124,13 +122,13 @@ class _CallJson:
         return text
 
     def _node(self, node: Node) -> bytes:
+        if isinstance(node, TensorNode):
+            self._keys.append(node.key)
+            return _tensor_json(node.key)
         hit = self._memo.get(id(node))
         if hit is not None and hit[0] is node:
             return hit[1]
-        if isinstance(node, TensorNode):
-            self._keys.append(node.key)
-            text = _tensor_json(node.key)
-        elif isinstance(node, ObjectNode):
+        if isinstance(node, ObjectNode):
             text = b"".join(
                 (
                     b'{"kind":"node","type":',
@@ -398,6 +396,7 @@ class WriterProcess:
         self._idle = idle
         self._sent: set[str] = set(writer.tensors)
         self._json = _CallJson()
+        self._names: dict[torch.dtype, str] = {}  # the dtypes met, by safetensors name
         self._resend = False  # set when keys handed over were not written: serialise every node again
         self._stager = PinnedStager()  # CUDA tensors: one packed copy per device into pinned memory
         self._staged: tuple[tuple[Any, ...], list[Packed]] | None = None  # a call waiting for its device copies
@@ -445,20 +444,26 @@ class WriterProcess:
                 self._json, self._resend = _CallJson(), False
             call_json, met = self._json(call)
             new = [k for k in dict.fromkeys(met) if k not in sent]
+            names, memmove, on_device = self._names, ctypes.memmove, []
             for key in new:  # once per new tensor of every call: kept lean
                 try:
                     tensor = get(key)
                 except Exception as exc:  # its snapshot is gone: the child reports the call incomplete
                     specs.append((key, ("error", type(exc).__name__, str(exc))))
                     continue
-                name = dtype_name(tensor.dtype)
+                dtype = tensor.dtype
+                name = names.get(dtype)
+                if name is None and (name := dtype_name(dtype)) is not None:
+                    names[dtype] = name
                 if name is None or tensor.layout is not strided or not tensor.is_contiguous():
-                    specs.append((key, ("unsupported", str(tensor.dtype))))
+                    specs.append((key, ("unsupported", str(dtype))))
                     continue
-                nbytes = tensor.nbytes
-                device = "cpu" if tensor.is_cpu else str(tensor.device)
-                specs.append((key, ("tensor", name, tuple(tensor.shape), device, total, nbytes)))
-                copies.append((tensor, total, nbytes))
+                nbytes, cpu = tensor.nbytes, tensor.is_cpu
+                specs.append(
+                    (key, ("tensor", name, tuple(tensor.shape), "cpu" if cpu else str(tensor.device), total, nbytes))
+                )
+                if nbytes:
+                    (copies if cpu else on_device).append((tensor, total, nbytes))
                 total += (nbytes + _ALIGN - 1) & -_ALIGN
             ring = self._child.ring
             with self._cond:
@@ -479,14 +484,8 @@ class WriterProcess:
                 view = ring.view
             assert view is not None
             base = view.data_ptr() + start
-            on_device = []
-            for tensor, offset, nbytes in copies:
-                if not nbytes:
-                    continue
-                if tensor.is_cpu:  # one memcpy, without the lock: no torch op to dispatch
-                    ctypes.memmove(base + offset, tensor.data_ptr(), nbytes)
-                else:
-                    on_device.append((tensor, offset, nbytes))
+            for tensor, offset, nbytes in copies:  # one memcpy each, without the lock: no torch op to dispatch
+                memmove(base + offset, tensor.data_ptr(), nbytes)
             self._sent.update(new)
             message = ("call", seq, call_json, start, specs)
             if on_device:  # sent by the next submit (or close): the copies run meanwhile
