@@ -41,26 +41,20 @@ logger = logging.getLogger(__name__)
 
 
 def add_dynamic_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--dynamic",
-        action="append",
-        default=[],
-        metavar="NAME:AXIS",
-        help="make AXIS of every tensor of input NAME dynamic even if its size never varied "
+    _checks.add_list_flag(
+        parser, "--dynamic", "NAME:AXIS",
+        "make AXIS of every tensor of input NAME dynamic even if its size never varied "
         "(repeat; NAME:1,2 for several axes; NAME may be a position)",
-    )
+    )  # fmt: skip
 
 
 def add_report_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--report",
-        action="append",
-        default=[],
-        metavar="FILE",
-        help="also write the export report: .md (for an issue), .html (a chart), .csv (one row per call) or "
+    _checks.add_list_flag(
+        parser, "--report", "FILE",
+        "also write the export report: .md (for an issue), .html (a chart), .csv (one row per call) or "
         ".json (per program its calls, input structure, traced call, patches, timings, one check per call and "
         "the check beyond the recorded calls); repeat for several files",
-    )
+    )  # fmt: skip
 
 
 def _export_report_paths(values: list[str]) -> list[str]:

@@ -320,12 +320,24 @@ def _log_scale(values: Sequence[float | None], extra: Sequence[float]) -> tuple[
     return float(lo - 1), float(max(hi, lo) + (1 if hi == lo else 0))
 
 
+def _log_fraction(value: float, lo: float, hi: float) -> float:
+    """Where ``value`` stands between 10**lo and 10**hi on a log scale, from 0 to 1 (clamped)."""
+    return min(max((math.log10(value) - lo) / (hi - lo), 0.0), 1.0)
+
+
 def _svg_open(width: int, height: int, title: str) -> list[str]:
     return [
         f'<svg width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img">',
         f"<title>{_esc(title)}</title>",
         f'<rect x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>',
     ]
+
+
+def _svg_close(parts: list[str], x: float, y: int, caption: str) -> str:
+    """The chart's text: ``parts``, then ``caption`` centred on ``x`` at ``y``, then the end of the svg."""
+    parts.append(f'<text x="{x:.0f}" y="{y}" text-anchor="middle">{caption}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
 
 
 def _svg_per_call(report: Report) -> str:
@@ -340,8 +352,7 @@ def _svg_per_call(report: Report) -> str:
     def y(v: float | None) -> float:
         if v is None or v <= 0 or not math.isfinite(v):
             return top + plot_h if v is None or v <= 0 else float(top)
-        t = (math.log10(v) - lo) / (hi - lo)
-        return top + plot_h * (1 - min(max(t, 0.0), 1.0))
+        return top + plot_h * (1 - _log_fraction(v, lo, hi))
 
     parts = _svg_open(width, height, "largest absolute error per call")
     for d in range(int(lo), int(hi) + 1):
@@ -404,8 +415,7 @@ def _svg_per_output(report: Report) -> str:
             return float(label_w)
         if not math.isfinite(v):
             return float(label_w + plot_w)
-        t = (math.log10(v) - lo) / (hi - lo)
-        return label_w + plot_w * min(max(t, 0.0), 1.0)
+        return label_w + plot_w * _log_fraction(v, lo, hi)
 
     parts = _svg_open(width, height, "largest absolute error per output")
     for d in range(int(lo), int(hi) + 1):
@@ -427,11 +437,7 @@ def _svg_per_output(report: Report) -> str:
             f'<line x1="{xa:.1f}" y1="{yy + 1}" x2="{xa:.1f}" y2="{yy + row_h - 1}" stroke="#cf222e" stroke-width="2"/>'
         )
         parts.append(f'<text x="{label_w + plot_w + 14}" y="{yy + 14}">{_esc(_number(e["max_abs"]))}</text>')
-    parts.append(
-        f'<text x="{label_w + plot_w / 2:.0f}" y="{height - 2}" text-anchor="middle">max abs error (red tick: atol)</text>'
-    )
-    parts.append("</svg>")
-    return "".join(parts)
+    return _svg_close(parts, label_w + plot_w / 2, height - 2, "max abs error (red tick: atol)")
 
 
 def _svg_histogram(report: Report) -> str:
@@ -457,11 +463,7 @@ def _svg_histogram(report: Report) -> str:
             f'<text x="{x + (slot - 8) / 2:.1f}" y="{top + plot_h + 14}" text-anchor="middle">{_esc(tick)}</text>'
         )
     parts.append(f'<line x1="{left}" y1="{top + plot_h}" x2="{width - 12}" y2="{top + plot_h}" stroke="#57606a"/>')
-    parts.append(
-        f'<text x="{left + plot_w / 2:.0f}" y="{height - 8}" text-anchor="middle">absolute error (bar height: log of the count)</text>'
-    )
-    parts.append("</svg>")
-    return "".join(parts)
+    return _svg_close(parts, left + plot_w / 2, height - 8, "absolute error (bar height: log of the count)")
 
 
 def _html(report: Report) -> str:
