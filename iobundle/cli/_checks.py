@@ -21,11 +21,14 @@ if TYPE_CHECKING:
     from iobundle.replay import Bundle, Tolerances, ValidationReport
 
 __all__ = [
+    "AddCommand",
     "EXAMPLES",
     "BUNDLE",
     "add_comparison_flags",
     "add_list_flag",
     "add_model_source",
+    "add_output",
+    "add_switch",
     "add_tolerance_flags",
     "comparison_options",
     "export_tolerances",
@@ -97,11 +100,21 @@ def add_model_source(p: argparse.ArgumentParser) -> None:
     """``--model MODULE:FACTORY | --from-bundle``, one of them required (export and run)."""
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", metavar="MODULE:FACTORY", help="a callable returning the model (your code)")
-    source.add_argument(
+    add_switch(
+        source,
         "--from-bundle",
-        action="store_true",
-        help="rebuild the model stored in the bundle (saved with include_model=True; transformers classes only)",
+        "rebuild the model stored in the bundle (saved with include_model=True; transformers classes only)",
     )
+
+
+def add_switch(parser: Any, flag: str, help: str) -> None:
+    """A flag that is off unless given (``--overwrite``, ``--no-verify``, ...)."""
+    parser.add_argument(flag, action="store_true", help=help)
+
+
+def add_output(parser: Any, metavar: str, help: str) -> None:
+    """``-o/--output METAVAR``, required."""
+    parser.add_argument("-o", "--output", metavar=metavar, required=True, help=help)
 
 
 def add_list_flag(parser: Any, flag: str, metavar: str, help: str) -> None:
@@ -267,7 +280,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 AddCommand = Callable[..., argparse.ArgumentParser]
-"""``_main._add_command``: ``(subparsers, name, handler, summary=, description=, epilog=, bundle=)`` -> the parser."""
+"""``_main._add_command``: ``(subparsers, name, handler, summary=, description=, bundle=)`` -> the parser."""
 
 
 def register(subparsers: Any, add_command: AddCommand) -> None:

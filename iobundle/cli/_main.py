@@ -4,8 +4,8 @@ Each handler parses, calls the public API, and hands the result to :mod:`iobundl
 (the only module that writes to the terminal). Handlers import the library inside their body,
 so ``import iobundle.cli`` and ``iobundle --help`` never load torch.
 
-To add a subcommand: write ``_cmd_<name>(args) -> int``, and in :func:`_build_parser` an
-``add_parser`` block with its arguments, an ``_EXAMPLES`` entry and ``set_defaults(handler=...)``.
+To add a subcommand: write ``_cmd_<name>(args) -> int``, an ``_EXAMPLES`` entry, and in
+:func:`_build_parser` an ``_add_command`` block (the handler, the help of its BUNDLE) with its arguments.
 Raise :class:`~iobundle.errors.CLIError` for bad flag combinations; return :data:`EXIT_CHECK_FAILED`
 when a check the user asked for fails.
 
@@ -214,7 +214,6 @@ def _add_command(
     *,
     summary: str,
     description: str,
-    epilog: str | None = None,
     bundle: str | None = None,
 ) -> argparse.ArgumentParser:
     """The subcommand ``name`` run by ``handler``, with the logging flags and, given its help, a BUNDLE argument."""
@@ -222,7 +221,7 @@ def _add_command(
         name,
         help=summary,
         description=description,
-        epilog=_EXAMPLES[name] if epilog is None else epilog,
+        epilog=_EXAMPLES[name],
         formatter_class=_Formatter,
     )
     _add_logging_flags(parser, top_level=False)
@@ -268,13 +267,13 @@ def _build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     _add_batch_flags(p)
     _programs.add_dynamic_flag(p)
-    p.add_argument(
+    _checks.add_switch(
+        p,
         "--dim-names",
-        action="store_true",
-        help="name each dynamic dimension ('batch_size', 'past_sequence_length', 'x_dim_1'); dimensions equal in "
+        "name each dynamic dimension ('batch_size', 'past_sequence_length', 'x_dim_1'); dimensions equal in "
         "every call share a name",
     )
-    p.add_argument("--json", action="store_true", help='print JSON: dims as "DYNAMIC" or their name')
+    _checks.add_switch(p, "--json", 'print JSON: dims as "DYNAMIC" or their name')
 
     _add_command(
         subparsers, "verify", _cmd_verify, bundle=_checks.BUNDLE,
@@ -293,16 +292,16 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "-o", "--output", metavar="MODEL.onnx", default="model.onnx", help="the ONNX file (default: %(default)s)"
     )
-    p.add_argument("--overwrite", action="store_true", help="replace MODEL.onnx (and its program index) if it exists")
+    _checks.add_switch(p, "--overwrite", "replace MODEL.onnx (and its program index) if it exists")
     _add_batch_flags(p)
     _programs.add_dynamic_flag(p)
     _programs.add_programs_flag(p)
     _programs.add_report_flag(p)
-    p.add_argument("--no-check", action="store_true", help="write the ONNX file even if a recorded call differs")
-    p.add_argument(
+    _checks.add_switch(p, "--no-check", "write the ONNX file even if a recorded call differs")
+    _checks.add_switch(
+        p,
         "--dim-names",
-        action="store_true",
-        help="name the graph's dynamic dimensions (batch_size, past_sequence_length, ...), as shapes --dim-names prints",
+        "name the graph's dynamic dimensions (batch_size, past_sequence_length, ...), as shapes --dim-names prints",
     )
     _checks.add_tolerance_flags(p, prefix="the check's ")
 
@@ -325,15 +324,11 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "directory", metavar="DIR", nargs="?", default="iobundle-demo", help="where to write (default: %(default)s)"
     )
-    p.add_argument(
-        "--llama",
-        action="store_true",
-        help="use a tiny transformers LlamaForCausalLM and its generate() instead (needs transformers)",
+    _checks.add_switch(
+        p, "--llama", "use a tiny transformers LlamaForCausalLM and its generate() instead (needs transformers)"
     )
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace outputs in DIR that an earlier demo did not write (its own are replaced anyway)",
+    _checks.add_switch(
+        p, "--overwrite", "replace outputs in DIR that an earlier demo did not write (its own are replaced anyway)"
     )
 
     _travel.register(subparsers, _add_command)  # pack, unpack, redact, convert
@@ -345,10 +340,10 @@ def _add_batch_flags(parser: argparse.ArgumentParser) -> None:
         parser, "--batch", "NAME",
         "make the batch axis of this input dynamic (a name or a position; repeat or separate with commas)",
     )  # fmt: skip
-    parser.add_argument(
+    _checks.add_switch(
+        parser,
         "--batch-all",
-        action="store_true",
-        help="make the batch axis of every input dynamic (found from the sizes; inputs without one are left alone)",
+        "make the batch axis of every input dynamic (found from the sizes; inputs without one are left alone)",
     )
 
 

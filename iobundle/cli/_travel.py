@@ -9,11 +9,10 @@ from the library's ``on_progress`` events.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from typing import Any
 
 from iobundle.cli import _render
-from iobundle.cli._checks import quiet, with_progress
+from iobundle.cli._checks import AddCommand, add_output, add_switch, quiet, with_progress
 from iobundle.errors import CLIError
 
 __all__ = ["EXAMPLES", "register"]
@@ -69,7 +68,6 @@ npz: keys are the tensors' paths in the call (args.0, kwargs.input_ids, outputs.
 bfloat16 and float8 become float32.""",
 }
 
-AddCommand = Callable[..., argparse.ArgumentParser]  # _main._add_command
 TRAVELLER = "the bundle (directory, packed file or URL)"  # BUNDLE's help here (BUNDLE says "a directory, ...")
 
 
@@ -80,12 +78,11 @@ def register(subparsers: Any, add_command: AddCommand) -> None:
         summary="pack a bundle directory into one file (uncompressed tar, read in place)",
         description="Write the bundle directory BUNDLE as one uncompressed tar file that every command reads in place.",
     )  # fmt: skip
-    p.add_argument("-o", "--output", metavar="FILE", required=True, help="the packed file (a path or a URL)")
-    p.add_argument("--overwrite", action="store_true", help="replace FILE if it exists")
-    p.add_argument(
-        "--no-verify", action="store_true",
-        help="pack without checking first that every file has the size and hash the manifest records",
-    )  # fmt: skip
+    add_output(p, "FILE", "the packed file (a path or a URL)")
+    add_switch(p, "--overwrite", "replace FILE if it exists")
+    add_switch(
+        p, "--no-verify", "pack without checking first that every file has the size and hash the manifest records"
+    )
 
     p = add_command(
         subparsers, "unpack", _cmd_unpack,
@@ -93,11 +90,9 @@ def register(subparsers: Any, add_command: AddCommand) -> None:
         description="Check the packed bundle FILE (its entries and every file's size and hash), then write its files to DIR.",
     )  # fmt: skip
     p.add_argument("archive", metavar="FILE", help="the packed bundle (a path or a URL)")
-    p.add_argument("-o", "--output", metavar="DIR", required=True, help="the bundle directory to write")
-    p.add_argument("--overwrite", action="store_true", help="replace DIR if it holds a bundle")
-    p.add_argument(
-        "--no-verify", action="store_true", help="skip the hash check of the members (sizes are still checked)"
-    )
+    add_output(p, "DIR", "the bundle directory to write")
+    add_switch(p, "--overwrite", "replace DIR if it holds a bundle")
+    add_switch(p, "--no-verify", "skip the hash check of the members (sizes are still checked)")
 
     p = add_command(
         subparsers, "redact", _cmd_redact, bundle=TRAVELLER,
@@ -105,11 +100,11 @@ def register(subparsers: Any, add_command: AddCommand) -> None:
         description="Write a copy of BUNDLE whose recorded inputs are synthetic (same dtypes and shapes), "
         "without the recorded outputs and stored weights unless kept.",
     )  # fmt: skip
-    p.add_argument("-o", "--output", metavar="OUT", required=True, help="the redacted bundle directory (or URL)")
-    p.add_argument("--keep-outputs", action="store_true", help="keep the recorded outputs (computed on real inputs)")
-    p.add_argument("--keep-model", action="store_true", help="keep the model config and weights the bundle stores")
+    add_output(p, "OUT", "the redacted bundle directory (or URL)")
+    add_switch(p, "--keep-outputs", "keep the recorded outputs (computed on real inputs)")
+    add_switch(p, "--keep-model", "keep the model config and weights the bundle stores")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic values (default: %(default)s)")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")
+    add_switch(p, "--overwrite", "replace OUT if it is not empty")
 
     p = add_command(
         subparsers, "upgrade", _cmd_upgrade, bundle=TRAVELLER,
@@ -118,7 +113,7 @@ def register(subparsers: Any, add_command: AddCommand) -> None:
         "version, then verify OUT and compare every tensor with BUNDLE's. BUNDLE is never changed.",
     )  # fmt: skip
     p.add_argument("output", metavar="OUT", help="the new bundle directory (or URL), outside BUNDLE")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it holds a bundle")
+    add_switch(p, "--overwrite", "replace OUT if it holds a bundle")
 
     p = add_command(
         subparsers, "convert", _cmd_convert, bundle=TRAVELLER,
@@ -128,7 +123,7 @@ def register(subparsers: Any, add_command: AddCommand) -> None:
     p.add_argument("--to", required=True, choices=["onnx-testdata", "npz"], help="the format to write")
     p.add_argument("output", metavar="DIR_OR_FILE", help="where to write (npz: a directory, or one FILE.npz)")
     p.add_argument("--model", metavar="MODEL.onnx", help="the ONNX model (onnx-testdata: names and input mapping)")
-    p.add_argument("--overwrite", action="store_true", help="write into a non-empty directory")
+    add_switch(p, "--overwrite", "write into a non-empty directory")
 
 
 def _moved(verb: str, result: Any, more: str) -> int:
