@@ -34,6 +34,7 @@ __all__ = [
     "load_journal",
     "load_manifest",
     "load_program_index",
+    "manifest_trees",
     "parse_journal",
     "parse_manifest",
     "program_structures",
@@ -56,6 +57,7 @@ from iobundle.schema._io import (
     MAX_EXTENSION_DEPTH,
     MAX_MANIFEST_BYTES,
     dump_manifest,
+    manifest_trees,
     parse_manifest,
     write_manifest,
 )
