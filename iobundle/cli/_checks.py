@@ -1,8 +1,10 @@
-"""The comparing commands' shared pieces: tolerance flags, progress bars, reports; and ``diff`` and ``run``.
+"""The commands' shared pieces: flag helpers, tolerance flags, progress bars, reports; and ``diff`` and ``run``.
 
-``validate`` (in :mod:`iobundle.cli._main`), ``run`` and ``diff`` take the same comparison flags
-(``--atol [NAME=]VALUE``, ``--rtol [NAME=]VALUE``, ``--check-error-stat``, ``--error-quantile``)
-and write the same reports (``--report FILE``: .md, .html, .json or .csv).
+Every subcommand declares its flags with the helpers here (:func:`add_switch`, :func:`add_output`,
+:func:`add_list_flag`, ...) and runs its long step under :func:`with_progress`. ``validate`` (in
+:mod:`iobundle.cli._main`), ``run`` and ``diff`` take the same comparison flags (``--atol [NAME=]VALUE``,
+``--rtol [NAME=]VALUE``, ``--check-error-stat``, ``--error-quantile``) and write the same reports
+(``--report FILE``: .md, .html, .json or .csv).
 """
 
 from __future__ import annotations
