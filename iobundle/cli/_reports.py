@@ -26,7 +26,7 @@ import io
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from iobundle._escape import csv_cell, html_text, markdown_code, markdown_code_block, markdown_text
@@ -320,9 +320,17 @@ def _log_scale(values: Sequence[float | None], extra: Sequence[float]) -> tuple[
     return float(lo - 1), float(max(hi, lo) + (1 if hi == lo else 0))
 
 
-def _log_fraction(value: float, lo: float, hi: float) -> float:
-    """Where ``value`` stands between 10**lo and 10**hi on a log scale, from 0 to 1 (clamped)."""
-    return min(max((math.log10(value) - lo) / (hi - lo), 0.0), 1.0)
+def _log_axis(lo: float, hi: float, start: float, length: float) -> Callable[[float | None], float]:
+    """A log axis from 10**lo at ``start`` to 10**hi at ``start + length`` (clamped); 0 and None at its start, inf at its end."""
+
+    def at(value: float | None) -> float:
+        if value is None or value <= 0:
+            return float(start)
+        if not math.isfinite(value):
+            return float(start + length)
+        return start + length * min(max((math.log10(value) - lo) / (hi - lo), 0.0), 1.0)
+
+    return at
 
 
 def _svg_open(width: int, height: int, title: str) -> list[str]:
@@ -349,11 +357,7 @@ def _svg_per_call(report: Report) -> str:
     plot_w, plot_h = width - left - 12, height - bottom - top
     bar = max(3.0, min(18.0, plot_w / max(len(points), 1) - 4))
 
-    def y(v: float | None) -> float:
-        if v is None or v <= 0 or not math.isfinite(v):
-            return top + plot_h if v is None or v <= 0 else float(top)
-        return top + plot_h * (1 - _log_fraction(v, lo, hi))
-
+    y = _log_axis(lo, hi, top + plot_h, -plot_h)  # upwards
     parts = _svg_open(width, height, "largest absolute error per call")
     for d in range(int(lo), int(hi) + 1):
         yy = y(10.0**d)
@@ -410,13 +414,7 @@ def _svg_per_output(report: Report) -> str:
     height = top + row_h * len(entries) + 34
     plot_w = width - label_w - 96
 
-    def x(v: float) -> float:
-        if v <= 0:
-            return float(label_w)
-        if not math.isfinite(v):
-            return float(label_w + plot_w)
-        return label_w + plot_w * _log_fraction(v, lo, hi)
-
+    x = _log_axis(lo, hi, label_w, plot_w)
     parts = _svg_open(width, height, "largest absolute error per output")
     for d in range(int(lo), int(hi) + 1):
         xx = x(10.0**d)
