@@ -62,7 +62,6 @@ __all__ = [
     "path_matches",
     "tensor_paths",
     "call_paths",
-    "escape_key",
     # Delta storage and hashes
     "DeltaIndex",
     "extends_bytes",
@@ -80,7 +79,6 @@ __all__ = [
     "read_exactly",
     "SegmentWriter",
     "seal_segment",
-    "segment_header",
     "segment_header_entry",
     "tensor_bytes",
     "tensor_span",
@@ -125,7 +123,7 @@ from iobundle.calls._layouts import (
     cache_child_labels,
     dynamic_cache_parts,
 )
-from iobundle.calls._paths import call_paths, child_path, escape_key, item_labels, path_matches, tensor_paths
+from iobundle.calls._paths import call_paths, child_path, item_labels, path_matches, tensor_paths
 from iobundle.calls._record import record_inputs
 from iobundle.calls._registry import (
     NodeType,
@@ -133,7 +131,7 @@ from iobundle.calls._registry import (
     register_node_type,
     register_provider,
 )
-from iobundle.calls._segments import SegmentWriter, seal_segment, segment_header, segment_header_entry
+from iobundle.calls._segments import SegmentWriter, seal_segment, segment_header_entry
 from iobundle.calls._staging import Packed, PinnedStager
 from iobundle.calls._tensorfile_read import (
     BundleRoot,
