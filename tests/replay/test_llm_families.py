@@ -48,7 +48,7 @@ REPLAY_SCRIPT = textwrap.dedent(
     import torch.utils._pytree as torch_pytree
 
     from iobundle import load_bundle
-    from iobundle.calls._transformers import torch_pytree_nodes
+    from iobundle.calls._torch_pytree import torch_pytree_nodes
     from iobundle.replay._model_load import load_bundle_model
 
     jobs = json.load(open(sys.argv[1]))

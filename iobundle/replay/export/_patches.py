@@ -35,7 +35,7 @@ The patches (checked against torch 2.13 and transformers 5.24):
     ``attention_chunk_size``: there the chunk boundaries are absolute positions, so a wrong key
     offset masks the wrong keys even without padding) keeps only the last ``window - 1`` keys, and counts the tokens seen in a Python
     int, ``cumulative_length``, which a bundle cannot carry (see
-    ``iobundle.calls._transformers``). The replay's calls get it back from their mask
+    ``iobundle.calls._caches``). The replay's calls get it back from their mask
     (``iobundle.calls.restore_token_counts``), but the cache torch.export rebuilds from the
     program's inputs while tracing counts its cached keys only. Its
     ``get_mask_sizes`` then gives a key offset of 0 instead of ``tokens_seen - window + 1``
