@@ -26,11 +26,11 @@ import pytest
 import torch
 
 from iobundle import InputObserver
+from iobundle.replay.export._attention_patches import patch_sdpa_without_is_causal
 from iobundle.replay.export._patches import (
     PATCHES,
     export_patches,
     patch_contiguous_last_token,
-    patch_sdpa_without_is_causal,
     patch_whisper_cross_attention_recompute,
 )
 
