@@ -175,12 +175,12 @@ def restore_token_counts(arguments: dict[str, Any]) -> int:
     A bundle cannot carry a sliding layer's count of tokens seen (a Python int); a rebuilt
     layer counts its cached keys only, which is too few once the window is full. The count is
     taken from the call's 2-D attention mask (its length minus the new tokens); see
-    ``iobundle.calls._transformers``. Returns how many layers were given one; nothing is
+    ``iobundle.calls._caches``. Returns how many layers were given one; nothing is
     imported unless transformers' caches are loaded already (so none can be among the values).
     """
     if "transformers.cache_utils" not in sys.modules:
         return 0
-    from iobundle.calls._transformers import restore_token_counts as restore
+    from iobundle.calls._caches import restore_token_counts as restore
 
     return restore(arguments)
 
@@ -198,6 +198,6 @@ def transformers_pytree_nodes() -> AbstractContextManager[None]:
         ...     ep = torch.export.export(model, (), kwargs=bundle.infer_arguments(),
         ...                              dynamic_shapes=bundle.infer_dynamic_shapes())
     """
-    from iobundle.calls._transformers import torch_pytree_nodes as nodes
+    from iobundle.calls._torch_pytree import torch_pytree_nodes as nodes
 
     return nodes()

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from iobundle._collector import collector_paused
-from iobundle.cli import _checks, _programs, _render, _travel
+from iobundle.cli import _checks, _programs, _render, _render_shapes, _travel
 from iobundle.cli._exits import (
     DEBUG_ENV,
     EXIT_DAMAGED,
@@ -408,20 +408,20 @@ def _cmd_shapes(args: argparse.Namespace) -> int:
     groups = bundle.infer_group_shapes(spec, args.dim_names, dynamic=dynamic)
     if groups:  # no call passes every keyword name: one set of shapes per group, as export makes one program each
         _render.out(
-            _render.format_group_shapes_json(groups, batch=bool(spec))
+            _render_shapes.format_group_shapes_json(groups, batch=bool(spec))
             if args.json
-            else _render.format_group_shapes(groups)
+            else _render_shapes.format_group_shapes(groups)
         )
         return EXIT_OK
     shapes = bundle.infer_dynamic_spec(set_batch_dimension_for=spec, dim_names=args.dim_names, dynamic=dynamic)
     _programs.warn_static_dims(bundle, spec, dynamic)
     batch_axes = bundle.infer_batch_axes(spec) if spec else None
     if args.json:
-        _render.out(_render.format_dynamic_shapes_json(shapes, batch_axes))
+        _render.out(_render_shapes.format_dynamic_shapes_json(shapes, batch_axes))
     else:
-        _render.out(_render.format_dynamic_shapes(shapes))
+        _render.out(_render_shapes.format_dynamic_shapes(shapes))
         if batch_axes is not None:
-            _render.out(_render.format_batch_axes(batch_axes))
+            _render.out(_render_shapes.format_batch_axes(batch_axes))
     return EXIT_OK
 
 

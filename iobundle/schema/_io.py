@@ -56,7 +56,8 @@ from iobundle.errors import (
     UnsafeBundleError,
     UnsupportedFormatVersionError,
 )
-from iobundle.schema._compact import COMPACT_VERSIONS, dump_compact, expand_compact
+from iobundle.schema._compact import COMPACT_VERSIONS, dump_compact
+from iobundle.schema._compact_read import expand_compact
 from iobundle.schema._manifest import (
     FORMAT,
     SUPPORTED_FORMAT_VERSIONS,

@@ -21,16 +21,8 @@ if TYPE_CHECKING:
 from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import RecordedCalls, tensor_keys
 from iobundle.errors import ModelLoadError, NothingToCompareError, ReplayError, ToleranceError
-from iobundle.replay.check._compare import (
-    OutputCheck,
-    Scratch,
-    Tolerances,
-    check_error_stat_name,
-    compare_call,
-    histogram_labels,
-    output_paths,
-    tolerance_options,
-)
+from iobundle.replay.check._compare import OutputCheck, Scratch, compare_call, histogram_labels, output_paths
+from iobundle.replay.check._tolerances import Tolerances, check_error_stat_name, tolerance_options
 from iobundle.replay.check._widen import HALF_TYPES, float32_copy, half_types
 from iobundle.replay.infer import (
     align_calls,
