@@ -55,7 +55,7 @@ fuzz: $(STAMP)
 	IOBUNDLE_FUZZ_EXAMPLES=5000 $(PY) -m pytest -q tests/replay/test_fuzz.py
 
 schema: $(STAMP)
-	$(PY) -c "from iobundle.schema import manifest_json_schema as s; open('iobundle/schema/manifest.schema.json','w').write(s())"
+	$(PY) tools/manifest_schema.py
 
 clean:
 	rm -rf $(VENV) demo-output site .pytest_cache .ruff_cache

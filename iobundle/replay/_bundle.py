@@ -38,6 +38,7 @@ from iobundle.schema import (
     deferred_calls,
     deferred_keys,
     load_manifest,
+    manifest_trees,
     parse_manifest,
     tensor_rows,
 )
@@ -187,7 +188,6 @@ class Bundle(RecordedCallsAPI):
             notify(on_progress, "verify", done, total, name, unit=BYTES)
         return problems
 
-
     def unlisted_files(self) -> list[str]:
         """One message per file of the bundle directory that the manifest does not list, naming it.
 
@@ -265,13 +265,7 @@ def _check_references(store: BundleTensorStore, manifest: Manifest) -> None:
 
 def _report_unknown_key(manifest: Manifest) -> None:
     """Raise for the first tree (in manifest order) that refers to a tensor the manifest does not list."""
-    trees = [(f"value_if_missing[{i}]", e.value) for i, e in enumerate(manifest.value_if_missing)]
-    for i, call in enumerate(manifest.calls):
-        trees += [(f"calls[{i}].args[{j}]", a) for j, a in enumerate(call.args)]
-        trees += [(f"calls[{i}].kwargs[{k!r}]", v) for k, v in call.kwargs.items()]
-        if call.outputs is not None:
-            trees.append((f"calls[{i}].outputs", call.outputs))
-    for where, tree in trees:
+    for where, tree in manifest_trees(manifest):
         for node in iter_tensor_nodes(tree):
             if node.key not in manifest.tensors:
                 raise UnsafeBundleError(

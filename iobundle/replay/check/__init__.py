@@ -36,6 +36,7 @@ __all__ = [
     "check_discrepancies",
     "input_mapping",
     "model_label",
+    "onnx_model_file",
     "output_mapping",
     "read_metadata",
     "recorded_output_names",
@@ -47,22 +48,24 @@ __all__ = [
 
 if TYPE_CHECKING:
     from iobundle.replay.check._compare import (
-        DTYPE_TOLERANCES,
-        TOLERANCE_OPTION_DOCS,
         Comparison,
         ErrorStats,
         OutputCheck,
         Scratch,
-        Tolerances,
-        check_error_stat_name,
         compare_call,
         compare_outputs,
         flatten_outputs,
         output_leaves,
         output_paths,
-        tolerance_options,
     )
     from iobundle.replay.check._rerun import rerun_model
+    from iobundle.replay.check._tolerances import (
+        DTYPE_TOLERANCES,
+        TOLERANCE_OPTION_DOCS,
+        Tolerances,
+        check_error_stat_name,
+        tolerance_options,
+    )
     from iobundle.replay.check._validate import (
         INPUT_SLOTS_KEY,
         OUTPUT_NAMES_KEY,
@@ -71,6 +74,7 @@ if TYPE_CHECKING:
         check_discrepancies,
         input_mapping,
         model_label,
+        onnx_model_file,
         output_mapping,
         read_metadata,
         recorded_output_names,

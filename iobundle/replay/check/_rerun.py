@@ -12,16 +12,8 @@ import torch
 from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import RecordedCalls, module_device_type, replay_autocast, tensor_keys
 from iobundle.errors import ReplayError
-from iobundle.replay.check._compare import (
-    OutputCheck,
-    Scratch,
-    Tolerances,
-    check_error_stat_name,
-    compare_call,
-    flatten_outputs,
-    output_paths,
-    tolerance_options,
-)
+from iobundle.replay.check._compare import OutputCheck, Scratch, compare_call, flatten_outputs, output_paths
+from iobundle.replay.check._tolerances import Tolerances, check_error_stat_name, tolerance_options
 from iobundle.replay.check._validate import (
     ValidationReport,
     _require_outputs,

@@ -21,16 +21,8 @@ if TYPE_CHECKING:
 from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import RecordedCalls, tensor_keys
 from iobundle.errors import ModelLoadError, NothingToCompareError, ReplayError, ToleranceError
-from iobundle.replay.check._compare import (
-    OutputCheck,
-    Scratch,
-    Tolerances,
-    check_error_stat_name,
-    compare_call,
-    histogram_labels,
-    output_paths,
-    tolerance_options,
-)
+from iobundle.replay.check._compare import OutputCheck, Scratch, compare_call, histogram_labels, output_paths
+from iobundle.replay.check._tolerances import Tolerances, check_error_stat_name, tolerance_options
 from iobundle.replay.check._widen import HALF_TYPES, float32_copy, half_types
 from iobundle.replay.infer import (
     align_calls,
@@ -82,6 +74,17 @@ class Session:
         return f"{' and '.join(self.widened)} program validated through a float32 copy" if self.widened else ""
 
 
+def onnx_model_file(model: str | os.PathLike[str]) -> Path:
+    """The path of the ONNX model file ``model``; a ModelLoadError when there is none."""
+    path = Path(model)
+    if not path.is_file():
+        raise ModelLoadError(
+            f"ONNX model '{path}' does not exist.",
+            hint="check the path of the ONNX model (`iobundle export -o` writes one)",
+        )
+    return path
+
+
 def _open_session(ort: Any, source: Any, options: Any) -> Any:
     return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
@@ -115,12 +118,7 @@ def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto) -> Session:
             if _bfloat16_inputs(session):
                 return _widened_session(ort, onnx_model, options, meta)
             return Session(session, meta)
-        path = Path(onnx_model)
-        if not path.is_file():
-            raise ModelLoadError(
-                f"ONNX model '{path}' does not exist.",
-                hint="check the path of the ONNX model (`iobundle export -o` writes one)",
-            )
+        path = onnx_model_file(onnx_model)
         try:
             session = _open_session(ort, str(path), options)
         except Exception as exc:

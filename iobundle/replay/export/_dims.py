@@ -350,33 +350,12 @@ def cut_call(
 def _cut_call(
     rc: RecordedCalls, plan: _Plan
 ) -> tuple[BatchCheck, Callable[[], tuple[tuple[Any, ...], dict[str, Any]]]]:
-    """The check's empty result and a function returning fresh arguments of the traced call cut to its batch."""
-    call = plan.alignment.calls[plan.traced]
-    recorded, batch, arguments = _cut_arguments(rc, plan.alignment, plan.traced, plan.dims, plan.batch_axes)
-    result = BatchCheck(call=call.index, recorded_batch=recorded, batch=batch)
-    if not plan.flatten_var_kw or not rc.var_keyword:
-        return result, arguments
+    """The check's empty result and a function returning fresh arguments of the traced call cut to its batch.
 
-    def spread() -> tuple[tuple[Any, ...], dict[str, Any]]:
-        args, kwargs = arguments()
-        if rc.var_keyword in kwargs:
-            kwargs = {**{k: v for k, v in kwargs.items() if k != rc.var_keyword}, **kwargs[rc.var_keyword]}
-        return args, kwargs
-
-    return result, spread
-
-
-def _cut_arguments(
-    rc: RecordedCalls,
-    alignment: Alignment,
-    index: int,
-    dims: list[list[int]],
-    batch_axes: list[int | None],
-    *,
-    batch: int | None = None,
-) -> tuple[int, int, Callable[[], tuple[tuple[Any, ...], dict[str, Any]]]]:
-    """Call ``index``'s batch B, the batch it is cut to (``batch``; default B - 1, or 2 when B is 1), and fresh arguments so cut."""
-    recorded, batch, tensors = _cut_tensors(rc, alignment, index, dims, batch_axes, batch=batch)
+    A batch B is cut to B - 1 rows, or repeated to 2 when B is 1.
+    """
+    alignment = plan.alignment
+    recorded, batch, tensors = _cut_tensors(rc, alignment, plan.traced, plan.dims, plan.batch_axes)
     keys = [f"\x02{i}" for i in range(len(tensors))]
     resized = dict(zip(keys, tensors))
 
@@ -384,9 +363,12 @@ def _cut_arguments(
         # Fresh copies for each run: a model may update its inputs in place (a state-space
         # cache's convolution and recurrent states), which must not reach the other run.
         fresh = {k: t.clone() for k, t in resized.items()}
-        return infer_arguments(rc, alignment=alignment, slots=list(keys), extra=fresh, as_args_kwargs=True)
+        args, kwargs = infer_arguments(rc, alignment=alignment, slots=list(keys), extra=fresh, as_args_kwargs=True)
+        if plan.flatten_var_kw and rc.var_keyword and rc.var_keyword in kwargs:
+            kwargs = {**{k: v for k, v in kwargs.items() if k != rc.var_keyword}, **kwargs[rc.var_keyword]}
+        return args, kwargs
 
-    return recorded, batch, arguments
+    return BatchCheck(call=alignment.calls[plan.traced].index, recorded_batch=recorded, batch=batch), arguments
 
 
 def _cut_tensors(

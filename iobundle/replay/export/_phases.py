@@ -36,7 +36,10 @@ from iobundle._remote import resolve_output
 from iobundle.calls import RecordedCalls
 from iobundle.errors import AlignmentError, ExportError
 from iobundle.replay.check import Tolerances, tolerance_options
-from iobundle.replay.export._export import CallCheck, ExportReport, ExportResult, export_program, save_onnx
+from iobundle.replay.export._call_checks import CallCheck, ExportReport
+from iobundle.replay.export._export import ExportResult, export_program
+from iobundle.replay.export._onnx_save import save_onnx
+from iobundle.replay.export._trace import signed_subclass
 from iobundle.replay.infer import DynamicSpec, align_calls, call_structures, call_values, owner_name, phase_calls
 from iobundle.schema import FixedValues, ProgramEntry, ProgramIndex, SizeCondition, write_program_index
 
@@ -361,14 +364,7 @@ class _ValuesFixed(torch.nn.Module):
                     bound.arguments[name] = torch.tensor(data, dtype=dtype).reshape(shape)
                 return getattr(self.model, method)(*bound.args, **bound.kwargs)
 
-        forward.__signature__ = signature.replace(  # type: ignore[attr-defined]
-            parameters=[
-                inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-                *signature.parameters.values(),
-            ]
-        )
-        subclass = type(cls.__name__, (cls,), {"forward": forward, method: forward, "__module__": cls.__module__})
-        return super().__new__(subclass)  # type: ignore[no-any-return]
+        return super().__new__(signed_subclass(cls, forward, signature, method))  # type: ignore[no-any-return]
 
     def __init__(self, model: torch.nn.Module, method: str, fixed: dict[str, tuple[Any, ...]]) -> None:
         super().__init__()

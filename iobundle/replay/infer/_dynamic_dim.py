@@ -8,6 +8,7 @@ result is handed to torch or promised as torch objects (``infer_dynamic_shapes``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from iobundle._lazy import lazy_module
@@ -38,14 +39,19 @@ DYNAMIC: Final = DynamicDim()
 """A dimension whose size varies across the recorded calls (``torch.export.Dim.DYNAMIC`` once converted)."""
 
 
-def to_torch_dims(dynamic_shapes: Any) -> Any:
-    """``dynamic_shapes`` with every :data:`DYNAMIC` replaced by ``torch.export.Dim.DYNAMIC`` (names kept)."""
+def to_torch_dims(dynamic_shapes: Any, named: Callable[[str], Any] | None = None) -> Any:
+    """``dynamic_shapes`` with every :data:`DYNAMIC` replaced by ``torch.export.Dim.DYNAMIC``.
+
+    A name (a string among a tensor's dimensions) is kept, or replaced by ``named(name)`` when given.
+    """
     if isinstance(dynamic_shapes, DynamicDim):
         return torch.export.Dim.DYNAMIC
     if isinstance(dynamic_shapes, dict):
-        return {k: to_torch_dims(v) for k, v in dynamic_shapes.items()}
+        if named is not None and dynamic_shapes and all(isinstance(k, int) for k in dynamic_shapes):
+            return {k: named(v) if isinstance(v, str) else to_torch_dims(v) for k, v in dynamic_shapes.items()}
+        return {k: to_torch_dims(v, named) for k, v in dynamic_shapes.items()}
     if isinstance(dynamic_shapes, tuple):
-        return tuple(to_torch_dims(v) for v in dynamic_shapes)
+        return tuple(to_torch_dims(v, named) for v in dynamic_shapes)
     if isinstance(dynamic_shapes, list):
-        return [to_torch_dims(v) for v in dynamic_shapes]
+        return [to_torch_dims(v, named) for v in dynamic_shapes]
     return dynamic_shapes

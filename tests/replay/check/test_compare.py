@@ -172,13 +172,8 @@ def test_pieces_agree_with_the_whole(monkeypatch: pytest.MonkeyPatch, chunk: int
 
 from iobundle import ToleranceError  # noqa: E402
 from iobundle.replay import ErrorStats, Tolerances  # noqa: E402
-from iobundle.replay.check._compare import (  # noqa: E402
-    check_error_stat_name,
-    error_stats,
-    histogram_labels,
-    output_paths,
-    stat_passes,
-)
+from iobundle.replay.check._compare import error_stats, histogram_labels, output_paths, stat_passes  # noqa: E402
+from iobundle.replay.check._tolerances import check_error_stat_name  # noqa: E402
 from iobundle.schema import DictNode, ObjectNode, TensorNode, TupleNode  # noqa: E402
 
 
