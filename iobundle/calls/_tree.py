@@ -74,7 +74,7 @@ class TensorCollector:
 
     def __init__(self, snapshot: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self._snapshot = snapshot
-        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Size, tuple[int, ...], TensorNode]] = {}
+        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, tuple[int, ...], tuple[int, ...], TensorNode]] = {}
         self.tensors: dict[str, torch.Tensor] = {}
         self._objects: dict[int, tuple[Any, ...]] = {}  # id -> (ref, node, children, versions, context, discarded)
         self._counter = 0
@@ -103,7 +103,8 @@ class TensorCollector:
             ref = weakref.ref(tensor)
         except TypeError:
             return node
-        self._seen[id(tensor)] = (ref, tensor._version, tensor.shape, tensor.stride(), node)
+        # a plain tuple of ints, not a torch.Size: the collector stops tracking it (one object less per tensor)
+        self._seen[id(tensor)] = (ref, tensor._version, tuple(tensor.shape), tensor.stride(), node)
         return node
 
     def unchanged(self, value: Any, children: list[Any], context: Any) -> ObjectNode | None:

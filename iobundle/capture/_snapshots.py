@@ -281,6 +281,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         self._memory: dict[str, torch.Tensor] = {}
         self._pending: dict[str, _Pending] = {}
         self._disk: dict[str, _OnDisk | tuple[Any, ...]] = {}  # a row until first read (see written)
+        self._roots: dict[Path, int] = {}  # the bundles written to, numbered
         self._lent: set[str] = set()
         self._lock = threading.Condition()
         self._reader = _FileReader()
@@ -548,6 +549,9 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         memory, pending, disk, referenced, lent = self._memory, self._pending, self._disk, self._referenced, self._lent
         recycle = []
         with self._lock:
+            root_index = self._roots.setdefault(
+                root, len(self._roots)
+            )  # an int in the entry: the collector untracks it
             for row in rows:
                 key = row[0]
                 meta = pending.pop(key, None)
@@ -556,7 +560,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
                     meta = tensor
                 elif meta is None:
                     continue
-                disk[key] = (row, root, sizes[row[1]], meta.dtype, meta.device)
+                disk[key] = (row, root_index, sizes[row[1]], meta.dtype, meta.device)
                 if referenced.pop(key, None) is not None:
                     lent.discard(key)
                     continue  # the model's own tensor: nothing of the pool's to give back
@@ -575,7 +579,8 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         where = self._disk.get(key)
         if where is None or type(where) is _OnDisk:
             return where
-        (_, file, name, _, shape, _, ext, offset), root, size, dtype, device = where
+        (_, file, name, _, shape, _, ext, offset), root_index, size, dtype, device = where
+        root = next(path for path, i in self._roots.items() if i == root_index)
         stored = None
         if ext is not None:
             base = self._disk.get(ext[0]) or self._pending.get(ext[0]) or self._memory.get(ext[0])
