@@ -296,6 +296,7 @@ class _Child:
         os.close(to_child[0])
         os.close(from_child[1])
         _widen(to_child[1])
+        _widen(from_child[0])  # answers too: a batch of them in a 64 KiB pipe made the child wait for the reader
         self.out = Connection(to_child[1], readable=False)
         self.inbox = Connection(from_child[0], writable=False)
         self.started = False  # it answered once: it runs the writer
