@@ -242,9 +242,7 @@ class _FileReader:
         nbytes = out.numel() * out.element_size()
         if nbytes:
             f.seek(offset)
-            read_exactly(
-                f, nbytes, str(where.path), into=memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
-            )
+            read_exactly(f, nbytes, str(where.path), into=out.reshape(-1).view(torch.uint8).numpy().data.cast("B"))
         return out
 
     def _read_tensor(self, f: Any, where: _OnDisk, header: dict[str, Any], data_start: int) -> torch.Tensor:
@@ -262,7 +260,7 @@ class _FileReader:
         out = torch.empty(shape, dtype=where.dtype)
         if end > begin:
             f.seek(data_start + begin)
-            read_exactly(f, end - begin, name, into=memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B"))
+            read_exactly(f, end - begin, name, into=out.reshape(-1).view(torch.uint8).numpy().data.cast("B"))
         return out
 
 
@@ -392,7 +390,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         with self._lock:
             return len(self._memory.keys() | self._pending.keys() | self._disk.keys())
 
-    def pop(self, key: str, *default: Any) -> Any:  # type: ignore[override]
+    def pop(self, key: str, *default: Any) -> Any:
         with self._lock:
             value = self._memory.pop(key, None)
             pending = self._pending.pop(key, None)
@@ -429,7 +427,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         tensor = self._memory.get(key)
         return tensor.dtype if tensor is not None else self._meta(key).dtype
 
-    def get(self, key: str, *default: Any) -> Any:  # type: ignore[override]
+    def get(self, key: str, *default: Any) -> Any:
         """The tensor of ``key``: the snapshot itself while in memory, else a copy read from its file."""
         with self._lock:
             while key in self._pending or self._changed(key):  # its file is being written: wait for it
@@ -548,13 +546,13 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
                 meta = pending if pending is not None else tensor
                 if meta is None:
                     continue
-                stored = None
+                stored: tuple[int, ...] | None = None
                 if ext is not None:
                     base = self._disk.get(ext[0]) or self._pending.get(ext[0]) or self._memory.get(ext[0])
                     if base is not None:
-                        stored = list(shape)
-                        stored[ext[1]] -= base.shape[ext[1]]
-                        stored = tuple(stored)
+                        own = list(shape)
+                        own[ext[1]] -= base.shape[ext[1]]
+                        stored = tuple(own)
                 self._disk[key] = _OnDisk(
                     paths[file], name, meta.dtype, tuple(shape), str(meta.device), sizes[file], ext, stored, offset
                 )
@@ -564,7 +562,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
                     recycle.append((tensor, lent))
             self._lock.notify_all()
         for tensor, lent in recycle:
-            if not lent and _poolable(tensor):
+            if pool is not None and not lent and _poolable(tensor):
                 _give_back(pool, tensor)
             else:
                 self._drop(tensor)
@@ -594,4 +592,4 @@ def _give_back(pool: BufferPool, tensor: torch.Tensor) -> None:
     """Return the whole buffer ``tensor`` views to ``pool``."""
     storage = tensor.untyped_storage()
     del tensor
-    pool.give(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),)))
+    pool.give(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,)))

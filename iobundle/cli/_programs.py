@@ -208,7 +208,7 @@ def dynamic_spec(args: argparse.Namespace, bundle: Bundle) -> dict[int | str, se
             axes = set()
         if not sep or not name or not axes:
             raise CLIError(f"--dynamic {value}: expected NAME:AXIS (e.g. --dynamic input_ids:1 or cache:2).")
-        key: int | str = name
+        key = name
         shown = name
         if name.isdigit():
             position = int(name)

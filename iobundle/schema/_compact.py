@@ -58,7 +58,7 @@ import math
 import operator
 import re
 from collections.abc import Callable, Hashable, Iterable
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Final, Literal, NoReturn, Union
 
 import pydantic
 from pydantic import BaseModel, Field, JsonValue, StrictInt, StrictStr, TypeAdapter
@@ -122,12 +122,12 @@ __all__ = [
     "file_records",
 ]
 
-COMPACT_VERSION = 6
+COMPACT_VERSION: Final = 6
 
 MAX_SEGMENT_HEADER = 100 * 1024**2
 """Largest header region of a segment (version 6), the bound the safetensors library sets on a header."""
 COMPACT_VERSIONS = (3, 4, 5, 6)
-DEFAULT_HASH = "xxh3-128"
+DEFAULT_HASH: Final = "xxh3-128"
 
 # -- the models of the file (the JSON Schema, and the validation of everything but the bulk) -----
 
@@ -261,7 +261,12 @@ def _make(cls: type[BaseModel], values: dict[str, Any]) -> Any:
 
 
 _NODE = TypeAdapter(Node)
-_REAL = {SlotListNode: ListNode, SlotTupleNode: TupleNode, SlotDictNode: DictNode, SlotObjectNode: ObjectNode}
+_REAL: dict[type[BaseModel], type[BaseModel]] = {
+    SlotListNode: ListNode,
+    SlotTupleNode: TupleNode,
+    SlotDictNode: DictNode,
+    SlotObjectNode: ObjectNode,
+}
 _FIELDS: dict[type[BaseModel], set[str]] = {
     cls: set(cls.model_fields)
     for cls in (
@@ -497,7 +502,7 @@ class _Reader:
             f"{self.source}: {field} holds {count} entries, over the limit of {limit}. The file is corrupt or hostile."
         )
 
-    def fail(self, where: str, problem: str, *, unsafe: bool = False) -> None:
+    def fail(self, where: str, problem: str, *, unsafe: bool = False) -> NoReturn:
         cls = UnsafeBundleError if unsafe else ManifestError
         hint = " The file is corrupt or hostile." if unsafe else ""
         raise cls(f"{self.source}: {where}: {problem}.{hint}")

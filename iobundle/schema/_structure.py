@@ -54,7 +54,7 @@ def _tree_keys(nodes: list[Node], keys: list[str]) -> tuple[Hashable, ...]:
     result: list[Hashable] = []
     for node in nodes:
         if type(node) is TensorNode:
-            keys.append(node.key)  # type: ignore[union-attr]
+            keys.append(node.key)
             result.append("tensor")
         else:
             result.append(tree_key(node, keys))

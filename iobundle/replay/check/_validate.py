@@ -86,7 +86,7 @@ def _open_session(ort: Any, source: Any, options: Any) -> Any:
     return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
 
-def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto) -> Session:
+def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto | torch.onnx.ONNXProgram) -> Session:
     """Load ``onnx_model`` in onnxruntime's CPU provider.
 
     A half-precision model (bfloat16, float16) that the provider has no kernel for is loaded as
@@ -100,9 +100,8 @@ def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto) -> Session:
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    proto = getattr(onnx_model, "model_proto", None)  # a torch.onnx.ONNXProgram, as torch's observer takes
-    if isinstance(proto, onnx.ModelProto):
-        onnx_model = proto
+    if isinstance(onnx_model, torch.onnx.ONNXProgram):  # as torch's observer takes
+        onnx_model = onnx_model.model_proto
     try:
         if isinstance(onnx_model, onnx.ModelProto):
             meta = {p.key: p.value for p in onnx_model.metadata_props}
@@ -348,7 +347,7 @@ def _require_outputs(rc: RecordedCalls) -> None:
 @tolerance_options()
 def check_discrepancies(
     rc: RecordedCalls,
-    onnx_model: str | os.PathLike[str] | onnx.ModelProto,
+    onnx_model: str | os.PathLike[str] | onnx.ModelProto | torch.onnx.ONNXProgram,
     *,
     hist: Sequence[float] = (0.1, 0.01),
     progress_bar: bool = False,
@@ -409,7 +408,7 @@ def check_discrepancies(
 
 def _run_checks(
     rc: RecordedCalls,
-    onnx_model: str | os.PathLike[str] | onnx.ModelProto,
+    onnx_model: str | os.PathLike[str] | onnx.ModelProto | torch.onnx.ONNXProgram,
     *,
     tolerances: Tolerances,
     hist: Sequence[float],
@@ -421,7 +420,7 @@ def _run_checks(
 ) -> tuple[list[dict[str, Any]], list[OutputCheck]]:
     check_error_stat_name(tolerances.check_error_stat, tolerances.error_quantile)
     _require_outputs(rc)
-    if not _is_proto(onnx_model) and str(onnx_model).endswith(".json"):
+    if isinstance(onnx_model, (str, os.PathLike)) and str(onnx_model).endswith(".json"):
         return check_program_index(
             rc, onnx_model, tolerances=tolerances, hist=hist, progress_bar=progress_bar,
             include_io=include_io, skip_none=skip_none, per_output=per_output, on_progress=on_progress,
@@ -605,7 +604,7 @@ class ValidationReport:
 @tolerance_options()
 def validate_onnx(
     rc: RecordedCalls,
-    onnx_model: str | os.PathLike[str] | onnx.ModelProto,
+    onnx_model: str | os.PathLike[str] | onnx.ModelProto | torch.onnx.ONNXProgram,
     *,
     on_progress: ProgressCallback | None = None,
     tolerances: Tolerances,

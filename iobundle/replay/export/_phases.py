@@ -368,7 +368,7 @@ class _ValuesFixed(torch.nn.Module):
             ]
         )
         subclass = type(cls.__name__, (cls,), {"forward": forward, method: forward, "__module__": cls.__module__})
-        return super().__new__(subclass)  # type: ignore[no-any-return]
+        return super().__new__(subclass)
 
     def __init__(self, model: torch.nn.Module, method: str, fixed: dict[str, tuple[Any, ...]]) -> None:
         super().__init__()
@@ -384,8 +384,8 @@ def _value_inputs(rc: RecordedCalls) -> dict[str, torch.dtype]:
     for owner, count in collections.Counter(alignment.owners).items():
         name = owner_name(rc, owner)
         values = [call_values(rc, alignment, i)(name) for i in range(len(alignment.calls))]
-        if count == 1 and name != rc.var_keyword and all(v and len(v[1]) <= MAX_FIXED_ELEMENTS for v in values):
-            key = alignment.slots[0][alignment.owners.index(owner)]
+        key = alignment.slots[0][alignment.owners.index(owner)]
+        if key and count == 1 and name != rc.var_keyword and all(v and len(v[1]) <= MAX_FIXED_ELEMENTS for v in values):
             found[name] = (max(len(v[1]) for v in values if v), rc.store.get(key).dtype)
     return {name: found[name][1] for name in sorted(found, key=lambda n: found[n][0])}
 

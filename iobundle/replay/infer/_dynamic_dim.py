@@ -38,14 +38,19 @@ DYNAMIC: Final = DynamicDim()
 """A dimension whose size varies across the recorded calls (``torch.export.Dim.DYNAMIC`` once converted)."""
 
 
-def to_torch_dims(dynamic_shapes: Any) -> Any:
+def to_torch_dims(dynamic_shapes: tuple[Any, ...] | dict[str, Any]) -> tuple[Any, ...] | dict[str, Any]:
     """``dynamic_shapes`` with every :data:`DYNAMIC` replaced by ``torch.export.Dim.DYNAMIC`` (names kept)."""
-    if isinstance(dynamic_shapes, DynamicDim):
+    converted: tuple[Any, ...] | dict[str, Any] = _torch_dims(dynamic_shapes)
+    return converted
+
+
+def _torch_dims(value: Any) -> Any:
+    if isinstance(value, DynamicDim):
         return torch.export.Dim.DYNAMIC
-    if isinstance(dynamic_shapes, dict):
-        return {k: to_torch_dims(v) for k, v in dynamic_shapes.items()}
-    if isinstance(dynamic_shapes, tuple):
-        return tuple(to_torch_dims(v) for v in dynamic_shapes)
-    if isinstance(dynamic_shapes, list):
-        return [to_torch_dims(v) for v in dynamic_shapes]
-    return dynamic_shapes
+    if isinstance(value, dict):
+        return {k: _torch_dims(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_torch_dims(v) for v in value)
+    if isinstance(value, list):
+        return [_torch_dims(v) for v in value]
+    return value
