@@ -13,7 +13,6 @@ from iobundle._lazy import lazy_names
 __all__ = [
     # Compare outputs
     "DTYPE_TOLERANCES",
-    "TOLERANCE_OPTION_DOCS",
     "Comparison",
     "ErrorStats",
     "OutputCheck",
@@ -27,7 +26,6 @@ __all__ = [
     "output_paths",
     "refuse_unknown_outputs",
     "refuse_unused",
-    "tolerance_options",
     # Validate an ONNX model
     "INPUT_SLOTS_KEY",
     "OUTPUT_NAMES_KEY",
@@ -48,7 +46,6 @@ __all__ = [
 if TYPE_CHECKING:
     from iobundle.replay.check._compare import (
         DTYPE_TOLERANCES,
-        TOLERANCE_OPTION_DOCS,
         Comparison,
         ErrorStats,
         OutputCheck,
@@ -60,7 +57,6 @@ if TYPE_CHECKING:
         flatten_outputs,
         output_leaves,
         output_paths,
-        tolerance_options,
     )
     from iobundle.replay.check._rerun import rerun_model
     from iobundle.replay.check._validate import (

@@ -29,7 +29,6 @@ from iobundle.replay.check._compare import (
     compare_call,
     histogram_labels,
     output_paths,
-    tolerance_options,
 )
 from iobundle.replay.check._widen import HALF_TYPES, float32_copy, half_types
 from iobundle.replay.infer import (
@@ -344,7 +343,6 @@ def _require_outputs(rc: RecordedCalls) -> None:
         )
 
 
-@tolerance_options()
 def check_discrepancies(
     rc: RecordedCalls,
     onnx_model: str | os.PathLike[str] | onnx.ModelProto | torch.onnx.ONNXProgram,
@@ -354,8 +352,10 @@ def check_discrepancies(
     include_io: bool = True,
     skip_none: bool = True,
     on_progress: ProgressCallback | None = None,
-    tolerances: Tolerances,
-) -> list[dict[str, Any]]:
+    atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
+    output_rtol: Mapping[str, float] | None = None, check_error_stat: str = "max", error_quantile: float = 0.99,
+    tolerances: Tolerances | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
     """Run ``onnx_model`` with onnxruntime on every recorded call; one dict per call (DataFrame-ready).
 
     Each row has ``SUCCESS, abs, rel, sum, n, dnan``, one ``>h`` count per threshold of ``hist``,
@@ -383,13 +383,17 @@ def check_discrepancies(
         include_io: Add the ``inputs`` and ``outputs`` summaries.
         skip_none: A None output on one side only is not a failure.
         on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` after each call.
-        tolerances: The whole comparison as one value. Without it, it is built (by
-            :func:`~iobundle.replay.check.tolerance_options`) from the keyword options, which then
-            keep their meaning: ``atol`` / ``rtol``, the absolute / relative tolerance (the default for
-            every output); ``output_atol`` / ``output_rtol``, per output name or ``fnmatch`` pattern
-            (``{"logits": 1e-3}``); ``check_error_stat``, ``max`` (every element within tolerance),
-            ``mean``, ``median`` or ``quantile``; ``error_quantile``, the quantile of
-            ``check_error_stat="quantile"`` (and of ``quantile_abs``). When given, those are ignored.
+        atol: The absolute tolerance of every output (those recorded in half precision get their
+            dtype's row of ``DTYPE_TOLERANCES`` instead).
+        rtol: The relative tolerance of every output (likewise).
+        output_atol: Absolute tolerances per output: its name in the output tree (``logits``,
+            ``past_key_values[0]``), its ONNX name or an ``fnmatch`` pattern, e.g. ``{"logits": 1e-3}``.
+        output_rtol: Relative tolerances per output, keyed like ``output_atol``.
+        check_error_stat: The statistic of an output's errors that decides it: ``max`` (every element
+            within tolerance), ``mean``, ``median`` or ``quantile``.
+        error_quantile: The quantile of ``check_error_stat="quantile"`` (and of ``quantile_abs``).
+        tolerances: The whole comparison as one value (:meth:`~iobundle.replay.check.Tolerances.build`
+            builds it from the six above, which are ignored when it is given).
 
     Raises:
         NothingToCompareError: The calls hold no recorded outputs (a redacted bundle).
@@ -399,6 +403,7 @@ def check_discrepancies(
     .. versionchanged:: 0.2
         ``output_atol``, ``output_rtol``, ``check_error_stat``, ``error_quantile``, ``on_progress``.
     """
+    tolerances = tolerances or Tolerances.build(atol, rtol, output_atol, output_rtol, check_error_stat, error_quantile)
     rows, _ = _run_checks(
         rc, onnx_model, tolerances=tolerances.for_calls(rc.ok_calls), hist=hist, progress_bar=progress_bar, include_io=include_io,
         skip_none=skip_none, per_output=tolerances.per_output, on_progress=on_progress,
@@ -601,14 +606,15 @@ class ValidationReport:
         return f"{'PASS' if self.ok else 'FAIL'}: {passed}/{n} calls within {self.criterion()}{ran}"
 
 
-@tolerance_options()
 def validate_onnx(
     rc: RecordedCalls,
     onnx_model: str | os.PathLike[str] | onnx.ModelProto | torch.onnx.ONNXProgram,
     *,
     on_progress: ProgressCallback | None = None,
-    tolerances: Tolerances,
-) -> ValidationReport:
+    atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
+    output_rtol: Mapping[str, float] | None = None, check_error_stat: str = "max", error_quantile: float = 0.99,
+    tolerances: Tolerances | None = None,
+) -> ValidationReport:  # fmt: skip
     """Validate ``onnx_model`` on every recorded call, output by output; see :func:`check_discrepancies`.
 
     Each output of each call is compared on its own: its tolerances are ``output_atol`` /
@@ -637,6 +643,7 @@ def validate_onnx(
         Per-output checks (``outputs``), ``output_atol``, ``output_rtol``, ``check_error_stat``,
         ``error_quantile``, ``on_progress``.
     """
+    tolerances = tolerances or Tolerances.build(atol, rtol, output_atol, output_rtol, check_error_stat, error_quantile)
     begin = time.perf_counter()
     tolerances = tolerances.for_calls(rc.ok_calls)  # the report names the calls under torch.autocast
     rows, checks = _run_checks(

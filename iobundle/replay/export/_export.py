@@ -8,7 +8,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,6 @@ from iobundle.replay.check import (
     compare_outputs,
     flatten_outputs,
     output_paths,
-    tolerance_options,
 )
 from iobundle.replay.export._dims import (
     GUARD_REMEDIES,
@@ -549,7 +548,6 @@ def _export(
     return ep, plan, report
 
 
-@tolerance_options("atol", "rtol", "output_atol", "output_rtol")
 def export_program(
     rc: RecordedCalls,
     model: torch.nn.Module,
@@ -561,8 +559,9 @@ def export_program(
     check_batch: bool = True,
     dim_names: DimNamesSpec = False,
     on_progress: ProgressCallback | None = None,
-    tolerances: Tolerances,
-) -> ExportResult:
+    atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
+    output_rtol: Mapping[str, float] | None = None, tolerances: Tolerances | None = None,
+) -> ExportResult:  # fmt: skip
     """Export ``model`` with the inferred arguments and dynamic shapes, then run every recorded call through it.
 
     Returns the program and its report (``ExportReport``: traced call, options, one check per
@@ -581,17 +580,19 @@ def export_program(
             each name becomes one ``torch.export.Dim`` shared by every dimension that bears it.
         on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` when ``torch.export``
             starts and ends, and after each recorded call is checked.
-        tolerances: The comparison of the check as one value (tolerances by dtype and per output).
-            Without it, it is built (by :func:`~iobundle.replay.check.tolerance_options`) from the
-            keyword options: ``atol`` / ``rtol``, the absolute / relative tolerance of the check;
-            ``output_atol`` / ``output_rtol``, per-output tolerances keyed by output name (its path in
-            the output tree: ``logits``, ``past_key_values.0``) or ``fnmatch`` pattern, as validate
-            takes them. When given, those are ignored.
+        atol: The absolute tolerance of the check.
+        rtol: The relative tolerance of the check.
+        output_atol: Per-output absolute tolerances keyed by output name (its path in the output
+            tree: ``logits``, ``past_key_values.0``) or ``fnmatch`` pattern, as validate takes them.
+        output_rtol: Per-output relative tolerances, keyed like ``output_atol``.
+        tolerances: The comparison of the check as one value (tolerances by dtype and per output),
+            built by :meth:`~iobundle.replay.check.Tolerances.build`; when given, the four above are ignored.
 
     Raises:
         ExportError: ``torch.export`` failed, or (with ``check``) a recorded call is not reproduced.
         ToleranceError: A per-output tolerance names no recorded output (before anything is traced).
     """
+    tolerances = tolerances or Tolerances.build(atol, rtol, output_atol, output_rtol)
     if tolerances.per_output:
         _refuse_unknown_tolerances(rc, tolerances)
     return _export_checked(
@@ -821,7 +822,6 @@ def _split_program(
     return SplitProgram(ep2, attempt, plan=cut, first=holds, second=refused)
 
 
-@tolerance_options("atol", "rtol", "output_atol", "output_rtol")
 def export_onnx(
     rc: RecordedCalls,
     model: torch.nn.Module,
@@ -833,8 +833,9 @@ def export_onnx(
     dynamic: DynamicSpec = None,
     dim_names: DimNamesSpec = False,
     on_progress: ProgressCallback | None = None,
-    tolerances: Tolerances,
-) -> str:
+    atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
+    output_rtol: Mapping[str, float] | None = None, tolerances: Tolerances | None = None,
+) -> str:  # fmt: skip
     """Export ``model`` to ONNX at ``path`` through ``torch.export`` (checked on every call first).
 
     The graph's outputs are named after the recorded outputs (``logits``, the names validation
@@ -855,6 +856,7 @@ def export_onnx(
     .. versionchanged:: 0.2
         ``output_atol``, ``output_rtol`` and ``tolerances``, as :func:`export_program` takes them.
     """
+    tolerances = tolerances or Tolerances.build(atol, rtol, output_atol, output_rtol)
     result = export_program(
         rc, model, set_batch_dimension_for=set_batch_dimension_for, strict=strict, check=check, dynamic=dynamic,
         dim_names=dim_names, on_progress=on_progress, tolerances=tolerances,

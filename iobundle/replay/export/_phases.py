@@ -25,7 +25,7 @@ import dataclasses
 import inspect
 import logging
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -35,7 +35,7 @@ import torch
 from iobundle._remote import resolve_output
 from iobundle.calls import RecordedCalls
 from iobundle.errors import AlignmentError, ExportError
-from iobundle.replay.check import Tolerances, tolerance_options
+from iobundle.replay.check import Tolerances
 from iobundle.replay.export._export import CallCheck, ExportReport, ExportResult, export_program, save_onnx
 from iobundle.replay.infer import DynamicSpec, align_calls, call_structures, call_values, owner_name, phase_calls
 from iobundle.schema import FixedValues, ProgramEntry, ProgramIndex, SizeCondition, write_program_index
@@ -206,7 +206,6 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-@tolerance_options("atol", "rtol", "output_atol", "output_rtol")
 def export_programs(
     rc: RecordedCalls,
     model: torch.nn.Module,
@@ -218,8 +217,9 @@ def export_programs(
     check: bool = True,
     dim_names: Any = False,
     on_progress: Any = None,
-    tolerances: Tolerances,
-) -> ProgramSet:
+    atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
+    output_rtol: Mapping[str, float] | None = None, tolerances: Tolerances | None = None,
+) -> ProgramSet:  # fmt: skip
     """Export one program that serves every recorded call, or one per phase when it cannot.
 
     With ``programs="auto"`` (the default) one program is exported and checked on every call
@@ -233,6 +233,7 @@ def export_programs(
         ExportError: No program could be exported for some call, or (with ``check``) a call
             is not reproduced by its program; the message names the phase and the call.
     """
+    tolerances = tolerances or Tolerances.build(atol, rtol, output_atol, output_rtol)
     if programs not in _MODES:
         raise ExportError(f"programs={programs!r}: use one of {', '.join(map(repr, _MODES))}.")
     options: dict[str, Any] = dict(
