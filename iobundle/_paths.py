@@ -61,8 +61,8 @@ def check_relative_name(name: object, where: str, *, error: type[IobundleError] 
         IobundleError: (``error``) ``name`` is empty, absolute, or has a ``..``/``.``/empty
             component or a backslash; the message names ``where`` and ``name``.
     """
-    parts = tuple(name.split("/")) if isinstance(name, str) else ()
-    if not parts or name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts):  # type: ignore[union-attr]
+    parts = tuple(name.split("/")) if isinstance(name, str) else ("",)
+    if any(p in ("", ".", "..") or "\\" in p for p in parts):
         raise error(f"{where}: {name!r} is not a relative path inside its folder (absolute, '..', '.' or backslash).")
     return parts
 

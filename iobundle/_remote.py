@@ -272,7 +272,7 @@ def upload_directory(local: Path, url: str, *, overwrite: bool = False, last: st
             listed = listed_names(fs.cat_file(manifest), manifest)
             _refuse_remote_links(fs, root, [last, *listed], url)  # all checked first: a refusal removes nothing
             clear_bundle(
-                lambda n: fs.cat_file(join_url(root, n)),  # type: ignore[no-any-return]
+                lambda n: fs.cat_file(join_url(root, n)),
                 lambda n: fs.rm_file(join_url(root, n)),
                 where=manifest,
                 missing_ok=FileNotFoundError,

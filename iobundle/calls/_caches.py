@@ -272,7 +272,7 @@ def restore_token_counts(arguments: dict[str, Any]) -> int:
     for value in arguments.values():
         if not isinstance(value, Cache):
             continue
-        names = _INPUTS
+        names: tuple[tuple[str, tuple[str, str]], ...] = _INPUTS
         if isinstance(value, EncoderDecoderCache):
             value, names = value.self_attention_cache, _DECODER_INPUTS + _INPUTS
         tokens = _seen_tokens(arguments, names)
@@ -317,22 +317,24 @@ def _build_linear_layer(kind: dict[str, Any], children: list[Any], index: int) -
     cls = _LINEAR_CLASSES.get(attention_name(attention))
     if cls is None:
         raise ValueError(f"Layer {index} of the cache has an unknown attention kind {attention!r}.")
-    layer = cls.__new__(cls)
+    layer: Any = object.__new__(cls)
     if attention == "full":
         DynamicLayer.__init__(layer)
     elif attention is not None and "sliding" in attention:
         _init_sliding(layer, positive_int(attention["sliding"], "a sliding window", index), own[0])
     LinearAttentionCacheLayerMixin.__init__(layer, number_of_states=states)
     if attention is not None and "static" in attention:
-        _fill_static_attention(layer, attention, *own, index)
+        key, value, length = own
+        _fill_static_attention(layer, attention, key, value, length, index)
     elif attention is not None:
-        require_pair(*own, index)
-        _fill_dynamic_attention(layer, *own, {})
+        key, value = own
+        require_pair(key, value, index)
+        _fill_dynamic_attention(layer, key, value, {})
     _fill_linear_states(layer, linear)
     return layer
 
 
-_LINEAR_CLASSES: dict[str | None, type] = {
+_LINEAR_CLASSES: dict[str | None, type[Any]] = {
     None: LinearAttentionLayer,
     "full": LinearAttentionAndFullAttentionLayer,
     "sliding": LinearAttentionAndSlidingWindowAttentionLayer,

@@ -206,7 +206,7 @@ def _build_quantized_layer(kind: Any, children: list[Any], index: int) -> Any:
     settings = quantized_settings(kind, index)
     layer = QuantoQuantizedLayer.__new__(QuantoQuantizedLayer)
     QuantizedLayer.__init__(layer, **settings)
-    layer._quantize = types.MethodType(_quantize_rebuilt, layer)
+    layer._quantize = types.MethodType(_quantize_rebuilt, layer)  # type: ignore[method-assign]  # this layer's only
     key, value, *states = children
     if any(t is None for t in states):
         if any(t is not None for t in [key, value, *states]):

@@ -41,8 +41,9 @@ import re
 import stat
 import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, Union
+from typing import TYPE_CHECKING, Any, Protocol, Union
 
 from iobundle._lazy import lazy_module
 from iobundle._paths import LINK, Tree, link_message
@@ -180,7 +181,7 @@ class MemberHandle(Protocol):
     ``iobundle.replay._remote_root``) give handles, which every reader here accepts in place of a path.
     """
 
-    def open(self) -> tuple[BinaryIO, int]:
+    def open(self) -> tuple[io.RawIOBase | io.BufferedIOBase, int]:
         """A binary file positioned at the member's first byte that ends with it, and the member's size."""
         ...
 
@@ -192,7 +193,7 @@ class MemberHandle(Protocol):
 Member = Union[Path, MemberHandle]
 
 
-def _open_member(path: Member, name: str) -> tuple[BinaryIO, int]:
+def _open_member(path: Member, name: str) -> tuple[io.RawIOBase | io.BufferedIOBase, int]:
     """Open a member for reading: ``(file, size)``; see :func:`open_regular`."""
     if isinstance(path, Path):
         fd, size = open_regular(path, name)
@@ -417,12 +418,14 @@ def check_segment_header(name: str, head: bytes, entry: FileEntry, entries: dict
             "The file was changed or is not this bundle's."
         )
     meta = header.pop("__metadata__", None)
-    keys = {tensor: meta.get(tensor) if isinstance(meta, dict) else None for tensor in header}
-    for tensor, key in keys.items():
+    keys: dict[str, str] = {}
+    for tensor in header:
+        key = meta.get(tensor) if isinstance(meta, dict) else None
         if type(key) is not str or key not in entries:
             raise TensorFileError(
                 f"{name}: tensor {tensor!r} of the header is {_key_problem(key)}. The file disagrees with the manifest."
             )
+        keys[tensor] = key
     if len(set(keys.values())) != len(entries):
         missing = sorted(entries.keys() - set(keys.values()))
         raise TensorFileError(
@@ -530,11 +533,19 @@ def _map(path: Member, name: str, entry: FileEntry) -> torch.Tensor:
         raise TensorFileError(f"{name}: cannot be memory-mapped ({exc}).") from exc
 
 
+@dataclass
 class _OpenFile:
+    """A tensor file of the bundle, open: where each tensor's bytes are (``spans``, from ``data_start``) in ``data``."""
+
+    name: str
+    data_start: int
+    spans: dict[str, tuple[int, int]]
+    data: torch.Tensor | None
+
     @classmethod
     def from_bytes(cls, name: str, data: bytearray | torch.Tensor, entries: dict[str, TensorInfo]) -> _OpenFile:
         """The file whose whole content is ``data`` (read by :func:`_read_small`, or mapped); tensors view it."""
-        view, position = memoryview(data.numpy() if isinstance(data, torch.Tensor) else data), 0
+        view, position = data.numpy().data if isinstance(data, torch.Tensor) else memoryview(data), 0
 
         def read(n: int) -> bytes:
             nonlocal position
@@ -543,14 +554,11 @@ class _OpenFile:
 
         header, data_start = parse_header(name, len(view), read)
         size = len(view)
-        self = cls.__new__(cls)
-        self.name = name
-        self.data_start = data_start
-        self.spans = {key: _tensor_span(name, header, e, key, size - data_start) for key, e in entries.items()}
-        self.data = None
-        if any(end > begin for begin, end in self.spans.values()):
-            self.data = data if isinstance(data, torch.Tensor) else torch.frombuffer(data, dtype=torch.uint8)
-        return self
+        spans = {key: _tensor_span(name, header, e, key, size - data_start) for key, e in entries.items()}
+        if not any(end > begin for begin, end in spans.values()):
+            return cls(name, data_start, spans, None)
+        tensor = data if isinstance(data, torch.Tensor) else torch.frombuffer(data, dtype=torch.uint8)
+        return cls(name, data_start, spans, tensor)
 
     @classmethod
     def segment(cls, name: str, data: torch.Tensor | None, entries: dict[str, TensorInfo]) -> _OpenFile:
@@ -558,16 +566,11 @@ class _OpenFile:
 
         The offsets were checked against the ranges when the manifest was read (and ``data`` holds them all).
         """
-        self = cls.__new__(cls)
-        self.name = name
-        self.data_start = 0
-        itemsize = DTYPE_ITEMSIZES
-        self.spans = {}
+        spans = {}
         for key, e in entries.items():
             begin = e.offset if e.offset is not None else 0
-            self.spans[key] = (begin, begin + math.prod(e.shape) * itemsize[e.dtype])
-        self.data = data
-        return self
+            spans[key] = (begin, begin + math.prod(e.shape) * DTYPE_ITEMSIZES[e.dtype])
+        return cls(name, 0, spans, data)
 
     def tensor(self, entry: TensorInfo, key: str) -> torch.Tensor:
         begin, end = self.spans[key]
@@ -683,10 +686,10 @@ class BundleTensorStore:
                     data = _read_small(path, name, entry, hash_check=self.verify)
                     opened = _OpenFile.from_bytes(name, data, self.file_entries(name))
                 else:  # mapped, hashed there when verifying, its header read there: one read of the file
-                    data = _map(check_file(self.bundle_root, name, entry, hash_check=False), name, entry)
+                    mapped = _map(check_file(self.bundle_root, name, entry, hash_check=False), name, entry)
                     if self.verify:
-                        check_bytes(name, entry, data.numpy())
-                    opened = _OpenFile.from_bytes(name, data, self.file_entries(name))
+                        check_bytes(name, entry, mapped.numpy())
+                    opened = _OpenFile.from_bytes(name, mapped, self.file_entries(name))
             except TensorFileError as exc:  # say which bundle: a command may read two (diff)
                 raise type(exc)(f"{exc} (bundle '{self.root}')") from exc
             self._files[name] = opened

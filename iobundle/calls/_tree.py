@@ -151,15 +151,15 @@ class TensorCollector:
         if len(self._objects) >= 256:  # a model output is a new object every call: keep the recent ones
             self._objects.clear()
         # only tensors and immutable leaves: a child that can change unseen (a list) is walked every time
-        versions: list[int | None] | None = []
+        stamps: list[int | None] = []
         for child in children:
             if isinstance(child, torch.Tensor):
-                versions.append(child._version)
+                stamps.append(child._version)
             elif child is None or type(child) in _SCALARS:
-                versions.append(None)
+                stamps.append(None)
             else:
-                versions = None
                 break
+        versions = stamps if len(stamps) == len(children) else None
         try:
             ref = weakref.ref(value)
         except TypeError:

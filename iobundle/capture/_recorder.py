@@ -534,14 +534,15 @@ class CallRecorder:
             from iobundle.capture._model_store import check_model, write_model
             from iobundle.schema import write_manifest
 
-            observed = getattr(self, "_observed_model", None)
+            observed: torch.nn.Module | None = getattr(self, "_observed_model", None)
             model = observed if include_model is True else include_model
             inside = None if model is observed else observed
-            check_model(model, inside)
+            check_model(model, inside)  # refuses None (nothing observed) and anything not a transformers model
         existed = os.path.lexists(target)
         manifest = save_recorded_calls(rc, path, overwrite=overwrite)
         if include_model is not False:
             try:
+                assert model is not None
                 entry = write_model(path, model, inside)
                 manifest = manifest.model_copy(update={"model": entry})
                 write_manifest(path, manifest)

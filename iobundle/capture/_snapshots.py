@@ -242,9 +242,7 @@ class _FileReader:
         nbytes = out.numel() * out.element_size()
         if nbytes:
             f.seek(offset)
-            read_exactly(
-                f, nbytes, str(where.path), into=memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
-            )
+            read_exactly(f, nbytes, str(where.path), into=out.reshape(-1).view(torch.uint8).numpy().data.cast("B"))
         return out
 
     def _read_tensor(self, f: Any, where: _OnDisk, header: dict[str, Any], data_start: int) -> torch.Tensor:
@@ -262,7 +260,7 @@ class _FileReader:
         out = torch.empty(shape, dtype=where.dtype)
         if end > begin:
             f.seek(data_start + begin)
-            read_exactly(f, end - begin, name, into=memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B"))
+            read_exactly(f, end - begin, name, into=out.reshape(-1).view(torch.uint8).numpy().data.cast("B"))
         return out
 
 
@@ -396,7 +394,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         with self._lock:
             return len(self._memory.keys() | self._pending.keys() | self._disk.keys())
 
-    def pop(self, key: str, *default: Any) -> Any:  # type: ignore[override]
+    def pop(self, key: str, *default: Any) -> Any:
         with self._lock:
             self.discarded += 1
             value = self._memory.pop(key, None)
@@ -434,7 +432,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         tensor = self._memory.get(key)
         return tensor.dtype if tensor is not None else self._meta(key).dtype
 
-    def get(self, key: str, *default: Any) -> Any:  # type: ignore[override]
+    def get(self, key: str, *default: Any) -> Any:
         """The tensor of ``key``: the snapshot itself while in memory, else a copy read from its file."""
         with self._lock:
             while key in self._pending or self._changed(key):  # its file is being written: wait for it
@@ -548,6 +546,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         pool = self.pool
         memory, pending, disk, referenced, lent = self._memory, self._pending, self._disk, self._referenced, self._lent
         recycle = []
+        meta: _Pending | torch.Tensor | None
         with self._lock:
             root_index = self._roots.setdefault(
                 root, len(self._roots)
@@ -570,7 +569,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
             self._lock.notify_all()
         for tensor, kept in recycle:
             if not kept and _poolable(tensor):
-                _give_back(pool, tensor)
+                _give_back(pool, tensor)  # type: ignore[arg-type]  # recycle is filled only with a pool
             else:
                 self._drop(tensor)
 
@@ -581,9 +580,9 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
             return where
         (_, file, name, _, shape, _, ext, offset), root_index, size, dtype, device = where
         root = next(path for path, i in self._roots.items() if i == root_index)
-        stored = None
+        stored: Any = None  # a list, then the tuple _OnDisk holds
         if ext is not None:
-            base = self._disk.get(ext[0]) or self._pending.get(ext[0]) or self._memory.get(ext[0])
+            base: Any = self._disk.get(ext[0]) or self._pending.get(ext[0]) or self._memory.get(ext[0])
             if base is not None:
                 base_shape = base[0][4] if type(base) is tuple else base.shape
                 stored = list(shape)
@@ -619,4 +618,4 @@ def _give_back(pool: BufferPool, tensor: torch.Tensor) -> None:
     """Return the whole buffer ``tensor`` views to ``pool``."""
     storage = tensor.untyped_storage()
     del tensor
-    pool.give(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),)))
+    pool.give(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,)))

@@ -94,6 +94,7 @@ class _CallJson:
 
     def __call__(self, call: CallEntry) -> tuple[bytes, list[str]]:
         """The JSON of ``call`` and the keys of the tensor nodes serialised for it (not met before)."""
+        keys: list[str]
         self._keys = keys = []
         head = call.model_dump_json(exclude={"args", "kwargs", "outputs"}).encode()
         parts = [head[:-1], b',"args":[', b",".join(map(self._node, call.args)), b'],"kwargs":{']
@@ -453,6 +454,7 @@ class WriterProcess:
                 self._json, self._resend = _CallJson(), False
             call_json, met = self._json(call)
             new = [k for k in dict.fromkeys(met) if k not in sent]
+            on_device: list[tuple[torch.Tensor, int, int]]
             names, memmove, on_device = self._names, ctypes.memmove, []
             for key in new:  # once per new tensor of every call: kept lean
                 try:

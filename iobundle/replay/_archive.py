@@ -31,7 +31,7 @@ import tarfile
 import threading
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 from iobundle._lazy import lazy_module
 from iobundle._remote import local_path, open_filesystem
@@ -74,7 +74,7 @@ _KINDS = {
 class _Slice(io.RawIOBase):
     """``size`` bytes of ``f`` from ``offset`` on, as a file that ends there."""
 
-    def __init__(self, f: BinaryIO, offset: int, size: int) -> None:
+    def __init__(self, f: io.RawIOBase | io.BufferedIOBase, offset: int, size: int) -> None:
         super().__init__()
         self._f = f
         self._left = size
@@ -88,7 +88,7 @@ class _Slice(io.RawIOBase):
         n = min(len(view), self._left)
         if n <= 0:
             return 0
-        got = self._f.readinto(view[:n])  # type: ignore[attr-defined]
+        got = self._f.readinto(view[:n])
         got = got or 0
         self._left -= got
         return got
@@ -116,7 +116,7 @@ class _ArchiveMember:
             raise TensorFileError(f"{self.name}: missing from the packed bundle '{self.root.path}'.")
         return span
 
-    def open(self) -> tuple[BinaryIO, int]:
+    def open(self) -> tuple[io.RawIOBase | io.BufferedIOBase, int]:
         offset, size = self._span()
         return self.root.open_slice(offset, size, self.name), size
 
@@ -142,7 +142,7 @@ class ArchiveRoot:
         path: Path | str,
         members: dict[str, tuple[int, int]],
         size: int,
-        opener: Callable[[], BinaryIO],
+        opener: Callable[[], io.RawIOBase | io.BufferedIOBase],
         local: Path | None,
     ) -> None:
         self.path = path
@@ -158,14 +158,14 @@ class ArchiveRoot:
         check_member_name(name)
         return _ArchiveMember(self, name)
 
-    def open_slice(self, offset: int, size: int, name: str) -> BinaryIO:
+    def open_slice(self, offset: int, size: int, name: str) -> io.RawIOBase | io.BufferedIOBase:
         try:
             f = self._opener()
         except IobundleError:
             raise
         except Exception as exc:
             raise TensorFileError(f"{name}: cannot open the packed bundle '{self.path}' ({exc}).") from exc
-        return io.BufferedReader(_Slice(f, offset, size), buffer_size=_COPY)  # type: ignore[return-value]
+        return io.BufferedReader(_Slice(f, offset, size), buffer_size=_COPY)
 
     def mapping(self) -> torch.Tensor | None:
         """One read-only (copy-on-write) mapping of the whole archive, made on first use; None for a remote one."""
@@ -208,7 +208,7 @@ def _kind(info: tarfile.TarInfo) -> str | None:
     return f"an entry of type {info.type!r}"
 
 
-def read_index(f: BinaryIO, size: int, where: str) -> dict[str, tuple[int, int]]:
+def read_index(f: io.RawIOBase | io.BufferedIOBase, size: int, where: str) -> dict[str, tuple[int, int]]:
     """Read and check the index of the tar archive ``f`` of ``size`` bytes: member name -> ``(offset, size)``.
 
     Raises:
@@ -246,7 +246,7 @@ def read_index(f: BinaryIO, size: int, where: str) -> dict[str, tuple[int, int]]
                     f"{where}: more than {MAX_ARCHIVE_MEMBERS} entries (MAX_ARCHIVE_MEMBERS). "
                     "The file is corrupt or hostile."
                 )
-            tar.members.clear()  # the index below is all we keep
+            tar.members.clear()  # type: ignore[attr-defined]  # (not in typeshed) the index below is all we keep
             name = info.name
             if name.startswith("./"):  # `tar cf x.tar -C run.iobundle .` names members ./manifest.json
                 name = name[2:]
@@ -310,7 +310,7 @@ def open_archive(location: str | os.PathLike[str]) -> tuple[ArchiveRoot, bytes]:
         UnsafeBundleError: The manifest member is over the size limit.
     """
     local = local_path(location)
-    opener: Callable[[], BinaryIO]
+    opener: Callable[[], io.RawIOBase | io.BufferedIOBase]
     if local is not None:
         try:
             fd, size = open_regular(local, str(local), link_ok=True)
@@ -319,7 +319,7 @@ def open_archive(location: str | os.PathLike[str]) -> tuple[ArchiveRoot, bytes]:
         os.close(fd)
         where = str(local)
 
-        def opener() -> BinaryIO:
+        def opener() -> io.RawIOBase | io.BufferedIOBase:
             fd, _ = open_regular(local, str(local), link_ok=True)
             return os.fdopen(fd, "rb", buffering=0)
 
@@ -333,8 +333,8 @@ def open_archive(location: str | os.PathLike[str]) -> tuple[ArchiveRoot, bytes]:
             raise BundleNotFoundError(f"'{url}' does not exist.") from exc
         where = url
 
-        def opener() -> BinaryIO:
-            return fs.open(inner, "rb")  # type: ignore[no-any-return]
+        def opener() -> io.RawIOBase | io.BufferedIOBase:
+            return fs.open(inner, "rb")
 
         path = url
     try:

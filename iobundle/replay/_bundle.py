@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from iobundle._collector import collector_paused
 from iobundle._leftovers import unlisted_files
@@ -42,6 +42,9 @@ from iobundle.schema import (
     parse_manifest,
     tensor_rows,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Bundle", "load_bundle"]
 
@@ -137,7 +140,7 @@ class Bundle(RecordedCallsAPI):
         """Every recorded call, failed ones included."""
         return list(self._rc.calls)
 
-    def tensor(self, key: str) -> Any:
+    def tensor(self, key: str) -> torch.Tensor:
         """The tensor stored under ``key`` (memory-mapped, read-only use)."""
         return self._store.get(key)
 

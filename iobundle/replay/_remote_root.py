@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, BinaryIO
+import io
+from typing import TYPE_CHECKING, Any
 
 from iobundle._lazy import lazy_module
 from iobundle._paths import link_message, reported_link
@@ -30,7 +31,7 @@ class _RemoteMember:
     def __str__(self) -> str:
         return join_url(self.root.path, self.name)
 
-    def open(self) -> tuple[BinaryIO, int]:
+    def open(self) -> tuple[io.RawIOBase | io.BufferedIOBase, int]:
         fs = self.root.fs
         try:
             info = fs.info(self.path)

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Hashable
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Final, Literal, Union
 
 from pydantic import BaseModel, Field, JsonValue, StrictInt, StrictStr
 
@@ -104,12 +104,12 @@ __all__ = [
     "file_records",
 ]
 
-COMPACT_VERSION = 6
+COMPACT_VERSION: Final = 6
 
 MAX_SEGMENT_HEADER = 100 * 1024**2
 """Largest header region of a segment (version 6), the bound the safetensors library sets on a header."""
 COMPACT_VERSIONS = (3, 4, 5, 6)
-DEFAULT_HASH = "xxh3-128"
+DEFAULT_HASH: Final = "xxh3-128"
 
 # -- the models of the file (the JSON Schema, and the validation of everything but the bulk) -----
 

@@ -9,7 +9,7 @@ import math
 import operator
 import re
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 import pydantic
 from pydantic import BaseModel, TypeAdapter
@@ -76,7 +76,12 @@ def _make(cls: type[BaseModel], values: dict[str, Any]) -> Any:
 
 
 _NODE = TypeAdapter(Node)
-_REAL = {SlotListNode: ListNode, SlotTupleNode: TupleNode, SlotDictNode: DictNode, SlotObjectNode: ObjectNode}
+_REAL: dict[type[BaseModel], type[BaseModel]] = {
+    SlotListNode: ListNode,
+    SlotTupleNode: TupleNode,
+    SlotDictNode: DictNode,
+    SlotObjectNode: ObjectNode,
+}
 _FIELDS: dict[type[BaseModel], set[str]] = {
     cls: set(cls.model_fields)
     for cls in (
@@ -124,7 +129,7 @@ class _Reader:
             f"{self.source}: {field} holds {count} entries, over the limit of {limit}. The file is corrupt or hostile."
         )
 
-    def fail(self, where: str, problem: str, *, unsafe: bool = False) -> None:
+    def fail(self, where: str, problem: str, *, unsafe: bool = False) -> NoReturn:
         cls = UnsafeBundleError if unsafe else ManifestError
         hint = " The file is corrupt or hostile." if unsafe else ""
         raise cls(f"{self.source}: {where}: {problem}.{hint}")

@@ -13,7 +13,6 @@ from iobundle._lazy import lazy_names
 __all__ = [
     # Compare outputs
     "DTYPE_TOLERANCES",
-    "TOLERANCE_OPTION_DOCS",
     "Comparison",
     "ErrorStats",
     "OutputCheck",
@@ -27,7 +26,6 @@ __all__ = [
     "output_paths",
     "refuse_unknown_outputs",
     "refuse_unused",
-    "tolerance_options",
     # Validate an ONNX model
     "INPUT_SLOTS_KEY",
     "OUTPUT_NAMES_KEY",
@@ -59,13 +57,7 @@ if TYPE_CHECKING:
         output_paths,
     )
     from iobundle.replay.check._rerun import rerun_model
-    from iobundle.replay.check._tolerances import (
-        DTYPE_TOLERANCES,
-        TOLERANCE_OPTION_DOCS,
-        Tolerances,
-        check_error_stat_name,
-        tolerance_options,
-    )
+    from iobundle.replay.check._tolerances import DTYPE_TOLERANCES, Tolerances, check_error_stat_name
     from iobundle.replay.check._validate import (
         INPUT_SLOTS_KEY,
         OUTPUT_NAMES_KEY,
@@ -84,6 +76,6 @@ if TYPE_CHECKING:
     )
     from iobundle.replay.check._widen import float32_copy
 
-# Imported when first used: the comparison value (and its decorator) load neither torch nor onnx,
-# so RecordedCallsAPI can use them at class definition without paying for the room.
+# Imported when first used: the comparison value (Tolerances) loads neither torch nor onnx,
+# so RecordedCallsAPI can use it at class definition without paying for the room.
 __getattr__ = lazy_names(__name__)

@@ -577,7 +577,7 @@ def compare_call(
     row = result.as_row()
     row.update(_call_errors(described, error_quantile))
     scored = [c for c in checks if c.stats is not None or c.error]
-    worst = max(scored, key=lambda c: math.inf if c.error else c.stats.max_abs, default=None)  # type: ignore[union-attr]
+    worst = max(scored, key=lambda c: math.inf if c.error or c.stats is None else c.stats.max_abs, default=None)
     exact = worst is not None and not worst.error and worst.stats is not None and worst.stats.max_abs == 0.0
     row["worst_output"] = worst.name if worst is not None and not exact else ""  # none is worse when all match
     if result.error is None and not result.dnan:

@@ -1,16 +1,13 @@
 """How outputs are compared: tolerances by dtype and per output, the statistic that decides, and the
-keyword options (``atol=``, ``output_atol=``, ...) the public functions take to build them.
+:class:`Tolerances` the public functions build from their keywords (``atol=``, ``output_atol=``, ...).
 
 Loads neither torch nor numpy: the public face uses them at class definition.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
 
 from iobundle._units import format_calls
 from iobundle.calls import path_matches, replay_autocast
@@ -20,10 +17,8 @@ from iobundle.schema import CallEntry
 __all__ = [
     "DTYPE_TOLERANCES",
     "ERROR_STATS",
-    "TOLERANCE_OPTION_DOCS",
     "Tolerances",
     "check_error_stat_name",
-    "tolerance_options",
 ]
 
 ERROR_STATS = ("max", "mean", "median", "quantile")
@@ -144,7 +139,6 @@ class Tolerances:
     @classmethod
     def build(
         cls,
-        *,
         atol: float = 1e-4,
         rtol: float = 0.1,
         output_atol: Mapping[str, float] | None = None,
@@ -234,86 +228,3 @@ class Tolerances:
 
     def _all_under(self) -> bool:
         return bool(self.autocast_calls) and all(dtype is not None for _, dtype in self.autocast_calls)
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-TOLERANCE_OPTION_DOCS: Mapping[str, str] = {
-    "atol": "The absolute tolerance of every output (outputs recorded in half precision get their "
-    "dtype's row of ``DTYPE_TOLERANCES`` instead).",
-    "rtol": "The relative tolerance of every output (likewise).",
-    "output_atol": "Absolute tolerances per output: its name in the output tree (``logits``, "
-    '``past_key_values[0]``), its ONNX name or an ``fnmatch`` pattern, e.g. ``{"logits": 1e-3}``.',
-    "output_rtol": "Relative tolerances per output, keyed like ``output_atol``.",
-    "check_error_stat": "The statistic of an output's errors that decides it: ``max`` (every element "
-    "within tolerance), ``mean``, ``median`` or ``quantile``.",
-    "error_quantile": 'The quantile of ``check_error_stat="quantile"`` (and of the reported ``quantile_abs``).',
-}
-"""What each keyword option of :meth:`Tolerances.build` means: the docstrings of the functions
-:func:`tolerance_options` decorates list the options they take with these words."""
-
-_SECTIONS_AFTER_ARGS = ("Returns:", "Yields:", "Raises:", "Example:", "Examples:", "Note:", "Notes:")
-
-
-def _options_doc(doc: str | None, names: Sequence[str]) -> str:
-    """``doc`` with a ``Keyword Args:`` section for the options in ``names`` it does not document yet."""
-    text = inspect.cleandoc(doc or "")
-    lines = text.splitlines()
-    listed = {line.strip().split(":", 1)[0].split(" ", 1)[0] for line in lines if line.startswith("    ")}
-    missing = [n for n in names if n not in listed]
-    if not missing:
-        return text
-    section = ["Keyword Args:", *(f"    {n}: {TOLERANCE_OPTION_DOCS[n]}" for n in missing), ""]
-    at = next((i for i, line in enumerate(lines) if line in _SECTIONS_AFTER_ARGS), len(lines))
-    if at == len(lines):
-        section = ["", *section[:-1]]
-    return "\n".join([*lines[:at], *section, *lines[at:]])
-
-
-def tolerance_options(*names: str, positional: Sequence[str] = (), after: str = "") -> Callable[[_F], _F]:
-    """Give a function that takes ``tolerances: Tolerances`` the keyword options of :meth:`Tolerances.build`.
-
-    The decorated function's signature gains the options ``names`` (``atol``, ``rtol``,
-    ``output_atol``, ``output_rtol``, ``check_error_stat``, ``error_quantile``: all of them when
-    none is named; with the defaults of ``Tolerances.build``) before its ``tolerances``, which becomes optional: a call that gives
-    no ``tolerances`` has it built from the options (a given one wins; the options are then
-    ignored). The options in ``positional`` may also be passed by position, right after the
-    parameter ``after`` (``check_discrepancies(model, 1e-3, 0.1)``). The wrapper's ``__signature__``
-    is that signature (``inspect.signature``, ``help()``, the API pages), and its docstring lists
-    the options it does not document yet in a ``Keyword Args:`` section (:data:`TOLERANCE_OPTION_DOCS`).
-
-    Example:
-        >>> @tolerance_options("atol", "rtol")
-        ... def check(x, *, tolerances):
-        ...     return tolerances.atol
-        >>> check(1, atol=1e-3)
-        0.001
-    """
-    options = inspect.signature(Tolerances.build).parameters
-    names = names or tuple(options)
-
-    def decorate(func: _F) -> _F:
-        params = list(inspect.signature(func).parameters.values())
-        if params[-1].name != "tolerances":
-            raise TypeError(f"tolerance_options: {func.__qualname__} must end with its tolerances parameter")
-        split = next((i + 1 for i, p in enumerate(params) if p.name == after), 0) if positional else 0
-        leading = [options[n].replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in positional]
-        rest = [options[n] for n in names if n not in positional]
-        last = params[-1].replace(default=None, annotation="Tolerances | None")
-        public = inspect.signature(func).replace(parameters=[*params[:split], *leading, *params[split:-1], *rest, last])
-
-        @functools.wraps(func)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            bound = public.bind(*args, **kwargs)
-            bound.apply_defaults()
-            arguments = dict(bound.arguments)
-            given = {n: arguments.pop(n) for n in (*positional, *names) if n in arguments}
-            if arguments["tolerances"] is None:
-                arguments["tolerances"] = Tolerances.build(**given)
-            return func(**arguments)
-
-        wrapper.__signature__ = public  # type: ignore[attr-defined]
-        wrapper.__doc__ = _options_doc(func.__doc__, [*positional, *(n for n in names if n not in positional)])
-        return wrapper  # type: ignore[return-value]
-
-    return decorate

@@ -262,11 +262,11 @@ def patch_sliding_window_offsets(model: torch.nn.Module) -> Iterator[None]:
 
     get_mask_sizes = DynamicSlidingWindowLayer.__dict__["get_mask_sizes"]
     handle = model.register_forward_pre_hook(set_token_counts, with_kwargs=True)
-    DynamicSlidingWindowLayer.get_mask_sizes = _sliding_mask_sizes
+    DynamicSlidingWindowLayer.get_mask_sizes = _sliding_mask_sizes  # type: ignore[method-assign]  # undone below
     masking_utils._ignore_causal_mask_sdpa = never_while_exporting
     try:
         yield
     finally:
         handle.remove()
-        DynamicSlidingWindowLayer.get_mask_sizes = get_mask_sizes
+        DynamicSlidingWindowLayer.get_mask_sizes = get_mask_sizes  # type: ignore[method-assign]
         masking_utils._ignore_causal_mask_sdpa = ignore_causal_mask

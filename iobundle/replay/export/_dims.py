@@ -23,7 +23,7 @@ import logging
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -402,7 +402,11 @@ def cut_plan(rc: RecordedCalls, plan: _Plan) -> _Plan:
 
 
 _FACTOR = re.compile(r"^(\w+(?:\[[^\]]*\])*)\.size\(\)\[(\d+)\](?:\s*//\s*(\d+))?$")
-_NEGATION = {"==": "!=", "!=": "==", "<": ">=", ">=": "<", ">": "<=", "<=": ">"}
+_Op = Literal["==", "!=", "<", "<=", ">", ">="]
+_NEGATION: dict[str, tuple[_Op, _Op]] = {
+    "==": ("==", "!="), "!=": ("!=", "=="), "<": ("<", ">="), ">=": (">=", "<"), ">": (">", "<="), "<=": ("<=", ">"),
+}  # fmt: skip
+"""Each comparison a guard may make: itself and its negation."""
 
 
 def guard_sources(rc: RecordedCalls, plan: _Plan) -> dict[str, tuple[str, int | None]]:
@@ -478,13 +482,13 @@ def split_rule(
         name, item = sources[size.group(1)]
         of.append((name, int(size.group(2))) if item is None else (name, int(size.group(2)), item))
         div.append(int(size.group(3) or 1))
-    op, value = parts.group(2), int(parts.group(3)) - constant
+    (op, negated), value = _NEGATION[parts.group(2)], int(parts.group(3)) - constant
     if value < 0 or min(div) < 1:
         return f"the guard {expr} compares sizes with a negative number"
     divided = div if max(div) > 1 else None
     return (
         SizeCondition(of=of, op=op, value=value, div=divided),
-        SizeCondition(of=of, op=_NEGATION[op], value=value, div=divided),
+        SizeCondition(of=of, op=negated, value=value, div=divided),
     )
 
 
@@ -499,7 +503,9 @@ def derived_dims(rc: RecordedCalls, plan: _Plan, message: str) -> dict[str, tupl
     sizes: dict[str, list[int | None]] = {}
     for position, slots in enumerate(plan.alignment.slots):
         for key, names in zip(slots, plan.dim_names):
-            for axis, name in names.items() if key is not None else ():
+            if key is None:
+                continue
+            for axis, name in names.items():
                 row = sizes.setdefault(name, [None] * len(plan.alignment.slots))
                 row[position] = int(rc.store.shape(key)[axis]) if row[position] is None else row[position]
     return derive_dims(sizes, {n for n in sizes if re.sub(r"\W", "_", n) in violated})

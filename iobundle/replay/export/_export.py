@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +14,7 @@ import torch
 from iobundle._progress import ProgressCallback
 from iobundle.calls import RecordedCalls
 from iobundle.errors import ExportError
-from iobundle.replay.check import Tolerances, tolerance_options
+from iobundle.replay.check import Tolerances
 from iobundle.replay.export._call_checks import ExportReport, _check_calls, _refuse_unknown_tolerances
 from iobundle.replay.export._dims import (
     GUARD_REMEDIES,
@@ -66,7 +66,6 @@ class SplitProgram(ExportResult):
     refused them on the guard; empty for a split for sizes beyond the recorded calls."""
 
 
-@tolerance_options("atol", "rtol", "output_atol", "output_rtol")
 def export_program(
     rc: RecordedCalls,
     model: torch.nn.Module,
@@ -78,8 +77,9 @@ def export_program(
     check_batch: bool = True,
     dim_names: DimNamesSpec = False,
     on_progress: ProgressCallback | None = None,
-    tolerances: Tolerances,
-) -> ExportResult:
+    atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
+    output_rtol: Mapping[str, float] | None = None, tolerances: Tolerances | None = None,
+) -> ExportResult:  # fmt: skip
     """Export ``model`` with the inferred arguments and dynamic shapes, then run every recorded call through it.
 
     Returns the program and its report (``ExportReport``: traced call, options, one check per
@@ -98,17 +98,19 @@ def export_program(
             each name becomes one ``torch.export.Dim`` shared by every dimension that bears it.
         on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` when ``torch.export``
             starts and ends, and after each recorded call is checked.
-        tolerances: The comparison of the check as one value (tolerances by dtype and per output).
-            Without it, it is built (by :func:`~iobundle.replay.check.tolerance_options`) from the
-            keyword options: ``atol`` / ``rtol``, the absolute / relative tolerance of the check;
-            ``output_atol`` / ``output_rtol``, per-output tolerances keyed by output name (its path in
-            the output tree: ``logits``, ``past_key_values.0``) or ``fnmatch`` pattern, as validate
-            takes them. When given, those are ignored.
+        atol: The absolute tolerance of the check.
+        rtol: The relative tolerance of the check.
+        output_atol: Per-output absolute tolerances keyed by output name (its path in the output
+            tree: ``logits``, ``past_key_values.0``) or ``fnmatch`` pattern, as validate takes them.
+        output_rtol: Per-output relative tolerances, keyed like ``output_atol``.
+        tolerances: The comparison of the check as one value (tolerances by dtype and per output),
+            built by :meth:`~iobundle.replay.check.Tolerances.build`; when given, the four above are ignored.
 
     Raises:
         ExportError: ``torch.export`` failed, or (with ``check``) a recorded call is not reproduced.
         ToleranceError: A per-output tolerance names no recorded output (before anything is traced).
     """
+    tolerances = tolerances or Tolerances.build(atol, rtol, output_atol, output_rtol)
     if tolerances.per_output:
         _refuse_unknown_tolerances(rc, tolerances)
     return _export_checked(

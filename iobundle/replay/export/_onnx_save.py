@@ -6,7 +6,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import torch
@@ -20,7 +20,6 @@ from iobundle.replay.check import (
     OUTPUT_PATHS_KEY,
     Tolerances,
     output_paths,
-    tolerance_options,
 )
 from iobundle.replay.export._call_checks import ExportReport
 from iobundle.replay.export._dims import _Plan
@@ -39,7 +38,6 @@ logger = logging.getLogger(__name__)
 EXTERNAL_DATA_BYTES = 256 * 1024**2
 
 
-@tolerance_options("atol", "rtol", "output_atol", "output_rtol")
 def export_onnx(
     rc: RecordedCalls,
     model: torch.nn.Module,
@@ -51,8 +49,9 @@ def export_onnx(
     dynamic: DynamicSpec = None,
     dim_names: DimNamesSpec = False,
     on_progress: ProgressCallback | None = None,
-    tolerances: Tolerances,
-) -> str:
+    atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
+    output_rtol: Mapping[str, float] | None = None, tolerances: Tolerances | None = None,
+) -> str:  # fmt: skip
     """Export ``model`` to ONNX at ``path`` through ``torch.export`` (checked on every call first).
 
     The graph's outputs are named after the recorded outputs (``logits``, the names validation
@@ -73,6 +72,7 @@ def export_onnx(
     .. versionchanged:: 0.2
         ``output_atol``, ``output_rtol`` and ``tolerances``, as :func:`export_program` takes them.
     """
+    tolerances = tolerances or Tolerances.build(atol, rtol, output_atol, output_rtol)
     result = export_program(
         rc, model, set_batch_dimension_for=set_batch_dimension_for, strict=strict, check=check, dynamic=dynamic,
         dim_names=dim_names, on_progress=on_progress, tolerances=tolerances,

@@ -270,19 +270,25 @@ def patch_whisper_cross_attention_recompute(model: torch.nn.Module) -> Iterator[
     exactly those computed from ``encoder_hidden_states``, as the recorded outputs hold.
     The hook is a forward pre-hook on each decoder ``WhisperAttention``, removed on exit.
     """
-    from transformers.cache_utils import EncoderDecoderCache
+    from transformers.cache_utils import CacheLayerMixin, EncoderDecoderCache
 
     def empty_cross_cache(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         key_value_states = kwargs.get("key_value_states", args[1] if len(args) > 1 else None)
         cache = kwargs.get("cache", kwargs.get("past_key_values", args[2] if len(args) > 2 else None))
-        if key_value_states is None or not isinstance(cache, EncoderDecoderCache):
+        index = getattr(module, "layer_idx", None)
+        if key_value_states is None or index is None or not isinstance(cache, EncoderDecoderCache):
             return
-        index = module.layer_idx
         cross = cache.cross_attention_cache
-        if index is not None and index < len(cross.layers):
+        if index < len(cross.layers):
             layer = cross.layers[index]
             keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-            if layer.is_initialized and keys is not None and values is not None and keys.dim() == 4:
+            if (
+                isinstance(layer, CacheLayerMixin)
+                and layer.is_initialized
+                and keys is not None
+                and values is not None
+                and keys.dim() == 4
+            ):
                 layer.keys = keys[:, :, :0, :]
                 layer.values = values[:, :, :0, :]
         cache.is_updated[index] = False
@@ -336,7 +342,7 @@ def patch_contiguous_last_token(model: torch.nn.Module) -> Iterator[None]:
 # --------------------------------------------------------------------------- latent_keys_concat
 
 
-def _latent_attentions(model: torch.nn.Module) -> list[torch.nn.Module]:
+def _latent_attentions(model: torch.nn.Module) -> list[Any]:
     """The multi-head latent attention modules of ``model``: an ``expand_kv`` over a ``kv_b_proj``."""
     needed = ("kv_b_proj", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
     return [
@@ -346,7 +352,7 @@ def _latent_attentions(model: torch.nn.Module) -> list[torch.nn.Module]:
     ]
 
 
-def _concat_expand_kv(module: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]:
+def _concat_expand_kv(module: Any) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]:
     nope, value = int(module.qk_nope_head_dim), int(module.v_head_dim)
     projection = module.kv_b_proj
 
@@ -370,7 +376,7 @@ def patch_latent_keys_concat(model: torch.nn.Module) -> Iterator[None]:
     """
     modules = _latent_attentions(model)
     for module in modules:
-        module.expand_kv = _concat_expand_kv(module)  # type: ignore[method-assign]
+        module.expand_kv = _concat_expand_kv(module)
     try:
         yield
     finally:
@@ -394,7 +400,7 @@ class _IntMeta(type):
 class _SizeInt(int, metaclass=_IntMeta):
     """``int`` as the patched modules see it while tracing: a traced integer stays symbolic."""
 
-    def __new__(cls, value: Any = 0, *args: Any) -> Any:  # type: ignore[misc]
+    def __new__(cls, value: Any = 0, *args: Any) -> Any:
         if not args and isinstance(value, torch.SymInt):
             return value
         return int(value, *args)

@@ -57,7 +57,7 @@ class _MethodAsModule(torch.nn.Module):
         def forward(self: _MethodAsModule, *args: Any, **kwargs: Any) -> Any:
             return getattr(self.model, self._method_name)(*args, **kwargs)
 
-        return super().__new__(signed_subclass(cls, forward, signature))  # type: ignore[no-any-return]
+        return super().__new__(signed_subclass(cls, forward, signature))
 
     def __init__(self, model: torch.nn.Module, method_name: str, signature: inspect.Signature) -> None:
         super().__init__()
@@ -81,7 +81,7 @@ class _UnderAutocast(torch.nn.Module):
             with self.autocast.context():
                 return self.module(*args, **kwargs)
 
-        return super().__new__(signed_subclass(cls, forward, signature))  # type: ignore[no-any-return]
+        return super().__new__(signed_subclass(cls, forward, signature))
 
     def __init__(self, module: torch.nn.Module, autocast: ReplayAutocast) -> None:
         super().__init__()
@@ -152,12 +152,10 @@ def _plan(
     if slot_names is not None:  # an explicitly named dimension is dynamic
         dims = [sorted({*d, *n}) for d, n in zip(dims, slot_names)]
     oblivious = False
-    for index, dynamic in enumerate(dims):
-        sizes = [rc.store.shape(s[index]) for s in alignment.slots if s[index] is not None]
-        if any(shape[d] in (0, 1) for shape in sizes for d in dynamic) or any(
-            s[index] is None for s in alignment.slots
-        ):
-            oblivious = oblivious or bool(dynamic)
+    for index, dynamic_axes in enumerate(dims):
+        sizes = [rc.store.shape(key) for s in alignment.slots if (key := s[index]) is not None]
+        if len(sizes) < len(alignment.slots) or any(shape[d] in (0, 1) for shape in sizes for d in dynamic_axes):
+            oblivious = oblivious or bool(dynamic_axes)
     axes = program_batch_axes(rc, alignment, batch)
     dynamic_batch = any(axis is not None and axis in d for axis, d in zip(axes, dims))
     return _Plan(
@@ -228,7 +226,7 @@ def export_context(
         if oblivious:
             import torch.fx.experimental._config as fx_config
 
-            stack.enter_context(fx_config.patch(backed_size_oblivious=True))
+            stack.enter_context(fx_config.patch(backed_size_oblivious=True))  # type: ignore[attr-defined]
             report.options.append("backed_size_oblivious=True (a dynamic dimension was observed as 0 or 1)")
         if model is not None:
             from iobundle.replay.export._patches import export_patches

@@ -400,8 +400,8 @@ def to_export_dims(
             if root == name:
                 dims[name] = torch.export.Dim(ident)
             else:
-                base = dim(root) if root is not None else torch.export.Dim(f"{ident}_over_{k}")
-                dims[name] = k * base + c if c else k * base
+                unit = dim(root) if root is not None else torch.export.Dim(f"{ident}_over_{k}")
+                dims[name] = k * unit + c if c else k * unit
         return dims[name]
 
     return to_torch_dims(dynamic_shapes, dim), originals
