@@ -173,7 +173,20 @@ _NORMALISED: dict[str, Any] = {}
 """JSON text of a context -> its JSON value: a cache's context is the same from call to call."""
 
 
+_NORMALISED_NAMES: dict[tuple[str | None, ...], list[str | None]] = {}
+"""A context of names (a cache's layer kinds, an output's fields) -> its JSON value, without a round trip."""
+
+
 def _json_normalise(context: Any) -> tuple[Any, bool]:
+    if type(context) is list:  # most contexts, every call: a list of strings is its own JSON value
+        names = tuple(context)
+        if all(type(name) is str or name is None for name in names):
+            value = _NORMALISED_NAMES.get(names)
+            if value is None:
+                value = list(names)
+                if len(_NORMALISED_NAMES) < 256:
+                    _NORMALISED_NAMES[names] = value  # frozen into nodes, never changed in place
+            return value, True
     try:
         text = json.dumps(context)
     except (TypeError, ValueError):
