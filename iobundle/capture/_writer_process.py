@@ -90,6 +90,7 @@ class _CallJson:
 
     def __init__(self) -> None:
         self._memo: dict[int, tuple[Node, bytes]] = {}
+        self._contexts: dict[int, tuple[Any, bytes]] = {}
         self._keys: list[str] = []
 
     def __call__(self, call: CallEntry) -> tuple[bytes, list[str]]:
@@ -116,6 +117,17 @@ class _CallJson:
             parts.append(hit[1] if hit is not None and hit[0] is item else self._node(item))
         return b",".join(parts)
 
+    def _context(self, context: Any) -> bytes:
+        """A node's context as JSON: the same object from call to call (a cache's layer kinds), written once."""
+        hit = self._contexts.get(id(context))
+        if hit is not None and hit[0] is context:
+            return hit[1]
+        text = json.dumps(context).encode()
+        if len(self._contexts) >= 256:
+            self._contexts.clear()
+        self._contexts[id(context)] = (context, text)
+        return text
+
     def _remember(self, node: Node, text: bytes) -> bytes:
         if len(self._memo) >= _MEMO_NODES:
             self._memo.clear()
@@ -135,7 +147,7 @@ class _CallJson:
                     b'{"kind":"node","type":',
                     json.dumps(node.type).encode(),
                     b',"version":%d,"context":' % node.version,
-                    json.dumps(node.context).encode(),
+                    self._context(node.context),
                     b',"items":[',
                     self._items(node.items),
                     b"]}",
