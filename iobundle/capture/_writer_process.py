@@ -24,7 +24,6 @@ stream's bookkeeping (the snapshots written are dropped from memory, the failure
 from __future__ import annotations
 
 import ctypes
-import json
 import mmap
 import os
 import pickle
@@ -40,13 +39,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import TypeAdapter
 
 from iobundle.calls import NAME_TO_DTYPE, Packed, PinnedStager, dtype_name
+from iobundle.capture._call_json import CallJson
 from iobundle.capture._entries import TensorRow, call_keys, entry_row, mark_incomplete
 from iobundle.capture._writer import BundleWriter
 from iobundle.errors import BundleWriteError, UnsupportedInputError
-from iobundle.schema import CallEntry, FileEntry, ListNode, Node, ObjectNode, TensorNode, TupleNode, collect_tensor_keys
+from iobundle.schema import CallEntry, FileEntry
 
 __all__ = ["WriterProcess", "WriterProcessUnavailable"]
 
@@ -68,104 +67,6 @@ _ALIGN = 64
 
 # done(call, rows of the tensors written or None, write error or None, journal error or None)
 Done = Callable[[CallEntry, list[TensorRow] | None, str | None, str | None], None]
-
-
-_TREE = TypeAdapter(Node)
-
-_MEMO_NODES = 8192
-
-
-class _CallJson:
-    """Recorded calls as the manifest's JSON, for the child, at a cost that does not grow with what repeats.
-
-    The child validates what it receives, so any JSON of the entry will do; this one is put together
-    from the JSON of each container node, remembered for the nodes calls share: a cache passed to
-    the next call is the node its previous call returned
-    (:meth:`iobundle.calls.TensorCollector.same_object`). A decode step thus serialises only
-    what it adds. The rest of the entry goes through pydantic (its None fields left out).
-
-    Serialising a call also lists the keys of the tensor nodes it wrote out: a remembered node's
-    were listed with the call that first held it, so only these can be new to the child.
-    """
-
-    def __init__(self) -> None:
-        self._memo: dict[int, tuple[Node, bytes]] = {}
-        self._contexts: dict[int, tuple[Any, bytes]] = {}
-        self._keys: list[str] = []
-
-    def __call__(self, call: CallEntry) -> tuple[bytes, list[str]]:
-        """The JSON of ``call`` and the keys of the tensor nodes serialised for it (not met before)."""
-        keys: list[str]
-        self._keys = keys = []
-        head = call.model_dump_json(exclude={"args", "kwargs", "outputs"}).encode()
-        parts = [head[:-1], b',"args":[', b",".join(map(self._node, call.args)), b'],"kwargs":{']
-        parts.append(b",".join(json.dumps(k).encode() + b":" + self._node(v) for k, v in call.kwargs.items()))
-        parts.append(b"}")
-        if call.outputs is not None:
-            parts += [b',"outputs":', self._node(call.outputs)]
-        parts.append(b"}")
-        return b"".join(parts), keys
-
-    def _items(self, items: list[Node]) -> bytes:
-        memo, parts, keys = self._memo, [], self._keys
-        for item in items:  # a tensor, or a node met before, without a call: most items of a decode step
-            if type(item) is TensorNode:  # not remembered: cheap to write again (sent filters its key)
-                keys.append(item.key)
-                parts.append(_tensor_json(item.key))
-                continue
-            hit = memo.get(id(item))
-            parts.append(hit[1] if hit is not None and hit[0] is item else self._node(item))
-        return b",".join(parts)
-
-    def _context(self, context: Any) -> bytes:
-        """A node's context as JSON: the same object from call to call (a cache's layer kinds), written once."""
-        hit = self._contexts.get(id(context))
-        if hit is not None and hit[0] is context:
-            return hit[1]
-        text = json.dumps(context).encode()
-        if len(self._contexts) >= 256:
-            self._contexts.clear()
-        self._contexts[id(context)] = (context, text)
-        return text
-
-    def _remember(self, node: Node, text: bytes) -> bytes:
-        if len(self._memo) >= _MEMO_NODES:
-            self._memo.clear()
-        self._memo[id(node)] = (node, text)
-        return text
-
-    def _node(self, node: Node) -> bytes:
-        if isinstance(node, TensorNode):
-            self._keys.append(node.key)
-            return _tensor_json(node.key)
-        hit = self._memo.get(id(node))
-        if hit is not None and hit[0] is node:
-            return hit[1]
-        if isinstance(node, ObjectNode):
-            text = b"".join(
-                (
-                    b'{"kind":"node","type":',
-                    json.dumps(node.type).encode(),
-                    b',"version":%d,"context":' % node.version,
-                    self._context(node.context),
-                    b',"items":[',
-                    self._items(node.items),
-                    b"]}",
-                )
-            )
-        elif isinstance(node, (ListNode, TupleNode)):
-            kind = b"list" if isinstance(node, ListNode) else b"tuple"
-            return b'{"kind":"' + kind + b'","items":[' + self._items(node.items) + b"]}"
-        else:  # None, a constant (floats need pydantic's inf/nan), a dict, an opaque value: small, rare
-            collect_tensor_keys(node, self._keys)
-            return _TREE.dump_json(node)
-        return self._remember(node, text)
-
-
-def _tensor_json(key: str) -> bytes:
-    """A tensor node's JSON (a collector's key, ``t123``, needs no escaping; any other is escaped)."""
-    quoted = b'"%s"' % key.encode() if key.isalnum() and key.isascii() else json.dumps(key).encode()
-    return b'{"kind":"tensor","key":' + quoted + b"}"
 
 
 class WriterProcessUnavailable(Exception):
@@ -417,7 +318,7 @@ class WriterProcess:
         self._gone = gone
         self._idle = idle
         self._sent: set[str] = set(writer.tensors)
-        self._json = _CallJson()
+        self._json = CallJson()
         self._names: dict[torch.dtype, str] = {}  # the dtypes met, by safetensors name
         self._resend = False  # set when keys handed over were not written: serialise every node again
         self._stager = PinnedStager()  # CUDA tensors: one packed copy per device into pinned memory
@@ -463,7 +364,7 @@ class WriterProcess:
             total = 0
             sent, get, strided = self._sent, self._get, torch.strided
             if self._resend:  # the child failed a call: its unwritten tensors go again, whichever nodes hold them
-                self._json, self._resend = _CallJson(), False
+                self._json, self._resend = CallJson(), False
             call_json, met = self._json(call)
             new = [k for k in dict.fromkeys(met) if k not in sent]
             on_device: list[tuple[torch.Tensor, int, int]]

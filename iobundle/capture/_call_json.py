@@ -1,0 +1,109 @@
+"""A recorded call as the manifest's JSON, assembled from the remembered JSON of the nodes calls share."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import TypeAdapter
+
+from iobundle.schema import CallEntry, ListNode, Node, ObjectNode, TensorNode, TupleNode, collect_tensor_keys
+
+__all__ = ["CallJson"]
+
+_TREE = TypeAdapter(Node)
+
+_MEMO_NODES = 8192
+
+
+class CallJson:
+    """Recorded calls as the manifest's JSON, for the child, at a cost that does not grow with what repeats.
+
+    The child validates what it receives, so any JSON of the entry will do; this one is put together
+    from the JSON of each container node, remembered for the nodes calls share: a cache passed to
+    the next call is the node its previous call returned
+    (:meth:`iobundle.calls.TensorCollector.same_object`). A decode step thus serialises only
+    what it adds. The rest of the entry goes through pydantic (its None fields left out).
+
+    Serialising a call also lists the keys of the tensor nodes it wrote out: a remembered node's
+    were listed with the call that first held it, so only these can be new to the child.
+    """
+
+    def __init__(self) -> None:
+        self._memo: dict[int, tuple[Node, bytes]] = {}
+        self._contexts: dict[int, tuple[Any, bytes]] = {}
+        self._keys: list[str] = []
+
+    def __call__(self, call: CallEntry) -> tuple[bytes, list[str]]:
+        """The JSON of ``call`` and the keys of the tensor nodes serialised for it (not met before)."""
+        keys: list[str]
+        self._keys = keys = []
+        head = call.model_dump_json(exclude={"args", "kwargs", "outputs"}).encode()
+        parts = [head[:-1], b',"args":[', b",".join(map(self._node, call.args)), b'],"kwargs":{']
+        parts.append(b",".join(json.dumps(k).encode() + b":" + self._node(v) for k, v in call.kwargs.items()))
+        parts.append(b"}")
+        if call.outputs is not None:
+            parts += [b',"outputs":', self._node(call.outputs)]
+        parts.append(b"}")
+        return b"".join(parts), keys
+
+    def _items(self, items: list[Node]) -> bytes:
+        memo, parts, keys = self._memo, [], self._keys
+        for item in items:  # a tensor, or a node met before, without a call: most items of a decode step
+            if type(item) is TensorNode:  # not remembered: cheap to write again (sent filters its key)
+                keys.append(item.key)
+                parts.append(_tensor_json(item.key))
+                continue
+            hit = memo.get(id(item))
+            parts.append(hit[1] if hit is not None and hit[0] is item else self._node(item))
+        return b",".join(parts)
+
+    def _context(self, context: Any) -> bytes:
+        """A node's context as JSON: the same object from call to call (a cache's layer kinds), written once."""
+        hit = self._contexts.get(id(context))
+        if hit is not None and hit[0] is context:
+            return hit[1]
+        text = json.dumps(context).encode()
+        if len(self._contexts) >= 256:
+            self._contexts.clear()
+        self._contexts[id(context)] = (context, text)
+        return text
+
+    def _remember(self, node: Node, text: bytes) -> bytes:
+        if len(self._memo) >= _MEMO_NODES:
+            self._memo.clear()
+        self._memo[id(node)] = (node, text)
+        return text
+
+    def _node(self, node: Node) -> bytes:
+        if isinstance(node, TensorNode):
+            self._keys.append(node.key)
+            return _tensor_json(node.key)
+        hit = self._memo.get(id(node))
+        if hit is not None and hit[0] is node:
+            return hit[1]
+        if isinstance(node, ObjectNode):
+            text = b"".join(
+                (
+                    b'{"kind":"node","type":',
+                    json.dumps(node.type).encode(),
+                    b',"version":%d,"context":' % node.version,
+                    self._context(node.context),
+                    b',"items":[',
+                    self._items(node.items),
+                    b"]}",
+                )
+            )
+        elif isinstance(node, (ListNode, TupleNode)):
+            kind = b"list" if isinstance(node, ListNode) else b"tuple"
+            return b'{"kind":"' + kind + b'","items":[' + self._items(node.items) + b"]}"
+        else:  # None, a constant (floats need pydantic's inf/nan), a dict, an opaque value: small, rare
+            collect_tensor_keys(node, self._keys)
+            return _TREE.dump_json(node)
+        return self._remember(node, text)
+
+
+def _tensor_json(key: str) -> bytes:
+    """A tensor node's JSON (a collector's key, ``t123``, needs no escaping; any other is escaped)."""
+    quoted = b'"%s"' % key.encode() if key.isalnum() and key.isascii() else json.dumps(key).encode()
+    return b'{"kind":"tensor","key":' + quoted + b"}"
