@@ -382,7 +382,7 @@ class CallRecorder:
                 self._warn(message, stacklevel=3)
             raise
         latency = time.perf_counter() - begin
-        changed = budget["state"].changed(state) if state is not None else []
+        changed = budget["state"].changed(state, self._collector.met) if state is not None else []
         with self._lock:
             if changed and "module-state" not in self._warned:
                 self._warned.add("module-state")

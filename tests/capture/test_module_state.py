@@ -49,14 +49,16 @@ class Holder(torch.nn.Module):
 
 
 class Recomputing(torch.nn.Module):
-    """Rebinds a tensor each call to the same values (a cache recomputed the same way), and adds one lazily."""
+    """Recomputes tensors each call the same way (rebound, and in place like longrope's ``inv_freq``), adds one lazily."""
 
     def __init__(self) -> None:
         super().__init__()
         self.scale = torch.ones(3)
+        self.register_buffer("freq", torch.ones(3), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.scale = torch.ones(3)
+        self.freq.copy_(torch.where(x.sum() > 1e9, 2.0, torch.ones(3)))
         if not hasattr(self, "table"):
             self.table = torch.arange(3.0)
         return x * self.scale + self.table
@@ -133,7 +135,8 @@ def test_a_tensor_recomputed_to_the_same_values_or_built_lazily_does_not_warn() 
         lambda module, args: setattr(module, "table", module.table + 1) if hasattr(module, "table") else None
     )
     [warning] = run(Holder(drifting))  # the lazily built tensor, changed by the next call, is state
-    assert "model.layers.0.table" in str(warning.message) and "scale" not in str(warning.message)
+    message = str(warning.message)
+    assert "model.layers.0.table" in message and "scale" not in message and "freq" not in message
 
 
 def tiny_llama() -> torch.nn.Module:
@@ -169,3 +172,31 @@ def test_a_tiny_llama_generate_does_not_warn_until_a_layer_keeps_state() -> None
     layer.register_forward_hook(lambda module, args, out: count(module.calls))
     [warning] = generate(model)
     assert "model.model.layers.1.calls" in str(warning.message)
+
+
+class StaticCache(torch.nn.Module):
+    """Holds a cache it writes in place: state unless the caller passes it in (then the recorded calls carry it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache = torch.zeros(4, 3)
+
+    def forward(self, x: torch.Tensor, position: int, cache: torch.Tensor | None = None) -> torch.Tensor:
+        cache = self.cache if cache is None else cache
+        cache[position].copy_(x[0])
+        return cache.sum(0)
+
+
+def test_a_cache_the_model_holds_warns_unless_it_is_passed_to_each_call() -> None:
+    for passed in (True, False):
+        model, observer = StaticCache(), InputObserver()
+        with warnings.catch_warnings(record=True) as caught, observer(model):
+            warnings.simplefilter("always")
+            for i in range(3):
+                model(torch.ones(1, 3), i, model.cache) if passed else model(torch.ones(1, 3), i)
+        messages = [str(w.message) for w in caught if issubclass(w.category, ObservationWarning)]
+        if passed:
+            assert messages == []
+        else:
+            [message] = messages
+            assert "model.cache" in message
