@@ -107,6 +107,11 @@ class TensorCollector:
         self._seen[id(tensor)] = (ref, tensor._version, tuple(tensor.shape), tensor.stride(), node)
         return node
 
+    def met(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` (this object) was recorded before: what the recorded calls carry."""
+        seen = self._seen.get(id(tensor))
+        return seen is not None and seen[0]() is tensor
+
     def unchanged(self, value: Any, children: list[Any], context: Any) -> ObjectNode | None:
         """The node recorded for ``value`` last time, if it still holds the same children, unchanged since.
 

@@ -27,6 +27,7 @@ from iobundle.calls import (
     record_value,
     signature_entry,
 )
+from iobundle.capture._module_state import StateWatch, state_message
 from iobundle.capture._snapshots import SnapshotTable
 from iobundle.capture._stream import CallStream
 from iobundle.capture._writer import BundleWriter, save_recorded_calls
@@ -136,7 +137,9 @@ class CallRecorder:
         Recording never breaks the observed program: what cannot be recorded or written (a value
         of an unknown class, a tensor that cannot be copied, a full disk, an unwritable
         ``stream_to``) becomes an :class:`ObservationWarning` and a call marked ``incomplete``;
-        without a usable ``stream_to`` the calls are kept in memory.
+        without a usable ``stream_to`` the calls are kept in memory. One of the first 3 recorded calls
+        of a block that changes tensors the model's modules keep (state the calls do not carry) is
+        one warning naming them.
 
         Args:
             model: The object whose method is observed.
@@ -175,7 +178,7 @@ class CallRecorder:
                 f"This observer recorded {self._rc.signature.qualname} before; it cannot also record "
                 f"{sig.qualname} with another signature. Use one InputObserver per method."
             )
-        budget: dict[str, Any] = {"left": store_n_calls}
+        budget: dict[str, Any] = {"left": store_n_calls, "state": StateWatch(model)}
         had_instance_attr = method_name in getattr(model, "__dict__", {})
 
         @functools.wraps(method)
@@ -363,6 +366,7 @@ class CallRecorder:
                     budget["entered"].stop()
                     budget["entered"] = None
                 call, problem = self._record_inputs(rc, args, kwargs)
+                state = None if "module-state" in self._warned else budget["state"].before()
         if not record:
             return method(*args, **kwargs)
         messages = [problem]
@@ -380,7 +384,11 @@ class CallRecorder:
                 self._warn(message, stacklevel=3)
             raise
         latency = time.perf_counter() - begin
+        changed = budget["state"].changed(state, self._collector.met) if state is not None else []
         with self._lock:
+            if changed and "module-state" not in self._warned:
+                self._warned.add("module-state")
+                messages.append(state_message(changed, rc.signature.qualname))
             update: dict[str, Any] = {"latency": latency}
             if call.status == "ok":
                 outputs, problem, warning = self._record_outputs(result, call.index)

@@ -1,0 +1,98 @@
+"""``StateWatch``: the tensors of an observed module tree that a recorded call changes (state the calls do not carry)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["StateWatch", "state_message"]
+
+_COPIED_BYTES = 1 << 20  # a buffer or attribute up to this size is copied before a watched call, to compare values
+_Held = tuple[torch.Tensor, int | None, torch.Tensor | None]  # the tensor, its version, a copy of its values
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor keeps no version counter: only its identity is compared
+        return None
+
+
+def _tensors(model: torch.nn.Module, copy: bool = False) -> dict[tuple[str, str], _Held]:
+    """Every tensor the tree holds (parameters, buffers, tensor attributes) by module path and name.
+
+    With ``copy``, buffers and attributes up to ``_COPIED_BYTES`` are copied. About 1.5 ms for a
+    32-layer tiny Llama (420 modules, 8,500 attributes): paid on the watched calls only.
+    """
+    found = {}
+    for prefix, module in model.named_modules(prefix="model"):
+        attributes = module.__dict__
+        for table in (attributes, attributes["_parameters"], attributes["_buffers"]):
+            for name, value in table.items():
+                if isinstance(value, torch.Tensor):
+                    small = copy and not isinstance(value, torch.nn.Parameter)
+                    small = small and value.numel() * value.element_size() <= _COPIED_BYTES
+                    found[prefix, name] = (value, _version(value), value.detach().clone() if small else None)
+    return found
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
+    except Exception:  # a tensor that cannot be compared (a subclass, a meta tensor) counts as changed
+        return False
+
+
+class StateWatch:
+    """Compares the tensors a module tree holds before and after its first ``calls`` recorded calls.
+
+    A tensor rebound to other values (``self.h = new_h``) or changed in place (``self.h.copy_(...)``,
+    ``self.count += 1`` on a buffer) is state kept between calls. Not state: a tensor rebound or
+    rewritten in place to the values it had (a table recomputed each call the same way, as longrope's
+    ``inv_freq``; only buffers and attributes up to 1 MiB are copied to tell), and a tensor the call
+    adds (a cache built lazily; a later watched call that changes it is state). Changes made without
+    the version counter (through ``.data``, in place to an inference tensor) are not seen.
+    """
+
+    def __init__(self, model: Any, calls: int = 3) -> None:
+        self._model, self._left = model, calls if isinstance(model, torch.nn.Module) else 0
+
+    def before(self) -> dict[tuple[str, str], _Held] | None:
+        """The tensors before a call, for ``changed``; None once the watched calls are spent."""
+        if self._left <= 0:
+            return None
+        self._left -= 1
+        try:
+            return _tensors(self._model, copy=True)
+        except Exception:  # observation never breaks the observed program
+            return None
+
+    def changed(self, before: dict[tuple[str, str], _Held], carried: Callable[[torch.Tensor], bool]) -> list[str]:
+        """The paths of the tensors held ``before`` whose values the call changed, but those ``carried`` as inputs."""
+        paths = []
+        try:
+            after = _tensors(self._model)
+        except Exception:
+            return []
+        for key, (tensor, version, _) in after.items():
+            old, old_version, values = before.get(key, (tensor, version, None))
+            if (tensor is old and version == old_version) or carried(old):
+                continue  # untouched, added by the call, or passed to it (a static cache the model holds too)
+            # compared with its values before the call: its copy, or the tensor it was before it was rebound
+            reference = values if values is not None else None if tensor is old else old
+            if reference is None or not _equal(tensor, reference):
+                paths.append(".".join(key))
+        return paths
+
+
+def state_message(paths: list[str], what: Any) -> str:
+    """The warning for the state ``paths`` that calls of ``what`` change."""
+    names = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+    return (
+        f"iobundle: a call of {what} changed tensors its module tree keeps between calls ({names}). The recorded "
+        "calls do not carry this state: replayed from the bundle, each call starts from the state left after the "
+        "last one, so the export check fails on every call whose outputs depend on it. Pass the state in and out "
+        "of the method (as a cache argument and output), or reset it at the start of each call."
+    )
