@@ -56,7 +56,7 @@ class StateWatch:
     the version counter (through ``.data``, in place to an inference tensor) are not seen.
     """
 
-    def __init__(self, model: Any, calls: int = 3) -> None:
+    def __init__(self, model: Any, calls: int = 2) -> None:
         self._model, self._left = model, calls if isinstance(model, torch.nn.Module) else 0
 
     def before(self) -> dict[tuple[str, str], _Held] | None:

@@ -137,7 +137,7 @@ class CallRecorder:
         Recording never breaks the observed program: what cannot be recorded or written (a value
         of an unknown class, a tensor that cannot be copied, a full disk, an unwritable
         ``stream_to``) becomes an :class:`ObservationWarning` and a call marked ``incomplete``;
-        without a usable ``stream_to`` the calls are kept in memory. One of the first 3 recorded calls
+        without a usable ``stream_to`` the calls are kept in memory. One of the first 2 recorded calls
         of a block that changes tensors the model's modules keep (state the calls do not carry) is
         one warning naming them.
 
