@@ -100,11 +100,11 @@ class TensorCollector:
         self.tensors[key] = self._snapshot(tensor)
         node = TensorNode(key=key)
         try:
-            ref = weakref.ref(tensor)
-        except TypeError:
+            ref, version = weakref.ref(tensor), tensor._version
+        except (TypeError, RuntimeError):  # an inference tensor keeps no version counter: a new key each time met
             return node
         # a plain tuple of ints, not a torch.Size: the collector stops tracking it (one object less per tensor)
-        self._seen[id(tensor)] = (ref, tensor._version, tuple(tensor.shape), tensor.stride(), node)
+        self._seen[id(tensor)] = (ref, version, tuple(tensor.shape), tensor.stride(), node)
         return node
 
     def met(self, tensor: torch.Tensor) -> bool:
@@ -159,6 +159,8 @@ class TensorCollector:
         stamps: list[int | None] = []
         for child in children:
             if isinstance(child, torch.Tensor):
+                if child.is_inference():  # no version counter: the object is walked every time
+                    break
                 stamps.append(child._version)
             elif child is None or type(child) in _SCALARS:
                 stamps.append(None)

@@ -41,7 +41,14 @@ _HEADER_CACHE = 64
 
 
 def snapshot_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of ``tensor``, detached from autograd, on the same device."""
+    """A contiguous copy of ``tensor``, detached from autograd, on the same device.
+
+    Always a normal tensor: under ``torch.inference_mode`` a copy would be an inference tensor,
+    which keeps no version counter (what tells the recorder and the writer a tensor changed).
+    """
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):
+            return tensor.detach().clone(memory_format=torch.contiguous_format)
     return tensor.detach().clone(memory_format=torch.contiguous_format)
 
 
@@ -101,7 +108,8 @@ class BufferPool:
             else:
                 buf = None
         if buf is None:
-            buf = torch.empty(_round_up(nbytes), dtype=torch.uint8)
+            with torch.inference_mode(False):  # a normal tensor, even for a model run under inference_mode
+                buf = torch.empty(_round_up(nbytes), dtype=torch.uint8)
         with self._cond:
             self._taken[buf.data_ptr()] = buf.numel()
             self._lent += buf.numel()
@@ -315,7 +323,13 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         While streaming, a CUDA copy also gets an event: the copy runs on the model's current
         stream and the writer reads it from another thread (and stream), after the event.
         """
-        if self.reference and tensor.is_cpu and type(tensor) is torch.Tensor and tensor.is_contiguous():
+        if (
+            self.reference
+            and tensor.is_cpu
+            and type(tensor) is torch.Tensor
+            and tensor.is_contiguous()
+            and not tensor.is_inference()  # no version counter to tell whether it changed: copied
+        ):
             self.copied_bytes += tensor.nbytes
             return tensor
         pool = self.pool

@@ -1,0 +1,61 @@
+"""A model run under torch.inference_mode is recorded like one under torch.no_grad."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from iobundle import InputObserver, load_bundle
+from iobundle.capture import _stream
+
+
+class Step(torch.nn.Module):
+    """Keeps a static state tensor that each call updates in place and returns."""
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        state.add_(x)
+        return state, x * 2
+
+
+@pytest.mark.parametrize("writer", ["process", "thread", None])  # None: in memory, then saved
+def test_calls_under_inference_mode_are_recorded_as_they_were(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str | None
+) -> None:
+    if writer is not None:
+        monkeypatch.setattr(_stream, "WRITER", writer)
+    model, observer = Step(), InputObserver()
+    inputs, outputs = [], []
+    with torch.inference_mode():
+        state = torch.zeros(2, 3)
+        with observer(model, store_n_calls=3, stream_to=None if writer is None else tmp_path / "run"):
+            for i in range(3):
+                x = torch.full((2, 3), float(i + 1))
+                inputs.append(state.clone())
+                new_state, doubled = model(x, state)
+                outputs.append((new_state.clone(), doubled.clone()))
+    if writer is None:
+        observer.save(tmp_path / "run")
+    bundle = load_bundle(tmp_path / "run")
+    assert bundle.num_obs() == 3
+    for call, before, (after, doubled) in zip(bundle.calls, inputs, outputs, strict=True):
+        assert torch.equal(bundle.tensor(call.args[1].key), before)  # the state as the call received it
+        assert torch.equal(bundle.tensor(call.outputs.items[0].key), after)  # and as it returned it
+        assert torch.equal(bundle.tensor(call.outputs.items[1].key), doubled)
+
+
+def test_a_generate_under_inference_mode_is_recorded(tmp_path: Path) -> None:
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model, observer = LlamaForCausalLM(config).eval(), InputObserver()
+    prompt = torch.randint(0, 64, (1, 5))
+    with torch.inference_mode(), observer(model, store_n_calls=10, stream_to=tmp_path / "run"):
+        model.generate(prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    bundle = load_bundle(tmp_path / "run")
+    assert bundle.num_obs() == 4
+    assert all(call.status == "ok" for call in bundle.calls)
