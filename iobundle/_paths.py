@@ -26,10 +26,12 @@ from pathlib import Path
 from iobundle.errors import IobundleError, UnsafeBundleError
 
 __all__ = [
+    "CLOEXEC",
     "DIR",
     "FILE",
     "LINK",
     "MISSING",
+    "NOFOLLOW",
     "OTHER",
     "Tree",
     "check_relative_name",
@@ -40,10 +42,11 @@ __all__ = [
 FILE, DIR, LINK, OTHER, MISSING = "file", "dir", "link", "other", "missing"
 """What a listing says an entry is (never following a link)."""
 
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | _CLOEXEC
-_ROOT_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC
+CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+"""The open flags of every file of a bundle: never through a link, never inherited by a child process."""
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | NOFOLLOW | CLOEXEC
+_ROOT_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | CLOEXEC
 
 
 def link_message(path: object) -> str:
@@ -240,7 +243,7 @@ class Tree:
         if fd is None:
             raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(self._display(name.split("/"))))
         try:
-            return os.open(base, flags | _NOFOLLOW | _CLOEXEC, mode, dir_fd=fd)
+            return os.open(base, flags | NOFOLLOW | CLOEXEC, mode, dir_fd=fd)
         except OSError as exc:
             if exc.errno == errno.ELOOP or (exc.errno == errno.EEXIST and self._lstat(fd, base) == LINK):
                 raise self.error(link_message(self._display(name.split("/")))) from exc

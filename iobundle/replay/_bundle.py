@@ -12,11 +12,10 @@ from iobundle._leftovers import unlisted_files
 from iobundle._paths import DIR, FILE, LINK, Tree
 from iobundle._progress import BYTES, ProgressCallback, notify
 from iobundle._remote import local_path, remote_kind
+from iobundle._store import FsspecStore, Store, TarStore, open_archive
 from iobundle.calls import (
-    BundleRoot,
     BundleTensorStore,
     RecordedCalls,
-    Root,
     build_value,
     check_file,
     check_file_header,
@@ -25,14 +24,13 @@ from iobundle.calls import (
     iter_tensor_nodes,
     listed_files,
 )
-from iobundle.errors import IobundleError, UnsafeBundleError
+from iobundle.errors import BundleNotFoundError, IobundleError, TensorFileError, UnsafeBundleError
 from iobundle.replay._api import RecordedCallsAPI
-from iobundle.replay._archive import ArchiveRoot, open_archive
-from iobundle.replay._remote_root import RemoteRoot
 from iobundle.replay.infer import call_shape
 from iobundle.schema import (
     JOURNAL_FILENAME,
     MANIFEST_FILENAME,
+    MAX_MANIFEST_BYTES,
     CallEntry,
     Manifest,
     deferred_calls,
@@ -56,7 +54,7 @@ class Bundle(RecordedCallsAPI):
     others (format version 2) are rebuilt on each read; shapes never read the files.
     """
 
-    def __init__(self, path: Path, manifest: Manifest, *, verify: bool = True, source: Root | None = None) -> None:
+    def __init__(self, path: Path, manifest: Manifest, *, verify: bool = True, source: Store | None = None) -> None:
         self.path = path
         self.manifest = manifest
         self._store = BundleTensorStore(path, manifest, verify=verify, bundle_root=source)
@@ -92,12 +90,12 @@ class Bundle(RecordedCallsAPI):
     @classmethod
     def _load(cls, path: str | os.PathLike[str], *, verify: bool) -> Bundle:
         local = local_path(path)
-        source: Root | None = None
+        source: Store | None = None
         if local is None:  # a URL of another filesystem
             url = str(path)
             if remote_kind(url) == "directory":
-                remote = RemoteRoot(url)
-                source, manifest = remote, parse_manifest(remote.read_manifest(), source=f"{url}/{MANIFEST_FILENAME}")
+                source = FsspecStore(url)
+                manifest = parse_manifest(_read_manifest(source), source=f"{url}/{MANIFEST_FILENAME}")
             else:
                 source, data = open_archive(url)
                 manifest = parse_manifest(data, source=f"{url}:{MANIFEST_FILENAME}")
@@ -117,14 +115,14 @@ class Bundle(RecordedCallsAPI):
         return self._rc
 
     @property
-    def root(self) -> Root:
+    def root(self) -> Store:
         """Where the bundle's files lie (a directory, a packed file or a URL), read through every check."""
         return self._store.bundle_root
 
     @property
     def packed(self) -> bool:
         """True when the bundle is one file written by ``iobundle pack`` (read in place), False for a directory."""
-        return isinstance(self.root, ArchiveRoot)
+        return isinstance(self.root, TarStore)
 
     @property
     def remote(self) -> bool:
@@ -173,20 +171,18 @@ class Bundle(RecordedCallsAPI):
             try:
                 segment = entry.ranges is not None  # a segment's header is checked against its ranges
                 if not hashes and name in self.manifest.files and not segment:  # one open: its size, then its header
-                    path = self._store.bundle_root.member(name)
-                    check_file_header(path, name, self._store.file_entries(name), size=entry.size)
+                    check_file_header(self.root, name, self._store.file_entries(name), size=entry.size)
                 else:
-                    path = check_file(self._store.bundle_root, name, entry, hash_check=hashes)
+                    check_file(self.root, name, entry, hash_check=hashes)
                     if segment:
-                        check_segment_member(path, name, entry, self._store.file_entries(name))
+                        check_segment_member(self.root, name, entry, self._store.file_entries(name))
                     elif name in self.manifest.files:
-                        check_file_header(path, name, self._store.file_entries(name))
+                        check_file_header(self.root, name, self._store.file_entries(name))
             except IobundleError as exc:
                 problems.append(str(exc))
             done += entry.size
             notify(on_progress, "verify", done, total, name, unit=BYTES)
         return problems
-
 
     def unlisted_files(self) -> list[str]:
         """One message per file of the bundle directory that the manifest does not list, naming it.
@@ -240,12 +236,7 @@ def _check_references(store: BundleTensorStore, manifest: Manifest) -> None:
         UnsafeBundleError: A file name leaves the bundle, a tensor lives in an unlisted file or needs
             more bytes than its file has, or a tree refers to a tensor the manifest does not list.
     """
-    root = store.bundle_root
-    if isinstance(root, BundleRoot):
-        root.check_members(manifest.files)
-    else:
-        for name in manifest.files:
-            root.member(name)
+    store.bundle_root.check_all(manifest.files)
     if type(manifest) is Manifest:  # format version 1 or 2: a compact manifest's rows were checked when read
         store.check_sizes()
     keys: list[str] = []
@@ -261,6 +252,21 @@ def _check_references(store: BundleTensorStore, manifest: Manifest) -> None:
             collect_tensor_keys(call.outputs, keys)
     if not all(map(tensor_rows(manifest).__contains__, keys)):
         _report_unknown_key(manifest)
+
+
+def _read_manifest(store: Store) -> bytes:
+    """The bytes of ``manifest.json`` in ``store``, refused over the size limit.
+
+    Raises:
+        BundleNotFoundError: ``store`` holds no manifest.
+        UnsafeBundleError: The manifest is over :data:`iobundle.schema.MAX_MANIFEST_BYTES`.
+    """
+    try:
+        return store.read(MANIFEST_FILENAME, MAX_MANIFEST_BYTES)
+    except TensorFileError as exc:
+        raise BundleNotFoundError(
+            f"No {MANIFEST_FILENAME} at '{store.path}'. Is it a bundle saved with observer.save()? ({exc})"
+        ) from exc
 
 
 def _report_unknown_key(manifest: Manifest) -> None:

@@ -20,7 +20,8 @@ from iobundle._atomic import atomic_file
 from iobundle._paths import Tree
 from iobundle._progress import BYTES, ProgressCallback, notify
 from iobundle._remote import clear_local_bundle, is_url, local_path, staged
-from iobundle.calls import BundleRoot, check_file, listed_files, open_regular
+from iobundle._store import LocalStore, TarStore, open_regular
+from iobundle.calls import check_file, listed_files
 from iobundle.errors import (
     ArchiveError,
     BundleExistsError,
@@ -30,7 +31,7 @@ from iobundle.errors import (
     IobundleError,
     TensorFileError,
 )
-from iobundle.replay import ArchiveRoot, Bundle
+from iobundle.replay import Bundle
 from iobundle.schema import MANIFEST_FILENAME, dump_manifest
 
 __all__ = ["PackResult", "pack_bundle", "unpack_bundle"]
@@ -159,7 +160,7 @@ def pack_bundle(
     if source is None or not source.is_dir():
         raise BundleNotFoundError(f"'{bundle}' is not a bundle directory. Pass the folder written by observer.save().")
     manifest = Bundle.load(source).manifest  # a bundle, with a valid manifest whose file names stay inside it
-    root = BundleRoot(source)
+    root = LocalStore(source)
     names = [MANIFEST_FILENAME, *sorted(listed_files(manifest))]
     # A stream killed before its end left journal.jsonl and no manifest.json: the archive holds the manifest
     # the journal describes (every complete call), so it opens as any saved bundle does.
@@ -192,7 +193,7 @@ def pack_bundle(
 
 
 def _write_tar(
-    root: BundleRoot,
+    root: LocalStore,
     names: list[str],
     inline: dict[str, bytes],
     target: Path,
@@ -216,13 +217,12 @@ def _write_tar(
                 total += len(data)
                 notify(on_progress, PACK_TASK, total, max(expected, total), name, unit=BYTES)
                 continue
-            member = root.member(name)
-            fd, size = open_regular(member, name)
+            f, size = root.open(name)
             size = min(size, segments.get(name, size))
-            with os.fdopen(fd, "rb", buffering=0) as f:
+            with f:
                 out.write(_tar_header(name, size))
                 out.flush()
-                if not _kernel_copy(fd, 0, out.fileno(), size):
+                if not _kernel_copy(f.fileno(), 0, out.fileno(), size):
                     _copy(f, out, size, name)  # type: ignore[arg-type]
                 else:
                     out.seek(0, os.SEEK_END)
@@ -267,7 +267,7 @@ def unpack_bundle(
     begin = time.perf_counter()
     bundle = Bundle.load(archive, verify=verify)
     root = bundle.root
-    if not isinstance(root, ArchiveRoot):
+    if not isinstance(root, TarStore):
         raise BundleNotFoundError(f"'{archive}' is a bundle directory, not a packed bundle; nothing to unpack.")
     listed = listed_files(bundle.manifest)
     for name in root.members:

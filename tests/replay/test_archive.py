@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import iobundle.replay._archive as archive_module
+import iobundle._store._tar as archive_module
 from iobundle import InputObserver, load_bundle
 from iobundle.errors import (
     ArchiveError,

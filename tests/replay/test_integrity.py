@@ -11,6 +11,7 @@ import xxhash
 
 import iobundle.calls._tensorfile_read as tensorfile
 from iobundle import InputObserver, load_bundle
+from iobundle._store import LocalStore
 from iobundle.errors import IntegrityError, TensorFileError
 
 # every test runs through both ways of opening a tensor file (small files read whole, large ones mapped)
@@ -98,8 +99,8 @@ def test_hash_is_checked_once_per_file(bundle, monkeypatch):
 def test_a_verified_file_is_read_once(bundle, monkeypatch):
     """Hashing reads the bytes the tensors then view (read whole, or mapped): no file is read a second time."""
     reads = []
-    real = tensorfile._open_member
-    monkeypatch.setattr(tensorfile, "_open_member", lambda path, name: reads.append(name) or real(path, name))
+    real = LocalStore.open
+    monkeypatch.setattr(LocalStore, "open", lambda store, name: reads.append(name) or real(store, name))
     monkeypatch.setattr(tensorfile, "hash_file", lambda *a, **k: pytest.fail("a tensor file hashed by a second read"))
     b = load_bundle(bundle)
     for key in b.manifest.tensors:

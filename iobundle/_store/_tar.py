@@ -1,15 +1,11 @@
-"""Packed bundles: one uncompressed POSIX tar file, read in place (tensor members memory-mapped where they lie).
+"""A packed bundle: one uncompressed POSIX tar file, read in place (tensor members memory-mapped where they lie).
 
 Why tar: a member's bytes are contiguous and start on a 512-byte boundary, so every tensor of a
 safetensors member keeps the alignment it has in its own file (8 bytes at least) and is viewed
 straight from one memory mapping of the whole archive; standard tools read it (``tar tf``).
 A zip with stored members would need padding in its extra fields to get the same alignment.
 
-``pack_bundle`` writes ``manifest.json`` first (a streaming reader finds it at once), then every
-file the manifest lists (tensor files, the stored model's files; nothing else the directory may
-hold), with zeroed times and owners: the same bundle always
-packs to the same bytes. ``unpack_bundle`` writes the members back to a directory,
-``manifest.json`` last.
+Packing and unpacking are ``iobundle.travel``'s; a packed bundle is read-only.
 
 A packed bundle is untrusted input. Reading its index refuses, with an
 :class:`~iobundle.errors.ArchiveError` naming the archive and the member: anything but a regular
@@ -25,7 +21,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import logging
 import os
 import tarfile
 import threading
@@ -35,7 +30,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from iobundle._lazy import lazy_module
 from iobundle._remote import local_path, open_filesystem
-from iobundle.calls import check_member_name, open_regular
+from iobundle._store._base import Store, check_member_name, folder_listing
+from iobundle._store._local import open_regular
 from iobundle.errors import (
     ArchiveError,
     BundleNotFoundError,
@@ -51,9 +47,7 @@ if TYPE_CHECKING:
 else:
     torch = lazy_module("torch", globals())
 
-__all__ = ["MAX_ARCHIVE_MEMBERS", "ArchiveRoot", "open_archive", "read_index"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["MAX_ARCHIVE_MEMBERS", "TarStore", "open_archive", "read_index"]
 
 MAX_ARCHIVE_MEMBERS = 1_000_000
 """Most entries read from a packed bundle (a bundle holds about one file per call, at most 100 000 calls)."""
@@ -100,42 +94,17 @@ class _Slice(io.RawIOBase):
             super().close()
 
 
-class _ArchiveMember:
-    """A member of a packed bundle; see :class:`iobundle.calls._tensorfile_read.MemberHandle`."""
-
-    def __init__(self, root: ArchiveRoot, name: str) -> None:
-        self.root = root
-        self.name = name
-
-    def __str__(self) -> str:
-        return f"{self.root.path}:{self.name}"
-
-    def _span(self) -> tuple[int, int]:
-        span = self.root.members.get(self.name)
-        if span is None:
-            raise TensorFileError(f"{self.name}: missing from the packed bundle '{self.root.path}'.")
-        return span
-
-    def open(self) -> tuple[BinaryIO, int]:
-        offset, size = self._span()
-        return self.root.open_slice(offset, size, self.name), size
-
-    def map(self, size: int) -> torch.Tensor | None:
-        offset, found = self._span()
-        if found != size:
-            raise IntegrityError(f"{self.name}: {found} bytes in '{self.root.path}', expected {size}.")
-        whole = self.root.mapping()
-        return None if whole is None else whole[offset : offset + size]
-
-
-class ArchiveRoot:
-    """The members of a packed bundle, indexed once; see :func:`open_archive`.
+class TarStore(Store):
+    """The members of a packed bundle, indexed once; see :func:`open_archive`. Read-only.
 
     Attributes:
         path: The archive (a local path, or a URL).
         members: Per member name, the offset of its first byte in the archive and its size.
         size: The archive's size when it was indexed.
+        local: The archive's local path (None at a URL).
     """
+
+    read_only = True
 
     def __init__(
         self,
@@ -153,12 +122,32 @@ class ArchiveRoot:
         self._mapping: torch.Tensor | None = None
         self._lock = threading.Lock()
 
-    def member(self, name: str) -> _ArchiveMember:
-        """The member ``name`` (checked like a file name of a directory bundle; it may be absent)."""
+    def describe(self, name: str) -> str:
+        return f"{self.path}:{name}"
+
+    def _span(self, name: str) -> tuple[int, int]:
         check_member_name(name)
-        return _ArchiveMember(self, name)
+        span = self.members.get(name)
+        if span is None:
+            raise TensorFileError(f"{name}: missing from the packed bundle '{self.path}'.")
+        return span
+
+    def open(self, name: str) -> tuple[BinaryIO, int]:
+        offset, size = self._span(name)
+        return self.open_slice(offset, size, name), size
+
+    def map(self, name: str, size: int) -> torch.Tensor | None:
+        offset, found = self._span(name)
+        if found != size:
+            raise IntegrityError(f"{name}: {found} bytes in '{self.path}', expected {size}.")
+        whole = self.mapping()
+        return None if whole is None else whole[offset : offset + size]
+
+    def list(self, folder: str = "") -> dict[str, str]:
+        return folder_listing(self.members, folder)
 
     def open_slice(self, offset: int, size: int, name: str) -> BinaryIO:
+        """``size`` bytes of the archive from ``offset`` on, as a file that ends there."""
         try:
             f = self._opener()
         except IobundleError:
@@ -181,20 +170,6 @@ class ArchiveRoot:
                     )
                 self._mapping = torch.from_file(str(self.local), shared=False, size=size, dtype=torch.uint8)
             return self._mapping
-
-    def read(self, name: str, limit: int) -> bytes:
-        """The whole member ``name``, refused over ``limit`` bytes."""
-        offset, size = self.members[name]
-        if size > limit:
-            raise UnsafeBundleError(
-                f"'{self.path}': member {name!r} holds {size} bytes, over the limit of {limit}. "
-                "The file is corrupt or hostile."
-            )
-        with self.open_slice(offset, size, name) as f:
-            data = f.read(size)
-        if len(data) != size:
-            raise TensorFileError(f"{name}: cut short in the packed bundle '{self.path}'.")
-        return data
 
 
 def _kind(info: tarfile.TarInfo) -> str | None:
@@ -301,7 +276,7 @@ def read_index(f: BinaryIO, size: int, where: str) -> dict[str, tuple[int, int]]
     return members
 
 
-def open_archive(location: str | os.PathLike[str]) -> tuple[ArchiveRoot, bytes]:
+def open_archive(location: str | os.PathLike[str]) -> tuple[TarStore, bytes]:
     """Index the packed bundle at ``location`` (a local file or a URL); return it and its manifest's bytes.
 
     Raises:
@@ -344,12 +319,9 @@ def open_archive(location: str | os.PathLike[str]) -> tuple[ArchiveRoot, bytes]:
         raise
     except OSError as exc:
         raise ArchiveError(f"{where}: cannot be read ({exc.strerror or exc}).") from exc
-    root = ArchiveRoot(path, members, size, opener, local)
+    root = TarStore(path, members, size, opener, local)
     if MANIFEST_FILENAME not in members:
         raise BundleNotFoundError(
             f"'{where}' is a tar archive without {MANIFEST_FILENAME}. Is it a bundle packed by iobundle pack?"
         )
     return root, root.read(MANIFEST_FILENAME, MAX_MANIFEST_BYTES)
-
-
-# --------------------------------------------------------------------------- pack / unpack

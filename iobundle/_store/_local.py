@@ -1,0 +1,158 @@
+"""A bundle directory: every member reached from the root without following a link (:class:`iobundle._paths.Tree`).
+
+Each folder holding members (``calls/``) is opened once from the root without following a link
+and listed once; a member then costs a dictionary lookup in that listing, and is opened with
+``O_NOFOLLOW``. A member that is a symbolic link, or lies in a symlinked folder, is refused,
+wherever it points: a bundle holds only its own files. Tensor files are memory-mapped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
+
+from iobundle._lazy import lazy_module
+from iobundle._paths import CLOEXEC, LINK, NOFOLLOW, Tree, link_message
+from iobundle._store._base import PLAIN_MEMBER, Store, check_member_name
+from iobundle.errors import BundleWriteError, IobundleError, TensorFileError, UnsafeBundleError
+from iobundle.schema import temporary_name
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
+
+__all__ = ["LocalStore", "open_regular"]
+
+READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | CLOEXEC | getattr(os, "O_BINARY", 0)
+"""How a member is opened for reading: without blocking (a FIFO would), never through a link (``NOFOLLOW``)."""
+
+
+def open_regular(path: Path, name: str, *, link_ok: bool = False) -> tuple[int, int]:
+    """Open ``path`` read-only without blocking; return ``(fd, size)``. Refuses anything but a regular file.
+
+    A member is opened with ``O_NOFOLLOW`` (its folders are checked by :class:`LocalStore`);
+    ``link_ok`` is for a path the user gave (a packed bundle), which may be a link.
+    """
+    try:
+        fd = os.open(path, READ_FLAGS if link_ok else READ_FLAGS | NOFOLLOW)
+    except FileNotFoundError as exc:
+        raise TensorFileError(f"{name}: missing from the bundle.") from exc
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeBundleError(f"{name}: {link_message(path)}") from exc
+        raise TensorFileError(f"{name}: cannot be opened ({exc.strerror or exc}).") from exc
+    try:
+        info = os.fstat(fd)
+    except OSError as exc:
+        os.close(fd)
+        raise TensorFileError(f"{name}: cannot be read ({exc.strerror or exc}).") from exc
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise TensorFileError(f"{name}: not a regular file (a directory, FIFO or device); refusing to read it.")
+    return fd, info.st_size
+
+
+class LocalStore(Store):
+    """The bundle directory ``path``.
+
+    Args:
+        path: The directory (links above it and at it are the user's choice; nothing below it is followed).
+        error: What a link (or a component that is not a folder) raises when writing or removing.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, error: type[IobundleError] = UnsafeBundleError) -> None:
+        self.path = Path(path)
+        self._tree = Tree(self.path)
+        self._writes = Tree(self.path, error=error)
+        self._names: dict[str, tuple[str, ...]] = {}
+        self._lock = threading.RLock()  # the tree's descriptors are opened and closed by one reader at a time
+
+    def _parts(self, name: str) -> tuple[str, ...]:
+        parts = self._names.get(name) if isinstance(name, str) else None
+        if parts is None:
+            plain = isinstance(name, str) and PLAIN_MEMBER.fullmatch(name)
+            parts = self._names[name] = tuple(name.split("/")) if plain else check_member_name(name).parts
+        return parts
+
+    def file(self, name: str) -> Path:
+        """The path of member ``name``, checked as :meth:`check` does (it may be missing)."""
+        parts = self._parts(name)
+        with self._lock:
+            try:
+                return self._tree.check_file(parts, where=f"File {name!r}")
+            except OSError as exc:
+                raise UnsafeBundleError(f"File {name!r} cannot be resolved inside the bundle: {exc}.") from exc
+            finally:
+                self._tree.close()  # the listings stay: a bundle held open holds no descriptor
+
+    def check(self, name: str) -> None:
+        self.file(name)
+
+    def check_all(self, names: Iterable[str]) -> None:
+        """One listing per folder, one lookup per name."""
+        tree = self._tree
+        with self._lock:
+            try:
+                for name in names:
+                    parts = self._parts(name)
+                    if tree.listing(parts[:-1]).get(parts[-1]) in (LINK, None):  # a link, or made since: in full
+                        self.file(name)
+            except OSError as exc:
+                raise UnsafeBundleError(f"Files of the bundle cannot be listed: {exc}.") from exc
+            finally:
+                tree.close()
+
+    def open(self, name: str) -> tuple[BinaryIO, int]:
+        fd, size = open_regular(self.file(name), name)
+        return os.fdopen(fd, "rb", buffering=0), size
+
+    def map(self, name: str, size: int) -> torch.Tensor:
+        return torch.from_file(str(self.file(name)), shared=False, size=size, dtype=torch.uint8)
+
+    def list(self, folder: str = "") -> dict[str, str]:
+        with Tree(self.path) as tree:  # listed now, not the listing cached for reading
+            return dict(tree.listing(self._parts(folder) if folder else ()))
+
+    def write(self, name: str, data: bytes) -> None:
+        tmp = temporary_name(name)
+        self._parts(name)
+        try:
+            fd = self._writes.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, create_folders=True)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            self._writes.replace(tmp, name)
+            os.fsync(self._writes.folder(self._parts(name)[:-1]))  # type: ignore[arg-type]
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                self._writes.unlink(tmp, missing_ok=True)
+            raise BundleWriteError(f"Cannot write {self.path / name}: {exc.strerror or exc}.") from exc
+        finally:
+            self._writes.close()
+            self._tree.close()
+
+    def append(self, name: str, data: bytes) -> None:
+        self._parts(name)
+        try:
+            fd = self._writes.open(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, create_folders=True)
+            with os.fdopen(fd, "ab") as f:
+                f.write(data)
+        except OSError as exc:
+            raise BundleWriteError(f"Cannot append to {self.path / name}: {exc.strerror or exc}.") from exc
+        finally:
+            self._writes.close()
+
+    def remove(self, name: str, *, missing_ok: bool = False) -> None:
+        self._parts(name)
+        try:
+            self._writes.unlink(name, missing_ok=missing_ok)
+        finally:
+            self._writes.close()
