@@ -27,6 +27,7 @@ from iobundle.errors import IobundleError, UnsafeBundleError
 
 __all__ = [
     "CLOEXEC",
+    "CREATE",
     "DIR",
     "FILE",
     "LINK",
@@ -36,7 +37,6 @@ __all__ = [
     "Tree",
     "check_relative_name",
     "link_message",
-    "reported_link",
 ]
 
 FILE, DIR, LINK, OTHER, MISSING = "file", "dir", "link", "other", "missing"
@@ -45,6 +45,8 @@ FILE, DIR, LINK, OTHER, MISSING = "file", "dir", "link", "other", "missing"
 CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 """The open flags of every file of a bundle: never through a link, never inherited by a child process."""
+CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | NOFOLLOW | CLOEXEC | getattr(os, "O_BINARY", 0)
+"""How a file is (re)made, a temporary file first: never through a link planted at its name."""
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | NOFOLLOW | CLOEXEC
 _ROOT_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | CLOEXEC
 
@@ -68,11 +70,6 @@ def check_relative_name(name: object, where: str, *, error: type[IobundleError] 
     if not parts or name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts):  # type: ignore[union-attr]
         raise error(f"{where}: {name!r} is not a relative path inside its folder (absolute, '..', '.' or backslash).")
     return parts
-
-
-def reported_link(info: object) -> bool:
-    """Whether an fsspec ``info()`` dictionary says its entry is a symbolic link (where the filesystem can tell)."""
-    return isinstance(info, dict) and (info.get("islink") is True or info.get("type") == "link")
 
 
 def _kind(entry: os.DirEntry[str]) -> str:

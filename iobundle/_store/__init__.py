@@ -3,26 +3,32 @@
 :class:`LocalStore` (a directory), :class:`TarStore` (a packed file, local or at a URL:
 :func:`open_archive`), :class:`FsspecStore` (a directory at a URL), :class:`MemoryStore`. Every
 read of a bundle's member goes through :meth:`Store.open` (the name's rule, no link, a regular
-file, its size); tests/store runs one suite against every backend.
+file, its size); removing a bundle, or what a killed writer left, is :func:`clear_bundle` and
+:func:`remove_leftovers` for every store. tests/store runs one suite against every backend.
 """
 
 from __future__ import annotations
 
-from iobundle._store._base import Store, check_member_name
-from iobundle._store._fsspec import FsspecStore
+from iobundle._store._base import Store
+from iobundle._store._fsspec import FsspecStore, join_url, open_filesystem
+from iobundle._store._leftovers import clear_bundle, remove_leftovers, unlisted_files
 from iobundle._store._local import LocalStore, open_regular
 from iobundle._store._memory import MemoryStore
-from iobundle._store._tar import MAX_ARCHIVE_MEMBERS, TarStore, open_archive, read_index
+from iobundle._store._open import open_store
+from iobundle._store._tar import TarStore, open_archive
 
 __all__ = [
-    "MAX_ARCHIVE_MEMBERS",
     "FsspecStore",
     "LocalStore",
     "MemoryStore",
     "Store",
     "TarStore",
-    "check_member_name",
+    "clear_bundle",
+    "join_url",
     "open_archive",
+    "open_filesystem",
     "open_regular",
-    "read_index",
+    "open_store",
+    "remove_leftovers",
+    "unlisted_files",
 ]

@@ -18,8 +18,8 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, BinaryIO
 
 from iobundle._paths import DIR, FILE
-from iobundle.errors import BundleWriteError, TensorFileError, UnsafeBundleError
-from iobundle.schema import MEMBER_NAME_RULE, is_member_name
+from iobundle.errors import BundleNotFoundError, BundleWriteError, TensorFileError, UnsafeBundleError
+from iobundle.schema import MANIFEST_FILENAME, MAX_MANIFEST_BYTES, MEMBER_NAME_RULE, is_member_name
 
 if TYPE_CHECKING:
     import torch
@@ -119,6 +119,20 @@ class Store(ABC):
         if len(data) != size:
             raise TensorFileError(f"{self.describe(name)}: {len(data)} bytes read, {size} expected; it was changed.")
         return bytes(data)
+
+    def read_manifest(self) -> bytes:
+        """The bytes of ``manifest.json``, refused over :data:`iobundle.schema.MAX_MANIFEST_BYTES`.
+
+        Raises:
+            BundleNotFoundError: There is none.
+            UnsafeBundleError: It is over the limit.
+        """
+        try:
+            return self.read(MANIFEST_FILENAME, MAX_MANIFEST_BYTES)
+        except TensorFileError as exc:
+            raise BundleNotFoundError(
+                f"No {MANIFEST_FILENAME} at '{self.path}'. Is it a bundle saved with observer.save()? ({exc})"
+            ) from exc
 
     def write(self, name: str, data: bytes) -> None:
         """Make the member ``name`` hold ``data``, atomically: a reader sees the old member or the new one.

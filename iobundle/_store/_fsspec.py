@@ -10,12 +10,69 @@ from __future__ import annotations
 
 from typing import Any, BinaryIO
 
-from iobundle._paths import DIR, FILE, LINK, OTHER, link_message, reported_link
-from iobundle._remote import join_url, open_filesystem
+from iobundle._paths import DIR, FILE, LINK, OTHER, link_message
 from iobundle._store._base import Store, check_member_name
-from iobundle.errors import BundleWriteError, TensorFileError, UnsafeBundleError
+from iobundle.errors import BundleWriteError, MissingDependencyError, TensorFileError, UnsafeBundleError
 
-__all__ = ["FsspecStore"]
+__all__ = ["REMOTE_EXTRA", "FsspecStore", "join_url", "open_filesystem"]
+
+REMOTE_EXTRA = "pip install 'iobundle[remote]'"
+
+# The extra (or package) that brings a filesystem's fsspec implementation, by protocol.
+_PROTOCOL_EXTRAS = {
+    "s3": "pip install 'iobundle[s3]'",
+    "s3a": "pip install 'iobundle[s3]'",
+    "gs": "pip install 'iobundle[remote]' gcsfs",
+    "gcs": "pip install 'iobundle[remote]' gcsfs",
+    "az": "pip install 'iobundle[remote]' adlfs",
+    "abfs": "pip install 'iobundle[remote]' adlfs",
+    "hf": "pip install 'iobundle[remote]' huggingface_hub",
+}
+
+
+def _protocol(url: str) -> str:
+    return url.split("://", 1)[0].lower()
+
+
+def join_url(url: str, name: str) -> str:
+    """``url/name`` with exactly one slash between them."""
+    return url.rstrip("/") + "/" + name
+
+
+def open_filesystem(url: str) -> tuple[Any, str]:
+    """The fsspec filesystem of ``url`` and the path inside it.
+
+    Raises:
+        MissingDependencyError: fsspec (``iobundle[remote]``), or the filesystem's own package
+            (``s3fs`` for ``s3://``, ...), is not installed, or the protocol is unknown.
+    """
+    extra = _PROTOCOL_EXTRAS.get(_protocol(url), REMOTE_EXTRA)
+    try:
+        import fsspec
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"'{url}' is a URL: reading and writing bundles at URLs needs fsspec. Install it with "
+            f"{extra}, or pass a local path."
+        ) from exc
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"'{url}': fsspec needs another package for {_protocol(url)}:// ({exc}). Install it with {extra}, "
+            "then try again."
+        ) from exc
+    except ValueError as exc:
+        raise MissingDependencyError(
+            f"'{url}': {_protocol(url)}:// is not a protocol fsspec knows ({exc}). Check the URL, or install the "
+            f"package that provides it ({REMOTE_EXTRA} brings fsspec; s3:// needs 'iobundle[s3]'), or pass a "
+            "local path."
+        ) from exc
+    return fs, path
+
+
+def reported_link(info: object) -> bool:
+    """Whether an fsspec ``info()`` dictionary says its entry is a symbolic link (where the filesystem can tell)."""
+    return isinstance(info, dict) and (info.get("islink") is True or info.get("type") == "link")
 
 
 class FsspecStore(Store):

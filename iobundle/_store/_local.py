@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from iobundle._lazy import lazy_module
-from iobundle._paths import CLOEXEC, LINK, NOFOLLOW, Tree, link_message
+from iobundle._paths import CLOEXEC, CREATE, LINK, NOFOLLOW, Tree, link_message
 from iobundle._store._base import PLAIN_MEMBER, Store, check_member_name
 from iobundle.errors import BundleWriteError, IobundleError, TensorFileError, UnsafeBundleError
 from iobundle.schema import temporary_name
@@ -64,12 +64,13 @@ class LocalStore(Store):
 
     Args:
         path: The directory (links above it and at it are the user's choice; nothing below it is followed).
-        error: What a link (or a component that is not a folder) raises when writing or removing.
+        error: What a link (or a component that is not a folder) raises when listing, writing or removing.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, error: type[IobundleError] = UnsafeBundleError) -> None:
         self.path = Path(path)
         self._tree = Tree(self.path)
+        self._error = error
         self._writes = Tree(self.path, error=error)
         self._names: dict[str, tuple[str, ...]] = {}
         self._lock = threading.RLock()  # the tree's descriptors are opened and closed by one reader at a time
@@ -117,27 +118,28 @@ class LocalStore(Store):
         return torch.from_file(str(self.file(name)), shared=False, size=size, dtype=torch.uint8)
 
     def list(self, folder: str = "") -> dict[str, str]:
-        with Tree(self.path) as tree:  # listed now, not the listing cached for reading
+        with Tree(self.path, error=self._error) as tree:  # listed now, not the listing cached for reading
             return dict(tree.listing(self._parts(folder) if folder else ()))
 
     def write(self, name: str, data: bytes) -> None:
         tmp = temporary_name(name)
         self._parts(name)
         try:
-            fd = self._writes.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, create_folders=True)
+            fd = self._writes.open(tmp, CREATE, create_folders=True)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
             self._writes.replace(tmp, name)
             os.fsync(self._writes.folder(self._parts(name)[:-1]))  # type: ignore[arg-type]
+        except IobundleError:
+            raise
         except OSError as exc:
             with contextlib.suppress(OSError):
                 self._writes.unlink(tmp, missing_ok=True)
             raise BundleWriteError(f"Cannot write {self.path / name}: {exc.strerror or exc}.") from exc
         finally:
             self._writes.close()
-            self._tree.close()
 
     def append(self, name: str, data: bytes) -> None:
         self._parts(name)
@@ -145,8 +147,19 @@ class LocalStore(Store):
             fd = self._writes.open(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, create_folders=True)
             with os.fdopen(fd, "ab") as f:
                 f.write(data)
+        except IobundleError:
+            raise
         except OSError as exc:
             raise BundleWriteError(f"Cannot append to {self.path / name}: {exc.strerror or exc}.") from exc
+        finally:
+            self._writes.close()
+
+    def prune(self, names: Iterable[str]) -> None:
+        """Remove the folders of the members ``names`` that are left empty, deepest first (never the root)."""
+        try:
+            for parts in sorted({self._parts(n)[:-1] for n in names}, key=len, reverse=True):
+                while parts and self._writes.rmdir(parts):  # only when empty
+                    parts = parts[:-1]
         finally:
             self._writes.close()
 

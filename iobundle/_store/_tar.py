@@ -29,8 +29,9 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from iobundle._lazy import lazy_module
-from iobundle._remote import local_path, open_filesystem
+from iobundle._locations import local_path
 from iobundle._store._base import Store, check_member_name, folder_listing
+from iobundle._store._fsspec import open_filesystem
 from iobundle._store._local import open_regular
 from iobundle.errors import (
     ArchiveError,
@@ -40,7 +41,7 @@ from iobundle.errors import (
     TensorFileError,
     UnsafeBundleError,
 )
-from iobundle.schema import MANIFEST_FILENAME, MAX_MANIFEST_BYTES
+from iobundle.schema import MANIFEST_FILENAME
 
 if TYPE_CHECKING:
     import torch
@@ -276,13 +277,12 @@ def read_index(f: BinaryIO, size: int, where: str) -> dict[str, tuple[int, int]]
     return members
 
 
-def open_archive(location: str | os.PathLike[str]) -> tuple[TarStore, bytes]:
-    """Index the packed bundle at ``location`` (a local file or a URL); return it and its manifest's bytes.
+def open_archive(location: str | os.PathLike[str]) -> TarStore:
+    """Index the packed bundle at ``location`` (a local file or a URL).
 
     Raises:
         BundleNotFoundError: ``location`` does not exist or holds no ``manifest.json``.
         ArchiveError: The archive is invalid or hostile (see the module docstring).
-        UnsafeBundleError: The manifest member is over the size limit.
     """
     local = local_path(location)
     opener: Callable[[], BinaryIO]
@@ -319,9 +319,8 @@ def open_archive(location: str | os.PathLike[str]) -> tuple[TarStore, bytes]:
         raise
     except OSError as exc:
         raise ArchiveError(f"{where}: cannot be read ({exc.strerror or exc}).") from exc
-    root = TarStore(path, members, size, opener, local)
     if MANIFEST_FILENAME not in members:
         raise BundleNotFoundError(
             f"'{where}' is a tar archive without {MANIFEST_FILENAME}. Is it a bundle packed by iobundle pack?"
         )
-    return root, root.read(MANIFEST_FILENAME, MAX_MANIFEST_BYTES)
+    return TarStore(path, members, size, opener, local)

@@ -38,7 +38,7 @@ import math
 import threading
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from iobundle._lazy import lazy_module
 from iobundle._store import LocalStore, Store
@@ -71,22 +71,6 @@ READ_WHOLE_BYTES = 1 << 20
 those bytes and the tensors view them (four opens and a memory mapping cost more than the read)."""
 
 
-def hash_file(store: Store, name: str, algorithm: str = "sha256") -> tuple[int, str]:
-    """Size and hex digest (``algorithm``, a name the manifest uses) of member ``name``, read in chunks."""
-    f, expected = store.open(name)
-    digest = new_hasher(algorithm)
-    size = 0
-    buffer = memoryview(bytearray(max(1, min(_CHUNK, expected + 1))))  # + 1: EOF in the same read
-    try:
-        with f:
-            while n := f.readinto(buffer):
-                digest.update(buffer[:n])
-                size += n
-    except OSError as exc:
-        raise TensorFileError(f"{name}: cannot be read ({exc.strerror or exc}).") from exc
-    return size, digest.hexdigest()
-
-
 def _check_ranges(name: str, entry: FileEntry, chunks: Iterable[memoryview]) -> None:
     """Hash the first ``entry.size`` bytes of segment ``name``, given as consecutive ``chunks``, range by range.
 
@@ -117,25 +101,34 @@ def _check_ranges(name: str, entry: FileEntry, chunks: Iterable[memoryview]) -> 
             j, hasher = j + 1, new_hasher(entry.algorithm)
 
 
-def _hash_segment(store: Store, name: str, entry: FileEntry) -> None:
-    """Check the ranges of segment ``name`` (see :func:`_check_ranges`), reading its first ``entry.size`` bytes in chunks."""
-    f, _ = store.open(name)
-    buffer = memoryview(bytearray(max(1, min(_CHUNK, entry.size))))
+def _hash_file(f: BinaryIO, name: str, entry: FileEntry) -> None:
+    """Check the digest of member ``name`` (a segment: each range's, over its first ``entry.size`` bytes), read from
+    ``f`` in chunks.
+
+    Raises:
+        IntegrityError: A digest differs from the manifest's, or the file changed while it was read.
+    """
+    segment = entry.ranges is not None
+    buffer = memoryview(bytearray(max(1, min(_CHUNK, entry.size + 1))))  # + 1: EOF in the same read
 
     def chunks() -> Iterable[memoryview]:
-        left = entry.size
-        while left:
-            n = f.readinto(buffer[: min(left, len(buffer))])
-            if not n:
-                raise IntegrityError(f"{name}: shorter than the {entry.size} bytes the manifest says; it was changed.")
-            left -= n
+        done = 0
+        while n := f.readinto(buffer[: min(entry.size - done, len(buffer))] if segment else buffer):
+            done += n
             yield buffer[:n]
+        if done != entry.size:
+            raise IntegrityError(f"{name}: changed while it was being read ({done} bytes, expected {entry.size}).")
 
     try:
-        with f:
+        if segment:
             _check_ranges(name, entry, chunks())
+            return
+        hasher = new_hasher(entry.algorithm)
+        for chunk in chunks():
+            hasher.update(chunk)
     except OSError as exc:
         raise TensorFileError(f"{name}: cannot be read ({exc.strerror or exc}).") from exc
+    check_digest(name, entry, hasher.hexdigest())
 
 
 def _size_problem(name: str, size: int, entry: FileEntry) -> IntegrityError | None:
@@ -166,17 +159,12 @@ def check_file(store: Store, name: str, entry: FileEntry, *, hash_check: bool = 
         IntegrityError: Its size or hash differs from the manifest.
     """
     f, size = store.open(name)
-    f.close()
-    problem = _size_problem(name, size, entry)
-    if problem is not None:
-        raise problem
-    if hash_check and entry.ranges is not None:
-        _hash_segment(store, name, entry)
-    elif hash_check:
-        size, digest = hash_file(store, name, entry.algorithm)
-        if size != entry.size:
-            raise IntegrityError(f"{name}: changed while it was being read ({size} bytes, expected {entry.size}).")
-        check_digest(name, entry, digest)
+    with f:
+        problem = _size_problem(name, size, entry)
+        if problem is not None:
+            raise problem
+        if hash_check:
+            _hash_file(f, name, entry)
 
 
 def check_digest(name: str, entry: FileEntry, digest: str) -> None:

@@ -8,11 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from iobundle._collector import collector_paused
-from iobundle._leftovers import unlisted_files
-from iobundle._paths import DIR, FILE, LINK, Tree
+from iobundle._paths import DIR, FILE, LINK
 from iobundle._progress import BYTES, ProgressCallback, notify
-from iobundle._remote import local_path, remote_kind
-from iobundle._store import FsspecStore, Store, TarStore, open_archive
+from iobundle._store import LocalStore, Store, TarStore, open_store, unlisted_files
 from iobundle.calls import (
     BundleTensorStore,
     RecordedCalls,
@@ -24,13 +22,12 @@ from iobundle.calls import (
     iter_tensor_nodes,
     listed_files,
 )
-from iobundle.errors import BundleNotFoundError, IobundleError, TensorFileError, UnsafeBundleError
+from iobundle.errors import IobundleError, UnsafeBundleError
 from iobundle.replay._api import RecordedCallsAPI
 from iobundle.replay.infer import call_shape
 from iobundle.schema import (
     JOURNAL_FILENAME,
     MANIFEST_FILENAME,
-    MAX_MANIFEST_BYTES,
     CallEntry,
     Manifest,
     deferred_calls,
@@ -89,25 +86,12 @@ class Bundle(RecordedCallsAPI):
 
     @classmethod
     def _load(cls, path: str | os.PathLike[str], *, verify: bool) -> Bundle:
-        local = local_path(path)
-        source: Store | None = None
-        if local is None:  # a URL of another filesystem
-            url = str(path)
-            if remote_kind(url) == "directory":
-                source = FsspecStore(url)
-                manifest = parse_manifest(_read_manifest(source), source=f"{url}/{MANIFEST_FILENAME}")
-            else:
-                source, data = open_archive(url)
-                manifest = parse_manifest(data, source=f"{url}:{MANIFEST_FILENAME}")
-            root: Any = url
-        elif local.is_file():
-            source, data = open_archive(local)
-            manifest = parse_manifest(data, source=f"{local}:{MANIFEST_FILENAME}")
-            root = local
+        store = open_store(path)
+        if isinstance(store, LocalStore):  # a directory: its manifest, or the journal of a stream not closed
+            manifest = load_manifest(store.path)
         else:
-            root = local
-            manifest = load_manifest(root)
-        bundle = cls(root, manifest, verify=verify, source=source)
+            manifest = parse_manifest(store.read_manifest(), source=store.describe(MANIFEST_FILENAME))
+        bundle = cls(store.path, manifest, verify=verify, source=store)  # type: ignore[arg-type]
         _check_references(bundle._store, manifest)
         return bundle
 
@@ -197,12 +181,7 @@ class Bundle(RecordedCallsAPI):
         """
         if not isinstance(self.path, Path) or self.packed or not self.path.is_dir():
             return []
-        listed = set(listed_files(self.manifest))
-        with Tree(self.path) as tree:
-            # an open (or killed) stream lists its calls in the journal; a journal beside a manifest is a leftover
-            closed = tree.kind(MANIFEST_FILENAME) == FILE
-            listed.add(MANIFEST_FILENAME if closed else JOURNAL_FILENAME)
-            found = unlisted_files(tree, listed)
+        found, closed = unlisted_files(LocalStore(self.path), listed_files(self.manifest))
         messages = []
         for name, kind, writer in sorted(found):
             where = self.path / name
@@ -252,21 +231,6 @@ def _check_references(store: BundleTensorStore, manifest: Manifest) -> None:
             collect_tensor_keys(call.outputs, keys)
     if not all(map(tensor_rows(manifest).__contains__, keys)):
         _report_unknown_key(manifest)
-
-
-def _read_manifest(store: Store) -> bytes:
-    """The bytes of ``manifest.json`` in ``store``, refused over the size limit.
-
-    Raises:
-        BundleNotFoundError: ``store`` holds no manifest.
-        UnsafeBundleError: The manifest is over :data:`iobundle.schema.MAX_MANIFEST_BYTES`.
-    """
-    try:
-        return store.read(MANIFEST_FILENAME, MAX_MANIFEST_BYTES)
-    except TensorFileError as exc:
-        raise BundleNotFoundError(
-            f"No {MANIFEST_FILENAME} at '{store.path}'. Is it a bundle saved with observer.save()? ({exc})"
-        ) from exc
 
 
 def _report_unknown_key(manifest: Manifest) -> None:

@@ -9,6 +9,7 @@ bundle (untrusted bytes) is replay's: :func:`iobundle.replay.load_bundle` opens 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tarfile
@@ -72,27 +73,19 @@ def _copy(src: BinaryIO, dst: BinaryIO, size: int, name: str) -> None:
         left -= n
 
 
-def _remove_written(tree: Tree, names: list[str]) -> None:
-    """Remove the members ``names`` an unpack wrote into the folder it made, then the folders left empty, then it.
+def _remove_written(target: Path, names: list[str]) -> None:
+    """Remove the members ``names`` an unpack wrote into the folder ``target`` it made, the folders left empty, then it.
 
-    By name, from the folders' descriptors (best effort): a file that someone else put there meanwhile stays.
+    By name, never through a link (best effort): a file that someone else put there meanwhile stays.
     """
+    store = LocalStore(target, error=BundleExistsError)
     for name in names:
-        try:
-            tree.unlink(name, missing_ok=True)
-        except (OSError, IobundleError):
-            pass
-    for parts in sorted({tuple(n.split("/"))[:-1] for n in names}, key=len, reverse=True):
-        try:
-            while parts and tree.rmdir(parts):  # only when empty
-                parts = parts[:-1]
-        except (OSError, IobundleError):
-            pass
-    tree.close()
-    try:
-        tree.path.rmdir()
-    except OSError:
-        pass
+        with contextlib.suppress(OSError, IobundleError):
+            store.remove(name, missing_ok=True)
+    with contextlib.suppress(OSError, IobundleError):
+        store.prune(names)
+    with contextlib.suppress(OSError):
+        target.rmdir()
 
 
 def _kernel_copy(src: int, offset: int, dst: int, size: int) -> bool:
@@ -324,9 +317,9 @@ def unpack_bundle(
             total += size
             notify(on_progress, UNPACK_TASK, total, expected, name, unit=BYTES)
     except (OSError, IobundleError) as exc:
-        if created:  # what was written is no bundle (manifest.json comes last): leave nothing of it behind
-            _remove_written(tree, names)
         tree.close()
+        if created:  # what was written is no bundle (manifest.json comes last): leave nothing of it behind
+            _remove_written(target, names)
         if isinstance(exc, IobundleError):
             raise
         raise BundleWriteError(

@@ -101,7 +101,7 @@ def test_a_verified_file_is_read_once(bundle, monkeypatch):
     reads = []
     real = LocalStore.open
     monkeypatch.setattr(LocalStore, "open", lambda store, name: reads.append(name) or real(store, name))
-    monkeypatch.setattr(tensorfile, "hash_file", lambda *a, **k: pytest.fail("a tensor file hashed by a second read"))
+    monkeypatch.setattr(tensorfile, "_hash_file", lambda *a, **k: pytest.fail("a tensor file hashed by a second read"))
     b = load_bundle(bundle)
     for key in b.manifest.tensors:
         b.tensor(key)

@@ -23,10 +23,11 @@ from two_calls import record  # noqa: E402
 
 from iobundle import InputObserver  # noqa: E402
 from iobundle._paths import DIR, FILE  # noqa: E402
-from iobundle._store import FsspecStore, LocalStore, MemoryStore, Store, open_archive  # noqa: E402
+from iobundle._store import FsspecStore, LocalStore, MemoryStore, Store, TarStore, open_archive, open_store  # noqa: E402
 from iobundle.calls import BundleTensorStore, check_file, read_sized_member  # noqa: E402
 from iobundle.errors import (  # noqa: E402
     ArchiveError,
+    BundleNotFoundError,
     BundleWriteError,
     IntegrityError,
     TensorFileError,
@@ -97,7 +98,7 @@ class Place:
                 info = tarfile.TarInfo(name)
                 info.type, info.linkname = tarfile.SYMTYPE, target
                 tar.addfile(info)
-        return open_archive(path)[0]
+        return open_archive(path)
 
     def cleanup(self) -> None:
         fs = fsspec.filesystem("memory")
@@ -169,7 +170,7 @@ class TestHostile:
     )
     def test_a_name_that_leaves_the_bundle_is_refused(self, place, name):
         store = place.store()
-        with pytest.raises(UnsafeBundleError, match="not a plain relative path|empty or not a string"):
+        with pytest.raises(UnsafeBundleError, match=r"not a plain relative path|empty or not a string"):
             store.open(name)
         with pytest.raises(UnsafeBundleError):
             store.check_all([name])
@@ -289,3 +290,19 @@ def test_a_saved_bundle_reads_the_same_through_every_backend(saved, place):
     assert manifest.tensors
     for key in manifest.tensors:
         assert torch.equal(store.get(key), reference.get(key))
+
+
+@pytest.mark.parametrize("backend", ["local", "tar", "fsspec-memory"])
+def test_open_store_picks_the_backend_of_the_place(tmp_path, backend):
+    place = Place(backend, tmp_path)
+    place.files.update(FILES)
+    try:
+        made = place.store()
+        location = f"memory://{place.memory_root}" if backend == "fsspec-memory" else made.path
+        found = open_store(location)
+        assert type(found) is {"local": LocalStore, "tar": TarStore, "fsspec-memory": FsspecStore}[backend]
+        assert found.read_manifest() == FILES["manifest.json"]
+    finally:
+        place.cleanup()
+    with pytest.raises(BundleNotFoundError, match="does not exist"):
+        open_store(f"memory://{place.memory_root}-nothing")

@@ -1,0 +1,145 @@
+"""Removing a bundle, and what a killed writer left in one: by exact name, never anything else, in any store.
+
+A writer killed mid-file leaves its temporary file (``calls/.NNNNNN.safetensors.tmp``,
+``.manifest.json.tmp``, ``.journal.jsonl.tmp``), and may leave complete files that nothing lists
+yet: a call's own file renamed into place before its journal line, a segment created before its
+first range was listed, a journal beside the manifest that replaced it. Every such file has a name
+the writers give (:func:`iobundle.schema.is_writer_file`), in the bundle's root or in ``calls/``:
+:func:`remove_leftovers` removes those and nothing else, never a link (nor anything through one).
+:func:`clear_bundle` is the one overwrite rule: the old manifest, the files it lists, the leftovers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection
+
+from iobundle._paths import DIR, FILE, LINK, link_message
+from iobundle._store._base import Store
+from iobundle.errors import BundleExistsError, BundleWriteError, TensorFileError, UnsafeBundleError
+from iobundle.schema import (
+    JOURNAL_FILENAME,
+    MANIFEST_FILENAME,
+    MAX_MANIFEST_BYTES,
+    MEMBER_NAME_RULE,
+    is_member_name,
+    is_writer_file,
+)
+
+__all__ = ["clear_bundle", "listed_names", "remove_leftovers", "unlisted_files"]
+
+
+def _entries(store: Store, root: dict[str, str] | None = None) -> list[tuple[str, str]]:
+    """``(member name, kind)`` of each entry of the root (listed as ``root``, when given) and of ``calls/``
+    (when it is a folder, not a link)."""
+    root = store.list() if root is None else root
+    calls = store.list("calls") if root.get("calls") == DIR else {}
+    return [*root.items(), *((f"calls/{name}", kind) for name, kind in calls.items())]
+
+
+def remove_leftovers(store: Store, keep: Collection[str] = ()) -> list[str]:
+    """Remove the regular files of ``store`` whose names a writer gives (but those of ``keep``); return their names.
+
+    Raises:
+        OSError: A file cannot be removed (permissions).
+    """
+    removed = []
+    for member, kind in _entries(store):
+        if kind == FILE and member not in keep and is_writer_file(member):
+            store.remove(member, missing_ok=True)
+            removed.append(member)
+    return removed
+
+
+def unlisted_files(store: Store, listed: Collection[str]) -> tuple[list[tuple[str, str, bool]], bool]:
+    """``(member name, kind, whether a writer gives that name)`` of what ``store`` holds besides ``listed``, and
+    whether the bundle is closed (it has a ``manifest.json``).
+
+    An open (or killed) stream lists its calls in its journal; a journal beside a manifest is a
+    leftover. Looked at: the root's files a writer names (other files beside a bundle are the user's
+    business) and every entry of ``calls/``, the writers' folder. Folders of the root (``calls/``,
+    ``model/``) are not reported.
+    """
+    root = store.list()
+    closed = root.get(MANIFEST_FILENAME) == FILE
+    listed = {*listed, MANIFEST_FILENAME if closed else JOURNAL_FILENAME}
+    found = []
+    for member, kind in _entries(store, root):
+        if member in listed or (kind == DIR and "/" not in member):
+            continue
+        writer = is_writer_file(member)
+        if writer or member.startswith("calls/"):
+            found.append((member, kind, writer))
+    return found, closed
+
+
+def listed_names(manifest: bytes, where: str) -> list[str]:
+    """The files the bundle manifest ``manifest`` lists besides itself: tensor files, the model's files.
+
+    Names are checked to stay inside the bundle, since the old manifest is not trusted either.
+
+    Raises:
+        BundleExistsError: The manifest at ``where`` is not a readable bundle manifest, or names a
+            file outside the bundle: nothing is deleted then.
+    """
+    try:
+        data = json.loads(manifest)
+        names = list(data.get("files") or {})
+        model = data.get("model")
+        if isinstance(model, dict):
+            names += list(model.get("files") or {})
+    except (ValueError, AttributeError, TypeError) as exc:
+        raise BundleExistsError(
+            f"'{where}' is not a readable bundle manifest ({exc}); refusing to replace what its folder holds. "
+            "Remove the folder yourself, or choose another path."
+        ) from exc
+    for name in names:
+        if not is_member_name(name):
+            raise BundleExistsError(
+                f"'{where}' lists the file {name!r}, which is not inside the bundle ({MEMBER_NAME_RULE} is); "
+                "refusing to replace it. Remove the folder yourself, or choose another path."
+            )
+    return list(dict.fromkeys(names))
+
+
+def clear_bundle(store: Store) -> list[str]:
+    """Delete the bundle ``store`` holds: the one overwrite rule. Returns the names removed.
+
+    Every listed file is checked before anything is removed: a bundle whose ``calls/`` (or any
+    listed file, or the manifest) is a link, or whose listed name is a folder, is refused whole.
+    ``manifest.json`` goes first (what remains is never taken for a complete bundle), then each file
+    it lists (:func:`listed_names`), then what a killed writer left (:func:`remove_leftovers`);
+    nothing else, so files beside the bundle stay. Folders left empty are the caller's to remove.
+
+    Raises:
+        BundleExistsError: See :func:`listed_names`; or a listed file or a folder above it is a link
+            or not a regular file (nothing is removed then).
+        BundleWriteError: A listed file cannot be removed (permissions).
+    """
+    again = "Remove the bundle yourself, or choose another path."
+    try:
+        names = [MANIFEST_FILENAME, *listed_names(store.read(MANIFEST_FILENAME, MAX_MANIFEST_BYTES), store.path)]
+        listings: dict[str, dict[str, str]] = {}
+        for name in names:  # all checked first: a refusal removes nothing
+            folder, _, base = name.rpartition("/")
+            if folder not in listings:
+                listings[folder] = store.list(folder)
+            kind = listings[folder].get(base, FILE)  # missing is no refusal: nothing to remove
+            if kind != FILE:
+                where = store.describe(name)
+                raise BundleExistsError(
+                    f"Cannot replace the bundle in '{store.path}': "
+                    + (link_message(where) if kind == LINK else f"'{where}' is not a regular file.")
+                    + f" {again}"
+                )
+        for name in names:
+            store.remove(name, missing_ok=True)  # missing: a file the old manifest listed but nobody wrote
+        return names + remove_leftovers(store)
+    except (BundleExistsError, BundleWriteError):
+        raise  # OSErrors too, but their messages say what to do already
+    except (UnsafeBundleError, TensorFileError) as exc:
+        raise BundleExistsError(f"Cannot replace the bundle in '{store.path}': {exc} {again}") from exc
+    except OSError as exc:
+        raise BundleWriteError(
+            f"Cannot remove {exc.filename or store.path} of the bundle being replaced: {exc.strerror or exc}. {again}"
+        ) from exc
