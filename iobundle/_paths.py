@@ -10,9 +10,6 @@ one listing of their folder (``scandir`` of the descriptor), not by a ``stat`` o
 each, so opening a bundle of thousands of calls costs one listing of ``calls/``. Writes and
 removals (:meth:`Tree.open`, :meth:`Tree.unlink`, :meth:`Tree.rmdir`, :meth:`Tree.replace`) act
 on the folder's descriptor, so a folder swapped for a link after the check is never followed.
-
-For names on another filesystem (fsspec), :func:`check_relative_name` refuses what a descriptor
-cannot rule out: absolute names, ``..`` and ``.`` components, backslashes, empty components.
 """
 
 from __future__ import annotations
@@ -35,7 +32,6 @@ __all__ = [
     "NOFOLLOW",
     "OTHER",
     "Tree",
-    "check_relative_name",
     "link_message",
 ]
 
@@ -57,19 +53,6 @@ def link_message(path: object) -> str:
         f"'{path}' is a symbolic link; iobundle never follows a link inside a bundle or an index's folder "
         "(one may lead outside it). Replace the link by a copy of what it points to."
     )
-
-
-def check_relative_name(name: object, where: str, *, error: type[IobundleError] = UnsafeBundleError) -> tuple[str, ...]:
-    """The components of ``name``, a relative path that stays inside its root.
-
-    Raises:
-        IobundleError: (``error``) ``name`` is empty, absolute, or has a ``..``/``.``/empty
-            component or a backslash; the message names ``where`` and ``name``.
-    """
-    parts = tuple(name.split("/")) if isinstance(name, str) else ()
-    if not parts or name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts):  # type: ignore[union-attr]
-        raise error(f"{where}: {name!r} is not a relative path inside its folder (absolute, '..', '.' or backslash).")
-    return parts
 
 
 def _kind(entry: os.DirEntry[str]) -> str:

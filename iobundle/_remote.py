@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from iobundle._locations import is_url, local_path
-from iobundle._store import FsspecStore, LocalStore, clear_bundle, join_url, open_filesystem
+from iobundle._store import FsspecStore, LocalStore, clear_bundle, join_url, make_room, open_filesystem
 from iobundle.errors import BundleExistsError, BundleWriteError, MissingDependencyError
 from iobundle.schema import MANIFEST_FILENAME
 
@@ -75,16 +75,14 @@ def clear_local_bundle(root: Path) -> None:
     Raises:
         BundleExistsError, BundleWriteError: See :func:`iobundle._store.clear_bundle`.
     """
-    store = LocalStore(root, error=BundleExistsError)
-    store.prune(clear_bundle(store))
+    clear_bundle(LocalStore(root, error=BundleExistsError))
 
 
-def upload_directory(local: Path, url: str, *, overwrite: bool = False, last: str = MANIFEST_FILENAME) -> None:
-    """Copy every file under ``local`` (but writers' ``.*.tmp`` files) to ``url``, ``last`` after all the others.
+def upload_directory(local: Path, url: str, *, overwrite: bool = False) -> None:
+    """Copy every file under ``local`` (but writers' ``.*.tmp`` files) to ``url``, ``manifest.json`` last.
 
-    An existing non-empty ``url`` is refused without ``overwrite``; with it, the bundle there (it has
-    a ``last`` file) is removed by :func:`iobundle._store.clear_bundle`: its manifest, then the files it
-    lists and what a killed writer left; anything else (files beside the bundle) is never deleted.
+    What is at ``url`` is replaced as :func:`iobundle._store.make_room` says: only an old bundle,
+    only with ``overwrite``, and only its own files.
 
     Raises:
         BundleExistsError: ``url`` holds files and ``overwrite`` is False, or holds files but no bundle.
@@ -93,22 +91,12 @@ def upload_directory(local: Path, url: str, *, overwrite: bool = False, last: st
     """
     fs, root = open_filesystem(url)
     try:
-        exists = fs.exists(root)
-        if exists and not fs.isdir(root):
+        if fs.exists(root) and not fs.isdir(root):
             raise BundleExistsError(f"'{url}' exists and is not a directory. Choose another URL.")
-        if exists and fs.ls(root, detail=False):
-            if not overwrite:
-                raise BundleExistsError(
-                    f"'{url}' already exists and is not empty. Pass overwrite=True "
-                    "(--overwrite on the command line) to replace it, or choose another URL."
-                )
-            manifest = join_url(root, last)
-            if not fs.exists(manifest):
-                raise BundleExistsError(f"'{url}' is not a bundle (no {last}); refusing to replace what it holds.")
-            clear_bundle(FsspecStore(url, fs=fs, inner=root))
+        make_room(FsspecStore(url, fs=fs, inner=root), overwrite=overwrite)
         fs.makedirs(root, exist_ok=True)
         names = directory_files(local)
-        names.sort(key=lambda n: n == last)
+        names.sort(key=lambda n: n == MANIFEST_FILENAME)
         for name in names:
             path = local.joinpath(*name.split("/"))
             target = join_url(root, name)

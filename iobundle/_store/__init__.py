@@ -4,18 +4,22 @@
 :func:`open_archive`), :class:`FsspecStore` (a directory at a URL), :class:`MemoryStore`. Every
 read of a bundle's member goes through :meth:`Store.open` (the name's rule, no link, a regular
 file, its size); removing a bundle, or what a killed writer left, is :func:`clear_bundle` and
-:func:`remove_leftovers` for every store. tests/store runs one suite against every backend.
+:func:`remove_leftovers` for every store; :func:`open_store` picks the backend of a location.
+tests/store runs one suite against every backend.
 """
 
 from __future__ import annotations
 
+import os
+
+from iobundle._locations import local_path
 from iobundle._store._base import Store
 from iobundle._store._fsspec import FsspecStore, join_url, open_filesystem
-from iobundle._store._leftovers import clear_bundle, remove_leftovers, unlisted_files
+from iobundle._store._leftovers import clear_bundle, make_room, remove_leftovers, unlisted_files
 from iobundle._store._local import LocalStore, open_regular
 from iobundle._store._memory import MemoryStore
-from iobundle._store._open import open_store
 from iobundle._store._tar import TarStore, open_archive
+from iobundle.errors import BundleNotFoundError
 
 __all__ = [
     "FsspecStore",
@@ -25,6 +29,7 @@ __all__ = [
     "TarStore",
     "clear_bundle",
     "join_url",
+    "make_room",
     "open_archive",
     "open_filesystem",
     "open_regular",
@@ -32,3 +37,25 @@ __all__ = [
     "remove_leftovers",
     "unlisted_files",
 ]
+
+
+def open_store(location: str | os.PathLike[str]) -> Store:
+    """The store of the bundle at ``location`` (a local path, a ``file://`` URL, or a URL of fsspec).
+
+    Raises:
+        BundleNotFoundError: Nothing is at a URL ``location``, or a packed file holds no manifest.
+        ArchiveError: A packed file is not a valid archive (:func:`iobundle._store.open_archive`).
+        MissingDependencyError: ``location`` is a URL and fsspec, or its filesystem, is not installed.
+    """
+    local = local_path(location)
+    if local is not None:
+        return open_archive(local) if local.is_file() else LocalStore(local)
+    url = str(location)
+    fs, inner = open_filesystem(url)
+    try:
+        info = fs.info(inner)
+    except FileNotFoundError as exc:
+        raise BundleNotFoundError(f"'{url}' does not exist. Pass the URL a bundle was saved to.") from exc
+    except Exception as exc:
+        raise BundleNotFoundError(f"'{url}' cannot be read: {type(exc).__name__}: {exc}.") from exc
+    return FsspecStore(url, fs=fs, inner=inner) if info.get("type") == "directory" else open_archive(url)

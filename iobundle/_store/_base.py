@@ -1,12 +1,11 @@
-"""What every backend of the store does: :class:`Store`, and the rule for a member's name.
+"""What every backend of the store does (:class:`Store`), and the rule for a member's name.
 
 A bundle's files are *members*, named relative to the bundle (``manifest.json``,
 ``calls/000003.safetensors``). Every read is :meth:`Store.open`, which refuses, in this order, a
 name that leaves the bundle (:func:`check_member_name`), a link on any component of it (where the
 backend can tell), and anything but a regular file; it gives the member's size, which callers
-compare with the manifest's before reading a byte. Writers use :meth:`Store.write` (atomic: a
-reader sees the old member or the whole new one), :meth:`Store.append` and :meth:`Store.remove`;
-a read-only store (a packed file) refuses them.
+compare with the manifest's before reading a byte. Writers use :meth:`Store.write` (atomic),
+:meth:`Store.append` and :meth:`Store.remove`; a packed file refuses them.
 """
 
 from __future__ import annotations
@@ -18,8 +17,8 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, BinaryIO
 
 from iobundle._paths import DIR, FILE
+from iobundle._store._names import MANIFEST_FILENAME, MAX_MANIFEST_BYTES, MEMBER_NAME_RULE, is_member_name
 from iobundle.errors import BundleNotFoundError, BundleWriteError, TensorFileError, UnsafeBundleError
-from iobundle.schema import MANIFEST_FILENAME, MAX_MANIFEST_BYTES, MEMBER_NAME_RULE, is_member_name
 
 if TYPE_CHECKING:
     import torch
@@ -27,17 +26,11 @@ if TYPE_CHECKING:
 __all__ = ["Store", "check_member_name", "folder_listing"]
 
 PLAIN_MEMBER = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9_.-]*/)*[A-Za-z0-9_][A-Za-z0-9_.-]*")
-"""A relative path of plain components: no ``.`` or ``..``, no separator but ``/``, no colon or control
-character; such a name needs no further check of its text (:func:`check_member_name`)."""
+"""A relative path of plain components, which needs no further check (:func:`check_member_name`)."""
 
 
 def check_member_name(name: str) -> PurePosixPath:
-    """``name`` as a path, when it stays inside the bundle.
-
-    Raises:
-        UnsafeBundleError: ``name`` is empty, not a string, absolute, or has ``..``, a backslash,
-            a colon or a control character.
-    """
+    """``name`` as a path, when it stays inside the bundle (:func:`iobundle.schema.is_member_name`); else UnsafeBundleError."""
     if not isinstance(name, str) or not name:
         raise UnsafeBundleError(f"File name {name!r} in the manifest is empty or not a string.")
     if not is_member_name(name):
@@ -49,26 +42,20 @@ def check_member_name(name: str) -> PurePosixPath:
 
 
 class Store(ABC):
-    """A bundle's members, wherever they lie.
+    """A bundle's members, wherever they lie; :attr:`path` is where (a directory, a packed file, a URL).
 
-    Attributes:
-        path: Where the bundle lies (a directory, a packed file, a URL), as messages name it.
-        read_only: Whether :meth:`write`, :meth:`append` and :meth:`remove` are refused.
+    Errors: a name that leaves the bundle, or a link, is an UnsafeBundleError; a member that is
+    missing, unreadable or not a regular file a TensorFileError; a failed write a BundleWriteError.
     """
 
     path: Path | str
-    read_only = False
 
     def describe(self, name: str) -> str:
         """How messages name the member ``name``."""
         return f"{self.path}/{name}"
 
     def check(self, name: str) -> None:
-        """Refuse the member name ``name`` when it leaves the bundle or leads through a link.
-
-        Raises:
-            UnsafeBundleError: See :func:`check_member_name`; or a component is a link.
-        """
+        """Refuse ``name`` when it leaves the bundle or leads through a folder that is a link."""
         check_member_name(name)
 
     def check_all(self, names: Iterable[str]) -> None:
@@ -78,34 +65,20 @@ class Store(ABC):
 
     @abstractmethod
     def open(self, name: str) -> tuple[BinaryIO, int]:
-        """The member ``name`` opened for reading, at its first byte, and its size.
-
-        Raises:
-            UnsafeBundleError: See :meth:`check`.
-            TensorFileError: It is missing, unreadable, or not a regular file.
-        """
+        """The member ``name`` opened for reading at its first byte, and its size (every check made)."""
 
     def map(self, name: str, size: int) -> torch.Tensor | None:
-        """The first ``size`` bytes of member ``name`` (checked by :meth:`open` to have them) as a uint8
-        tensor viewing a memory mapping, or None where the store cannot map (the caller reads them)."""
+        """The first ``size`` bytes of ``name`` (which :meth:`open` said it has) as a uint8 tensor viewing a
+        memory mapping, or None where the store cannot map (the caller reads them)."""
         return None
 
     @abstractmethod
     def list(self, folder: str = "") -> dict[str, str]:
-        """What the folder ``folder`` (``""``: the root) holds: name -> kind (``iobundle._paths.FILE``, ``DIR``,
-        ``LINK``, ``OTHER``), empty when it does not exist.
-
-        Raises:
-            UnsafeBundleError: ``folder`` leaves the bundle or leads through a link.
-        """
+        """What ``folder`` (``""``: the root) holds: name -> kind (``iobundle._paths.FILE``, ``DIR``, ``LINK``,
+        ``OTHER``); empty when it does not exist."""
 
     def read(self, name: str, limit: int) -> bytes:
-        """The whole member ``name``, refused over ``limit`` bytes.
-
-        Raises:
-            UnsafeBundleError: It is over ``limit`` (or see :meth:`open`).
-            TensorFileError: See :meth:`open`; or it was cut short.
-        """
+        """The whole member ``name``, refused (UnsafeBundleError) over ``limit`` bytes."""
         f, size = self.open(name)
         with f:
             if size > limit:
@@ -121,12 +94,7 @@ class Store(ABC):
         return bytes(data)
 
     def read_manifest(self) -> bytes:
-        """The bytes of ``manifest.json``, refused over :data:`iobundle.schema.MAX_MANIFEST_BYTES`.
-
-        Raises:
-            BundleNotFoundError: There is none.
-            UnsafeBundleError: It is over the limit.
-        """
+        """The bytes of ``manifest.json`` (at most MAX_MANIFEST_BYTES); BundleNotFoundError when there is none."""
         try:
             return self.read(MANIFEST_FILENAME, MAX_MANIFEST_BYTES)
         except TensorFileError as exc:
@@ -135,37 +103,26 @@ class Store(ABC):
             ) from exc
 
     def write(self, name: str, data: bytes) -> None:
-        """Make the member ``name`` hold ``data``, atomically: a reader sees the old member or the new one.
-
-        Raises:
-            BundleWriteError: It cannot be written, or the store is read-only.
-        """
+        """Make member ``name`` hold ``data``, atomically: a reader sees the old member or the new one."""
         self._refuse_write(name)
 
     def append(self, name: str, data: bytes) -> None:
-        """Add ``data`` at the end of member ``name`` (created when missing).
-
-        Raises:
-            BundleWriteError: It cannot be written, or the store is read-only.
-        """
+        """Add ``data`` at the end of member ``name`` (created when missing)."""
         self._refuse_write(name)
 
     def remove(self, name: str, *, missing_ok: bool = False) -> None:
-        """Remove the member ``name`` (a regular file, never through a link).
-
-        Raises:
-            FileNotFoundError: It is missing and not ``missing_ok``.
-            UnsafeBundleError: It, or a folder above it, is a link, or it is not a regular file.
-            BundleWriteError: It cannot be removed, or the store is read-only.
-        """
+        """Remove the regular file ``name``, never through a link (FileNotFoundError when missing, unless ``missing_ok``)."""
         self._refuse_write(name)
+
+    def prune(self, names: Iterable[str]) -> None:  # noqa: B027 (most stores have no folders of their own)
+        """Remove the folders of the members ``names`` left empty (where a store has folders of its own)."""
 
     def _refuse_write(self, name: str) -> None:
         raise BundleWriteError(f"{self.describe(name)}: '{self.path}' is read-only (a packed bundle); unpack it first.")
 
 
 def folder_listing(names: Iterable[str], folder: str) -> dict[str, str]:
-    """What the folder ``folder`` holds, given every file's member name (an index, a dictionary): name -> kind."""
+    """What ``folder`` holds, given every file's member name (an index, a dictionary): name -> kind."""
     prefix = f"{check_member_name(folder)}/" if folder else ""
     found: dict[str, str] = {}
     for name in names:

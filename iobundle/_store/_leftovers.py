@@ -16,8 +16,7 @@ from collections.abc import Collection
 
 from iobundle._paths import DIR, FILE, LINK, link_message
 from iobundle._store._base import Store
-from iobundle.errors import BundleExistsError, BundleWriteError, TensorFileError, UnsafeBundleError
-from iobundle.schema import (
+from iobundle._store._names import (
     JOURNAL_FILENAME,
     MANIFEST_FILENAME,
     MAX_MANIFEST_BYTES,
@@ -25,8 +24,9 @@ from iobundle.schema import (
     is_member_name,
     is_writer_file,
 )
+from iobundle.errors import BundleExistsError, BundleWriteError, TensorFileError, UnsafeBundleError
 
-__all__ = ["clear_bundle", "listed_names", "remove_leftovers", "unlisted_files"]
+__all__ = ["clear_bundle", "listed_names", "make_room", "remove_leftovers", "unlisted_files"]
 
 
 def _entries(store: Store, root: dict[str, str] | None = None) -> list[tuple[str, str]]:
@@ -109,7 +109,7 @@ def clear_bundle(store: Store) -> list[str]:
     listed file, or the manifest) is a link, or whose listed name is a folder, is refused whole.
     ``manifest.json`` goes first (what remains is never taken for a complete bundle), then each file
     it lists (:func:`listed_names`), then what a killed writer left (:func:`remove_leftovers`);
-    nothing else, so files beside the bundle stay. Folders left empty are the caller's to remove.
+    nothing else, so files beside the bundle stay; then the folders left empty.
 
     Raises:
         BundleExistsError: See :func:`listed_names`; or a listed file or a folder above it is a link
@@ -134,7 +134,9 @@ def clear_bundle(store: Store) -> list[str]:
                 )
         for name in names:
             store.remove(name, missing_ok=True)  # missing: a file the old manifest listed but nobody wrote
-        return names + remove_leftovers(store)
+        names += remove_leftovers(store)
+        store.prune(names)
+        return names
     except (BundleExistsError, BundleWriteError):
         raise  # OSErrors too, but their messages say what to do already
     except (UnsafeBundleError, TensorFileError) as exc:
@@ -143,3 +145,24 @@ def clear_bundle(store: Store) -> list[str]:
         raise BundleWriteError(
             f"Cannot remove {exc.filename or store.path} of the bundle being replaced: {exc.strerror or exc}. {again}"
         ) from exc
+
+
+def make_room(store: Store, *, overwrite: bool) -> None:
+    """Make room for a bundle in ``store``: it is empty, or (``overwrite``) the bundle it holds is cleared.
+
+    Raises:
+        BundleExistsError: ``store`` holds files and ``overwrite`` is False, or holds no bundle (it is
+            never deleted then); see :func:`clear_bundle`.
+    """
+    entries = store.list()
+    if entries and not overwrite:
+        raise BundleExistsError(
+            f"'{store.path}' already exists and is not empty. Pass overwrite=True (--overwrite on the command "
+            "line) to replace it, or choose another path."
+        )
+    if entries and entries.get(MANIFEST_FILENAME) != FILE:
+        raise BundleExistsError(
+            f"'{store.path}' is not a bundle (no {MANIFEST_FILENAME}); refusing to replace what it holds."
+        )
+    if entries:
+        clear_bundle(store)

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, BinaryIO
 from iobundle._lazy import lazy_module
 from iobundle._paths import CLOEXEC, CREATE, LINK, NOFOLLOW, Tree, link_message
 from iobundle._store._base import PLAIN_MEMBER, Store, check_member_name
+from iobundle._store._names import temporary_name
 from iobundle.errors import BundleWriteError, IobundleError, TensorFileError, UnsafeBundleError
-from iobundle.schema import temporary_name
 
 if TYPE_CHECKING:
     import torch
@@ -64,14 +64,13 @@ class LocalStore(Store):
 
     Args:
         path: The directory (links above it and at it are the user's choice; nothing below it is followed).
-        error: What a link (or a component that is not a folder) raises when listing, writing or removing.
+        error: What a link (or a component that is not a folder) raises.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, error: type[IobundleError] = UnsafeBundleError) -> None:
         self.path = Path(path)
-        self._tree = Tree(self.path)
         self._error = error
-        self._writes = Tree(self.path, error=error)
+        self._tree = Tree(self.path, error=error)
         self._names: dict[str, tuple[str, ...]] = {}
         self._lock = threading.RLock()  # the tree's descriptors are opened and closed by one reader at a time
 
@@ -85,9 +84,13 @@ class LocalStore(Store):
     def file(self, name: str) -> Path:
         """The path of member ``name``, checked as :meth:`check` does (it may be missing)."""
         parts = self._parts(name)
+        if len(parts) == 1:  # in the root, nothing to list: the open's O_NOFOLLOW refuses a link
+            return self.path / name
         with self._lock:
             try:
                 return self._tree.check_file(parts, where=f"File {name!r}")
+            except IobundleError:
+                raise
             except OSError as exc:
                 raise UnsafeBundleError(f"File {name!r} cannot be resolved inside the bundle: {exc}.") from exc
             finally:
@@ -105,6 +108,8 @@ class LocalStore(Store):
                     parts = self._parts(name)
                     if tree.listing(parts[:-1]).get(parts[-1]) in (LINK, None):  # a link, or made since: in full
                         self.file(name)
+            except IobundleError:
+                raise
             except OSError as exc:
                 raise UnsafeBundleError(f"Files of the bundle cannot be listed: {exc}.") from exc
             finally:
@@ -125,26 +130,26 @@ class LocalStore(Store):
         tmp = temporary_name(name)
         self._parts(name)
         try:
-            fd = self._writes.open(tmp, CREATE, create_folders=True)
+            fd = self._tree.open(tmp, CREATE, create_folders=True)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            self._writes.replace(tmp, name)
-            os.fsync(self._writes.folder(self._parts(name)[:-1]))  # type: ignore[arg-type]
+            self._tree.replace(tmp, name)
+            os.fsync(self._tree.folder(self._parts(name)[:-1]))  # type: ignore[arg-type]
         except IobundleError:
             raise
         except OSError as exc:
             with contextlib.suppress(OSError):
-                self._writes.unlink(tmp, missing_ok=True)
+                self._tree.unlink(tmp, missing_ok=True)
             raise BundleWriteError(f"Cannot write {self.path / name}: {exc.strerror or exc}.") from exc
         finally:
-            self._writes.close()
+            self._tree.close()
 
     def append(self, name: str, data: bytes) -> None:
         self._parts(name)
         try:
-            fd = self._writes.open(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, create_folders=True)
+            fd = self._tree.open(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, create_folders=True)
             with os.fdopen(fd, "ab") as f:
                 f.write(data)
         except IobundleError:
@@ -152,20 +157,20 @@ class LocalStore(Store):
         except OSError as exc:
             raise BundleWriteError(f"Cannot append to {self.path / name}: {exc.strerror or exc}.") from exc
         finally:
-            self._writes.close()
+            self._tree.close()
 
     def prune(self, names: Iterable[str]) -> None:
         """Remove the folders of the members ``names`` that are left empty, deepest first (never the root)."""
         try:
             for parts in sorted({self._parts(n)[:-1] for n in names}, key=len, reverse=True):
-                while parts and self._writes.rmdir(parts):  # only when empty
+                while parts and self._tree.rmdir(parts):  # only when empty
                     parts = parts[:-1]
         finally:
-            self._writes.close()
+            self._tree.close()
 
     def remove(self, name: str, *, missing_ok: bool = False) -> None:
         self._parts(name)
         try:
-            self._writes.unlink(name, missing_ok=missing_ok)
+            self._tree.unlink(name, missing_ok=missing_ok)
         finally:
-            self._writes.close()
+            self._tree.close()

@@ -10,7 +10,7 @@ Packing and unpacking are ``iobundle.travel``'s; a packed bundle is read-only.
 A packed bundle is untrusted input. Reading its index refuses, with an
 :class:`~iobundle.errors.ArchiveError` naming the archive and the member: anything but a regular
 file or a directory (symbolic and hard links, devices, FIFOs, sparse files), a name that is
-absolute, holds ``..``, a backslash, a colon or a control character, or is not in canonical form
+absolute, holds a ``..``, ``.`` or empty component, a backslash, a colon or a control character
 (a leading ``./``, as ``tar cf x.tar -C run.iobundle .`` writes, is accepted),
 a name given twice (or a file used as a directory), a member whose bytes run past the end of the
 archive or overlap another's, more than :data:`MAX_ARCHIVE_MEMBERS` members, bytes after the last
@@ -33,6 +33,7 @@ from iobundle._locations import local_path
 from iobundle._store._base import Store, check_member_name, folder_listing
 from iobundle._store._fsspec import open_filesystem
 from iobundle._store._local import open_regular
+from iobundle._store._names import MANIFEST_FILENAME
 from iobundle.errors import (
     ArchiveError,
     BundleNotFoundError,
@@ -41,7 +42,6 @@ from iobundle.errors import (
     TensorFileError,
     UnsafeBundleError,
 )
-from iobundle.schema import MANIFEST_FILENAME
 
 if TYPE_CHECKING:
     import torch
@@ -104,8 +104,6 @@ class TarStore(Store):
         size: The archive's size when it was indexed.
         local: The archive's local path (None at a URL).
     """
-
-    read_only = True
 
     def __init__(
         self,
@@ -236,8 +234,6 @@ def read_index(f: BinaryIO, size: int, where: str) -> dict[str, tuple[int, int]]
                 check_member_name(name)
             except UnsafeBundleError as exc:
                 raise ArchiveError(f"{label}: {exc}", member=name) from exc
-            if str(PurePosixPath(name)) != name:
-                raise ArchiveError(f"{label} is not in canonical form (e.g. '.' or '//' in it).", member=name)
             if name in members or name in directories:
                 raise ArchiveError(f"{label} appears twice; refusing to choose one.", member=name)
             if info.isdir():

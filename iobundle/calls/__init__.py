@@ -91,7 +91,7 @@ __all__ = [
     "check_file_header",
     "check_segment_member",
     "listed_files",
-    "read_sized_member",
+    "read_member",
     # The stored model config
     "read_stored_config",
 ]
@@ -137,7 +137,7 @@ from iobundle.calls._tensorfile_read import (
     check_file_header,
     check_segment_member,
     listed_files,
-    read_sized_member,
+    read_member,
 )
 from iobundle.calls._tensorfile_write import (
     parse_header,

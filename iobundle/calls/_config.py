@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 from iobundle._store import Store
-from iobundle.calls._tensorfile_read import check_bytes, read_sized_member
+from iobundle.calls._tensorfile_read import read_member
 from iobundle.errors import ModelLoadError, UnsafeBundleError
 from iobundle.schema import ModelEntry
 
@@ -45,8 +45,7 @@ def read_stored_config(store: Store, entry: ModelEntry) -> dict[str, Any]:
         raise UnsafeBundleError(
             f"model.files[{name!r}]: {file.size} bytes, over the limit of {MAX_CONFIG_BYTES} bytes for a config."
         )
-    data = read_sized_member(store, name, file.size)
-    check_bytes(name, file, data)
+    data = read_member(store, name, file)
     try:
         config = json.loads(data, parse_constant=_NON_FINITE.__getitem__)
     except RecursionError as exc:

@@ -61,7 +61,7 @@ __all__ = [
     "check_segment_member",
     "check_file_header",
     "listed_files",
-    "read_sized_member",
+    "read_member",
 ]
 
 _CHUNK = 1 << 22
@@ -200,8 +200,8 @@ def _read_header(store: Store, name: str, expected: int | None = None) -> tuple[
     return header, data_start, size
 
 
-def _read_small(store: Store, name: str, entry: FileEntry, *, hash_check: bool) -> bytearray:
-    """The whole bundle member ``name`` (small, or not mappable), checked as :func:`check_file` does."""
+def read_member(store: Store, name: str, entry: FileEntry, *, hash_check: bool = True) -> bytearray:
+    """The whole bundle member ``name`` (small, or not mappable), checked as :func:`check_file` does, read once."""
     f, size = store.open(name)
     problem = _size_problem(name, size, entry)
     if problem is not None:
@@ -309,21 +309,6 @@ def stored_shape(entry: TensorInfo, base: TensorInfo | None) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def read_sized_member(store: Store, name: str, size: int) -> bytearray:
-    """The ``size`` bytes of member ``name``."""
-    f, found = store.open(name)
-    if found != size:
-        f.close()
-        raise IntegrityError(f"{name}: {found} bytes, expected {size}. The file is truncated or was changed.")
-    data = bytearray(size)
-    try:
-        with f:
-            read_exactly(f, size, name, into=memoryview(data))
-    except OSError as exc:
-        raise TensorFileError(f"{name}: cannot be read ({exc.strerror or exc}).") from exc
-    return data
-
-
 def _tensor_span(name: str, header: dict[str, Any], entry: TensorInfo, key: str, data_len: int) -> tuple[int, int]:
     """Check one tensor of the header against its manifest entry; return its byte span in the data area."""
     return tensor_span(name, header, entry.name, dtype=entry.dtype, shape=entry.shape, data_len=data_len, key=key)
@@ -353,7 +338,7 @@ def _map(store: Store, name: str, entry: FileEntry) -> torch.Tensor:
     try:
         data = store.map(name, entry.size)
         if data is None:  # not mappable (a remote file): read once
-            data = torch.frombuffer(_read_small(store, name, entry, hash_check=False), dtype=torch.uint8)
+            data = torch.frombuffer(read_member(store, name, entry, hash_check=False), dtype=torch.uint8)
         return data
     except (RuntimeError, OSError, ValueError) as exc:
         raise TensorFileError(f"{name}: cannot be memory-mapped ({exc}).") from exc
@@ -362,7 +347,7 @@ def _map(store: Store, name: str, entry: FileEntry) -> torch.Tensor:
 class _OpenFile:
     @classmethod
     def from_bytes(cls, name: str, data: bytearray | torch.Tensor, entries: dict[str, TensorInfo]) -> _OpenFile:
-        """The file whose whole content is ``data`` (read by :func:`_read_small`, or mapped); tensors view it."""
+        """The file whose whole content is ``data`` (read by :func:`read_member`, or mapped); tensors view it."""
         view, position = memoryview(data.numpy() if isinstance(data, torch.Tensor) else data), 0
 
         def read(n: int) -> bytes:
@@ -510,7 +495,7 @@ class BundleTensorStore:
                 if entry.ranges is not None:
                     opened = self._open_segment(name, entry)
                 elif entry.size <= READ_WHOLE_BYTES:
-                    data = _read_small(self.bundle_root, name, entry, hash_check=self.verify)
+                    data = read_member(self.bundle_root, name, entry, hash_check=self.verify)
                     opened = _OpenFile.from_bytes(name, data, self.file_entries(name))
                 else:  # mapped, hashed there when verifying, its header read there: one read of the file
                     check_file(self.bundle_root, name, entry, hash_check=False)
@@ -527,7 +512,7 @@ class BundleTensorStore:
         """A segment: its first ``entry.size`` bytes read whole (small) or memory-mapped, its ranges checked."""
         data: torch.Tensor | None = None
         if entry.size <= READ_WHOLE_BYTES:
-            raw = _read_small(self.bundle_root, name, entry, hash_check=self.verify)
+            raw = read_member(self.bundle_root, name, entry, hash_check=self.verify)
             data = torch.frombuffer(raw, dtype=torch.uint8) if raw else None
         else:  # mapped, then hashed as mapped when verifying: one read of the file
             check_file(self.bundle_root, name, entry, hash_check=False)

@@ -20,8 +20,8 @@ from typing import BinaryIO
 from iobundle._atomic import atomic_file
 from iobundle._paths import Tree
 from iobundle._progress import BYTES, ProgressCallback, notify
-from iobundle._remote import clear_local_bundle, is_url, local_path, staged
-from iobundle._store import LocalStore, TarStore, open_regular
+from iobundle._remote import is_url, local_path, staged
+from iobundle._store import LocalStore, TarStore, make_room, open_regular
 from iobundle.calls import check_file, listed_files
 from iobundle.errors import (
     ArchiveError,
@@ -280,17 +280,9 @@ def unpack_bundle(
     target = local_path(output)
     if target is None:
         raise BundleWriteError(f"'{output}': unpack writes to a local directory. Upload the directory afterwards.")
-    if target.exists():
-        if not target.is_dir() or target.is_symlink():
-            raise BundleExistsError(f"'{target}' exists and is not a directory. Choose another path.")
-        if any(target.iterdir()):
-            if not overwrite:
-                raise BundleExistsError(
-                    f"'{target}' already exists and is not empty. Pass overwrite=True (--overwrite) or choose another path."
-                )
-            if not (target / MANIFEST_FILENAME).is_file():
-                raise BundleExistsError(f"'{target}' is not a bundle (no {MANIFEST_FILENAME}); refusing to replace it.")
-            clear_local_bundle(target)  # its manifest, then the files it lists; files beside it stay
+    if target.exists() and (not target.is_dir() or target.is_symlink()):
+        raise BundleExistsError(f"'{target}' exists and is not a directory. Choose another path.")
+    make_room(LocalStore(target, error=BundleExistsError), overwrite=overwrite)  # only an old bundle's own files
     names = [*sorted(listed), MANIFEST_FILENAME]
     created = not target.exists()
     total = 0

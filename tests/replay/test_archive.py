@@ -299,7 +299,7 @@ class TestHostileArchive:
 
     def test_non_canonical_name_is_refused(self, tmp_path, bundle):
         path = write_tar(tmp_path / "x.tar", [*entries_of(bundle), regular("calls//x", b"x")])
-        with pytest.raises(ArchiveError, match="member 'calls//x' is not in canonical form"):
+        with pytest.raises(ArchiveError, match=r"member 'calls//x': .* not a plain relative path"):
             load_bundle(path)
 
     def test_duplicate_member_is_refused(self, tmp_path, bundle):
