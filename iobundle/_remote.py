@@ -1,14 +1,10 @@
-"""Bundles at URLs (``s3://``, ``gs://``, ``hf://``, ``memory://``, ...) through fsspec. Stdlib only until used.
+"""Outputs at URLs (``s3://``, ``gs://``, ``hf://``, ``memory://``, ...) through fsspec: staging folders and uploads.
 
-A string of the form ``scheme://...`` is a URL, never a local path: without fsspec it is a
-:class:`~iobundle.errors.MissingDependencyError` naming the extra to install, instead of a local
-folder named ``scheme:``. ``file://`` URLs are plain local paths (the fast, memory-mapped path):
-``file:///abs`` and ``file://localhost/abs`` are ``/abs``. Every output (a bundle, a packed file, an
-ONNX model, converted calls) goes through :func:`resolve_output`.
-Capture writes a bundle to a local staging directory and uploads it (:func:`staged`, which
-uploads with :func:`upload_directory`, ``manifest.json`` last, so a reader never sees a manifest
-before its files); replay reads the
-members of a remote bundle through the filesystem's files (no memory mapping).
+A ``scheme://`` string is a URL, never a local path (``file://`` URLs are local paths). Every output
+(a bundle, a packed file, an ONNX model, converted calls) goes through :func:`resolve_output`.
+Capture writes a bundle to a local staging directory and uploads it (:func:`staged`, then
+:func:`upload_directory`, ``manifest.json`` last, so a reader never sees a manifest before its files);
+reading a bundle at a URL is the store's (:class:`iobundle._store.FsspecStore`).
 """
 
 from __future__ import annotations

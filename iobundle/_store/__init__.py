@@ -1,10 +1,7 @@
-"""The one interface to a bundle's bytes: :class:`Store`, one backend per place a bundle lives.
+"""The one interface to a bundle's bytes (:class:`Store`), one backend per place a bundle lives.
 
-:class:`LocalStore` (a directory), :class:`TarStore` (a packed file, local or at a URL:
-:func:`open_archive`), :class:`FsspecStore` (a directory at a URL), :class:`MemoryStore`. Every
-read of a bundle's member goes through :meth:`Store.open` (the name's rule, no link, a regular
-file, its size); removing a bundle, or what a killed writer left, is :func:`clear_bundle` and
-:func:`remove_leftovers` for every store; :func:`open_store` picks the backend of a location.
+:class:`LocalStore` (a directory), :class:`TarStore` (a packed file, local or at a URL),
+:class:`FsspecStore` (a directory at a URL), :class:`MemoryStore`; :func:`open_store` picks one.
 tests/store runs one suite against every backend.
 """
 

@@ -20,29 +20,23 @@ from iobundle._store._names import (
     JOURNAL_FILENAME,
     MANIFEST_FILENAME,
     MAX_MANIFEST_BYTES,
-    MEMBER_NAME_RULE,
     is_member_name,
     is_writer_file,
 )
 from iobundle.errors import BundleExistsError, BundleWriteError, TensorFileError, UnsafeBundleError
 
-__all__ = ["clear_bundle", "listed_names", "make_room", "remove_leftovers", "unlisted_files"]
+__all__ = ["clear_bundle", "make_room", "remove_leftovers", "unlisted_files"]
 
 
 def _entries(store: Store, root: dict[str, str] | None = None) -> list[tuple[str, str]]:
-    """``(member name, kind)`` of each entry of the root (listed as ``root``, when given) and of ``calls/``
-    (when it is a folder, not a link)."""
+    """``(member name, kind)`` of each entry of the root (listed as ``root``) and of ``calls/`` (a folder, not a link)."""
     root = store.list() if root is None else root
     calls = store.list("calls") if root.get("calls") == DIR else {}
     return [*root.items(), *((f"calls/{name}", kind) for name, kind in calls.items())]
 
 
 def remove_leftovers(store: Store, keep: Collection[str] = ()) -> list[str]:
-    """Remove the regular files of ``store`` whose names a writer gives (but those of ``keep``); return their names.
-
-    Raises:
-        OSError: A file cannot be removed (permissions).
-    """
+    """Remove the regular files of ``store`` whose names a writer gives (but those of ``keep``); return their names."""
     removed = []
     for member, kind in _entries(store):
         if kind == FILE and member not in keep and is_writer_file(member):
@@ -73,52 +67,32 @@ def unlisted_files(store: Store, listed: Collection[str]) -> tuple[list[tuple[st
     return found, closed
 
 
-def listed_names(manifest: bytes, where: str) -> list[str]:
-    """The files the bundle manifest ``manifest`` lists besides itself: tensor files, the model's files.
-
-    Names are checked to stay inside the bundle, since the old manifest is not trusted either.
-
-    Raises:
-        BundleExistsError: The manifest at ``where`` is not a readable bundle manifest, or names a
-            file outside the bundle: nothing is deleted then.
-    """
-    try:
-        data = json.loads(manifest)
-        names = list(data.get("files") or {})
-        model = data.get("model")
-        if isinstance(model, dict):
-            names += list(model.get("files") or {})
-    except (ValueError, AttributeError, TypeError) as exc:
-        raise BundleExistsError(
-            f"'{where}' is not a readable bundle manifest ({exc}); refusing to replace what its folder holds. "
-            "Remove the folder yourself, or choose another path."
-        ) from exc
-    for name in names:
-        if not is_member_name(name):
-            raise BundleExistsError(
-                f"'{where}' lists the file {name!r}, which is not inside the bundle ({MEMBER_NAME_RULE} is); "
-                "refusing to replace it. Remove the folder yourself, or choose another path."
-            )
-    return list(dict.fromkeys(names))
-
-
 def clear_bundle(store: Store) -> list[str]:
     """Delete the bundle ``store`` holds: the one overwrite rule. Returns the names removed.
 
     Every listed file is checked before anything is removed: a bundle whose ``calls/`` (or any
     listed file, or the manifest) is a link, or whose listed name is a folder, is refused whole.
     ``manifest.json`` goes first (what remains is never taken for a complete bundle), then each file
-    it lists (:func:`listed_names`), then what a killed writer left (:func:`remove_leftovers`);
+    it lists (tensor files, the model's files), then what a killed writer left (:func:`remove_leftovers`);
     nothing else, so files beside the bundle stay; then the folders left empty.
 
     Raises:
-        BundleExistsError: See :func:`listed_names`; or a listed file or a folder above it is a link
-            or not a regular file (nothing is removed then).
+        BundleExistsError: The old manifest is unreadable or names a file outside the bundle (it is not
+            trusted either), or a listed file or a folder above it is a link or not a regular file
+            (nothing is removed then).
         BundleWriteError: A listed file cannot be removed (permissions).
     """
     again = "Remove the bundle yourself, or choose another path."
     try:
-        names = [MANIFEST_FILENAME, *listed_names(store.read(MANIFEST_FILENAME, MAX_MANIFEST_BYTES), store.path)]
+        try:
+            data = json.loads(store.read(MANIFEST_FILENAME, MAX_MANIFEST_BYTES))
+            names = [MANIFEST_FILENAME, *(data.get("files") or {}), *((data.get("model") or {}).get("files") or {})]
+        except (ValueError, AttributeError, TypeError) as exc:
+            raise BundleExistsError(f"'{store.path}' holds no readable bundle manifest ({exc}). {again}") from exc
+        if not all(map(is_member_name, names)):
+            bad = next(n for n in names if not is_member_name(n))
+            raise BundleExistsError(f"'{store.path}': the manifest lists {bad!r}, not inside the bundle. {again}")
+        names = list(dict.fromkeys(names))
         listings: dict[str, dict[str, str]] = {}
         for name in names:  # all checked first: a refusal removes nothing
             folder, _, base = name.rpartition("/")

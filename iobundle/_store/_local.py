@@ -1,9 +1,8 @@
 """A bundle directory: every member reached from the root without following a link (:class:`iobundle._paths.Tree`).
 
-Each folder holding members (``calls/``) is opened once from the root without following a link
-and listed once; a member then costs a dictionary lookup in that listing, and is opened with
-``O_NOFOLLOW``. A member that is a symbolic link, or lies in a symlinked folder, is refused,
-wherever it points: a bundle holds only its own files. Tensor files are memory-mapped.
+Each folder (``calls/``) is opened from the root without following a link and listed once; a member
+then costs a lookup in that listing and is opened with ``O_NOFOLLOW``: a link is refused wherever it
+points. Tensor files are memory-mapped.
 """
 
 from __future__ import annotations
@@ -127,35 +126,31 @@ class LocalStore(Store):
             return dict(tree.listing(self._parts(folder) if folder else ()))
 
     def write(self, name: str, data: bytes) -> None:
-        tmp = temporary_name(name)
-        self._parts(name)
-        try:
-            fd = self._tree.open(tmp, CREATE, create_folders=True)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            self._tree.replace(tmp, name)
-            os.fsync(self._tree.folder(self._parts(name)[:-1]))  # type: ignore[arg-type]
-        except IobundleError:
-            raise
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                self._tree.unlink(tmp, missing_ok=True)
-            raise BundleWriteError(f"Cannot write {self.path / name}: {exc.strerror or exc}.") from exc
-        finally:
-            self._tree.close()
+        self._put(name, data, temporary_name(name))
 
     def append(self, name: str, data: bytes) -> None:
+        self._put(name, data, None)
+
+    def _put(self, name: str, data: bytes, tmp: str | None) -> None:
+        """Write ``data`` to ``tmp``, flushed to the disk, then rename it ``name``; or append it to ``name`` (no ``tmp``)."""
         self._parts(name)
         try:
-            fd = self._tree.open(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, create_folders=True)
-            with os.fdopen(fd, "ab") as f:
+            flags = CREATE if tmp else os.O_WRONLY | os.O_APPEND | os.O_CREAT
+            with os.fdopen(self._tree.open(tmp or name, flags, create_folders=True), "wb") as f:
                 f.write(data)
+                if tmp:
+                    f.flush()
+                    os.fsync(f.fileno())
+            if tmp:
+                self._tree.replace(tmp, name)
+                os.fsync(self._tree.folder(self._parts(name)[:-1]))  # type: ignore[arg-type]
         except IobundleError:
             raise
         except OSError as exc:
-            raise BundleWriteError(f"Cannot append to {self.path / name}: {exc.strerror or exc}.") from exc
+            with contextlib.suppress(OSError, IobundleError):
+                if tmp:
+                    self._tree.unlink(tmp, missing_ok=True)
+            raise BundleWriteError(f"Cannot write {self.path / name}: {exc.strerror or exc}.") from exc
         finally:
             self._tree.close()
 

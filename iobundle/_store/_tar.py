@@ -96,14 +96,8 @@ class _Slice(io.RawIOBase):
 
 
 class TarStore(Store):
-    """The members of a packed bundle, indexed once; see :func:`open_archive`. Read-only.
-
-    Attributes:
-        path: The archive (a local path, or a URL).
-        members: Per member name, the offset of its first byte in the archive and its size.
-        size: The archive's size when it was indexed.
-        local: The archive's local path (None at a URL).
-    """
+    """The members of a packed bundle (read-only), indexed once by :func:`open_archive`: ``members`` maps a
+    name to its offset in the archive and its size; ``size`` is the archive's, ``local`` its local path (or None)."""
 
     def __init__(
         self,

@@ -333,17 +333,6 @@ def check_file_header(
     return spans, data_start, size
 
 
-def _map(store: Store, name: str, entry: FileEntry) -> torch.Tensor:
-    """The ``entry.size`` bytes of member ``name`` (checked to have them) as a uint8 tensor."""
-    try:
-        data = store.map(name, entry.size)
-        if data is None:  # not mappable (a remote file): read once
-            data = torch.frombuffer(read_member(store, name, entry, hash_check=False), dtype=torch.uint8)
-        return data
-    except (RuntimeError, OSError, ValueError) as exc:
-        raise TensorFileError(f"{name}: cannot be memory-mapped ({exc}).") from exc
-
-
 class _OpenFile:
     @classmethod
     def from_bytes(cls, name: str, data: bytearray | torch.Tensor, entries: dict[str, TensorInfo]) -> _OpenFile:
@@ -492,36 +481,36 @@ class BundleTensorStore:
             if entry is None:
                 raise TensorFileError(f"File {name!r} is used by a tensor but not listed in the manifest's files.")
             try:
-                if entry.ranges is not None:
-                    opened = self._open_segment(name, entry)
-                elif entry.size <= READ_WHOLE_BYTES:
-                    data = read_member(self.bundle_root, name, entry, hash_check=self.verify)
+                data: Any = self._bytes(name, entry)
+                if entry.ranges is None:
                     opened = _OpenFile.from_bytes(name, data, self.file_entries(name))
-                else:  # mapped, hashed there when verifying, its header read there: one read of the file
-                    check_file(self.bundle_root, name, entry, hash_check=False)
-                    data = _map(self.bundle_root, name, entry)
-                    if self.verify:
-                        check_bytes(name, entry, data.numpy())
-                    opened = _OpenFile.from_bytes(name, data, self.file_entries(name))
+                else:  # a segment: its spans are the manifest's offsets, its sealed header checked against them
+                    if isinstance(data, bytearray):
+                        data = torch.frombuffer(data, dtype=torch.uint8) if data else None
+                    if data is not None and entry.ranges:
+                        head = data[: entry.ranges[0][1]].numpy().tobytes()
+                        check_segment_header(name, head, entry, self.file_entries(name))
+                    opened = _OpenFile.segment(name, data, self.file_entries(name))
             except TensorFileError as exc:  # say which bundle: a command may read two (diff)
                 raise type(exc)(f"{exc} (bundle '{self.root}')") from exc
             self._files[name] = opened
         return opened
 
-    def _open_segment(self, name: str, entry: FileEntry) -> _OpenFile:
-        """A segment: its first ``entry.size`` bytes read whole (small) or memory-mapped, its ranges checked."""
-        data: torch.Tensor | None = None
-        if entry.size <= READ_WHOLE_BYTES:
-            raw = read_member(self.bundle_root, name, entry, hash_check=self.verify)
-            data = torch.frombuffer(raw, dtype=torch.uint8) if raw else None
-        else:  # mapped, then hashed as mapped when verifying: one read of the file
-            check_file(self.bundle_root, name, entry, hash_check=False)
-            data = _map(self.bundle_root, name, entry)
-            if self.verify:
-                check_bytes(name, entry, data.numpy())
-        if data is not None and entry.ranges:
-            check_segment_header(name, data[: entry.ranges[0][1]].numpy().tobytes(), entry, self.file_entries(name))
-        return _OpenFile.segment(name, data, self.file_entries(name))
+    def _bytes(self, name: str, entry: FileEntry) -> bytearray | torch.Tensor:
+        """The first ``entry.size`` bytes of member ``name``, read whole (small, or not mappable) or memory-mapped,
+        hashed as read when verifying: one read of the file."""
+        data = None
+        if entry.size > READ_WHOLE_BYTES:
+            check_file(self.bundle_root, name, entry, hash_check=False)  # its size, before anything is mapped
+            try:
+                data = self.bundle_root.map(name, entry.size)
+            except (RuntimeError, OSError, ValueError) as exc:
+                raise TensorFileError(f"{name}: cannot be memory-mapped ({exc}).") from exc
+        if data is None:
+            return read_member(self.bundle_root, name, entry, hash_check=self.verify)
+        if self.verify:
+            check_bytes(name, entry, data.numpy())
+        return data
 
     def _stored(self, key: str) -> torch.Tensor:
         """What the file holds for ``key``: the tensor, or its new part if it is an extension (cached views)."""

@@ -352,10 +352,8 @@ def _check_tree_list(trees: Iterable[tuple[str, Node]], source: str) -> None:
 
 
 def read_member(root: Path, path: Path) -> bytes:
-    """The bytes of the bundle file ``path`` (``manifest.json``, ``journal.jsonl``) of the directory ``root``.
-
-    Read through :class:`iobundle._store.LocalStore`: no link (a symlinked manifest is refused,
-    wherever it points), a regular file, at most :data:`MAX_MANIFEST_BYTES`.
+    """The bytes of the bundle file ``path`` (``manifest.json``, ``journal.jsonl``) of the directory ``root``, read
+    through :class:`iobundle._store.LocalStore` (never a link), at most :data:`MAX_MANIFEST_BYTES`.
 
     Raises:
         BundleNotFoundError: It does not exist.
