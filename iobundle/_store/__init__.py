@@ -39,10 +39,8 @@ __all__ = [
 def open_store(location: str | os.PathLike[str]) -> Store:
     """The store of the bundle at ``location`` (a local path, a ``file://`` URL, or a URL of fsspec).
 
-    Raises:
-        BundleNotFoundError: Nothing is at a URL ``location``, or a packed file holds no manifest.
-        ArchiveError: A packed file is not a valid archive (:func:`iobundle._store.open_archive`).
-        MissingDependencyError: ``location`` is a URL and fsspec, or its filesystem, is not installed.
+    Raises BundleNotFoundError (nothing at a URL, no manifest in a packed file), ArchiveError (an invalid
+    packed file) or MissingDependencyError (a URL, and fsspec or its filesystem is not installed).
     """
     local = local_path(location)
     if local is not None:

@@ -31,8 +31,6 @@ PLAIN_MEMBER = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9_.-]*/)*[A-Za-z0-9_][A-Za-z
 
 def check_member_name(name: str) -> PurePosixPath:
     """``name`` as a path, when it stays inside the bundle (:func:`iobundle.schema.is_member_name`); else UnsafeBundleError."""
-    if not isinstance(name, str) or not name:
-        raise UnsafeBundleError(f"File name {name!r} in the manifest is empty or not a string.")
     if not is_member_name(name):
         raise UnsafeBundleError(
             f"File name {name!r} in the manifest is not a plain relative path inside the bundle "

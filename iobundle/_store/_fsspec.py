@@ -76,11 +76,7 @@ def reported_link(info: object) -> bool:
 
 
 class FsspecStore(Store):
-    """The bundle directory at ``url`` (or at ``inner`` of the filesystem ``fs``).
-
-    Raises:
-        MissingDependencyError: fsspec, or the filesystem's package, is not installed.
-    """
+    """The bundle directory at ``url`` (or at ``inner`` of the filesystem ``fs``); see :func:`open_filesystem`."""
 
     def __init__(self, url: str, *, fs: Any = None, inner: str | None = None) -> None:
         self.path = url

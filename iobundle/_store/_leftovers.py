@@ -124,9 +124,7 @@ def clear_bundle(store: Store) -> list[str]:
 def make_room(store: Store, *, overwrite: bool) -> None:
     """Make room for a bundle in ``store``: it is empty, or (``overwrite``) the bundle it holds is cleared.
 
-    Raises:
-        BundleExistsError: ``store`` holds files and ``overwrite`` is False, or holds no bundle (it is
-            never deleted then); see :func:`clear_bundle`.
+    Raises BundleExistsError when it holds files and not ``overwrite``, or holds no bundle (nothing is deleted).
     """
     entries = store.list()
     if entries and not overwrite:

@@ -181,7 +181,7 @@ class TestHostile:
     )
     def test_a_name_that_leaves_the_bundle_is_refused(self, place, name):
         store = place.store()
-        with pytest.raises(UnsafeBundleError, match=r"not a plain relative path|empty or not a string"):
+        with pytest.raises(UnsafeBundleError, match=r"not a plain relative path"):
             store.open(name)
         with pytest.raises(UnsafeBundleError):
             store.check_all([name])
