@@ -34,11 +34,8 @@ READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | CLOEXEC | getattr(os, 
 
 
 def open_regular(path: Path, name: str, *, link_ok: bool = False) -> tuple[int, int]:
-    """Open ``path`` read-only without blocking; return ``(fd, size)``. Refuses anything but a regular file.
-
-    A member is opened with ``O_NOFOLLOW`` (its folders are checked by :class:`LocalStore`);
-    ``link_ok`` is for a path the user gave (a packed bundle), which may be a link.
-    """
+    """Open ``path`` read-only without blocking, never through a link (but with ``link_ok``: a path the user gave);
+    return ``(fd, size)``. Refuses anything but a regular file."""
     try:
         fd = os.open(path, READ_FLAGS if link_ok else READ_FLAGS | NOFOLLOW)
     except FileNotFoundError as exc:
@@ -105,7 +102,10 @@ class LocalStore(Store):
             try:
                 for name in names:
                     parts = self._parts(name)
-                    if tree.listing(parts[:-1]).get(parts[-1]) in (LINK, None):  # a link, or made since: in full
+                    kind = tree.listing(parts[:-1]).get(parts[-1])
+                    if kind == LINK:
+                        raise UnsafeBundleError(f"File {name!r}: {link_message(self.path.joinpath(*parts))}")
+                    if kind is None:  # made since the listing: in full
                         self.file(name)
             except IobundleError:
                 raise

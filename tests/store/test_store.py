@@ -317,3 +317,13 @@ def test_open_store_picks_the_backend_of_the_place(tmp_path, backend):
         place.cleanup()
     with pytest.raises(BundleNotFoundError, match="does not exist"):
         open_store(f"memory://{place.memory_root}-nothing")
+
+
+def test_a_listed_file_that_is_a_link_in_the_root_is_refused_when_the_bundle_is_opened(tmp_path):
+    """Checking the manifest's names refuses a link in the root too (its open would refuse it later anyway)."""
+    (tmp_path / "outside.bin").write_bytes(b"secret")
+    root = tmp_path / "bundle"
+    root.mkdir()
+    (root / "evil.safetensors").symlink_to(tmp_path / "outside.bin")
+    with pytest.raises(UnsafeBundleError, match=r"evil\.safetensors' is a symbolic link"):
+        LocalStore(root).check_all(["evil.safetensors"])
