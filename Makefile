@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # --no-loadscope-reorder keeps the start order tests/conftest.py gives (xdist would sort the units by size)
 TEST_WORKERS ?= 2
 
-.PHONY: demo test lint bench bench-large bench-layers fuzz schema zoo clean
+.PHONY: demo test lint typecheck bench bench-large bench-layers fuzz schema zoo clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,10 +24,15 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check iobundle tests benchmarks tools
+	$(PY) -m mypy iobundle
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 lint: $(STAMP)
 	$(PY) -m ruff check iobundle tests benchmarks tools
+
+# mypy over iobundle/ ([tool.mypy] in pyproject.toml: strict on the public face); make test runs it too
+typecheck: $(STAMP)
+	$(PY) -m mypy iobundle
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
@@ -55,7 +60,7 @@ fuzz: $(STAMP)
 	IOBUNDLE_FUZZ_EXAMPLES=5000 $(PY) -m pytest -q tests/replay/test_fuzz.py
 
 schema: $(STAMP)
-	$(PY) -c "from iobundle.schema import manifest_json_schema as s; open('iobundle/schema/manifest.schema.json','w').write(s())"
+	$(PY) tools/manifest_schema.py
 
 clean:
 	rm -rf $(VENV) demo-output site .pytest_cache .ruff_cache

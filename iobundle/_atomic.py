@@ -29,8 +29,6 @@ CONCURRENT_HASH_MIN_BYTES = 16 * 1024**2
 (hashlib and the write syscall both release the GIL on large buffers): a file then costs
 max(write, hash) instead of their sum. Smaller files are written and hashed in one thread."""
 
-_DONE = object()
-
 
 def _open_tmp(tmp: Path) -> BinaryIO:
     return os.fdopen(os.open(tmp, CREATE, 0o644), "wb")
@@ -157,7 +155,7 @@ class _Helper:
     def __init__(self, on_chunk: Callable[[memoryview], None] | None, on_part: Callable[[int], None] | None) -> None:
         self._on_chunk = on_chunk
         self._on_part = on_part
-        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[memoryview | int | None] = queue.SimpleQueue()  # None: done
         self.error: BaseException | None = None
         self._cancelled = False
         self._thread = threading.Thread(target=self._run, name="iobundle-hash", daemon=True)
@@ -170,13 +168,13 @@ class _Helper:
         """Wait until every queued item is consumed (or the helper failed); ``cancel``: skip what is left."""
         if cancel:
             self._cancelled = True
-        self._queue.put(_DONE)
+        self._queue.put(None)
         self._thread.join()
 
     def _run(self) -> None:
         while True:
             item = self._queue.get()
-            if item is _DONE:
+            if item is None:
                 return
             if self.error is not None or self._cancelled:
                 continue  # drain without calling back
@@ -185,7 +183,7 @@ class _Helper:
                     if self._on_part is not None:
                         self._on_part(item)
                 elif self._on_chunk is not None:
-                    self._on_chunk(item)  # type: ignore[arg-type]
+                    self._on_chunk(item)
             except BaseException as exc:  # handed to the writing thread, which raises it
                 self.error = exc
 

@@ -97,6 +97,9 @@ class LazyMapping(Mapping[K, V], Generic[K, V]):
     def __getitem__(self, key: K) -> V:
         return self._table()[key]
 
+    def get(self, key: K, default: Any = None) -> Any:  # the table's own: a miss raises nothing
+        return self._table().get(key, default)
+
     def __iter__(self) -> Iterator[K]:
         return iter(self._table())
 

@@ -113,7 +113,7 @@ def share_module_fixtures(items: list[pytest.Item]) -> list[str | None]:
         named = sorted({name for i in indices for name in _named_groups(items[i])})
         if len(indices) == 1 and not named:
             continue  # a test alone: its own unit
-        if not named:  # a group by fixture, named after the first one: "replay/test_report.py:result"
+        if not named:  # a group by fixture, named after the first one: "replay/check/test_report.py:result"
             path, fixture = next(key for i in indices for key in keys[i])
             named = [f"{(path.relative_to(TESTS) if path.is_relative_to(TESTS) else path).as_posix()}:{fixture}"]
         for i in indices:
@@ -270,3 +270,13 @@ def process_writer(monkeypatch: pytest.MonkeyPatch) -> None:
     from iobundle.capture import _stream
 
     monkeypatch.setattr(_stream, "WRITER", "process")
+
+
+@pytest.fixture(params=["read-whole", "mapped"])
+def tensor_file_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test through both ways of opening a tensor file: small files read whole, large ones mapped."""
+    from iobundle.calls import _tensorfile_read as _tensorfile
+
+    if request.param == "mapped":
+        monkeypatch.setattr(_tensorfile, "READ_WHOLE_BYTES", -1)
+    return str(request.param)

@@ -75,13 +75,14 @@ def _signature(page: str, anchor: str) -> str:
     ],
 )
 def test_api_pages_show_the_tolerance_keywords(site, page, anchor):
-    """tools/docs_griffe.py: a function decorated with tolerance_options shows the keywords it takes, and lists them."""
+    """The tolerance keywords are parameters of the functions that take them: the pages show them."""
     text = (site / "api" / page / "index.html").read_text("utf-8")
     signature = _signature(text, anchor)
     for keyword in ("atol: float = 0.0001", "rtol: float = 0.1", "output_atol", "tolerances: Tolerances | None = None"):
         assert keyword in signature, (anchor, signature)
-    section = text.split(f'id="{anchor}"', 1)[1].split("doc-signature", 2)[:2][-1]
-    assert "Other Parameters" in section and "The absolute tolerance of every output" in section
+    if anchor == "iobundle.replay.check_discrepancies":
+        section = text.split(f'id="{anchor}"', 1)[1].split("doc-signature", 2)[:2][-1]
+        assert "The absolute tolerance of every output" in section
 
 
 def test_cli_reference_is_current():

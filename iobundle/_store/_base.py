@@ -10,11 +10,12 @@ compare with the manifest's before reading a byte. Writers use :meth:`Store.writ
 
 from __future__ import annotations
 
+import io
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING
 
 from iobundle._paths import DIR, FILE
 from iobundle._store._names import MANIFEST_FILENAME, MAX_MANIFEST_BYTES, MEMBER_NAME_RULE, is_member_name
@@ -62,7 +63,7 @@ class Store(ABC):
             self.check(name)
 
     @abstractmethod
-    def open(self, name: str) -> tuple[BinaryIO, int]:
+    def open(self, name: str) -> tuple[io.RawIOBase | io.BufferedIOBase, int]:
         """The member ``name`` opened for reading at its first byte, and its size (every check made)."""
 
     def map(self, name: str, size: int) -> torch.Tensor | None:

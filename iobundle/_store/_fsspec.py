@@ -8,7 +8,8 @@ object whole).
 
 from __future__ import annotations
 
-from typing import Any, BinaryIO
+import io
+from typing import Any
 
 from iobundle._paths import DIR, FILE, LINK, OTHER, link_message
 from iobundle._store._base import Store, check_member_name
@@ -78,6 +79,8 @@ def reported_link(info: object) -> bool:
 class FsspecStore(Store):
     """The bundle directory at ``url`` (or at ``inner`` of the filesystem ``fs``); see :func:`open_filesystem`."""
 
+    path: str
+
     def __init__(self, url: str, *, fs: Any = None, inner: str | None = None) -> None:
         self.path = url
         self.fs: Any
@@ -114,9 +117,9 @@ class FsspecStore(Store):
             raise TensorFileError(f"{name}: cannot be read from '{self.path}' ({exc}).") from exc
         if reported_link(info):
             raise UnsafeBundleError(f"{name}: {link_message(self.describe(name))}")
-        return info  # type: ignore[no-any-return]
+        return info
 
-    def open(self, name: str) -> tuple[BinaryIO, int]:
+    def open(self, name: str) -> tuple[io.RawIOBase | io.BufferedIOBase, int]:
         info = self._info(name)
         if info is None:
             raise TensorFileError(f"{name}: missing from the bundle '{self.path}'.")

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import stat
 import threading
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING
 
 from iobundle._lazy import lazy_module
 from iobundle._paths import CLOEXEC, CREATE, LINK, NOFOLLOW, Tree, link_message
@@ -62,6 +63,8 @@ class LocalStore(Store):
         path: The directory (links above it and at it are the user's choice; nothing below it is followed).
         error: What a link (or a component that is not a folder) raises.
     """
+
+    path: Path
 
     def __init__(self, path: str | os.PathLike[str], *, error: type[IobundleError] = UnsafeBundleError) -> None:
         self.path = Path(path)
@@ -114,7 +117,7 @@ class LocalStore(Store):
             finally:
                 tree.close()
 
-    def open(self, name: str) -> tuple[BinaryIO, int]:
+    def open(self, name: str) -> tuple[io.RawIOBase | io.BufferedIOBase, int]:
         fd, size = open_regular(self.file(name), name)
         return os.fdopen(fd, "rb", buffering=0), size
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-from typing import BinaryIO
 
 from iobundle._store._base import Store, check_member_name, folder_listing
 from iobundle.errors import TensorFileError, UnsafeBundleError
@@ -21,7 +20,7 @@ class MemoryStore(Store):
     def _folder(self, name: str) -> bool:
         return any(n.startswith(f"{name}/") for n in self.files)
 
-    def open(self, name: str) -> tuple[BinaryIO, int]:
+    def open(self, name: str) -> tuple[io.RawIOBase | io.BufferedIOBase, int]:
         check_member_name(name)
         data = self.files.get(name)
         if data is None:

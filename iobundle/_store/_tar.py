@@ -26,7 +26,7 @@ import tarfile
 import threading
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 from iobundle._lazy import lazy_module
 from iobundle._locations import local_path
@@ -69,7 +69,7 @@ _KINDS = {
 class _Slice(io.RawIOBase):
     """``size`` bytes of ``f`` from ``offset`` on, as a file that ends there."""
 
-    def __init__(self, f: BinaryIO, offset: int, size: int) -> None:
+    def __init__(self, f: io.RawIOBase | io.BufferedIOBase, offset: int, size: int) -> None:
         super().__init__()
         self._f = f
         self._left = size
@@ -83,7 +83,7 @@ class _Slice(io.RawIOBase):
         n = min(len(view), self._left)
         if n <= 0:
             return 0
-        got = self._f.readinto(view[:n])  # type: ignore[attr-defined]
+        got = self._f.readinto(view[:n])
         got = got or 0
         self._left -= got
         return got
@@ -104,7 +104,7 @@ class TarStore(Store):
         path: Path | str,
         members: dict[str, tuple[int, int]],
         size: int,
-        opener: Callable[[], BinaryIO],
+        opener: Callable[[], io.RawIOBase | io.BufferedIOBase],
         local: Path | None,
     ) -> None:
         self.path = path
@@ -125,7 +125,7 @@ class TarStore(Store):
             raise TensorFileError(f"{name}: missing from the packed bundle '{self.path}'.")
         return span
 
-    def open(self, name: str) -> tuple[BinaryIO, int]:
+    def open(self, name: str) -> tuple[io.RawIOBase | io.BufferedIOBase, int]:
         offset, size = self._span(name)
         return self.open_slice(offset, size, name), size
 
@@ -139,7 +139,7 @@ class TarStore(Store):
     def list(self, folder: str = "") -> dict[str, str]:
         return folder_listing(self.members, folder)
 
-    def open_slice(self, offset: int, size: int, name: str) -> BinaryIO:
+    def open_slice(self, offset: int, size: int, name: str) -> io.RawIOBase | io.BufferedIOBase:
         """``size`` bytes of the archive from ``offset`` on, as a file that ends there."""
         try:
             f = self._opener()
@@ -147,7 +147,7 @@ class TarStore(Store):
             raise
         except Exception as exc:
             raise TensorFileError(f"{name}: cannot open the packed bundle '{self.path}' ({exc}).") from exc
-        return io.BufferedReader(_Slice(f, offset, size), buffer_size=_COPY)  # type: ignore[return-value]
+        return io.BufferedReader(_Slice(f, offset, size), buffer_size=_COPY)
 
     def mapping(self) -> torch.Tensor | None:
         """One read-only (copy-on-write) mapping of the whole archive, made on first use; None for a remote one."""
@@ -176,7 +176,7 @@ def _kind(info: tarfile.TarInfo) -> str | None:
     return f"an entry of type {info.type!r}"
 
 
-def read_index(f: BinaryIO, size: int, where: str) -> dict[str, tuple[int, int]]:
+def read_index(f: io.RawIOBase | io.BufferedIOBase, size: int, where: str) -> dict[str, tuple[int, int]]:
     """Read and check the index of the tar archive ``f`` of ``size`` bytes: member name -> ``(offset, size)``.
 
     Raises:
@@ -214,7 +214,7 @@ def read_index(f: BinaryIO, size: int, where: str) -> dict[str, tuple[int, int]]
                     f"{where}: more than {MAX_ARCHIVE_MEMBERS} entries (MAX_ARCHIVE_MEMBERS). "
                     "The file is corrupt or hostile."
                 )
-            tar.members.clear()  # the index below is all we keep
+            tar.members.clear()  # type: ignore[attr-defined]  # (not in typeshed) the index below is all we keep
             name = info.name
             if name.startswith("./"):  # `tar cf x.tar -C run.iobundle .` names members ./manifest.json
                 name = name[2:]
@@ -275,7 +275,7 @@ def open_archive(location: str | os.PathLike[str]) -> TarStore:
         ArchiveError: The archive is invalid or hostile (see the module docstring).
     """
     local = local_path(location)
-    opener: Callable[[], BinaryIO]
+    opener: Callable[[], io.RawIOBase | io.BufferedIOBase]
     if local is not None:
         try:
             fd, size = open_regular(local, str(local), link_ok=True)
@@ -284,7 +284,7 @@ def open_archive(location: str | os.PathLike[str]) -> TarStore:
         os.close(fd)
         where = str(local)
 
-        def opener() -> BinaryIO:
+        def opener() -> io.RawIOBase | io.BufferedIOBase:
             fd, _ = open_regular(local, str(local), link_ok=True)
             return os.fdopen(fd, "rb", buffering=0)
 
@@ -298,8 +298,8 @@ def open_archive(location: str | os.PathLike[str]) -> TarStore:
             raise BundleNotFoundError(f"'{url}' does not exist.") from exc
         where = url
 
-        def opener() -> BinaryIO:
-            return fs.open(inner, "rb")  # type: ignore[no-any-return]
+        def opener() -> io.RawIOBase | io.BufferedIOBase:
+            return fs.open(inner, "rb")
 
         path = url
     try:

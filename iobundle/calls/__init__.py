@@ -62,7 +62,6 @@ __all__ = [
     "path_matches",
     "tensor_paths",
     "call_paths",
-    "escape_key",
     # Delta storage and hashes
     "DeltaIndex",
     "extends_bytes",
@@ -80,7 +79,6 @@ __all__ = [
     "read_exactly",
     "SegmentWriter",
     "seal_segment",
-    "segment_header",
     "segment_header_entry",
     "tensor_bytes",
     "tensor_span",
@@ -121,7 +119,7 @@ from iobundle.calls._layouts import (
     cache_child_labels,
     dynamic_cache_parts,
 )
-from iobundle.calls._paths import call_paths, child_path, escape_key, item_labels, path_matches, tensor_paths
+from iobundle.calls._paths import call_paths, child_path, item_labels, path_matches, tensor_paths
 from iobundle.calls._record import record_inputs
 from iobundle.calls._registry import (
     NodeType,
@@ -129,7 +127,7 @@ from iobundle.calls._registry import (
     register_node_type,
     register_provider,
 )
-from iobundle.calls._segments import SegmentWriter, seal_segment, segment_header, segment_header_entry
+from iobundle.calls._segments import SegmentWriter, seal_segment, segment_header_entry
 from iobundle.calls._staging import Packed, PinnedStager
 from iobundle.calls._tensorfile_read import (
     BundleTensorStore,
@@ -169,12 +167,12 @@ def restore_token_counts(arguments: dict[str, Any]) -> int:
     A bundle cannot carry a sliding layer's count of tokens seen (a Python int); a rebuilt
     layer counts its cached keys only, which is too few once the window is full. The count is
     taken from the call's 2-D attention mask (its length minus the new tokens); see
-    ``iobundle.calls._transformers``. Returns how many layers were given one; nothing is
+    ``iobundle.calls._caches``. Returns how many layers were given one; nothing is
     imported unless transformers' caches are loaded already (so none can be among the values).
     """
     if "transformers.cache_utils" not in sys.modules:
         return 0
-    from iobundle.calls._transformers import restore_token_counts as restore
+    from iobundle.calls._caches import restore_token_counts as restore
 
     return restore(arguments)
 
@@ -192,6 +190,6 @@ def transformers_pytree_nodes() -> AbstractContextManager[None]:
         ...     ep = torch.export.export(model, (), kwargs=bundle.infer_arguments(),
         ...                              dynamic_shapes=bundle.infer_dynamic_shapes())
     """
-    from iobundle.calls._transformers import torch_pytree_nodes as nodes
+    from iobundle.calls._torch_pytree import torch_pytree_nodes as nodes
 
     return nodes()

@@ -67,9 +67,8 @@ def signature_entry(method: Callable[..., Any], method_name: str) -> SignatureEn
     for p in sig.parameters.values():
         has_default = p.default is not inspect.Parameter.empty
         ok, default = _json_default(p.default) if has_default else (False, None)
-        parameters.append(
-            ParameterEntry(name=p.name, kind=p.kind.name, has_default=has_default and ok, default=default)
-        )
+        entry = {"name": p.name, "kind": p.kind.name, "has_default": has_default and ok, "default": default}
+        parameters.append(ParameterEntry.model_validate(entry))
     owner = getattr(method, "__self__", None)
     qualname = getattr(method, "__qualname__", method_name)
     if owner is not None:

@@ -11,13 +11,13 @@ hash detects; it is no signature: whoever hands over a bundle can rewrite its ma
 from __future__ import annotations
 
 import hashlib
-from typing import Protocol
+from typing import Final, Protocol
 
 import xxhash
 
 __all__ = ["WRITE_HASH", "Hasher", "new_hasher"]
 
-WRITE_HASH = "xxh3-128"
+WRITE_HASH: Final = "xxh3-128"
 """The algorithm the writer names in every file entry it writes."""
 
 

@@ -38,9 +38,8 @@ def item_labels(node: Node) -> list[str | None]:
     """
     if isinstance(node, DictNode):
         return [k if isinstance(k, str) else None for k in node.keys]
-    context: Any = node.context if isinstance(node, ObjectNode) else None
-    if isinstance(context, list) and len(context) == len(node.items):  # type: ignore[union-attr]
-        return [k if isinstance(k, str) else None for k in context]
+    if isinstance(node, ObjectNode) and isinstance(node.context, list) and len(node.context) == len(node.items):
+        return [k if isinstance(k, str) else None for k in node.context]
     return [None] * len(getattr(node, "items", ()))
 
 

@@ -37,8 +37,9 @@ import io
 import math
 import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 from iobundle._lazy import lazy_module
 from iobundle._store import LocalStore, Store
@@ -101,7 +102,7 @@ def _check_ranges(name: str, entry: FileEntry, chunks: Iterable[memoryview]) -> 
             j, hasher = j + 1, new_hasher(entry.algorithm)
 
 
-def _hash_file(f: BinaryIO, name: str, entry: FileEntry) -> None:
+def _hash_file(f: io.RawIOBase | io.BufferedIOBase, name: str, entry: FileEntry) -> None:
     """Check the digest of member ``name`` (a segment: each range's, over its first ``entry.size`` bytes), read from
     ``f`` in chunks.
 
@@ -248,12 +249,14 @@ def check_segment_header(name: str, head: bytes, entry: FileEntry, entries: dict
             "The file was changed or is not this bundle's."
         )
     meta = header.pop("__metadata__", None)
-    keys = {tensor: meta.get(tensor) if isinstance(meta, dict) else None for tensor in header}
-    for tensor, key in keys.items():
+    keys: dict[str, str] = {}
+    for tensor in header:
+        key = meta.get(tensor) if isinstance(meta, dict) else None
         if type(key) is not str or key not in entries:
             raise TensorFileError(
                 f"{name}: tensor {tensor!r} of the header is {_key_problem(key)}. The file disagrees with the manifest."
             )
+        keys[tensor] = key
     if len(set(keys.values())) != len(entries):
         missing = sorted(entries.keys() - set(keys.values()))
         raise TensorFileError(
@@ -333,11 +336,19 @@ def check_file_header(
     return spans, data_start, size
 
 
+@dataclass
 class _OpenFile:
+    """A tensor file of the bundle, open: where each tensor's bytes are (``spans``, from ``data_start``) in ``data``."""
+
+    name: str
+    data_start: int
+    spans: dict[str, tuple[int, int]]
+    data: torch.Tensor | None
+
     @classmethod
     def from_bytes(cls, name: str, data: bytearray | torch.Tensor, entries: dict[str, TensorInfo]) -> _OpenFile:
         """The file whose whole content is ``data`` (read by :func:`read_member`, or mapped); tensors view it."""
-        view, position = memoryview(data.numpy() if isinstance(data, torch.Tensor) else data), 0
+        view, position = data.numpy().data if isinstance(data, torch.Tensor) else memoryview(data), 0
 
         def read(n: int) -> bytes:
             nonlocal position
@@ -346,14 +357,11 @@ class _OpenFile:
 
         header, data_start = parse_header(name, len(view), read)
         size = len(view)
-        self = cls.__new__(cls)
-        self.name = name
-        self.data_start = data_start
-        self.spans = {key: _tensor_span(name, header, e, key, size - data_start) for key, e in entries.items()}
-        self.data = None
-        if any(end > begin for begin, end in self.spans.values()):
-            self.data = data if isinstance(data, torch.Tensor) else torch.frombuffer(data, dtype=torch.uint8)
-        return self
+        spans = {key: _tensor_span(name, header, e, key, size - data_start) for key, e in entries.items()}
+        if not any(end > begin for begin, end in spans.values()):
+            return cls(name, data_start, spans, None)
+        tensor = data if isinstance(data, torch.Tensor) else torch.frombuffer(data, dtype=torch.uint8)
+        return cls(name, data_start, spans, tensor)
 
     @classmethod
     def segment(cls, name: str, data: torch.Tensor | None, entries: dict[str, TensorInfo]) -> _OpenFile:
@@ -361,16 +369,11 @@ class _OpenFile:
 
         The offsets were checked against the ranges when the manifest was read (and ``data`` holds them all).
         """
-        self = cls.__new__(cls)
-        self.name = name
-        self.data_start = 0
-        itemsize = DTYPE_ITEMSIZES
-        self.spans = {}
+        spans = {}
         for key, e in entries.items():
             begin = e.offset if e.offset is not None else 0
-            self.spans[key] = (begin, begin + math.prod(e.shape) * itemsize[e.dtype])
-        self.data = data
-        return self
+            spans[key] = (begin, begin + math.prod(e.shape) * DTYPE_ITEMSIZES[e.dtype])
+        return cls(name, 0, spans, data)
 
     def tensor(self, entry: TensorInfo, key: str) -> torch.Tensor:
         begin, end = self.spans[key]

@@ -152,7 +152,7 @@ def write_tensor_file(
     """
     path = Path(path)
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    payloads = []
+    payloads: list[memoryview] = []
     names = []
     offset = 0
     # Largest items first: every tensor then starts at a multiple of its item size, with no gaps.
@@ -168,7 +168,7 @@ def write_tensor_file(
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % _ALIGN)
     digest = new_hasher(WRITE_HASH)
-    parts = [struct.pack("<Q", len(text)) + text, *payloads]
+    parts: list[bytes | memoryview] = [struct.pack("<Q", len(text)) + text, *payloads]
     if offset + len(parts[0]) < ONE_WRITE_BYTES:
         size = _write_small(path, parts, digest, durable=durable)
         if on_written is not None:

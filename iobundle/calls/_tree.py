@@ -74,9 +74,9 @@ class TensorCollector:
 
     def __init__(self, snapshot: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self._snapshot = snapshot
-        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Size, tuple[int, ...], TensorNode]] = {}
+        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, tuple[int, ...], tuple[int, ...], TensorNode]] = {}
         self.tensors: dict[str, torch.Tensor] = {}
-        self._objects: dict[int, tuple[weakref.ref[Any], ObjectNode]] = {}
+        self._objects: dict[int, tuple[Any, ...]] = {}  # id -> (ref, node, children, versions, context, discarded)
         self._counter = 0
 
     def _new_key(self) -> str:
@@ -103,11 +103,37 @@ class TensorCollector:
             ref = weakref.ref(tensor)
         except TypeError:
             return node
-        self._seen[id(tensor)] = (ref, tensor._version, tensor.shape, tensor.stride(), node)
+        # a plain tuple of ints, not a torch.Size: the collector stops tracking it (one object less per tensor)
+        self._seen[id(tensor)] = (ref, tensor._version, tuple(tensor.shape), tensor.stride(), node)
         return node
 
-    def same_object(self, value: Any, node: ObjectNode) -> ObjectNode:
-        """``node`` (the tree of ``value``, a registered class), or the equal node made for ``value`` last time.
+    def unchanged(self, value: Any, children: list[Any], context: Any) -> ObjectNode | None:
+        """The node recorded for ``value`` last time, if it still holds the same children, unchanged since.
+
+        A cache passed to the next call (the object its previous call returned, its tensors the
+        same objects with the same version counters) is then that call's node, at the cost of
+        one identity and one counter check per tensor: no node, no key, no look-up.
+        """
+        last = self._objects.get(id(value))
+        if last is None:
+            return None
+        ref, node, kids, versions, kids_context, discarded = last
+        if (
+            ref() is not value
+            or versions is None
+            or len(kids) != len(children)
+            or discarded != getattr(self.tensors, "discarded", 0)
+            or kids_context != context
+        ):
+            return None
+        for child, kid, version in zip(children, kids, versions):
+            if child is not kid or (version is not None and child._version != version):
+                return None
+        return node
+
+    def same_object(self, value: Any, node: ObjectNode, children: list[Any], context: Any) -> ObjectNode:
+        """``node`` (the tree of ``value``, a registered class, flattened to ``children`` and ``context``),
+        or the equal node made for ``value`` last time; remembered for :meth:`unchanged`.
 
         A cache passed to every call (the same object, its tensors unchanged since it was returned)
         is then one node shared by the calls that hold it, which its writers serialise once.
@@ -121,19 +147,26 @@ class TensorCollector:
             and len(last[1].items) == len(node.items)
             and all(a is b for a, b in zip(last[1].items, node.items))
         ):
-            return last[1]
+            node = last[1]
         if len(self._objects) >= 256:  # a model output is a new object every call: keep the recent ones
             self._objects.clear()
+        # only tensors and immutable leaves: a child that can change unseen (a list) is walked every time
+        stamps: list[int | None] = []
+        for child in children:
+            if isinstance(child, torch.Tensor):
+                stamps.append(child._version)
+            elif child is None or type(child) in _SCALARS:
+                stamps.append(None)
+            else:
+                break
+        versions = stamps if len(stamps) == len(children) else None
         try:
-            self._objects[id(value)] = (weakref.ref(value), node)
+            ref = weakref.ref(value)
         except TypeError:
-            pass
+            return node
+        discarded = getattr(self.tensors, "discarded", 0)
+        self._objects[id(value)] = (ref, node, list(children), versions, context, discarded)
         return node
-
-    def forget(self, keys: set[str]) -> None:
-        """Drop the stored snapshots of ``keys`` (after they were written to disk)."""
-        for key in keys:
-            self.tensors.pop(key, None)
 
 
 _NORMALISED: dict[str, Any] = {}
@@ -201,15 +234,18 @@ def _record(value: Any, collector: TensorCollector, where: Any, on_opaque: Calla
     node_type = find_node_type(value)
     if node_type is not None:
         children, context = node_type.flatten(value)
-        context = _json_normalise(context)[0]
+        last = collector.unchanged(value, children, context)
+        if last is not None:
+            return last
+        normalised = _json_normalise(context)[0]
         # built from checked parts (nodes, a JSON value): validating would walk every item again
         node = ObjectNode.model_construct(
             type=node_type.name,
             version=node_type.version,
-            context=context,
-            items=_record_children(children, context, collector, where, on_opaque),
+            context=normalised,
+            items=_record_children(children, normalised, collector, where, on_opaque),
         )
-        return collector.same_object(value, node)
+        return collector.same_object(value, node, children, context)
     pytree_node = torch_pytree.SUPPORTED_NODES.get(cls)
     if pytree_node is not None and cls not in _CONTAINER_TYPES:
         children, context = pytree_node.flatten_fn(value)

@@ -175,7 +175,7 @@ class CallRecorder:
                 f"This observer recorded {self._rc.signature.qualname} before; it cannot also record "
                 f"{sig.qualname} with another signature. Use one InputObserver per method."
             )
-        budget = {"left": store_n_calls}
+        budget: dict[str, Any] = {"left": store_n_calls}
         had_instance_attr = method_name in getattr(model, "__dict__", {})
 
         @functools.wraps(method)
@@ -189,6 +189,8 @@ class CallRecorder:
             stream = self._open_stream(target, overwrite=overwrite, durable=durable)
         self._observed_model = model
         setattr(model, method_name, recording_method)
+        entered = _EnteredModules(model) if store_n_calls else None
+        budget["entered"] = entered
         try:
             yield self
         finally:
@@ -196,8 +198,12 @@ class CallRecorder:
                 setattr(model, method_name, method)
             else:
                 delattr(model, method_name)
+            if entered is not None:
+                entered.stop()
             if stream is not None:
                 self._close_stream(stream)
+        if entered is not None and budget["left"] == store_n_calls:  # left normally, not by an exception
+            self._warn(entered.no_call_message(type(model).__name__, method_name), stacklevel=3)
 
     # -- streaming ------------------------------------------------------------------------------
 
@@ -346,13 +352,16 @@ class CallRecorder:
                 stacklevel=4,
             )
 
-    def _observe_call(self, method: Any, budget: dict[str, int], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _observe_call(self, method: Any, budget: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         rc = self._rc
         assert rc is not None
         with self._lock:
             record = budget["left"] > 0
             if record:
                 budget["left"] -= 1
+                if budget["entered"] is not None:  # the block records: which modules run no longer matters
+                    budget["entered"].stop()
+                    budget["entered"] = None
                 call, problem = self._record_inputs(rc, args, kwargs)
         if not record:
             return method(*args, **kwargs)
@@ -525,14 +534,15 @@ class CallRecorder:
             from iobundle.capture._model_store import check_model, write_model
             from iobundle.schema import write_manifest
 
-            observed = getattr(self, "_observed_model", None)
+            observed: torch.nn.Module | None = getattr(self, "_observed_model", None)
             model = observed if include_model is True else include_model
             inside = None if model is observed else observed
-            check_model(model, inside)
+            check_model(model, inside)  # refuses None (nothing observed) and anything not a transformers model
         existed = os.path.lexists(target)
         manifest = save_recorded_calls(rc, path, overwrite=overwrite)
         if include_model is not False:
             try:
+                assert model is not None
                 entry = write_model(path, model, inside)
                 manifest = manifest.model_copy(update={"model": entry})
                 write_manifest(path, manifest)
@@ -560,6 +570,54 @@ class CallRecorder:
             manifest = self.save(local, include_model=include_model)
         logger.info("uploaded %d calls to %s", len(manifest.calls), url)
         return manifest
+
+
+class _EnteredModules:
+    """The first modules whose ``forward`` runs while a block has recorded nothing: where its calls went.
+
+    A wrapper (a PEFT adapter, a pipeline) often calls the model it wraps directly, so the
+    observed method never runs. A global forward pre-hook notes the first few modules entered,
+    until the block records its first call (one Python call per module call until then).
+    """
+
+    _KEEP = 64
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self._first: list[weakref.ref[torch.nn.Module]] = []
+        self._seen: set[int] = set()
+        self._handle: Any = None
+        if isinstance(model, torch.nn.Module):
+            self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._entered)
+
+    def _entered(self, module: torch.nn.Module, args: Any) -> None:
+        if id(module) not in self._seen and len(self._first) < self._KEEP:
+            self._seen.add(id(module))
+            self._first.append(weakref.ref(module))
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def no_call_message(self, class_name: str, method_name: str) -> str:
+        """The warning for a block that recorded no call, naming the module of ``model`` that ran instead."""
+        message = f"iobundle recorded no call of {class_name}.{method_name} in this `with` block: "
+        if isinstance(self._model, torch.nn.Module):
+            names = {id(m): name for name, m in self._model.named_modules()}
+            for ref in self._first:
+                module = ref()
+                if module is not None and module is not self._model and id(module) in names:
+                    path = names[id(module)]
+                    return message + (
+                        f"the block ran {type(module).__name__}.forward (model.{path}) instead, as a wrapper (a PEFT "
+                        f"adapter, a pipeline) does when it calls the model it wraps. Observe that module: "
+                        f"`with observer(model.{path}):`."
+                    )
+        return message + (
+            "nothing called it. Call the model inside the block, or pass method_name= the method that runs "
+            "(for generate(), observe 'forward' of the module generate() calls)."
+        )
 
 
 def _foreign_attention_message(attention: str) -> str:

@@ -242,9 +242,7 @@ class _FileReader:
         nbytes = out.numel() * out.element_size()
         if nbytes:
             f.seek(offset)
-            read_exactly(
-                f, nbytes, str(where.path), into=memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
-            )
+            read_exactly(f, nbytes, str(where.path), into=out.reshape(-1).view(torch.uint8).numpy().data.cast("B"))
         return out
 
     def _read_tensor(self, f: Any, where: _OnDisk, header: dict[str, Any], data_start: int) -> torch.Tensor:
@@ -262,7 +260,7 @@ class _FileReader:
         out = torch.empty(shape, dtype=where.dtype)
         if end > begin:
             f.seek(data_start + begin)
-            read_exactly(f, end - begin, name, into=memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B"))
+            read_exactly(f, end - begin, name, into=out.reshape(-1).view(torch.uint8).numpy().data.cast("B"))
         return out
 
 
@@ -280,7 +278,8 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
     def __init__(self) -> None:
         self._memory: dict[str, torch.Tensor] = {}
         self._pending: dict[str, _Pending] = {}
-        self._disk: dict[str, _OnDisk] = {}
+        self._disk: dict[str, _OnDisk | tuple[Any, ...]] = {}  # a row until first read (see written)
+        self._roots: dict[Path, int] = {}  # the bundles written to, numbered
         self._lent: set[str] = set()
         self._lock = threading.Condition()
         self._reader = _FileReader()
@@ -298,6 +297,8 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         set while the outputs of a call are recorded for a writer process, which copies them into
         shared memory before the call returns (the model cannot have changed them yet)."""
         self._referenced: dict[str, int] = {}  # key -> the version counter of the tensor referenced
+        self.discarded = 0
+        """How many times keys left the table (a recorder's memo of unchanged objects is void after one)."""
 
     def take_copied(self) -> tuple[int, bool]:
         """``(copied_bytes, copied_off_cpu)`` since the last call of this method; resets both."""
@@ -372,6 +373,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
 
     def __delitem__(self, key: str) -> None:
         with self._lock:
+            self.discarded += 1
             tensor = self._memory.pop(key, None)
             found = tensor is not None
             found = self._pending.pop(key, None) is not None or found
@@ -392,8 +394,9 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         with self._lock:
             return len(self._memory.keys() | self._pending.keys() | self._disk.keys())
 
-    def pop(self, key: str, *default: Any) -> Any:  # type: ignore[override]
+    def pop(self, key: str, *default: Any) -> Any:
         with self._lock:
+            self.discarded += 1
             value = self._memory.pop(key, None)
             pending = self._pending.pop(key, None)
             on_disk = self._disk.pop(key, None)
@@ -416,7 +419,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
 
     def _meta(self, key: str) -> _OnDisk | _Pending:
         with self._lock:
-            meta = self._pending.get(key) or self._disk.get(key)
+            meta = self._pending.get(key) or self._on_disk(key)
         if meta is None:
             raise KeyError(key)
         return meta
@@ -429,7 +432,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         tensor = self._memory.get(key)
         return tensor.dtype if tensor is not None else self._meta(key).dtype
 
-    def get(self, key: str, *default: Any) -> Any:  # type: ignore[override]
+    def get(self, key: str, *default: Any) -> Any:
         """The tensor of ``key``: the snapshot itself while in memory, else a copy read from its file."""
         with self._lock:
             while key in self._pending or self._changed(key):  # its file is being written: wait for it
@@ -438,7 +441,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
             if tensor is not None:
                 self._lent.add(key)  # handed out: its buffer is never recycled
                 return tensor.detach() if key in self._referenced else tensor
-            where = self._disk.get(key)
+            where = self._on_disk(key)
         if where is None:
             if default:
                 return default[0]
@@ -464,7 +467,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
             with self._lock:
                 while base in self._pending:
                     self._lock.wait()
-                found = self._disk.get(base)
+                found = self._on_disk(base)
                 memory = self._memory.get(base) if found is None else None
             if found is None:
                 if memory is None:
@@ -537,42 +540,63 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         ``root`` is the bundle's directory and ``sizes`` the size of each file the rows name (a
         segment's once their bytes were written). A row that extends another tensor holds the part
         past that tensor's, which this table knows (written before, or earlier in ``rows``).
+        Where each went is worked out when it is first read back (:meth:`_on_disk`): a decode step's
+        answer costs two dictionary operations per tensor on the thread that settles it.
         """
         pool = self.pool
-        paths = {file: root / file for file in sizes}
+        memory, pending, disk, referenced, lent = self._memory, self._pending, self._disk, self._referenced, self._lent
         recycle = []
+        meta: _Pending | torch.Tensor | None
         with self._lock:
-            for key, file, name, _, shape, _, ext, offset in rows:
-                pending = self._pending.pop(key, None)
-                tensor = self._memory.pop(key, None) if pending is None else None
-                meta = pending if pending is not None else tensor
-                if meta is None:
+            root_index = self._roots.setdefault(
+                root, len(self._roots)
+            )  # an int in the entry: the collector untracks it
+            for row in rows:
+                key = row[0]
+                meta = pending.pop(key, None)
+                tensor = memory.pop(key, None) if meta is None else None
+                if tensor is not None:
+                    meta = tensor
+                elif meta is None:
                     continue
-                stored = None
-                if ext is not None:
-                    base = self._disk.get(ext[0]) or self._pending.get(ext[0]) or self._memory.get(ext[0])
-                    if base is not None:
-                        stored = list(shape)
-                        stored[ext[1]] -= base.shape[ext[1]]
-                        stored = tuple(stored)
-                self._disk[key] = _OnDisk(
-                    paths[file], name, meta.dtype, tuple(shape), str(meta.device), sizes[file], ext, stored, offset
-                )
-                lent = key in self._lent or key in self.retained or self._referenced.pop(key, None) is not None
-                self._lent.discard(key)
+                disk[key] = (row, root_index, sizes[row[1]], meta.dtype, meta.device)
+                if referenced.pop(key, None) is not None:
+                    lent.discard(key)
+                    continue  # the model's own tensor: nothing of the pool's to give back
                 if tensor is not None and pool is not None:
-                    recycle.append((tensor, lent))
+                    recycle.append((tensor, key in lent or key in self.retained))
+                lent.discard(key)
             self._lock.notify_all()
-        for tensor, lent in recycle:
-            if not lent and _poolable(tensor):
-                _give_back(pool, tensor)
+        for tensor, kept in recycle:
+            if not kept and _poolable(tensor):
+                _give_back(pool, tensor)  # type: ignore[arg-type]  # recycle is filled only with a pool
             else:
                 self._drop(tensor)
+
+    def _on_disk(self, key: str) -> _OnDisk | None:
+        """Where ``key`` went (None if not written), under the lock: made from its row on first use."""
+        where = self._disk.get(key)
+        if where is None or type(where) is _OnDisk:
+            return where
+        (_, file, name, _, shape, _, ext, offset), root_index, size, dtype, device = where
+        root = next(path for path, i in self._roots.items() if i == root_index)
+        stored: Any = None  # a list, then the tuple _OnDisk holds
+        if ext is not None:
+            base: Any = self._disk.get(ext[0]) or self._pending.get(ext[0]) or self._memory.get(ext[0])
+            if base is not None:
+                base_shape = base[0][4] if type(base) is tuple else base.shape
+                stored = list(shape)
+                stored[ext[1]] -= base_shape[ext[1]]
+                stored = tuple(stored)
+        where = _OnDisk(root / file, name, dtype, tuple(shape), str(device), size, ext, stored, offset)
+        self._disk[key] = where
+        return where
 
     def discard(self, keys: Iterable[str]) -> None:
         """Drop the in-memory snapshots of ``keys`` (they could not be written)."""
         dropped = []
         with self._lock:
+            self.discarded += 1
             for key in keys:
                 tensor = self._memory.pop(key, None)
                 if tensor is not None:
@@ -594,4 +618,4 @@ def _give_back(pool: BufferPool, tensor: torch.Tensor) -> None:
     """Return the whole buffer ``tensor`` views to ``pool``."""
     storage = tensor.untyped_storage()
     del tensor
-    pool.give(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),)))
+    pool.give(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,)))

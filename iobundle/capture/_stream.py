@@ -370,7 +370,7 @@ class CallStream:
             return entry
         if rows:
             files = writer.files
-            table.written(rows, writer.path, {row[1]: files[row[1]].size for row in rows})
+            table.written(rows, writer.path, {file: files[file].size for file in {row[1] for row in rows}})
         return call
 
     def _settled(self, entry: CallEntry, journal_error: str | None) -> None:

@@ -1,8 +1,10 @@
-"""The comparing commands' shared pieces: tolerance flags, progress bars, reports; and ``diff`` and ``run``.
+"""The commands' shared pieces: flag helpers, tolerance flags, progress bars, reports; and ``diff`` and ``run``.
 
-``validate`` (in :mod:`iobundle.cli._main`), ``run`` and ``diff`` take the same comparison flags
-(``--atol [NAME=]VALUE``, ``--rtol [NAME=]VALUE``, ``--check-error-stat``, ``--error-quantile``)
-and write the same reports (``--report FILE``: .md, .html, .json or .csv).
+Every subcommand declares its flags with the helpers here (:func:`add_switch`, :func:`add_output`,
+:func:`add_list_flag`, ...) and runs its long step under :func:`with_progress`. ``validate`` (in
+:mod:`iobundle.cli._main`), ``run`` and ``diff`` take the same comparison flags (``--atol [NAME=]VALUE``,
+``--rtol [NAME=]VALUE``, ``--check-error-stat``, ``--error-quantile``) and write the same reports
+(``--report FILE``: .md, .html, .json or .csv).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import argparse
 import logging
 import shlex
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from iobundle.cli import _render
 from iobundle.cli._progress_bar import ProgressBars
@@ -21,9 +23,15 @@ if TYPE_CHECKING:
     from iobundle.replay import Bundle, Tolerances, ValidationReport
 
 __all__ = [
+    "AddCommand",
     "EXAMPLES",
+    "BUNDLE",
     "add_comparison_flags",
+    "add_list_flag",
     "add_model_source",
+    "add_output",
+    "add_switch",
+    "add_tolerance_flags",
     "comparison_options",
     "export_tolerances",
     "register",
@@ -32,9 +40,14 @@ __all__ = [
     "progress_bars",
     "quiet",
     "tolerances",
+    "with_progress",
 ]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+BUNDLE = "the bundle (a directory, a packed file or a URL)"  # the help of most commands' BUNDLE
 
 # Copies of iobundle.replay's values, so that --help loads no torch; tests/cli/test_diff_run.py keeps them equal.
 ERROR_STATS = ("max", "mean", "median", "quantile")
@@ -89,30 +102,38 @@ def add_model_source(p: argparse.ArgumentParser) -> None:
     """``--model MODULE:FACTORY | --from-bundle``, one of them required (export and run)."""
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", metavar="MODULE:FACTORY", help="a callable returning the model (your code)")
-    source.add_argument(
+    add_switch(
+        source,
         "--from-bundle",
-        action="store_true",
-        help="rebuild the model stored in the bundle (saved with include_model=True; transformers classes only)",
+        "rebuild the model stored in the bundle (saved with include_model=True; transformers classes only)",
     )
 
 
-def add_comparison_flags(parser: argparse.ArgumentParser, *, report: bool = True) -> None:
+def add_switch(parser: Any, flag: str, help: str) -> None:
+    """A flag that is off unless given (``--overwrite``, ``--no-verify``, ...)."""
+    parser.add_argument(flag, action="store_true", help=help)
+
+
+def add_output(parser: Any, metavar: str, help: str) -> None:
+    """``-o/--output METAVAR``, required."""
+    parser.add_argument("-o", "--output", metavar=metavar, required=True, help=help)
+
+
+def add_list_flag(parser: Any, flag: str, metavar: str, help: str) -> None:
+    """A flag given any number of times; its values in a list (``[]`` when it is not given)."""
+    parser.add_argument(flag, action="append", default=[], metavar=metavar, help=help)
+
+
+def add_tolerance_flags(parser: Any, *, prefix: str = "") -> None:
+    """``--atol`` and ``--rtol``, each ``[NAME=]VALUE`` repeated (``prefix`` starts their help)."""
+    for flag, what in (("--atol", "absolute"), ("--rtol", "relative")):
+        add_list_flag(parser, flag, "[NAME=]VALUE", prefix + tolerance_help(what))
+
+
+def add_comparison_flags(parser: argparse.ArgumentParser) -> None:
     """``--atol``, ``--rtol``, ``--check-error-stat``, ``--error-quantile`` and ``--report``."""
     group = parser.add_argument_group("comparison")
-    group.add_argument(
-        "--atol",
-        action="append",
-        metavar="[NAME=]VALUE",
-        default=None,
-        help=tolerance_help("absolute"),
-    )
-    group.add_argument(
-        "--rtol",
-        action="append",
-        metavar="[NAME=]VALUE",
-        default=None,
-        help=tolerance_help("relative"),
-    )
+    add_tolerance_flags(group)
     group.add_argument(
         "--check-error-stat",
         choices=ERROR_STATS,
@@ -128,14 +149,10 @@ def add_comparison_flags(parser: argparse.ArgumentParser, *, report: bool = True
         metavar="Q",
         help="the quantile of --check-error-stat quantile, also shown in reports (default: %(default)s)",
     )
-    if report:
-        group.add_argument(
-            "--report",
-            action="append",
-            default=[],
-            metavar="FILE",
-            help="also write a report: .md (for an issue), .html (charts), .json or .csv; repeat for several files",
-        )
+    add_list_flag(
+        group, "--report", "FILE",
+        "also write a report: .md (for an issue), .html (charts), .json or .csv; repeat for several files",
+    )  # fmt: skip
 
 
 def tolerances(values: list[str] | None, flag: str, default: float) -> tuple[float, dict[str, float]]:
@@ -198,6 +215,12 @@ def progress_bars(args: argparse.Namespace, *, stages: bool = False) -> Progress
     return ProgressBars(enabled=not quiet(args), stages=stages and not quiet(args))
 
 
+def with_progress(args: argparse.Namespace, work: Callable[..., T], *positional: Any, **keywords: Any) -> T:
+    """``work(*positional, on_progress=bars, **keywords)`` with :func:`progress_bars`."""
+    with progress_bars(args) as bars:
+        return work(*positional, on_progress=bars, **keywords)
+
+
 def quiet(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "log_level", logging.WARNING) > logging.WARNING)
 
@@ -232,8 +255,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
     options = comparison_options(args)
     a, b = load_bundle(args.a), load_bundle(args.b)
-    with progress_bars(args) as bars:
-        result = diff_bundles(a, b, on_progress=bars, tolerances=options)
+    result = with_progress(args, diff_bundles, a, b, tolerances=options)
     if result.differences and not quiet(args):
         for line in result.differences:
             _render.out(_render.plain(f"bundles differ: {line}"))
@@ -255,35 +277,30 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 f"--device {args.device}: cannot move the model there ({type(exc).__name__}: {exc})."
             ) from exc
     model.eval()
-    with progress_bars(args) as bars:
-        result = bundle.rerun(model, device=args.device, on_progress=bars, tolerances=options)
+    result = with_progress(args, bundle.rerun, model, device=args.device, tolerances=options)
     return finish_comparison(args, result, [bundle])
 
 
 AddCommand = Callable[..., argparse.ArgumentParser]
+"""``_main._add_command``: ``(subparsers, name, handler, summary=, description=, bundle=)`` -> the parser."""
 
 
 def register(subparsers: Any, add_command: AddCommand) -> None:
-    """Add ``diff`` and ``run`` to the ``iobundle`` parser (``add_command`` is ``_main._add_command``)."""
+    """Add ``diff`` and ``run`` to the ``iobundle`` parser."""
     p = add_command(
-        subparsers,
-        "diff",
+        subparsers, "diff", _cmd_diff,
         summary="compare two bundles call by call: structure, shapes, dtypes, values within tolerances",
         description="Compare bundle B with bundle A (the reference), call by call.",
-    )
+    )  # fmt: skip
     p.add_argument("a", metavar="A", help="the reference bundle")
     p.add_argument("b", metavar="B", help="the bundle compared with it")
     add_comparison_flags(p)
-    p.set_defaults(handler=_cmd_diff)
 
     p = add_command(
-        subparsers,
-        "run",
+        subparsers, "run", _cmd_run, bundle=BUNDLE,
         summary="re-run the eager model on the recorded inputs and compare with the recorded outputs",
         description="Call the model again on every recorded call's inputs and compare with the recorded outputs.",
-    )
-    p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
+    )  # fmt: skip
     add_model_source(p)
     p.add_argument("--device", metavar="DEVICE", help="run on this torch device (cpu, cuda, cuda:1, ...)")
     add_comparison_flags(p)
-    p.set_defaults(handler=_cmd_run)

@@ -8,6 +8,8 @@ error's code and hint are those of the first class of its MRO found in :data:`EX
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from iobundle.errors import (
     AlignmentError,
     ArchiveError,
@@ -76,6 +78,8 @@ EXIT_CODES: dict[type[IobundleError], int] = {
 }
 """Anything not found here (alignment, dynamic shapes, other replay errors) is :data:`EXIT_FAILED`."""
 
+_V = TypeVar("_V")
+
 HINTS: dict[type[IobundleError], str] = {
     CLIError: "see 'iobundle {command} --help'",
     BundleNotFoundError: "check the path: give the directory written by observer.save(), a file written by "
@@ -109,7 +113,7 @@ OVERWRITE_REFUSED = (
 )
 
 
-def _lookup(table: dict[type[IobundleError], object], exc: IobundleError) -> object:
+def _lookup(table: dict[type[IobundleError], _V], exc: IobundleError) -> _V | None:
     for cls in type(exc).__mro__:
         if cls in table:
             return table[cls]
@@ -118,8 +122,8 @@ def _lookup(table: dict[type[IobundleError], object], exc: IobundleError) -> obj
 
 def exit_code_for(exc: IobundleError) -> int:
     """The exit code for an error (see :data:`EXIT_CODES`; :data:`EXIT_FAILED` for anything else)."""
-    code = _lookup(EXIT_CODES, exc)  # type: ignore[arg-type]
-    return EXIT_FAILED if code is None else int(code)  # type: ignore[call-overload]
+    code = _lookup(EXIT_CODES, exc)
+    return EXIT_FAILED if code is None else code
 
 
 def hint_for(exc: IobundleError, command: str, *, overwrite: bool = False) -> str:
@@ -129,7 +133,7 @@ def hint_for(exc: IobundleError, command: str, *, overwrite: bool = False) -> st
     was given is one iobundle never replaces, so passing it again is not the hint.
     """
     hint = exc.hint or (OVERWRITE_REFUSED if overwrite and isinstance(exc, BundleExistsError) else None)
-    hint = hint or _lookup(HINTS, exc)  # type: ignore[arg-type]
+    hint = hint or _lookup(HINTS, exc)
     debug = f"{DEBUG_ENV}=1 shows the full traceback"
     if hint is None:
         return f"set {debug.replace(' shows', ' to see')}"

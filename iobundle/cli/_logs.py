@@ -35,7 +35,7 @@ class _CLILogHandler(logging.StreamHandler):  # type: ignore[type-arg]
         super().__init__()
         self.setFormatter(PlainLogFormatter("%(levelname)s %(name)s: %(message)s"))
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> Any:
         return sys.stderr
 

@@ -4,8 +4,8 @@ Each handler parses, calls the public API, and hands the result to :mod:`iobundl
 (the only module that writes to the terminal). Handlers import the library inside their body,
 so ``import iobundle.cli`` and ``iobundle --help`` never load torch.
 
-To add a subcommand: write ``_cmd_<name>(args) -> int``, and in :func:`_build_parser` an
-``add_parser`` block with its arguments, an ``_EXAMPLES`` entry and ``set_defaults(handler=...)``.
+To add a subcommand: write ``_cmd_<name>(args) -> int``, an ``_EXAMPLES`` entry, and in
+:func:`_build_parser` an ``_add_command`` block (the handler, the help of its BUNDLE) with its arguments.
 Raise :class:`~iobundle.errors.CLIError` for bad flag combinations; return :data:`EXIT_CHECK_FAILED`
 when a check the user asked for fails.
 
@@ -20,11 +20,11 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from iobundle._collector import collector_paused
-from iobundle.cli import _checks, _programs, _render, _travel
+from iobundle.cli import _checks, _programs, _render, _render_shapes, _travel
 from iobundle.cli._exits import (
     DEBUG_ENV,
     EXIT_DAMAGED,
@@ -188,6 +188,7 @@ damaged bundle: the code every command gives it), 2 when the path does not exist
 
 
 _EXAMPLES.update(_checks.EXAMPLES)
+_EXAMPLES.update(_travel.EXAMPLES)
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -207,16 +208,26 @@ def _add_logging_flags(parser: argparse.ArgumentParser, *, top_level: bool) -> N
 
 
 def _add_command(
-    subparsers: Any, name: str, *, summary: str, description: str, epilog: str | None = None
+    subparsers: Any,
+    name: str,
+    handler: Callable[[argparse.Namespace], int],
+    *,
+    summary: str,
+    description: str,
+    bundle: str | None = None,
 ) -> argparse.ArgumentParser:
+    """The subcommand ``name`` run by ``handler``, with the logging flags and, given its help, a BUNDLE argument."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
         name,
         help=summary,
         description=description,
-        epilog=_EXAMPLES[name] if epilog is None else epilog,
+        epilog=_EXAMPLES[name],
         formatter_class=_Formatter,
     )
     _add_logging_flags(parser, top_level=False)
+    if bundle is not None:
+        parser.add_argument("bundle", metavar="BUNDLE", help=bundle)
+    parser.set_defaults(handler=handler)
     return parser
 
 
@@ -232,14 +243,12 @@ def _build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = _add_command(
-        subparsers,
-        "inspect",
+        subparsers, "inspect", _cmd_inspect, bundle=_checks.BUNDLE,
         summary="summarise a bundle: calls, input shapes, constants, latency, dynamic shapes",
         description="Print how the bundle is stored (a directory or one packed file, local or at a URL), its "
         "format_version, whether it is redacted (and what it kept), a table of the recorded calls (inputs with "
         "shape and dtype, constants, latency), the versions that produced it, and the inferred dynamic shapes.",
-    )
-    p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
+    )  # fmt: skip
     p.add_argument(
         "--calls",
         choices=("auto", "all", "runs"),
@@ -247,123 +256,94 @@ def _build_parser() -> argparse.ArgumentParser:
         help="all: one row per call; runs: one row per run of consecutive calls that differ only in tensor "
         f"sizes; auto (default): all up to {_render.MAX_CALL_ROWS} calls, runs beyond",
     )
-    p.set_defaults(handler=_cmd_inspect)
 
     p = _add_command(
-        subparsers,
-        "shapes",
+        subparsers, "shapes", _cmd_shapes, bundle=_checks.BUNDLE,
         summary="print the dynamic_shapes to give torch.export.export",
         description="Infer the dynamic_shapes argument of torch.export.export from the recorded calls. When no call "
         "passes every keyword name the others pass (a cross-attention VLM's prefill and decode calls), print the "
         "shapes of each group of calls passing the same names (export makes one program per group), each under a "
         'comment naming its calls and keywords (--json: a list under "$groups").',
-    )
-    p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
+    )  # fmt: skip
     _add_batch_flags(p)
     _programs.add_dynamic_flag(p)
-    p.add_argument(
+    _checks.add_switch(
+        p,
         "--dim-names",
-        action="store_true",
-        help="name each dynamic dimension ('batch_size', 'past_sequence_length', 'x_dim_1'); dimensions equal in "
+        "name each dynamic dimension ('batch_size', 'past_sequence_length', 'x_dim_1'); dimensions equal in "
         "every call share a name",
     )
-    p.add_argument("--json", action="store_true", help='print JSON: dims as "DYNAMIC" or their name')
-    p.set_defaults(handler=_cmd_shapes)
+    _checks.add_switch(p, "--json", 'print JSON: dims as "DYNAMIC" or their name')
 
-    p = _add_command(
-        subparsers,
-        "verify",
+    _add_command(
+        subparsers, "verify", _cmd_verify, bundle=_checks.BUNDLE,
         summary="check every tensor file's size and hash against the manifest",
         description="Check that every tensor file of the bundle is present and matches the size and hash "
         "recorded in manifest.json.",
-    )
-    p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
-    p.set_defaults(handler=_cmd_verify)
+    )  # fmt: skip
 
     p = _add_command(
-        subparsers,
-        "export",
+        subparsers, "export", _programs.cmd_export, bundle=_checks.BUNDLE,
         summary="export a model with torch.export and ONNX from a bundle, checked on every call",
         description="Export the model returned by MODULE:FACTORY with the bundle's inferred arguments and "
         "dynamic shapes, check the exported program on every recorded call, and write an ONNX file.",
-    )
-    p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
+    )  # fmt: skip
     _checks.add_model_source(p)
     p.add_argument(
         "-o", "--output", metavar="MODEL.onnx", default="model.onnx", help="the ONNX file (default: %(default)s)"
     )
-    p.add_argument("--overwrite", action="store_true", help="replace MODEL.onnx (and its program index) if it exists")
+    _checks.add_switch(p, "--overwrite", "replace MODEL.onnx (and its program index) if it exists")
     _add_batch_flags(p)
     _programs.add_dynamic_flag(p)
     _programs.add_programs_flag(p)
     _programs.add_report_flag(p)
-    p.add_argument("--no-check", action="store_true", help="write the ONNX file even if a recorded call differs")
-    p.add_argument(
+    _checks.add_switch(p, "--no-check", "write the ONNX file even if a recorded call differs")
+    _checks.add_switch(
+        p,
         "--dim-names",
-        action="store_true",
-        help="name the graph's dynamic dimensions (batch_size, past_sequence_length, ...), as shapes --dim-names prints",
+        "name the graph's dynamic dimensions (batch_size, past_sequence_length, ...), as shapes --dim-names prints",
     )
-    p.add_argument(
-        "--atol", action="append", metavar="[NAME=]VALUE",
-        help="the check's " + _checks.tolerance_help("absolute"),
-    )  # fmt: skip
-    p.add_argument(
-        "--rtol", action="append", metavar="[NAME=]VALUE",
-        help="the check's " + _checks.tolerance_help("relative"),
-    )  # fmt: skip
-    p.set_defaults(handler=_programs.cmd_export)
+    _checks.add_tolerance_flags(p, prefix="the check's ")
 
     p = _add_command(
-        subparsers,
-        "validate",
+        subparsers, "validate", _cmd_validate, bundle=_checks.BUNDLE,
         summary="run an ONNX model on every recorded call and compare with the recorded outputs",
         description="Run MODEL.onnx with onnxruntime on every recorded call of BUNDLE and compare its outputs "
         "with the recorded ones: one row per call and a verdict.",
-    )
-    p.add_argument("bundle", metavar="BUNDLE", help="the bundle (a directory, a packed file or a URL)")
+    )  # fmt: skip
     p.add_argument("model", metavar="MODEL.onnx", help="the ONNX model")
     _checks.add_comparison_flags(p)
-    p.set_defaults(handler=_cmd_validate)
 
     _checks.register(subparsers, _add_command)  # run, diff
 
     p = _add_command(
-        subparsers,
-        "demo",
+        subparsers, "demo", _cmd_demo,
         summary="capture, export and validate a tiny built-in decoder, end to end",
         description="Run the whole job on a tiny decoder that iobundle builds itself.",
-    )
+    )  # fmt: skip
     p.add_argument(
         "directory", metavar="DIR", nargs="?", default="iobundle-demo", help="where to write (default: %(default)s)"
     )
-    p.add_argument(
-        "--llama",
-        action="store_true",
-        help="use a tiny transformers LlamaForCausalLM and its generate() instead (needs transformers)",
+    _checks.add_switch(
+        p, "--llama", "use a tiny transformers LlamaForCausalLM and its generate() instead (needs transformers)"
     )
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace outputs in DIR that an earlier demo did not write (its own are replaced anyway)",
+    _checks.add_switch(
+        p, "--overwrite", "replace outputs in DIR that an earlier demo did not write (its own are replaced anyway)"
     )
-    p.set_defaults(handler=_cmd_demo)
 
     _travel.register(subparsers, _add_command)  # pack, unpack, redact, convert
     return parser
 
 
 def _add_batch_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--batch",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="make the batch axis of this input dynamic (a name or a position; repeat or separate with commas)",
-    )
-    parser.add_argument(
+    _checks.add_list_flag(
+        parser, "--batch", "NAME",
+        "make the batch axis of this input dynamic (a name or a position; repeat or separate with commas)",
+    )  # fmt: skip
+    _checks.add_switch(
+        parser,
         "--batch-all",
-        action="store_true",
-        help="make the batch axis of every input dynamic (found from the sizes; inputs without one are left alone)",
+        "make the batch axis of every input dynamic (found from the sizes; inputs without one are left alone)",
     )
 
 
@@ -428,27 +408,26 @@ def _cmd_shapes(args: argparse.Namespace) -> int:
     groups = bundle.infer_group_shapes(spec, args.dim_names, dynamic=dynamic)
     if groups:  # no call passes every keyword name: one set of shapes per group, as export makes one program each
         _render.out(
-            _render.format_group_shapes_json(groups, batch=bool(spec))
+            _render_shapes.format_group_shapes_json(groups, batch=bool(spec))
             if args.json
-            else _render.format_group_shapes(groups)
+            else _render_shapes.format_group_shapes(groups)
         )
         return EXIT_OK
     shapes = bundle.infer_dynamic_spec(set_batch_dimension_for=spec, dim_names=args.dim_names, dynamic=dynamic)
     _programs.warn_static_dims(bundle, spec, dynamic)
     batch_axes = bundle.infer_batch_axes(spec) if spec else None
     if args.json:
-        _render.out(_render.format_dynamic_shapes_json(shapes, batch_axes))
+        _render.out(_render_shapes.format_dynamic_shapes_json(shapes, batch_axes))
     else:
-        _render.out(_render.format_dynamic_shapes(shapes))
+        _render.out(_render_shapes.format_dynamic_shapes(shapes))
         if batch_axes is not None:
-            _render.out(_render.format_batch_axes(batch_axes))
+            _render.out(_render_shapes.format_batch_axes(batch_axes))
     return EXIT_OK
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     bundle = _open_bundle(args.bundle)
-    with _checks.progress_bars(args) as bars:
-        problems = [f"{args.bundle}: {p}" for p in bundle.verify(on_progress=bars)]
+    problems = [f"{args.bundle}: {p}" for p in _checks.with_progress(args, bundle.verify)]
     _render.out(_render.format_verify(bundle.manifest, problems, quiet=_checks.quiet(args)))
     return EXIT_DAMAGED if problems else EXIT_OK
 
@@ -469,8 +448,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     if str(args.model).endswith(".json") and os.path.isfile(args.model):
         _check_program_index(args.model)
     bundle = _open_bundle(args.bundle)
-    with _checks.progress_bars(args) as bars:
-        report = bundle.validate(args.model, on_progress=bars, tolerances=options)
+    report = _checks.with_progress(args, bundle.validate, args.model, tolerances=options)
     return _checks.finish_comparison(args, report, [bundle])
 
 

@@ -41,26 +41,20 @@ logger = logging.getLogger(__name__)
 
 
 def add_dynamic_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--dynamic",
-        action="append",
-        default=[],
-        metavar="NAME:AXIS",
-        help="make AXIS of every tensor of input NAME dynamic even if its size never varied "
+    _checks.add_list_flag(
+        parser, "--dynamic", "NAME:AXIS",
+        "make AXIS of every tensor of input NAME dynamic even if its size never varied "
         "(repeat; NAME:1,2 for several axes; NAME may be a position)",
-    )
+    )  # fmt: skip
 
 
 def add_report_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--report",
-        action="append",
-        default=[],
-        metavar="FILE",
-        help="also write the export report: .md (for an issue), .html (a chart), .csv (one row per call) or "
+    _checks.add_list_flag(
+        parser, "--report", "FILE",
+        "also write the export report: .md (for an issue), .html (a chart), .csv (one row per call) or "
         ".json (per program its calls, input structure, traced call, patches, timings, one check per call and "
         "the check beyond the recorded calls); repeat for several files",
-    )
+    )  # fmt: skip
 
 
 def _export_report_paths(values: list[str]) -> list[str]:
@@ -195,10 +189,6 @@ def dynamic_spec(args: argparse.Namespace, bundle: Bundle) -> dict[int | str, se
     values = getattr(args, "dynamic", None) or []
     if not values:
         return None
-    signature = bundle.manifest.signature.parameters
-    names = [p.name for p in signature]
-    positional = [p.name for p in signature if p.kind in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")]
-    recorded = {k for c in bundle.manifest.calls for k in c.kwargs}
     spec: dict[int | str, set[int]] = {}
     for value in values:
         name, sep, axes_text = value.rpartition(":")
@@ -208,26 +198,12 @@ def dynamic_spec(args: argparse.Namespace, bundle: Bundle) -> dict[int | str, se
             axes = set()
         if not sep or not name or not axes:
             raise CLIError(f"--dynamic {value}: expected NAME:AXIS (e.g. --dynamic input_ids:1 or cache:2).")
-        key: int | str = name
-        shown = name
-        if name.isdigit():
-            position = int(name)
-            if position >= len(positional):
-                raise CLIError(
-                    f"--dynamic {value}: {bundle.manifest.signature.method}() has {len(positional)} positional "
-                    f"parameters ({', '.join(positional) or 'none'}); give a position below {len(positional)} or a name."
-                )
-            key = shown = positional[position]
-        elif name not in names and name not in recorded:
-            raise CLIError(
-                f"--dynamic {value}: {name!r} is not an input of {bundle.manifest.signature.method}(). "
-                f"Inputs: {', '.join(names + sorted(recorded - set(names)))}."
-            )
+        key = str(_input_key(bundle, name, f"--dynamic {value}", f"{name!r} is "))
         rank = _max_rank(bundle, key)
         if rank is not None and any(not -rank <= a < rank for a in axes):
             bad = next(a for a in sorted(axes) if not -rank <= a < rank)
             raise CLIError(
-                f"--dynamic {value}: input {shown!r} has no axis {bad}: its tensors have at most {rank} "
+                f"--dynamic {value}: input {key!r} has no axis {bad}: its tensors have at most {rank} "
                 f"dimensions; give an axis between 0 and {rank - 1}."
             )
         spec.setdefault(key, set()).update(axes)
@@ -397,29 +373,34 @@ def batch_spec(args: argparse.Namespace, bundle: Bundle) -> set[int | str] | boo
         return True
     if not args.batch:
         return None
-    signature = bundle.manifest.signature.parameters
-    names = [p.name for p in signature]
-    positional = [p.name for p in signature if p.kind in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")]
-    has_varargs = any(p.kind == "VAR_POSITIONAL" for p in signature)
+    items = (part.strip() for value in args.batch for part in value.split(","))
+    return {_input_key(bundle, item, f"--batch {item}", "", varargs=True) for item in items if item}
+
+
+def _input_key(bundle: Bundle, name: str, flag: str, unknown: str, *, varargs: bool = False) -> int | str:
+    """The input ``name`` given to ``flag`` (its text, for messages): a recorded or declared name, or a position.
+
+    A position of a named parameter becomes its name, so that it also applies when passed by keyword; with
+    ``varargs``, a position under ``*args`` stays a position. ``unknown`` starts the message of an unknown name.
+
+    Raises:
+        CLIError: The position is past the positional parameters, or the name is no input.
+    """
+    signature = bundle.manifest.signature
+    names = [p.name for p in signature.parameters]
+    positional = [p.name for p in signature.parameters if p.kind in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")]
     recorded = {k for c in bundle.manifest.calls for k in c.kwargs}
-    spec: set[int | str] = set()
-    for item in (part.strip() for value in args.batch for part in value.split(",")):
-        if not item:
-            continue
-        if item.lstrip("-").isdigit():
-            position = int(item)
-            if position < 0 or (position >= len(positional) and not has_varargs):
-                raise CLIError(
-                    f"--batch {item}: {bundle.manifest.signature.method}() has {len(positional)} positional "
-                    f"parameters ({', '.join(positional) or 'none'}); give a position below {len(positional)} or a name."
-                )
-            # A position of a named parameter becomes its name, so that it also applies when passed by keyword.
-            spec.add(positional[position] if position < len(positional) else position)
-        elif item in names or item in recorded:
-            spec.add(item)
-        else:
+    if name.lstrip("-").isdigit() if varargs else name.isdigit():
+        position = int(name)
+        open_ended = varargs and any(p.kind == "VAR_POSITIONAL" for p in signature.parameters)
+        if position < 0 or (position >= len(positional) and not open_ended):
             raise CLIError(
-                f"--batch {item}: not an input of {bundle.manifest.signature.method}(). "
-                f"Inputs: {', '.join(names + sorted(recorded - set(names)))}."
+                f"{flag}: {signature.method}() has {len(positional)} positional parameters "
+                f"({', '.join(positional) or 'none'}); give a position below {len(positional)} or a name."
             )
-    return spec
+        return positional[position] if position < len(positional) else position
+    if name in names or name in recorded:
+        return name
+    raise CLIError(
+        f"{flag}: {unknown}not an input of {signature.method}(). Inputs: {', '.join(names + sorted(recorded - set(names)))}."
+    )

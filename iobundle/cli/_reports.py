@@ -26,7 +26,7 @@ import io
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from iobundle._escape import csv_cell, html_text, markdown_code, markdown_code_block, markdown_text
@@ -320,12 +320,32 @@ def _log_scale(values: Sequence[float | None], extra: Sequence[float]) -> tuple[
     return float(lo - 1), float(max(hi, lo) + (1 if hi == lo else 0))
 
 
+def _log_axis(lo: float, hi: float, start: float, length: float) -> Callable[[float | None], float]:
+    """A log axis from 10**lo at ``start`` to 10**hi at ``start + length`` (clamped); 0 and None at its start, inf at its end."""
+
+    def at(value: float | None) -> float:
+        if value is None or value <= 0:
+            return float(start)
+        if not math.isfinite(value):
+            return float(start + length)
+        return start + length * min(max((math.log10(value) - lo) / (hi - lo), 0.0), 1.0)
+
+    return at
+
+
 def _svg_open(width: int, height: int, title: str) -> list[str]:
     return [
         f'<svg width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img">',
         f"<title>{_esc(title)}</title>",
         f'<rect x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>',
     ]
+
+
+def _svg_close(parts: list[str], x: float, y: int, caption: str) -> str:
+    """The chart's text: ``parts``, then ``caption`` centred on ``x`` at ``y``, then the end of the svg."""
+    parts.append(f'<text x="{x:.0f}" y="{y}" text-anchor="middle">{caption}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
 
 
 def _svg_per_call(report: Report) -> str:
@@ -337,12 +357,7 @@ def _svg_per_call(report: Report) -> str:
     plot_w, plot_h = width - left - 12, height - bottom - top
     bar = max(3.0, min(18.0, plot_w / max(len(points), 1) - 4))
 
-    def y(v: float | None) -> float:
-        if v is None or v <= 0 or not math.isfinite(v):
-            return top + plot_h if v is None or v <= 0 else float(top)
-        t = (math.log10(v) - lo) / (hi - lo)
-        return top + plot_h * (1 - min(max(t, 0.0), 1.0))
-
+    y = _log_axis(lo, hi, top + plot_h, -plot_h)  # upwards
     parts = _svg_open(width, height, "largest absolute error per call")
     for d in range(int(lo), int(hi) + 1):
         yy = y(10.0**d)
@@ -399,14 +414,7 @@ def _svg_per_output(report: Report) -> str:
     height = top + row_h * len(entries) + 34
     plot_w = width - label_w - 96
 
-    def x(v: float) -> float:
-        if v <= 0:
-            return float(label_w)
-        if not math.isfinite(v):
-            return float(label_w + plot_w)
-        t = (math.log10(v) - lo) / (hi - lo)
-        return label_w + plot_w * min(max(t, 0.0), 1.0)
-
+    x = _log_axis(lo, hi, label_w, plot_w)
     parts = _svg_open(width, height, "largest absolute error per output")
     for d in range(int(lo), int(hi) + 1):
         xx = x(10.0**d)
@@ -427,11 +435,7 @@ def _svg_per_output(report: Report) -> str:
             f'<line x1="{xa:.1f}" y1="{yy + 1}" x2="{xa:.1f}" y2="{yy + row_h - 1}" stroke="#cf222e" stroke-width="2"/>'
         )
         parts.append(f'<text x="{label_w + plot_w + 14}" y="{yy + 14}">{_esc(_number(e["max_abs"]))}</text>')
-    parts.append(
-        f'<text x="{label_w + plot_w / 2:.0f}" y="{height - 2}" text-anchor="middle">max abs error (red tick: atol)</text>'
-    )
-    parts.append("</svg>")
-    return "".join(parts)
+    return _svg_close(parts, label_w + plot_w / 2, height - 2, "max abs error (red tick: atol)")
 
 
 def _svg_histogram(report: Report) -> str:
@@ -457,11 +461,7 @@ def _svg_histogram(report: Report) -> str:
             f'<text x="{x + (slot - 8) / 2:.1f}" y="{top + plot_h + 14}" text-anchor="middle">{_esc(tick)}</text>'
         )
     parts.append(f'<line x1="{left}" y1="{top + plot_h}" x2="{width - 12}" y2="{top + plot_h}" stroke="#57606a"/>')
-    parts.append(
-        f'<text x="{left + plot_w / 2:.0f}" y="{height - 8}" text-anchor="middle">absolute error (bar height: log of the count)</text>'
-    )
-    parts.append("</svg>")
-    return "".join(parts)
+    return _svg_close(parts, left + plot_w / 2, height - 8, "absolute error (bar height: log of the count)")
 
 
 def _html(report: Report) -> str:

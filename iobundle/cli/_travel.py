@@ -9,11 +9,10 @@ from the library's ``on_progress`` events.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from typing import Any
 
 from iobundle.cli import _render
-from iobundle.cli._checks import progress_bars, quiet
+from iobundle.cli._checks import AddCommand, add_output, add_switch, quiet, with_progress
 from iobundle.errors import CLIError
 
 __all__ = ["EXAMPLES", "register"]
@@ -69,88 +68,68 @@ npz: keys are the tensors' paths in the call (args.0, kwargs.input_ids, outputs.
 bfloat16 and float8 become float32.""",
 }
 
-AddCommand = Callable[..., argparse.ArgumentParser]
+TRAVELLER = "the bundle (directory, packed file or URL)"  # BUNDLE's help here (BUNDLE says "a directory, ...")
 
 
 def register(subparsers: Any, add_command: AddCommand) -> None:
     """Add ``pack``, ``unpack``, ``redact``, ``upgrade`` and ``convert`` to ``subparsers``."""
     p = add_command(
-        subparsers,
-        "pack",
+        subparsers, "pack", _cmd_pack, bundle="the bundle directory",
         summary="pack a bundle directory into one file (uncompressed tar, read in place)",
         description="Write the bundle directory BUNDLE as one uncompressed tar file that every command reads in place.",
-        epilog=EXAMPLES["pack"],
-    )
-    p.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
-    p.add_argument("-o", "--output", metavar="FILE", required=True, help="the packed file (a path or a URL)")
-    p.add_argument("--overwrite", action="store_true", help="replace FILE if it exists")
-    p.add_argument(
-        "--no-verify", action="store_true",
-        help="pack without checking first that every file has the size and hash the manifest records",
     )  # fmt: skip
-    p.set_defaults(handler=_cmd_pack)
+    add_output(p, "FILE", "the packed file (a path or a URL)")
+    add_switch(p, "--overwrite", "replace FILE if it exists")
+    add_switch(
+        p, "--no-verify", "pack without checking first that every file has the size and hash the manifest records"
+    )
 
     p = add_command(
-        subparsers,
-        "unpack",
+        subparsers, "unpack", _cmd_unpack,
         summary="unpack a packed bundle into a directory, refusing hostile entries",
         description="Check the packed bundle FILE (its entries and every file's size and hash), then write its files to DIR.",
-        epilog=EXAMPLES["unpack"],
-    )
+    )  # fmt: skip
     p.add_argument("archive", metavar="FILE", help="the packed bundle (a path or a URL)")
-    p.add_argument("-o", "--output", metavar="DIR", required=True, help="the bundle directory to write")
-    p.add_argument("--overwrite", action="store_true", help="replace DIR if it holds a bundle")
-    p.add_argument(
-        "--no-verify", action="store_true", help="skip the hash check of the members (sizes are still checked)"
-    )
-    p.set_defaults(handler=_cmd_unpack)
+    add_output(p, "DIR", "the bundle directory to write")
+    add_switch(p, "--overwrite", "replace DIR if it holds a bundle")
+    add_switch(p, "--no-verify", "skip the hash check of the members (sizes are still checked)")
 
     p = add_command(
-        subparsers,
-        "redact",
+        subparsers, "redact", _cmd_redact, bundle=TRAVELLER,
         summary="copy a bundle with synthetic inputs and no outputs, for bug reports",
         description="Write a copy of BUNDLE whose recorded inputs are synthetic (same dtypes and shapes), "
         "without the recorded outputs and stored weights unless kept.",
-        epilog=EXAMPLES["redact"],
-    )
-    p.add_argument("bundle", metavar="BUNDLE", help="the bundle (directory, packed file or URL)")
-    p.add_argument("-o", "--output", metavar="OUT", required=True, help="the redacted bundle directory (or URL)")
-    p.add_argument("--keep-outputs", action="store_true", help="keep the recorded outputs (computed on real inputs)")
-    p.add_argument("--keep-model", action="store_true", help="keep the model config and weights the bundle stores")
+    )  # fmt: skip
+    add_output(p, "OUT", "the redacted bundle directory (or URL)")
+    add_switch(p, "--keep-outputs", "keep the recorded outputs (computed on real inputs)")
+    add_switch(p, "--keep-model", "keep the model config and weights the bundle stores")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic values (default: %(default)s)")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")
-    p.set_defaults(handler=_cmd_redact)
+    add_switch(p, "--overwrite", "replace OUT if it is not empty")
 
     p = add_command(
-        subparsers,
-        "upgrade",
+        subparsers, "upgrade", _cmd_upgrade, bundle=TRAVELLER,
         summary="rewrite a bundle of an older format version in the newest one, beside it",
         description="Write BUNDLE (any format version, or a killed stream's journal) to OUT in the newest format "
         "version, then verify OUT and compare every tensor with BUNDLE's. BUNDLE is never changed.",
-        epilog=EXAMPLES["upgrade"],
-    )
-    p.add_argument("bundle", metavar="BUNDLE", help="the bundle (directory, packed file or URL)")
+    )  # fmt: skip
     p.add_argument("output", metavar="OUT", help="the new bundle directory (or URL), outside BUNDLE")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it holds a bundle")
-    p.set_defaults(handler=_cmd_upgrade)
+    add_switch(p, "--overwrite", "replace OUT if it holds a bundle")
 
     p = add_command(
-        subparsers,
-        "convert",
+        subparsers, "convert", _cmd_convert, bundle=TRAVELLER,
         summary="write the recorded calls as ONNX test data or numpy .npz files",
         description="Convert the recorded calls of BUNDLE to another tool's format.",
-        epilog=EXAMPLES["convert"],
-    )
-    p.add_argument("bundle", metavar="BUNDLE", help="the bundle (directory, packed file or URL)")
+    )  # fmt: skip
     p.add_argument("--to", required=True, choices=["onnx-testdata", "npz"], help="the format to write")
     p.add_argument("output", metavar="DIR_OR_FILE", help="where to write (npz: a directory, or one FILE.npz)")
     p.add_argument("--model", metavar="MODEL.onnx", help="the ONNX model (onnx-testdata: names and input mapping)")
-    p.add_argument("--overwrite", action="store_true", help="write into a non-empty directory")
-    p.set_defaults(handler=_cmd_convert)
+    add_switch(p, "--overwrite", "write into a non-empty directory")
 
 
-def _speed(n: int, seconds: float) -> str:
-    return f"{n / max(seconds, 1e-9) / 1e6:.0f} MB/s"
+def _moved(verb: str, result: Any, more: str) -> int:
+    """Say what a pack or unpack ``result`` moved where in how long, then ``more``; the exit code."""
+    _render.out(f"{verb} {result.files} files ({result.bytes} bytes) into {result.path} in {result.seconds:.2f}s{more}")
+    return 0
 
 
 def _output(args: argparse.Namespace, *, remote: bool) -> str:
@@ -174,8 +153,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     if args.no_verify:
         refuse_damaged(bundle, args.bundle)  # sizes only: a missing file cannot be packed
     else:
-        with progress_bars(args) as bars:
-            problems = bundle.verify(on_progress=bars)
+        problems = with_progress(args, bundle.verify)
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise IntegrityError(
@@ -184,44 +162,28 @@ def _cmd_pack(args: argparse.Namespace) -> int:
             )
         if not quiet(args):
             _render.out(f"verified {len(bundle.manifest.files)} tensor files: sizes and hashes match the manifest")
-    with progress_bars(args) as bars:
-        result = pack_bundle(args.bundle, output, overwrite=args.overwrite, on_progress=bars)
-    _render.out(
-        f"packed {result.files} files ({result.bytes} bytes) into {result.path} in {result.seconds:.2f}s "
-        f"({_speed(result.bytes, result.seconds)})"
-    )
-    return 0
+    result = with_progress(args, pack_bundle, args.bundle, output, overwrite=args.overwrite)
+    return _moved("packed", result, f" ({result.bytes / max(result.seconds, 1e-9) / 1e6:.0f} MB/s)")
 
 
 def _cmd_unpack(args: argparse.Namespace) -> int:
     from iobundle.travel import unpack_bundle
 
     output = _output(args, remote=False)
-    with progress_bars(args) as bars:
-        result = unpack_bundle(
-            args.archive, output, overwrite=args.overwrite, verify=not args.no_verify, on_progress=bars
-        )
-    checked = "" if args.no_verify else ", sizes and hashes checked"
-    _render.out(
-        f"unpacked {result.files} files ({result.bytes} bytes) into {result.path} in {result.seconds:.2f}s{checked}"
+    result = with_progress(
+        args, unpack_bundle, args.archive, output, overwrite=args.overwrite, verify=not args.no_verify
     )
-    return 0
+    return _moved("unpacked", result, "" if args.no_verify else ", sizes and hashes checked")
 
 
 def _cmd_redact(args: argparse.Namespace) -> int:
     from iobundle import redact_bundle
 
     output = _output(args, remote=True)
-    with progress_bars(args) as bars:
-        manifest = redact_bundle(
-            args.bundle,
-            output,
-            keep_outputs=args.keep_outputs,
-            keep_model=args.keep_model,
-            seed=args.seed,
-            overwrite=args.overwrite,
-            on_progress=bars,
-        )
+    manifest = with_progress(
+        args, redact_bundle, args.bundle, output,
+        keep_outputs=args.keep_outputs, keep_model=args.keep_model, seed=args.seed, overwrite=args.overwrite,
+    )  # fmt: skip
     kept = [
         "outputs " + ("kept" if args.keep_outputs else "dropped"),
         "model " + ("kept" if manifest.model is not None else "dropped" if args.keep_model is False else "none"),
@@ -236,8 +198,7 @@ def _cmd_redact(args: argparse.Namespace) -> int:
 def _cmd_upgrade(args: argparse.Namespace) -> int:
     from iobundle import upgrade_bundle
 
-    with progress_bars(args) as bars:
-        manifest = upgrade_bundle(args.bundle, args.output, overwrite=args.overwrite, on_progress=bars)
+    manifest = with_progress(args, upgrade_bundle, args.bundle, args.output, overwrite=args.overwrite)
     _render.out(
         f"upgraded {args.bundle} into {args.output} (format version {manifest.format_version}): "
         f"{len(manifest.calls)} calls, {len(manifest.tensors)} tensors, verified"
@@ -256,13 +217,11 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if args.to == "onnx-testdata":
         if not args.model:
             raise CLIError("--to onnx-testdata needs --model MODEL.onnx (its graph names the inputs and outputs).")
-        with progress_bars(args) as bars:
-            result = convert_to_onnx_testdata(bundle, args.model, output, overwrite=args.overwrite, on_progress=bars)
+        result = with_progress(args, convert_to_onnx_testdata, bundle, args.model, output, overwrite=args.overwrite)
         _render.out(f"wrote {result.calls} test data sets ({len(result.paths)} files) into {args.output}")
     else:
         if args.model:
             raise CLIError("--model is for --to onnx-testdata; --to npz writes the recorded tensors as they are.")
-        with progress_bars(args) as bars:
-            result = convert_to_npz(bundle, output, overwrite=args.overwrite, on_progress=bars)
+        result = with_progress(args, convert_to_npz, bundle, output, overwrite=args.overwrite)
         _render.out(f"wrote {result.calls} calls into {len(result.paths)} .npz file(s) at {args.output}")
     return 0

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
 __all__ = ["LLAMA_CONFIG", "capture_llama_demo", "tiny_llama"]
 
@@ -27,7 +30,7 @@ LLAMA_CONFIG: dict[str, Any] = {
 }
 
 
-def tiny_llama(seed: int = 0) -> torch.nn.Module:
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` built from :data:`LLAMA_CONFIG` with weights drawn from ``seed``, in eval mode."""
     import transformers
 

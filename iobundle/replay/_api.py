@@ -280,7 +280,6 @@ class RecordedCallsAPI:
             as_names.append(item)
         return infer.remove_inputs(rc, as_names)
 
-    @check.tolerance_options("atol", "rtol", "output_atol", "output_rtol")
     def export(
         self,
         model: torch.nn.Module,
@@ -291,14 +290,18 @@ class RecordedCallsAPI:
         dim_names: DimNamesSpec = False,
         on_progress: ProgressCallback | None = None,
         dynamic: Mapping[int | str, Collection[int]] | None = None,
-        tolerances: Tolerances,
-    ) -> ExportResult:
+        atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
+        output_rtol: Mapping[str, float] | None = None, tolerances: Tolerances | None = None,
+    ) -> ExportResult:  # fmt: skip
         """Export ``model`` with ``torch.export`` from the recorded calls and check it on every call.
 
         Returns the program (``result.program``) and its report (``result.report``).
         ``dim_names`` (see :meth:`infer_dynamic_shapes`) turns each name into one shared
         ``torch.export.Dim``. See :func:`iobundle.replay.export_program`.
         """
+        from iobundle.replay.check import Tolerances
+
+        tolerances = tolerances or Tolerances.build(atol, rtol, output_atol, output_rtol)
         return self._keep_report(
             lambda: export.export_program(
                 self._recorded(), model, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
@@ -306,7 +309,6 @@ class RecordedCallsAPI:
             )
         )  # fmt: skip
 
-    @check.tolerance_options("atol", "rtol", "output_atol", "output_rtol")
     def export_programs(
         self,
         model: torch.nn.Module,
@@ -318,8 +320,9 @@ class RecordedCallsAPI:
         check: bool = True,
         dim_names: DimNamesSpec = False,
         on_progress: ProgressCallback | None = None,
-        tolerances: Tolerances,
-    ) -> ProgramSet:
+        atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
+        output_rtol: Mapping[str, float] | None = None, tolerances: Tolerances | None = None,
+    ) -> ProgramSet:  # fmt: skip
         """Export one program for every recorded call, or one per phase when one cannot serve them all.
 
         ``result.to_onnx(path)`` writes the ONNX file, or one per phase and their index.
@@ -327,6 +330,9 @@ class RecordedCallsAPI:
         ``tolerances`` gives the whole comparison as one value instead.
         See :func:`iobundle.replay.export_programs`.
         """
+        from iobundle.replay.check import Tolerances
+
+        tolerances = tolerances or Tolerances.build(atol, rtol, output_atol, output_rtol)
         return self._keep_report(
             lambda: export.export_programs(
                 self._recorded(), model, programs=programs, set_batch_dimension_for=set_batch_dimension_for,
@@ -339,7 +345,6 @@ class RecordedCallsAPI:
         """The per-call report of the last :meth:`export` (or :meth:`export_programs`, :meth:`to_onnx`), or None."""
         return self._export_report
 
-    @check.tolerance_options("atol", "rtol", "output_atol", "output_rtol")
     def to_onnx(
         self,
         model: torch.nn.Module,
@@ -352,8 +357,9 @@ class RecordedCallsAPI:
         on_progress: ProgressCallback | None = None,
         dynamic: Mapping[int | str, Collection[int]] | None = None,
         programs: ProgramsMode = "one",
-        tolerances: Tolerances,
-    ) -> str:
+        atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
+        output_rtol: Mapping[str, float] | None = None, tolerances: Tolerances | None = None,
+    ) -> str:  # fmt: skip
         """Export ``model`` to an ONNX file at ``path`` (through ``torch.export``); return the path.
 
         With ``dim_names`` (see :meth:`infer_dynamic_shapes`) the graph's symbolic dimensions bear
@@ -365,6 +371,9 @@ class RecordedCallsAPI:
         .. versionchanged:: 0.2
             ``output_atol``, ``output_rtol`` and ``tolerances``.
         """
+        from iobundle.replay.check import Tolerances
+
+        tolerances = tolerances or Tolerances.build(atol, rtol, output_atol, output_rtol)
         if programs != "one":
             return self.export_programs(
                 model, programs=programs, set_batch_dimension_for=set_batch_dimension_for, dynamic=dynamic,
@@ -378,18 +387,20 @@ class RecordedCallsAPI:
             self._recorded(), result, path, on_progress=on_progress
         )  # its report: ``result.report``
 
-    @check.tolerance_options(positional=("atol", "rtol"), after="onnx_model")
     def check_discrepancies(
         self,
         onnx_model: str | os.PathLike[str] | onnx.ModelProto | torch.onnx.ONNXProgram,
+        atol: float = 1e-4,
+        rtol: float = 0.1,
         hist: tuple[float, ...] = (0.1, 0.01),
         progress_bar: bool = False,
         include_io: bool = True,
         skip_none: bool = True,
         *,
         on_progress: ProgressCallback | None = None,
-        tolerances: Tolerances,
-    ) -> list[dict[str, Any]]:
+        output_atol: Mapping[str, float] | None = None, output_rtol: Mapping[str, float] | None = None,
+        check_error_stat: str = "max", error_quantile: float = 0.99, tolerances: Tolerances | None = None,
+    ) -> list[dict[str, Any]]:  # fmt: skip
         """Run ``onnx_model`` with onnxruntime on every recorded call and compare with the recorded outputs.
 
         ``onnx_model`` is a path, an ``onnx.ModelProto`` or a ``torch.onnx.ONNXProgram``. The
@@ -398,38 +409,49 @@ class RecordedCallsAPI:
 
         See :func:`iobundle.replay.check_discrepancies` (per-output tolerances, error statistics, progress).
         """
+        tolerances = tolerances or check.Tolerances.build(
+            atol, rtol, output_atol, output_rtol, check_error_stat, error_quantile
+        )
         return check.check_discrepancies(
             self._recorded(), onnx_model, hist=hist, progress_bar=progress_bar, include_io=include_io,
             skip_none=skip_none, on_progress=on_progress, tolerances=tolerances,
         )  # fmt: skip
 
-    @check.tolerance_options()
     def validate(
         self,
         onnx_model: str | os.PathLike[str] | onnx.ModelProto,
         *,
         on_progress: ProgressCallback | None = None,
-        tolerances: Tolerances,
-    ) -> ValidationReport:
+        atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
+        output_rtol: Mapping[str, float] | None = None, check_error_stat: str = "max", error_quantile: float = 0.99,
+        tolerances: Tolerances | None = None,
+    ) -> ValidationReport:  # fmt: skip
         """Validate ``onnx_model`` on every recorded call, output by output; see :func:`iobundle.replay.validate_onnx`.
 
         .. versionadded:: 0.2
         """
+        tolerances = tolerances or check.Tolerances.build(
+            atol, rtol, output_atol, output_rtol, check_error_stat, error_quantile
+        )
         return check.validate_onnx(self._recorded(), onnx_model, on_progress=on_progress, tolerances=tolerances)
 
-    @check.tolerance_options()
     def rerun(
         self,
         model: torch.nn.Module,
         *,
         device: str | torch.device | None = None,
         on_progress: ProgressCallback | None = None,
-        tolerances: Tolerances,
-    ) -> ValidationReport:
+        atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
+        output_rtol: Mapping[str, float] | None = None, check_error_stat: str = "max", error_quantile: float = 0.99,
+        tolerances: Tolerances | None = None,
+    ) -> ValidationReport:  # fmt: skip
         """Re-run the eager ``model`` on every recorded call's inputs; see :func:`iobundle.replay.rerun_model`.
 
         .. versionadded:: 0.2
         """
+        tolerances = tolerances or check.Tolerances.build(
+            atol, rtol, output_atol, output_rtol, check_error_stat, error_quantile
+        )
         from iobundle.replay.check import rerun_model
 
         return rerun_model(self._recorded(), model, device=device, on_progress=on_progress, tolerances=tolerances)

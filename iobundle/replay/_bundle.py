@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from iobundle._collector import collector_paused
 from iobundle._paths import DIR, FILE, LINK
@@ -33,9 +33,13 @@ from iobundle.schema import (
     deferred_calls,
     deferred_keys,
     load_manifest,
+    manifest_trees,
     parse_manifest,
     tensor_rows,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Bundle", "load_bundle"]
 
@@ -118,7 +122,7 @@ class Bundle(RecordedCallsAPI):
         """Every recorded call, failed ones included."""
         return list(self._rc.calls)
 
-    def tensor(self, key: str) -> Any:
+    def tensor(self, key: str) -> torch.Tensor:
         """The tensor stored under ``key`` (memory-mapped, read-only use)."""
         return self._store.get(key)
 
@@ -235,13 +239,7 @@ def _check_references(store: BundleTensorStore, manifest: Manifest) -> None:
 
 def _report_unknown_key(manifest: Manifest) -> None:
     """Raise for the first tree (in manifest order) that refers to a tensor the manifest does not list."""
-    trees = [(f"value_if_missing[{i}]", e.value) for i, e in enumerate(manifest.value_if_missing)]
-    for i, call in enumerate(manifest.calls):
-        trees += [(f"calls[{i}].args[{j}]", a) for j, a in enumerate(call.args)]
-        trees += [(f"calls[{i}].kwargs[{k!r}]", v) for k, v in call.kwargs.items()]
-        if call.outputs is not None:
-            trees.append((f"calls[{i}].outputs", call.outputs))
-    for where, tree in trees:
+    for where, tree in manifest_trees(manifest):
         for node in iter_tensor_nodes(tree):
             if node.key not in manifest.tensors:
                 raise UnsafeBundleError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -23,7 +24,6 @@ from iobundle.replay.check import (
     recorded_output_names,
     refuse_unknown_outputs,
     refuse_unused,
-    tolerance_options,
 )
 from iobundle.schema import CallEntry, ConstNode, DictNode, Manifest, Node, ObjectNode, OpaqueNode, TensorNode
 
@@ -182,14 +182,15 @@ def _open(value: Bundle | str | os.PathLike[str]) -> Bundle:
     return value if isinstance(value, Bundle) else load_bundle(value)
 
 
-@tolerance_options()
 def diff_bundles(
     a: Bundle | str | os.PathLike[str],
     b: Bundle | str | os.PathLike[str],
     *,
     on_progress: ProgressCallback | None = None,
-    tolerances: Tolerances,
-) -> DiffReport:
+    atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
+    output_rtol: Mapping[str, float] | None = None, check_error_stat: str = "max", error_quantile: float = 0.99,
+    tolerances: Tolerances | None = None,
+) -> DiffReport:  # fmt: skip
     """Compare bundle ``a`` (the reference) with bundle ``b``, call by call.
 
     Calls are paired by position. For each pair: the status, the structure of the inputs and
@@ -214,6 +215,7 @@ def diff_bundles(
         NothingToCompareError: A bundle holds no calls: there is nothing to compare.
         ToleranceError: A statistic is unknown, or a per-output tolerance names no output.
     """
+    tolerances = tolerances or Tolerances.build(atol, rtol, output_atol, output_rtol, check_error_stat, error_quantile)
     check_error_stat_name(tolerances.check_error_stat, tolerances.error_quantile)
     begin = time.perf_counter()
     ba, bb = _open(a), _open(b)

@@ -38,6 +38,7 @@ from iobundle.schema import ModelEntry
 
 if TYPE_CHECKING:  # iobundle inspect describes a stored model without torch
     import torch
+    from transformers import PreTrainedModel
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
@@ -162,7 +163,7 @@ def _check_class_name(name: str) -> frozenset[str]:
     return types
 
 
-def _model_class(name: str) -> type:
+def _model_class(name: str) -> type[PreTrainedModel]:
     """Resolve a registered class name as an attribute of transformers' own lazy modules."""
     import transformers
 
@@ -241,7 +242,7 @@ def _sub_config_class(config_class: type | None, key: str, value: dict[str, Any]
         return spec.config_class
     model_type = value.get("model_type", spec.model_type)
     if isinstance(model_type, str) and model_type in CONFIG_MAPPING and model_type not in CODE_LOADING_MODEL_TYPES:
-        return CONFIG_MAPPING[model_type]  # type: ignore[no-any-return]
+        return CONFIG_MAPPING[model_type]
     return None
 
 
@@ -322,7 +323,9 @@ def _check_config_object(file: str, config: Any) -> None:
             raise _refuse(file, f"{prefix}dtype", dtype, "is not a torch dtype")
 
 
-def _check_model_type(cls: type, config_dict: dict[str, Any], entry: ModelEntry, types: frozenset[str]) -> None:
+def _check_model_type(
+    cls: type[PreTrainedModel], config_dict: dict[str, Any], entry: ModelEntry, types: frozenset[str]
+) -> None:
     """The stored model_type must be the one of the class's config (or one it is registered for)."""
     model_type = config_dict.get("model_type")
     expected = getattr(cls.config_class, "model_type", "")
@@ -334,8 +337,10 @@ def _check_model_type(cls: type, config_dict: dict[str, Any], entry: ModelEntry,
         )
 
 
-def _build(cls: type, config_dict: dict[str, Any], entry: ModelEntry) -> torch.nn.Module:
+def _build(cls: type[PreTrainedModel], config_dict: dict[str, Any], entry: ModelEntry) -> torch.nn.Module:
     config_class = cls.config_class
+    if config_class is None:
+        raise ModelLoadError(f"{entry.class_name} has no config class to build it from; build the model yourself.")
     _check_config_dict(entry.config_file, config_dict, config_class=config_class)  # now knowing its sub-configs
     config_dict = {k: v for k, v in config_dict.items() if k not in _IGNORED_KEYS}
     try:
@@ -356,7 +361,7 @@ def _build(cls: type, config_dict: dict[str, Any], entry: ModelEntry) -> torch.n
         raise ModelLoadError(
             f"Cannot build {entry.class_name} from {entry.config_file}: {type(exc).__name__}: {exc}"
         ) from exc
-    return model  # type: ignore[no-any-return]
+    return model
 
 
 def _load_weights(store: Store, model: torch.nn.Module, entry: ModelEntry) -> None:

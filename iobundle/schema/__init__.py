@@ -34,7 +34,7 @@ __all__ = [
     "load_journal",
     "load_manifest",
     "load_program_index",
-    "manifest_json_schema",
+    "manifest_trees",
     "parse_journal",
     "parse_manifest",
     "program_structures",
@@ -47,11 +47,6 @@ __all__ = [
     "write_manifest",
     "write_program_index",
 ]
-
-import json
-from typing import Union
-
-from pydantic import TypeAdapter
 
 from iobundle._store._names import (
     MEMBER_NAME_RULE,
@@ -72,13 +67,13 @@ from iobundle.schema._io import (
     MAX_EXTENSION_DEPTH,
     MAX_MANIFEST_BYTES,
     dump_manifest,
+    manifest_trees,
     parse_manifest,
     write_manifest,
 )
 from iobundle.schema._journal import journal_call_line, journal_head_line, load_journal, parse_journal
 from iobundle.schema._load import load_manifest
 from iobundle.schema._manifest import *  # noqa: F403 (the models of manifest.json, listed in _manifest.__all__)
-from iobundle.schema._manifest import SUPPORTED_FORMAT_VERSIONS, Manifest
 from iobundle.schema._program_index import (
     FixedValues,
     ProgramEntry,
@@ -94,24 +89,3 @@ from iobundle.schema._program_index import (
 from iobundle.schema._structure import call_key, collect_tensor_keys, tree_key
 
 __all__ += _manifest.__all__  # the models of manifest.json
-
-
-def manifest_json_schema() -> str:
-    """Return the JSON Schema of ``manifest.json``, as shipped in ``iobundle/schema/manifest.schema.json``.
-
-    One of two layouts: :class:`Manifest` for format versions 1 and 2, :class:`CompactManifest` for 3 to 6.
-    """
-    schema = TypeAdapter(Union[Manifest, CompactManifest]).json_schema()
-    defs = schema["$defs"]
-    # in memory a Manifest holds any version; as a file, its layout is that of versions 1 and 2 only
-    defs["Manifest"]["properties"]["format_version"]["enum"] = [1, 2]
-    defs["Manifest"]["properties"]["format_version"]["default"] = 2
-    schema["title"] = "iobundle manifest, format_version " + ", ".join(map(str, SUPPORTED_FORMAT_VERSIONS))
-    schema["description"] = (
-        "Format versions 1 and 2: the Manifest layout (whole call trees, one entry per tensor and per file). "
-        "Format versions 3 to 6: the CompactManifest layout (call structures stored once, a tensor table per file; "
-        "version 4 adds segment files, whose ranges hold many calls' small tensors; version 5 adds each call's "
-        "torch.autocast state, CallRecord.autocast; in version 6 a segment is a safetensors file, its ranges "
-        "starting past its header region)."
-    )
-    return json.dumps(schema, indent=1, sort_keys=True) + "\n"

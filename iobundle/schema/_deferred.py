@@ -129,11 +129,11 @@ class _Deferred:
             self._fill()
         return self
 
-    @property  # type: ignore[misc]
-    def __dict__(self) -> dict[str, Any]:  # type: ignore[override]
+    @property
+    def __dict__(self) -> dict[str, Any]:
         """The field values, built first: what pydantic's serializer, ``__eq__``, ``__iter__`` and ``repr`` read."""
         self._filled()
-        return _stored(self)  # type: ignore[no-any-return]
+        return _stored(self)
 
     @__dict__.setter
     def __dict__(self, values: dict[str, Any]) -> None:
@@ -151,11 +151,11 @@ class _Deferred:
         return (
             _plain(type(self)) is _plain(type(other))
             and self.__dict__ == other.__dict__
-            and self.__pydantic_extra__ == other.__pydantic_extra__  # type: ignore[attr-defined]
+            and self.__pydantic_extra__ == other.__pydantic_extra__
         )
 
     def __hash__(self) -> int:
-        return super().__hash__()  # type: ignore[misc]
+        return super().__hash__()
 
     def __repr_name__(self) -> str:
         return _plain(type(self)).__name__
@@ -164,7 +164,7 @@ class _Deferred:
         """A copy of the plain class: what a copy changes (``model_copy(update=...)``) is then what it holds."""
         copied = _new(_plain(type(self)))
         _store(copied, copy.copy(self.__dict__))
-        _setattr(copied, "__pydantic_fields_set__", copy.copy(self.__pydantic_fields_set__))  # type: ignore[attr-defined]
+        _setattr(copied, "__pydantic_fields_set__", copy.copy(self.__pydantic_fields_set__))
         _setattr(copied, "__pydantic_extra__", None)
         _setattr(copied, "__pydantic_private__", None)
         return copied
@@ -172,7 +172,7 @@ class _Deferred:
     def __deepcopy__(self, memo: dict[int, Any] | None = None) -> Any:
         copied = _new(_plain(type(self)))
         _store(copied, copy.deepcopy(self.__dict__, memo))
-        _setattr(copied, "__pydantic_fields_set__", copy.copy(self.__pydantic_fields_set__))  # type: ignore[attr-defined]
+        _setattr(copied, "__pydantic_fields_set__", copy.copy(self.__pydantic_fields_set__))
         _setattr(copied, "__pydantic_extra__", None)
         _setattr(copied, "__pydantic_private__", None)
         return copied
@@ -186,9 +186,9 @@ def _same(value: Any) -> Any:
     return value
 
 
-def _plain(cls: type) -> type:
+def _plain(cls: type) -> type[BaseModel]:
     """The model class a deferred class stands for (``CallEntry``, ``Manifest``)."""
-    return next(c for c in cls.__mro__ if not issubclass(c, _Deferred))
+    return next(c for c in cls.__mro__ if issubclass(c, BaseModel) and not issubclass(c, _Deferred))
 
 
 class DeferredCall(_Deferred, CallEntry):

@@ -57,7 +57,8 @@ from iobundle.errors import (
     UnsafeBundleError,
     UnsupportedFormatVersionError,
 )
-from iobundle.schema._compact import COMPACT_VERSIONS, dump_compact, expand_compact
+from iobundle.schema._compact import COMPACT_VERSIONS, dump_compact
+from iobundle.schema._compact_read import expand_compact
 from iobundle.schema._manifest import (
     FORMAT,
     SUPPORTED_FORMAT_VERSIONS,
@@ -81,6 +82,7 @@ __all__ = [
     "MAX_TENSOR_ELEMENTS",
     "MAX_TENSOR_RANK",
     "dump_manifest",
+    "manifest_trees",
     "parse_manifest",
     "validate_manifest",
     "write_manifest",
@@ -207,7 +209,7 @@ def validate_manifest(raw: Any, *, source: str = MANIFEST_FILENAME) -> Manifest:
     _check_tensor_shapes(manifest, source)
     _check_version_fields(manifest, source)
     _check_extensions(manifest, source)
-    _check_trees(manifest, source)
+    _check_tree_list(manifest_trees(manifest), source)
     return manifest
 
 
@@ -257,36 +259,21 @@ def _check_version_fields(manifest: Manifest, source: str) -> None:
     files = [(f"files[{n!r}]", e) for n, e in manifest.files.items()]
     if manifest.model is not None:
         files += [(f"model.files[{n!r}]", e) for n, e in manifest.model.files.items()]
-    for where, file in files:
-        if file.ranges is not None:
-            raise ManifestError(
-                f"{source}: {where}.ranges is a format_version 4 field; this manifest says "
-                f"version {manifest.format_version}."
-            )
-    for i, call in enumerate(manifest.calls):
-        if call.autocast is not None:
-            raise ManifestError(
-                f"{source}: calls[{i}].autocast is a format_version 5 field; this manifest says "
-                f"version {manifest.format_version}."
-            )
-    for key, tensor in manifest.tensors.items():
-        if tensor.offset is not None:
-            raise ManifestError(
-                f"{source}: tensors[{key!r}].offset is a format_version 4 field; this manifest says "
-                f"version {manifest.format_version}."
-            )
-    if manifest.format_version != 1:
-        return
-    for where, entry in files:
-        if entry.sha256 is None:
-            raise ManifestError(
-                f"{source}: {where} records hash and digest, which format_version 1 does not use (sha256 expected)."
-            )
-    for key, tensor in manifest.tensors.items():
-        if tensor.extends is not None:
-            raise ManifestError(
-                f"{source}: tensors[{key!r}].extends is a format_version 2 field; this manifest says version 1."
-            )
+    newer = [(f"{where}.ranges", 4) for where, file in files if file.ranges is not None]
+    newer += [(f"calls[{i}].autocast", 5) for i, call in enumerate(manifest.calls) if call.autocast is not None]
+    newer += [(f"tensors[{k!r}].offset", 4) for k, tensor in manifest.tensors.items() if tensor.offset is not None]
+    if not newer and manifest.format_version == 1:
+        for where, entry in files:
+            if entry.sha256 is None:
+                raise ManifestError(
+                    f"{source}: {where} records hash and digest, which format_version 1 does not use (sha256 expected)."
+                )
+        newer = [(f"tensors[{k!r}].extends", 2) for k, t in manifest.tensors.items() if t.extends is not None]
+    if newer:
+        (where, version), *_ = newer
+        raise ManifestError(
+            f"{source}: {where} is a format_version {version} field; this manifest says version {manifest.format_version}."
+        )
 
 
 def _check_extensions(manifest: Manifest, source: str) -> None:
@@ -323,7 +310,8 @@ def _check_extensions(manifest: Manifest, source: str) -> None:
             )
 
 
-def _check_trees(manifest: Manifest, source: str) -> None:
+def manifest_trees(manifest: Manifest) -> list[tuple[str, Node]]:
+    """Every value tree of ``manifest``, with where it stands in ``manifest.json`` (``calls[3].kwargs['x']``)."""
     trees: list[tuple[str, Node]] = [
         (f"value_if_missing[{i}].value", e.value) for i, e in enumerate(manifest.value_if_missing)
     ]
@@ -332,7 +320,7 @@ def _check_trees(manifest: Manifest, source: str) -> None:
         trees += [(f"calls[{i}].kwargs[{k!r}]", v) for k, v in call.kwargs.items()]
         if call.outputs is not None:
             trees.append((f"calls[{i}].outputs", call.outputs))
-    _check_tree_list(trees, source)
+    return trees
 
 
 def _check_tree_list(trees: Iterable[tuple[str, Node]], source: str) -> None:

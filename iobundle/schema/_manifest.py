@@ -34,7 +34,7 @@ models are the in-memory manifest of every version, and the file layout of versi
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Final, Literal, Union
 
 from pydantic import (
     BaseModel,
@@ -80,8 +80,8 @@ __all__ = [
     "TupleNode",
 ]
 
-FORMAT = "iobundle"
-FORMAT_VERSION = 6
+FORMAT: Final = "iobundle"
+FORMAT_VERSION: Final = 6
 SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4, 5, 6)
 
 HASH_ALGORITHMS = {"sha256": 64, "xxh3-128": 32}

@@ -54,7 +54,7 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import pydantic
 from pydantic import (
@@ -88,7 +88,7 @@ __all__ = [
     "write_program_index",
 ]
 
-PROGRAM_INDEX_FORMAT = "iobundle.programs"
+PROGRAM_INDEX_FORMAT: Final = "iobundle.programs"
 MAX_INDEX_BYTES = 16 * 1024**2
 
 

@@ -17,8 +17,6 @@ from iobundle.schema._manifest import CallEntry, Node, TensorNode
 
 __all__ = ["call_key", "collect_tensor_keys", "tree_key"]
 
-_CONTAINERS = frozenset({"list", "tuple", "dict", "node"})
-
 
 def _frozen(context: object) -> Hashable:
     """A context as a hashable value that tells JSON values apart (``1``, ``1.0``, ``True``, ``"1"``)."""
@@ -29,24 +27,21 @@ def _frozen(context: object) -> Hashable:
 
 def tree_key(node: Node, keys: list[str]) -> Hashable:
     """The structure of ``node`` with its tensor keys erased; appends those keys to ``keys`` in flattening order."""
-    kind = node.kind
-    if kind == "tensor":
-        keys.append(node.key)  # type: ignore[union-attr]
-        return kind
-    if kind == "none":
-        return kind
-    if kind == "list" or kind == "tuple":
-        return (kind, _tree_keys(node.items, keys))  # type: ignore[union-attr]
-    if kind == "dict":
-        return (kind, tuple(node.keys), _tree_keys(node.items, keys))  # type: ignore[union-attr]
-    if kind == "node":
-        context = node.context  # type: ignore[union-attr]
-        frozen = context if context is None else _frozen(context)
-        return (kind, node.type, node.version, frozen, _tree_keys(node.items, keys))  # type: ignore[union-attr]
-    if kind == "const":
-        value = node.value  # type: ignore[union-attr]
-        return (kind, type(value), value)
-    return (kind, node.type, node.reason)  # type: ignore[union-attr]  # opaque
+    if node.kind == "tensor":
+        keys.append(node.key)
+        return "tensor"
+    if node.kind == "none":
+        return "none"
+    if node.kind == "list" or node.kind == "tuple":
+        return (node.kind, _tree_keys(node.items, keys))
+    if node.kind == "dict":
+        return ("dict", tuple(node.keys), _tree_keys(node.items, keys))
+    if node.kind == "node":
+        frozen = node.context if node.context is None else _frozen(node.context)
+        return ("node", node.type, node.version, frozen, _tree_keys(node.items, keys))
+    if node.kind == "const":
+        return ("const", type(node.value), node.value)
+    return ("opaque", node.type, node.reason)
 
 
 def _tree_keys(nodes: list[Node], keys: list[str]) -> tuple[Hashable, ...]:
@@ -54,7 +49,7 @@ def _tree_keys(nodes: list[Node], keys: list[str]) -> tuple[Hashable, ...]:
     result: list[Hashable] = []
     for node in nodes:
         if type(node) is TensorNode:
-            keys.append(node.key)  # type: ignore[union-attr]
+            keys.append(node.key)
             result.append("tensor")
         else:
             result.append(tree_key(node, keys))
@@ -63,13 +58,12 @@ def _tree_keys(nodes: list[Node], keys: list[str]) -> tuple[Hashable, ...]:
 
 def collect_tensor_keys(node: Node, keys: list[str]) -> list[str]:
     """Append the tensor keys of ``node`` to ``keys`` in flattening order; return ``keys``."""
-    kind = node.kind
-    if kind == "tensor":
-        keys.append(node.key)  # type: ignore[union-attr]
-    elif kind in _CONTAINERS:
-        for child in node.items:  # type: ignore[union-attr]
+    if node.kind == "tensor":
+        keys.append(node.key)
+    elif node.kind == "list" or node.kind == "tuple" or node.kind == "dict" or node.kind == "node":
+        for child in node.items:
             if child.kind == "tensor":
-                keys.append(child.key)  # type: ignore[union-attr]
+                keys.append(child.key)
             else:
                 collect_tensor_keys(child, keys)
     return keys

@@ -36,7 +36,14 @@ from iobundle._remote import resolve_output
 from iobundle.calls import RecordedCalls, call_paths, tensor_keys
 from iobundle.errors import BundleExistsError, BundleWriteError, ModelLoadError, ReplayError
 from iobundle.replay import RecordedCallsAPI, recorded_calls
-from iobundle.replay.check import input_mapping, model_label, output_mapping, output_paths, read_metadata
+from iobundle.replay.check import (
+    input_mapping,
+    model_label,
+    onnx_model_file,
+    output_mapping,
+    output_paths,
+    read_metadata,
+)
 from iobundle.replay.infer import align_calls, aligned_tensors
 
 __all__ = [
@@ -108,12 +115,7 @@ def _refuse_repeated_indices(rc: RecordedCalls) -> None:
 
 
 def _load_graph(model: str | os.PathLike[str]) -> tuple[list[str], list[str], dict[str, str]]:
-    path = Path(model)
-    if not path.is_file():
-        raise ModelLoadError(
-            f"ONNX model '{path}' does not exist.",
-            hint="check the path of the ONNX model (`iobundle export -o` writes one)",
-        )
+    path = onnx_model_file(model)
     try:
         proto = onnx.load(str(path), load_external_data=False)
     except Exception as exc:

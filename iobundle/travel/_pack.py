@@ -10,6 +10,7 @@ bundle (untrusted bytes) is replay's: :func:`iobundle.replay.load_bundle` opens 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import tarfile
@@ -62,11 +63,11 @@ def _tar_header(name: str, size: int) -> bytes:
     return info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="strict")
 
 
-def _copy(src: BinaryIO, dst: BinaryIO, size: int, name: str) -> None:
+def _copy(src: io.RawIOBase | io.BufferedIOBase, dst: BinaryIO, size: int, name: str) -> None:
     left = size
     buffer = memoryview(bytearray(min(_COPY, max(size, 1))))
     while left:
-        n = src.readinto(buffer[: min(left, len(buffer))])  # type: ignore[attr-defined]
+        n = src.readinto(buffer[: min(left, len(buffer))])
         if not n:
             raise TensorFileError(f"{name}: changed while it was being copied (cut short).")
         dst.write(buffer[:n])
@@ -167,6 +168,7 @@ def pack_bundle(
         for n in names
     )
     remote = is_url(output) and local_path(output) is None
+    target: Path | None = None
     if remote:
         with staged(str(output), overwrite=overwrite, prefix="iobundle-pack-") as staging:
             total = _write_tar(root, names, inline, staging, segments, expected=expected, on_progress=on_progress)
@@ -180,9 +182,7 @@ def pack_bundle(
             raise BundleWriteError(f"Cannot create {target.parent}: {exc.strerror or exc}.") from exc
         total = _write_tar(root, names, inline, target, segments, expected=expected, on_progress=on_progress)
     logger.info("packed %d files (%d bytes) into %s", len(names), total, output)
-    return PackResult(
-        path=output if remote else target, files=len(names), bytes=total, seconds=time.perf_counter() - begin
-    )
+    return PackResult(path=target or str(output), files=len(names), bytes=total, seconds=time.perf_counter() - begin)
 
 
 def _write_tar(
@@ -216,7 +216,7 @@ def _write_tar(
                 out.write(_tar_header(name, size))
                 out.flush()
                 if not _kernel_copy(f.fileno(), 0, out.fileno(), size):
-                    _copy(f, out, size, name)  # type: ignore[arg-type]
+                    _copy(f, out, size, name)
                 else:
                     out.seek(0, os.SEEK_END)
             out.write(b"\x00" * (-size % _BLOCK))

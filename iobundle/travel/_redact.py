@@ -106,10 +106,10 @@ def synthetic_like(
     work = t if not (t.is_floating_point() and t.element_size() == 1) else t.float()  # float8: no comparisons
     pair = _mask_values(work) if not (t.is_complex() or token_ids) else None
     if pair is not None:
-        lo, hi = pair
-        p = (work == hi).float().mean()
+        rare, common = pair
+        p = (work == common).float().mean()
         pick = torch.rand(t.shape, generator=generator) < p
-        return torch.where(pick, hi, lo).to(t.dtype)
+        return torch.where(pick, common, rare).to(t.dtype)
     if not integer:
         return _synthetic_floats(t, generator)
     lo, hi = int(t.min()), int(t.max())

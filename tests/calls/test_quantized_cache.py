@@ -12,8 +12,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from iobundle.calls._layouts import quantized_settings
+from iobundle.calls._quantized_cache import QuantizedStates, quantize_states
 from iobundle.calls._registry import find_node_type, lookup_node_type
-from iobundle.calls._transformers import QuantizedStates, quantize_states, register_all
+from iobundle.calls._transformers import register_all
 from iobundle.errors import UnsupportedInputError
 
 pytestmark = pytest.mark.slow
@@ -117,7 +118,8 @@ def test_rebuilt_cache_runs_without_a_quantization_library() -> None:
     code = """
 import sys, torch
 from iobundle.calls._registry import lookup_node_type
-from iobundle.calls._transformers import quantize_states, register_all
+from iobundle.calls._quantized_cache import quantize_states
+from iobundle.calls._transformers import register_all
 register_all()
 q = quantize_states(torch.randn(1, 2, 4, 8), 4, 8)
 settings = {"nbits": 4, "axis_key": 0, "axis_value": 0, "q_group_size": 8, "residual_length": 3}

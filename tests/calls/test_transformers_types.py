@@ -42,7 +42,8 @@ from transformers.utils import ModelOutput
 from iobundle.calls import node_layout, restore_token_counts
 from iobundle.calls._layouts import BUILTIN_LAYOUTS
 from iobundle.calls._registry import find_node_type, lookup_node_type
-from iobundle.calls._transformers import register_all, torch_pytree_nodes
+from iobundle.calls._torch_pytree import torch_pytree_nodes
+from iobundle.calls._transformers import register_all
 from iobundle.errors import UnsupportedInputError
 
 pytestmark = pytest.mark.slow

@@ -356,7 +356,7 @@ class TestObserverBasics:
     def test_signature_stays_visible(self) -> None:
         model, observer = Plain(), InputObserver()
         expected = inspect.signature(model.forward)
-        with observer(model):
+        with pytest.warns(ObservationWarning, match="no call"), observer(model):
             assert inspect.signature(model.forward) == expected
             assert "attention_mask" in inspect.signature(model.forward).parameters
         assert inspect.signature(model.forward) == expected

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -123,3 +124,20 @@ def test_auto_writes_small_calls_with_the_process_and_large_ones_with_the_thread
     entry = bundle.manifest.tensors[key]
     listed = [name for name in bundle.manifest.files if name.startswith(f"{CALLS_DIR}/")]
     assert entry.file == listed[0]  # the first file written holds it: neither writer wrote it again
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="needs os.getpriority")
+def test_the_writer_process_yields_the_cpu_to_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A busy machine runs the model first: the writer process runs niced, below the recording process."""
+    monkeypatch.setattr(_stream, "WRITER", "process")
+    model, observer = torch.nn.Linear(3, 3), InputObserver()
+    with observer(model, stream_to=tmp_path / "run"):
+        model(torch.ones(1, 3))
+        busy = [c for c in _writer_process._CHILDREN if c not in _writer_process._IDLE]
+        assert busy
+        deadline = time.monotonic() + 60  # the child lowers its priority as it starts
+        while os.getpriority(os.PRIO_PROCESS, busy[0].proc.pid) < os.getpriority(os.PRIO_PROCESS, 0) + 1:
+            assert time.monotonic() < deadline, "the writer process kept the recording process's priority"
+            time.sleep(0.05)
+    assert os.getpriority(os.PRIO_PROCESS, busy[0].proc.pid) >= min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)
+    assert load_bundle(tmp_path / "run").num_obs() == 1

@@ -103,7 +103,7 @@ def test_cli_comparison_defaults_are_replays():
 
     from iobundle.cli import _checks
     from iobundle.replay import diff_bundles, rerun_model, validate_onnx
-    from iobundle.replay.check._compare import ERROR_STATS
+    from iobundle.replay.check._tolerances import ERROR_STATS
 
     assert _checks.ERROR_STATS == ERROR_STATS
     for function in (validate_onnx, rerun_model, diff_bundles):

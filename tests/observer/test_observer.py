@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from iobundle import InputObserver, ObserverArgumentError, load_bundle
+from iobundle.capture import ObservationWarning
 
 
 class Add(torch.nn.Module):
@@ -24,7 +25,7 @@ def test_info_is_none_before_any_observation() -> None:
     observer = InputObserver()
     assert observer.info is None
     assert observer.num_obs() == 0 and observer.is_empty()
-    with observer(Add()):
+    with pytest.warns(ObservationWarning, match="no call of Add.forward"), observer(Add()):
         pass
     assert observer.info is not None and len(observer.info) == 0
 

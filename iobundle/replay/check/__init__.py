@@ -13,7 +13,6 @@ from iobundle._lazy import lazy_names
 __all__ = [
     # Compare outputs
     "DTYPE_TOLERANCES",
-    "TOLERANCE_OPTION_DOCS",
     "Comparison",
     "ErrorStats",
     "OutputCheck",
@@ -27,7 +26,6 @@ __all__ = [
     "output_paths",
     "refuse_unknown_outputs",
     "refuse_unused",
-    "tolerance_options",
     # Validate an ONNX model
     "INPUT_SLOTS_KEY",
     "OUTPUT_NAMES_KEY",
@@ -36,6 +34,7 @@ __all__ = [
     "check_discrepancies",
     "input_mapping",
     "model_label",
+    "onnx_model_file",
     "output_mapping",
     "read_metadata",
     "recorded_output_names",
@@ -47,22 +46,18 @@ __all__ = [
 
 if TYPE_CHECKING:
     from iobundle.replay.check._compare import (
-        DTYPE_TOLERANCES,
-        TOLERANCE_OPTION_DOCS,
         Comparison,
         ErrorStats,
         OutputCheck,
         Scratch,
-        Tolerances,
-        check_error_stat_name,
         compare_call,
         compare_outputs,
         flatten_outputs,
         output_leaves,
         output_paths,
-        tolerance_options,
     )
     from iobundle.replay.check._rerun import rerun_model
+    from iobundle.replay.check._tolerances import DTYPE_TOLERANCES, Tolerances, check_error_stat_name
     from iobundle.replay.check._validate import (
         INPUT_SLOTS_KEY,
         OUTPUT_NAMES_KEY,
@@ -71,6 +66,7 @@ if TYPE_CHECKING:
         check_discrepancies,
         input_mapping,
         model_label,
+        onnx_model_file,
         output_mapping,
         read_metadata,
         recorded_output_names,
@@ -80,6 +76,6 @@ if TYPE_CHECKING:
     )
     from iobundle.replay.check._widen import float32_copy
 
-# Imported when first used: the comparison value (and its decorator) load neither torch nor onnx,
-# so RecordedCallsAPI can use them at class definition without paying for the room.
+# Imported when first used: the comparison value (Tolerances) loads neither torch nor onnx,
+# so RecordedCallsAPI can use it at class definition without paying for the room.
 __getattr__ = lazy_names(__name__)

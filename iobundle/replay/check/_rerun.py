@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -12,16 +13,8 @@ import torch
 from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import RecordedCalls, module_device_type, replay_autocast, tensor_keys
 from iobundle.errors import ReplayError
-from iobundle.replay.check._compare import (
-    OutputCheck,
-    Scratch,
-    Tolerances,
-    check_error_stat_name,
-    compare_call,
-    flatten_outputs,
-    output_paths,
-    tolerance_options,
-)
+from iobundle.replay.check._compare import OutputCheck, Scratch, compare_call, flatten_outputs, output_paths
+from iobundle.replay.check._tolerances import Tolerances, check_error_stat_name
 from iobundle.replay.check._validate import (
     ValidationReport,
     _require_outputs,
@@ -36,15 +29,16 @@ __all__ = ["rerun_model"]
 logger = logging.getLogger(__name__)
 
 
-@tolerance_options()
 def rerun_model(
     rc: RecordedCalls,
     model: torch.nn.Module,
     *,
     device: str | torch.device | None = None,
     on_progress: ProgressCallback | None = None,
-    tolerances: Tolerances,
-) -> ValidationReport:
+    atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
+    output_rtol: Mapping[str, float] | None = None, check_error_stat: str = "max", error_quantile: float = 0.99,
+    tolerances: Tolerances | None = None,
+) -> ValidationReport:  # fmt: skip
     """Call ``model`` again on the inputs of every recorded call and compare with the recorded outputs.
 
     This measures the numerical drift between the machine (or library versions) that recorded the
@@ -72,6 +66,7 @@ def rerun_model(
         ReplayError: The model has no method named like the recorded one.
         ToleranceError: A statistic is unknown, or a per-output tolerance names no output.
     """
+    tolerances = tolerances or Tolerances.build(atol, rtol, output_atol, output_rtol, check_error_stat, error_quantile)
     check_error_stat_name(tolerances.check_error_stat, tolerances.error_quantile)
     _require_outputs(rc)
     method = getattr(model, rc.signature.method, None)

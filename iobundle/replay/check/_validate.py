@@ -21,16 +21,8 @@ if TYPE_CHECKING:
 from iobundle._progress import ProgressCallback, notify
 from iobundle.calls import RecordedCalls, tensor_keys
 from iobundle.errors import ModelLoadError, NothingToCompareError, ReplayError, ToleranceError
-from iobundle.replay.check._compare import (
-    OutputCheck,
-    Scratch,
-    Tolerances,
-    check_error_stat_name,
-    compare_call,
-    histogram_labels,
-    output_paths,
-    tolerance_options,
-)
+from iobundle.replay.check._compare import OutputCheck, Scratch, compare_call, histogram_labels, output_paths
+from iobundle.replay.check._tolerances import Tolerances, check_error_stat_name
 from iobundle.replay.check._widen import HALF_TYPES, float32_copy, half_types
 from iobundle.replay.infer import (
     align_calls,
@@ -82,11 +74,22 @@ class Session:
         return f"{' and '.join(self.widened)} program validated through a float32 copy" if self.widened else ""
 
 
+def onnx_model_file(model: str | os.PathLike[str]) -> Path:
+    """The path of the ONNX model file ``model``; a ModelLoadError when there is none."""
+    path = Path(model)
+    if not path.is_file():
+        raise ModelLoadError(
+            f"ONNX model '{path}' does not exist.",
+            hint="check the path of the ONNX model (`iobundle export -o` writes one)",
+        )
+    return path
+
+
 def _open_session(ort: Any, source: Any, options: Any) -> Any:
     return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
 
-def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto) -> Session:
+def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto | torch.onnx.ONNXProgram) -> Session:
     """Load ``onnx_model`` in onnxruntime's CPU provider.
 
     A half-precision model (bfloat16, float16) that the provider has no kernel for is loaded as
@@ -100,9 +103,8 @@ def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto) -> Session:
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    proto = getattr(onnx_model, "model_proto", None)  # a torch.onnx.ONNXProgram, as torch's observer takes
-    if isinstance(proto, onnx.ModelProto):
-        onnx_model = proto
+    if isinstance(onnx_model, torch.onnx.ONNXProgram):  # as torch's observer takes
+        onnx_model = onnx_model.model_proto
     try:
         if isinstance(onnx_model, onnx.ModelProto):
             meta = {p.key: p.value for p in onnx_model.metadata_props}
@@ -115,12 +117,7 @@ def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto) -> Session:
             if _bfloat16_inputs(session):
                 return _widened_session(ort, onnx_model, options, meta)
             return Session(session, meta)
-        path = Path(onnx_model)
-        if not path.is_file():
-            raise ModelLoadError(
-                f"ONNX model '{path}' does not exist.",
-                hint="check the path of the ONNX model (`iobundle export -o` writes one)",
-            )
+        path = onnx_model_file(onnx_model)
         try:
             session = _open_session(ort, str(path), options)
         except Exception as exc:
@@ -345,18 +342,19 @@ def _require_outputs(rc: RecordedCalls) -> None:
         )
 
 
-@tolerance_options()
 def check_discrepancies(
     rc: RecordedCalls,
-    onnx_model: str | os.PathLike[str] | onnx.ModelProto,
+    onnx_model: str | os.PathLike[str] | onnx.ModelProto | torch.onnx.ONNXProgram,
     *,
     hist: Sequence[float] = (0.1, 0.01),
     progress_bar: bool = False,
     include_io: bool = True,
     skip_none: bool = True,
     on_progress: ProgressCallback | None = None,
-    tolerances: Tolerances,
-) -> list[dict[str, Any]]:
+    atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
+    output_rtol: Mapping[str, float] | None = None, check_error_stat: str = "max", error_quantile: float = 0.99,
+    tolerances: Tolerances | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
     """Run ``onnx_model`` with onnxruntime on every recorded call; one dict per call (DataFrame-ready).
 
     Each row has ``SUCCESS, abs, rel, sum, n, dnan``, one ``>h`` count per threshold of ``hist``,
@@ -384,13 +382,17 @@ def check_discrepancies(
         include_io: Add the ``inputs`` and ``outputs`` summaries.
         skip_none: A None output on one side only is not a failure.
         on_progress: Called with a :class:`~iobundle.replay.ProgressEvent` after each call.
-        tolerances: The whole comparison as one value. Without it, it is built (by
-            :func:`~iobundle.replay.check.tolerance_options`) from the keyword options, which then
-            keep their meaning: ``atol`` / ``rtol``, the absolute / relative tolerance (the default for
-            every output); ``output_atol`` / ``output_rtol``, per output name or ``fnmatch`` pattern
-            (``{"logits": 1e-3}``); ``check_error_stat``, ``max`` (every element within tolerance),
-            ``mean``, ``median`` or ``quantile``; ``error_quantile``, the quantile of
-            ``check_error_stat="quantile"`` (and of ``quantile_abs``). When given, those are ignored.
+        atol: The absolute tolerance of every output (those recorded in half precision get their
+            dtype's row of ``DTYPE_TOLERANCES`` instead).
+        rtol: The relative tolerance of every output (likewise).
+        output_atol: Absolute tolerances per output: its name in the output tree (``logits``,
+            ``past_key_values[0]``), its ONNX name or an ``fnmatch`` pattern, e.g. ``{"logits": 1e-3}``.
+        output_rtol: Relative tolerances per output, keyed like ``output_atol``.
+        check_error_stat: The statistic of an output's errors that decides it: ``max`` (every element
+            within tolerance), ``mean``, ``median`` or ``quantile``.
+        error_quantile: The quantile of ``check_error_stat="quantile"`` (and of ``quantile_abs``).
+        tolerances: The whole comparison as one value (:meth:`~iobundle.replay.check.Tolerances.build`
+            builds it from the six above, which are ignored when it is given).
 
     Raises:
         NothingToCompareError: The calls hold no recorded outputs (a redacted bundle).
@@ -400,6 +402,7 @@ def check_discrepancies(
     .. versionchanged:: 0.2
         ``output_atol``, ``output_rtol``, ``check_error_stat``, ``error_quantile``, ``on_progress``.
     """
+    tolerances = tolerances or Tolerances.build(atol, rtol, output_atol, output_rtol, check_error_stat, error_quantile)
     rows, _ = _run_checks(
         rc, onnx_model, tolerances=tolerances.for_calls(rc.ok_calls), hist=hist, progress_bar=progress_bar, include_io=include_io,
         skip_none=skip_none, per_output=tolerances.per_output, on_progress=on_progress,
@@ -409,7 +412,7 @@ def check_discrepancies(
 
 def _run_checks(
     rc: RecordedCalls,
-    onnx_model: str | os.PathLike[str] | onnx.ModelProto,
+    onnx_model: str | os.PathLike[str] | onnx.ModelProto | torch.onnx.ONNXProgram,
     *,
     tolerances: Tolerances,
     hist: Sequence[float],
@@ -421,7 +424,7 @@ def _run_checks(
 ) -> tuple[list[dict[str, Any]], list[OutputCheck]]:
     check_error_stat_name(tolerances.check_error_stat, tolerances.error_quantile)
     _require_outputs(rc)
-    if not _is_proto(onnx_model) and str(onnx_model).endswith(".json"):
+    if isinstance(onnx_model, (str, os.PathLike)) and str(onnx_model).endswith(".json"):
         return check_program_index(
             rc, onnx_model, tolerances=tolerances, hist=hist, progress_bar=progress_bar,
             include_io=include_io, skip_none=skip_none, per_output=per_output, on_progress=on_progress,
@@ -602,14 +605,15 @@ class ValidationReport:
         return f"{'PASS' if self.ok else 'FAIL'}: {passed}/{n} calls within {self.criterion()}{ran}"
 
 
-@tolerance_options()
 def validate_onnx(
     rc: RecordedCalls,
-    onnx_model: str | os.PathLike[str] | onnx.ModelProto,
+    onnx_model: str | os.PathLike[str] | onnx.ModelProto | torch.onnx.ONNXProgram,
     *,
     on_progress: ProgressCallback | None = None,
-    tolerances: Tolerances,
-) -> ValidationReport:
+    atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
+    output_rtol: Mapping[str, float] | None = None, check_error_stat: str = "max", error_quantile: float = 0.99,
+    tolerances: Tolerances | None = None,
+) -> ValidationReport:  # fmt: skip
     """Validate ``onnx_model`` on every recorded call, output by output; see :func:`check_discrepancies`.
 
     Each output of each call is compared on its own: its tolerances are ``output_atol`` /
@@ -638,6 +642,7 @@ def validate_onnx(
         Per-output checks (``outputs``), ``output_atol``, ``output_rtol``, ``check_error_stat``,
         ``error_quantile``, ``on_progress``.
     """
+    tolerances = tolerances or Tolerances.build(atol, rtol, output_atol, output_rtol, check_error_stat, error_quantile)
     begin = time.perf_counter()
     tolerances = tolerances.for_calls(rc.ok_calls)  # the report names the calls under torch.autocast
     rows, checks = _run_checks(

@@ -9,6 +9,7 @@ name a half type. The operators and their order stay as exported; the file on di
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -28,10 +29,10 @@ def _widen_tensor(tensor: onnx.TensorProto) -> None:
     tensor.CopyFrom(numpy_helper.from_array(values, tensor.name))
 
 
-def _widen_nodes(nodes: object, seen: set[int]) -> None:
+def _widen_nodes(nodes: Iterable[onnx.NodeProto], seen: set[int]) -> None:
     from onnx import AttributeProto, TensorProto
 
-    for node in nodes:  # type: ignore[attr-defined]
+    for node in nodes:
         for attr in node.attribute:
             if attr.type == AttributeProto.INT and attr.name == "to" and attr.i in HALF_TYPES:
                 seen.add(attr.i)

@@ -28,14 +28,8 @@ __all__ = [
     "explain_guard",
 ]
 
+from iobundle.replay.export._call_checks import CallCheck, ExportReport
 from iobundle.replay.export._dims import BatchCheck, cut_call, explain_guard
-from iobundle.replay.export._export import (
-    CallCheck,
-    ExportReport,
-    ExportResult,
-    SplitProgram,
-    export_onnx,
-    export_program,
-    save_onnx,
-)
+from iobundle.replay.export._export import ExportResult, SplitProgram, export_program
+from iobundle.replay.export._onnx_save import export_onnx, save_onnx
 from iobundle.replay.export._phases import Phase, ProgramSet, ProgramsMode, export_programs, partition_calls

@@ -23,7 +23,7 @@ import logging
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -350,33 +350,12 @@ def cut_call(
 def _cut_call(
     rc: RecordedCalls, plan: _Plan
 ) -> tuple[BatchCheck, Callable[[], tuple[tuple[Any, ...], dict[str, Any]]]]:
-    """The check's empty result and a function returning fresh arguments of the traced call cut to its batch."""
-    call = plan.alignment.calls[plan.traced]
-    recorded, batch, arguments = _cut_arguments(rc, plan.alignment, plan.traced, plan.dims, plan.batch_axes)
-    result = BatchCheck(call=call.index, recorded_batch=recorded, batch=batch)
-    if not plan.flatten_var_kw or not rc.var_keyword:
-        return result, arguments
+    """The check's empty result and a function returning fresh arguments of the traced call cut to its batch.
 
-    def spread() -> tuple[tuple[Any, ...], dict[str, Any]]:
-        args, kwargs = arguments()
-        if rc.var_keyword in kwargs:
-            kwargs = {**{k: v for k, v in kwargs.items() if k != rc.var_keyword}, **kwargs[rc.var_keyword]}
-        return args, kwargs
-
-    return result, spread
-
-
-def _cut_arguments(
-    rc: RecordedCalls,
-    alignment: Alignment,
-    index: int,
-    dims: list[list[int]],
-    batch_axes: list[int | None],
-    *,
-    batch: int | None = None,
-) -> tuple[int, int, Callable[[], tuple[tuple[Any, ...], dict[str, Any]]]]:
-    """Call ``index``'s batch B, the batch it is cut to (``batch``; default B - 1, or 2 when B is 1), and fresh arguments so cut."""
-    recorded, batch, tensors = _cut_tensors(rc, alignment, index, dims, batch_axes, batch=batch)
+    A batch B is cut to B - 1 rows, or repeated to 2 when B is 1.
+    """
+    alignment = plan.alignment
+    recorded, batch, tensors = _cut_tensors(rc, alignment, plan.traced, plan.dims, plan.batch_axes)
     keys = [f"\x02{i}" for i in range(len(tensors))]
     resized = dict(zip(keys, tensors))
 
@@ -384,9 +363,12 @@ def _cut_arguments(
         # Fresh copies for each run: a model may update its inputs in place (a state-space
         # cache's convolution and recurrent states), which must not reach the other run.
         fresh = {k: t.clone() for k, t in resized.items()}
-        return infer_arguments(rc, alignment=alignment, slots=list(keys), extra=fresh, as_args_kwargs=True)
+        args, kwargs = infer_arguments(rc, alignment=alignment, slots=list(keys), extra=fresh, as_args_kwargs=True)
+        if plan.flatten_var_kw and rc.var_keyword and rc.var_keyword in kwargs:
+            kwargs = {**{k: v for k, v in kwargs.items() if k != rc.var_keyword}, **kwargs[rc.var_keyword]}
+        return args, kwargs
 
-    return recorded, batch, arguments
+    return BatchCheck(call=alignment.calls[plan.traced].index, recorded_batch=recorded, batch=batch), arguments
 
 
 def _cut_tensors(
@@ -420,7 +402,11 @@ def cut_plan(rc: RecordedCalls, plan: _Plan) -> _Plan:
 
 
 _FACTOR = re.compile(r"^(\w+(?:\[[^\]]*\])*)\.size\(\)\[(\d+)\](?:\s*//\s*(\d+))?$")
-_NEGATION = {"==": "!=", "!=": "==", "<": ">=", ">=": "<", ">": "<=", "<=": ">"}
+_Op = Literal["==", "!=", "<", "<=", ">", ">="]
+_NEGATION: dict[str, tuple[_Op, _Op]] = {
+    "==": ("==", "!="), "!=": ("!=", "=="), "<": ("<", ">="), ">=": (">=", "<"), ">": (">", "<="), "<=": ("<=", ">"),
+}  # fmt: skip
+"""Each comparison a guard may make: itself and its negation."""
 
 
 def guard_sources(rc: RecordedCalls, plan: _Plan) -> dict[str, tuple[str, int | None]]:
@@ -496,13 +482,13 @@ def split_rule(
         name, item = sources[size.group(1)]
         of.append((name, int(size.group(2))) if item is None else (name, int(size.group(2)), item))
         div.append(int(size.group(3) or 1))
-    op, value = parts.group(2), int(parts.group(3)) - constant
+    (op, negated), value = _NEGATION[parts.group(2)], int(parts.group(3)) - constant
     if value < 0 or min(div) < 1:
         return f"the guard {expr} compares sizes with a negative number"
     divided = div if max(div) > 1 else None
     return (
         SizeCondition(of=of, op=op, value=value, div=divided),
-        SizeCondition(of=of, op=_NEGATION[op], value=value, div=divided),
+        SizeCondition(of=of, op=negated, value=value, div=divided),
     )
 
 
@@ -517,7 +503,9 @@ def derived_dims(rc: RecordedCalls, plan: _Plan, message: str) -> dict[str, tupl
     sizes: dict[str, list[int | None]] = {}
     for position, slots in enumerate(plan.alignment.slots):
         for key, names in zip(slots, plan.dim_names):
-            for axis, name in names.items() if key is not None else ():
+            if key is None:
+                continue
+            for axis, name in names.items():
                 row = sizes.setdefault(name, [None] * len(plan.alignment.slots))
                 row[position] = int(rc.store.shape(key)[axis]) if row[position] is None else row[position]
     return derive_dims(sizes, {n for n in sizes if re.sub(r"\W", "_", n) in violated})

@@ -75,7 +75,7 @@ def _constant_inputs(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor
             or spec.target in mutated
         ):
             continue
-        value = ep.state_dict.get(spec.target, ep.constants.get(spec.target))  # type: ignore[arg-type]
+        value = ep.state_dict.get(spec.target, ep.constants.get(spec.target))
         if isinstance(value, torch.Tensor):
             found[spec.arg.name] = value
     return found
@@ -118,7 +118,7 @@ def fold_constants(ep: torch.export.ExportedProgram) -> list[str]:
     the ops folded, one entry per op (``aten.erfinv.default``)."""
     from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 
-    values: dict[torch.fx.Node, object] = {}
+    values: dict[torch.fx.Node, Any] = {}
     placeholders = _constant_inputs(ep)
     graph = ep.graph_module.graph
     constant = {n for n in graph.nodes if n.op == "placeholder" and n.name in placeholders}
@@ -135,9 +135,7 @@ def fold_constants(ep: torch.export.ExportedProgram) -> list[str]:
     if not chosen:
         return []
 
-    def value(node: object) -> object:
-        if not isinstance(node, torch.fx.Node):
-            return node
+    def value(node: torch.fx.Node) -> Any:
         if node not in values:
             if node.op == "placeholder":
                 values[node] = placeholders[node.name]

@@ -25,7 +25,7 @@ import dataclasses
 import inspect
 import logging
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -35,8 +35,11 @@ import torch
 from iobundle._remote import resolve_output
 from iobundle.calls import RecordedCalls
 from iobundle.errors import AlignmentError, ExportError
-from iobundle.replay.check import Tolerances, tolerance_options
-from iobundle.replay.export._export import CallCheck, ExportReport, ExportResult, export_program, save_onnx
+from iobundle.replay.check import Tolerances
+from iobundle.replay.export._call_checks import CallCheck, ExportReport
+from iobundle.replay.export._export import ExportResult, export_program
+from iobundle.replay.export._onnx_save import save_onnx
+from iobundle.replay.export._trace import signed_subclass
 from iobundle.replay.infer import DynamicSpec, align_calls, call_structures, call_values, owner_name, phase_calls
 from iobundle.schema import FixedValues, ProgramEntry, ProgramIndex, SizeCondition, write_program_index
 
@@ -206,7 +209,6 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-@tolerance_options("atol", "rtol", "output_atol", "output_rtol")
 def export_programs(
     rc: RecordedCalls,
     model: torch.nn.Module,
@@ -218,8 +220,9 @@ def export_programs(
     check: bool = True,
     dim_names: Any = False,
     on_progress: Any = None,
-    tolerances: Tolerances,
-) -> ProgramSet:
+    atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
+    output_rtol: Mapping[str, float] | None = None, tolerances: Tolerances | None = None,
+) -> ProgramSet:  # fmt: skip
     """Export one program that serves every recorded call, or one per phase when it cannot.
 
     With ``programs="auto"`` (the default) one program is exported and checked on every call
@@ -233,6 +236,7 @@ def export_programs(
         ExportError: No program could be exported for some call, or (with ``check``) a call
             is not reproduced by its program; the message names the phase and the call.
     """
+    tolerances = tolerances or Tolerances.build(atol, rtol, output_atol, output_rtol)
     if programs not in _MODES:
         raise ExportError(f"programs={programs!r}: use one of {', '.join(map(repr, _MODES))}.")
     options: dict[str, Any] = dict(
@@ -361,14 +365,7 @@ class _ValuesFixed(torch.nn.Module):
                     bound.arguments[name] = torch.tensor(data, dtype=dtype).reshape(shape)
                 return getattr(self.model, method)(*bound.args, **bound.kwargs)
 
-        forward.__signature__ = signature.replace(  # type: ignore[attr-defined]
-            parameters=[
-                inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-                *signature.parameters.values(),
-            ]
-        )
-        subclass = type(cls.__name__, (cls,), {"forward": forward, method: forward, "__module__": cls.__module__})
-        return super().__new__(subclass)  # type: ignore[no-any-return]
+        return super().__new__(signed_subclass(cls, forward, signature, method))
 
     def __init__(self, model: torch.nn.Module, method: str, fixed: dict[str, tuple[Any, ...]]) -> None:
         super().__init__()
@@ -384,8 +381,8 @@ def _value_inputs(rc: RecordedCalls) -> dict[str, torch.dtype]:
     for owner, count in collections.Counter(alignment.owners).items():
         name = owner_name(rc, owner)
         values = [call_values(rc, alignment, i)(name) for i in range(len(alignment.calls))]
-        if count == 1 and name != rc.var_keyword and all(v and len(v[1]) <= MAX_FIXED_ELEMENTS for v in values):
-            key = alignment.slots[0][alignment.owners.index(owner)]
+        key = alignment.slots[0][alignment.owners.index(owner)]
+        if key and count == 1 and name != rc.var_keyword and all(v and len(v[1]) <= MAX_FIXED_ELEMENTS for v in values):
             found[name] = (max(len(v[1]) for v in values if v), rc.store.get(key).dtype)
     return {name: found[name][1] for name in sorted(found, key=lambda n: found[n][0])}
 

@@ -163,7 +163,7 @@ def call_shape(call: CallEntry) -> _CallShape:
     return shape
 
 
-class _EntryRef(weakref.ref):  # type: ignore[type-arg]
+class _EntryRef(weakref.ref["CallEntry"]):
     """A weak reference to a call entry that remembers the ``id`` it is filed under."""
 
     __slots__ = ("key",)
@@ -375,7 +375,7 @@ def align_call(rc: RecordedCalls, alignment: Alignment, call: CallEntry) -> list
     pieces += [(k, kwargs.get(k), v) for k, v in best.kwargs.items()]
     for owner, node, best_node in pieces:
         n = alignment.n_slots.get(owner, 0)
-        keys = [] if _is_absent(node) else _match_tensors(node, best_node)  # type: ignore[arg-type]
+        keys = [] if node is None or _is_absent(node) else _match_tensors(node, best_node)
         if not any(k is not None for k in keys):
             slots.extend([None] * n)
             continue

@@ -69,7 +69,7 @@ def _reference_slot(slots: list[_dim_names._Slot], shapes: list[list[tuple[int, 
     """The slot whose leading size is the batch: ``input_ids``, else the first tensor that has a dimension."""
     ranked = [i for i, per_call in enumerate(shapes) if any(s for s in per_call if s is not None)]
     named = [i for i in ranked if slots[i].name == _REFERENCE and slots[i].position == 0]
-    return (named or ranked or [None])[0]
+    return next(iter(named or ranked), None)
 
 
 def find_batch_axes(rc: RecordedCalls, alignment: Alignment) -> list[BatchAxis]:

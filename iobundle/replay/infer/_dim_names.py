@@ -44,7 +44,7 @@ from iobundle.calls import (
     dynamic_cache_parts,
 )
 from iobundle.errors import InputSelectionError
-from iobundle.replay.infer._dynamic_dim import DynamicDim
+from iobundle.replay.infer._dynamic_dim import to_torch_dims
 from iobundle.schema import Node, ObjectNode, TensorNode
 
 if TYPE_CHECKING:
@@ -400,25 +400,11 @@ def to_export_dims(
             if root == name:
                 dims[name] = torch.export.Dim(ident)
             else:
-                base = dim(root) if root is not None else torch.export.Dim(f"{ident}_over_{k}")
-                dims[name] = k * base + c if c else k * base
+                unit = dim(root) if root is not None else torch.export.Dim(f"{ident}_over_{k}")
+                dims[name] = k * unit + c if c else k * unit
         return dims[name]
 
-    def torch_hint(value: Any) -> Any:
-        return torch.export.Dim.DYNAMIC if isinstance(value, DynamicDim) else value
-
-    def convert(value: Any) -> Any:
-        if isinstance(value, dict):
-            if value and all(isinstance(k, int) for k in value):
-                return {k: dim(v) if isinstance(v, str) else torch_hint(v) for k, v in value.items()}
-            return {k: convert(v) for k, v in value.items()}
-        if isinstance(value, tuple):
-            return tuple(convert(v) for v in value)
-        if isinstance(value, list):
-            return [convert(v) for v in value]
-        return value
-
-    return convert(dynamic_shapes), originals
+    return to_torch_dims(dynamic_shapes, dim), originals
 
 
 def rename_onnx_axes(model: Any, mapping: Mapping[str, str]) -> int:

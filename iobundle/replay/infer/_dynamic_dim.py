@@ -8,6 +8,7 @@ result is handed to torch or promised as torch objects (``infer_dynamic_shapes``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from iobundle._lazy import lazy_module
@@ -38,14 +39,26 @@ DYNAMIC: Final = DynamicDim()
 """A dimension whose size varies across the recorded calls (``torch.export.Dim.DYNAMIC`` once converted)."""
 
 
-def to_torch_dims(dynamic_shapes: Any) -> Any:
-    """``dynamic_shapes`` with every :data:`DYNAMIC` replaced by ``torch.export.Dim.DYNAMIC`` (names kept)."""
-    if isinstance(dynamic_shapes, DynamicDim):
+def to_torch_dims(
+    dynamic_shapes: tuple[Any, ...] | dict[str, Any], named: Callable[[str], Any] | None = None
+) -> tuple[Any, ...] | dict[str, Any]:
+    """``dynamic_shapes`` with every :data:`DYNAMIC` replaced by ``torch.export.Dim.DYNAMIC``.
+
+    A name (a string among a tensor's dimensions) is kept, or replaced by ``named(name)`` when given.
+    """
+    converted: tuple[Any, ...] | dict[str, Any] = _torch_dims(dynamic_shapes, named)
+    return converted
+
+
+def _torch_dims(value: Any, named: Callable[[str], Any] | None) -> Any:
+    if isinstance(value, DynamicDim):
         return torch.export.Dim.DYNAMIC
-    if isinstance(dynamic_shapes, dict):
-        return {k: to_torch_dims(v) for k, v in dynamic_shapes.items()}
-    if isinstance(dynamic_shapes, tuple):
-        return tuple(to_torch_dims(v) for v in dynamic_shapes)
-    if isinstance(dynamic_shapes, list):
-        return [to_torch_dims(v) for v in dynamic_shapes]
-    return dynamic_shapes
+    if isinstance(value, dict):
+        if named is not None and value and all(isinstance(k, int) for k in value):
+            return {k: named(v) if isinstance(v, str) else _torch_dims(v, None) for k, v in value.items()}
+        return {k: _torch_dims(v, named) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_torch_dims(v, named) for v in value)
+    if isinstance(value, list):
+        return [_torch_dims(v, named) for v in value]
+    return value

@@ -26,11 +26,11 @@ import pytest
 import torch
 
 from iobundle import InputObserver
+from iobundle.replay.export._attention_patches import patch_sdpa_without_is_causal
 from iobundle.replay.export._patches import (
     PATCHES,
     export_patches,
     patch_contiguous_last_token,
-    patch_sdpa_without_is_causal,
     patch_whisper_cross_attention_recompute,
 )
 
@@ -48,7 +48,7 @@ REPLAY_SCRIPT = textwrap.dedent(
     import torch.utils._pytree as torch_pytree
 
     from iobundle import load_bundle
-    from iobundle.calls._transformers import torch_pytree_nodes
+    from iobundle.calls._torch_pytree import torch_pytree_nodes
     from iobundle.replay._model_load import load_bundle_model
 
     jobs = json.load(open(sys.argv[1]))

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from iobundle.replay.check import TOLERANCE_OPTION_DOCS, tolerance_options
 from iobundle.replay.check._compare import Comparison, Scratch, compare_outputs
 
 
@@ -172,13 +171,8 @@ def test_pieces_agree_with_the_whole(monkeypatch: pytest.MonkeyPatch, chunk: int
 
 from iobundle import ToleranceError  # noqa: E402
 from iobundle.replay import ErrorStats, Tolerances  # noqa: E402
-from iobundle.replay.check._compare import (  # noqa: E402
-    check_error_stat_name,
-    error_stats,
-    histogram_labels,
-    output_paths,
-    stat_passes,
-)
+from iobundle.replay.check._compare import error_stats, histogram_labels, output_paths, stat_passes  # noqa: E402
+from iobundle.replay.check._tolerances import check_error_stat_name  # noqa: E402
 from iobundle.schema import DictNode, ObjectNode, TensorNode, TupleNode  # noqa: E402
 
 
@@ -398,51 +392,46 @@ def test_a_bfloat16_output_is_decided_with_its_dtype_tolerances():
     assert row["SUCCESS"] is False
 
 
-def test_tolerance_options_builds_the_value_from_keywords_and_shows_them_in_the_signature():
-    @tolerance_options(positional=("atol", "rtol"), after="model")
-    def run(model: str, hist: int = 1, *, tolerances: Tolerances) -> tuple[int, Tolerances]:
-        return hist, tolerances
+def test_tolerance_keywords_are_real_parameters_with_the_defaults_of_build():
+    """What a type checker and ``inspect`` read is what runs: no decorator rewrites the signatures."""
+    from iobundle.replay import (
+        Bundle,
+        check_discrepancies,
+        diff_bundles,
+        export_onnx,
+        export_program,
+        export_programs,
+        rerun_model,
+        validate_onnx,
+    )
 
-    params = inspect.signature(run).parameters
-    assert list(params)[:4] == ["model", "atol", "rtol", "hist"]
-    assert params["check_error_stat"].kind is inspect.Parameter.KEYWORD_ONLY
-    assert params["tolerances"].default is None
-    hist, tol = run("m", 1e-3, 0.2, 5, output_atol={"logits": 1e-2}, check_error_stat="mean")
-    assert hist == 5
-    assert tol == Tolerances(atol=1e-3, rtol=0.2, per_output_atol={"logits": 1e-2}, check_error_stat="mean")
-    given = Tolerances(atol=0.5)
-    assert run("m", 1e-3, tolerances=given)[1] is given  # a given value wins over the keywords
+    build = inspect.signature(Tolerances.build).parameters
+    takers = {
+        "all": (check_discrepancies, validate_onnx, rerun_model, diff_bundles, Bundle.check_discrepancies,
+                Bundle.validate, Bundle.rerun),
+        "export": (export_program, export_programs, export_onnx, Bundle.export, Bundle.export_programs, Bundle.to_onnx),
+    }  # fmt: skip
+    for kind, funcs in takers.items():
+        for func in funcs:
+            assert not hasattr(func, "__wrapped__"), func.__qualname__
+            params = inspect.signature(func).parameters
+            names = list(build) if kind == "all" else ["atol", "rtol", "output_atol", "output_rtol"]
+            assert {n: params[n].default for n in names} == {n: build[n].default for n in names}, func.__qualname__
+            assert params["tolerances"].default is None and list(params)[-1] == "tolerances"
+    assert list(inspect.signature(Bundle.check_discrepancies).parameters)[:4] == ["self", "onnx_model", "atol", "rtol"]
+    assert Tolerances.build(1e-3, 0.2, {"logits": 1e-2}, None, "mean") == Tolerances(
+        atol=1e-3, rtol=0.2, per_output_atol={"logits": 1e-2}, check_error_stat="mean"
+    )
     with pytest.raises(ToleranceError):
-        run("m", check_error_stat="mode")
-
-
-def test_tolerance_options_lists_the_keywords_it_adds_in_the_docstring():
-    @tolerance_options("atol", "output_atol")
-    def run(model: str, *, tolerances: Tolerances) -> Tolerances:
-        """Run the model.
-
-        Args:
-            model: The model.
-            atol: Documented here already.
-
-        Returns:
-            The tolerances.
-        """
-        return tolerances
-
-    doc = run.__doc__
-    assert doc.count("atol: ") == 2 and "Documented here already." in doc  # atol itself, output_atol added
-    keywords = doc.split("Keyword Args:\n", 1)[1].split("\n\n", 1)[0].splitlines()
-    assert keywords == ["    output_atol: " + TOLERANCE_OPTION_DOCS["output_atol"]]
-    assert doc.index("Keyword Args:") < doc.index("Returns:")  # in the Args' place, before Returns
+        Tolerances.build(check_error_stat="mode")
 
 
 def test_public_functions_document_every_tolerance_keyword_they_take():
-    from iobundle.replay import Bundle, check_discrepancies, export_onnx, validate_onnx
+    from iobundle.replay import check_discrepancies, export_program
 
-    for func in (check_discrepancies, validate_onnx, export_onnx, Bundle.to_onnx, Bundle.check_discrepancies):
+    for func in (check_discrepancies, export_program):
         params = inspect.signature(func).parameters
-        options = [n for n in TOLERANCE_OPTION_DOCS if n in params]
+        options = [n for n in inspect.signature(Tolerances.build).parameters if n in params]
         assert {"atol", "rtol", "output_atol", "output_rtol"} <= set(options), func.__qualname__
         for name in options:
             assert re.search(rf"^\s+{name}: ", func.__doc__, re.M), (func.__qualname__, name)

@@ -12,12 +12,12 @@ import torch
 import torch.fx.experimental._config as fx_config
 
 from iobundle import InputObserver
+from iobundle.replay.export._attention_patches import patch_sdpa_without_is_causal, patch_sliding_window_offsets
 from iobundle.replay.export._patches import (
     export_patches,
     patch_latent_keys_concat,
     patch_layout_copies,
     patch_moe_batched_experts,
-    patch_sliding_window_offsets,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -196,8 +196,6 @@ def test_new_patches_apply_only_where_needed() -> None:
 
 
 def test_torch_sdpa_wrapper_matches_torch_and_zeroes_unseeing_rows() -> None:
-    from iobundle.replay.export._patches import patch_sdpa_without_is_causal
-
     gen = torch.Generator().manual_seed(3)
     query, key, value = (torch.randn(2, 4, 3, 8, generator=gen) for _ in range(3))
     mask = torch.ones(2, 1, 3, 3, dtype=torch.bool).tril()

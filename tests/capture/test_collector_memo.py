@@ -1,0 +1,65 @@
+"""A tensor or a cache met again while recording costs a look-up, never a wrong key."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from iobundle.calls import TensorCollector, record_value, tensor_keys
+from iobundle.capture._snapshots import SnapshotTable
+
+
+def _collector() -> TensorCollector:
+    table = SnapshotTable()
+    collector = TensorCollector(table.snapshot)
+    collector.tensors = table  # type: ignore[assignment]  # what the observer does
+    return collector
+
+
+def _cache(layers: int = 3) -> DynamicCache:
+    cache = DynamicCache()
+    for i in range(layers):
+        cache.update(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), i)
+    return cache
+
+
+def _record(value: object, collector: TensorCollector) -> object:
+    return record_value(value, collector, path="past_key_values", on_opaque=lambda *a: None)
+
+
+def test_a_cache_passed_on_unchanged_is_the_node_recorded_before() -> None:
+    collector, cache = _collector(), _cache()
+    first = _record(cache, collector)
+    assert _record(cache, collector) is first
+
+
+def test_a_cache_tensor_changed_in_place_gets_a_new_key() -> None:
+    collector, cache = _collector(), _cache()
+    first = _record(cache, collector)
+    cache.layers[1].keys.add_(1.0)  # a static cache's update: same object, new version
+    second = _record(cache, collector)
+    assert second is not first
+    old, new = tensor_keys(first), tensor_keys(second)
+    changed = [i for i, (a, b) in enumerate(zip(old, new)) if a != b]
+    assert changed == [2]  # layer 1's keys, and nothing else
+    assert torch.equal(collector.tensors[new[2]], cache.layers[1].keys)
+    assert not torch.equal(collector.tensors[old[2]], cache.layers[1].keys)
+
+
+def test_a_cache_whose_tensors_were_replaced_is_walked_again() -> None:
+    collector, cache = _collector(), _cache()
+    first = _record(cache, collector)
+    cache.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), 0)  # a decode step appends to layer 0
+    second = _record(cache, collector)
+    assert second is not first
+    assert collector.tensors[tensor_keys(second)[0]].shape == (1, 2, 5, 8)
+    assert tensor_keys(second)[2:] == tensor_keys(first)[2:]  # the other layers' tensors keep their keys
+
+
+def test_keys_dropped_from_the_table_void_the_memo() -> None:
+    collector, cache = _collector(), _cache()
+    first = _record(cache, collector)
+    collector.tensors.discard(tensor_keys(first)[:1])  # a failed call's snapshots leave the table
+    second = _record(cache, collector)
+    assert second is not first
+    assert all(key in collector.tensors for key in tensor_keys(second))
