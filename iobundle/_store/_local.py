@@ -146,7 +146,9 @@ class LocalStore(Store):
                     os.fsync(f.fileno())
             if tmp:
                 self._tree.replace(tmp, name)
-                os.fsync(self._tree.folder(self._parts(name)[:-1]))  # type: ignore[arg-type]
+                folder = self._tree.folder(self._parts(name)[:-1])
+                if folder is not None:  # made by the open above
+                    os.fsync(folder)
         except IobundleError:
             raise
         except OSError as exc:

@@ -397,7 +397,7 @@ class BundleTensorStore:
     """
 
     def __init__(
-        self, root: Path, manifest: Manifest, *, verify: bool = True, bundle_root: Store | None = None
+        self, root: Path | str, manifest: Manifest, *, verify: bool = True, bundle_root: Store | None = None
     ) -> None:
         self.root = root
         self.bundle_root: Store = LocalStore(root) if bundle_root is None else bundle_root

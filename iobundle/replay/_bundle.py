@@ -55,7 +55,9 @@ class Bundle(RecordedCallsAPI):
     others (format version 2) are rebuilt on each read; shapes never read the files.
     """
 
-    def __init__(self, path: Path, manifest: Manifest, *, verify: bool = True, source: Store | None = None) -> None:
+    def __init__(
+        self, path: Path | str, manifest: Manifest, *, verify: bool = True, source: Store | None = None
+    ) -> None:
         self.path = path
         self.manifest = manifest
         self._store = BundleTensorStore(path, manifest, verify=verify, bundle_root=source)
@@ -95,7 +97,7 @@ class Bundle(RecordedCallsAPI):
             manifest = load_manifest(store.path)
         else:
             manifest = parse_manifest(store.read_manifest(), source=store.describe(MANIFEST_FILENAME))
-        bundle = cls(store.path, manifest, verify=verify, source=store)  # type: ignore[arg-type]
+        bundle = cls(store.path, manifest, verify=verify, source=store)
         _check_references(bundle._store, manifest)
         return bundle
 
