@@ -47,12 +47,10 @@ def remove_leftovers(store: Store, keep: Collection[str] = ()) -> list[str]:
 
 def unlisted_files(store: Store, listed: Collection[str]) -> tuple[list[tuple[str, str, bool]], bool]:
     """``(member name, kind, whether a writer gives that name)`` of what ``store`` holds besides ``listed``, and
-    whether the bundle is closed (it has a ``manifest.json``).
+    whether the bundle is closed (it has a ``manifest.json``; else its journal lists its calls).
 
-    An open (or killed) stream lists its calls in its journal; a journal beside a manifest is a
-    leftover. Looked at: the root's files a writer names (other files beside a bundle are the user's
-    business) and every entry of ``calls/``, the writers' folder. Folders of the root (``calls/``,
-    ``model/``) are not reported.
+    Looked at: the root's files a writer names (others beside a bundle are the user's business) and
+    every entry of ``calls/``, the writers' folder.
     """
     root = store.list()
     closed = root.get(MANIFEST_FILENAME) == FILE
@@ -70,17 +68,11 @@ def unlisted_files(store: Store, listed: Collection[str]) -> tuple[list[tuple[st
 def clear_bundle(store: Store) -> list[str]:
     """Delete the bundle ``store`` holds: the one overwrite rule. Returns the names removed.
 
-    Every listed file is checked before anything is removed: a bundle whose ``calls/`` (or any
-    listed file, or the manifest) is a link, or whose listed name is a folder, is refused whole.
-    ``manifest.json`` goes first (what remains is never taken for a complete bundle), then each file
-    it lists (tensor files, the model's files), then what a killed writer left (:func:`remove_leftovers`);
-    nothing else, so files beside the bundle stay; then the folders left empty.
-
-    Raises:
-        BundleExistsError: The old manifest is unreadable or names a file outside the bundle (it is not
-            trusted either), or a listed file or a folder above it is a link or not a regular file
-            (nothing is removed then).
-        BundleWriteError: A listed file cannot be removed (permissions).
+    Every listed file is checked first (a link on the way, or a folder where a file is listed,
+    refuses the whole: BundleExistsError, as an unreadable old manifest or one naming a file outside).
+    ``manifest.json`` goes first (what remains is never taken for a bundle), then each file it lists,
+    then what a killed writer left (:func:`remove_leftovers`), then the folders left empty; nothing
+    else. BundleWriteError when a file cannot be removed.
     """
     again = "Remove the bundle yourself, or choose another path."
     try:

@@ -104,11 +104,7 @@ def _check_ranges(name: str, entry: FileEntry, chunks: Iterable[memoryview]) -> 
 
 def _hash_file(f: io.RawIOBase | io.BufferedIOBase, name: str, entry: FileEntry) -> None:
     """Check the digest of member ``name`` (a segment: each range's, over its first ``entry.size`` bytes), read from
-    ``f`` in chunks.
-
-    Raises:
-        IntegrityError: A digest differs from the manifest's, or the file changed while it was read.
-    """
+    ``f`` in chunks; IntegrityError when one differs from the manifest's, or the file changed while it was read."""
     segment = entry.ranges is not None
     buffer = memoryview(bytearray(max(1, min(_CHUNK, entry.size + 1))))  # + 1: EOF in the same read
 
@@ -152,12 +148,10 @@ def listed_files(manifest: Manifest) -> dict[str, FileEntry]:
 
 
 def check_file(store: Store, name: str, entry: FileEntry, *, hash_check: bool = True) -> None:
-    """Check that bundle member ``name`` exists and has the recorded size (and hash).
+    """Check that bundle member ``name`` exists and has the recorded size (and hash), reading it once.
 
-    Raises:
-        UnsafeBundleError: ``name`` leads outside the bundle.
-        TensorFileError: The file is missing, unreadable or not a regular file.
-        IntegrityError: Its size or hash differs from the manifest.
+    Raises UnsafeBundleError (a name leading outside, a link), TensorFileError (missing, unreadable,
+    not a regular file) or IntegrityError (its size or hash differs from the manifest).
     """
     f, size = store.open(name)
     with f:
