@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
+from iobundle._paths import CREATE
 from iobundle.errors import BundleWriteError
 
 __all__ = ["CHUNK_BYTES", "CONCURRENT_HASH_MIN_BYTES", "atomic_file", "fsync_files", "write_atomically"]
@@ -28,19 +29,9 @@ CONCURRENT_HASH_MIN_BYTES = 16 * 1024**2
 (hashlib and the write syscall both release the GIL on large buffers): a file then costs
 max(write, hash) instead of their sum. Smaller files are written and hashed in one thread."""
 
-_CREATE = (
-    os.O_WRONLY
-    | os.O_CREAT
-    | os.O_TRUNC
-    | getattr(os, "O_NOFOLLOW", 0)
-    | getattr(os, "O_CLOEXEC", 0)
-    | getattr(os, "O_BINARY", 0)
-)
-"""How a temporary file is opened: never through a link planted at its name."""
-
 
 def _open_tmp(tmp: Path) -> BinaryIO:
-    return os.fdopen(os.open(tmp, _CREATE, 0o644), "wb")
+    return os.fdopen(os.open(tmp, CREATE, 0o644), "wb")
 
 
 @contextmanager

@@ -10,9 +10,6 @@ one listing of their folder (``scandir`` of the descriptor), not by a ``stat`` o
 each, so opening a bundle of thousands of calls costs one listing of ``calls/``. Writes and
 removals (:meth:`Tree.open`, :meth:`Tree.unlink`, :meth:`Tree.rmdir`, :meth:`Tree.replace`) act
 on the folder's descriptor, so a folder swapped for a link after the check is never followed.
-
-For names on another filesystem (fsspec), :func:`check_relative_name` refuses what a descriptor
-cannot rule out: absolute names, ``..`` and ``.`` components, backslashes, empty components.
 """
 
 from __future__ import annotations
@@ -26,24 +23,28 @@ from pathlib import Path
 from iobundle.errors import IobundleError, UnsafeBundleError
 
 __all__ = [
+    "CLOEXEC",
+    "CREATE",
     "DIR",
     "FILE",
     "LINK",
     "MISSING",
+    "NOFOLLOW",
     "OTHER",
     "Tree",
-    "check_relative_name",
     "link_message",
-    "reported_link",
 ]
 
 FILE, DIR, LINK, OTHER, MISSING = "file", "dir", "link", "other", "missing"
 """What a listing says an entry is (never following a link)."""
 
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | _CLOEXEC
-_ROOT_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC
+CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+"""The open flags of every file of a bundle: never through a link, never inherited by a child process."""
+CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | NOFOLLOW | CLOEXEC | getattr(os, "O_BINARY", 0)
+"""How a file is (re)made, a temporary file first: never through a link planted at its name."""
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | NOFOLLOW | CLOEXEC
+_ROOT_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | CLOEXEC
 
 
 def link_message(path: object) -> str:
@@ -52,24 +53,6 @@ def link_message(path: object) -> str:
         f"'{path}' is a symbolic link; iobundle never follows a link inside a bundle or an index's folder "
         "(one may lead outside it). Replace the link by a copy of what it points to."
     )
-
-
-def check_relative_name(name: object, where: str, *, error: type[IobundleError] = UnsafeBundleError) -> tuple[str, ...]:
-    """The components of ``name``, a relative path that stays inside its root.
-
-    Raises:
-        IobundleError: (``error``) ``name`` is empty, absolute, or has a ``..``/``.``/empty
-            component or a backslash; the message names ``where`` and ``name``.
-    """
-    parts = tuple(name.split("/")) if isinstance(name, str) else ("",)
-    if any(p in ("", ".", "..") or "\\" in p for p in parts):
-        raise error(f"{where}: {name!r} is not a relative path inside its folder (absolute, '..', '.' or backslash).")
-    return parts
-
-
-def reported_link(info: object) -> bool:
-    """Whether an fsspec ``info()`` dictionary says its entry is a symbolic link (where the filesystem can tell)."""
-    return isinstance(info, dict) and (info.get("islink") is True or info.get("type") == "link")
 
 
 def _kind(entry: os.DirEntry[str]) -> str:
@@ -240,7 +223,7 @@ class Tree:
         if fd is None:
             raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(self._display(name.split("/"))))
         try:
-            return os.open(base, flags | _NOFOLLOW | _CLOEXEC, mode, dir_fd=fd)
+            return os.open(base, flags | NOFOLLOW | CLOEXEC, mode, dir_fd=fd)
         except OSError as exc:
             if exc.errno == errno.ELOOP or (exc.errno == errno.EEXIST and self._lstat(fd, base) == LINK):
                 raise self.error(link_message(self._display(name.split("/")))) from exc

@@ -84,16 +84,12 @@ __all__ = [
     "tensor_span",
     "write_tensor_file",
     # Reading bundle members (untrusted bytes)
-    "BundleRoot",
     "BundleTensorStore",
-    "Root",
     "check_file",
     "check_file_header",
     "check_segment_member",
-    "check_member_name",
     "listed_files",
-    "open_regular",
-    "read_sized_member",
+    "read_member",
     # The stored model config
     "read_stored_config",
 ]
@@ -134,16 +130,12 @@ from iobundle.calls._registry import (
 from iobundle.calls._segments import SegmentWriter, seal_segment, segment_header_entry
 from iobundle.calls._staging import Packed, PinnedStager
 from iobundle.calls._tensorfile_read import (
-    BundleRoot,
     BundleTensorStore,
-    Root,
     check_file,
     check_file_header,
-    check_member_name,
     check_segment_member,
     listed_files,
-    open_regular,
-    read_sized_member,
+    read_member,
 )
 from iobundle.calls._tensorfile_write import (
     parse_header,

@@ -11,10 +11,10 @@ the model loader's business; redaction reads the same config for its vocabulary 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
-from iobundle.calls._tensorfile_read import Root, check_file, read_sized_member
+from iobundle._store import Store
+from iobundle.calls._tensorfile_read import read_member
 from iobundle.errors import ModelLoadError, UnsafeBundleError
 from iobundle.schema import ModelEntry
 
@@ -26,8 +26,8 @@ MAX_CONFIG_BYTES = 16 * 1024**2
 _NON_FINITE = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
 
 
-def read_stored_config(root: Path | Root, entry: ModelEntry) -> dict[str, Any]:
-    """The JSON object of ``entry.config_file``, read from the bundle member under ``root``.
+def read_stored_config(store: Store, entry: ModelEntry) -> dict[str, Any]:
+    """The JSON object of ``entry.config_file``, read from the bundle member of ``store``.
 
     ``Infinity``, ``-Infinity`` and ``NaN`` read as ``float("inf")``, ``float("-inf")`` and ``float("nan")``.
 
@@ -45,12 +45,9 @@ def read_stored_config(root: Path | Root, entry: ModelEntry) -> dict[str, Any]:
         raise UnsafeBundleError(
             f"model.files[{name!r}]: {file.size} bytes, over the limit of {MAX_CONFIG_BYTES} bytes for a config."
         )
-    path = check_file(root, name, file, hash_check=True)
+    data = read_member(store, name, file)
     try:
-        config = json.loads(
-            path.read_bytes() if isinstance(path, Path) else read_sized_member(path, name, file.size),
-            parse_constant=_NON_FINITE.__getitem__,
-        )
+        config = json.loads(data, parse_constant=_NON_FINITE.__getitem__)
     except RecursionError as exc:
         raise UnsafeBundleError(f"{name}: JSON nested too deeply to read.") from exc
     except (OSError, ValueError) as exc:

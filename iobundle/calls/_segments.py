@@ -18,6 +18,7 @@ import struct
 from collections.abc import Sequence
 from pathlib import Path
 
+from iobundle._paths import CLOEXEC, NOFOLLOW
 from iobundle.calls._hashing import WRITE_HASH, new_hasher
 from iobundle.errors import BundleWriteError
 from iobundle.schema import FileEntry
@@ -27,7 +28,7 @@ __all__ = ["SegmentWriter", "seal_segment", "segment_header", "segment_header_en
 _IOV_MAX = 1024
 _HEAD = b'{"__metadata__":{"format":"pt"'  # then ,NAME:KEY per tensor, }, and ,NAME:{...} per tensor
 
-_FLAGS = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_FLAGS = NOFOLLOW | CLOEXEC
 
 
 def segment_header_entry(

@@ -2,11 +2,11 @@
 
 The order of the checks is what makes reading a hostile file safe:
 
-1. the file name stays inside the bundle (:func:`safe_member_path`: no absolute path, no ``..``,
-   no control character) and no component of it is a symbolic link (:class:`iobundle._paths.Tree`:
-   its folders opened without following one, its file opened with ``O_NOFOLLOW``);
+1. the file name stays inside the bundle (no absolute path, no ``..``, no control character) and no
+   component of it is a symbolic link; and
 2. the file is a regular file (a FIFO or a device would block or never end), opened without
-   blocking, and its size is the one the manifest records. Only then is it read: whole when small,
+   blocking (both :meth:`iobundle._store.Store.open`, for every place a bundle lives), and its size
+   is the one the manifest records. Only then is it read: whole when small,
    else memory-mapped (a mapping past the end of a file is a SIGBUS, not an exception, so nothing
    is mapped before the size check). Its hash (the algorithm the manifest names: XXH3-128 in
    format version 2, sha256 in version 1) is checked on those bytes, the first time it is read,
@@ -33,34 +33,22 @@ mapped: a bundle of many thousands of calls can be read without running out of d
 
 from __future__ import annotations
 
-import errno
 import io
 import math
-import os
-import re
-import stat
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any, Protocol, Union
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from iobundle._lazy import lazy_module
-from iobundle._paths import LINK, Tree, link_message
+from iobundle._store import LocalStore, Store
 from iobundle.calls._delta import rebuild
 from iobundle.calls._dtypes import NAME_TO_DTYPE
 from iobundle.calls._hashing import new_hasher
 from iobundle.calls._tensorfile_write import parse_header, read_exactly, tensor_span
 from iobundle.errors import IntegrityError, TensorFileError, UnsafeBundleError
-from iobundle.schema import (
-    DTYPE_ITEMSIZES,
-    MEMBER_NAME_RULE,
-    FileEntry,
-    Manifest,
-    TensorInfo,
-    is_member_name,
-    tensor_rows,
-)
+from iobundle.schema import DTYPE_ITEMSIZES, FileEntry, Manifest, TensorInfo, tensor_rows
 
 if TYPE_CHECKING:
     import torch
@@ -68,18 +56,13 @@ else:
     torch = lazy_module("torch", globals())
 
 __all__ = [
-    "BundleRoot",
-    "Member",
-    "MemberHandle",
-    "Root",
     "BundleTensorStore",
     "check_file",
     "check_segment_header",
     "check_segment_member",
     "check_file_header",
     "listed_files",
-    "read_sized_member",
-    "safe_member_path",
+    "read_member",
 ]
 
 _CHUNK = 1 << 22
@@ -87,160 +70,6 @@ _CHUNK = 1 << 22
 READ_WHOLE_BYTES = 1 << 20
 """Tensor files up to this size are read whole, once: size, hash and header are checked on
 those bytes and the tensors view them (four opens and a memory mapping cost more than the read)."""
-
-
-def check_member_name(name: str) -> PurePosixPath:
-    if not isinstance(name, str) or not name:
-        raise UnsafeBundleError(f"File name {name!r} in the manifest is empty or not a string.")
-    if not is_member_name(name):
-        raise UnsafeBundleError(
-            f"File name {name!r} in the manifest is not a plain relative path inside the bundle "
-            f"(it must be {MEMBER_NAME_RULE}); refusing to open it."
-        )
-    return PurePosixPath(name)
-
-
-class BundleRoot:
-    """A bundle directory against which member names are checked: no link on any component.
-
-    Each folder holding members (``calls/``) is opened once from the root without following a
-    link and listed once (:class:`iobundle._paths.Tree`); a member then costs a dictionary lookup
-    in that listing. A member that is a symbolic link, or lies in a symlinked folder, is refused,
-    wherever it points: a bundle holds only its own files.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._tree = Tree(path)
-        self._names: dict[str, tuple[str, ...]] = {}
-        self._lock = threading.RLock()  # the tree's descriptors are opened and closed by one reader at a time
-
-    def member(self, name: str) -> Path:
-        """Resolve the bundle member ``name``, refusing a link on any component; see :func:`safe_member_path`."""
-        parts = self._names.get(name) if isinstance(name, str) else None
-        if parts is None:
-            plain = isinstance(name, str) and _PLAIN_MEMBER.fullmatch(name)
-            parts = self._names[name] = tuple(name.split("/")) if plain else check_member_name(name).parts
-        with self._lock:
-            try:
-                return self._tree.check_file(parts, where=f"File {name!r}")
-            except OSError as exc:
-                raise UnsafeBundleError(f"File {name!r} cannot be resolved inside the bundle: {exc}.") from exc
-            finally:
-                self._tree.close()  # the listings stay: a bundle held open holds no descriptor
-
-    def check_members(self, names: Iterable[str]) -> None:
-        """Check every name as :meth:`member` does: one listing per folder, one lookup per name.
-
-        Raises:
-            UnsafeBundleError: As :meth:`member`.
-        """
-        names_cache, tree = self._names, self._tree
-        with self._lock:
-            try:
-                for name in names:
-                    parts = names_cache.get(name) if isinstance(name, str) else None
-                    if parts is None:
-                        plain = isinstance(name, str) and _PLAIN_MEMBER.fullmatch(name)
-                        parts = names_cache[name] = tuple(name.split("/")) if plain else check_member_name(name).parts
-                    if tree.listing(parts[:-1]).get(parts[-1]) in (LINK, None):  # a link, or made since: in full
-                        self.member(name)
-            except OSError as exc:
-                raise UnsafeBundleError(f"Files of the bundle cannot be listed: {exc}.") from exc
-            finally:
-                tree.close()
-
-
-_PLAIN_MEMBER = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9_.-]*/)*[A-Za-z0-9_][A-Za-z0-9_.-]*")
-"""A relative path of plain components: no ``.`` or ``..``, no separator but ``/``, no colon or control
-character; such a name needs no further check of its text (:func:`check_member_name`)."""
-
-
-class Root(Protocol):
-    """What a bundle's members are resolved against: a directory (:class:`BundleRoot`), a packed bundle, a URL."""
-
-    path: Any
-
-    def member(self, name: str) -> Member: ...
-
-
-def safe_member_path(root: Path | Root, name: str) -> Member:
-    """Resolve the bundle member ``name`` under ``root``, refusing anything that leaves it.
-
-    Raises:
-        UnsafeBundleError: ``name`` is absolute, contains ``..``, a backslash, a colon or a control
-            character, or it (or a folder above it) is a symbolic link.
-    """
-    return (BundleRoot(root) if isinstance(root, Path) else root).member(name)
-
-
-class MemberHandle(Protocol):
-    """A bundle member that is not a plain file of a directory: a member of a packed bundle, a remote file.
-
-    :class:`BundleRoot` gives :class:`~pathlib.Path` members; other roots (``iobundle.replay._archive``,
-    ``iobundle.replay._remote_root``) give handles, which every reader here accepts in place of a path.
-    """
-
-    def open(self) -> tuple[io.RawIOBase | io.BufferedIOBase, int]:
-        """A binary file positioned at the member's first byte that ends with it, and the member's size."""
-        ...
-
-    def map(self, size: int) -> torch.Tensor | None:
-        """The member's ``size`` bytes as a uint8 tensor viewing a memory mapping, or None (then it is read)."""
-        ...
-
-
-Member = Union[Path, MemberHandle]
-
-
-def _open_member(path: Member, name: str) -> tuple[io.RawIOBase | io.BufferedIOBase, int]:
-    """Open a member for reading: ``(file, size)``; see :func:`open_regular`."""
-    if isinstance(path, Path):
-        fd, size = open_regular(path, name)
-        return os.fdopen(fd, "rb", buffering=0), size
-    return path.open()
-
-
-def open_regular(path: Path, name: str, *, link_ok: bool = False) -> tuple[int, int]:
-    """Open ``path`` read-only without blocking; return ``(fd, size)``. Refuses anything but a regular file.
-
-    A bundle member is opened with ``O_NOFOLLOW`` (its folders are checked by :class:`BundleRoot`);
-    ``link_ok`` is for a path the user gave (a packed bundle), which may be a link.
-    """
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
-    try:
-        fd = os.open(path, flags if link_ok else flags | getattr(os, "O_NOFOLLOW", 0))
-    except FileNotFoundError as exc:
-        raise TensorFileError(f"{name}: missing from the bundle.") from exc
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UnsafeBundleError(f"{name}: {link_message(path)}") from exc
-        raise TensorFileError(f"{name}: cannot be opened ({exc.strerror or exc}).") from exc
-    try:
-        info = os.fstat(fd)
-    except OSError as exc:
-        os.close(fd)
-        raise TensorFileError(f"{name}: cannot be read ({exc.strerror or exc}).") from exc
-    if not stat.S_ISREG(info.st_mode):
-        os.close(fd)
-        raise TensorFileError(f"{name}: not a regular file (a directory, FIFO or device); refusing to read it.")
-    return fd, info.st_size
-
-
-def hash_file(path: Member, name: str | None = None, algorithm: str = "sha256") -> tuple[int, str]:
-    """Size and hex digest (``algorithm``, a name the manifest uses) of ``path``, read in chunks."""
-    f, expected = _open_member(path, name or str(path))
-    digest = new_hasher(algorithm)
-    size = 0
-    buffer = memoryview(bytearray(max(1, min(_CHUNK, expected + 1))))  # + 1: EOF in the same read
-    try:
-        with f:
-            while n := f.readinto(buffer):
-                digest.update(buffer[:n])
-                size += n
-    except OSError as exc:
-        raise TensorFileError(f"{name or path}: cannot be read ({exc.strerror or exc}).") from exc
-    return size, digest.hexdigest()
 
 
 def _check_ranges(name: str, entry: FileEntry, chunks: Iterable[memoryview]) -> None:
@@ -273,25 +102,30 @@ def _check_ranges(name: str, entry: FileEntry, chunks: Iterable[memoryview]) -> 
             j, hasher = j + 1, new_hasher(entry.algorithm)
 
 
-def _hash_segment(path: Member, name: str, entry: FileEntry) -> None:
-    """Check the ranges of segment ``name`` (see :func:`_check_ranges`), reading its first ``entry.size`` bytes in chunks."""
-    f, _ = _open_member(path, name)
-    buffer = memoryview(bytearray(max(1, min(_CHUNK, entry.size))))
+def _hash_file(f: io.RawIOBase | io.BufferedIOBase, name: str, entry: FileEntry) -> None:
+    """Check the digest of member ``name`` (a segment: each range's, over its first ``entry.size`` bytes), read from
+    ``f`` in chunks; IntegrityError when one differs from the manifest's, or the file changed while it was read."""
+    segment = entry.ranges is not None
+    buffer = memoryview(bytearray(max(1, min(_CHUNK, entry.size + 1))))  # + 1: EOF in the same read
 
     def chunks() -> Iterable[memoryview]:
-        left = entry.size
-        while left:
-            n = f.readinto(buffer[: min(left, len(buffer))])
-            if not n:
-                raise IntegrityError(f"{name}: shorter than the {entry.size} bytes the manifest says; it was changed.")
-            left -= n
+        done = 0
+        while n := f.readinto(buffer[: min(entry.size - done, len(buffer))] if segment else buffer):
+            done += n
             yield buffer[:n]
+        if done != entry.size:
+            raise IntegrityError(f"{name}: changed while it was being read ({done} bytes, expected {entry.size}).")
 
     try:
-        with f:
+        if segment:
             _check_ranges(name, entry, chunks())
+            return
+        hasher = new_hasher(entry.algorithm)
+        for chunk in chunks():
+            hasher.update(chunk)
     except OSError as exc:
         raise TensorFileError(f"{name}: cannot be read ({exc.strerror or exc}).") from exc
+    check_digest(name, entry, hasher.hexdigest())
 
 
 def _size_problem(name: str, size: int, entry: FileEntry) -> IntegrityError | None:
@@ -313,28 +147,19 @@ def listed_files(manifest: Manifest) -> dict[str, FileEntry]:
     return files
 
 
-def check_file(root: Path | Root, name: str, entry: FileEntry, *, hash_check: bool = True) -> Member:
-    """Check that bundle member ``name`` exists and has the recorded size (and hash); return its path.
+def check_file(store: Store, name: str, entry: FileEntry, *, hash_check: bool = True) -> None:
+    """Check that bundle member ``name`` exists and has the recorded size (and hash), reading it once.
 
-    Raises:
-        UnsafeBundleError: ``name`` leads outside the bundle.
-        TensorFileError: The file is missing, unreadable or not a regular file.
-        IntegrityError: Its size or hash differs from the manifest.
+    Raises UnsafeBundleError (a name leading outside, a link), TensorFileError (missing, unreadable,
+    not a regular file) or IntegrityError (its size or hash differs from the manifest).
     """
-    path = safe_member_path(root, name)
-    f, size = _open_member(path, name)
-    f.close()
-    problem = _size_problem(name, size, entry)
-    if problem is not None:
-        raise problem
-    if hash_check and entry.ranges is not None:
-        _hash_segment(path, name, entry)
-    elif hash_check:
-        size, digest = hash_file(path, name, entry.algorithm)
-        if size != entry.size:
-            raise IntegrityError(f"{name}: changed while it was being read ({size} bytes, expected {entry.size}).")
-        check_digest(name, entry, digest)
-    return path
+    f, size = store.open(name)
+    with f:
+        problem = _size_problem(name, size, entry)
+        if problem is not None:
+            raise problem
+        if hash_check:
+            _hash_file(f, name, entry)
 
 
 def check_digest(name: str, entry: FileEntry, digest: str) -> None:
@@ -350,13 +175,13 @@ def check_digest(name: str, entry: FileEntry, digest: str) -> None:
         )
 
 
-def _read_header(path: Member, name: str, expected: int | None = None) -> tuple[dict[str, Any], int, int]:
+def _read_header(store: Store, name: str, expected: int | None = None) -> tuple[dict[str, Any], int, int]:
     """Return ``(header, data_start, file_size)`` of a safetensors file, reading nothing past the header.
 
     Raises:
         IntegrityError: ``expected`` is given and is not the file's size.
     """
-    f, size = _open_member(path, name)
+    f, size = store.open(name)
     if expected is not None and size != expected:
         f.close()
         raise IntegrityError(
@@ -370,9 +195,9 @@ def _read_header(path: Member, name: str, expected: int | None = None) -> tuple[
     return header, data_start, size
 
 
-def _read_small(path: Member, name: str, entry: FileEntry, *, hash_check: bool) -> bytearray:
-    """The whole bundle member ``name`` (small, or not mappable), checked as :func:`check_file` does."""
-    f, size = _open_member(path, name)
+def read_member(store: Store, name: str, entry: FileEntry, *, hash_check: bool = True) -> bytearray:
+    """The whole bundle member ``name`` (small, or not mappable), checked as :func:`check_file` does, read once."""
+    f, size = store.open(name)
     problem = _size_problem(name, size, entry)
     if problem is not None:
         f.close()
@@ -442,10 +267,10 @@ def check_segment_header(name: str, head: bytes, entry: FileEntry, entries: dict
             )
 
 
-def check_segment_member(path: Member, name: str, entry: FileEntry, entries: dict[str, TensorInfo]) -> None:
-    """:func:`check_segment_header` on the header region of the segment ``path`` (read from the file)."""
+def check_segment_member(store: Store, name: str, entry: FileEntry, entries: dict[str, TensorInfo]) -> None:
+    """:func:`check_segment_header` on the header region of the segment ``name`` (read from the file)."""
     if entry.ranges and entry.ranges[0][1]:
-        f, _ = _open_member(path, name)
+        f, _ = store.open(name)
         try:
             with f:
                 head = read_exactly(f, entry.ranges[0][1], name)
@@ -481,28 +306,13 @@ def stored_shape(entry: TensorInfo, base: TensorInfo | None) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def read_sized_member(path: Member, name: str, size: int) -> bytearray:
-    """The ``size`` bytes of member ``name``."""
-    f, found = _open_member(path, name)
-    if found != size:
-        f.close()
-        raise IntegrityError(f"{name}: {found} bytes, expected {size}. The file is truncated or was changed.")
-    data = bytearray(size)
-    try:
-        with f:
-            read_exactly(f, size, name, into=memoryview(data))
-    except OSError as exc:
-        raise TensorFileError(f"{name}: cannot be read ({exc.strerror or exc}).") from exc
-    return data
-
-
 def _tensor_span(name: str, header: dict[str, Any], entry: TensorInfo, key: str, data_len: int) -> tuple[int, int]:
     """Check one tensor of the header against its manifest entry; return its byte span in the data area."""
     return tensor_span(name, header, entry.name, dtype=entry.dtype, shape=entry.shape, data_len=data_len, key=key)
 
 
 def check_file_header(
-    path: Member, name: str, entries: dict[str, TensorInfo], *, size: int | None = None
+    store: Store, name: str, entries: dict[str, TensorInfo], *, size: int | None = None
 ) -> tuple[dict[str, tuple[int, int]], int, int]:
     """Check the header of bundle member ``name`` against the manifest entries of the tensors it holds.
 
@@ -515,22 +325,9 @@ def check_file_header(
         TensorFileError: The header is unreadable, or disagrees with the manifest.
         IntegrityError: The file does not have ``size`` bytes.
     """
-    header, data_start, size = _read_header(path, name, size)
+    header, data_start, size = _read_header(store, name, size)
     spans = {key: _tensor_span(name, header, entry, key, size - data_start) for key, entry in entries.items()}
     return spans, data_start, size
-
-
-def _map(path: Member, name: str, entry: FileEntry) -> torch.Tensor:
-    """The ``entry.size`` bytes of member ``name`` (checked to have them) as a uint8 tensor."""
-    try:
-        if isinstance(path, Path):
-            return torch.from_file(str(path), shared=False, size=entry.size, dtype=torch.uint8)
-        data = path.map(entry.size)
-        if data is None:  # not mappable (a remote file): read once
-            data = torch.frombuffer(_read_small(path, name, entry, hash_check=False), dtype=torch.uint8)
-        return data
-    except (RuntimeError, OSError, ValueError) as exc:
-        raise TensorFileError(f"{name}: cannot be memory-mapped ({exc}).") from exc
 
 
 @dataclass
@@ -544,7 +341,7 @@ class _OpenFile:
 
     @classmethod
     def from_bytes(cls, name: str, data: bytearray | torch.Tensor, entries: dict[str, TensorInfo]) -> _OpenFile:
-        """The file whose whole content is ``data`` (read by :func:`_read_small`, or mapped); tensors view it."""
+        """The file whose whole content is ``data`` (read by :func:`read_member`, or mapped); tensors view it."""
         view, position = data.numpy().data if isinstance(data, torch.Tensor) else memoryview(data), 0
 
         def read(n: int) -> bytes:
@@ -590,12 +387,14 @@ class BundleTensorStore:
         root: The bundle directory (or packed file, or URL).
         manifest: Its validated manifest (whose references :func:`iobundle.replay._bundle._check_references` checked).
         verify: Check each file's hash the first time it is read. Sizes and headers are always checked.
-        bundle_root: What members are resolved against, when not the directory ``root``.
+        bundle_root: Where its members are read, when not the directory ``root``.
     """
 
-    def __init__(self, root: Path, manifest: Manifest, *, verify: bool = True, bundle_root: Root | None = None) -> None:
+    def __init__(
+        self, root: Path | str, manifest: Manifest, *, verify: bool = True, bundle_root: Store | None = None
+    ) -> None:
         self.root = root
-        self.bundle_root: Root = BundleRoot(root) if bundle_root is None else bundle_root
+        self.bundle_root: Store = LocalStore(root) if bundle_root is None else bundle_root
         self.manifest = manifest
         self.verify = verify
         self._rows = tensor_rows(manifest)  # the compact rows opening kept: no TensorEntry is built
@@ -679,35 +478,36 @@ class BundleTensorStore:
             if entry is None:
                 raise TensorFileError(f"File {name!r} is used by a tensor but not listed in the manifest's files.")
             try:
-                if entry.ranges is not None:
-                    opened = self._open_segment(name, entry)
-                elif entry.size <= READ_WHOLE_BYTES:
-                    path = self.bundle_root.member(name)
-                    data = _read_small(path, name, entry, hash_check=self.verify)
+                data: Any = self._bytes(name, entry)
+                if entry.ranges is None:
                     opened = _OpenFile.from_bytes(name, data, self.file_entries(name))
-                else:  # mapped, hashed there when verifying, its header read there: one read of the file
-                    mapped = _map(check_file(self.bundle_root, name, entry, hash_check=False), name, entry)
-                    if self.verify:
-                        check_bytes(name, entry, mapped.numpy())
-                    opened = _OpenFile.from_bytes(name, mapped, self.file_entries(name))
+                else:  # a segment: its spans are the manifest's offsets, its sealed header checked against them
+                    if isinstance(data, bytearray):
+                        data = torch.frombuffer(data, dtype=torch.uint8) if data else None
+                    if data is not None and entry.ranges:
+                        head = data[: entry.ranges[0][1]].numpy().tobytes()
+                        check_segment_header(name, head, entry, self.file_entries(name))
+                    opened = _OpenFile.segment(name, data, self.file_entries(name))
             except TensorFileError as exc:  # say which bundle: a command may read two (diff)
                 raise type(exc)(f"{exc} (bundle '{self.root}')") from exc
             self._files[name] = opened
         return opened
 
-    def _open_segment(self, name: str, entry: FileEntry) -> _OpenFile:
-        """A segment: its first ``entry.size`` bytes read whole (small) or memory-mapped, its ranges checked."""
-        data: torch.Tensor | None = None
-        if entry.size <= READ_WHOLE_BYTES:
-            raw = _read_small(self.bundle_root.member(name), name, entry, hash_check=self.verify)
-            data = torch.frombuffer(raw, dtype=torch.uint8) if raw else None
-        else:  # mapped, then hashed as mapped when verifying: one read of the file
-            data = _map(check_file(self.bundle_root, name, entry, hash_check=False), name, entry)
-            if self.verify:
-                check_bytes(name, entry, data.numpy())
-        if data is not None and entry.ranges:
-            check_segment_header(name, data[: entry.ranges[0][1]].numpy().tobytes(), entry, self.file_entries(name))
-        return _OpenFile.segment(name, data, self.file_entries(name))
+    def _bytes(self, name: str, entry: FileEntry) -> bytearray | torch.Tensor:
+        """The first ``entry.size`` bytes of member ``name``, read whole (small, or not mappable) or memory-mapped,
+        hashed as read when verifying: one read of the file."""
+        data = None
+        if entry.size > READ_WHOLE_BYTES:
+            check_file(self.bundle_root, name, entry, hash_check=False)  # its size, before anything is mapped
+            try:
+                data = self.bundle_root.map(name, entry.size)
+            except (RuntimeError, OSError, ValueError) as exc:
+                raise TensorFileError(f"{name}: cannot be memory-mapped ({exc}).") from exc
+        if data is None:
+            return read_member(self.bundle_root, name, entry, hash_check=self.verify)
+        if self.verify:
+            check_bytes(name, entry, data.numpy())
+        return data
 
     def _stored(self, key: str) -> torch.Tensor:
         """What the file holds for ``key``: the tensor, or its new part if it is an extension (cached views)."""

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from iobundle._atomic import fsync_dir, write_atomically
 from iobundle._lazy import lazy_module
+from iobundle._paths import CREATE
 from iobundle.calls._dtypes import dtype_name
 from iobundle.calls._hashing import WRITE_HASH, new_hasher
 from iobundle.errors import BundleWriteError, TensorFileError, UnsupportedInputError
@@ -203,11 +204,7 @@ def _write_small(path: Path, parts: list[bytes | memoryview], digest: Any, *, du
         digest.update(part)
         total += len(part)
     try:
-        fd = os.open(
-            tmp,
-            os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
-            0o644,
-        )
+        fd = os.open(tmp, CREATE, 0o644)
         try:
             done = os.writev(fd, parts) if len(parts) <= _IOV_MAX else 0
             if done < total:  # a short write (rare on a regular file): the rest, piece by piece

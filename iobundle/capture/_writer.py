@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from iobundle._atomic import fsync_dir, fsync_files, write_atomically
-from iobundle._leftovers import remove_leftovers
 from iobundle._paths import FILE, LINK, Tree, link_message
 from iobundle._progress import ProgressCallback, notify
 from iobundle._remote import clear_local_bundle
+from iobundle._store import LocalStore, remove_leftovers
 from iobundle._version import __version__
 from iobundle.calls import (
     DeltaIndex,
@@ -160,8 +160,7 @@ class BundleWriter:
                     )
                 if journal == FILE and manifest != FILE:
                     # a stream killed before its manifest: the journal first, then the files its writers named
-                    with Tree(self.path, error=BundleExistsError) as tree:
-                        removed = remove_leftovers(tree)
+                    removed = remove_leftovers(LocalStore(self.path, error=BundleExistsError))
                     logger.info("removed what the stream killed in %s left: %s", self.path, removed)
                 elif manifest != FILE:
                     raise BundleExistsError(
@@ -591,7 +590,7 @@ class BundleWriter:
         Every writer of the stream has stopped by now: a file of a name the writers give that the
         manifest does not list was left by a writer process that died (a temporary file, a call's
         file renamed before its journal line, a segment before its first range was listed), and is
-        removed (:func:`iobundle._leftovers.remove_leftovers`; best effort: one that cannot be
+        removed (:func:`iobundle._store.remove_leftovers`; best effort: one that cannot be
         removed stays, and replacing the bundle removes it).
 
         Raises:
@@ -608,7 +607,9 @@ class BundleWriter:
             with Tree(self.path, error=BundleWriteError) as tree:
                 tree.unlink(JOURNAL_FILENAME, missing_ok=True)
                 fsync_dir(self.path)
-                removed = remove_leftovers(tree, keep={MANIFEST_FILENAME, *manifest.files})
+                removed = remove_leftovers(
+                    LocalStore(self.path, error=BundleWriteError), keep={MANIFEST_FILENAME, *manifest.files}
+                )
         except (OSError, BundleWriteError) as exc:
             logger.debug("what a dead writer left in %s is kept: %s", self.path, exc)
         else:
@@ -664,7 +665,7 @@ class BundleWriter:
             self.close_segment(durable=False)
         try:
             with Tree(self.path, error=BundleWriteError) as tree:
-                remove_leftovers(tree)
+                remove_leftovers(LocalStore(self.path, error=BundleWriteError))
                 tree.rmdir((CALLS_DIR,))  # only when empty
         except (OSError, IobundleError) as exc:
             logger.debug("what the failed write left in %s is kept: %s", self.path, exc)

@@ -84,7 +84,6 @@ if TYPE_CHECKING:
 
 if TYPE_CHECKING:  # not public: for iobundle's other parts (travel, cli) and the tests
     from iobundle.replay._api import recorded_calls  # noqa: F401
-    from iobundle.replay._archive import ArchiveRoot  # noqa: F401
     from iobundle.replay._factory import model_from_factory  # noqa: F401
     from iobundle.replay._model_load import describe_bundle_model  # noqa: F401
     from iobundle.replay._report import build_export_report  # noqa: F401

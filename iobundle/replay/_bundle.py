@@ -8,15 +8,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from iobundle._collector import collector_paused
-from iobundle._leftovers import unlisted_files
-from iobundle._paths import DIR, FILE, LINK, Tree
+from iobundle._paths import DIR, FILE, LINK
 from iobundle._progress import BYTES, ProgressCallback, notify
-from iobundle._remote import local_path, remote_kind
+from iobundle._store import LocalStore, Store, TarStore, open_store, unlisted_files
 from iobundle.calls import (
-    BundleRoot,
     BundleTensorStore,
     RecordedCalls,
-    Root,
     build_value,
     check_file,
     check_file_header,
@@ -27,8 +24,6 @@ from iobundle.calls import (
 )
 from iobundle.errors import IobundleError, UnsafeBundleError
 from iobundle.replay._api import RecordedCallsAPI
-from iobundle.replay._archive import ArchiveRoot, open_archive
-from iobundle.replay._remote_root import RemoteRoot
 from iobundle.replay.infer import call_shape
 from iobundle.schema import (
     JOURNAL_FILENAME,
@@ -60,7 +55,9 @@ class Bundle(RecordedCallsAPI):
     others (format version 2) are rebuilt on each read; shapes never read the files.
     """
 
-    def __init__(self, path: Path, manifest: Manifest, *, verify: bool = True, source: Root | None = None) -> None:
+    def __init__(
+        self, path: Path | str, manifest: Manifest, *, verify: bool = True, source: Store | None = None
+    ) -> None:
         self.path = path
         self.manifest = manifest
         self._store = BundleTensorStore(path, manifest, verify=verify, bundle_root=source)
@@ -95,25 +92,12 @@ class Bundle(RecordedCallsAPI):
 
     @classmethod
     def _load(cls, path: str | os.PathLike[str], *, verify: bool) -> Bundle:
-        local = local_path(path)
-        source: Root | None = None
-        if local is None:  # a URL of another filesystem
-            url = str(path)
-            if remote_kind(url) == "directory":
-                remote = RemoteRoot(url)
-                source, manifest = remote, parse_manifest(remote.read_manifest(), source=f"{url}/{MANIFEST_FILENAME}")
-            else:
-                source, data = open_archive(url)
-                manifest = parse_manifest(data, source=f"{url}:{MANIFEST_FILENAME}")
-            root: Any = url
-        elif local.is_file():
-            source, data = open_archive(local)
-            manifest = parse_manifest(data, source=f"{local}:{MANIFEST_FILENAME}")
-            root = local
+        store = open_store(path)
+        if isinstance(store, LocalStore):  # a directory: its manifest, or the journal of a stream not closed
+            manifest = load_manifest(store.path)
         else:
-            root = local
-            manifest = load_manifest(root)
-        bundle = cls(root, manifest, verify=verify, source=source)
+            manifest = parse_manifest(store.read_manifest(), source=store.describe(MANIFEST_FILENAME))
+        bundle = cls(store.path, manifest, verify=verify, source=store)
         _check_references(bundle._store, manifest)
         return bundle
 
@@ -121,14 +105,14 @@ class Bundle(RecordedCallsAPI):
         return self._rc
 
     @property
-    def root(self) -> Root:
+    def root(self) -> Store:
         """Where the bundle's files lie (a directory, a packed file or a URL), read through every check."""
         return self._store.bundle_root
 
     @property
     def packed(self) -> bool:
         """True when the bundle is one file written by ``iobundle pack`` (read in place), False for a directory."""
-        return isinstance(self.root, ArchiveRoot)
+        return isinstance(self.root, TarStore)
 
     @property
     def remote(self) -> bool:
@@ -177,14 +161,13 @@ class Bundle(RecordedCallsAPI):
             try:
                 segment = entry.ranges is not None  # a segment's header is checked against its ranges
                 if not hashes and name in self.manifest.files and not segment:  # one open: its size, then its header
-                    path = self._store.bundle_root.member(name)
-                    check_file_header(path, name, self._store.file_entries(name), size=entry.size)
+                    check_file_header(self.root, name, self._store.file_entries(name), size=entry.size)
                 else:
-                    path = check_file(self._store.bundle_root, name, entry, hash_check=hashes)
+                    check_file(self.root, name, entry, hash_check=hashes)
                     if segment:
-                        check_segment_member(path, name, entry, self._store.file_entries(name))
+                        check_segment_member(self.root, name, entry, self._store.file_entries(name))
                     elif name in self.manifest.files:
-                        check_file_header(path, name, self._store.file_entries(name))
+                        check_file_header(self.root, name, self._store.file_entries(name))
             except IobundleError as exc:
                 problems.append(str(exc))
             done += entry.size
@@ -204,12 +187,7 @@ class Bundle(RecordedCallsAPI):
         """
         if not isinstance(self.path, Path) or self.packed or not self.path.is_dir():
             return []
-        listed = set(listed_files(self.manifest))
-        with Tree(self.path) as tree:
-            # an open (or killed) stream lists its calls in the journal; a journal beside a manifest is a leftover
-            closed = tree.kind(MANIFEST_FILENAME) == FILE
-            listed.add(MANIFEST_FILENAME if closed else JOURNAL_FILENAME)
-            found = unlisted_files(tree, listed)
+        found, closed = unlisted_files(LocalStore(self.path), listed_files(self.manifest))
         messages = []
         for name, kind, writer in sorted(found):
             where = self.path / name
@@ -243,12 +221,7 @@ def _check_references(store: BundleTensorStore, manifest: Manifest) -> None:
         UnsafeBundleError: A file name leaves the bundle, a tensor lives in an unlisted file or needs
             more bytes than its file has, or a tree refers to a tensor the manifest does not list.
     """
-    root = store.bundle_root
-    if isinstance(root, BundleRoot):
-        root.check_members(manifest.files)
-    else:
-        for name in manifest.files:
-            root.member(name)
+    store.bundle_root.check_all(manifest.files)
     if type(manifest) is Manifest:  # format version 1 or 2: a compact manifest's rows were checked when read
         store.check_sizes()
     keys: list[str] = []

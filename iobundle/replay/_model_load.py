@@ -30,7 +30,8 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from iobundle._implementations import ATTN_IMPLEMENTATIONS, EXPERTS_IMPLEMENTATIONS, SAFE_ATTN_IMPLEMENTATION
-from iobundle.calls import Root, check_file, read_sized_member, read_stored_config
+from iobundle._store import LocalStore, Store
+from iobundle.calls import check_file, read_member, read_stored_config
 from iobundle.errors import IobundleError, MissingDependencyError, ModelLoadError, UnsafeBundleError
 from iobundle.replay._bundle import Bundle
 from iobundle.schema import ModelEntry
@@ -363,21 +364,21 @@ def _build(cls: type[PreTrainedModel], config_dict: dict[str, Any], entry: Model
     return model
 
 
-def _load_weights(root: Root, model: torch.nn.Module, entry: ModelEntry) -> None:
+def _load_weights(store: Store, model: torch.nn.Module, entry: ModelEntry) -> None:
     name = entry.weights_file
     file = entry.files.get(name)
     if file is None:
         raise UnsafeBundleError(f"model.weights_file: {name!r} is not listed in model.files.")
-    member = check_file(root, name, file, hash_check=True)
-    if not isinstance(member, Path):  # packed or remote: safetensors reads from a path, so copy it out once
-        import tempfile
-
-        with tempfile.TemporaryDirectory(prefix="iobundle-weights-") as tmp:
-            path = Path(tmp, "weights.safetensors")
-            path.write_bytes(read_sized_member(member, name, file.size))
-            _load_weights_file(path, name, model, entry)
+    if isinstance(store, LocalStore):
+        check_file(store, name, file, hash_check=True)
+        _load_weights_file(store.file(name), name, model, entry)
         return
-    _load_weights_file(member, name, model, entry)
+    import tempfile  # packed or remote: safetensors reads from a path, so copy it out once
+
+    with tempfile.TemporaryDirectory(prefix="iobundle-weights-") as tmp:
+        path = Path(tmp, "weights.safetensors")
+        path.write_bytes(read_member(store, name, file))
+        _load_weights_file(path, name, model, entry)
 
 
 def _load_weights_file(path: Path, name: str, model: torch.nn.Module, entry: ModelEntry) -> None:

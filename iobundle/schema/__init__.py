@@ -48,6 +48,16 @@ __all__ = [
     "write_program_index",
 ]
 
+from iobundle._store._names import (
+    MEMBER_NAME_RULE,
+    MISSING_VALUES_FILE,
+    SEGMENT_FILE_NAME,
+    call_file_name,
+    is_member_name,
+    is_writer_file,
+    segment_file_name,
+    temporary_name,
+)
 from iobundle.schema import _manifest
 from iobundle.schema._compact import CompactManifest
 from iobundle.schema._deferred import TensorInfo, deferred_calls, deferred_keys, deferred_shape, tensor_rows
@@ -64,16 +74,6 @@ from iobundle.schema._io import (
 from iobundle.schema._journal import journal_call_line, journal_head_line, load_journal, parse_journal
 from iobundle.schema._load import load_manifest
 from iobundle.schema._manifest import *  # noqa: F403 (the models of manifest.json, listed in _manifest.__all__)
-from iobundle.schema._names import (
-    MEMBER_NAME_RULE,
-    MISSING_VALUES_FILE,
-    SEGMENT_FILE_NAME,
-    call_file_name,
-    is_member_name,
-    is_writer_file,
-    segment_file_name,
-    temporary_name,
-)
 from iobundle.schema._program_index import (
     FixedValues,
     ProgramEntry,

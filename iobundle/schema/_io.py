@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -49,10 +48,12 @@ import pydantic
 
 from iobundle._atomic import write_atomically
 from iobundle._collector import collector_paused
-from iobundle._paths import Tree
+from iobundle._store import LocalStore
+from iobundle._store._names import JOURNAL_FILENAME, MANIFEST_FILENAME, MAX_MANIFEST_BYTES
 from iobundle.errors import (
     BundleNotFoundError,
     ManifestError,
+    TensorFileError,
     UnsafeBundleError,
     UnsupportedFormatVersionError,
 )
@@ -69,7 +70,6 @@ from iobundle.schema._manifest import (
     TupleNode,
     duplicate_call_index,
 )
-from iobundle.schema._names import JOURNAL_FILENAME, MANIFEST_FILENAME
 
 __all__ = [
     "JOURNAL_FILENAME",
@@ -88,7 +88,6 @@ __all__ = [
     "write_manifest",
 ]
 
-MAX_MANIFEST_BYTES = 256 * 1024**2
 MAX_NESTING_DEPTH = 100
 MAX_CALLS = 100_000
 MAX_TENSORS = 10_000_000
@@ -341,35 +340,22 @@ def _check_tree_list(trees: Iterable[tuple[str, Node]], source: str) -> None:
 
 
 def read_member(root: Path, path: Path) -> bytes:
-    """The bytes of the bundle file ``path`` (``manifest.json``, ``journal.jsonl``), checked first.
-
-    It is opened from the bundle directory's descriptor without following a link
-    (:class:`iobundle._paths.Tree`): a symlinked manifest is refused, wherever it points.
+    """The bytes of the bundle file ``path`` (``manifest.json``, ``journal.jsonl``) of the directory ``root``, read
+    through :class:`iobundle._store.LocalStore` (never a link), at most :data:`MAX_MANIFEST_BYTES`.
 
     Raises:
         BundleNotFoundError: It does not exist.
         UnsafeBundleError: It is a symbolic link, or is over :data:`MAX_MANIFEST_BYTES`.
         ManifestError: It is not a regular file, or cannot be read.
     """
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
     try:
-        with Tree(root) as tree:
-            fd = tree.open("/".join(path.relative_to(root).parts), flags)
-        with os.fdopen(fd, "rb") as f:
-            info = os.fstat(f.fileno())
-            if not stat.S_ISREG(info.st_mode):
-                raise ManifestError(f"{path}: not a regular file (a directory, FIFO or device); refusing to read it.")
-            if info.st_size > MAX_MANIFEST_BYTES:
-                raise UnsafeBundleError(
-                    f"{path}: {info.st_size} bytes, over the limit of {MAX_MANIFEST_BYTES} bytes "
-                    "(MAX_MANIFEST_BYTES). The file is corrupt or hostile."
-                )
-            data = f.read(MAX_MANIFEST_BYTES + 1)
-    except FileNotFoundError as exc:
-        raise BundleNotFoundError(f"No {path.name} in '{root}'. Is it a directory written by observer.save()?") from exc
-    except OSError as exc:
-        raise ManifestError(f"{path}: cannot be read ({exc.strerror or exc}).") from exc
-    return data
+        return LocalStore(root).read("/".join(path.relative_to(root).parts), MAX_MANIFEST_BYTES)
+    except TensorFileError as exc:
+        if not os.path.lexists(path):
+            raise BundleNotFoundError(
+                f"No {path.name} in '{root}'. Is it a directory written by observer.save()?"
+            ) from exc
+        raise ManifestError(f"{exc} ('{root}')") from exc
 
 
 def dump_manifest(manifest: Manifest) -> str:

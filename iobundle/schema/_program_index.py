@@ -68,9 +68,9 @@ from pydantic import (
 )
 
 from iobundle._atomic import write_atomically
-from iobundle._paths import FILE, LINK, MISSING, Tree, check_relative_name, link_message
+from iobundle._paths import FILE, LINK, MISSING, Tree, link_message
+from iobundle._store._names import MEMBER_NAME_RULE, is_member_name
 from iobundle.errors import ManifestError, UnsafeBundleError
-from iobundle.schema._names import MEMBER_NAME_RULE, is_member_name
 
 __all__ = [
     "MAX_INDEX_BYTES",
@@ -314,7 +314,9 @@ def _check_no_links(index: ProgramIndex, path: Path) -> None:
     with Tree(path.parent) as tree:
         for i, program in enumerate(index.programs):
             field = f"{path}: programs[{i}].file"
-            parts = check_relative_name(program.file, field)
+            if not is_member_name(program.file):
+                raise UnsafeBundleError(f"{field}: {program.file!r} is not {MEMBER_NAME_RULE} inside its folder.")
+            parts = tuple(program.file.split("/"))
             try:
                 kind = tree.kind(parts)  # raises for a symlinked folder on the way
             except UnsafeBundleError as exc:

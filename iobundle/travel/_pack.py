@@ -9,6 +9,7 @@ bundle (untrusted bytes) is replay's: :func:`iobundle.replay.load_bundle` opens 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -20,8 +21,9 @@ from typing import BinaryIO
 from iobundle._atomic import atomic_file
 from iobundle._paths import Tree
 from iobundle._progress import BYTES, ProgressCallback, notify
-from iobundle._remote import clear_local_bundle, is_url, local_path, staged
-from iobundle.calls import BundleRoot, check_file, listed_files, open_regular
+from iobundle._remote import is_url, local_path, staged
+from iobundle._store import LocalStore, TarStore, make_room, open_regular
+from iobundle.calls import check_file, listed_files
 from iobundle.errors import (
     ArchiveError,
     BundleExistsError,
@@ -31,7 +33,7 @@ from iobundle.errors import (
     IobundleError,
     TensorFileError,
 )
-from iobundle.replay import ArchiveRoot, Bundle
+from iobundle.replay import Bundle
 from iobundle.schema import MANIFEST_FILENAME, dump_manifest
 
 __all__ = ["PackResult", "pack_bundle", "unpack_bundle"]
@@ -72,27 +74,19 @@ def _copy(src: io.RawIOBase | io.BufferedIOBase, dst: BinaryIO, size: int, name:
         left -= n
 
 
-def _remove_written(tree: Tree, names: list[str]) -> None:
-    """Remove the members ``names`` an unpack wrote into the folder it made, then the folders left empty, then it.
+def _remove_written(target: Path, names: list[str]) -> None:
+    """Remove the members ``names`` an unpack wrote into the folder ``target`` it made, the folders left empty, then it.
 
-    By name, from the folders' descriptors (best effort): a file that someone else put there meanwhile stays.
+    By name, never through a link (best effort): a file that someone else put there meanwhile stays.
     """
+    store = LocalStore(target, error=BundleExistsError)
     for name in names:
-        try:
-            tree.unlink(name, missing_ok=True)
-        except (OSError, IobundleError):
-            pass
-    for parts in sorted({tuple(n.split("/"))[:-1] for n in names}, key=len, reverse=True):
-        try:
-            while parts and tree.rmdir(parts):  # only when empty
-                parts = parts[:-1]
-        except (OSError, IobundleError):
-            pass
-    tree.close()
-    try:
-        tree.path.rmdir()
-    except OSError:
-        pass
+        with contextlib.suppress(OSError, IobundleError):
+            store.remove(name, missing_ok=True)
+    with contextlib.suppress(OSError, IobundleError):
+        store.prune(names)
+    with contextlib.suppress(OSError):
+        target.rmdir()
 
 
 def _kernel_copy(src: int, offset: int, dst: int, size: int) -> bool:
@@ -160,7 +154,7 @@ def pack_bundle(
     if source is None or not source.is_dir():
         raise BundleNotFoundError(f"'{bundle}' is not a bundle directory. Pass the folder written by observer.save().")
     manifest = Bundle.load(source).manifest  # a bundle, with a valid manifest whose file names stay inside it
-    root = BundleRoot(source)
+    root = LocalStore(source)
     names = [MANIFEST_FILENAME, *sorted(listed_files(manifest))]
     # A stream killed before its end left journal.jsonl and no manifest.json: the archive holds the manifest
     # the journal describes (every complete call), so it opens as any saved bundle does.
@@ -192,7 +186,7 @@ def pack_bundle(
 
 
 def _write_tar(
-    root: BundleRoot,
+    root: LocalStore,
     names: list[str],
     inline: dict[str, bytes],
     target: Path,
@@ -216,13 +210,12 @@ def _write_tar(
                 total += len(data)
                 notify(on_progress, PACK_TASK, total, max(expected, total), name, unit=BYTES)
                 continue
-            member = root.member(name)
-            fd, size = open_regular(member, name)
+            f, size = root.open(name)
             size = min(size, segments.get(name, size))
-            with os.fdopen(fd, "rb", buffering=0) as f:
+            with f:
                 out.write(_tar_header(name, size))
                 out.flush()
-                if not _kernel_copy(fd, 0, out.fileno(), size):
+                if not _kernel_copy(f.fileno(), 0, out.fileno(), size):
                     _copy(f, out, size, name)
                 else:
                     out.seek(0, os.SEEK_END)
@@ -267,7 +260,7 @@ def unpack_bundle(
     begin = time.perf_counter()
     bundle = Bundle.load(archive, verify=verify)
     root = bundle.root
-    if not isinstance(root, ArchiveRoot):
+    if not isinstance(root, TarStore):
         raise BundleNotFoundError(f"'{archive}' is a bundle directory, not a packed bundle; nothing to unpack.")
     listed = listed_files(bundle.manifest)
     for name in root.members:
@@ -287,17 +280,9 @@ def unpack_bundle(
     target = local_path(output)
     if target is None:
         raise BundleWriteError(f"'{output}': unpack writes to a local directory. Upload the directory afterwards.")
-    if target.exists():
-        if not target.is_dir() or target.is_symlink():
-            raise BundleExistsError(f"'{target}' exists and is not a directory. Choose another path.")
-        if any(target.iterdir()):
-            if not overwrite:
-                raise BundleExistsError(
-                    f"'{target}' already exists and is not empty. Pass overwrite=True (--overwrite) or choose another path."
-                )
-            if not (target / MANIFEST_FILENAME).is_file():
-                raise BundleExistsError(f"'{target}' is not a bundle (no {MANIFEST_FILENAME}); refusing to replace it.")
-            clear_local_bundle(target)  # its manifest, then the files it lists; files beside it stay
+    if target.exists() and (not target.is_dir() or target.is_symlink()):
+        raise BundleExistsError(f"'{target}' exists and is not a directory. Choose another path.")
+    make_room(LocalStore(target, error=BundleExistsError), overwrite=overwrite)  # only an old bundle's own files
     names = [*sorted(listed), MANIFEST_FILENAME]
     created = not target.exists()
     total = 0
@@ -324,9 +309,9 @@ def unpack_bundle(
             total += size
             notify(on_progress, UNPACK_TASK, total, expected, name, unit=BYTES)
     except (OSError, IobundleError) as exc:
-        if created:  # what was written is no bundle (manifest.json comes last): leave nothing of it behind
-            _remove_written(tree, names)
         tree.close()
+        if created:  # what was written is no bundle (manifest.json comes last): leave nothing of it behind
+            _remove_written(target, names)
         if isinstance(exc, IobundleError):
             raise
         raise BundleWriteError(

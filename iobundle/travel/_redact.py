@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 
 import torch
 
@@ -43,8 +42,6 @@ from iobundle.calls import (
     DictTensorStore,
     RecordedCalls,
     check_file,
-    open_regular,
-    read_sized_member,
     read_stored_config,
     tensor_keys,
 )
@@ -275,11 +272,8 @@ def copy_model_files(bundle: Bundle, target: str | os.PathLike[str]) -> ModelEnt
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     with Tree(target, error=BundleExistsError) as tree:  # written from checked folders: never through a link
         for name, file in entry.files.items():
-            member = check_file(root, name, file, hash_check=True)
-            with os.fdopen(tree.open(name, flags, 0o644, create_folders=True), "wb") as out:
-                if isinstance(member, Path):
-                    with os.fdopen(open_regular(member, name)[0], "rb") as source:
-                        shutil.copyfileobj(source, out)
-                else:
-                    out.write(read_sized_member(member, name, file.size))
+            check_file(root, name, file, hash_check=True)
+            source, _ = root.open(name)
+            with source, os.fdopen(tree.open(name, flags, 0o644, create_folders=True), "wb") as out:
+                shutil.copyfileobj(source, out)
     return entry

@@ -11,6 +11,7 @@ import xxhash
 
 import iobundle.calls._tensorfile_read as tensorfile
 from iobundle import InputObserver, load_bundle
+from iobundle._store import LocalStore
 from iobundle.errors import IntegrityError, TensorFileError
 
 # every test runs through both ways of opening a tensor file (small files read whole, large ones mapped)
@@ -98,13 +99,14 @@ def test_hash_is_checked_once_per_file(bundle, monkeypatch):
 def test_a_verified_file_is_read_once(bundle, monkeypatch):
     """Hashing reads the bytes the tensors then view (read whole, or mapped): no file is read a second time."""
     reads = []
-    real = tensorfile._open_member
-    monkeypatch.setattr(tensorfile, "_open_member", lambda path, name: reads.append(name) or real(path, name))
-    monkeypatch.setattr(tensorfile, "hash_file", lambda *a, **k: pytest.fail("a tensor file hashed by a second read"))
+    real = LocalStore.open
+    monkeypatch.setattr(LocalStore, "open", lambda store, name: reads.append(name) or real(store, name))
+    monkeypatch.setattr(tensorfile, "_hash_file", lambda *a, **k: pytest.fail("a tensor file hashed by a second read"))
     b = load_bundle(bundle)
     for key in b.manifest.tensors:
         b.tensor(key)
-    assert sorted(reads) == sorted(b.manifest.files)  # mapped: opened for its size, then mapped by name
+    # the manifest once, each tensor file once (mapped: opened for its size and hash, then mapped by name)
+    assert sorted(reads) == sorted([*b.manifest.files, "manifest.json"])
     flip_last_byte(bundle / FILE1)
     with pytest.raises(IntegrityError, match=f"{FILE1}: xxh3-128 [0-9a-f]{{32}} differs from the manifest"):
         load_bundle(bundle).tensor("t2")

@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import iobundle.replay._archive as archive_module
+import iobundle._store._tar as archive_module
 from iobundle import InputObserver, load_bundle
 from iobundle.errors import (
     ArchiveError,
@@ -299,7 +299,7 @@ class TestHostileArchive:
 
     def test_non_canonical_name_is_refused(self, tmp_path, bundle):
         path = write_tar(tmp_path / "x.tar", [*entries_of(bundle), regular("calls//x", b"x")])
-        with pytest.raises(ArchiveError, match="member 'calls//x' is not in canonical form"):
+        with pytest.raises(ArchiveError, match=r"member 'calls//x': .* not a plain relative path"):
             load_bundle(path)
 
     def test_duplicate_member_is_refused(self, tmp_path, bundle):

@@ -1,4 +1,4 @@
-"""The names of a bundle's files: the one rule for a name that must stay inside the bundle, and the names writers give.
+"""The layout's file names, written once: the rule for a name that stays inside the bundle, and the names writers give.
 
 A bundle, a packed bundle, a program index and an overwritten folder all name files relative to
 their own directory; every reader and writer checks those names with :func:`is_member_name`.
@@ -12,12 +12,12 @@ exactly: only such files are ever removed from a bundle directory that its manif
 from __future__ import annotations
 
 import re
-from pathlib import PurePosixPath
 
 __all__ = [
     "CALL_FILE_NAME",
     "JOURNAL_FILENAME",
     "MANIFEST_FILENAME",
+    "MAX_MANIFEST_BYTES",
     "MEMBER_NAME_RULE",
     "MISSING_VALUES_FILE",
     "SEGMENT_FILE_NAME",
@@ -29,6 +29,8 @@ __all__ = [
 ]
 
 MANIFEST_FILENAME = "manifest.json"
+MAX_MANIFEST_BYTES = 256 * 1024**2
+"""The largest ``manifest.json`` (or ``journal.jsonl``) read."""
 JOURNAL_FILENAME = "journal.jsonl"
 """The log of an open stream (its calls so far); removed once the stream writes ``manifest.json``."""
 
@@ -38,7 +40,7 @@ MISSING_VALUES_FILE = "calls/value_if_missing.safetensors"
 _CONTROL_OR_SURROGATE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 """Unicode categories Cc (control) and Cs (surrogate), exactly."""
 
-MEMBER_NAME_RULE = "a relative path with no '..', backslash, colon or control character"
+MEMBER_NAME_RULE = "a relative path with no '..', '.' or empty component, backslash, colon or control character"
 """What :func:`is_member_name` asks of a name, for error messages."""
 
 
@@ -95,12 +97,11 @@ def _is_final_writer_file(name: str) -> bool:
 def is_member_name(name: object) -> bool:
     """Whether ``name`` is a non-empty relative POSIX path that stays inside its directory.
 
-    Refused: a non-string or empty name, an absolute path, a ``..`` component, a backslash,
-    a colon (a drive or a stream on Windows), a control or surrogate character.
+    Refused: a non-string or empty name, an absolute path, a ``..``, ``.`` or empty component, a
+    backslash, a colon (a drive or a stream on Windows), a control or surrogate character.
     """
     if not isinstance(name, str) or not name or name.startswith("/") or "\\" in name or ":" in name:
         return False
     if _CONTROL_OR_SURROGATE.search(name):
         return False
-    pure = PurePosixPath(name)
-    return not pure.is_absolute() and ".." not in pure.parts
+    return not {"", ".", ".."} & set(name.split("/"))

@@ -1,20 +1,16 @@
-"""Packed bundles: one uncompressed POSIX tar file, read in place (tensor members memory-mapped where they lie).
+"""A packed bundle: one uncompressed POSIX tar file, read in place (tensor members memory-mapped where they lie).
 
 Why tar: a member's bytes are contiguous and start on a 512-byte boundary, so every tensor of a
 safetensors member keeps the alignment it has in its own file (8 bytes at least) and is viewed
 straight from one memory mapping of the whole archive; standard tools read it (``tar tf``).
 A zip with stored members would need padding in its extra fields to get the same alignment.
 
-``pack_bundle`` writes ``manifest.json`` first (a streaming reader finds it at once), then every
-file the manifest lists (tensor files, the stored model's files; nothing else the directory may
-hold), with zeroed times and owners: the same bundle always
-packs to the same bytes. ``unpack_bundle`` writes the members back to a directory,
-``manifest.json`` last.
+Packing and unpacking are ``iobundle.travel``'s; a packed bundle is read-only.
 
 A packed bundle is untrusted input. Reading its index refuses, with an
 :class:`~iobundle.errors.ArchiveError` naming the archive and the member: anything but a regular
 file or a directory (symbolic and hard links, devices, FIFOs, sparse files), a name that is
-absolute, holds ``..``, a backslash, a colon or a control character, or is not in canonical form
+absolute, holds a ``..``, ``.`` or empty component, a backslash, a colon or a control character
 (a leading ``./``, as ``tar cf x.tar -C run.iobundle .`` writes, is accepted),
 a name given twice (or a file used as a directory), a member whose bytes run past the end of the
 archive or overlap another's, more than :data:`MAX_ARCHIVE_MEMBERS` members, bytes after the last
@@ -25,7 +21,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import logging
 import os
 import tarfile
 import threading
@@ -34,8 +29,11 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from iobundle._lazy import lazy_module
-from iobundle._remote import local_path, open_filesystem
-from iobundle.calls import check_member_name, open_regular
+from iobundle._locations import local_path
+from iobundle._store._base import Store, check_member_name, folder_listing
+from iobundle._store._fsspec import open_filesystem
+from iobundle._store._local import open_regular
+from iobundle._store._names import MANIFEST_FILENAME
 from iobundle.errors import (
     ArchiveError,
     BundleNotFoundError,
@@ -44,16 +42,13 @@ from iobundle.errors import (
     TensorFileError,
     UnsafeBundleError,
 )
-from iobundle.schema import MANIFEST_FILENAME, MAX_MANIFEST_BYTES
 
 if TYPE_CHECKING:
     import torch
 else:
     torch = lazy_module("torch", globals())
 
-__all__ = ["MAX_ARCHIVE_MEMBERS", "ArchiveRoot", "open_archive", "read_index"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["MAX_ARCHIVE_MEMBERS", "TarStore", "open_archive", "read_index"]
 
 MAX_ARCHIVE_MEMBERS = 1_000_000
 """Most entries read from a packed bundle (a bundle holds about one file per call, at most 100 000 calls)."""
@@ -100,42 +95,9 @@ class _Slice(io.RawIOBase):
             super().close()
 
 
-class _ArchiveMember:
-    """A member of a packed bundle; see :class:`iobundle.calls._tensorfile_read.MemberHandle`."""
-
-    def __init__(self, root: ArchiveRoot, name: str) -> None:
-        self.root = root
-        self.name = name
-
-    def __str__(self) -> str:
-        return f"{self.root.path}:{self.name}"
-
-    def _span(self) -> tuple[int, int]:
-        span = self.root.members.get(self.name)
-        if span is None:
-            raise TensorFileError(f"{self.name}: missing from the packed bundle '{self.root.path}'.")
-        return span
-
-    def open(self) -> tuple[io.RawIOBase | io.BufferedIOBase, int]:
-        offset, size = self._span()
-        return self.root.open_slice(offset, size, self.name), size
-
-    def map(self, size: int) -> torch.Tensor | None:
-        offset, found = self._span()
-        if found != size:
-            raise IntegrityError(f"{self.name}: {found} bytes in '{self.root.path}', expected {size}.")
-        whole = self.root.mapping()
-        return None if whole is None else whole[offset : offset + size]
-
-
-class ArchiveRoot:
-    """The members of a packed bundle, indexed once; see :func:`open_archive`.
-
-    Attributes:
-        path: The archive (a local path, or a URL).
-        members: Per member name, the offset of its first byte in the archive and its size.
-        size: The archive's size when it was indexed.
-    """
+class TarStore(Store):
+    """The members of a packed bundle (read-only), indexed once by :func:`open_archive`: ``members`` maps a
+    name to its offset in the archive and its size; ``size`` is the archive's, ``local`` its local path (or None)."""
 
     def __init__(
         self,
@@ -153,12 +115,32 @@ class ArchiveRoot:
         self._mapping: torch.Tensor | None = None
         self._lock = threading.Lock()
 
-    def member(self, name: str) -> _ArchiveMember:
-        """The member ``name`` (checked like a file name of a directory bundle; it may be absent)."""
+    def describe(self, name: str) -> str:
+        return f"{self.path}:{name}"
+
+    def _span(self, name: str) -> tuple[int, int]:
         check_member_name(name)
-        return _ArchiveMember(self, name)
+        span = self.members.get(name)
+        if span is None:
+            raise TensorFileError(f"{name}: missing from the packed bundle '{self.path}'.")
+        return span
+
+    def open(self, name: str) -> tuple[io.RawIOBase | io.BufferedIOBase, int]:
+        offset, size = self._span(name)
+        return self.open_slice(offset, size, name), size
+
+    def map(self, name: str, size: int) -> torch.Tensor | None:
+        offset, found = self._span(name)
+        if found != size:
+            raise IntegrityError(f"{name}: {found} bytes in '{self.path}', expected {size}.")
+        whole = self.mapping()
+        return None if whole is None else whole[offset : offset + size]
+
+    def list(self, folder: str = "") -> dict[str, str]:
+        return folder_listing(self.members, folder)
 
     def open_slice(self, offset: int, size: int, name: str) -> io.RawIOBase | io.BufferedIOBase:
+        """``size`` bytes of the archive from ``offset`` on, as a file that ends there."""
         try:
             f = self._opener()
         except IobundleError:
@@ -181,20 +163,6 @@ class ArchiveRoot:
                     )
                 self._mapping = torch.from_file(str(self.local), shared=False, size=size, dtype=torch.uint8)
             return self._mapping
-
-    def read(self, name: str, limit: int) -> bytes:
-        """The whole member ``name``, refused over ``limit`` bytes."""
-        offset, size = self.members[name]
-        if size > limit:
-            raise UnsafeBundleError(
-                f"'{self.path}': member {name!r} holds {size} bytes, over the limit of {limit}. "
-                "The file is corrupt or hostile."
-            )
-        with self.open_slice(offset, size, name) as f:
-            data = f.read(size)
-        if len(data) != size:
-            raise TensorFileError(f"{name}: cut short in the packed bundle '{self.path}'.")
-        return data
 
 
 def _kind(info: tarfile.TarInfo) -> str | None:
@@ -260,8 +228,6 @@ def read_index(f: io.RawIOBase | io.BufferedIOBase, size: int, where: str) -> di
                 check_member_name(name)
             except UnsafeBundleError as exc:
                 raise ArchiveError(f"{label}: {exc}", member=name) from exc
-            if str(PurePosixPath(name)) != name:
-                raise ArchiveError(f"{label} is not in canonical form (e.g. '.' or '//' in it).", member=name)
             if name in members or name in directories:
                 raise ArchiveError(f"{label} appears twice; refusing to choose one.", member=name)
             if info.isdir():
@@ -301,13 +267,12 @@ def read_index(f: io.RawIOBase | io.BufferedIOBase, size: int, where: str) -> di
     return members
 
 
-def open_archive(location: str | os.PathLike[str]) -> tuple[ArchiveRoot, bytes]:
-    """Index the packed bundle at ``location`` (a local file or a URL); return it and its manifest's bytes.
+def open_archive(location: str | os.PathLike[str]) -> TarStore:
+    """Index the packed bundle at ``location`` (a local file or a URL).
 
     Raises:
         BundleNotFoundError: ``location`` does not exist or holds no ``manifest.json``.
         ArchiveError: The archive is invalid or hostile (see the module docstring).
-        UnsafeBundleError: The manifest member is over the size limit.
     """
     local = local_path(location)
     opener: Callable[[], io.RawIOBase | io.BufferedIOBase]
@@ -344,12 +309,8 @@ def open_archive(location: str | os.PathLike[str]) -> tuple[ArchiveRoot, bytes]:
         raise
     except OSError as exc:
         raise ArchiveError(f"{where}: cannot be read ({exc.strerror or exc}).") from exc
-    root = ArchiveRoot(path, members, size, opener, local)
     if MANIFEST_FILENAME not in members:
         raise BundleNotFoundError(
             f"'{where}' is a tar archive without {MANIFEST_FILENAME}. Is it a bundle packed by iobundle pack?"
         )
-    return root, root.read(MANIFEST_FILENAME, MAX_MANIFEST_BYTES)
-
-
-# --------------------------------------------------------------------------- pack / unpack
+    return TarStore(path, members, size, opener, local)
