@@ -328,6 +328,7 @@ class WriterProcess:
         self._closing = False
         self._dead = False
         self._closed_error: str | None = None
+        self._copying = 0  # copies into the ring in progress, outside the lock
         self._cond = threading.Condition()
         self._submit_lock = threading.Lock()
         self._child = child = _Child.take()
@@ -406,16 +407,27 @@ class WriterProcess:
                     self._cond.wait()
                 self._calls[seq] = call
                 view = ring.view
+                self._copying += 1
             assert view is not None
             base = view.data_ptr() + start
-            for tensor, offset, nbytes in copies:  # one memcpy each, without the lock: no torch op to dispatch
-                memmove(base + offset, tensor.data_ptr(), nbytes)
+            try:
+                for tensor, offset, nbytes in copies:  # one memcpy each, without the lock: no torch op to dispatch
+                    memmove(base + offset, tensor.data_ptr(), nbytes)
+            finally:
+                self._copied()
             self._sent.update(new)
             message = ("call", seq, call_json, start, specs)
             if on_device:  # sent by the next submit (or close): the copies run meanwhile
                 self._staged = (message, self._stager.to_pinned(on_device))
                 return True
             return self._send(message)
+
+    def _copied(self) -> None:
+        """A copy into the ring is over: the reader thread may unmap it now (torch's view of it does not hold it)."""
+        with self._cond:
+            self._copying -= 1
+            if not self._copying:
+                self._cond.notify_all()
 
     def _send(self, message: tuple[Any, ...]) -> bool:
         """Send a call's message (with the ring's size now); False if the child is gone and the call is the caller's."""
@@ -440,9 +452,16 @@ class WriterProcess:
         if staged is None:
             return
         message, pinned = staged
-        view = self._child.ring.view
+        with self._cond:
+            if self._dead:  # the ring may be gone: the call is among the lost ones the reader reports
+                return
+            self._copying += 1
+            view = self._child.ring.view
         assert view is not None
-        self._stager.land(pinned, view.data_ptr() + message[3])
+        try:
+            self._stager.land(pinned, view.data_ptr() + message[3])
+        finally:
+            self._copied()
         try:
             self._child.send((*message, self._child.ring.size))
         except OSError:
@@ -543,6 +562,9 @@ class WriterProcess:
                 closing = self._closing
                 self._cond.notify_all()
             self._idle()
+            with self._cond:  # a copy into the ring in progress (its range taken before the end) finishes first:
+                while self._copying:  # closing or shrinking the ring unmaps it under the copy
+                    self._cond.wait()
             if finished:
                 child.give_back()
             else:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from iobundle import InputObserver, load_bundle
-from iobundle.capture import _stream, _writer_process
+from iobundle.capture import ObservationWarning, _stream, _writer_process
 from iobundle.capture._writer import CALLS_DIR
 
 
@@ -141,3 +142,33 @@ def test_the_writer_process_yields_the_cpu_to_the_model(tmp_path: Path, monkeypa
             time.sleep(0.05)
     assert os.getpriority(os.PRIO_PROCESS, busy[0].proc.pid) >= min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)
     assert load_bundle(tmp_path / "run").num_obs() == 1
+
+
+def test_a_writer_process_that_dies_during_a_copy_leaves_the_ring_mapped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child ends while the model's thread copies a call into the ring: the reader thread waits for the
+    copy before it unmaps the ring (torch's view of it does not keep it mapped: the copy would crash)."""
+    monkeypatch.setattr(_stream, "WRITER", "process")
+    real = ctypes.memmove
+    killed: list[int] = []
+
+    def memmove(dst: int, src: int, n: int) -> int:
+        if not killed:
+            busy = [c for c in _writer_process._CHILDREN if c not in _writer_process._IDLE]
+            busy[0].proc.kill()
+            killed.append(busy[0].proc.wait())
+            time.sleep(0.5)  # the reader thread sees the end meanwhile
+        return real(dst, src, n)
+
+    monkeypatch.setattr(_writer_process.ctypes, "memmove", memmove)
+    model, observer = torch.nn.Linear(3, 3), InputObserver()
+    with (
+        pytest.warns(ObservationWarning, match="stopped"),
+        observer(model, store_n_calls=3, stream_to=tmp_path / "run"),
+    ):
+        for i in range(3):
+            model(torch.full((1, 3), float(i)))
+    assert killed
+    loaded = load_bundle(tmp_path / "run")
+    assert [c.status for c in loaded.calls] == ["ok"] * 3 and loaded.verify() == []
