@@ -90,7 +90,8 @@ class PinnedStager:
                 del self._sizes[i]
                 self._free_bytes -= self._free[i].numel()
                 return self._free.pop(i)
-        return torch.empty(_round_up(nbytes), dtype=torch.uint8, pin_memory=True)
+        with torch.inference_mode(False):  # reused by later calls, maybe outside inference_mode
+            return torch.empty(_round_up(nbytes), dtype=torch.uint8, pin_memory=True)
 
     def give_back(self, buffers: list[torch.Tensor]) -> None:
         """Return the pinned buffers of :meth:`to_host` (their bytes are written); keep what fits."""

@@ -106,7 +106,8 @@ class _Ring:
                 pass  # a view is still alive somewhere: the mapping goes with it
         os.ftruncate(self.fd, size)
         self._map = mmap.mmap(self.fd, size)
-        self.view = torch.frombuffer(self._map, dtype=torch.uint8)
+        with torch.inference_mode(False):  # a normal tensor: later streams copy into it outside inference_mode
+            self.view = torch.frombuffer(self._map, dtype=torch.uint8)
         self.size = size
 
     def grow_for(self, n: int) -> None:

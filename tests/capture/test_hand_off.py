@@ -171,4 +171,8 @@ def test_a_writer_process_that_dies_during_a_copy_leaves_the_ring_mapped(
             model(torch.full((1, 3), float(i)))
     assert killed
     loaded = load_bundle(tmp_path / "run")
-    assert [c.status for c in loaded.calls] == ["ok"] * 3 and loaded.verify() == []
+    statuses = [c.status for c in loaded.calls]
+    # the call being copied: written by the thread, or marked incomplete if the child had started (it may
+    # have written it); the next calls go to the thread
+    assert statuses[0] in ("ok", "incomplete") and statuses[1:] == ["ok", "ok"], statuses
+    assert loaded.verify() == []

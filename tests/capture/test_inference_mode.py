@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from iobundle import InputObserver, load_bundle
-from iobundle.capture import _stream
+from iobundle.capture import _stream, _writer_process
 
 
 class Step(torch.nn.Module):
@@ -59,3 +59,17 @@ def test_a_generate_under_inference_mode_is_recorded(tmp_path: Path) -> None:
     bundle = load_bundle(tmp_path / "run")
     assert bundle.num_obs() == 4
     assert all(call.status == "ok" for call in bundle.calls)
+
+
+def test_a_writer_process_started_under_inference_mode_serves_later_streams(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer process (and its shared memory) is kept for the next stream, which may run outside inference_mode."""
+    monkeypatch.setattr(_writer_process, "_IDLE", [])  # a new one, started under inference_mode
+    monkeypatch.setattr(_stream, "WRITER", "process")
+    model = torch.nn.Linear(3, 3)
+    for i, inference in enumerate([True, False, True]):
+        observer = InputObserver()
+        with torch.inference_mode(inference), observer(model, stream_to=tmp_path / f"run{i}"):
+            model(torch.ones(1, 3))
+        assert load_bundle(tmp_path / f"run{i}").calls[0].status == "ok"
