@@ -3,7 +3,7 @@
 ``np.median`` and ``np.quantile`` partition the whole array around each order statistic they
 need (and its minimum and maximum): on a few million errors that costs more than running the
 model. :func:`median_and_quantile` finds the order statistics in a window of the values
-instead: a strided sample of the array bounds where each one lies, one counting pass checks the
+instead: a sample of the array (random positions, fixed seed) bounds where each one lies, one counting pass checks the
 bounds, and only the values between them are partitioned. A window that misses (the check
 fails) falls back to partitioning the whole array, so the result never depends on the sample.
 The median and the quantile are then computed from the order statistics exactly as numpy
@@ -29,13 +29,23 @@ SAMPLE = 4096
 """About how many values the sample holds; arrays up to 16 times this size are partitioned whole."""
 
 
+def _sample_indices(n: int) -> np.ndarray:
+    """Where the sample of an array of ``n`` values is drawn: :data:`SAMPLE` positions spread at random.
+
+    Not a stride: errors often follow the layout (a row's columns err alike), and a stride that
+    divides the row length samples a few columns only, so the window misses and everything is
+    partitioned. Drawn with a fixed seed, so a run is repeatable (the result never depends on it).
+    """
+    return np.sort(np.random.default_rng(n).integers(0, n, SAMPLE))
+
+
 def _order_stats(x: np.ndarray, ranks: Sequence[int]) -> list[float]:
     """The values of ranks ``ranks`` (sorted, in ``[0, x.size)``) of the NaN-free flat ``x``, which may be reordered."""
     n = x.size
     if n <= 16 * SAMPLE:
         x.partition(list(ranks))
         return [float(x[r]) for r in ranks]
-    sample = np.sort(x[:: n // SAMPLE])
+    sample = np.sort(x[_sample_indices(n)])
     m = sample.size
     p = (ranks[0] + ranks[-1]) / 2 / n
     margin = 4.0 * math.sqrt(m * p * (1.0 - p)) + 8.0  # four standard deviations of the sample's rank, and some
