@@ -3,8 +3,8 @@
 ``np.median`` and ``np.quantile`` partition the whole array around each order statistic they
 need (and its minimum and maximum): on a few million errors that costs more than running the
 model. :func:`median_and_quantile` finds the order statistics in a window of the values
-instead: a sample of the array (random positions, fixed seed) bounds where each one lies, one counting pass checks the
-bounds, and only the values between them are partitioned. A window that misses (the check
+instead: a sample of the array (at random positions, fixed seed) bounds where each one lies,
+one counting pass checks the bounds, and only the values between them are partitioned. A window that misses (the check
 fails) falls back to partitioning the whole array, so the result never depends on the sample.
 The median and the quantile are then computed from the order statistics exactly as numpy
 computes them (the mean of the two middle values; the ``linear`` method's interpolation).
