@@ -12,6 +12,7 @@ computes them (the mean of the two middle values; the ``linear`` method's interp
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -29,6 +30,7 @@ SAMPLE = 4096
 """About how many values the sample holds; arrays up to 16 times this size are partitioned whole."""
 
 
+@functools.lru_cache(maxsize=8)
 def _sample_indices(n: int) -> np.ndarray:
     """Where the sample of an array of ``n`` values is drawn: :data:`SAMPLE` positions spread at random.
 
@@ -36,29 +38,35 @@ def _sample_indices(n: int) -> np.ndarray:
     divides the row length samples a few columns only, so the window misses and everything is
     partitioned. Drawn with a fixed seed, so a run is repeatable (the result never depends on it).
     """
-    return np.sort(np.random.default_rng(n).integers(0, n, SAMPLE))
+    indices = np.sort(np.random.default_rng(n).integers(0, n, SAMPLE))
+    indices.flags.writeable = False
+    return indices
 
 
-def _order_stats(x: np.ndarray, ranks: Sequence[int]) -> list[float]:
-    """The values of ranks ``ranks`` (sorted, in ``[0, x.size)``) of the NaN-free flat ``x``, which may be reordered."""
+def _order_stats(x: np.ndarray, ranks: Sequence[int], sample: np.ndarray | None) -> list[float]:
+    """The values of ranks ``ranks`` (sorted, in ``[0, x.size)``) of the NaN-free flat ``x``, which may be reordered.
+
+    ``sample`` is the sorted sample of ``x`` (:func:`_sample_indices`); None selects in the whole array.
+    """
     n = x.size
-    if n <= 16 * SAMPLE:
+    if sample is None:
         x.partition(list(ranks))
         return [float(x[r]) for r in ranks]
-    sample = np.sort(x[_sample_indices(n)])
     m = sample.size
     p = (ranks[0] + ranks[-1]) / 2 / n
     margin = 4.0 * math.sqrt(m * p * (1.0 - p)) + 8.0  # four standard deviations of the sample's rank, and some
     first, last = math.floor(ranks[0] / n * m - margin), math.ceil(ranks[-1] / n * m + margin)
     lo = float(sample[first]) if first > 0 else -math.inf
     hi = float(sample[last]) if last < m else math.inf
-    below = int(np.count_nonzero(x < lo)) if first > 0 else 0
+    inside = np.greater_equal(x, lo) if first > 0 else None
+    below = n - int(np.count_nonzero(inside)) if inside is not None else 0
     if lo == hi:  # the window holds one value
         window_size = int(np.count_nonzero(x == lo))
         if below <= ranks[0] and ranks[-1] < below + window_size:
             return [lo] * len(ranks)
     else:
-        window = x[(x >= lo) & (x <= hi)] if first > 0 else x[x <= hi]
+        upper = np.less_equal(x, hi)
+        window = x[upper if inside is None else np.logical_and(inside, upper, out=upper)]
         if below <= ranks[0] and ranks[-1] < below + window.size:
             window.partition([r - below for r in ranks])
             return [float(window[r - below]) for r in ranks]
@@ -91,9 +99,10 @@ def median_and_quantile(x: np.ndarray, q: float) -> tuple[float, float]:
     half = n // 2
     middle = [half - 1, half] if n % 2 == 0 else [half]
     previous, following, gamma = _linear(n, q)
-    values = dict(zip(middle, _order_stats(x, middle)))
+    sample = np.sort(x[_sample_indices(n)]) if n > 16 * SAMPLE else None
+    values = dict(zip(middle, _order_stats(x, middle, sample)))
     rest = sorted({previous, following} - set(values))
     if rest:  # the quantile's ranks: a window of their own
-        values.update(zip(rest, _order_stats(x, rest)))
+        values.update(zip(rest, _order_stats(x, rest, sample)))
     median = (values[half - 1] + values[half]) / 2 if n % 2 == 0 else values[half]
     return median, _lerp(values[previous], values[following], gamma)
