@@ -324,18 +324,22 @@ class ErrorStats:
         return getattr(self, f"{name}_abs"), getattr(self, f"{name}_rel")
 
 
-def _errors(a: np.ndarray, b: np.ndarray, scratch: Scratch) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def _errors(
+    a: np.ndarray, b: np.ndarray, scratch: Scratch, slot: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Flat float64 ``(abs errors, |expected|, where exactly one side is NaN)`` of two arrays of one shape.
 
-    The float64 copies go to ``scratch``'s reused buffers (fresh memory costs a page fault per page);
-    ``|expected|`` is one of them. The NaN and infinity bookkeeping runs only when some error is not
-    finite. The mask is None when no element is NaN on one side only.
+    The float64 copies go to ``scratch``'s reused buffers (fresh memory costs a page fault per page):
+    ``|expected|`` is one of them, the errors go to a buffer of their own (``slot``: one per output of
+    a call, whose errors are kept until the call's row is made). The NaN and infinity bookkeeping runs
+    only when some error is not finite. The mask is None when no element is NaN on one side only.
     """
     a64, b64 = scratch.get(np.dtype(np.float64), a.size, 2), scratch.get(np.dtype(np.float64), a.size, 3)
+    diff = scratch.get(np.dtype(np.float64), a.size, 4 + slot)
     np.copyto(a64, a.reshape(-1), casting="unsafe")
     np.copyto(b64, b.reshape(-1), casting="unsafe")
     with np.errstate(over="ignore", invalid="ignore"):
-        diff = np.subtract(a64, b64)
+        np.subtract(a64, b64, out=diff)
         np.abs(diff, out=diff)
         if not diff.size or math.isfinite(diff.max()):  # a NaN or an infinity on either side shows in the max
             return diff, np.abs(a64, out=a64), None
@@ -382,10 +386,21 @@ class _Output:
 
 
 def _describe(
-    a: np.ndarray, b: np.ndarray, *, atol: float, rtol: float, quantile: float, scratch: Scratch | None = None
+    a: np.ndarray,
+    b: np.ndarray,
+    *,
+    atol: float,
+    rtol: float,
+    quantile: float,
+    scratch: Scratch | None = None,
+    slot: int = 0,
 ) -> _Output:
-    """Every statistic of one output in one pass over its errors (see :class:`ErrorStats`)."""
-    diff, scale, one_nan = _errors(a, b, scratch if scratch is not None else Scratch())
+    """Every statistic of one output in one pass over its errors (see :class:`ErrorStats`).
+
+    The errors it keeps are in ``scratch``'s buffer ``slot`` (see :func:`_errors`): valid until the
+    next call with the same scratch and slot.
+    """
+    diff, scale, one_nan = _errors(a, b, scratch if scratch is not None else Scratch(), slot)
     n = int(diff.size)
     dnan = 0 if one_nan is None else int(np.count_nonzero(one_nan))
     if not n:
@@ -563,7 +578,7 @@ def compare_call(
             if not stopped:
                 result.success, result.error, stopped = False, f"output {i}: {check.error}", True
             continue
-        out = _describe(a, b, atol=atol, rtol=rtol, quantile=error_quantile, scratch=scratch)
+        out = _describe(a, b, atol=atol, rtol=rtol, quantile=error_quantile, scratch=scratch, slot=len(described))
         check.stats = out.stats
         check.success = stat_passes(out.stats, atol=atol, rtol=rtol, check_error_stat=check_error_stat)
         described.append(out)
