@@ -4,15 +4,14 @@
 need (and its minimum and maximum): on a few million errors that costs more than running the
 model. :func:`median_and_quantile` finds the order statistics in a window of the values
 instead: a sample of the array (at random positions, fixed seed) bounds where each one lies,
-one counting pass checks the bounds, and only the values between them are partitioned. A window that misses (the check
-fails) falls back to partitioning the whole array, so the result never depends on the sample.
+one counting pass checks the bounds, and only the values between them are partitioned. A window
+that misses (the check fails) falls back to partitioning the whole array, so the result never depends on the sample.
 The median and the quantile are then computed from the order statistics exactly as numpy
 computes them (the mean of the two middle values; the ``linear`` method's interpolation).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -30,28 +29,18 @@ SAMPLE = 4096
 """About how many values the sample holds; arrays up to 16 times this size are partitioned whole."""
 
 
-@functools.lru_cache(maxsize=8)
 def _sample_indices(n: int) -> np.ndarray:
-    """Where the sample of an array of ``n`` values is drawn: :data:`SAMPLE` positions spread at random.
-
-    Not a stride: errors often follow the layout (a row's columns err alike), and a stride that
-    divides the row length samples a few columns only, so the window misses and everything is
-    partitioned. Drawn with a fixed seed, so a run is repeatable (the result never depends on it).
-    """
-    indices = np.sort(np.random.default_rng(n).integers(0, n, SAMPLE))
-    indices.flags.writeable = False
-    return indices
+    """:data:`SAMPLE` random positions in ``n`` values (fixed seed); a stride would see a few columns of a matrix."""
+    return np.sort(np.random.default_rng(n).integers(0, n, SAMPLE))
 
 
-def _order_stats(x: np.ndarray, ranks: Sequence[int], sample: np.ndarray | None) -> list[float]:
-    """The values of ranks ``ranks`` (sorted, in ``[0, x.size)``) of the NaN-free flat ``x``, which may be reordered.
-
-    ``sample`` is the sorted sample of ``x`` (:func:`_sample_indices`); None selects in the whole array.
-    """
+def _order_stats(x: np.ndarray, ranks: Sequence[int]) -> list[float]:
+    """The values of ranks ``ranks`` (sorted, in ``[0, x.size)``) of the NaN-free flat ``x``, which may be reordered."""
     n = x.size
-    if sample is None:
+    if n <= 16 * SAMPLE:
         x.partition(list(ranks))
         return [float(x[r]) for r in ranks]
+    sample = np.sort(x[_sample_indices(n)])
     m = sample.size
     p = (ranks[0] + ranks[-1]) / 2 / n
     margin = 4.0 * math.sqrt(m * p * (1.0 - p)) + 8.0  # four standard deviations of the sample's rank, and some
@@ -99,10 +88,9 @@ def median_and_quantile(x: np.ndarray, q: float) -> tuple[float, float]:
     half = n // 2
     middle = [half - 1, half] if n % 2 == 0 else [half]
     previous, following, gamma = _linear(n, q)
-    sample = np.sort(x[_sample_indices(n)]) if n > 16 * SAMPLE else None
-    values = dict(zip(middle, _order_stats(x, middle, sample)))
+    values = dict(zip(middle, _order_stats(x, middle)))
     rest = sorted({previous, following} - set(values))
     if rest:  # the quantile's ranks: a window of their own
-        values.update(zip(rest, _order_stats(x, rest, sample)))
+        values.update(zip(rest, _order_stats(x, rest)))
     median = (values[half - 1] + values[half]) / 2 if n % 2 == 0 else values[half]
     return median, _lerp(values[previous], values[following], gamma)
