@@ -67,8 +67,8 @@ class Comparison:
     error: str | None = None
 
     def as_row(self) -> dict[str, Any]:
-        row: dict[str, Any] = {"SUCCESS": self.success, "abs": self.abs, "rel": self.rel, "sum": self.sum, "n": self.n}
-        row["dnan"] = self.dnan
+        row: dict[str, Any] = {"SUCCESS": self.success, "abs": self.abs, "rel": self.rel, "sum": self.sum}
+        row.update(n=self.n, dnan=self.dnan)
         row.update({f">{h}": c for h, c in self.hist.items()})
         if self.error:
             row["error"] = self.error
@@ -199,20 +199,11 @@ def _compare_finite(
 def _accumulate_general(
     result: Comparison, a: np.ndarray, b: np.ndarray, *, atol: float, rtol: float, hist: Sequence[float]
 ) -> None:
-    """Every case (NaN, inf, mixed dtypes, complex, integers that differ), in float64."""
-    if a.dtype.kind in "fc":
-        a64, b64 = a.astype(np.float64), b.astype(np.float64)
-        nan_a, nan_b = np.isnan(a64), np.isnan(b64)
-        dnan = int(np.count_nonzero(nan_a != nan_b))
-        diff = np.abs(np.where(nan_a | nan_b, 0.0, a64 - b64))
-        both_inf = np.isinf(a64) & np.isinf(b64) & (a64 == b64)
-        diff = np.where(both_inf, 0.0, diff)
-        diff = np.where(np.isnan(diff), np.inf, diff)
-    else:
-        a64, b64 = a.astype(np.float64), b.astype(np.float64)
-        dnan = 0
-        diff = np.abs(a64 - b64)
-    scale = np.abs(np.where(np.isfinite(a64), a64, 0.0))
+    """Every case (NaN, inf, mixed dtypes, complex, integers that differ), in float64 (:func:`_errors`)."""
+    diff, scale, one_nan = _errors(a, b, Scratch(), 0)
+    dnan = 0 if one_nan is None else int(np.count_nonzero(one_nan))
+    if one_nan is not None:  # the row counts an element NaN on one side only as no error (dnan counts it)
+        diff = np.where(one_nan, 0.0, diff)
     result.dnan += dnan
     result.abs = max(result.abs, float(diff.max()))
     result.rel = max(result.rel, float((diff / np.maximum(scale, 1e-12)).max()))
@@ -324,18 +315,21 @@ class ErrorStats:
         return getattr(self, f"{name}_abs"), getattr(self, f"{name}_rel")
 
 
-def _errors(a: np.ndarray, b: np.ndarray, scratch: Scratch) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def _errors(
+    a: np.ndarray, b: np.ndarray, scratch: Scratch, slot: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Flat float64 ``(abs errors, |expected|, where exactly one side is NaN)`` of two arrays of one shape.
 
-    The float64 copies go to ``scratch``'s reused buffers (fresh memory costs a page fault per page);
-    ``|expected|`` is one of them. The NaN and infinity bookkeeping runs only when some error is not
-    finite. The mask is None when no element is NaN on one side only.
+    In ``scratch``'s reused buffers (fresh memory costs a page fault per page), the errors in ``slot``'s
+    (one per output of a call, kept for its row). The NaN and infinity bookkeeping runs only when some
+    error is not finite. The mask is None when no element is NaN on one side only.
     """
     a64, b64 = scratch.get(np.dtype(np.float64), a.size, 2), scratch.get(np.dtype(np.float64), a.size, 3)
+    diff = scratch.get(np.dtype(np.float64), a.size, 4 + slot)
     np.copyto(a64, a.reshape(-1), casting="unsafe")
     np.copyto(b64, b.reshape(-1), casting="unsafe")
     with np.errstate(over="ignore", invalid="ignore"):
-        diff = np.subtract(a64, b64)
+        np.subtract(a64, b64, out=diff)
         np.abs(diff, out=diff)
         if not diff.size or math.isfinite(diff.max()):  # a NaN or an infinity on either side shows in the max
             return diff, np.abs(a64, out=a64), None
@@ -382,10 +376,11 @@ class _Output:
 
 
 def _describe(
-    a: np.ndarray, b: np.ndarray, *, atol: float, rtol: float, quantile: float, scratch: Scratch | None = None
-) -> _Output:
-    """Every statistic of one output in one pass over its errors (see :class:`ErrorStats`)."""
-    diff, scale, one_nan = _errors(a, b, scratch if scratch is not None else Scratch())
+    a: np.ndarray, b: np.ndarray, *, atol: float, rtol: float, quantile: float, scratch: Scratch | None = None,
+    slot: int = 0,
+) -> _Output:  # fmt: skip
+    """Every statistic of one output in one pass over its errors (:class:`ErrorStats`; ``slot``: :func:`_errors`)."""
+    diff, scale, one_nan = _errors(a, b, scratch if scratch is not None else Scratch(), slot)
     n = int(diff.size)
     dnan = 0 if one_nan is None else int(np.count_nonzero(one_nan))
     if not n:
@@ -497,11 +492,6 @@ def _recorded_dtype(value: Any) -> str:
     return "" if value is None else str(getattr(value, "dtype", "")).replace("torch.", "")
 
 
-def _dtype_text(array: np.ndarray, value: Any) -> str:
-    dtype = getattr(value, "dtype", array.dtype)
-    return str(dtype).replace("torch.", "")
-
-
 def compare_call(
     expected: Sequence[Any],
     obtained: Sequence[Any],
@@ -543,10 +533,11 @@ def compare_call(
         other = other if other != name else None
         ref, array = (e, a) if a is not None else (o, b)
         array = array if array is not None else np.zeros(0)
-        atol, rtol = tolerances.for_output(name, other or "", dtype=_dtype_text(array, ref))
+        dtype = _recorded_dtype(ref) or str(array.dtype)
+        atol, rtol = tolerances.for_output(name, other or "", dtype=dtype)
         check = OutputCheck(
             call=call_index, name=name, other_name=other, shape=tuple(int(d) for d in array.shape),
-            dtype=_dtype_text(array, ref), atol=atol, rtol=rtol, success=None,
+            dtype=dtype, atol=atol, rtol=rtol, success=None,
         )  # fmt: skip
         checks.append(check)
         if a is None or b is None:
@@ -563,7 +554,7 @@ def compare_call(
             if not stopped:
                 result.success, result.error, stopped = False, f"output {i}: {check.error}", True
             continue
-        out = _describe(a, b, atol=atol, rtol=rtol, quantile=error_quantile, scratch=scratch)
+        out = _describe(a, b, atol=atol, rtol=rtol, quantile=error_quantile, scratch=scratch, slot=len(described))
         check.stats = out.stats
         check.success = stat_passes(out.stats, atol=atol, rtol=rtol, check_error_stat=check_error_stat)
         described.append(out)

@@ -3,9 +3,9 @@
 ``np.median`` and ``np.quantile`` partition the whole array around each order statistic they
 need (and its minimum and maximum): on a few million errors that costs more than running the
 model. :func:`median_and_quantile` finds the order statistics in a window of the values
-instead: a strided sample of the array bounds where each one lies, one counting pass checks the
-bounds, and only the values between them are partitioned. A window that misses (the check
-fails) falls back to partitioning the whole array, so the result never depends on the sample.
+instead: a sample of the array (at random positions, fixed seed) bounds where each one lies,
+one counting pass checks the bounds, and only the values between them are partitioned. A window
+that misses (the check fails) falls back to partitioning the whole array, so the result never depends on the sample.
 The median and the quantile are then computed from the order statistics exactly as numpy
 computes them (the mean of the two middle values; the ``linear`` method's interpolation).
 """
@@ -29,26 +29,33 @@ SAMPLE = 4096
 """About how many values the sample holds; arrays up to 16 times this size are partitioned whole."""
 
 
+def _sample_indices(n: int) -> np.ndarray:
+    """:data:`SAMPLE` random positions in ``n`` values (fixed seed); a stride would see a few columns of a matrix."""
+    return np.sort(np.random.default_rng(n).integers(0, n, SAMPLE))
+
+
 def _order_stats(x: np.ndarray, ranks: Sequence[int]) -> list[float]:
     """The values of ranks ``ranks`` (sorted, in ``[0, x.size)``) of the NaN-free flat ``x``, which may be reordered."""
     n = x.size
     if n <= 16 * SAMPLE:
         x.partition(list(ranks))
         return [float(x[r]) for r in ranks]
-    sample = np.sort(x[:: n // SAMPLE])
+    sample = np.sort(x[_sample_indices(n)])
     m = sample.size
     p = (ranks[0] + ranks[-1]) / 2 / n
     margin = 4.0 * math.sqrt(m * p * (1.0 - p)) + 8.0  # four standard deviations of the sample's rank, and some
     first, last = math.floor(ranks[0] / n * m - margin), math.ceil(ranks[-1] / n * m + margin)
     lo = float(sample[first]) if first > 0 else -math.inf
     hi = float(sample[last]) if last < m else math.inf
-    below = int(np.count_nonzero(x < lo)) if first > 0 else 0
+    inside = np.greater_equal(x, lo) if first > 0 else None
+    below = n - int(np.count_nonzero(inside)) if inside is not None else 0
     if lo == hi:  # the window holds one value
         window_size = int(np.count_nonzero(x == lo))
         if below <= ranks[0] and ranks[-1] < below + window_size:
             return [lo] * len(ranks)
     else:
-        window = x[(x >= lo) & (x <= hi)] if first > 0 else x[x <= hi]
+        upper = np.less_equal(x, hi)
+        window = x[upper if inside is None else np.logical_and(inside, upper, out=upper)]
         if below <= ranks[0] and ranks[-1] < below + window.size:
             window.partition([r - below for r in ranks])
             return [float(window[r - below]) for r in ranks]

@@ -295,9 +295,12 @@ def test_call_row_errors_are_the_largest_of_its_outputs() -> None:
         expected[1] + torch.randn(3, 7, dtype=torch.bfloat16) * 0.01,
         np.arange(6) + np.array([0, 0, 1, 0, 0, 0]),
     ]
+    scratch = Scratch()  # shared, as validation shares it: each output's errors keep a buffer of their own
+    compare_call(expected, obtained, call_index=0, names=["a", "b", "c"], tolerances=Tolerances(), scratch=scratch)
     row, checks = compare_call(
-        expected, obtained, call_index=0, names=["a", "b", "c"], tolerances=Tolerances(error_quantile=0.9)
-    )
+        expected, obtained, call_index=0, names=["a", "b", "c"], tolerances=Tolerances(error_quantile=0.9),
+        scratch=scratch,
+    )  # fmt: skip
     assert [c.dtype for c in checks] == ["float32", "bfloat16", "int64"]
     assert row["abs"] == max(c.stats.max_abs for c in checks if c.stats)
     assert row["rel"] == pytest.approx(max(c.stats.max_rel for c in checks if c.stats), rel=1e-6)
@@ -310,7 +313,8 @@ def test_call_row_errors_are_the_largest_of_its_outputs() -> None:
 
 
 def test_output_statistics_reuse_the_float64_buffers_of_their_scratch() -> None:
-    """Fresh memory costs a page fault per page: the float64 copies of each output go to the scratch's buffers."""
+    """Fresh memory costs a page fault per page: the float64 copies of each output and its errors go to the
+    scratch's buffers."""
     from iobundle.replay.check._compare import compare_call
 
     g = np.random.default_rng(4)
@@ -325,7 +329,7 @@ def test_output_statistics_reuse_the_float64_buffers_of_their_scratch() -> None:
         diff = np.abs(expected.astype(np.float64) - obtained.astype(np.float64)).reshape(-1)
         assert (check.stats.max_abs, check.stats.median_abs) == (diff.max(), np.median(diff))
         seen.append({k: v for k, v in scratch._buffers.items() if k[0] == np.float64})
-    assert len(seen[0]) == 2 and all(s.keys() == seen[0].keys() for s in seen)
+    assert len(seen[0]) == 3 and all(s.keys() == seen[0].keys() for s in seen)  # expected, obtained, errors
     assert all(seen[0][k] is s[k] for s in seen for k in s)  # grown once, then reused
 
 
