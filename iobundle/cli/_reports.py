@@ -333,6 +333,11 @@ def _log_axis(lo: float, hi: float, start: float, length: float) -> Callable[[fl
     return at
 
 
+def _decades(lo: float, hi: float, axis: Callable[[float | None], float]) -> list[tuple[int, float]]:
+    """Each power of ten of a log axis, with where it stands: its gridline and label."""
+    return [(d, axis(10.0**d)) for d in range(int(lo), int(hi) + 1)]
+
+
 def _svg_open(width: int, height: int, title: str) -> list[str]:
     return [
         f'<svg width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img">',
@@ -359,8 +364,7 @@ def _svg_per_call(report: Report) -> str:
 
     y = _log_axis(lo, hi, top + plot_h, -plot_h)  # upwards
     parts = _svg_open(width, height, "largest absolute error per call")
-    for d in range(int(lo), int(hi) + 1):
-        yy = y(10.0**d)
+    for d, yy in _decades(lo, hi, y):
         parts.append(f'<line x1="{left}" y1="{yy:.1f}" x2="{width - 12}" y2="{yy:.1f}" stroke="#eaeef2"/>')
         parts.append(f'<text x="{left - 6}" y="{yy + 4:.1f}" text-anchor="end">1e{d}</text>')
     for i, p in enumerate(points):
@@ -416,8 +420,7 @@ def _svg_per_output(report: Report) -> str:
 
     x = _log_axis(lo, hi, label_w, plot_w)
     parts = _svg_open(width, height, "largest absolute error per output")
-    for d in range(int(lo), int(hi) + 1):
-        xx = x(10.0**d)
+    for d, xx in _decades(lo, hi, x):
         parts.append(f'<line x1="{xx:.1f}" y1="{top}" x2="{xx:.1f}" y2="{height - 30}" stroke="#eaeef2"/>')
         parts.append(f'<text x="{xx:.1f}" y="{height - 16}" text-anchor="middle">1e{d}</text>')
     for i, e in enumerate(entries):
