@@ -132,7 +132,10 @@ class TensorCollector:
         ):
             return None
         for child, kid, version in zip(children, kids, versions):
-            if child is not kid or (version is not None and child._version != version):
+            if version is None:  # None or a scalar, kept as it was
+                if child is not kid:
+                    return None
+            elif kid() is not child or child._version != version:  # a tensor, by weak reference
                 return None
         return node
 
@@ -156,23 +159,38 @@ class TensorCollector:
         if len(self._objects) >= 256:  # a model output is a new object every call: keep the recent ones
             self._objects.clear()
         # only tensors and immutable leaves: a child that can change unseen (a list) is walked every time
+        # Tensors are held by weak reference (a memo must not keep a call's outputs alive), other children
+        # only if immutable: an object holding a list, which can change unseen, is walked every time.
         stamps: list[int | None] = []
+        kids: list[Any] = []
         for child in children:
             if isinstance(child, torch.Tensor):
                 if child.is_inference():  # no version counter: the object is walked every time
                     break
+                try:
+                    kids.append(weakref.ref(child))
+                except TypeError:
+                    break
                 stamps.append(child._version)
             elif child is None or type(child) in _SCALARS:
                 stamps.append(None)
+                kids.append(child)
             else:
                 break
-        versions = stamps if len(stamps) == len(children) else None
+        memoised = len(stamps) == len(children)
         try:
             ref = weakref.ref(value)
         except TypeError:
             return node
         discarded = getattr(self.tensors, "discarded", 0)
-        self._objects[id(value)] = (ref, node, list(children), versions, context, discarded)
+        self._objects[id(value)] = (
+            ref,
+            node,
+            kids if memoised else [],
+            stamps if memoised else None,
+            context,
+            discarded,
+        )
         return node
 
 

@@ -63,3 +63,19 @@ def test_keys_dropped_from_the_table_void_the_memo() -> None:
     second = _record(cache, collector)
     assert second is not first
     assert all(key in collector.tensors for key in tensor_keys(second))
+
+
+def test_the_memo_keeps_no_tensor_alive() -> None:
+    """An object recorded once (a model's output) must not hold its tensors after the caller let them go."""
+    import gc
+    import weakref
+
+    collector = _collector()
+    collector.tensors.reference = True  # the writer process's way: outputs are referenced, not copied
+    cache = _cache()
+    tensors = [weakref.ref(layer.keys) for layer in cache.layers]
+    _record(cache, collector)
+    collector.tensors.discard(list(collector.tensors))  # the table lets them go (written, in a stream)
+    del cache
+    gc.collect()
+    assert all(ref() is None for ref in tensors)
