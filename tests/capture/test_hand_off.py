@@ -137,10 +137,10 @@ def test_the_writer_process_yields_the_cpu_to_the_model(tmp_path: Path, monkeypa
         busy = [c for c in _writer_process._CHILDREN if c not in _writer_process._IDLE]
         assert busy
         deadline = time.monotonic() + 60  # the child lowers its priority as it starts
-        while os.getpriority(os.PRIO_PROCESS, busy[0].proc.pid) < os.getpriority(os.PRIO_PROCESS, 0) + 1:
+        wanted = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)  # 19 is the lowest priority there is
+        while os.getpriority(os.PRIO_PROCESS, busy[0].proc.pid) < wanted:
             assert time.monotonic() < deadline, "the writer process kept the recording process's priority"
             time.sleep(0.05)
-    assert os.getpriority(os.PRIO_PROCESS, busy[0].proc.pid) >= min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)
     assert load_bundle(tmp_path / "run").num_obs() == 1
 
 
