@@ -76,8 +76,11 @@ class Store(ABC):
         """What ``folder`` (``""``: the root) holds: name -> kind (``iobundle._paths.FILE``, ``DIR``, ``LINK``,
         ``OTHER``); empty when it does not exist."""
 
-    def read(self, name: str, limit: int) -> bytes:
-        """The whole member ``name``, refused (UnsafeBundleError) over ``limit`` bytes."""
+    def read(self, name: str, limit: int, *, appended: bool = False) -> bytes:
+        """The whole member ``name``, refused (UnsafeBundleError) over ``limit`` bytes.
+
+        ``appended``: a file a live writer appends to (a journal): its bytes as long as it was when opened.
+        """
         f, size = self.open(name)
         with f:
             if size > limit:
@@ -85,7 +88,7 @@ class Store(ABC):
                     f"{self.describe(name)}: {size} bytes, over the limit of {limit} bytes. The file is corrupt or hostile."
                 )
             try:
-                data = f.read(size + 1)
+                data = f.read(size if appended else size + 1)
             except OSError as exc:
                 raise TensorFileError(f"{name}: cannot be read ({exc.strerror or exc}).") from exc
         if len(data) != size:

@@ -287,7 +287,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         self._memory: dict[str, torch.Tensor] = {}
         self._pending: dict[str, _Pending] = {}
         self._disk: dict[str, _OnDisk | tuple[Any, ...]] = {}  # a row until first read (see written)
-        self._roots: dict[Path, int] = {}  # the bundles written to, numbered
+        self._roots: list[Path] = []  # the bundles written to: an entry names its own by index
         self._lent: set[str] = set()
         self._lock = threading.Condition()
         self._reader = _FileReader()
@@ -562,9 +562,9 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         recycle = []
         meta: _Pending | torch.Tensor | None
         with self._lock:
-            root_index = self._roots.setdefault(
-                root, len(self._roots)
-            )  # an int in the entry: the collector untracks it
+            if root not in self._roots:
+                self._roots.append(root)
+            root_index = self._roots.index(root)  # an int in the entry: the collector untracks it
             for row in rows:
                 key = row[0]
                 meta = pending.pop(key, None)
@@ -593,7 +593,6 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         if where is None or type(where) is _OnDisk:
             return where
         (_, file, name, _, shape, _, ext, offset), root_index, size, dtype, device = where
-        root = next(path for path, i in self._roots.items() if i == root_index)
         stored: Any = None  # a list, then the tuple _OnDisk holds
         if ext is not None:
             base: Any = self._disk.get(ext[0]) or self._pending.get(ext[0]) or self._memory.get(ext[0])
@@ -602,7 +601,9 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
                 stored = list(shape)
                 stored[ext[1]] -= base_shape[ext[1]]
                 stored = tuple(stored)
-        where = _OnDisk(root / file, name, dtype, tuple(shape), str(device), size, ext, stored, offset)
+        where = _OnDisk(
+            self._roots[root_index] / file, name, dtype, tuple(shape), str(device), size, ext, stored, offset
+        )
         self._disk[key] = where
         return where
 

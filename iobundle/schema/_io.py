@@ -339,9 +339,10 @@ def _check_tree_list(trees: Iterable[tuple[str, Node]], source: str) -> None:
             stack.extend((f"{where}.items[{j}]", n) for j, n in reversed(list(enumerate(node.items))))
 
 
-def read_member(root: Path, path: Path) -> bytes:
+def read_member(root: Path, path: Path, *, appended: bool = False) -> bytes:
     """The bytes of the bundle file ``path`` (``manifest.json``, ``journal.jsonl``) of the directory ``root``, read
-    through :class:`iobundle._store.LocalStore` (never a link), at most :data:`MAX_MANIFEST_BYTES`.
+    through :class:`iobundle._store.LocalStore` (never a link), at most :data:`MAX_MANIFEST_BYTES`; an
+    ``appended`` one (the journal of a live stream) as long as it was when opened.
 
     Raises:
         BundleNotFoundError: It does not exist.
@@ -349,7 +350,7 @@ def read_member(root: Path, path: Path) -> bytes:
         ManifestError: It is not a regular file, or cannot be read.
     """
     try:
-        return LocalStore(root).read("/".join(path.relative_to(root).parts), MAX_MANIFEST_BYTES)
+        return LocalStore(root).read("/".join(path.relative_to(root).parts), MAX_MANIFEST_BYTES, appended=appended)
     except TensorFileError as exc:
         if not os.path.lexists(path):
             raise BundleNotFoundError(

@@ -227,4 +227,4 @@ def load_journal(bundle_dir: str | os.PathLike[str]) -> Manifest:
     """
     root = Path(bundle_dir)
     path = root / JOURNAL_FILENAME
-    return parse_journal(read_member(root, path), source=str(path))
+    return parse_journal(read_member(root, path, appended=True), source=str(path))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from cli.tiny_models import tiny_llama  # tests/ is on sys.path (tests/conftest.py)
 
 from iobundle import InputObserver, load_bundle
 from iobundle.capture import _stream, _writer_process
@@ -47,12 +47,7 @@ def test_calls_under_inference_mode_are_recorded_as_they_were(
 
 
 def test_a_generate_under_inference_mode_is_recorded(tmp_path: Path) -> None:
-    config = LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model, observer = LlamaForCausalLM(config).eval(), InputObserver()
+    model, observer = tiny_llama(), InputObserver()
     prompt = torch.randint(0, 64, (1, 5))
     with torch.inference_mode(), observer(model, store_n_calls=10, stream_to=tmp_path / "run"):
         model.generate(prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -73,3 +68,6 @@ def test_a_writer_process_started_under_inference_mode_serves_later_streams(
         with torch.inference_mode(inference), observer(model, stream_to=tmp_path / f"run{i}"):
             model(torch.ones(1, 3))
         assert load_bundle(tmp_path / f"run{i}").calls[0].status == "ok"
+    for child in list(_writer_process._IDLE):  # ours, outside the pool the next tests share: ended here
+        _writer_process._IDLE.remove(child)
+        child.end()

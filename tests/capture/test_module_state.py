@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from cli.tiny_models import tiny_llama  # tests/ is on sys.path (tests/conftest.py)
 
 from iobundle import InputObserver
 from iobundle.capture import ObservationWarning
@@ -137,21 +138,6 @@ def test_a_tensor_recomputed_to_the_same_values_or_built_lazily_does_not_warn() 
     [warning] = run(Holder(drifting))  # the lazily built tensor, changed by the next call, is state
     message = str(warning.message)
     assert "model.layers.0.table" in message and "scale" not in message and "freq" not in message
-
-
-def tiny_llama() -> torch.nn.Module:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
 
 
 def generate(model: torch.nn.Module) -> list[warnings.WarningMessage]:
