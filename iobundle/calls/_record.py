@@ -7,11 +7,25 @@ from typing import Any
 
 from iobundle.calls._calls import RecordedCalls, positional_names
 from iobundle.calls._tree import TensorCollector, record_value
-from iobundle.schema import AutocastEntry, CallEntry, Node, NoneNode
+from iobundle.schema import AutocastEntry, CallEntry, Node, NoneNode, SignatureEntry
 
 __all__ = ["record_inputs", "split_kwargs"]
 
 _SCALARS = (bool, int, float, str)
+
+
+_FACTS: dict[int, tuple[SignatureEntry, dict[str, Any], dict[str, int]]] = {}
+
+
+def _signature_facts(rc: RecordedCalls) -> tuple[dict[str, Any], dict[str, int]]:
+    """The scalar defaults of ``rc``'s signature and each parameter's rank: made once per signature, not per call."""
+    signature = rc.signature
+    facts = _FACTS.get(id(signature))
+    if facts is None or facts[0] is not signature:
+        if len(_FACTS) >= 64:
+            _FACTS.clear()
+        facts = _FACTS[id(signature)] = (signature, rc.scalar_defaults, {n: i for i, n in enumerate(rc.names)})
+    return facts[1], facts[2]
 
 
 def split_kwargs(rc: RecordedCalls, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -21,7 +35,7 @@ def split_kwargs(rc: RecordedCalls, kwargs: dict[str, Any]) -> tuple[dict[str, A
     scalar is a constant of the call, even when the default is None (``use_cache=True``).
     ``None`` means absent and is dropped. Everything else is an input.
     """
-    defaults = rc.scalar_defaults
+    defaults, order = _signature_facts(rc)
     cst: dict[str, Any] = {}
     kept: dict[str, Any] = {}
     for k, v in kwargs.items():
@@ -33,7 +47,6 @@ def split_kwargs(rc: RecordedCalls, kwargs: dict[str, Any]) -> tuple[dict[str, A
             cst[k] = v
         else:
             kept[k] = v
-    order = {n: i for i, n in enumerate(rc.names)}
     rank = len(order)
     return (
         dict(sorted(cst.items(), key=lambda kv: order.get(kv[0], rank))),
@@ -61,7 +74,7 @@ def record_inputs(
     ]
     kw_nodes: dict[str, Node] = {k: record_value(v, collector, path=k, on_opaque=on_opaque) for k, v in kept.items()}
     filled: list[str | int] = []
-    pos = list(positional_names(rc.signature))
+    pos = list(positional_names(rc.signature)) if rc.value_if_missing else []
     for entry in rc.value_if_missing:
         key = entry.key
         if isinstance(key, str):

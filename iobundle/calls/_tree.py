@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from iobundle._lazy import lazy_module
@@ -54,11 +54,34 @@ __all__ = [
 NONE_NODE = NoneNode()
 PYTREE_PREFIX = "pytree:"
 _SCALARS = (bool, int, float, str)
+_tensor_node = TensorNode.__pydantic_validator__.validate_python  # TensorNode(key=...) without its Python frame
 _CONTAINER_TYPES = frozenset({list, tuple, dict})
 
 
 def qualified_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+_KEY_SET = {"key"}
+"""The fields set of every tensor node the collector makes: one object for all (frozen models never change
+it; a copy gets its own). With :class:`_Seen`, a recorded tensor leaves two objects for Python's cyclic
+collector to track, not four: its full collections walk what calls retain, so this is a cost per tensor."""
+
+
+class _Seen(weakref.ref["torch.Tensor"]):
+    """A tensor met while recording, by weak reference, with what tells whether it changed since, and its node."""
+
+    __slots__ = ("node", "shape", "stride", "version")
+
+    def __new__(cls, tensor: torch.Tensor, node: TensorNode) -> _Seen:
+        return super().__new__(cls, tensor)  # no callback: weakref.ref's second argument would be one
+
+    def __init__(self, tensor: torch.Tensor, node: TensorNode) -> None:
+        self.version = tensor._version  # RuntimeError for an inference tensor
+        # plain tuples of ints, not a torch.Size: the collector stops tracking them
+        self.shape = tuple(tensor.shape)
+        self.stride = tensor.stride()
+        self.node = node
 
 
 class TensorCollector:
@@ -70,47 +93,51 @@ class TensorCollector:
 
     Args:
         snapshot: ``tensor -> stored copy``; called once per distinct tensor.
+        table: Where the snapshots go, by key (a new dict by default). A table with a method
+            ``keep(key, tensor)`` snapshots and stores in one step (the observer's, once per tensor
+            of every call).
     """
 
-    def __init__(self, snapshot: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(
+        self, snapshot: Callable[[torch.Tensor], torch.Tensor], table: MutableMapping[str, torch.Tensor] | None = None
+    ) -> None:
         self._snapshot = snapshot
-        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, tuple[int, ...], tuple[int, ...], TensorNode]] = {}
-        self.tensors: dict[str, torch.Tensor] = {}
+        self._seen: dict[int, _Seen] = {}
+        self.tensors: MutableMapping[str, torch.Tensor] = {} if table is None else table
+        self._keep: Callable[[str, torch.Tensor], None] | None = getattr(table, "keep", None)
         self._objects: dict[int, tuple[Any, ...]] = {}  # id -> (ref, node, children, versions, context, discarded)
         self._counter = 0
-
-    def _new_key(self) -> str:
-        key = f"t{self._counter}"
-        self._counter += 1
-        return key
 
     def node(self, tensor: torch.Tensor) -> TensorNode:
         """The tensor node of ``tensor`` (its key), snapshotting it if it was not seen unchanged before."""
         seen = self._seen.get(id(tensor))
         if (
             seen is not None
-            and seen[0]() is tensor
-            and seen[1] == tensor._version
-            and seen[2] == tensor.shape
-            and seen[3] == tensor.stride()
-            and seen[4].key in self.tensors
+            and seen() is tensor
+            and seen.version == tensor._version
+            and seen.shape == tensor.shape
+            and seen.stride == tensor.stride()
+            and seen.node.key in self.tensors
         ):
-            return seen[4]
-        key = self._new_key()
-        self.tensors[key] = self._snapshot(tensor)
-        node = TensorNode(key=key)
+            return seen.node
+        key = f"t{self._counter}"
+        self._counter += 1
+        if self._keep is None:
+            self.tensors[key] = self._snapshot(tensor)
+        else:
+            self._keep(key, tensor)
+        node = _tensor_node({"key": key})
+        object.__setattr__(node, "__pydantic_fields_set__", _KEY_SET)
         try:
-            ref, version = weakref.ref(tensor), tensor._version
+            self._seen[id(tensor)] = _Seen(tensor, node)
         except (TypeError, RuntimeError):  # an inference tensor keeps no version counter: a new key each time met
-            return node
-        # a plain tuple of ints, not a torch.Size: the collector stops tracking it (one object less per tensor)
-        self._seen[id(tensor)] = (ref, version, tuple(tensor.shape), tensor.stride(), node)
+            pass
         return node
 
     def met(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (this object) was recorded before: what the recorded calls carry."""
         seen = self._seen.get(id(tensor))
-        return seen is not None and seen[0]() is tensor
+        return seen is not None and seen() is tensor
 
     def unchanged(self, value: Any, children: list[Any], context: Any) -> ObjectNode | None:
         """The node recorded for ``value`` last time, if it still holds the same children, unchanged since.

@@ -84,8 +84,7 @@ class CallRecorder:
         self._rc: RecordedCalls | None = None
         # Snapshots live in a table whose keys stay valid once streamed to disk and dropped from memory.
         self._table = SnapshotTable()
-        self._collector = TensorCollector(self._table.snapshot)
-        self._collector.tensors = self._table  # type: ignore[assignment]
+        self._collector = TensorCollector(self._table.snapshot, self._table)
         self._lock = threading.Lock()
         self._warned: set[str] = set()
         self._stream: CallStream | None = None

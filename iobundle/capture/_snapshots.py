@@ -53,14 +53,14 @@ def snapshot_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _poolable(tensor: torch.Tensor) -> bool:
-    return (
-        tensor.device.type == "cpu"
-        and tensor.layout == torch.strided
+    return (  # the size early: most snapshots of a decode step are small
+        tensor.layout == torch.strided
         and not tensor.is_nested
+        and tensor.numel() * tensor.element_size() >= POOLED_MIN_BYTES
+        and tensor.is_cpu
         and not tensor.is_quantized
         and type(tensor) is torch.Tensor
         and dtype_name(tensor.dtype) is not None
-        and tensor.numel() * tensor.element_size() >= POOLED_MIN_BYTES
     )
 
 
@@ -350,6 +350,18 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         out = pool.take(nbytes)[:nbytes].view(tensor.dtype).view(tensor.shape)
         out.copy_(tensor.detach())
         return out
+
+    def keep(self, key: str, tensor: torch.Tensor) -> None:
+        """``self[key] = self.snapshot(tensor)`` in one step, for the collector (once per new tensor of every call)."""
+        value = self.snapshot(tensor)
+        if key in self._pending or key in self._disk or key in self._lent:
+            self[key] = value
+            return
+        if self.reference:
+            self._referenced[key] = value._version  # a copy's counter never moves: only references are checked
+        self._memory[key] = value
+        if self.journal is not None:
+            self.journal.append(key)
 
     def _drop(self, tensor: torch.Tensor | None) -> None:
         """``tensor`` leaves the table without going back to the pool: stop counting its buffer."""

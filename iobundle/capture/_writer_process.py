@@ -361,7 +361,7 @@ class WriterProcess:
         """
         with self._submit_lock:
             self._flush()  # the previous call's device copies, first: messages go in call order, and it holds room
-            specs: list[tuple[str, tuple[Any, ...]]] = []
+            specs: list[tuple[list[str], tuple[Any, ...]]] = []
             copies: list[tuple[torch.Tensor, int, int]] = []
             total = 0
             sent, get, strided = self._sent, self._get, torch.strided
@@ -371,26 +371,41 @@ class WriterProcess:
             new = [k for k in dict.fromkeys(met) if k not in sent]
             on_device: list[tuple[torch.Tensor, int, int]]
             names, memmove, on_device = self._names, ctypes.memmove, []
-            for key in new:  # once per new tensor of every call: kept lean
+            # Tensors of one dtype and shape in a row (a cache's layers) share one spec: the child finds
+            # each at the next aligned offset. Once per new tensor of every call: kept lean.
+            group: list[str] = []
+            last_dtype = last_shape = None
+            nbytes = step = 0
+            for key in new:
                 try:
                     tensor = get(key)
                 except Exception as exc:  # its snapshot is gone: the child reports the call incomplete
-                    specs.append((key, ("error", type(exc).__name__, str(exc))))
+                    specs.append(([key], ("error", type(exc).__name__, str(exc))))
+                    last_dtype = None
                     continue
-                dtype = tensor.dtype
-                name = names.get(dtype)
-                if name is None and (name := dtype_name(dtype)) is not None:
-                    names[dtype] = name
-                if name is None or tensor.layout is not strided or not tensor.is_contiguous():
-                    specs.append((key, ("unsupported", str(dtype))))
-                    continue
-                nbytes, cpu = tensor.nbytes, tensor.is_cpu
-                specs.append(
-                    (key, ("tensor", name, tuple(tensor.shape), "cpu" if cpu else str(tensor.device), total, nbytes))
-                )
+                dtype, shape = tensor.dtype, tensor.shape
+                if not (
+                    dtype is last_dtype and shape == last_shape and tensor.layout is strided and tensor.is_contiguous()
+                ):
+                    name = names.get(dtype)
+                    if name is None and (name := dtype_name(dtype)) is not None:
+                        names[dtype] = name
+                    if name is None or tensor.layout is not strided or not tensor.is_contiguous():
+                        specs.append(([key], ("unsupported", str(dtype))))
+                        last_dtype = None
+                        continue
+                    nbytes, cpu = tensor.nbytes, tensor.is_cpu
+                    step = (nbytes + _ALIGN - 1) & -_ALIGN
+                    group = [key]
+                    device = "cpu" if cpu else str(tensor.device)
+                    specs.append((group, ("tensor", name, tuple(shape), device, total, nbytes)))
+                    # only CPU tensors share a spec: each device tensor is checked on its own
+                    last_dtype, last_shape = (dtype, shape) if cpu else (None, None)
+                else:
+                    group.append(key)
                 if nbytes:
-                    (copies if cpu else on_device).append((tensor, total, nbytes))
-                total += (nbytes + _ALIGN - 1) & -_ALIGN
+                    (copies if last_dtype is not None or tensor.is_cpu else on_device).append((tensor, total, nbytes))
+                total += step
             ring = self._child.ring
             with self._cond:
                 self._seq += 1
@@ -680,7 +695,7 @@ def _write(
     call: CallEntry,
     seq: int,
     start: int,
-    specs: list[tuple[str, tuple[Any, ...]]],
+    specs: list[tuple[list[str], tuple[Any, ...]]],
     view: torch.Tensor,
     durable: bool,
     journal_error: str | None,
@@ -689,22 +704,27 @@ def _write(
     """Write one call (its tensors copied out of the ring first); the answer to send."""
     snapshots: dict[str, torch.Tensor | Exception] = {}
     devices: dict[str, str] = {}
+    copied = 0
     try:
-        for key, spec in specs:
-            if spec[0] == "tensor":
+        for group, spec in specs:
+            if spec[0] == "tensor":  # each key at the next aligned offset
                 _, name, shape, device, offset, nbytes = spec
-                chunk = view[start + offset : start + offset + nbytes]
-                snapshots[key] = chunk.view(NAME_TO_DTYPE[name]).reshape(shape).clone()
-                devices[key] = device
+                dtype, step = NAME_TO_DTYPE[name], (nbytes + _ALIGN - 1) & -_ALIGN
+                begin = start + offset
+                for key in group:
+                    snapshots[key] = view[begin : begin + nbytes].view(dtype).reshape(shape).clone()
+                    devices[key] = device
+                    begin += step
+                copied += nbytes * len(group)
             elif spec[0] == "unsupported":
-                message = f"Tensor {key!r} has dtype {spec[1]}, which a bundle cannot store."
-                snapshots[key] = UnsupportedInputError(message)
+                message = f"Tensor {group[0]!r} has dtype {spec[1]}, which a bundle cannot store."
+                snapshots[group[0]] = UnsupportedInputError(message)
             else:
-                snapshots[key] = _Missing(f"{spec[1]}: {spec[2]}")
+                snapshots[group[0]] = _Missing(f"{spec[1]}: {spec[2]}")
     except Exception as exc:  # a bug, or a message that does not fit the ring: this call fails, not the child
-        snapshots = {key: exc for key, _ in specs}
+        snapshots = {key: exc for group, _ in specs for key in group}
     del view
-    if sum(spec[-1] for _, spec in specs if spec[0] == "tensor") >= CONSUMED_EARLY_BYTES:
+    if copied >= CONSUMED_EARLY_BYTES:
         answer(("consumed", seq))  # the ring range is free again before the slow part
 
     def get(key: str) -> torch.Tensor:

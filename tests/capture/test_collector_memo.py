@@ -11,9 +11,7 @@ from iobundle.capture._snapshots import SnapshotTable
 
 def _collector() -> TensorCollector:
     table = SnapshotTable()
-    collector = TensorCollector(table.snapshot)
-    collector.tensors = table  # type: ignore[assignment]  # what the observer does
-    return collector
+    return TensorCollector(table.snapshot, table)  # what the observer does
 
 
 def _cache(layers: int = 3) -> DynamicCache:
