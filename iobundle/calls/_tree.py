@@ -65,18 +65,20 @@ def qualified_name(cls: type) -> str:
 _KEY_SET = {"key"}
 """The fields set of every tensor node the collector makes: one object for all (frozen models never change
 it; a copy gets its own). With :class:`_Seen`, a recorded tensor leaves two objects for Python's cyclic
-collector to track, not four: its full collections walk what calls retain, so this is a cost per tensor."""
+collector to track, not four: its full collections walk what calls retain, so this is a cost per tensor.
+An entry leaves when its tensor is freed (a cache's tensors, replaced at the next step)."""
 
 
 class _Seen(weakref.ref["torch.Tensor"]):
     """A tensor met while recording, by weak reference, with what tells whether it changed since, and its node."""
 
-    __slots__ = ("node", "shape", "stride", "version")
+    __slots__ = ("key", "node", "shape", "stride", "version")
 
-    def __new__(cls, tensor: torch.Tensor, node: TensorNode) -> _Seen:
-        return super().__new__(cls, tensor)  # no callback: weakref.ref's second argument would be one
+    def __new__(cls, tensor: torch.Tensor, node: TensorNode, gone: Callable[[_Seen], None]) -> _Seen:
+        return super().__new__(cls, tensor, gone)
 
-    def __init__(self, tensor: torch.Tensor, node: TensorNode) -> None:
+    def __init__(self, tensor: torch.Tensor, node: TensorNode, gone: Callable[[_Seen], None]) -> None:
+        self.key = id(tensor)
         self.version = tensor._version  # RuntimeError for an inference tensor
         # plain tuples of ints, not a torch.Size: the collector stops tracking them
         self.shape = tuple(tensor.shape)
@@ -103,6 +105,7 @@ class TensorCollector:
     ) -> None:
         self._snapshot = snapshot
         self._seen: dict[int, _Seen] = {}
+        self._forget = self._gone  # one bound method for every entry's callback
         self.tensors: MutableMapping[str, torch.Tensor] = {} if table is None else table
         self._keep: Callable[[str, torch.Tensor], None] | None = getattr(table, "keep", None)
         self._objects: dict[int, tuple[Any, ...]] = {}  # id -> (ref, node, children, versions, context, discarded)
@@ -129,10 +132,15 @@ class TensorCollector:
         node = _tensor_node({"key": key})
         object.__setattr__(node, "__pydantic_fields_set__", _KEY_SET)
         try:
-            self._seen[id(tensor)] = _Seen(tensor, node)
+            self._seen[id(tensor)] = _Seen(tensor, node, self._forget)
         except (TypeError, RuntimeError):  # an inference tensor keeps no version counter: a new key each time met
             pass
         return node
+
+    def _gone(self, seen: _Seen) -> None:
+        """A tensor met before was freed: forget it (what the collector remembers stays what is alive)."""
+        if self._seen.get(seen.key) is seen:
+            del self._seen[seen.key]
 
     def met(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (this object) was recorded before: what the recorded calls carry."""

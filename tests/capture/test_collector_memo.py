@@ -77,3 +77,18 @@ def test_the_memo_keeps_no_tensor_alive() -> None:
     del cache
     gc.collect()
     assert all(ref() is None for ref in tensors)
+
+
+def test_what_the_collector_remembers_of_tensors_is_only_what_is_alive() -> None:
+    """A decode step replaces a cache's tensors: what the collector kept of the old ones goes with them."""
+    collector = _collector()
+    collector.tensors.reference = True
+    cache = _cache(layers=4)
+    for _ in range(20):
+        cache.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), 0)  # layer 0's tensors are new each step
+        _record(cache, collector)
+        collector.tensors.discard(list(collector.tensors))  # written: the table lets them go
+    remembered = [entry() for entry in collector._seen.values()]
+    assert all(isinstance(tensor, torch.Tensor) for tensor in remembered)  # no entry outlived its tensor
+    assert len(remembered) == 8  # each layer's current keys and values, nothing of the 19 steps before
+    assert collector.met(cache.layers[0].keys)
