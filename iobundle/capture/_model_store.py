@@ -4,13 +4,14 @@ A self-contained bundle replays without the model's code being importable by nam
 loader (``iobundle.replay.load_bundle_model``) rebuilds any class transformers registers
 in its auto-model mappings, refuses configs that select code, and loads the weights with
 safetensors. Only transformers models are stored, since only they can be rebuilt from a
-config alone.
+config alone; one wrapped by ``torch.compile`` or peft is stored as the model it runs (peft
+adapters merged, on a copy of each layer), and quantized weights are refused.
 
 Layout::
 
     run.iobundle/
       model/config.json           config.to_dict(), as JSON (inf, -inf, nan as Infinity, -Infinity, NaN)
-      model/weights.safetensors   the state dict, tied weights stored once
+      model/weights.safetensors   the state dict under the class's own names, tied weights stored once
 
 The manifest's ``model`` field (:class:`iobundle.schema.ModelEntry`) names the class,
 the observed submodule and the two files with their size and hash.
