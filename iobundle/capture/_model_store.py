@@ -33,7 +33,7 @@ from iobundle.calls import WRITE_HASH, new_hasher
 from iobundle.errors import BundleWriteError, IobundleError, ObserverArgumentError
 from iobundle.schema import FileEntry, MergedAdapter, ModelEntry
 
-__all__ = ["MODEL_CONFIG_FILE", "MODEL_DIR", "MODEL_WEIGHTS_FILE", "check_model", "find_submodule", "write_model"]
+__all__ = ["MODEL_CONFIG_FILE", "MODEL_DIR", "MODEL_WEIGHTS_FILE", "check_model", "write_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,16 +48,6 @@ def _is_transformers_model(model: Any) -> bool:
     import transformers
 
     return isinstance(model, transformers.PreTrainedModel)
-
-
-def find_submodule(root: torch.nn.Module, target: Any) -> str | None:
-    """The dotted path of ``target`` inside ``root`` ("" for ``root`` itself), or None if it is not in it."""
-    if target is root:
-        return ""
-    for name, module in root.named_modules(remove_duplicate=False):
-        if module is target:
-            return name
-    return None
 
 
 def _file_entry(path: Path) -> FileEntry:
@@ -187,9 +177,8 @@ def check_model(model: Any, observed: Any | None = None) -> tuple[str, str]:
             f"{type(model).__module__}.{type(model).__qualname__}. Pass the transformers model that holds the "
             "observed module (include_model=model), or save without include_model."
         )
-    submodule = "" if observed is None else find_submodule(model, observed)
-    if submodule is not None:  # a compiled submodule's weights are stored under their own names
-        submodule = ".".join(p for p in submodule.split(".") if p != "_orig_mod")
+    paths = [".".join(p for p in n.split(".") if p != "_orig_mod") for n, m in model.named_modules() if m is observed]
+    submodule = "" if observed is None else next(iter(paths), None)  # a compiled one named without _orig_mod
     if submodule is None:
         raise ObserverArgumentError(
             f"The observed {type(observed).__name__} is not a submodule of the {type(model).__name__} given "
