@@ -194,13 +194,16 @@ def check_model(model: Any, observed: Any | None = None) -> tuple[str, str]:
     for path, layer in _adapter_layers(model).items():
         inside = submodule == path or submodule.startswith(f"{path}.")
         if inside or not (hasattr(layer, "unload_and_optionally_merge_module") or hasattr(layer, "base_layer")):
-            raise ObserverArgumentError(
-                f"include_model cannot merge the peft {type(layer).__name__} at {path or 'the top'} into "
-                f"{type(model).__name__}'s weights"
-                + (" (the observed module is part of it)" if inside else "")
-                + ". Call merge_and_unload() on the model first, or save without include_model."
-            )
+            raise _unmergeable(layer, path, model, " (the observed module is part of it)" if inside else "")
     return submodule, _config_json(model)
+
+
+def _unmergeable(layer: Any, path: str, model: Any, why: str) -> ObserverArgumentError:
+    return ObserverArgumentError(
+        f"include_model cannot merge the peft {type(layer).__name__} at {path or 'the top'} into "
+        f"{type(model).__name__}'s weights{why}. Call merge_and_unload() on the model first, or save without "
+        "include_model."
+    )
 
 
 def _merged_weights(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[MergedAdapter]]:
@@ -226,20 +229,14 @@ def _merged_weights(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], li
                         copied.unmerge()  # what a layer with disabled adapters runs
                     merged = copied.get_base_layer()
         except Exception as exc:  # a peft method that cannot merge
-            raise ObserverArgumentError(
-                f"include_model cannot merge the peft {type(layer).__name__} at {path} into {type(model).__name__}'s "
-                f"weights: {type(exc).__name__}: {exc}. Call merge_and_unload() on the model first, or save "
-                "without include_model."
-            ) from exc
+            raise _unmergeable(layer, path, model, f": {type(exc).__name__}: {exc}") from exc
         prefix = f"{path}."
         replaced = {k: state.pop(k) for k in [k for k in state if k.startswith(prefix)]}
         shared = {t.untyped_storage().data_ptr() for t in replaced.values() if t.numel()}
         tied = [k for k, t in state.items() if t.numel() and t.untyped_storage().data_ptr() in shared]
         if tied:
-            raise ObserverArgumentError(
-                f"include_model cannot merge the peft adapter at {path} into {type(model).__name__}'s weights: "
-                f"its weight is tied to {tied[0]}, which the adapter does not change. Call merge_and_unload() "
-                "on the model first, or save without include_model."
+            raise _unmergeable(
+                layer, path, model, f": its weight is tied to {tied[0]}, which the adapter does not change"
             )
         state.update({prefix + k: v for k, v in merged.state_dict().items()})
         origin = type(layer).__module__.split(".")

@@ -159,3 +159,39 @@ def test_a_dynamically_quantized_model_is_refused_before_anything_is_written(tmp
     with pytest.raises(CaptureError, match=r"quantized weights.*model\.layers\.0\.self_attn\.q_proj.*dequantized"):
         record(model, lambda: model(input_ids=torch.tensor([[3, 4, 5]])), path)
     assert not path.exists()
+
+
+def test_an_adapter_that_cannot_be_merged_faithfully_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    tied = with_lora(tiny_gpt2(), ["lm_head"], r=2)  # lm_head's weight is the input embedding's too
+    ids = torch.tensor([[3, 4, 5]])
+    with pytest.raises(CaptureError, match=r"peft Linear at lm_head.*tied to transformer\.wte\.weight"):
+        record(tied, lambda: tied(input_ids=ids), tmp_path / "tied.iobundle")
+    model = with_lora(tiny_llama(), ["q_proj"], r=4)
+    inside = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer  # runs without the adapter
+    with pytest.raises(CaptureError, match=r"at model\.layers\.0\.self_attn\.q_proj .*observed module is part"):
+        record(inside, lambda: model(input_ids=ids), tmp_path / "inside.iobundle", model)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("method", ["dora", "embedding_and_modules_to_save", "ia3", "loha"])
+def test_other_peft_methods_are_merged_too(tmp_path: Path, method: str) -> None:
+    peft = import_peft()
+    config = {
+        "dora": lambda: peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], use_dora=True),
+        "embedding_and_modules_to_save": lambda: peft.LoraConfig(
+            r=4, target_modules=["embed_tokens", "q_proj"], modules_to_save=["lm_head"]
+        ),
+        "ia3": lambda: peft.IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]),
+        "loha": lambda: peft.LoHaConfig(r=4, target_modules=["q_proj"], init_weights=False),
+    }[method]()
+    model = peft.get_peft_model(tiny_llama(), config).eval()
+    torch.manual_seed(1)
+    for name, parameter in model.named_parameters():  # updates that change the outputs
+        if any(part in name for part in ("lora_B", "lora_embedding_B", "ia3_l", "modules_to_save")):
+            torch.nn.init.normal_(parameter, std=0.1)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    path = record(model.get_base_model(), lambda: model(input_ids=ids), tmp_path / f"{method}.iobundle")
+    rebuilt = load_bundle_model(path)
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(ids).logits, model(input_ids=ids).logits, rtol=0, atol=1e-5)
+        assert not torch.allclose(model.get_base_model()(ids).logits, tiny_llama()(ids).logits)
