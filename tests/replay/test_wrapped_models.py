@@ -151,12 +151,30 @@ def test_a_compiled_model_given_as_include_model_is_stored_as_the_model_it_wraps
     torch.testing.assert_close(rebuilt.q_proj.weight, attention.q_proj.weight, rtol=0, atol=0)
 
 
+def quantized_llama(library: str) -> Any:
+    model = tiny_llama()
+    if library == "torch.ao":  # dynamic quantization: Linear layers become torch.ao.nn.quantized.dynamic.Linear
+        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    quanto = pytest.importorskip("optimum.quanto")  # weights become quanto tensor subclasses
+    quanto.quantize(model, weights=quanto.qint8)
+    quanto.freeze(model)
+    return model
+
+
 @pytest.mark.filterwarnings("ignore:torch.ao.quantization is deprecated:DeprecationWarning")
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
-def test_a_dynamically_quantized_model_is_refused_before_anything_is_written(tmp_path: Path) -> None:
-    model = torch.ao.quantization.quantize_dynamic(tiny_llama(), {torch.nn.Linear}, dtype=torch.qint8)
+@pytest.mark.parametrize(
+    ("library", "named"),
+    [
+        ("torch.ao", r"model\.layers\.0\.self_attn\.q_proj \(torch\.ao\.nn\.quantized"),
+        ("quanto", r"q_proj\.weight \(WeightQ"),
+    ],
+    ids=["torch.ao", "quanto"],
+)
+def test_a_quantized_model_is_refused_before_anything_is_written(tmp_path: Path, library: str, named: str) -> None:
+    model = quantized_llama(library)
     path = tmp_path / "quantized.iobundle"
-    with pytest.raises(CaptureError, match=r"quantized weights.*model\.layers\.0\.self_attn\.q_proj.*dequantized"):
+    with pytest.raises(CaptureError, match=rf"quantized weights of LlamaForCausalLM.*{named}.*dequantized"):
         record(model, lambda: model(input_ids=torch.tensor([[3, 4, 5]])), path)
     assert not path.exists()
 
