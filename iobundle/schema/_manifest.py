@@ -65,6 +65,7 @@ __all__ = [
     "ListNode",
     "Manifest",
     "MissingValueEntry",
+    "MergedAdapter",
     "ModelEntry",
     "Node",
     "NoneNode",
@@ -342,7 +343,21 @@ class MissingValueEntry(_Model):
     value: Node
 
 
-class ModelEntry(_Model):
+class MergedAdapter(_Model):
+    """A peft adapter merged into the stored weights (``ModelEntry.merged_adapters``).
+
+    Attributes:
+        name: The adapter's name (``"default"``).
+        method: The peft method (``"lora"``), or the wrapper's class for trained copies of modules.
+        ranks: The adapter's ranks, one per distinct value over its layers (empty for methods without one).
+    """
+
+    name: Annotated[str, Field(max_length=200)]
+    method: Annotated[str, Field(max_length=200)]
+    ranks: list[int] = Field(default_factory=list)
+
+
+class ModelEntry(_OmitsUnset):
     """The model stored in a self-contained bundle (``observer.save(path, include_model=...)``).
 
     Only transformers classes are stored, by class name: a loader rebuilds them from
@@ -359,7 +374,11 @@ class ModelEntry(_Model):
             empty when the model itself was observed.
         attn_implementation: The attention implementation the model ran with (``"sdpa"``, ``"eager"``).
         files: Size and sha256 of ``config_file`` and ``weights_file``, checked before use.
+        merged_adapters: The peft adapters (LoRA and the like) merged into the weights, which are stored
+            under ``class_name``'s own names; left out when none were.
     """
+
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"merged_adapters"})
 
     library: Literal["transformers"] = "transformers"
     class_name: Annotated[str, Field(min_length=1, max_length=200)]
@@ -368,6 +387,7 @@ class ModelEntry(_Model):
     submodule: Annotated[str, Field(pattern=r"^([A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*)?$", max_length=1000)] = ""
     attn_implementation: str | None = None
     files: dict[str, FileEntry]
+    merged_adapters: list[MergedAdapter] | None = None
 
 
 class Redaction(_Model):
