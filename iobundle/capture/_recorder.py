@@ -497,7 +497,10 @@ class CallRecorder:
         With ``include_model`` the bundle is self-contained: it also stores the model's config
         (``model/config.json``) and weights (``model/weights.safetensors``), and
         ``iobundle.replay.load_bundle_model`` rebuilds the model from them. Only
-        transformers models can be stored (a config rebuilds them). A model that runs with an
+        transformers models can be stored (a config rebuilds them); a peft adapter (LoRA and the
+        others peft merges) is stored merged into its base model, under the base class (the
+        manifest's ``model.merged_adapters`` says so), a ``torch.compile`` wrapper as the module it
+        wraps, and a quantized model is refused before anything is written. A model that runs with an
         attention implementation transformers does not build in (``flash_attention_2``, a hub
         kernel, one registered with ``AttentionInterface.register``) is stored, with an
         :class:`ObservationWarning`: the loader refuses it, so switch first with
