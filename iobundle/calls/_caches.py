@@ -464,6 +464,10 @@ def flatten_dynamic_cache(cache: Any) -> tuple[list[Any], list[Any]]:
     children: list[Any] = []
     kinds: list[Any] = []
     for index, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer:  # most layers of most models, every call: inline
+            kinds.append("full")
+            children.extend(layer_tensors(layer))
+            continue
         kind = _dynamic_layer_kind(layer, index)
         kinds.append(kind)
         if kind == "dummy":

@@ -73,17 +73,11 @@ class _Seen(weakref.ref["torch.Tensor"]):
     """A tensor met while recording, by weak reference, with what tells whether it changed since, and its node."""
 
     __slots__ = ("key", "node", "shape", "stride", "version")
-
-    def __new__(cls, tensor: torch.Tensor, node: TensorNode, gone: Callable[[_Seen], None]) -> _Seen:
-        return super().__new__(cls, tensor, gone)
-
-    def __init__(self, tensor: torch.Tensor, node: TensorNode, gone: Callable[[_Seen], None]) -> None:
-        self.key = id(tensor)
-        self.version = tensor._version  # RuntimeError for an inference tensor
-        # plain tuples of ints, not a torch.Size: the collector stops tracking them
-        self.shape = tuple(tensor.shape)
-        self.stride = tensor.stride()
-        self.node = node
+    key: int
+    node: TensorNode
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    version: int
 
 
 class TensorCollector:
@@ -132,9 +126,13 @@ class TensorCollector:
         node = _tensor_node({"key": key})
         object.__setattr__(node, "__pydantic_fields_set__", _KEY_SET)
         try:
-            self._seen[id(tensor)] = _Seen(tensor, node, self._forget)
-        except (TypeError, RuntimeError):  # an inference tensor keeps no version counter: a new key each time met
-            pass
+            version = tensor._version
+        except RuntimeError:  # an inference tensor keeps no version counter: a new key each time met
+            return node
+        seen = self._seen[id(tensor)] = _Seen(tensor, self._forget)
+        seen.key, seen.node, seen.version = id(tensor), node, version
+        # plain tuples of ints, not a torch.Size: the collector stops tracking them
+        seen.shape, seen.stride = tuple(tensor.shape), tensor.stride()
         return node
 
     def _gone(self, seen: _Seen) -> None:
@@ -346,12 +344,18 @@ def _record_children(
     on_opaque: Callable[[str, str, str], None],
 ) -> list[Node]:
     """The recorded children of a registered class, each at its path (a field's name when the context names it)."""
+    node, tensor = collector.node, torch.Tensor
     if isinstance(context, list) and len(context) == len(children):
         return [
-            _record(c, collector, (where, label if isinstance(label, str) else None, i), on_opaque)
+            node(c)  # a cache's tensors: no path to make
+            if type(c) is tensor
+            else _record(c, collector, (where, label if isinstance(label, str) else None, i), on_opaque)
             for i, (label, c) in enumerate(zip(context, children))
         ]
-    return [_record(c, collector, (where, None, i), on_opaque) for i, c in enumerate(children)]
+    return [
+        node(c) if type(c) is tensor else _record(c, collector, (where, None, i), on_opaque)
+        for i, c in enumerate(children)
+    ]
 
 
 def iter_tensor_nodes(node: Node) -> Iterator[TensorNode]:

@@ -297,11 +297,11 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         self.retained: set[str] = set()
         """Keys the writer keeps as bases of later extensions: their buffers are never recycled."""
         self.copied_bytes = 0
-        """Bytes :meth:`snapshot` took (copied, or referenced) since :meth:`take_copied` last reset it."""
+        """Bytes :meth:`keep` took (copied, or referenced) since :meth:`take_copied` last reset it."""
         self.copied_off_cpu = False
         """Whether one of those copies is not on the CPU."""
         self.reference = False
-        """While True, :meth:`snapshot` keeps a reference to a contiguous CPU tensor instead of a copy:
+        """While True, :meth:`keep` keeps a reference to a contiguous CPU tensor instead of a copy:
         set while the outputs of a call are recorded for a writer process, which copies them into
         shared memory before the call returns (the model cannot have changed them yet)."""
         self._referenced: dict[str, int] = {}  # key -> the version counter of the tensor referenced
@@ -323,15 +323,6 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         While streaming, a CUDA copy also gets an event: the copy runs on the model's current
         stream and the writer reads it from another thread (and stream), after the event.
         """
-        if (
-            self.reference
-            and tensor.is_cpu
-            and type(tensor) is torch.Tensor
-            and tensor.is_contiguous()
-            and not tensor.is_inference()  # no version counter to tell whether it changed: copied
-        ):
-            self.copied_bytes += tensor.nbytes
-            return tensor
         pool = self.pool
         if pool is None or not _poolable(tensor):
             out = snapshot_tensor(tensor)
@@ -352,8 +343,21 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         return out
 
     def keep(self, key: str, tensor: torch.Tensor) -> None:
-        """``self[key] = self.snapshot(tensor)`` in one step, for the collector (once per new tensor of every call)."""
-        value = self.snapshot(tensor)
+        """Store ``tensor`` as ``key``: a :meth:`snapshot`, or the tensor itself while :attr:`reference` allows.
+
+        The collector's way to fill the table, once per new tensor of every call.
+        """
+        if (
+            self.reference
+            and tensor.is_cpu
+            and type(tensor) is torch.Tensor
+            and tensor.is_contiguous()
+            and not tensor.is_inference()  # no version counter to tell whether it changed: copied
+        ):
+            self.copied_bytes += tensor.nbytes
+            value = tensor
+        else:
+            value = self.snapshot(tensor)
         if key in self._pending or key in self._disk or key in self._lent:
             self[key] = value
             return
