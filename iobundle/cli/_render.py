@@ -359,7 +359,7 @@ def _latency_range(calls: Sequence[CallEntry]) -> str:
     if not known:
         return "-"
     low, high = min(known), max(known)
-    if low == high:
+    if low == high or len(calls) == 1:
         return format_latency(low)
     return f"{format_latency(low).removesuffix(' ms')}-{format_latency(high)}"
 
@@ -505,17 +505,7 @@ def format_inspect(
     if calls_shown == "none":  # inspect -q: the summary without its calls
         lines.pop()
     elif calls and (calls_shown == "all" or (calls_shown == "auto" and len(calls) <= MAX_CALL_ROWS)):
-        rows = [
-            [
-                str(c.index),
-                c.status,
-                format_latency(c.latency),
-                format_inputs(manifest, c),
-                ", ".join(f"{k}={v!r}" for k, v in c.cst_kwargs.items()) or "-",
-            ]
-            for c in calls
-        ]
-        lines.append(format_table(["#", "status", "latency", "inputs", "constants"], rows, right=(0, 2)))
+        lines.append(_runs_table(manifest, [CallRun([c], []) for c in calls]))  # one row per call
         lines.extend(plain(f"call {c.index} {c.status}: {c.error}") for c in calls if c.error)
     elif calls:
         runs = call_runs(manifest)
@@ -621,6 +611,15 @@ def format_export(report: Any, onnx_path: str | None) -> str:
     return "\n".join(lines)
 
 
+_EXTRA_COLUMNS: dict[str, list[tuple[str, str, Callable[[Any], str]]]] = {
+    # diff: what differs goes below the table, one line per call, so the table stays narrow
+    "diff": [("inputs abs", "inputs_abs", _error_cell)],
+    "run": [("recorded", "duration_torch", format_latency), ("re-run", "duration_rerun", format_latency)],
+    "validate": [("torch", "duration_torch", format_latency), ("onnxruntime", "ort_duration", format_latency)],
+}
+"""The columns after ``max rel`` of each kind of report: header, row field, how a cell shows it."""
+
+
 def format_validation(report: Any, *, quiet: bool = False) -> str:
     """One row per call (status, max abs/rel error, durations), the worst outputs, and the verdict.
 
@@ -629,29 +628,13 @@ def format_validation(report: Any, *, quiet: bool = False) -> str:
     verdict = format_verdict(f"{report.verdict()} ({report.seconds:.2f}s)", report.ok)
     if quiet:
         return verdict
-    kind = getattr(report, "kind", "validate")
-    headers = ["call", "status", "max abs", "max rel"]
-    rows = []
-    for r in report.rows:
-        row = [
-            str(r["index"]),
-            row_status(r),
-            _error_cell(r["abs"]),
-            _error_cell(r["rel"]),
-        ]
-        if kind == "diff":  # what differs goes below the table: one line per call, the table stays narrow
-            row.append(_error_cell(r.get("inputs_abs")))
-        elif kind == "run":
-            row += [format_latency(r.get("duration_torch")), format_latency(r.get("duration_rerun"))]
-        else:
-            row += [format_latency(r.get("duration_torch")), format_latency(r.get("ort_duration"))]
-        rows.append(row)
-    if kind == "diff":
-        headers.append("inputs abs")
-    elif kind == "run":
-        headers += ["recorded", "re-run"]
-    else:
-        headers += ["torch", "onnxruntime"]
+    extra = _EXTRA_COLUMNS.get(getattr(report, "kind", "validate"), _EXTRA_COLUMNS["validate"])
+    headers = ["call", "status", "max abs", "max rel", *(header for header, _, _ in extra)]
+    rows = [
+        [str(r["index"]), row_status(r), _error_cell(r["abs"]), _error_cell(r["rel"])]
+        + [show(r.get(field)) for _, field, show in extra]
+        for r in report.rows
+    ]
     status_column = 1
     if any("program" in r for r in report.rows):  # validated through a program index
         headers.insert(1, "program")
