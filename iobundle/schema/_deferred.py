@@ -95,22 +95,31 @@ class CompactTables:
         return node
 
 
-_FIELDS: dict[type[BaseModel], set[str]] = {
-    cls: set(cls.model_fields) for cls in (TensorNode, TensorEntry, Extension, CallEntry, Manifest)
-}
+_FIELDS: dict[type[BaseModel], set[str]] = {}
+"""Per model class, the one ``__pydantic_fields_set__`` (every field) its instances built here share."""
 
 
 _ORDER = {cls: tuple(cls.model_fields) for cls in (CallEntry, Manifest)}
 
 
-def _made(cls: type[BaseModel], values: dict[str, Any], fields: type[BaseModel] | None = None) -> Any:
+def _made(
+    cls: type[BaseModel],
+    values: dict[str, Any],
+    fields: type[BaseModel] | None = None,
+    *,
+    fields_set: set[str] | None = None,
+) -> Any:
     """An instance of ``cls`` holding ``values`` (fields of ``fields``, default ``cls``, already checked), unvalidated.
 
-    Instances of a class share one ``__pydantic_fields_set__`` (pydantic copies it before any change).
+    Instances of a class share one ``__pydantic_fields_set__`` (pydantic copies it before any change), unless
+    ``fields_set`` gives its own.
     """
+    if fields_set is None:
+        model = fields or cls
+        fields_set = _FIELDS.get(model) or _FIELDS.setdefault(model, set(model.model_fields))
     obj = _new(cls)
     _store(obj, values)
-    _setattr(obj, "__pydantic_fields_set__", _FIELDS[fields or cls])
+    _setattr(obj, "__pydantic_fields_set__", fields_set)
     _setattr(obj, "__pydantic_extra__", None)
     _setattr(obj, "__pydantic_private__", None)
     return obj
@@ -162,20 +171,11 @@ class _Deferred:
 
     def __copy__(self) -> Any:
         """A copy of the plain class: what a copy changes (``model_copy(update=...)``) is then what it holds."""
-        copied = _new(_plain(type(self)))
-        _store(copied, copy.copy(self.__dict__))
-        _setattr(copied, "__pydantic_fields_set__", copy.copy(self.__pydantic_fields_set__))
-        _setattr(copied, "__pydantic_extra__", None)
-        _setattr(copied, "__pydantic_private__", None)
-        return copied
+        return _made(_plain(type(self)), copy.copy(self.__dict__), fields_set=copy.copy(self.__pydantic_fields_set__))
 
     def __deepcopy__(self, memo: dict[int, Any] | None = None) -> Any:
-        copied = _new(_plain(type(self)))
-        _store(copied, copy.deepcopy(self.__dict__, memo))
-        _setattr(copied, "__pydantic_fields_set__", copy.copy(self.__pydantic_fields_set__))
-        _setattr(copied, "__pydantic_extra__", None)
-        _setattr(copied, "__pydantic_private__", None)
-        return copied
+        values = copy.deepcopy(self.__dict__, memo)
+        return _made(_plain(type(self)), values, fields_set=copy.copy(self.__pydantic_fields_set__))
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         return _same, (self.__copy__(),)  # pickled as the plain class
