@@ -23,6 +23,7 @@ import operator
 import os
 import shutil
 import sys
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -478,10 +479,7 @@ def format_inspect(
     from iobundle.schema import deferred_calls, tensor_rows
 
     calls = deferred_calls(manifest)  # format version 3: the calls' trees are built for the rows shown only
-    statuses: dict[str, int] = {}
-    for call in calls:
-        statuses[call.status] = statuses.get(call.status, 0) + 1
-    status_text = ", ".join(f"{n} {s}" for s, n in statuses.items())
+    status_text = ", ".join(f"{n} {s}" for s, n in Counter(call.status for call in calls).items())
     total = sum(f.size for f in manifest.files.values())
     lines = [
         plain(f"bundle     {path}"),
@@ -577,12 +575,7 @@ def format_verdict(text: str, ok: bool) -> str:
 
 def _autocast_line(calls: Any) -> str:
     """``cuda bfloat16 on 4 of 4 calls (replayed under it)``: the torch.autocast the calls were recorded under."""
-    states: dict[str, int] = {}
-    for call in calls:
-        for entry in call.autocast or ():
-            if entry.enabled:
-                key = f"{entry.device_type} {entry.dtype}"
-                states[key] = states.get(key, 0) + 1
+    states = Counter(f"{e.device_type} {e.dtype}" for call in calls for e in call.autocast or () if e.enabled)
     if not states:
         return ""
     parts = [f"{key} on {count} of {len(calls)} calls" for key, count in states.items()]
