@@ -10,6 +10,7 @@ the file (and the tensor).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -219,10 +220,8 @@ def _write_small(path: Path, parts: list[bytes | memoryview], digest: Any, *, du
         if durable:
             fsync_dir(path.parent)
     except OSError as exc:
-        try:
+        with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
         raise BundleWriteError(
             f"Cannot write {path}: {exc.strerror or exc}. Check free space and permissions."
         ) from exc
