@@ -31,6 +31,7 @@ from iobundle.schema._deferred import (
     CompactTables,
     DeferredCall,
     TensorInfo,
+    _fields_set,
     _made,
     deferred_call,
     deferred_manifest,
@@ -121,9 +122,16 @@ class _Reader:
             return None, _NODE.validate_python(node.model_dump())
         fields = node.model_dump(exclude={"items"})
         cls = _REAL[type(node)]
+        fields_set = _fields_set(cls)
+        new, setattr_ = object.__new__, object.__setattr__
 
-        def build(nodes: list[TensorNode]) -> Any:
-            return _made(cls, {**fields, "items": [c if b is None else b(nodes) for b, c in parts]})
+        def build(nodes: list[TensorNode]) -> Any:  # _made, inline: one call per container of a call's trees
+            obj = new(cls)
+            setattr_(obj, "__dict__", {**fields, "items": [c if b is None else b(nodes) for b, c in parts]})
+            setattr_(obj, "__pydantic_fields_set__", fields_set)
+            setattr_(obj, "__pydantic_extra__", None)
+            setattr_(obj, "__pydantic_private__", None)
+            return obj
 
         return build, None
 

@@ -96,7 +96,11 @@ class CompactTables:
 
 
 _FIELDS: dict[type[BaseModel], set[str]] = {}
-"""Per model class, the one ``__pydantic_fields_set__`` (every field) its instances built here share."""
+
+
+def _fields_set(cls: type[BaseModel]) -> set[str]:
+    """The one ``__pydantic_fields_set__`` (every field) the instances of ``cls`` built here share."""
+    return _FIELDS.get(cls) or _FIELDS.setdefault(cls, set(cls.model_fields))
 
 
 _ORDER = {cls: tuple(cls.model_fields) for cls in (CallEntry, Manifest)}
@@ -114,12 +118,9 @@ def _made(
     Instances of a class share one ``__pydantic_fields_set__`` (pydantic copies it before any change), unless
     ``fields_set`` gives its own.
     """
-    if fields_set is None:
-        model = fields or cls
-        fields_set = _FIELDS.get(model) or _FIELDS.setdefault(model, set(model.model_fields))
     obj = _new(cls)
     _store(obj, values)
-    _setattr(obj, "__pydantic_fields_set__", fields_set)
+    _setattr(obj, "__pydantic_fields_set__", _fields_set(fields or cls) if fields_set is None else fields_set)
     _setattr(obj, "__pydantic_extra__", None)
     _setattr(obj, "__pydantic_private__", None)
     return obj
