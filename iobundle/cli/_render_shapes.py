@@ -161,7 +161,8 @@ def format_group_shapes(group_shapes: Sequence[Any], *, header: bool = True) -> 
     """Each keyword group's calls and keywords as a Python comment, then its shapes (and batch axes, if taken)."""
     lines = [f"# dynamic shapes per keyword group: {GROUPS_REASON}"] if header else []
     for found in group_shapes:
-        lines.extend((terminal_text("# " + found.group.describe()), format_dynamic_shapes(found.dynamic_shapes)))
+        lines.append(terminal_text("# " + found.group.describe()))
+        lines.append(format_dynamic_shapes(found.dynamic_shapes))
         if found.batch_axes:
             lines.append(format_batch_axes(found.batch_axes))
     return "\n".join(lines)

@@ -348,7 +348,8 @@ def _svg_open(width: int, height: int, title: str) -> list[str]:
 
 def _svg_close(parts: list[str], x: float, y: int, caption: str) -> str:
     """The chart's text: ``parts``, then ``caption`` centred on ``x`` at ``y``, then the end of the svg."""
-    parts.extend((f'<text x="{x:.0f}" y="{y}" text-anchor="middle">{caption}</text>', "</svg>"))
+    parts.append(f'<text x="{x:.0f}" y="{y}" text-anchor="middle">{caption}</text>')
+    parts.append("</svg>")
     return "".join(parts)
 
 
