@@ -12,7 +12,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import BinaryIO
 
@@ -69,10 +69,8 @@ def _discard(tmp: Path, path: Path, exc: BaseException, *, wrap_errors: bool = F
     An ``OSError`` always becomes one; with ``wrap_errors`` any other ``Exception`` (a failed
     callback) too. Anything else returns, for the caller to re-raise unchanged.
     """
-    try:
+    with suppress(OSError):
         tmp.unlink(missing_ok=True)
-    except OSError:
-        pass
     if isinstance(exc, OSError):
         raise BundleWriteError(
             f"Cannot write {path}: {exc.strerror or exc}. Check free space and permissions."
@@ -195,9 +193,8 @@ def fsync_dir(directory: Path) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -14,6 +14,7 @@ on the folder's descriptor, so a folder swapped for a link after the check is ne
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -103,10 +104,8 @@ class Tree:
         """Close every descriptor held (the listings stay cached)."""
         fds, self._fds = self._fds, {}
         for fd in fds.values():
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
     def __del__(self) -> None:
         self.close()
@@ -149,10 +148,8 @@ class Tree:
         except FileNotFoundError:
             if not create:
                 return None
-            try:
+            with contextlib.suppress(FileExistsError):  # made meanwhile (or a dangling link: the open below says which)
                 os.mkdir(name, 0o777, dir_fd=parent)
-            except FileExistsError:
-                pass  # made meanwhile (or a dangling link: the open below says which)
             self._listings.pop(parts[:-1], None)
             return self.folder(parts, create=False)
         except OSError as exc:

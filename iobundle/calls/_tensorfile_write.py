@@ -18,12 +18,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from iobundle._atomic import fsync_dir, write_atomically
+from iobundle._atomic import atomic_file, write_atomically
 from iobundle._lazy import lazy_module
-from iobundle._paths import CREATE
 from iobundle.calls._dtypes import dtype_name
 from iobundle.calls._hashing import WRITE_HASH, new_hasher
-from iobundle.errors import BundleWriteError, TensorFileError, UnsupportedInputError
+from iobundle.errors import TensorFileError, UnsupportedInputError
 from iobundle.schema import DTYPE_ITEMSIZES, FileEntry
 
 if TYPE_CHECKING:
@@ -198,34 +197,17 @@ def _write_small(path: Path, parts: list[bytes | memoryview], digest: Any, *, du
     Raises:
         BundleWriteError: The file cannot be written; the temporary file is removed.
     """
-    tmp = path.with_name(f".{path.name}.tmp")
     total = 0
     for part in parts:
         digest.update(part)
         total += len(part)
-    try:
-        fd = os.open(tmp, CREATE, 0o644)
-        try:
-            done = os.writev(fd, parts) if len(parts) <= _IOV_MAX else 0
-            if done < total:  # a short write (rare on a regular file): the rest, piece by piece
-                view = memoryview(b"".join(parts))[done:]
-                while view:
-                    view = view[os.write(fd, view) :]
-            if durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        if durable:
-            fsync_dir(path.parent)
-    except OSError as exc:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        raise BundleWriteError(
-            f"Cannot write {path}: {exc.strerror or exc}. Check free space and permissions."
-        ) from exc
+    with atomic_file(path, durable=durable) as f:  # nothing goes through its buffer
+        fd = f.fileno()
+        done = os.writev(fd, parts) if len(parts) <= _IOV_MAX else 0
+        if done < total:  # a short write (rare on a regular file): the rest, piece by piece
+            view = memoryview(b"".join(parts))[done:]
+            while view:
+                view = view[os.write(fd, view) :]
     return total
 
 

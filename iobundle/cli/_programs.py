@@ -212,28 +212,18 @@ def dynamic_spec(args: argparse.Namespace, bundle: Bundle) -> dict[int | str, se
 
 def _max_rank(bundle: Bundle, name: str) -> int | None:
     """The highest rank among the tensors recorded for input ``name`` in any call (None when it holds none)."""
-    positional = [
-        p.name for p in bundle.manifest.signature.parameters if p.kind in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")
-    ]
-    tensors = bundle.manifest.tensors
+    from iobundle.calls import iter_tensor_nodes, positional_names
+    from iobundle.schema import tensor_rows
+
+    positional, rows = list(positional_names(bundle.manifest.signature)), tensor_rows(bundle.manifest)
     ranks: list[int] = []
-
-    def walk(node: Any) -> None:
-        kind = getattr(node, "kind", None)
-        if kind == "tensor":
-            entry = tensors.get(node.key)
-            if entry is not None:
-                ranks.append(len(entry.shape))
-        for item in getattr(node, "items", None) or ():
-            walk(item)
-
     for call in bundle.manifest.calls:
         node = call.kwargs.get(name)
         if node is None and name in positional and positional.index(name) < len(call.args):
             node = call.args[positional.index(name)]
         if node is not None:
-            walk(node)
-    return max(ranks) if ranks else None
+            ranks += [len(rows[n.key].shape) for n in iter_tensor_nodes(node) if n.key in rows]
+    return max(ranks, default=None)
 
 
 def warn_static_dims(bundle: Bundle, batch: Any = None, dynamic: Any = None) -> None:

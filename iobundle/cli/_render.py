@@ -23,6 +23,7 @@ import operator
 import os
 import shutil
 import sys
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -359,7 +360,7 @@ def _latency_range(calls: Sequence[CallEntry]) -> str:
     if not known:
         return "-"
     low, high = min(known), max(known)
-    if low == high:
+    if low == high or len(calls) == 1:
         return format_latency(low)
     return f"{format_latency(low).removesuffix(' ms')}-{format_latency(high)}"
 
@@ -478,10 +479,7 @@ def format_inspect(
     from iobundle.schema import deferred_calls, tensor_rows
 
     calls = deferred_calls(manifest)  # format version 3: the calls' trees are built for the rows shown only
-    statuses: dict[str, int] = {}
-    for call in calls:
-        statuses[call.status] = statuses.get(call.status, 0) + 1
-    status_text = ", ".join(f"{n} {s}" for s, n in statuses.items())
+    status_text = ", ".join(f"{n} {s}" for s, n in Counter(call.status for call in calls).items())
     total = sum(f.size for f in manifest.files.values())
     lines = [
         plain(f"bundle     {path}"),
@@ -505,17 +503,7 @@ def format_inspect(
     if calls_shown == "none":  # inspect -q: the summary without its calls
         lines.pop()
     elif calls and (calls_shown == "all" or (calls_shown == "auto" and len(calls) <= MAX_CALL_ROWS)):
-        rows = [
-            [
-                str(c.index),
-                c.status,
-                format_latency(c.latency),
-                format_inputs(manifest, c),
-                ", ".join(f"{k}={v!r}" for k, v in c.cst_kwargs.items()) or "-",
-            ]
-            for c in calls
-        ]
-        lines.append(format_table(["#", "status", "latency", "inputs", "constants"], rows, right=(0, 2)))
+        lines.append(_runs_table(manifest, [CallRun([c], []) for c in calls]))  # one row per call
         lines.extend(plain(f"call {c.index} {c.status}: {c.error}") for c in calls if c.error)
     elif calls:
         runs = call_runs(manifest)
@@ -587,12 +575,7 @@ def format_verdict(text: str, ok: bool) -> str:
 
 def _autocast_line(calls: Any) -> str:
     """``cuda bfloat16 on 4 of 4 calls (replayed under it)``: the torch.autocast the calls were recorded under."""
-    states: dict[str, int] = {}
-    for call in calls:
-        for entry in call.autocast or ():
-            if entry.enabled:
-                key = f"{entry.device_type} {entry.dtype}"
-                states[key] = states.get(key, 0) + 1
+    states = Counter(f"{e.device_type} {e.dtype}" for call in calls for e in call.autocast or () if e.enabled)
     if not states:
         return ""
     parts = [f"{key} on {count} of {len(calls)} calls" for key, count in states.items()]
@@ -621,6 +604,15 @@ def format_export(report: Any, onnx_path: str | None) -> str:
     return "\n".join(lines)
 
 
+_EXTRA_COLUMNS: dict[str, list[tuple[str, str, Callable[[Any], str]]]] = {
+    # diff: what differs goes below the table, one line per call, so the table stays narrow
+    "diff": [("inputs abs", "inputs_abs", _error_cell)],
+    "run": [("recorded", "duration_torch", format_latency), ("re-run", "duration_rerun", format_latency)],
+    "validate": [("torch", "duration_torch", format_latency), ("onnxruntime", "ort_duration", format_latency)],
+}
+"""The columns after ``max rel`` of each kind of report: header, row field, how a cell shows it."""
+
+
 def format_validation(report: Any, *, quiet: bool = False) -> str:
     """One row per call (status, max abs/rel error, durations), the worst outputs, and the verdict.
 
@@ -629,29 +621,13 @@ def format_validation(report: Any, *, quiet: bool = False) -> str:
     verdict = format_verdict(f"{report.verdict()} ({report.seconds:.2f}s)", report.ok)
     if quiet:
         return verdict
-    kind = getattr(report, "kind", "validate")
-    headers = ["call", "status", "max abs", "max rel"]
-    rows = []
-    for r in report.rows:
-        row = [
-            str(r["index"]),
-            row_status(r),
-            _error_cell(r["abs"]),
-            _error_cell(r["rel"]),
-        ]
-        if kind == "diff":  # what differs goes below the table: one line per call, the table stays narrow
-            row.append(_error_cell(r.get("inputs_abs")))
-        elif kind == "run":
-            row += [format_latency(r.get("duration_torch")), format_latency(r.get("duration_rerun"))]
-        else:
-            row += [format_latency(r.get("duration_torch")), format_latency(r.get("ort_duration"))]
-        rows.append(row)
-    if kind == "diff":
-        headers.append("inputs abs")
-    elif kind == "run":
-        headers += ["recorded", "re-run"]
-    else:
-        headers += ["torch", "onnxruntime"]
+    extra = _EXTRA_COLUMNS.get(getattr(report, "kind", "validate"), _EXTRA_COLUMNS["validate"])
+    headers = ["call", "status", "max abs", "max rel", *(header for header, _, _ in extra)]
+    rows = [
+        [str(r["index"]), row_status(r), _error_cell(r["abs"]), _error_cell(r["rel"])]
+        + [show(r.get(field)) for _, field, show in extra]
+        for r in report.rows
+    ]
     status_column = 1
     if any("program" in r for r in report.rows):  # validated through a program index
         headers.insert(1, "program")

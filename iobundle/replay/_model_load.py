@@ -97,11 +97,19 @@ CODE_LOADING_MODEL_TYPES: dict[str, str] = {
     "dinat": "imports natten",
 }
 
-# Keys under which transformers reads an attention / experts implementation from a config dict
-# (``attn_implementation`` is popped by __post_init__, ``_attn_implementation`` goes through its
-# property setter, the ``*_internal`` ones are what to_dict used to write).
-_ATTN_KEYS = ("attn_implementation", "_attn_implementation", "_attn_implementation_internal")
-_EXPERTS_KEYS = ("experts_implementation", "_experts_implementation", "_experts_implementation_internal")
+# The attention / experts implementations a config may select (the built-in names, what messages call them),
+# and the keys under which transformers reads them from a config dict (``attn_implementation`` is popped by
+# __post_init__, ``_attn_implementation`` goes through its property setter, the ``*_internal`` ones are what
+# to_dict used to write).
+_IMPLEMENTATIONS = {
+    "attn": (ATTN_IMPLEMENTATIONS, "attention implementation"),
+    "experts": (EXPERTS_IMPLEMENTATIONS, "experts implementation"),
+}
+_IMPLEMENTATION_KEYS = {
+    key: _IMPLEMENTATIONS[part]
+    for part in _IMPLEMENTATIONS
+    for key in (f"{part}_implementation", f"_{part}_implementation", f"_{part}_implementation_internal")
+}
 _DTYPE_KEYS = ("dtype", "torch_dtype")
 # Settings the loader passes itself; dropped from the stored config.
 _IGNORED_KEYS = ("_attn_implementation_autoset",)
@@ -267,10 +275,8 @@ def _check_config_dict(
         field = f"{path}.{key}" if path else str(key)
         if key in CODE_SELECTING_FIELDS and _is_set(value):
             raise _refuse(file, field, value, CODE_SELECTING_FIELDS[key])
-        if key in _ATTN_KEYS:
-            _check_implementation(file, field, value, ATTN_IMPLEMENTATIONS, "attention implementation")
-        elif key in _EXPERTS_KEYS:
-            _check_implementation(file, field, value, EXPERTS_IMPLEMENTATIONS, "experts implementation")
+        if key in _IMPLEMENTATION_KEYS:
+            _check_implementation(file, field, value, *_IMPLEMENTATION_KEYS[key])
         elif key in _DTYPE_KEYS:
             _check_dtype(file, field, value)
         elif key == "model_type" and isinstance(value, str) and value in CODE_LOADING_MODEL_TYPES:
@@ -310,14 +316,9 @@ def _check_config_object(file: str, config: Any) -> None:
             value = vars(sub).get(key)
             if _is_set(value):
                 raise _refuse(file, prefix + key, value, why)
-        attn = vars(sub).get("_attn_implementation_internal")
-        _check_implementation(
-            file, f"{prefix}attn_implementation", attn, ATTN_IMPLEMENTATIONS, "attention implementation"
-        )
-        experts = vars(sub).get("_experts_implementation_internal")
-        _check_implementation(
-            file, f"{prefix}experts_implementation", experts, EXPERTS_IMPLEMENTATIONS, "experts implementation"
-        )
+        for part, (allowed, what) in _IMPLEMENTATIONS.items():
+            value = vars(sub).get(f"_{part}_implementation_internal")
+            _check_implementation(file, f"{prefix}{part}_implementation", value, allowed, what)
         dtype = vars(sub).get("dtype")
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise _refuse(file, f"{prefix}dtype", dtype, "is not a torch dtype")
@@ -462,11 +463,7 @@ def _stored_config(
     """The model types ``entry``'s class is registered for (none without ``registry``), and its stored config."""
     types = _check_class_name(entry.class_name) if registry else frozenset()
     _check_implementation(
-        "manifest.json",
-        "model.attn_implementation",
-        entry.attn_implementation,
-        ATTN_IMPLEMENTATIONS,
-        "attention implementation",
+        "manifest.json", "model.attn_implementation", entry.attn_implementation, *_IMPLEMENTATIONS["attn"]
     )
     return types, read_stored_config(bundle._store.bundle_root, entry)
 

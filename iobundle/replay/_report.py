@@ -12,6 +12,7 @@ import importlib.metadata
 import math
 import platform
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -65,9 +66,7 @@ def environment() -> dict[str, str]:
 
 def _bundle_facts(bundle: Bundle) -> dict[str, Any]:
     m = bundle.manifest
-    statuses: dict[str, int] = {}
-    for c in m.calls:
-        statuses[c.status] = statuses.get(c.status, 0) + 1
+    statuses = dict(Counter(c.status for c in m.calls))
     p = m.producer
     producer = {"iobundle": p.iobundle, "torch": p.torch, "python": p.python}
     if p.transformers:

@@ -31,6 +31,8 @@ from iobundle.schema._deferred import (
     CompactTables,
     DeferredCall,
     TensorInfo,
+    _fields_set,
+    _made,
     deferred_call,
     deferred_manifest,
 )
@@ -40,15 +42,12 @@ from iobundle.schema._manifest import (
     FORMAT,
     HASH_ALGORITHMS,
     AutocastEntry,
-    CallEntry,
     DictNode,
-    Extension,
     FileEntry,
     ListNode,
     Manifest,
     Node,
     ObjectNode,
-    TensorEntry,
     TensorNode,
     TupleNode,
     duplicate_call_index,
@@ -58,44 +57,12 @@ __all__ = ["expand_compact"]
 
 # -- fast construction of validated models ----------------------------------------------------
 
-_new = object.__new__
-_setattr = object.__setattr__
-
-
-def _make(cls: type[BaseModel], values: dict[str, Any]) -> Any:
-    """An instance of ``cls`` holding ``values`` (every field, already validated), without validating again.
-
-    Instances of a class share one ``__pydantic_fields_set__`` (pydantic copies it before any change).
-    """
-    obj = _new(cls)
-    _setattr(obj, "__dict__", values)
-    _setattr(obj, "__pydantic_fields_set__", _FIELDS[cls])
-    _setattr(obj, "__pydantic_extra__", None)
-    _setattr(obj, "__pydantic_private__", None)
-    return obj
-
-
 _NODE = TypeAdapter(Node)
 _REAL: dict[type[BaseModel], type[BaseModel]] = {
     SlotListNode: ListNode,
     SlotTupleNode: TupleNode,
     SlotDictNode: DictNode,
     SlotObjectNode: ObjectNode,
-}
-_FIELDS: dict[type[BaseModel], set[str]] = {
-    cls: set(cls.model_fields)
-    for cls in (
-        TensorNode,
-        ListNode,
-        TupleNode,
-        DictNode,
-        ObjectNode,
-        CallEntry,
-        TensorEntry,
-        Extension,
-        FileEntry,
-        Manifest,
-    )
 }
 _CALL_FIELDS = frozenset({"index", "structure", "keys", "status", "error", "latency", "autocast"})
 _AUTOCAST = TypeAdapter(list[AutocastEntry])
@@ -155,14 +122,15 @@ class _Reader:
             return None, _NODE.validate_python(node.model_dump())
         fields = node.model_dump(exclude={"items"})
         cls = _REAL[type(node)]
-        fields_set = _FIELDS[cls]
+        fields_set = _fields_set(cls)
+        new, setattr_ = object.__new__, object.__setattr__
 
-        def build(nodes: list[TensorNode]) -> Any:
-            obj = _new(cls)
-            _setattr(obj, "__dict__", {**fields, "items": [c if b is None else b(nodes) for b, c in parts]})
-            _setattr(obj, "__pydantic_fields_set__", fields_set)
-            _setattr(obj, "__pydantic_extra__", None)
-            _setattr(obj, "__pydantic_private__", None)
+        def build(nodes: list[TensorNode]) -> Any:  # _made, inline: one call per container of a call's trees
+            obj = new(cls)
+            setattr_(obj, "__dict__", {**fields, "items": [c if b is None else b(nodes) for b, c in parts]})
+            setattr_(obj, "__pydantic_fields_set__", fields_set)
+            setattr_(obj, "__pydantic_extra__", None)
+            setattr_(obj, "__pydantic_private__", None)
             return obj
 
         return build, None
@@ -316,7 +284,7 @@ class _Reader:
                     f"expected {algorithms[algorithm]} lowercase hex digits (a {algorithm} digest), "
                     f"found {_short(digest)}",
                 )
-            files[name] = _make(
+            files[name] = _made(
                 FileEntry, {"size": size, "sha256": None, "hash": algorithm, "digest": digest, "ranges": ranges}
             )
             rows = rec.get("tensors", {})

@@ -95,22 +95,32 @@ class CompactTables:
         return node
 
 
-_FIELDS: dict[type[BaseModel], set[str]] = {
-    cls: set(cls.model_fields) for cls in (TensorNode, TensorEntry, Extension, CallEntry, Manifest)
-}
+_FIELDS: dict[type[BaseModel], set[str]] = {}
+
+
+def _fields_set(cls: type[BaseModel]) -> set[str]:
+    """The one ``__pydantic_fields_set__`` (every field) the instances of ``cls`` built here share."""
+    return _FIELDS.get(cls) or _FIELDS.setdefault(cls, set(cls.model_fields))
 
 
 _ORDER = {cls: tuple(cls.model_fields) for cls in (CallEntry, Manifest)}
 
 
-def _made(cls: type[BaseModel], values: dict[str, Any], fields: type[BaseModel] | None = None) -> Any:
+def _made(
+    cls: type[BaseModel],
+    values: dict[str, Any],
+    fields: type[BaseModel] | None = None,
+    *,
+    fields_set: set[str] | None = None,
+) -> Any:
     """An instance of ``cls`` holding ``values`` (fields of ``fields``, default ``cls``, already checked), unvalidated.
 
-    Instances of a class share one ``__pydantic_fields_set__`` (pydantic copies it before any change).
+    Instances of a class share one ``__pydantic_fields_set__`` (pydantic copies it before any change), unless
+    ``fields_set`` gives its own.
     """
     obj = _new(cls)
     _store(obj, values)
-    _setattr(obj, "__pydantic_fields_set__", _FIELDS[fields or cls])
+    _setattr(obj, "__pydantic_fields_set__", _fields_set(fields or cls) if fields_set is None else fields_set)
     _setattr(obj, "__pydantic_extra__", None)
     _setattr(obj, "__pydantic_private__", None)
     return obj
@@ -162,20 +172,11 @@ class _Deferred:
 
     def __copy__(self) -> Any:
         """A copy of the plain class: what a copy changes (``model_copy(update=...)``) is then what it holds."""
-        copied = _new(_plain(type(self)))
-        _store(copied, copy.copy(self.__dict__))
-        _setattr(copied, "__pydantic_fields_set__", copy.copy(self.__pydantic_fields_set__))
-        _setattr(copied, "__pydantic_extra__", None)
-        _setattr(copied, "__pydantic_private__", None)
-        return copied
+        return _made(_plain(type(self)), copy.copy(self.__dict__), fields_set=copy.copy(self.__pydantic_fields_set__))
 
     def __deepcopy__(self, memo: dict[int, Any] | None = None) -> Any:
-        copied = _new(_plain(type(self)))
-        _store(copied, copy.deepcopy(self.__dict__, memo))
-        _setattr(copied, "__pydantic_fields_set__", copy.copy(self.__pydantic_fields_set__))
-        _setattr(copied, "__pydantic_extra__", None)
-        _setattr(copied, "__pydantic_private__", None)
-        return copied
+        values = copy.deepcopy(self.__dict__, memo)
+        return _made(_plain(type(self)), values, fields_set=copy.copy(self.__pydantic_fields_set__))
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         return _same, (self.__copy__(),)  # pickled as the plain class

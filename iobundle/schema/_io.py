@@ -58,7 +58,7 @@ from iobundle.errors import (
     UnsupportedFormatVersionError,
 )
 from iobundle.schema._compact import COMPACT_VERSIONS, dump_compact
-from iobundle.schema._compact_read import expand_compact
+from iobundle.schema._compact_read import _short, expand_compact
 from iobundle.schema._manifest import (
     FORMAT,
     SUPPORTED_FORMAT_VERSIONS,
@@ -94,11 +94,6 @@ MAX_TENSORS = 10_000_000
 MAX_TENSOR_RANK = 64
 MAX_TENSOR_ELEMENTS = 2**62
 MAX_EXTENSION_DEPTH = 100_000
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _check_depth(value: Any, source: str) -> None:

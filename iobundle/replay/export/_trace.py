@@ -95,13 +95,10 @@ def _explicit_signature(rc: RecordedCalls, extra: list[str]) -> inspect.Signatur
         if p.kind == "VAR_KEYWORD":
             continue
         kind = getattr(inspect.Parameter, p.kind)
-        default = p.default if p.has_default else (None if p.kind != "VAR_POSITIONAL" else inspect.Parameter.empty)
-        if kind in (inspect.Parameter.VAR_POSITIONAL,):
+        if kind == inspect.Parameter.VAR_POSITIONAL or not (p.has_default or kind == inspect.Parameter.KEYWORD_ONLY):
             params.append(inspect.Parameter(p.name, kind))
-        elif p.has_default or kind == inspect.Parameter.KEYWORD_ONLY:
-            params.append(inspect.Parameter(p.name, kind, default=default))
-        else:
-            params.append(inspect.Parameter(p.name, kind))
+        else:  # a keyword-only parameter without a default gets None
+            params.append(inspect.Parameter(p.name, kind, default=p.default if p.has_default else None))
     params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in extra]
     return inspect.Signature(params)
 
