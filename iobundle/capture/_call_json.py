@@ -51,8 +51,14 @@ class CallJson:
         memo, parts, keys = self._memo, [], self._keys
         for item in items:  # a tensor, or a node met before, without a call: most items of a decode step
             if type(item) is TensorNode:  # not remembered: cheap to write again (sent filters its key)
-                keys.append(item.key)
-                parts.append(_tensor_json(item.key))
+                key = item.key
+                keys.append(key)
+                # a collector's key (t123) needs no escaping; any other is escaped
+                parts.append(
+                    b'{"kind":"tensor","key":"%s"}' % key.encode()
+                    if key.isalnum() and key.isascii()
+                    else _tensor_json(key)
+                )
                 continue
             hit = memo.get(id(item))
             parts.append(hit[1] if hit is not None and hit[0] is item else self._node(item))

@@ -529,9 +529,10 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
                 f"tensor {key!r} was changed in place after it was recorded, before it could be written; "
                 "its recorded value is lost."
             )
-        event = getattr(tensor, "_iobundle_ready", None) if wait else None
-        if event is not None:
-            event.synchronize()
+        if wait and not tensor.is_cpu:  # a CPU tensor has no event (and a failed getattr costs an exception)
+            event = getattr(tensor, "_iobundle_ready", None)
+            if event is not None:
+                event.synchronize()
         return tensor
 
     def own(self, keys: Iterable[str]) -> None:
