@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from iobundle.calls import dtype_name, parse_header, read_exactly, rebuild, tensor_span
+from iobundle.calls import NAME_TO_DTYPE, dtype_name, parse_header, read_exactly, rebuild, tensor_span
 from iobundle.capture._entries import TensorRow
 from iobundle.errors import TensorFileError
 
@@ -577,20 +577,19 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         pool = self.pool
         memory, pending, disk, referenced, lent = self._memory, self._pending, self._disk, self._referenced, self._lent
         recycle = []
-        meta: _Pending | torch.Tensor | None
         with self._lock:
             if root not in self._roots:
                 self._roots.append(root)
             root_index = self._roots.index(root)  # an int in the entry: the collector untracks it
             for row in rows:
                 key = row[0]
-                meta = pending.pop(key, None)
-                tensor = memory.pop(key, None) if meta is None else None
-                if tensor is not None:
-                    meta = tensor
-                elif meta is None:
-                    continue
-                disk[key] = (row, root_index, sizes[row[1]], meta.dtype, meta.device)
+                if pending.pop(key, None) is not None:
+                    tensor = None  # its buffer went back to the pool already
+                else:
+                    tensor = memory.pop(key, None)
+                    if tensor is None:
+                        continue  # not a snapshot of this table
+                disk[key] = (row, root_index, sizes[row[1]])  # the row says the dtype and device
                 if referenced.pop(key, None) is not None:
                     lent.discard(key)
                     continue  # the model's own tensor: nothing of the pool's to give back
@@ -609,7 +608,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         where = self._disk.get(key)
         if where is None or type(where) is _OnDisk:
             return where
-        (_, file, name, _, shape, _, ext, offset), root_index, size, dtype, device = where
+        (_, file, name, dtype, shape, device, ext, offset), root_index, size = where
         stored: Any = None  # a list, then the tuple _OnDisk holds
         if ext is not None:
             base: Any = self._disk.get(ext[0]) or self._pending.get(ext[0]) or self._memory.get(ext[0])
@@ -619,7 +618,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
                 stored[ext[1]] -= base_shape[ext[1]]
                 stored = tuple(stored)
         where = _OnDisk(
-            self._roots[root_index] / file, name, dtype, tuple(shape), str(device), size, ext, stored, offset
+            self._roots[root_index] / file, name, NAME_TO_DTYPE[dtype], tuple(shape), device, size, ext, stored, offset
         )
         self._disk[key] = where
         return where

@@ -481,7 +481,7 @@ class TestBufferPool:
         time.sleep(0.05)
         assert not got  # waits for the writer
         table.written(
-            [("t0", path.name, "t0", "float32", tuple(x.shape), "cpu", None, None)], tmp_path, {path.name: entry.size}
+            [("t0", path.name, "t0", "F32", tuple(x.shape), "cpu", None, None)], tmp_path, {path.name: entry.size}
         )
         reader.join(10)
         assert torch.equal(got[0], x)
