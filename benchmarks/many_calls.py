@@ -248,10 +248,12 @@ def figure_8(cfg: Config, workdir: Path) -> Figure:
     for row_id, variant, sample, label, note in rows:
         fig.rows.append(Row(row_id, label, [t * 1e3 for t in samples[variant][sample]], note=note))
     fill_ratios(fig, "saved")
-    for variant in ("saved", "saved_cli", "journal", "journal_cli"):
+    # issue 26: open + infer under 50 ms, `iobundle inspect` (which renders the table too) under 100 ms
+    for variant, limit in (("saved", 50.0), ("saved_cli", 100.0), ("journal", 50.0), ("journal_cli", 100.0)):
         med = statistics.median(fig.row(variant).samples or [float("nan")])
+        what = "inspect" if variant.endswith("_cli") else "open+infer"
         fig.targets.append(
-            Target(f"open+inspect {calls} calls, {variant} (ms)", med, "< 50 ms", below(med, 50.0), variant)
+            Target(f"{what} {calls} calls, {variant} (ms)", med, f"< {limit:.0f} ms", below(med, limit), variant)
         )
     return fig
 
