@@ -68,6 +68,12 @@ class StateWatch:
     def __init__(self, model: Any, calls: int = 2) -> None:
         self._model, self._left = model, calls if isinstance(model, torch.nn.Module) else 0
         self._known: list[_Place] | None = None  # where the first watched call left tensors
+        self.found: dict[str, _Place] = {}  # the state, by path, once a watched call changed it
+        self.first_in: dict[str, torch.Tensor] | None = None  # the state before that call, when all was kept
+
+    def now(self) -> dict[str, Any]:
+        """What the module tree holds where the state was found (a tensor, unless the model rebound it)."""
+        return {path: table.get(name) for path, (_, table, name) in self.found.items()}
 
     def before(self) -> dict[tuple[str, str], _Held] | None:
         """The tensors before a call, for ``changed``; None once the watched calls are spent."""
@@ -80,8 +86,11 @@ class StateWatch:
             return None
 
     def changed(self, before: dict[tuple[str, str], _Held], carried: Callable[[torch.Tensor], bool]) -> list[str]:
-        """The paths of the tensors held ``before`` whose values the call changed, but those ``carried`` as inputs."""
-        paths = []
+        """The paths of the tensors held ``before`` whose values the call changed, but those ``carried`` as inputs.
+
+        The first call that changes some sets :attr:`found`, and :attr:`first_in` if their values before it were kept.
+        """
+        paths, first_in = [], {}
         try:
             if self._known is None:  # later watched calls look where this one left tensors (a lazily built one too)
                 self._known = _places(self._model)
@@ -96,6 +105,12 @@ class StateWatch:
             reference = values if values is not None else None if tensor is old else old
             if reference is None or not _equal(tensor, reference):
                 paths.append(".".join(key))
+                first_in[key] = reference
+        if paths and not self.found:
+            places = {(prefix, name): (prefix, table, name) for prefix, table, name in self._known}
+            self.found = {".".join(key): places[key] for key in first_in}
+            kept = all(t is not None for t in first_in.values())
+            self.first_in = {".".join(key): t for key, t in first_in.items()} if kept else None
         return paths
 
 
@@ -103,8 +118,8 @@ def state_message(paths: list[str], what: Any) -> str:
     """The warning for the state ``paths`` that calls of ``what`` change."""
     names = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
     return (
-        f"iobundle: a call of {what} changed tensors its module tree keeps between calls ({names}). The recorded "
-        "calls do not carry this state: replayed from the bundle, each call starts from the state left after the "
-        "last one, so the export check fails on every call whose outputs depend on it. Pass the state in and out "
-        "of the method (as a cache argument and output), or reset it at the start of each call."
+        f"iobundle: a call of {what} changed tensors its module tree keeps between calls ({names}). Each recorded "
+        "call now records them too, as it found and left them (the call's state); replay loads them into the module "
+        "before each call, and the exported program takes them as the input 'module_state' and returns them after "
+        "the outputs. Calls recorded before this one lack them and are not replayed."
     )
