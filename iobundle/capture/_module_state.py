@@ -109,8 +109,8 @@ class StateWatch:
         if paths and not self.found:
             places = {(prefix, name): (prefix, table, name) for prefix, table, name in self._known}
             self.found = {".".join(key): places[key] for key in first_in}
-            kept = all(t is not None for t in first_in.values())
-            self.first_in = {".".join(key): t for key, t in first_in.items()} if kept else None
+            kept = {".".join(key): t for key, t in first_in.items() if t is not None}
+            self.first_in = kept if len(kept) == len(first_in) else None
         return paths
 
 

@@ -399,7 +399,9 @@ class CallRecorder:
                     state_in = self._record_state(watch.first_in)
                 if state_in is not None:
                     state_out = self._record_state(watch.now())
-                    update["state"] = None if state_out is None else DictNode(keys=["in", "out"], items=[state_in, state_out])
+                    update["state"] = (
+                        None if state_out is None else DictNode(keys=["in", "out"], items=[state_in, state_out])
+                    )
                 if problem:
                     update.update(status="incomplete", error=problem)
                     messages.append(warning)

@@ -40,14 +40,16 @@ def _argument(rc: RecordedCalls) -> str:
     return name
 
 
-def _parts(call: CallEntry) -> tuple[DictNode, DictNode]:
+def _parts(call: CallEntry) -> list[DictNode]:
+    """The state in and out of ``call``, checked: ``{"in": {path: ...}, "out": {path: ...}}``."""
     state = call.state
-    if not (isinstance(state, DictNode) and state.keys == ["in", "out"]):
-        raise ModelLoadError(f"calls[{call.index}].state is not {{'in': ..., 'out': ...}}; the bundle is corrupt.")
-    state_in, state_out = state.items
-    if not (isinstance(state_in, DictNode) and isinstance(state_out, DictNode)):
-        raise ModelLoadError(f"calls[{call.index}].state holds no dict of tensors by path; the bundle is corrupt.")
-    return state_in, state_out
+    named = isinstance(state, DictNode) and state.keys == ["in", "out"]
+    parts = [p for p in state.items if isinstance(p, DictNode)] if named else []  # type: ignore[union-attr]
+    if not (len(parts) == 2 and all(isinstance(k, str) for p in parts for k in p.keys)):
+        raise ModelLoadError(
+            f"calls[{call.index}].state is not {{'in': {{path: tensor}}, 'out': {{path: tensor}}}}; the bundle is corrupt."
+        )
+    return parts
 
 
 def explicit_state(rc: RecordedCalls) -> RecordedCalls:
@@ -121,7 +123,8 @@ class WithModuleState(torch.nn.Module):
         super().__init__()
         self.model = model
         self.method = rc.signature.method
-        paths = list(dict.fromkeys(p for call in rc.calls if call.state is not None for part in _parts(call) for p in part.keys))
+        parts = [part for call in rc.calls if call.state is not None for part in _parts(call)]
+        paths = list(dict.fromkeys(str(path) for part in parts for path in part.keys))
         self.places = SimpleNamespace(at=dict(zip(paths, _tables(model, paths))))  # a leaf to torch.export
 
     def run(self, args: tuple[Any, ...], state: dict[str, torch.Tensor], kwargs: dict[str, Any]) -> Any:

@@ -86,7 +86,7 @@ def test_a_recurrent_layer_keeping_its_hidden_state_warns_naming_it() -> None:
     message = str(warning.message)
     assert "model.layers.0.h" in message
     assert "cell" not in message  # parameters only read are not state
-    assert "export check fails" in message and "Pass the state in and out" in message
+    assert "records them too" in message and "module_state" in message
 
 
 def test_buffers_updated_in_place_warn_naming_them() -> None:
