@@ -44,6 +44,10 @@ class RecordedCallsAPI:
             self._export_report = exc.report
             raise
         self._export_report = result.report
+        if any(call.state is not None for call in self._recorded().calls):
+            from iobundle.replay._module_state import state_note
+
+            result.report.options.append(state_note(self._recorded()))
         return result
 
     def _recorded(self) -> RecordedCalls:

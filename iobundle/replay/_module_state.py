@@ -20,7 +20,7 @@ from iobundle.calls import RecordedCalls
 from iobundle.errors import ModelLoadError
 from iobundle.schema import CallEntry, DictNode, NoneNode, ParameterEntry, TupleNode
 
-__all__ = ["WithModuleState", "explicit_state", "has_module_state"]
+__all__ = ["WithModuleState", "explicit_state", "state_note"]
 
 _LACKING = (
     "recorded before iobundle found the state its module tree keeps between calls, so the call does not carry "
@@ -28,8 +28,12 @@ _LACKING = (
 )
 
 
-def has_module_state(rc: RecordedCalls) -> bool:
-    return any(call.state is not None for call in rc.calls)
+def state_note(rc: RecordedCalls) -> str:
+    """The export report's line on the module state of the calls ``rc`` recorded."""
+    lacking = [call.index for call in rc.ok_calls if call.state is None]
+    return f"the state the model keeps on its modules is the input {_argument(rc)!r}, returned after the outputs" + (
+        f"; calls {lacking} were {_LACKING}" if lacking else ""
+    )
 
 
 def _argument(rc: RecordedCalls) -> str:
@@ -54,7 +58,7 @@ def _parts(call: CallEntry) -> list[DictNode]:
 
 def explicit_state(rc: RecordedCalls) -> RecordedCalls:
     """``rc`` itself when no call carries module state; otherwise its calls as calls of :class:`WithModuleState`."""
-    if not has_module_state(rc):
+    if not any(call.state is not None for call in rc.calls):
         return rc
     name, names = _argument(rc), set(rc.names)
     calls = []
