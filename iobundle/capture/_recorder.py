@@ -388,9 +388,9 @@ class CallRecorder:
         latency = time.perf_counter() - begin
         changed = watch.changed(state, self._collector.met) if state is not None else []
         with self._lock:
-            if changed and "module-state" not in self._warned:
+            if (changed or watch.numbers) and "module-state" not in self._warned:
                 self._warned.add("module-state")
-                messages.append(state_message(changed, rc.signature.qualname))
+                messages.append(state_message(changed, rc.signature.qualname, watch.numbers))
             update: dict[str, Any] = {"latency": latency}
             if call.status == "ok":
                 outputs, problem, warning = self._record_outputs(result, call.index)

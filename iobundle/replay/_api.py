@@ -44,7 +44,7 @@ class RecordedCallsAPI:
             self._export_report = exc.report
             raise
         self._export_report = result.report
-        if any(call.state is not None for call in self._recorded().calls):
+        if recorded_calls(self, replayed=True) is not self._recorded():
             from iobundle.replay._module_state import state_note
 
             result.report.options.append(state_note(self._recorded()))
@@ -55,12 +55,12 @@ class RecordedCallsAPI:
 
     def _replayed(self, model: torch.nn.Module | None = None) -> tuple[RecordedCalls, Any]:
         """The calls to export, validate or re-run, and ``model`` to run them: with module state, in its explicit form."""
-        rc = self._recorded()
-        if not any(call.state is not None for call in rc.calls):
-            return rc, model
-        from iobundle.replay._module_state import WithModuleState, explicit_state
+        rc, replayed = self._recorded(), recorded_calls(self, replayed=True)
+        if replayed is rc or model is None:
+            return replayed, model
+        from iobundle.replay._module_state import WithModuleState
 
-        return explicit_state(rc), None if model is None else WithModuleState(model, rc)
+        return replayed, WithModuleState(model, rc)
 
     def num_obs(self) -> int:
         """Return the number of successfully recorded calls."""
@@ -470,9 +470,18 @@ class RecordedCallsAPI:
         return rerun_model(*self._replayed(model), device=device, on_progress=on_progress, tolerances=tolerances)
 
 
-def recorded_calls(source: RecordedCallsAPI | RecordedCalls) -> RecordedCalls:
-    """The recorded calls of a ``Bundle`` or an ``InputObserver`` (or the calls themselves)."""
-    return source if isinstance(source, RecordedCalls) else source._recorded()
+def recorded_calls(source: RecordedCallsAPI | RecordedCalls, *, replayed: bool = False) -> RecordedCalls:
+    """The recorded calls of a ``Bundle`` or an ``InputObserver`` (or the calls themselves).
+
+    With ``replayed``, as export and validation take them: module state as the input ``module_state``
+    and an output (see :mod:`iobundle.replay._module_state`).
+    """
+    rc = source if isinstance(source, RecordedCalls) else source._recorded()
+    if replayed and any(call.state is not None for call in rc.calls):
+        from iobundle.replay._module_state import explicit_state
+
+        return explicit_state(rc)
+    return rc
 
 
 def _candidate_index(rc: RecordedCalls, candidate: InputCandidate) -> int:

@@ -57,9 +57,7 @@ def _parts(call: CallEntry) -> list[DictNode]:
 
 
 def explicit_state(rc: RecordedCalls) -> RecordedCalls:
-    """``rc`` itself when no call carries module state; otherwise its calls as calls of :class:`WithModuleState`."""
-    if not any(call.state is not None for call in rc.calls):
-        return rc
+    """The calls of ``rc``, which carry module state, as calls of :class:`WithModuleState`."""
     name, names = _argument(rc), set(rc.names)
     calls = []
     for call in rc.calls:
