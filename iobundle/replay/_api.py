@@ -44,7 +44,7 @@ class RecordedCallsAPI:
             self._export_report = exc.report
             raise
         self._export_report = result.report
-        if recorded_calls(self, replayed=True) is not self._recorded():
+        if any(call.state is not None for call in self._recorded().calls):
             from iobundle.replay._module_state import state_note
 
             result.report.options.append(state_note(self._recorded()))

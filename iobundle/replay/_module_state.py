@@ -112,7 +112,7 @@ class WithModuleState(torch.nn.Module):
         signature, name = inspect.signature(getattr(model, rc.signature.method)), _argument(rc)
 
         def forward(self: WithModuleState, *args: Any, **kwargs: Any) -> Any:
-            return self.run(args, kwargs.pop(name), kwargs)
+            return self.run(args, kwargs.pop(name, None) or {}, kwargs)  # without it: from the model's own state
 
         params = [p for p in signature.parameters.values() if p.kind != p.VAR_KEYWORD]
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None))
@@ -135,7 +135,7 @@ class WithModuleState(torch.nn.Module):
         try:
             for path, value in state.items():
                 table, name = places[path]
-                table[name] = value.clone()
+                table[name] = value if value is None else value.clone()
             outputs = getattr(self.model, self.method)(*args, **kwargs)
             return outputs, {path: table[name] for path, (table, name) in places.items()}
         finally:

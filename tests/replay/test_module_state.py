@@ -170,3 +170,22 @@ def test_a_streamed_bundle_records_the_state_too(tmp_path: Path) -> None:
     calls = json.loads((tmp_path / "s" / "manifest.json").read_text())["structures"]
     assert all("state" in structure for structure in calls)
     assert load_bundle(tmp_path / "s").calls[2].state is not None
+
+
+def key_value_model() -> torch.nn.Module:
+    """The factory ``iobundle export --model`` imports (``replay.test_module_state:key_value_model``)."""
+    torch.manual_seed(1)
+    return KeyValueState()
+
+
+def test_the_cli_exports_and_validates_a_stateful_model_from_the_bundle(tmp_path: Path) -> None:
+    from iobundle.cli import main
+
+    record(key_value_model(), CASES["growing key/value attributes"][1], tmp_path / "b")
+    onnx_path = str(tmp_path / "m.onnx")
+    assert (
+        main(["export", str(tmp_path / "b"), "--model", "replay.test_module_state:key_value_model", "-o", onnx_path])
+        == 0
+    )
+    index = tmp_path / "m.programs.json"  # x of length 1 (call 0) takes a program of its own
+    assert main(["validate", str(tmp_path / "b"), str(index if index.exists() else onnx_path)]) == 0
