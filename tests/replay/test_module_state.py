@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 
@@ -189,3 +190,21 @@ def test_the_cli_exports_and_validates_a_stateful_model_from_the_bundle(tmp_path
     )
     index = tmp_path / "m.programs.json"  # x of length 1 (call 0) takes a program of its own
     assert main(["validate", str(tmp_path / "b"), str(index if index.exists() else onnx_path)]) == 0
+
+
+def test_the_state_travels_with_the_bundle_but_not_into_a_redacted_one(tmp_path: Path) -> None:
+    from iobundle import redact_bundle, upgrade_bundle
+    from iobundle.travel import convert_to_npz
+
+    record(Holder(RunningMean()), CASES["running mean"][1], tmp_path / "b")
+    upgrade_bundle(tmp_path / "b", tmp_path / "u")  # rewritten by the writer: the state is kept, readable
+    original, upgraded = load_bundle(tmp_path / "b"), load_bundle(tmp_path / "u")
+    for a, b in zip(original.calls, upgraded.calls):
+        keys = [
+            (n.key, m.key) for part, other in zip(a.state.items, b.state.items) for n, m in zip(part.items, other.items)
+        ]
+        assert keys and all(torch.equal(original.tensor(k), upgraded.tensor(j)) for k, j in keys)
+    arrays = convert_to_npz(original, tmp_path / "npz").paths[1]
+    assert {"state.in.model%2Elayers%2E1%2Emean", "state.out.model%2Elayers%2E1%2Eseen"} <= set(numpy.load(arrays))
+    redact_bundle(tmp_path / "b", tmp_path / "r")  # the state holds values computed from the real inputs
+    assert all(call.state is None for call in load_bundle(tmp_path / "r").calls)
