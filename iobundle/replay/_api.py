@@ -465,9 +465,7 @@ class RecordedCallsAPI:
         tolerances = tolerances or check.Tolerances.build(
             atol, rtol, output_atol, output_rtol, check_error_stat, error_quantile
         )
-        from iobundle.replay.check import rerun_model
-
-        return rerun_model(*self._replayed(model), device=device, on_progress=on_progress, tolerances=tolerances)
+        return check.rerun_model(*self._replayed(model), device=device, on_progress=on_progress, tolerances=tolerances)
 
 
 def recorded_calls(source: RecordedCallsAPI | RecordedCalls, *, replayed: bool = False) -> RecordedCalls:
