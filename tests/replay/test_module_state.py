@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy
 import pytest
 import torch
+from cli.tiny_models import tiny_llama  # tests/ is on sys.path (tests/conftest.py)
 
 from iobundle import InputObserver, load_bundle
 from iobundle.capture import ObservationWarning
@@ -208,3 +209,32 @@ def test_the_state_travels_with_the_bundle_but_not_into_a_redacted_one(tmp_path:
     assert {"state.in.model%2Elayers%2E1%2Emean", "state.out.model%2Elayers%2E1%2Eseen"} <= set(numpy.load(arrays))
     redact_bundle(tmp_path / "b", tmp_path / "r")  # the state holds values computed from the real inputs
     assert all(call.state is None for call in load_bundle(tmp_path / "r").calls)
+
+
+def count_into_outputs(module: torch.nn.Module, args: object, out: torch.Tensor | tuple) -> object:
+    """A forward hook that counts the layer's calls in a buffer and shifts its outputs by the count."""
+    module.calls.add_(1)
+    return out + 0.01 * module.calls if isinstance(out, torch.Tensor) else (out[0] + 0.01 * module.calls, *out[1:])
+
+
+def stateful_llama() -> torch.nn.Module:
+    model = tiny_llama()
+    model.model.layers[1].register_buffer("calls", torch.zeros(()))
+    model.model.layers[1].register_forward_hook(count_into_outputs)
+    return model
+
+
+@pytest.mark.slow
+def test_a_tiny_llama_whose_layer_keeps_state_exports_and_validates_from_the_bundle(tmp_path: Path) -> None:
+    model, observer = stateful_llama(), InputObserver()
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad(), observer(model, store_n_calls=8):
+        warnings.simplefilter("always")
+        model.generate(torch.ones(1, 5, dtype=torch.int64), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert any("model.model.layers.1.calls" in str(w.message) for w in caught)
+    observer.save(tmp_path / "b")
+    bundle = load_bundle(tmp_path / "b")
+    assert [float(bundle.tensor(c.state.items[0].items[0].key)) for c in bundle.calls] == [0.0, 1.0, 2.0, 3.0]
+    programs = bundle.export_programs(stateful_llama())  # the prefill and the decode steps, each from its count
+    assert programs.report.ok
+    report = bundle.validate(programs.to_onnx(tmp_path / "m.onnx"))
+    assert report.ok and len(report.rows) == 4
