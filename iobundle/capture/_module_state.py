@@ -76,9 +76,8 @@ class StateWatch:
 
     def __init__(self, model: Any, calls: int = 2) -> None:
         self._model, self._left = model, calls if isinstance(model, torch.nn.Module) else 0
-        self._known: tuple[list[_Place], list[_Place]] | None = (
-            None  # where the first watched call left tensors, numbers
-        )
+        # where the first watched call left tensors, and numbers
+        self._known: tuple[list[_Place], list[_Place]] | None = None
         self.found: dict[str, _Place] = {}  # the state, by path, once a watched call changed it
         self.first_in: dict[str, torch.Tensor] | None = None  # the state before that call, when all was kept
         self.numbers: list[str] = []  # the numbers (int, float attributes) the last watched call changed
