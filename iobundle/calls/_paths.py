@@ -125,10 +125,10 @@ def _stored_paths(node: Node | None, prefix: str) -> Iterator[tuple[str, str]]:
 
 
 def call_paths(call: CallEntry) -> list[tuple[str, str]]:
-    """``(stored path, key)`` of every tensor of ``call``: ``args.0``, ``kwargs.NAME...``, ``outputs...``.
+    """``(stored path, key)`` of every tensor of ``call``: ``args.0``, ``kwargs.NAME...``, ``outputs...``, ``state...``.
 
     The paths are unique within the call (every part escaped); a key passed twice has two paths.
     """
     pairs = [p for j, a in enumerate(call.args) for p in _stored_paths(a, f"args.{j}")]
     pairs += [p for k, v in call.kwargs.items() for p in _stored_paths(v, f"kwargs.{escape_key(k)}")]
-    return pairs + list(_stored_paths(call.outputs, "outputs"))
+    return pairs + list(_stored_paths(call.outputs, "outputs")) + list(_stored_paths(call.state, "state"))

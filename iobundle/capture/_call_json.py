@@ -38,12 +38,14 @@ class CallJson:
         """The JSON of ``call`` and the keys of the tensor nodes serialised for it (not met before)."""
         keys: list[str]
         self._keys = keys = []
-        head = call.model_dump_json(exclude={"args", "kwargs", "outputs"}).encode()
+        head = call.model_dump_json(exclude={"args", "kwargs", "outputs", "state"}).encode()
         parts = [head[:-1], b',"args":[', b",".join(map(self._node, call.args)), b'],"kwargs":{']
         parts.append(b",".join(json.dumps(k).encode() + b":" + self._node(v) for k, v in call.kwargs.items()))
         parts.append(b"}")
         if call.outputs is not None:
             parts += [b',"outputs":', self._node(call.outputs)]
+        if call.state is not None:
+            parts += [b',"state":', self._node(call.state)]
         parts.append(b"}")
         return b"".join(parts), keys
 

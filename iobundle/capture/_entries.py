@@ -47,12 +47,10 @@ def row_entry(row: TensorRow) -> TensorEntry:
 
 
 def call_keys(call: CallEntry) -> list[str]:
-    """Every tensor key a call refers to: inputs, then outputs."""
+    """Every tensor key a call refers to: inputs, then outputs and module state."""
     keys = [k for a in call.args for k in tensor_keys(a)]
     keys += [k for v in call.kwargs.values() for k in tensor_keys(v)]
-    if call.outputs is not None:
-        keys += tensor_keys(call.outputs)
-    return keys
+    return keys + [k for tree in (call.outputs, call.state) if tree is not None for k in tensor_keys(tree)]
 
 
 def mark_incomplete(call: CallEntry, written: Callable[[str], bool], reason: str) -> CallEntry:
@@ -77,5 +75,6 @@ def mark_incomplete(call: CallEntry, written: Callable[[str], bool], reason: str
             "args": [strip(a) for a in call.args],
             "kwargs": {k: strip(v) for k, v in call.kwargs.items()},
             "outputs": None if call.outputs is None else strip(call.outputs),
+            "state": None if call.state is None else strip(call.state),
         }
     )

@@ -1,8 +1,8 @@
-"""``StateWatch``: the tensors of an observed module tree that a recorded call changes (state the calls do not carry)."""
+"""``StateWatch``: the tensors (and numbers) of an observed module tree that a recorded call changes (state the calls do not carry)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,17 +21,24 @@ def _version(tensor: torch.Tensor) -> int | None:
 
 
 _Place = tuple[str, dict[str, Any], str]  # module path, the table holding the name, the name
+_NUMBERS = frozenset({int, float})  # attributes of these types are watched too: state iobundle cannot record
 
 
-def _places(model: torch.nn.Module) -> list[_Place]:
-    """Where the tree holds tensors (parameters, buffers, tensor attributes): about 1.5 ms for a 32-layer
-    tiny Llama (420 modules, 8,500 attributes); the first watched call walks it, the next ones reuse it."""
+def _places(model: torch.nn.Module) -> tuple[list[_Place], list[_Place]]:
+    """Where the tree holds tensors (parameters, buffers, tensor attributes), and numbers: about 2 ms for a
+    32-layer tiny Llama (420 modules, 8,500 attributes); the first watched call walks it, the next ones reuse it."""
     places: list[_Place] = []
+    numbers: list[_Place] = []
     for prefix, module in model.named_modules(prefix="model"):
         attributes = module.__dict__
-        for table in (attributes, attributes["_parameters"], attributes["_buffers"]):
+        for name, value in attributes.items():
+            if isinstance(value, torch.Tensor):
+                places.append((prefix, attributes, name))
+            elif type(value) in _NUMBERS:
+                numbers.append((prefix, attributes, name))
+        for table in (attributes["_parameters"], attributes["_buffers"]):
             places.extend((prefix, table, name) for name, value in table.items() if isinstance(value, torch.Tensor))
-    return places
+    return places, numbers
 
 
 def _tensors(places: list[_Place], copy: bool = False) -> dict[tuple[str, str], _Held]:
@@ -62,30 +69,52 @@ class StateWatch:
     rewritten in place to the values it had (a table recomputed each call the same way, as longrope's
     ``inv_freq``; only buffers and attributes up to 1 MiB are copied to tell), and a tensor the call
     adds (a cache built lazily; a later watched call that changes it is state). Changes made without
-    the version counter (through ``.data``, in place to an inference tensor) are not seen.
+    the version counter (through ``.data``, in place to an inference tensor) are not seen. Numbers
+    (``int`` and ``float`` attributes, as a step counter) the calls change are noted too: state that
+    cannot be recorded.
     """
 
     def __init__(self, model: Any, calls: int = 2) -> None:
         self._model, self._left = model, calls if isinstance(model, torch.nn.Module) else 0
-        self._known: list[_Place] | None = None  # where the first watched call left tensors
+        # where the first watched call left tensors, and numbers
+        self._known: tuple[list[_Place], list[_Place]] | None = None
+        self.found: dict[str, _Place] = {}  # the state, by path, once a watched call changed it
+        self.first_in: dict[str, torch.Tensor] | None = None  # the state before that call, when all was kept
+        self.numbers: list[str] = []  # the numbers (int, float attributes) the last watched call changed
 
-    def before(self) -> dict[tuple[str, str], _Held] | None:
-        """The tensors before a call, for ``changed``; None once the watched calls are spent."""
+    def now(self) -> dict[str, Any]:
+        """What the module tree holds where the state was found (a tensor, unless the model rebound it)."""
+        return {path: table.get(name) for path, (_, table, name) in self.found.items()}
+
+    def before(self) -> tuple[dict[tuple[str, str], _Held], list[_Place], list[Any]] | None:
+        """The tensors and numbers before a call, for ``changed``; None once the watched calls are spent."""
         if self._left <= 0:
             return None
         self._left -= 1
         try:
-            return _tensors(self._known if self._known is not None else _places(self._model), copy=True)
+            tensors, numbers = self._known if self._known is not None else _places(self._model)
+            return _tensors(tensors, copy=True), numbers, [table.get(name) for _, table, name in numbers]
         except Exception:  # observation never breaks the observed program
             return None
 
-    def changed(self, before: dict[tuple[str, str], _Held], carried: Callable[[torch.Tensor], bool]) -> list[str]:
-        """The paths of the tensors held ``before`` whose values the call changed, but those ``carried`` as inputs."""
-        paths = []
+    def changed(
+        self, held: tuple[dict[tuple[str, str], _Held], list[_Place], list[Any]], carried: Callable[[Any], bool]
+    ) -> list[str]:
+        """The paths of the tensors held before whose values the call changed, but those ``carried`` as inputs.
+
+        The first call that changes some sets :attr:`found`, and :attr:`first_in` if their values before it were
+        kept. Numbers the call changed are set in :attr:`numbers`.
+        """
+        (before, numbers, numbers_before), paths, first_in = held, [], {}
         try:
             if self._known is None:  # later watched calls look where this one left tensors (a lazily built one too)
                 self._known = _places(self._model)
-            after = _tensors(self._known)
+            after = _tensors(self._known[0])
+            self.numbers = [
+                f"{prefix}.{name}"
+                for (prefix, table, name), value in zip(numbers, numbers_before)
+                if (now := table.get(name, value)) is not value and (type(now) is not type(value) or now != value)
+            ]
         except Exception:
             return []
         for key, (tensor, version, _) in after.items():
@@ -96,15 +125,33 @@ class StateWatch:
             reference = values if values is not None else None if tensor is old else old
             if reference is None or not _equal(tensor, reference):
                 paths.append(".".join(key))
+                first_in[key] = reference
+        if paths and not self.found:
+            places = {(prefix, name): (prefix, table, name) for prefix, table, name in self._known[0]}
+            self.found = {".".join(key): places[key] for key in first_in}
+            kept = {".".join(key): t for key, t in first_in.items() if t is not None}
+            self.first_in = kept if len(kept) == len(first_in) else None
         return paths
 
 
-def state_message(paths: list[str], what: Any) -> str:
-    """The warning for the state ``paths`` that calls of ``what`` change."""
-    names = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
-    return (
-        f"iobundle: a call of {what} changed tensors its module tree keeps between calls ({names}). The recorded "
-        "calls do not carry this state: replayed from the bundle, each call starts from the state left after the "
-        "last one, so the export check fails on every call whose outputs depend on it. Pass the state in and out "
-        "of the method (as a cache argument and output), or reset it at the start of each call."
-    )
+def _names(paths: Sequence[str]) -> str:
+    return ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+
+
+def state_message(paths: list[str], what: Any, numbers: Sequence[str] = ()) -> str:
+    """The warning for the state ``paths`` (tensors) and ``numbers`` (not recorded) that calls of ``what`` change."""
+    message = f"iobundle: a call of {what} changed "
+    if paths:
+        message += (
+            f"tensors its module tree keeps between calls ({_names(paths)}). Each recorded call now records them "
+            "too, as it found and left them (the call's state); replay loads them into the module before each call, "
+            "and the exported program takes them as the input 'module_state' and returns them after the outputs. "
+            "Calls recorded before this one lack them and are not replayed."
+        )
+    if numbers:
+        message += (" It also changed " if paths else "") + (
+            f"numbers its module tree keeps between calls ({_names(numbers)}), which iobundle cannot record: "
+            "replayed from the bundle, each call sees the values the model holds then, and outputs that depend "
+            "on them differ. Keep such state in a tensor (a buffer) to have it recorded with each call."
+        )
+    return message

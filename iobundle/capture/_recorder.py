@@ -39,7 +39,7 @@ from iobundle.errors import (
     ObserverStateError,
     UnsupportedInputError,
 )
-from iobundle.schema import MANIFEST_FILENAME, CallEntry, Manifest, MissingValueEntry, Node
+from iobundle.schema import MANIFEST_FILENAME, CallEntry, DictNode, Manifest, MissingValueEntry, Node
 
 __all__ = ["CallRecorder", "ObservationWarning"]
 
@@ -365,7 +365,9 @@ class CallRecorder:
                     budget["entered"].stop()
                     budget["entered"] = None
                 call, problem = self._record_inputs(rc, args, kwargs)
-                state = None if "module-state" in self._warned else budget["state"].before()
+                watch = budget["state"]
+                state = None if watch.found else watch.before()
+                state_in = self._record_state(watch.now()) if watch.found else None
         if not record:
             return method(*args, **kwargs)
         messages = [problem]
@@ -383,15 +385,22 @@ class CallRecorder:
                 self._warn(message, stacklevel=3)
             raise
         latency = time.perf_counter() - begin
-        changed = budget["state"].changed(state, self._collector.met) if state is not None else []
+        changed = watch.changed(state, self._collector.met) if state is not None else []
         with self._lock:
-            if changed and "module-state" not in self._warned:
+            if (changed or watch.numbers) and "module-state" not in self._warned:
                 self._warned.add("module-state")
-                messages.append(state_message(changed, rc.signature.qualname))
+                messages.append(state_message(changed, rc.signature.qualname, watch.numbers))
             update: dict[str, Any] = {"latency": latency}
             if call.status == "ok":
                 outputs, problem, warning = self._record_outputs(result, call.index)
                 update["outputs"] = outputs
+                if changed and watch.first_in is not None:  # the call that found the state: as it was before
+                    state_in = self._record_state(watch.first_in)
+                if state_in is not None:
+                    state_out = self._record_state(watch.now())
+                    update["state"] = (
+                        None if state_out is None else DictNode(keys=["in", "out"], items=[state_in, state_out])
+                    )
                 if problem:
                     update.update(status="incomplete", error=problem)
                     messages.append(warning)
@@ -418,6 +427,18 @@ class CallRecorder:
                 index=len(rc.calls), status="incomplete", error=reason, args=[], kwargs={}, autocast=autocast
             )
             return entry, self._warning_once("the inputs", entry.index, exc, reason)
+        finally:
+            self._table.journal = None
+
+    def _record_state(self, tensors: dict[str, Any]) -> Node | None:
+        """The module state ``tensors`` by path, recorded as a dict; None if they cannot be (the call then lacks them)."""
+        journal: list[str] = []
+        self._table.journal = journal
+        try:
+            return record_value(tensors, self._collector, path="module state", on_opaque=self._opaque)
+        except Exception:  # observation never breaks the observed program
+            self._table.discard(journal)
+            return None
         finally:
             self._table.journal = None
 

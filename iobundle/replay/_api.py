@@ -44,10 +44,23 @@ class RecordedCallsAPI:
             self._export_report = exc.report
             raise
         self._export_report = result.report
+        if any(call.state is not None for call in self._recorded().calls):
+            from iobundle.replay._module_state import state_note
+
+            result.report.options.append(state_note(self._recorded()))
         return result
 
     def _recorded(self) -> RecordedCalls:
         raise NotImplementedError
+
+    def _replayed(self, model: torch.nn.Module | None = None) -> tuple[RecordedCalls, Any]:
+        """The calls to export, validate or re-run, and ``model`` to run them: with module state, in its explicit form."""
+        rc, replayed = self._recorded(), recorded_calls(self, replayed=True)
+        if replayed is rc or model is None:
+            return replayed, model
+        from iobundle.replay._module_state import WithModuleState
+
+        return replayed, WithModuleState(model, rc)
 
     def num_obs(self) -> int:
         """Return the number of successfully recorded calls."""
@@ -304,7 +317,7 @@ class RecordedCallsAPI:
         tolerances = tolerances or Tolerances.build(atol, rtol, output_atol, output_rtol)
         return self._keep_report(
             lambda: export.export_program(
-                self._recorded(), model, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
+                *self._replayed(model), set_batch_dimension_for=set_batch_dimension_for, strict=strict,
                 check=check, dim_names=dim_names, on_progress=on_progress, dynamic=dynamic, tolerances=tolerances,
             )
         )  # fmt: skip
@@ -335,7 +348,7 @@ class RecordedCallsAPI:
         tolerances = tolerances or Tolerances.build(atol, rtol, output_atol, output_rtol)
         return self._keep_report(
             lambda: export.export_programs(
-                self._recorded(), model, programs=programs, set_batch_dimension_for=set_batch_dimension_for,
+                *self._replayed(model), programs=programs, set_batch_dimension_for=set_batch_dimension_for,
                 dynamic=dynamic, strict=strict, check=check, dim_names=dim_names, on_progress=on_progress,
                 tolerances=tolerances,
             )
@@ -384,7 +397,7 @@ class RecordedCallsAPI:
             dim_names=dim_names, on_progress=on_progress, dynamic=dynamic, tolerances=tolerances,
         )  # fmt: skip
         return export.save_onnx(
-            self._recorded(), result, path, on_progress=on_progress
+            self._replayed()[0], result, path, on_progress=on_progress
         )  # its report: ``result.report``
 
     def check_discrepancies(
@@ -413,7 +426,7 @@ class RecordedCallsAPI:
             atol, rtol, output_atol, output_rtol, check_error_stat, error_quantile
         )
         return check.check_discrepancies(
-            self._recorded(), onnx_model, hist=hist, progress_bar=progress_bar, include_io=include_io,
+            self._replayed()[0], onnx_model, hist=hist, progress_bar=progress_bar, include_io=include_io,
             skip_none=skip_none, on_progress=on_progress, tolerances=tolerances,
         )  # fmt: skip
 
@@ -433,7 +446,7 @@ class RecordedCallsAPI:
         tolerances = tolerances or check.Tolerances.build(
             atol, rtol, output_atol, output_rtol, check_error_stat, error_quantile
         )
-        return check.validate_onnx(self._recorded(), onnx_model, on_progress=on_progress, tolerances=tolerances)
+        return check.validate_onnx(self._replayed()[0], onnx_model, on_progress=on_progress, tolerances=tolerances)
 
     def rerun(
         self,
@@ -452,14 +465,21 @@ class RecordedCallsAPI:
         tolerances = tolerances or check.Tolerances.build(
             atol, rtol, output_atol, output_rtol, check_error_stat, error_quantile
         )
-        from iobundle.replay.check import rerun_model
-
-        return rerun_model(self._recorded(), model, device=device, on_progress=on_progress, tolerances=tolerances)
+        return check.rerun_model(*self._replayed(model), device=device, on_progress=on_progress, tolerances=tolerances)
 
 
-def recorded_calls(source: RecordedCallsAPI | RecordedCalls) -> RecordedCalls:
-    """The recorded calls of a ``Bundle`` or an ``InputObserver`` (or the calls themselves)."""
-    return source if isinstance(source, RecordedCalls) else source._recorded()
+def recorded_calls(source: RecordedCallsAPI | RecordedCalls, *, replayed: bool = False) -> RecordedCalls:
+    """The recorded calls of a ``Bundle`` or an ``InputObserver`` (or the calls themselves).
+
+    With ``replayed``, as export and validation take them: module state as the input ``module_state``
+    and an output (see :mod:`iobundle.replay._module_state`).
+    """
+    rc = source if isinstance(source, RecordedCalls) else source._recorded()
+    if replayed and any(call.state is not None for call in rc.calls):
+        from iobundle.replay._module_state import explicit_state
+
+        return explicit_state(rc)
+    return rc
 
 
 def _candidate_index(rc: RecordedCalls, candidate: InputCandidate) -> int:

@@ -233,8 +233,9 @@ def _check_references(store: BundleTensorStore, manifest: Manifest) -> None:
             keys += listed
             continue
         keys += call_shape(call).keys  # the inputs' keys (inference reuses the walk)
-        if call.outputs is not None:
-            collect_tensor_keys(call.outputs, keys)
+        for tree in (call.outputs, call.state):
+            if tree is not None:
+                collect_tensor_keys(tree, keys)
     if not all(map(tensor_rows(manifest).__contains__, keys)):
         _report_unknown_key(manifest)
 

@@ -21,10 +21,10 @@ The file is one JSON object, one line per top-level field, and one line per stru
     "calls/000000.safetensors":{"size":512,"digest":"2b47...","tensors":{"t0":["I64",[1,3]],"t1":["F32",[1,2,3,8]]}},
     "calls/000001.safetensors":{"size":300,"digest":"cb84...","tensors":{"t4":["F32",[1,2,4,8],["t2",2]]}}}}
 
-- ``structures``: what a call is besides its tensors: ``args``, ``kwargs``, ``outputs`` (omitted when
-  None), ``cst_kwargs`` and ``filled`` (omitted when empty). Trees are those of versions 1 and 2 (see
+- ``structures``: what a call is besides its tensors: ``args``, ``kwargs``, ``outputs`` and ``state``
+  (omitted when None), ``cst_kwargs`` and ``filled`` (omitted when empty). Trees are those of versions 1 and 2 (see
   :mod:`iobundle.schema._manifest`), except that a tensor is a numbered slot, ``{"kind": "tensor",
-  "slot": n}``, numbered 0, 1, 2... in the order met: args, then kwargs, then outputs, depth first.
+  "slot": n}``, numbered 0, 1, 2... in the order met: args, then kwargs, outputs, state, depth first.
 - ``calls``: per call, ``index``, the ``structure`` it has (its position in ``structures``) and the
   ``keys`` of its tensors, slot by slot; then ``latency``, and ``status`` and ``error`` unless the call
   is ``"ok"``. Calls sharing tensors (a cache passed from one step to the next) share keys.
@@ -161,6 +161,7 @@ class CallStructure(_Model):
     cst_kwargs: dict[str, Scalar] = Field(default_factory=dict)
     filled: list[Union[StrictStr, StrictInt]] = Field(default_factory=list)
     outputs: SlotNode | None = None
+    state: SlotNode | None = None
 
 
 class CallRecord(_Model):
@@ -264,6 +265,8 @@ def call_record(call: CallEntry) -> tuple[dict[str, Any], dict[str, Any]]:
         structure["filled"] = call.filled
     if call.outputs is not None:
         structure["outputs"] = _slot_tree(call.outputs, keys)
+    if call.state is not None:
+        structure["state"] = _slot_tree(call.state, keys)
     return structure, _record(call, keys)
 
 

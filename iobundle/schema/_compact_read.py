@@ -140,7 +140,8 @@ class _Reader:
         args = [self.compile(a, f"{where}.args[{j}]", counter) for j, a in enumerate(s.args)]
         kwargs = [(k, *self.compile(v, f"{where}.kwargs[{k!r}]", counter)) for k, v in s.kwargs.items()]
         n_inputs = counter[0]
-        outputs = None if s.outputs is None else self.compile(s.outputs, f"{where}.outputs", counter)
+        named = (("outputs", s.outputs), ("state", s.state))
+        trees = [None if t is None else self.compile(t, f"{where}.{n}", counter) for n, t in named]
         cst, filled = s.cst_kwargs, s.filled
 
         def build(nodes: list[TensorNode]) -> tuple[Any, ...]:
@@ -149,7 +150,7 @@ class _Reader:
                 {k: c if b is None else b(nodes) for k, b, c in kwargs},
                 dict(cst),
                 list(filled),
-                None if outputs is None else (outputs[1] if outputs[0] is None else outputs[0](nodes)),
+                *(None if t is None else (t[1] if t[0] is None else t[0](nodes)) for t in trees),
             )
 
         return CompactStructure(counter[0], n_inputs, build)

@@ -196,13 +196,13 @@ class DeferredCall(_Deferred, CallEntry):
     """A :class:`~iobundle.schema.CallEntry` whose trees are built from its structure and keys on first access."""
 
     __slots__ = ("_keys", "_structure", "_tables")
-    DEFERRED: ClassVar[frozenset[str]] = frozenset({"args", "kwargs", "cst_kwargs", "filled", "outputs"})
+    DEFERRED: ClassVar[frozenset[str]] = frozenset({"args", "kwargs", "cst_kwargs", "filled", "outputs", "state"})
 
     def _fill(self) -> None:
         d = _stored(self)
         node = self._tables.node
-        args, kwargs, cst, filled, outputs = self._structure.build([node(k) for k in self._keys])
-        built = {"args": args, "kwargs": kwargs, "cst_kwargs": cst, "filled": filled, "outputs": outputs}
+        trees = self._structure.build([node(k) for k in self._keys])
+        built = dict(zip(("args", "kwargs", "cst_kwargs", "filled", "outputs", "state"), trees))
         _store(self, {name: d[name] if name in d else built[name] for name in _ORDER[CallEntry]})
 
 

@@ -313,8 +313,9 @@ def manifest_trees(manifest: Manifest) -> list[tuple[str, Node]]:
     for i, call in enumerate(manifest.calls):
         trees += [(f"calls[{i}].args[{j}]", a) for j, a in enumerate(call.args)]
         trees += [(f"calls[{i}].kwargs[{k!r}]", v) for k, v in call.kwargs.items()]
-        if call.outputs is not None:
-            trees.append((f"calls[{i}].outputs", call.outputs))
+        trees += [
+            (f"calls[{i}].{n}", t) for n, t in (("outputs", call.outputs), ("state", call.state)) if t is not None
+        ]
     return trees
 
 

@@ -297,9 +297,14 @@ class CallEntry(_OmitsUnset):
     ``autocast`` (format version 5) is the ``torch.autocast`` state the call ran under, one entry per
     device type (see :class:`AutocastEntry`); None (left out of the JSON) when autocast was enabled
     on no device type, and for every call of format versions 1 to 4.
+
+    ``state`` is the state the call found and left on the observed module tree (tensors the model
+    keeps between calls, not passed in or out): ``{"in": {path: tensor}, "out": {path: tensor}}``,
+    paths as ``model.layers.0.h``; None (left out) for a model without such state. Replay loads
+    ``in`` into the module before the call and compares ``out`` with what it leaves.
     """
 
-    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"autocast"})
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"autocast", "state"})
 
     index: Annotated[StrictInt, Field(ge=0)]
     status: Literal["ok", "failed", "incomplete"] = "ok"
@@ -311,6 +316,7 @@ class CallEntry(_OmitsUnset):
     outputs: Node | None = None
     latency: float | None = None
     autocast: list[AutocastEntry] | None = None
+    state: Node | None = None
 
 
 class ParameterEntry(_Model):

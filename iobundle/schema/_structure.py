@@ -74,8 +74,8 @@ def call_key(call: CallEntry, keys: list[str], *, outputs: bool = False) -> Hash
 
     Args:
         call: A call entry of a manifest.
-        keys: Receives the inputs' tensor keys, then (with ``outputs``) the outputs'.
-        outputs: Whether the output tree is part of the structure.
+        keys: Receives the inputs' tensor keys, then (with ``outputs``) the outputs' and the module state's.
+        outputs: Whether the output tree and the module state are part of the structure.
     """
     kwargs, constants = call.kwargs, call.cst_kwargs
     key: tuple[Hashable, ...] = (
@@ -86,5 +86,5 @@ def call_key(call: CallEntry, keys: list[str], *, outputs: bool = False) -> Hash
         tuple(call.filled),
     )
     if outputs:
-        key += (None if call.outputs is None else tree_key(call.outputs, keys),)
+        key += tuple(None if tree is None else tree_key(tree, keys) for tree in (call.outputs, call.state))
     return key

@@ -185,7 +185,7 @@ def convert_to_onnx_testdata(
         >>> convert_to_onnx_testdata(load_bundle("run.iobundle"), "model.onnx", "testdata").paths[0]
         PosixPath('testdata/test_data_set_0/input_0.pb')
     """
-    rc = recorded_calls(calls)
+    rc = recorded_calls(calls, replayed=True)  # module state: inputs and outputs of the graph
     inputs, outputs, meta = _load_graph(model)
     alignment = align_calls(rc)
     metadata = read_metadata(meta, model_label(model), len(alignment.owners))

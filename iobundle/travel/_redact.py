@@ -243,7 +243,7 @@ def redact_calls(
         notify(on_progress, REDACT_TASK, done, len(rc.calls), f"call {call.index}")
     calls = []
     for call in rc.calls:  # after every input: a tensor that is also an input never keeps its real value
-        call = _redact_error(call)
+        call = _redact_error(call).model_copy(update={"state": None})  # module state holds real values
         if keep_outputs and call.outputs is not None:
             for key in tensor_keys(call.outputs):
                 if key not in tensors:

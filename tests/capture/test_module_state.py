@@ -86,7 +86,7 @@ def test_a_recurrent_layer_keeping_its_hidden_state_warns_naming_it() -> None:
     message = str(warning.message)
     assert "model.layers.0.h" in message
     assert "cell" not in message  # parameters only read are not state
-    assert "export check fails" in message and "Pass the state in and out" in message
+    assert "records them too" in message and "module_state" in message
 
 
 def test_buffers_updated_in_place_warn_naming_them() -> None:
@@ -186,3 +186,31 @@ def test_a_cache_the_model_holds_warns_unless_it_is_passed_to_each_call() -> Non
         else:
             [message] = messages
             assert "model.cache" in message
+
+
+class Stepping(torch.nn.Module):
+    """Keeps a Python int step counter (state iobundle cannot record), and optionally a buffer too."""
+
+    def __init__(self, buffer: bool) -> None:
+        super().__init__()
+        self.step = 0
+        self.layer_idx = 3  # a number the calls do not change: not state
+        if buffer:
+            self.register_buffer("total", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.step += 1
+        if hasattr(self, "total"):
+            self.total.add_(x[0])
+        return x * self.step
+
+
+def test_a_number_the_model_keeps_is_one_warning_saying_it_cannot_be_recorded() -> None:
+    [warning] = run(Holder(Stepping(buffer=False)))
+    message = str(warning.message)
+    assert "numbers its module tree keeps between calls (model.layers.0.step)" in message
+    assert "cannot record" in message and "layer_idx" not in message and "records them too" not in message
+    [warning] = run(Holder(Stepping(buffer=True)))
+    message = str(warning.message)
+    assert "(model.layers.0.total)" in message and "records them too" in message
+    assert "It also changed numbers its module tree keeps between calls (model.layers.0.step)" in message
