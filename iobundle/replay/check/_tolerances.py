@@ -97,6 +97,11 @@ class Tolerances:
     """``max`` (every element within tolerance), ``mean``, ``median`` or ``quantile`` (see :data:`ERROR_STATS`)."""
     error_quantile: float = 0.99
     """The quantile of ``check_error_stat="quantile"`` (and of ``quantile_abs``)."""
+    quantiles: bool = False
+    """Select the median and ``error_quantile`` of each output's errors (``median_abs``, ``quantile_abs``,
+    ``median_rel``, ``quantile_rel``) even when ``check_error_stat`` does not need them; else they are None.
+    On request because the selection needs every error at once: on large outputs it costs more than the rest
+    of the comparison (reports written by the CLI request them)."""
     by_dtype: Mapping[str, tuple[float, float]] = field(default_factory=lambda: dict(DTYPE_TOLERANCES))
     autocast: str | None = None
     """The ``torch.autocast`` dtype of the call these tolerances decide (:meth:`for_call`), else None."""
@@ -156,6 +161,11 @@ class Tolerances:
             atol=atol, rtol=rtol, per_output_atol=dict(output_atol or {}), per_output_rtol=dict(output_rtol or {}),
             check_error_stat=check_error_stat, error_quantile=error_quantile,
         )  # fmt: skip
+
+    @property
+    def selected_quantile(self) -> float | None:
+        """The quantile :attr:`quantiles` selects (with the median), or None when neither it nor the statistic asks."""
+        return self.error_quantile if self.quantiles or self.check_error_stat in ("median", "quantile") else None
 
     @property
     def per_output(self) -> bool:
