@@ -456,12 +456,15 @@ def _run_checks(
             pass
     total = len(alignment.calls)
     notify(on_progress, "validate", 0, total)
+    previous: dict[str, torch.Tensor] = {}  # a call's outputs, often the next call's inputs (a decoder's cache)
     for i in indices:
         call = alignment.calls[i]
         slots = alignment.slots[i]
-        tensors = aligned_tensors(rc, alignment, slots)
+        tensors = aligned_tensors(rc, alignment, slots, previous)
         feeds = {name: _to_numpy(tensors[slot], widened) for name, slot in mapping}
-        expected = [rc.store.get(k) for k in tensor_keys(call.outputs)] if call.outputs else []
+        keys = tensor_keys(call.outputs) if call.outputs else []
+        expected = [rc.store.get(k) for k in keys]
+        previous = dict(zip(keys, expected))
         names = output_paths(call.outputs)
         fetch, other_names, error = _fetched_outputs(names, by_name, output_names, graph_outputs, session_outputs)
         row: dict[str, Any] = {}
