@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -105,31 +106,18 @@ def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto | torch.onnx.O
     options.log_severity_level = 3
     if isinstance(onnx_model, torch.onnx.ONNXProgram):  # as torch's observer takes
         onnx_model = onnx_model.model_proto
+    proto = onnx_model if isinstance(onnx_model, onnx.ModelProto) else None
     try:
-        if isinstance(onnx_model, onnx.ModelProto):
-            meta = {p.key: p.value for p in onnx_model.metadata_props}
-            try:
-                session = _open_session(ort, onnx_model.SerializeToString(), options)
-            except Exception as exc:
-                if not _no_half_support(exc) or not half_types(onnx_model):
-                    raise
-                return _widened_session(ort, onnx_model, options, meta)
-            if _bfloat16_inputs(session):
-                return _widened_session(ort, onnx_model, options, meta)
-            return Session(session, meta)
-        path = onnx_model_file(onnx_model)
+        source = proto.SerializeToString() if proto is not None else str(onnx_model_file(onnx_model))
         try:
-            session = _open_session(ort, str(path), options)
+            session = _open_session(ort, source, options)
         except Exception as exc:
-            if not _no_half_support(exc):
-                raise
-            loaded = onnx.load(str(path))
-            if not half_types(loaded):
+            if not _no_half_support(exc) or not half_types(loaded := proto or onnx.load(source)):
                 raise
             return _widened_session(ort, loaded, options, {p.key: p.value for p in loaded.metadata_props})
         meta = dict(session.get_modelmeta().custom_metadata_map)
         if _bfloat16_inputs(session):
-            return _widened_session(ort, onnx.load(str(path)), options, meta)
+            return _widened_session(ort, proto or onnx.load(source), options, meta)
         return Session(session, meta)
     except ModelLoadError:
         raise
@@ -309,13 +297,8 @@ def model_label(onnx_model: object) -> str:
 
 
 def _summary(tensors: Sequence[Any]) -> str:
-    parts = []
-    for t in tensors:
-        if t is None:
-            parts.append("None")
-        else:
-            parts.append(f"{'x'.join(map(str, t.shape)) or 'scalar'}:{str(t.dtype).replace('torch.', '')}")
-    return ", ".join(parts)
+    shapes = ["None" if t is None else f"{'x'.join(map(str, t.shape)) or 'scalar'}:{t.dtype}" for t in tensors]
+    return ", ".join(shapes).replace("torch.", "")
 
 
 def _to_numpy(t: torch.Tensor, widened: Sequence[str] = ()) -> np.ndarray:
@@ -477,8 +460,7 @@ def _run_checks(
                 error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         ort_duration = time.perf_counter() - begin
         if error is not None or obtained is None:
-            row.update(SUCCESS=False, error=error, abs=float("nan"), rel=float("nan"), sum=float("nan"), n=0, dnan=0)
-            row.update({f">{h}": 0 for h in hist})
+            row.update(_failed_row(error, hist))
         else:
             cmp_row, call_checks = compare_call(
                 expected, obtained, call_index=call.index, names=names, tolerances=tolerances.for_call(call), hist=hist,
@@ -510,6 +492,12 @@ def _run_checks(
         logger.debug("call %d: %s", call.index, "ok" if row["SUCCESS"] else row.get("error") or "differs")
         notify(on_progress, "validate", len(rows), total, f"call {call.index}")
     return rows, checks
+
+
+def _failed_row(error: str | None, hist: Sequence[float]) -> dict[str, Any]:
+    """The columns of a call that was not compared (its run failed, or no program serves it)."""
+    row = {"SUCCESS": False, "error": error, "abs": math.nan, "rel": math.nan, "sum": math.nan, "n": 0, "dnan": 0}
+    return row | {f">{h}": 0 for h in hist}
 
 
 def _fetched_outputs(
@@ -746,24 +734,10 @@ def check_program_index(
             odd = ", ".join(f"{k} {v}" for k, v in structure.items() if v != "present") or "every input present"
             if shaped:  # the structure is served, not these sizes
                 odd += "; its sizes meet no size rule: " + "; ".join(f"{p.name}: {p.describe_sizes()}" for p in shaped)
-            rows.append(
-                {
-                    "SUCCESS": False,
-                    "index": call.index,
-                    "program": None,
-                    "error": f"no program of {index_path.name} serves call {call.index} ({odd}); "
-                    f"programs: {', '.join(p.name for p in index.programs)}",
-                    "abs": float("nan"),
-                    "rel": float("nan"),
-                    "sum": float("nan"),
-                    "n": 0,
-                    "dnan": 0,
-                    **{f">{h}": 0 for h in options.get("hist", (0.1, 0.01))},
-                    "duration_torch": call.latency,
-                    "ort_duration": 0.0,
-                    "absent_inputs": "",
-                }
-            )
+            why = f"no program of {index_path.name} serves call {call.index} ({odd}); programs: "
+            row: dict[str, Any] = {"SUCCESS": False, "index": call.index, "program": None}
+            row.update(_failed_row(why + ", ".join(p.name for p in index.programs), options.get("hist", (0.1, 0.01))))
+            rows.append(row | {"duration_torch": call.latency, "ort_duration": 0.0, "absent_inputs": ""})
             continue
         assigned[program.name].append(call.index)
     for program in index.programs:
