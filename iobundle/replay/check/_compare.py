@@ -144,7 +144,10 @@ def _accumulate(
     elif a.dtype.kind in "biu" and b.dtype.kind in "biu" and np.array_equal(a, b):
         result.n += int(a.size)  # equal integers: every error is 0
         return
-    _accumulate_general(result, a, b, atol=atol, rtol=rtol, hist=hist)
+    # Every other case (NaN, inf, mixed dtypes, complex, integers that differ), in float64.
+    out = _describe(a, b, atol=atol, rtol=rtol, quantile=None, hist=hist)
+    out.add_to(result)
+    result.success = result.success and out.stats.within
 
 
 def _compare_finite(
@@ -194,15 +197,6 @@ def _compare_finite(
             rc = float((diff.astype(np.float64) / np.maximum(np.abs(ac.astype(np.float64)), 1e-12)).max())
         rel = max(rel, rc)
     return m, total, counts, rel, ok
-
-
-def _accumulate_general(
-    result: Comparison, a: np.ndarray, b: np.ndarray, *, atol: float, rtol: float, hist: Sequence[float]
-) -> None:
-    """Every case (NaN, inf, mixed dtypes, complex, integers that differ), in float64 (:func:`_describe`)."""
-    out = _describe(a, b, atol=atol, rtol=rtol, quantile=None, hist=hist)
-    out.add_to(result)
-    result.success = result.success and out.stats.within
 
 
 def compare_outputs(

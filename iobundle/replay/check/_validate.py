@@ -423,8 +423,13 @@ def _run_checks(
     output_names = metadata.output_names
     graph_outputs = output_names or session_outputs
     # A typo in a tolerance name is refused before the run, not after it.
+    paths = [output_paths(call.outputs) for call in alignment.calls]
     refuse_unknown_outputs(
-        tolerances, recorded_output_names(alignment.calls, graph_outputs if by_name is None else by_name)
+        tolerances,
+        _name_groups(
+            [p for p, c in zip(paths, alignment.calls) if c.outputs is not None],
+            graph_outputs if by_name is None else by_name,
+        ),
     )
     scratch = Scratch()
     rows: list[dict[str, Any]] = []
@@ -448,7 +453,7 @@ def _run_checks(
         keys = tensor_keys(call.outputs) if call.outputs else []
         expected = [rc.store.get(k) for k in keys]
         previous = dict(zip(keys, expected))
-        names = output_paths(call.outputs)
+        names = paths[i]
         fetch, other_names, error = _fetched_outputs(names, by_name, output_names, graph_outputs, session_outputs)
         row: dict[str, Any] = {}
         begin = time.perf_counter()
@@ -664,11 +669,16 @@ def recorded_output_names(
 
     Read from the manifest alone (no tensor is loaded), so tolerances can be checked before a run.
     """
+    return _name_groups([output_paths(call.outputs) for call in calls if call.outputs is not None], other_names)
+
+
+def _name_groups(
+    calls: Sequence[Sequence[str]], other_names: Sequence[str] | Mapping[str, str] | None
+) -> list[tuple[str, ...]]:
+    """:func:`recorded_output_names` of calls whose outputs' names are ``calls``."""
     groups: dict[tuple[str, ...], None] = {}
-    for call in calls:
-        if call.outputs is None:
-            continue
-        for i, name in enumerate(output_paths(call.outputs)):
+    for names in calls:
+        for i, name in enumerate(names):
             if isinstance(other_names, Mapping):
                 other = other_names.get(name, "")
             else:
