@@ -578,11 +578,8 @@ class ValidationReport:
 
     def histogram(self) -> list[tuple[str, int]]:
         """``(bin label, count)`` of the absolute errors of every compared element, every output of every call."""
-        counts = [0] * len(histogram_labels())
-        for check in self.outputs:
-            if check.stats is not None:
-                counts = [a + b for a, b in zip(counts, check.stats.hist)]
-        return list(zip(histogram_labels(), counts))
+        counts = zip(*(check.stats.hist for check in self.outputs if check.stats is not None))
+        return list(zip(histogram_labels(), [sum(c) for c in counts] or [0] * len(histogram_labels())))
 
     def criterion(self) -> str:
         """The rule a call passed by: tolerances (with the dtypes' rows used) and statistic, e.g. ``atol=0.0001 rtol=0.1``."""
@@ -732,14 +729,8 @@ def check_program_index(
         shaped = [p for p in index.programs if structure in program_structures(p)]
         alone = phase_calls(rc, [index_of_call])
         aligned = align_calls(alone)
-        program = next(
-            (
-                p
-                for p in shaped
-                if sizes_match(p, call_sizes(alone, aligned, 0)) and values_match(p, call_values(alone, aligned, 0))
-            ),
-            None,
-        )
+        fits = (p for p in shaped if sizes_match(p, call_sizes(alone, aligned, 0)))
+        program = next((p for p in fits if values_match(p, call_values(alone, aligned, 0))), None)
         if program is None:
             odd = ", ".join(f"{k} {v}" for k, v in structure.items() if v != "present") or "every input present"
             if shaped:  # the structure is served, not these sizes
