@@ -67,12 +67,9 @@ class Comparison:
     error: str | None = None
 
     def as_row(self) -> dict[str, Any]:
-        row: dict[str, Any] = {"SUCCESS": self.success, "abs": self.abs, "rel": self.rel, "sum": self.sum}
-        row.update(n=self.n, dnan=self.dnan)
-        row.update({f">{h}": c for h, c in self.hist.items()})
-        if self.error:
-            row["error"] = self.error
-        return row
+        row: dict[str, Any] = {"SUCCESS": self.success, "abs": self.abs, "rel": self.rel, "sum": self.sum, "n": self.n}
+        row.update(dnan=self.dnan, **{f">{h}": c for h, c in self.hist.items()})
+        return row | ({"error": self.error} if self.error else {})
 
 
 def _as_numpy(value: Any) -> np.ndarray:
@@ -133,12 +130,9 @@ def _accumulate(
         fast = _compare_finite(a.reshape(-1), b.reshape(-1), work, atol, rtol, hist, scratch)
         if fast is not None:
             m, total, counts, rel, ok = fast
-            result.abs = max(result.abs, m)
-            result.rel = max(result.rel, rel)
-            result.sum += total
-            result.n += int(a.size)
-            for h, c in zip(hist, counts):
-                result.hist[h] += c
+            result.abs, result.rel = max(result.abs, m), max(result.rel, rel)
+            result.sum, result.n = result.sum + total, result.n + a.size
+            result.hist.update({h: result.hist[h] + c for h, c in zip(hist, counts)})
             result.success = result.success and ok
             return
     elif a.dtype.kind in "biu" and b.dtype.kind in "biu" and np.array_equal(a, b):
@@ -350,12 +344,9 @@ class _Output:
 
     def add_to(self, result: Comparison) -> None:
         """Add this output's part to the row ``result`` (as :func:`compare_outputs` counts it)."""
-        result.abs, result.rel = max(result.abs, self.abs), max(result.rel, self.rel)
-        result.sum += self.sum
-        result.n += self.stats.n
-        result.dnan += self.stats.dnan
-        for h in result.hist:
-            result.hist[h] += self.exceeding(h)
+        result.abs, result.rel, result.sum = max(result.abs, self.abs), max(result.rel, self.rel), result.sum + self.sum
+        result.n, result.dnan = result.n + self.stats.n, result.dnan + self.stats.dnan
+        result.hist.update({h: count + self.exceeding(h) for h, count in result.hist.items()})
 
     def exceeding(self, h: float) -> int:
         """How many errors exceed ``h`` for the row's ``>h`` column (one-sided NaNs excluded)."""
@@ -532,7 +523,9 @@ def compare_call(
     outputs) and ``worst_output``. Outputs recorded in a dtype of ``tolerances.by_dtype``
     (float16, bfloat16) are always decided one by one.
     """
-    check_error_stat, quantile = tolerances.check_error_stat, tolerances.selected_quantile
+    check_error_stat = tolerances.check_error_stat
+    wanted = tolerances.quantiles or check_error_stat in ("median", "quantile")  # the median and quantile
+    quantile = tolerances.error_quantile if wanted else None
     per_output = per_output or any(_recorded_dtype(e) in tolerances.by_dtype for e in expected)
     if not per_output or len(expected) != len(obtained):
         cmp = compare_outputs(

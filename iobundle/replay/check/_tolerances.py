@@ -163,11 +163,6 @@ class Tolerances:
         )  # fmt: skip
 
     @property
-    def selected_quantile(self) -> float | None:
-        """The quantile :attr:`quantiles` selects (with the median), or None when neither it nor the statistic asks."""
-        return self.error_quantile if self.quantiles or self.check_error_stat in ("median", "quantile") else None
-
-    @property
     def per_output(self) -> bool:
         """Whether outputs must be decided one by one (overrides, or a statistic other than ``max``)."""
         return bool(self.per_output_atol or self.per_output_rtol) or self.check_error_stat != "max"
