@@ -355,7 +355,8 @@ def check_discrepancies(
 
     With per-output tolerances or another ``check_error_stat`` than ``max``, each output is
     decided on its own (see :func:`iobundle.replay.validate_onnx`) and the rows also carry
-    ``mean_abs``, ``median_abs``, ``quantile_abs`` and ``worst_output``.
+    ``mean_abs``, ``median_abs``, ``quantile_abs`` and ``worst_output`` (the median and quantile are
+    None unless selected: ``check_error_stat`` median or quantile, or ``Tolerances(quantiles=True)``).
 
     Args:
         rc: The recorded calls.
