@@ -124,14 +124,14 @@ def _validation_case(cfg: Config, fig: Figure, bundle_path: Path, onnx_path: Pat
         values = samples["bare"]["runs"] if name == "bare_runs" else samples[name]["t"]
         fig.rows.append(Row(f"{case}:{name}", label, [s * 1e3 for s in values]))
         fig.row(f"{case}:{name}").ratio = paired_ratio(values, samples["bare_files"]["t"])
-    for name, what in (("check", "check_discrepancies"), ("validate", "validate")):
+    for name, what, limit in (("check", "check_discrepancies", 1.1), ("validate", "validate", 1.2)):
         r = fig.row(f"{case}:{name}").ratio
         fig.targets.append(
             Target(
                 f"{case}: {what} / bare loop reading the inputs",
                 r,
-                "≤ 1.10",
-                at_most(r, 1.1),
+                f"≤ {limit:.2f}",
+                at_most(r, limit),
                 f"{case}:{name}",
                 "" if ok["all"] else "some calls did not pass validation",
             )
@@ -160,7 +160,10 @@ def figure_5(cfg: Config, workdir: Path) -> Figure:
         "Bundle.to_onnx. Two floors: the bare loop reading each call's inputs from a safetensors file "
         "(safetensors.numpy.load_file, the same tensors; the floor the targets use, since validation reads them from "
         "the bundle), and the bare loop over inputs prepared in memory beforehand. check_discrepancies and validate "
-        "also read and compare the recorded outputs; with verify (the default) they hash each file on first read."
+        "also read and compare the recorded outputs; with verify (the default) they hash each file on first read. "
+        "validate computes every statistic of each output but its median and quantile, selected on request "
+        "(Tolerances.quantiles; `iobundle validate --report` requests them). Targets (issue 26): "
+        "check_discrepancies ≤ 1.1, validate ≤ 1.2."
     )
     for path in paths:
         remove(path)

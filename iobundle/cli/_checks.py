@@ -13,6 +13,7 @@ import argparse
 import logging
 import shlex
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from iobundle.cli import _render
@@ -147,7 +148,8 @@ def add_comparison_flags(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.99,
         metavar="Q",
-        help="the quantile of --check-error-stat quantile, also shown in reports (default: %(default)s)",
+        help="the quantile of --check-error-stat quantile, also shown in reports; the errors' median and quantile "
+        "are computed only for these two (default: %(default)s)",
     )
     add_list_flag(
         group, "--report", "FILE",
@@ -200,14 +202,16 @@ def comparison_options(args: argparse.Namespace) -> Tolerances:
     base = export_tolerances(args)
     if not 0.0 <= args.error_quantile <= 1.0:
         raise CLIError(f"--error-quantile {args.error_quantile:g}: give a quantile between 0 and 1 (e.g. 0.99).")
-    for path in getattr(args, "report", None) or []:
+    reports = getattr(args, "report", None) or []
+    for path in reports:
         from iobundle.cli._reports import report_format
 
         report_format(path)  # refuse a bad extension before the work
-    return Tolerances.build(
+    options = Tolerances.build(
         atol=base.atol, rtol=base.rtol, output_atol=base.per_output_atol, output_rtol=base.per_output_rtol,
         check_error_stat=args.check_error_stat, error_quantile=args.error_quantile,
     )  # fmt: skip
+    return replace(options, quantiles=bool(reports))  # reports show the quantile, the terminal does not
 
 
 def progress_bars(args: argparse.Namespace, *, stages: bool = False) -> ProgressBars:

@@ -126,6 +126,7 @@ def test_json_and_csv_hold_the_same_rows_for_pandas(cwd, capsys):
     assert from_json["index"].tolist() == from_csv["index"].tolist() == [0, 1, 2]
     assert from_csv["SUCCESS"].tolist() == [True, True, True] and from_csv["worst_output"].tolist() == ["logits"] * 3
     assert from_json["abs"].tolist() == pytest.approx(from_csv["abs"].tolist())
+    assert from_json["quantile_abs"].notna().all()  # a report requests the quantiles (computed on request)
     json.loads((cwd / "r.json").read_text("utf-8"))  # strict JSON: no NaN
 
 

@@ -67,12 +67,9 @@ class Comparison:
     error: str | None = None
 
     def as_row(self) -> dict[str, Any]:
-        row: dict[str, Any] = {"SUCCESS": self.success, "abs": self.abs, "rel": self.rel, "sum": self.sum}
-        row.update(n=self.n, dnan=self.dnan)
-        row.update({f">{h}": c for h, c in self.hist.items()})
-        if self.error:
-            row["error"] = self.error
-        return row
+        row: dict[str, Any] = {"SUCCESS": self.success, "abs": self.abs, "rel": self.rel, "sum": self.sum, "n": self.n}
+        row.update(dnan=self.dnan, **{f">{h}": c for h, c in self.hist.items()})
+        return row | ({"error": self.error} if self.error else {})
 
 
 def _as_numpy(value: Any) -> np.ndarray:
@@ -133,18 +130,18 @@ def _accumulate(
         fast = _compare_finite(a.reshape(-1), b.reshape(-1), work, atol, rtol, hist, scratch)
         if fast is not None:
             m, total, counts, rel, ok = fast
-            result.abs = max(result.abs, m)
-            result.rel = max(result.rel, rel)
-            result.sum += total
-            result.n += int(a.size)
-            for h, c in zip(hist, counts):
-                result.hist[h] += c
+            result.abs, result.rel = max(result.abs, m), max(result.rel, rel)
+            result.sum, result.n = result.sum + total, result.n + a.size
+            result.hist.update({h: result.hist[h] + c for h, c in zip(hist, counts)})
             result.success = result.success and ok
             return
     elif a.dtype.kind in "biu" and b.dtype.kind in "biu" and np.array_equal(a, b):
         result.n += int(a.size)  # equal integers: every error is 0
         return
-    _accumulate_general(result, a, b, atol=atol, rtol=rtol, hist=hist)
+    # Every other case (NaN, inf, mixed dtypes, complex, integers that differ), in float64.
+    out = _describe(a, b, atol=atol, rtol=rtol, quantile=None, hist=hist)
+    out.add_to(result)
+    result.success = result.success and out.stats.within
 
 
 def _compare_finite(
@@ -196,26 +193,6 @@ def _compare_finite(
     return m, total, counts, rel, ok
 
 
-def _accumulate_general(
-    result: Comparison, a: np.ndarray, b: np.ndarray, *, atol: float, rtol: float, hist: Sequence[float]
-) -> None:
-    """Every case (NaN, inf, mixed dtypes, complex, integers that differ), in float64 (:func:`_errors`)."""
-    diff, scale, one_nan = _errors(a, b, Scratch(), 0)
-    dnan = 0 if one_nan is None else int(np.count_nonzero(one_nan))
-    if one_nan is not None:  # the row counts an element NaN on one side only as no error (dnan counts it)
-        diff = np.where(one_nan, 0.0, diff)
-    result.dnan += dnan
-    result.abs = max(result.abs, float(diff.max()))
-    result.rel = max(result.rel, float((diff / np.maximum(scale, 1e-12)).max()))
-    result.sum += float(diff.sum())
-    result.n += int(diff.size)
-    for h in hist:
-        result.hist[h] += int(np.count_nonzero(diff > h))
-    within = (diff <= atol) | (diff <= rtol * scale)
-    if dnan or not bool(within.all()):
-        result.success = False
-
-
 def compare_outputs(
     expected: Sequence[Any],
     obtained: Sequence[Any],
@@ -257,6 +234,7 @@ def _compare_all(
     skip_none: bool,
     scratch: Scratch,
 ) -> None:
+    small: dict[tuple[Any, Any], list[tuple[np.ndarray, np.ndarray]]] = {}  # by dtypes: compared as one
     for i, (e, o) in enumerate(zip(expected, obtained)):
         if e is None or o is None:
             if (e is None) != (o is None) and not skip_none:
@@ -267,13 +245,17 @@ def _compare_all(
         if a.shape != b.shape:
             result.success = False
             result.error = f"output {i}: shape {tuple(b.shape)}, expected {tuple(a.shape)}"
-            return
+            break
         if a.dtype != b.dtype and not (a.dtype.kind == b.dtype.kind == "f"):
             result.success = False
             result.error = f"output {i}: dtype {b.dtype}, expected {a.dtype}"
-            return
-        if a.size == 0:
-            continue
+            break
+        if a.size >= CHUNK_ELEMENTS:
+            _accumulate(result, a, b, atol=atol, rtol=rtol, hist=hist, scratch=scratch)
+        elif a.size:
+            small.setdefault((a.dtype, b.dtype), []).append((a.reshape(-1), b.reshape(-1)))
+    for pairs in small.values():  # every count is a sum or a maximum: one pass over them all costs less than one each
+        a, b = (np.concatenate(side) for side in zip(*pairs))
         _accumulate(result, a, b, atol=atol, rtol=rtol, hist=hist, scratch=scratch)
 
 
@@ -294,116 +276,143 @@ class ErrorStats:
     An element where exactly one side is NaN counts as an infinite error (``dnan`` counts them);
     NaN on both sides, or the same infinity, is an exact match. ``hist`` counts the absolute
     errors per bin of :data:`HISTOGRAM_EDGES` (labels: :func:`histogram_labels`). ``within``
-    says whether every element is within ``atol`` or within ``rtol``.
+    says whether every element is within ``atol`` or within ``rtol``. The medians and quantiles
+    are None when they were not selected (:attr:`Tolerances.quantiles`).
     """
 
     n: int = 0
     max_abs: float = 0.0
     mean_abs: float = 0.0
-    median_abs: float = 0.0
-    quantile_abs: float = 0.0
+    median_abs: float | None = 0.0
+    quantile_abs: float | None = 0.0
     max_rel: float = 0.0
     mean_rel: float = 0.0
-    median_rel: float = 0.0
-    quantile_rel: float = 0.0
+    median_rel: float | None = 0.0
+    quantile_rel: float | None = 0.0
     dnan: int = 0
     within: bool = True
     hist: list[int] = field(default_factory=lambda: [0] * (len(HISTOGRAM_EDGES) + 2))
 
-    def stat(self, name: str) -> tuple[float, float]:
+    def stat(self, name: str) -> tuple[float | None, float | None]:
         """``(absolute, relative)`` value of the statistic ``name`` (one of :data:`ERROR_STATS`)."""
         return getattr(self, f"{name}_abs"), getattr(self, f"{name}_rel")
 
 
-def _errors(
-    a: np.ndarray, b: np.ndarray, scratch: Scratch, slot: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Flat float64 ``(abs errors, |expected|, where exactly one side is NaN)`` of two arrays of one shape.
+def _errors(a: np.ndarray, b: np.ndarray, scratch: Scratch) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, float]:
+    """Flat float64 ``(abs errors, |expected|, where exactly one side is NaN, largest error)`` of two non-empty
+    arrays of one shape.
 
-    In ``scratch``'s reused buffers (fresh memory costs a page fault per page), the errors in ``slot``'s
-    (one per output of a call, kept for its row). The NaN and infinity bookkeeping runs only when some
-    error is not finite. The mask is None when no element is NaN on one side only.
+    In ``scratch``'s reused buffers (fresh memory costs a page fault per page). The NaN and infinity
+    bookkeeping runs only when some error is not finite. The mask is None when no element is NaN on one side only.
     """
     a64, b64 = scratch.get(np.dtype(np.float64), a.size, 2), scratch.get(np.dtype(np.float64), a.size, 3)
-    diff = scratch.get(np.dtype(np.float64), a.size, 4 + slot)
+    diff = scratch.get(np.dtype(np.float64), a.size, 4)
     np.copyto(a64, a.reshape(-1), casting="unsafe")
     np.copyto(b64, b.reshape(-1), casting="unsafe")
     with np.errstate(over="ignore", invalid="ignore"):
         np.subtract(a64, b64, out=diff)
         np.abs(diff, out=diff)
-        if not diff.size or math.isfinite(diff.max()):  # a NaN or an infinity on either side shows in the max
-            return diff, np.abs(a64, out=a64), None
+        peak = float(diff.max())
+        if math.isfinite(peak):  # a NaN or an infinity on either side shows in the max
+            return diff, np.abs(a64, out=a64), None, peak
         nan_a, nan_b = np.isnan(a64), np.isnan(b64)
         one_nan = nan_a != nan_b
         diff[(nan_a & nan_b) | (np.isinf(a64) & (a64 == b64))] = 0.0
         diff[one_nan | np.isnan(diff)] = np.inf
         scale = np.abs(np.where(np.isfinite(a64), a64, 0.0))
-    return diff, scale, one_nan if one_nan.any() else None
-
-
-def _histogram(diff: np.ndarray, top: float) -> list[int]:
-    """The counts of :attr:`ErrorStats.hist` of the NaN-free errors ``diff`` whose largest is ``top``.
-
-    One counting pass per edge below ``top`` (the others count nothing).
-    """
-    greater = [int(np.count_nonzero(diff > edge)) if top > edge else 0 for edge in (0.0, *HISTOGRAM_EDGES)]
-    return [diff.size - greater[0], *(lo - hi for lo, hi in itertools.pairwise(greater)), greater[-1]]
+    return diff, scale, one_nan if one_nan.any() else None, float(diff.max())
 
 
 @dataclass
 class _Output:
-    """One pass over one output: its statistics, its absolute errors, and its part of the call's row.
+    """One pass over one output: its statistics, and its part of the call's row.
 
     The row (:class:`Comparison`) counts an element NaN on one side only as an error of 0 (its
     ``dnan`` says so), where the statistics count it as infinite.
     """
 
     stats: ErrorStats
-    diff: np.ndarray
-    """The absolute errors, in no particular order (the median was selected in place)."""
     abs: float
     rel: float
     sum: float
+    total: float = 0.0
+    """The sum of the statistics' absolute errors (one-sided NaNs as infinite)."""
+    diff: np.ndarray | None = None
+    """Every absolute error, in no particular order, when the median and quantile were selected; else None."""
+    over: dict[float, int] = field(default_factory=dict)
+    """How many errors (one-sided NaNs excluded) exceed each row threshold that is no edge of the histogram."""
+
+    def add_to(self, result: Comparison) -> None:
+        """Add this output's part to the row ``result`` (as :func:`compare_outputs` counts it)."""
+        result.abs, result.rel, result.sum = max(result.abs, self.abs), max(result.rel, self.rel), result.sum + self.sum
+        result.n, result.dnan = result.n + self.stats.n, result.dnan + self.stats.dnan
+        result.hist.update({h: count + self.exceeding(h) for h, count in result.hist.items()})
 
     def exceeding(self, h: float) -> int:
         """How many errors exceed ``h`` for the row's ``>h`` column (one-sided NaNs excluded)."""
-        stats = self.stats
-        if stats.max_abs <= h:
+        if self.stats.max_abs <= h:
             return 0
         if h in HISTOGRAM_EDGES:
-            return sum(stats.hist[HISTOGRAM_EDGES.index(h) + 2 :]) - stats.dnan
-        return int(np.count_nonzero(self.diff > h)) - stats.dnan
+            return sum(self.stats.hist[HISTOGRAM_EDGES.index(h) + 2 :]) - self.stats.dnan
+        return self.over[h]
 
 
 def _describe(
-    a: np.ndarray, b: np.ndarray, *, atol: float, rtol: float, quantile: float, scratch: Scratch | None = None,
-    slot: int = 0,
+    a: np.ndarray, b: np.ndarray, *, atol: float, rtol: float, quantile: float | None, hist: Sequence[float] = (),
+    scratch: Scratch | None = None, slot: int = 0,
 ) -> _Output:  # fmt: skip
-    """Every statistic of one output in one pass over its errors (:class:`ErrorStats`; ``slot``: :func:`_errors`)."""
-    diff, scale, one_nan = _errors(a, b, scratch if scratch is not None else Scratch(), slot)
-    n = int(diff.size)
-    dnan = 0 if one_nan is None else int(np.count_nonzero(one_nan))
+    """Every statistic of one output in one pass over its errors (:class:`ErrorStats`), and its part of the row.
+
+    The errors are computed in float64 piece by piece (:data:`CHUNK_ELEMENTS`), in ``scratch``'s reused
+    buffers, which stay in the CPU cache. The median and ``quantile`` of the errors need all of them
+    (kept in ``slot``'s buffer for the call's own, :func:`_call_errors`): with ``quantile`` None they are
+    not computed (None). ``hist`` are the row's thresholds (counted here when they are no edge of the histogram).
+    """
+    scratch = scratch if scratch is not None else Scratch()
+    a, b, n = a.reshape(-1), b.reshape(-1), int(a.size)
+    f64 = np.dtype(np.float64)
+    kept = (scratch.get(f64, n, 8 + slot), scratch.get(f64, n, 5)) if quantile is not None else None
+    top = total = top_rel = total_rel = row_abs = row_rel = row_sum = 0.0
+    dnan, within, greater = 0, True, [0] * (len(HISTOGRAM_EDGES) + 1)
+    over = dict.fromkeys((h for h in hist if h not in HISTOGRAM_EDGES), 0)
     if not n:
-        return _Output(ErrorStats(), diff, 0.0, 0.0, 0.0)
-    top = float(diff.max())
-    total = float(diff.sum())
-    within = top <= atol or bool(np.all((diff <= atol) | (diff <= rtol * scale)))
-    rel = np.maximum(scale, 1e-12, out=scale)
-    with np.errstate(over="ignore", invalid="ignore"):
-        np.divide(diff, rel, out=rel)
-    top_rel = float(rel.max())
+        return _Output(ErrorStats(), 0.0, 0.0, 0.0, diff=None if kept is None else kept[0], over=over)
+    for start in range(0, n, CHUNK_ELEMENTS):
+        stop = min(n, start + CHUNK_ELEMENTS)
+        diff, scale, one_nan, peak = _errors(a[start:stop], b[start:stop], scratch)
+        nans, part = 0 if one_nan is None else int(np.count_nonzero(one_nan)), float(diff.sum())
+        dnan, top, total = dnan + nans, max(top, peak), total + part
+        within = within and (peak <= atol or bool(np.all((diff <= atol) | (diff <= rtol * scale))))
+        for i, edge in enumerate((0.0, *HISTOGRAM_EDGES)):
+            if peak <= edge:
+                break
+            greater[i] += int(np.count_nonzero(diff > edge))
+        for h in over:
+            over[h] += int(np.count_nonzero(diff > h)) - nans if peak > h else 0
+        rel = np.maximum(scale, 1e-12, out=scale)
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.divide(diff, rel, out=rel)
+        peak_rel = float(rel.max())
+        top_rel, total_rel = max(top_rel, peak_rel), total_rel + float(rel.sum())
+        if one_nan is None:
+            row_abs, row_rel, row_sum = max(row_abs, peak), max(row_rel, peak_rel), row_sum + part
+        else:  # the row's errors count those elements as 0
+            row_abs = max(row_abs, float(np.where(one_nan, 0.0, diff).max()))
+            row_rel = max(row_rel, float(np.where(one_nan, 0.0, rel).max()))
+            row_sum += float(np.where(one_nan, 0.0, diff).sum())
+        if kept is not None:
+            kept[0][start:stop], kept[1][start:stop] = diff, rel
+    counts = [n - greater[0], *(lo - hi for lo, hi in itertools.pairwise(greater)), greater[-1]]
     stats = ErrorStats(
-        n=n, max_abs=top, mean_abs=total / n, max_rel=top_rel, mean_rel=float(rel.sum()) / n, dnan=dnan,
-        within=dnan == 0 and within, hist=_histogram(diff, top),
+        n=n, max_abs=top, mean_abs=total / n, max_rel=top_rel, mean_rel=total_rel / n, dnan=dnan,
+        within=dnan == 0 and within, hist=counts,
     )  # fmt: skip
-    row_abs, row_rel, row_sum = top, top_rel, total
-    if one_nan is not None:  # the row's errors count those elements as 0
-        row_abs = float(np.where(one_nan, 0.0, diff).max())
-        row_rel = float(np.where(one_nan, 0.0, rel).max())
-        row_sum = float(np.where(one_nan, 0.0, diff).sum())
-    stats.median_rel, stats.quantile_rel = median_and_quantile(rel, quantile)
-    stats.median_abs, stats.quantile_abs = median_and_quantile(diff, quantile)
-    return _Output(stats, diff, row_abs, row_rel, row_sum)
+    if kept is None or quantile is None:
+        stats.median_abs = stats.quantile_abs = stats.median_rel = stats.quantile_rel = None
+    else:
+        stats.median_rel, stats.quantile_rel = median_and_quantile(kept[1], quantile)
+        stats.median_abs, stats.quantile_abs = median_and_quantile(kept[0], quantile)
+    return _Output(stats, row_abs, row_rel, row_sum, total, None if kept is None else kept[0], over)
 
 
 def error_stats(expected: Any, obtained: Any, *, atol: float, rtol: float, quantile: float = 0.99) -> ErrorStats:
@@ -426,6 +435,7 @@ def stat_passes(stats: ErrorStats, *, atol: float, rtol: float, check_error_stat
     if check_error_stat == "max":
         return stats.within
     value_abs, value_rel = stats.stat(check_error_stat)
+    assert value_abs is not None and value_rel is not None, "compare_call selects the statistic it decides by"
     return value_abs <= atol or value_rel <= rtol
 
 
@@ -513,7 +523,9 @@ def compare_call(
     outputs) and ``worst_output``. Outputs recorded in a dtype of ``tolerances.by_dtype``
     (float16, bfloat16) are always decided one by one.
     """
-    check_error_stat, error_quantile = tolerances.check_error_stat, tolerances.error_quantile
+    check_error_stat = tolerances.check_error_stat
+    wanted = tolerances.quantiles or check_error_stat in ("median", "quantile")  # the median and quantile
+    quantile = tolerances.error_quantile if wanted else None
     per_output = per_output or any(_recorded_dtype(e) in tolerances.by_dtype for e in expected)
     if not per_output or len(expected) != len(obtained):
         cmp = compare_outputs(
@@ -554,19 +566,14 @@ def compare_call(
             if not stopped:
                 result.success, result.error, stopped = False, f"output {i}: {check.error}", True
             continue
-        out = _describe(a, b, atol=atol, rtol=rtol, quantile=error_quantile, scratch=scratch, slot=len(described))
+        out = _describe(a, b, atol=atol, rtol=rtol, quantile=quantile, hist=hist, scratch=scratch, slot=len(described))
         check.stats = out.stats
         check.success = stat_passes(out.stats, atol=atol, rtol=rtol, check_error_stat=check_error_stat)
         described.append(out)
         if not stopped:
-            result.abs, result.rel = max(result.abs, out.abs), max(result.rel, out.rel)
-            result.sum += out.sum
-            result.n += out.stats.n
-            result.dnan += out.stats.dnan
-            for h in hist:
-                result.hist[h] += out.exceeding(h)
+            out.add_to(result)
     row = result.as_row()
-    row.update(_call_errors(described, error_quantile))
+    row.update(_call_errors(described, quantile))
     scored = [c for c in checks if c.stats is not None or c.error]
     worst = max(scored, key=lambda c: math.inf if c.error or c.stats is None else c.stats.max_abs, default=None)
     exact = worst is not None and not worst.error and worst.stats is not None and worst.stats.max_abs == 0.0
@@ -578,17 +585,21 @@ def compare_call(
     return row, checks
 
 
-def _call_errors(described: Sequence[_Output], quantile: float) -> dict[str, float]:
-    """``mean_abs``, ``median_abs``, ``quantile_abs`` over every element of a call's compared outputs."""
+def _call_errors(described: Sequence[_Output], quantile: float | None) -> dict[str, float | None]:
+    """``mean_abs``, ``median_abs``, ``quantile_abs`` over every element of a call's compared outputs.
+
+    The median and quantile are None when ``quantile`` is None (not selected: :attr:`Tolerances.quantiles`).
+    """
     if len(described) == 1:  # the output's own statistics
         stats = described[0].stats
         return {"mean_abs": stats.mean_abs, "median_abs": stats.median_abs, "quantile_abs": stats.quantile_abs}
-    every = np.concatenate([d.diff for d in described]) if described else np.zeros(0)
-    if not every.size:
+    n = sum(d.stats.n for d in described)
+    if not n:
         return {"mean_abs": 0.0, "median_abs": 0.0, "quantile_abs": 0.0}
-    mean = float(every.mean())
-    median, value = median_and_quantile(every, quantile)
-    return {"mean_abs": mean, "median_abs": median, "quantile_abs": value}
+    median = value = None
+    if quantile is not None:
+        median, value = median_and_quantile(np.concatenate([d.diff for d in described if d.diff is not None]), quantile)
+    return {"mean_abs": sum(d.total for d in described) / n, "median_abs": median, "quantile_abs": value}
 
 
 def flatten_outputs(value: Any) -> list[torch.Tensor]:

@@ -97,6 +97,11 @@ class Tolerances:
     """``max`` (every element within tolerance), ``mean``, ``median`` or ``quantile`` (see :data:`ERROR_STATS`)."""
     error_quantile: float = 0.99
     """The quantile of ``check_error_stat="quantile"`` (and of ``quantile_abs``)."""
+    quantiles: bool = False
+    """Select the median and ``error_quantile`` of each output's errors (``median_abs``, ``quantile_abs``,
+    ``median_rel``, ``quantile_rel``) even when ``check_error_stat`` does not need them; else they are None.
+    On request because the selection needs every error at once: on large outputs it costs more than the rest
+    of the comparison (reports written by the CLI request them)."""
     by_dtype: Mapping[str, tuple[float, float]] = field(default_factory=lambda: dict(DTYPE_TOLERANCES))
     autocast: str | None = None
     """The ``torch.autocast`` dtype of the call these tolerances decide (:meth:`for_call`), else None."""

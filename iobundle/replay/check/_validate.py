@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -105,31 +106,18 @@ def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto | torch.onnx.O
     options.log_severity_level = 3
     if isinstance(onnx_model, torch.onnx.ONNXProgram):  # as torch's observer takes
         onnx_model = onnx_model.model_proto
+    proto = onnx_model if isinstance(onnx_model, onnx.ModelProto) else None
     try:
-        if isinstance(onnx_model, onnx.ModelProto):
-            meta = {p.key: p.value for p in onnx_model.metadata_props}
-            try:
-                session = _open_session(ort, onnx_model.SerializeToString(), options)
-            except Exception as exc:
-                if not _no_half_support(exc) or not half_types(onnx_model):
-                    raise
-                return _widened_session(ort, onnx_model, options, meta)
-            if _bfloat16_inputs(session):
-                return _widened_session(ort, onnx_model, options, meta)
-            return Session(session, meta)
-        path = onnx_model_file(onnx_model)
+        source = proto.SerializeToString() if proto is not None else str(onnx_model_file(onnx_model))
         try:
-            session = _open_session(ort, str(path), options)
+            session = _open_session(ort, source, options)
         except Exception as exc:
-            if not _no_half_support(exc):
-                raise
-            loaded = onnx.load(str(path))
-            if not half_types(loaded):
+            if not _no_half_support(exc) or not half_types(loaded := proto or onnx.load(source)):
                 raise
             return _widened_session(ort, loaded, options, {p.key: p.value for p in loaded.metadata_props})
         meta = dict(session.get_modelmeta().custom_metadata_map)
         if _bfloat16_inputs(session):
-            return _widened_session(ort, onnx.load(str(path)), options, meta)
+            return _widened_session(ort, proto or onnx.load(source), options, meta)
         return Session(session, meta)
     except ModelLoadError:
         raise
@@ -309,13 +297,8 @@ def model_label(onnx_model: object) -> str:
 
 
 def _summary(tensors: Sequence[Any]) -> str:
-    parts = []
-    for t in tensors:
-        if t is None:
-            parts.append("None")
-        else:
-            parts.append(f"{'x'.join(map(str, t.shape)) or 'scalar'}:{str(t.dtype).replace('torch.', '')}")
-    return ", ".join(parts)
+    shapes = ["None" if t is None else f"{'x'.join(map(str, t.shape)) or 'scalar'}:{t.dtype}" for t in tensors]
+    return ", ".join(shapes).replace("torch.", "")
 
 
 def _to_numpy(t: torch.Tensor, widened: Sequence[str] = ()) -> np.ndarray:
@@ -372,7 +355,8 @@ def check_discrepancies(
 
     With per-output tolerances or another ``check_error_stat`` than ``max``, each output is
     decided on its own (see :func:`iobundle.replay.validate_onnx`) and the rows also carry
-    ``mean_abs``, ``median_abs``, ``quantile_abs`` and ``worst_output``.
+    ``mean_abs``, ``median_abs``, ``quantile_abs`` and ``worst_output`` (the median and quantile are
+    None unless selected: ``check_error_stat`` median or quantile, or ``Tolerances(quantiles=True)``).
 
     Args:
         rc: The recorded calls.
@@ -440,8 +424,13 @@ def _run_checks(
     output_names = metadata.output_names
     graph_outputs = output_names or session_outputs
     # A typo in a tolerance name is refused before the run, not after it.
+    paths = [output_paths(call.outputs) for call in alignment.calls]
     refuse_unknown_outputs(
-        tolerances, recorded_output_names(alignment.calls, graph_outputs if by_name is None else by_name)
+        tolerances,
+        _name_groups(
+            [p for p, c in zip(paths, alignment.calls) if c.outputs is not None],
+            graph_outputs if by_name is None else by_name,
+        ),
     )
     scratch = Scratch()
     rows: list[dict[str, Any]] = []
@@ -456,13 +445,16 @@ def _run_checks(
             pass
     total = len(alignment.calls)
     notify(on_progress, "validate", 0, total)
+    previous: dict[str, torch.Tensor] = {}  # a call's outputs, often the next call's inputs (a decoder's cache)
     for i in indices:
         call = alignment.calls[i]
         slots = alignment.slots[i]
-        tensors = aligned_tensors(rc, alignment, slots)
+        tensors = aligned_tensors(rc, alignment, slots, previous)
         feeds = {name: _to_numpy(tensors[slot], widened) for name, slot in mapping}
-        expected = [rc.store.get(k) for k in tensor_keys(call.outputs)] if call.outputs else []
-        names = output_paths(call.outputs)
+        keys = tensor_keys(call.outputs) if call.outputs else []
+        expected = [rc.store.get(k) for k in keys]
+        previous = dict(zip(keys, expected))
+        names = paths[i]
         fetch, other_names, error = _fetched_outputs(names, by_name, output_names, graph_outputs, session_outputs)
         row: dict[str, Any] = {}
         begin = time.perf_counter()
@@ -474,8 +466,7 @@ def _run_checks(
                 error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         ort_duration = time.perf_counter() - begin
         if error is not None or obtained is None:
-            row.update(SUCCESS=False, error=error, abs=float("nan"), rel=float("nan"), sum=float("nan"), n=0, dnan=0)
-            row.update({f">{h}": 0 for h in hist})
+            row.update(_failed_row(error, hist))
         else:
             cmp_row, call_checks = compare_call(
                 expected, obtained, call_index=call.index, names=names, tolerances=tolerances.for_call(call), hist=hist,
@@ -507,6 +498,12 @@ def _run_checks(
         logger.debug("call %d: %s", call.index, "ok" if row["SUCCESS"] else row.get("error") or "differs")
         notify(on_progress, "validate", len(rows), total, f"call {call.index}")
     return rows, checks
+
+
+def _failed_row(error: str | None, hist: Sequence[float]) -> dict[str, Any]:
+    """The columns of a call that was not compared (its run failed, or no program serves it)."""
+    row = {"SUCCESS": False, "error": error, "abs": math.nan, "rel": math.nan, "sum": math.nan, "n": 0, "dnan": 0}
+    return row | {f">{h}": 0 for h in hist}
 
 
 def _fetched_outputs(
@@ -582,11 +579,8 @@ class ValidationReport:
 
     def histogram(self) -> list[tuple[str, int]]:
         """``(bin label, count)`` of the absolute errors of every compared element, every output of every call."""
-        counts = [0] * len(histogram_labels())
-        for check in self.outputs:
-            if check.stats is not None:
-                counts = [a + b for a, b in zip(counts, check.stats.hist)]
-        return list(zip(histogram_labels(), counts))
+        counts = zip(*(check.stats.hist for check in self.outputs if check.stats is not None))
+        return list(zip(histogram_labels(), [sum(c) for c in counts] or [0] * len(histogram_labels())))
 
     def criterion(self) -> str:
         """The rule a call passed by: tolerances (with the dtypes' rows used) and statistic, e.g. ``atol=0.0001 rtol=0.1``."""
@@ -673,11 +667,16 @@ def recorded_output_names(
 
     Read from the manifest alone (no tensor is loaded), so tolerances can be checked before a run.
     """
+    return _name_groups([output_paths(call.outputs) for call in calls if call.outputs is not None], other_names)
+
+
+def _name_groups(
+    calls: Sequence[Sequence[str]], other_names: Sequence[str] | Mapping[str, str] | None
+) -> list[tuple[str, ...]]:
+    """:func:`recorded_output_names` of calls whose outputs' names are ``calls``."""
     groups: dict[tuple[str, ...], None] = {}
-    for call in calls:
-        if call.outputs is None:
-            continue
-        for i, name in enumerate(output_paths(call.outputs)):
+    for names in calls:
+        for i, name in enumerate(names):
             if isinstance(other_names, Mapping):
                 other = other_names.get(name, "")
             else:
@@ -731,36 +730,16 @@ def check_program_index(
         shaped = [p for p in index.programs if structure in program_structures(p)]
         alone = phase_calls(rc, [index_of_call])
         aligned = align_calls(alone)
-        program = next(
-            (
-                p
-                for p in shaped
-                if sizes_match(p, call_sizes(alone, aligned, 0)) and values_match(p, call_values(alone, aligned, 0))
-            ),
-            None,
-        )
+        fits = (p for p in shaped if sizes_match(p, call_sizes(alone, aligned, 0)))
+        program = next((p for p in fits if values_match(p, call_values(alone, aligned, 0))), None)
         if program is None:
             odd = ", ".join(f"{k} {v}" for k, v in structure.items() if v != "present") or "every input present"
             if shaped:  # the structure is served, not these sizes
                 odd += "; its sizes meet no size rule: " + "; ".join(f"{p.name}: {p.describe_sizes()}" for p in shaped)
-            rows.append(
-                {
-                    "SUCCESS": False,
-                    "index": call.index,
-                    "program": None,
-                    "error": f"no program of {index_path.name} serves call {call.index} ({odd}); "
-                    f"programs: {', '.join(p.name for p in index.programs)}",
-                    "abs": float("nan"),
-                    "rel": float("nan"),
-                    "sum": float("nan"),
-                    "n": 0,
-                    "dnan": 0,
-                    **{f">{h}": 0 for h in options.get("hist", (0.1, 0.01))},
-                    "duration_torch": call.latency,
-                    "ort_duration": 0.0,
-                    "absent_inputs": "",
-                }
-            )
+            why = f"no program of {index_path.name} serves call {call.index} ({odd}); programs: "
+            row: dict[str, Any] = {"SUCCESS": False, "index": call.index, "program": None}
+            row.update(_failed_row(why + ", ".join(p.name for p in index.programs), options.get("hist", (0.1, 0.01))))
+            rows.append(row | {"duration_torch": call.latency, "ort_duration": 0.0, "absent_inputs": ""})
             continue
         assigned[program.name].append(call.index)
     for program in index.programs:

@@ -298,7 +298,7 @@ def test_call_row_errors_are_the_largest_of_its_outputs() -> None:
     scratch = Scratch()  # shared, as validation shares it: each output's errors keep a buffer of their own
     compare_call(expected, obtained, call_index=0, names=["a", "b", "c"], tolerances=Tolerances(), scratch=scratch)
     row, checks = compare_call(
-        expected, obtained, call_index=0, names=["a", "b", "c"], tolerances=Tolerances(error_quantile=0.9),
+        expected, obtained, call_index=0, names=["a", "b", "c"], tolerances=Tolerances(error_quantile=0.9, quantiles=True),
         scratch=scratch,
     )  # fmt: skip
     assert [c.dtype for c in checks] == ["float32", "bfloat16", "int64"]
@@ -323,13 +323,14 @@ def test_output_statistics_reuse_the_float64_buffers_of_their_scratch() -> None:
         expected = g.standard_normal(shape).astype(np.float32)
         obtained = expected + np.float32(1e-3)
         _, (check,) = compare_call(
-            [expected], [obtained], call_index=0, names=["y"], tolerances=Tolerances(error_quantile=0.9),
+            [expected], [obtained], call_index=0, names=["y"], tolerances=Tolerances(error_quantile=0.9, quantiles=True),
             scratch=scratch,
         )  # fmt: skip
         diff = np.abs(expected.astype(np.float64) - obtained.astype(np.float64)).reshape(-1)
         assert (check.stats.max_abs, check.stats.median_abs) == (diff.max(), np.median(diff))
         seen.append({k: v for k, v in scratch._buffers.items() if k[0] == np.float64})
-    assert len(seen[0]) == 3 and all(s.keys() == seen[0].keys() for s in seen)  # expected, obtained, errors
+    # a piece of the expected, the obtained and the errors; every error and relative error, for the median
+    assert len(seen[0]) == 5 and all(s.keys() == seen[0].keys() for s in seen)
     assert all(seen[0][k] is s[k] for s in seen for k in s)  # grown once, then reused
 
 
@@ -343,6 +344,13 @@ ROW_CASES = {
         [np.ones(3) + 0.5, np.ones(4), np.zeros(4) + 2.0],
     ),
     "missing and empty": ([np.ones(3), None, np.zeros(0)], [np.ones(3) + 1e-3, np.ones(2), np.zeros(0)]),
+    "large, nan and inf in later pieces": (  # the statistics go through an output piece by piece
+        [np.linspace(-3, 3, 200_000)],
+        [
+            np.linspace(-3, 3, 200_000)
+            + np.r_[np.full(70_000, 1e-5), np.inf, 0.5, np.full(79_998, 1e-3), np.nan, 0.0, np.zeros(49_998)]
+        ],
+    ),
 }
 
 
@@ -367,6 +375,22 @@ def test_per_output_row_counts_as_compare_outputs_does(case: str) -> None:
         assert len(checks) == len(expected)
         if want.error or want.dnan:
             assert row["SUCCESS"] is False
+
+
+def test_median_and_quantile_are_selected_on_request() -> None:
+    """They need every error at once: None unless Tolerances.quantiles or the deciding statistic asks for them."""
+    from iobundle.replay.check._compare import compare_call
+
+    expected = [np.linspace(0, 1, 300, dtype=np.float32), np.ones(4, np.float32)]
+    obtained = [e + np.float32(1e-5) for e in expected]
+    for tolerances, selected in [
+        (Tolerances(), False), (Tolerances(quantiles=True), True), (Tolerances(check_error_stat="median"), True)
+    ]:  # fmt: skip
+        row, checks = compare_call(expected, obtained, call_index=0, names=["a", "b"], tolerances=tolerances)
+        fields = ("median_abs", "quantile_abs", "median_rel", "quantile_rel")
+        values = [row["median_abs"], row["quantile_abs"], *(getattr(c.stats, f) for c in checks for f in fields)]
+        assert all((v is not None) == selected for v in values), tolerances
+        assert row["mean_abs"] == pytest.approx(1e-5, rel=1e-2) and row["SUCCESS"] is True
 
 
 def test_default_tolerances_depend_on_the_recorded_dtype():
