@@ -75,14 +75,13 @@ BEHAVIOURS: list[Family] = [
     Family(
         "packed_pooling",
         _plain("packed_pooling", *_packed([[3, 2], [1, 4, 2], [3, 2], [5, 1, 1, 1]])),
-        notes="documents packed in one sequence, split by lengths.tolist(): 2 to 4 documents a call",
+        notes="documents packed in one sequence, split by lengths.tolist(): 2 to 4 documents a call "
+        "(3 value sets of 3 shapes)",
         source=PLAIN,
         classes=(2,),
         run=_calls,
         factory="zoo_models:packed_pooling",
         export_args=(),
-        known_failure="the number of lengths varies between calls: torch.export stops on 'Constraints violated "
-        "(L['lengths'].size()[0])', not on a data-dependent guard, so no program per value set is tried",
     ),
     Family(
         "qwen3_vl_vision",
