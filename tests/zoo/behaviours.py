@@ -281,6 +281,16 @@ BEHAVIOURS += [
         "of `inputs`, but here they are ['args']')",
     ),
     Family(
+        "lora_mlp_wrapped",
+        _plain("lora_mlp", *[(_randn(rows, 8, seed=rows),) for rows in (2, 3, 5)]),
+        notes="peft LoRA on a plain torch MLP, the PeftModel observed and exported as it is (adapter unmerged)",
+        source=PLAIN,
+        classes=(5,),
+        run=_calls,
+        factory="zoo_models:lora_mlp",
+        requires="peft",
+    ),
+    Family(
         "compiled_conv_stack",
         _plain("compiled_conv_stack", *[(_randn(2, 2, length, seed=length),) for length in (6, 9, 12)]),
         notes="a plain torch model wrapped by torch.compile (run eagerly), observed and exported as the wrapper",
