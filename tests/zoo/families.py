@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAMILIES", "Family", "family", "missing_requirement"]
+__all__ = ["CLASSES", "FAMILIES", "Family", "family", "missing_requirement"]
 
 VOCAB = 100
 PAD = 0
@@ -56,6 +56,14 @@ class Family:
             where it cannot be imported the family's test is skipped.
         remedies: The remedies (``iobundle.replay.export._dims.GUARD_REMEDIES``) whose re-export serves
             the check beyond the recorded calls, as the export must report them; empty: none is needed.
+        source: Where the model's code comes from: ``transformers``, ``diffusers`` or ``plain torch``.
+        classes: The model behaviours of issue 28 the entry exercises (:data:`CLASSES`), for the matrix.
+        run: Makes the observed calls, given the model and what ``build`` returned beside it; default:
+            ``model.generate(**kwargs)``.
+        factory: ``MODULE:FACTORY`` of :mod:`zoo_models` that the replay builds the model with
+            (``iobundle export --model``: the user's code, copied into the replay's working directory),
+            for a model the bundle does not store (plain torch, a vision tower); None: ``--from-bundle``.
+        export_args: The flags of ``iobundle export`` beyond the bundle, the model and the output.
     """
 
     name: str
@@ -69,12 +77,31 @@ class Family:
     autocast: str | None = None
     requires: str | None = None
     remedies: tuple[str, ...] = ()
+    source: str = "transformers"
+    classes: tuple[int, ...] = ()
+    run: Callable[[torch.nn.Module, dict[str, Any]], Any] | None = None
+    factory: str | None = None
+    export_args: tuple[str, ...] = ("--batch-all",)
 
     @property
     def precision(self) -> str:
         """The matrix's dtype column: ``float32``, or ``float32, autocast bfloat16``."""
         return f"{self.dtype}, autocast {self.autocast}" if self.autocast else self.dtype
 
+    @property
+    def class_names(self) -> str:
+        """The matrix's classes column: ``2 (sizes read from values)``, or ``-``."""
+        return ", ".join(f"{c} ({CLASSES[c]})" for c in self.classes) or "-"
+
+
+# The model behaviours of issue 28, by number (the zoo's cases of each are in behaviours.py).
+CLASSES: dict[int, str] = {
+    1: "state kept on modules",
+    2: "sizes read from values",
+    3: "sizes multiple of a stride",
+    4: "ops on constants only",
+    5: "wrapped model",
+}
 
 # A quanto-quantized cache: 4-bit keys and values in groups of 8 channels (the head size of the
 # tiny models), the new tokens kept in full precision beside them until the residual reaches 3:
@@ -96,9 +123,8 @@ def missing_requirement(entry: Family) -> str | None:
     try:
         importlib.import_module(entry.requires)
     except ImportError as exc:
-        return (
-            f"{entry.name} records with {entry.requires}, which does not import ({exc}): pip install 'iobundle[quanto]'"
-        )
+        extra = "quanto" if entry.requires.startswith("optimum.quanto") else "test"
+        return f"{entry.name} records with {entry.requires}, which does not import ({exc}): pip install 'iobundle[{extra}]'"
     return None
 
 
@@ -732,8 +758,10 @@ FAMILIES += [
 
 
 def family(name: str) -> Family:
-    """The zoo entry called ``name``."""
-    for entry in FAMILIES:
+    """The zoo entry called ``name`` (a family here, or a case of ``behaviours.BEHAVIOURS``)."""
+    from behaviours import BEHAVIOURS
+
+    for entry in [*FAMILIES, *BEHAVIOURS]:
         if entry.name == name:
             return entry
-    raise KeyError(f"No zoo family {name!r}; known: {', '.join(f.name for f in FAMILIES)}")
+    raise KeyError(f"No zoo family {name!r}; known: {', '.join(f.name for f in [*FAMILIES, *BEHAVIOURS])}")

@@ -130,7 +130,10 @@ def _tail(text: str, lines: int = 6) -> str:
 
 
 def capture_family(entry: Family, root: Path) -> tuple[dict[str, Path], float]:
-    """Build ``entry``'s model, observe its ``generate()``, save one self-contained bundle per observed module."""
+    """Build ``entry``'s model, observe its ``generate()`` (or ``entry.run``), save one bundle per observed module.
+
+    The bundle is self-contained (``include_model``) unless the replay builds the model with ``entry.factory``.
+    """
     from iobundle import InputObserver
 
     begin = time.perf_counter()
@@ -143,11 +146,15 @@ def capture_family(entry: Family, root: Path) -> tuple[dict[str, Path], float]:
             stack.enter_context(torch.autocast("cpu", dtype=getattr(torch, entry.autocast)))
         for name, observer in observers.items():
             stack.enter_context(observer(modules[name], store_n_calls=entry.store_n_calls))
-        model.generate(**kwargs)
+        if entry.run is None:
+            model.generate(**kwargs)
+        else:
+            entry.run(model, kwargs)
     paths = {}
     for name, observer in observers.items():
         path = root / f"{name}.iobundle"
-        observer.save(path, include_model=True if modules[name] is model else model)
+        # A model the bundle cannot store (plain torch) is the replay's --model factory instead.
+        observer.save(path, include_model=entry.factory is None and (True if modules[name] is model else model))
         paths[name] = path
     return paths, time.perf_counter() - begin
 
@@ -349,8 +356,14 @@ def bundle_cache_kinds(manifest: Any) -> str:
     return max(kinds, key=len) if kinds else "-"
 
 
-def replay_bundle(name: str, bundle: Path, work: Path) -> BundleResult:
-    """``iobundle export --from-bundle --batch-all`` then ``iobundle validate`` on ``bundle``, in one fresh process."""
+def replay_bundle(
+    name: str, bundle: Path, work: Path, *, factory: str | None = None, export_args: Iterable[str] = ("--batch-all",)
+) -> BundleResult:
+    """``iobundle export --from-bundle --batch-all`` then ``iobundle validate`` on ``bundle``, in one fresh process.
+
+    With ``factory`` (``zoo_models:FACTORY``), export builds the model with ``--model factory`` instead, from a
+    copy of ``zoo_models.py`` in its working directory (the user's code); ``export_args`` replace ``--batch-all``.
+    """
     from iobundle.schema import load_manifest
 
     manifest = load_manifest(bundle)
@@ -359,8 +372,12 @@ def replay_bundle(name: str, bundle: Path, work: Path) -> BundleResult:
     onnx_path = bundle.with_suffix(".onnx")
     report = bundle.with_suffix(".validate.json")
     work.mkdir(parents=True, exist_ok=True)
+    model = ["--from-bundle"]
+    if factory is not None:
+        shutil.copy(Path(__file__).with_name("zoo_models.py"), work / "zoo_models.py")
+        model = ["--model", factory]
     with cli_session() as cli:
-        proc = cli(["export", str(bundle), "--from-bundle", "--batch-all", "-o", str(onnx_path)], work)
+        proc = cli(["export", str(bundle), *model, *export_args, "-o", str(onnx_path)], work)
         result.export_rc, result.export_output = proc.returncode, proc.stdout + proc.stderr
         _parse_export(proc.stdout, result)
         index = onnx_path.with_suffix(".programs.json")  # one program per phase: validate through the index
@@ -378,7 +395,7 @@ def replay_bundle(name: str, bundle: Path, work: Path) -> BundleResult:
 def run_families(entries: Iterable[Family], root: Path, *, jobs: int = 2) -> dict[str, FamilyResult]:
     """Capture every family here (one after the other), replay their bundles ``jobs`` at a time."""
     results: dict[str, FamilyResult] = {}
-    pending: list[tuple[FamilyResult, str, Path, Path]] = []
+    pending: list[tuple[FamilyResult, Family, str, Path, Path]] = []
     for entry in entries:
         result = results[entry.name] = FamilyResult(entry.name)
         folder = root / entry.name
@@ -388,9 +405,14 @@ def run_families(entries: Iterable[Family], root: Path, *, jobs: int = 2) -> dic
         except Exception as exc:  # a family that cannot be captured is a result, not a crash of the zoo
             result.error = f"capture failed: {type(exc).__name__}: {exc}"
             continue
-        pending += [(result, name, path, folder / "work") for name, path in bundles.items()]
+        pending += [(result, entry, name, path, folder / "work") for name, path in bundles.items()]
+
+    def replay(job: tuple[FamilyResult, Family, str, Path, Path]) -> tuple[FamilyResult, BundleResult]:
+        result, entry, name, path, work = job
+        return result, replay_bundle(name, path, work, factory=entry.factory, export_args=entry.export_args)
+
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        done = list(pool.map(lambda job: (job[0], replay_bundle(job[1], job[2], job[3])), pending))
+        done = list(pool.map(replay, pending))
     for result, bundle_result in done:
         result.bundles.append(bundle_result)
     return results

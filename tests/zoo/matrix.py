@@ -8,7 +8,8 @@ Usage::
     python tests/zoo/matrix.py --from-results DIR   # measure nothing: the matrix of a test run
                                                     # (IOBUNDLE_ZOO_RESULTS=DIR make test); docs/llm.md updated
 
-The matrix has one row per bundle: the dtype the model ran in, the cache class and layer kinds
+The matrix has one row per bundle: where the model's code comes from (transformers, diffusers, plain
+torch), the classes of model behaviour of issue 28 it exercises (``families.CLASSES``), the dtype the model ran in, the cache class and layer kinds
 the bundle holds (read from its manifest), calls recorded, programs exported, patches applied (and
 the remedies that served the check beyond the recorded calls, marked ``(remedy)``), the
 torch.export and torch.onnx.export seconds, and the largest error over every recorded call
@@ -27,7 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from families import FAMILIES, Family, family
+from behaviours import ZOO
+from families import Family, family
 from harness import FamilyResult, run_families
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "llm.md"
@@ -46,9 +48,9 @@ def format_matrix(
     import transformers
 
     lines = [
-        "| family | dtype | cache | result | calls | programs | patches | export s (torch / onnx) | max abs ep / ort "
-        "| notes |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| family | source | classes | dtype | cache | result | calls | programs | patches | export s (torch / onnx) "
+        "| max abs ep / ort | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for entry in entries:
         result = results[entry.name]
@@ -56,12 +58,13 @@ def format_matrix(
         status = "pass" if not failures else ("known failure" if entry.known_failure else "FAIL")
         note = entry.notes if not failures else f"{entry.notes}; {entry.known_failure or failures[0]}"
         note = note.replace("|", "\\|").replace("\n", " ")
+        kind = f"{entry.source} | {entry.class_names} | {entry.precision}"
         if not result.bundles:
-            lines.append(f"| {entry.name} | {entry.precision} | - | {status} | - | - | - | - | - | {note} |")
+            lines.append(f"| {entry.name} | {kind} | - | {status} | - | - | - | - | - | {note} |")
         for b in result.bundles:
             name = entry.name if b.name == entry.name else f"{entry.name} ({b.name})"
             lines.append(
-                f"| {name} | {entry.precision} | {b.cache} | {status} | {b.calls} | {b.programs} | "
+                f"| {name} | {kind} | {b.cache} | {status} | {b.calls} | {b.programs} | "
                 f"{', '.join([*b.patches, *(f'{r} (remedy)' for r in b.remedies)]) or '-'} | "
                 f"{b.export_seconds:.1f} / {b.onnx_seconds:.1f} | {_error(b.ep_max_abs)} / {_error(b.ort_max_abs)} | "
                 f"{note} |"
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         help="render the results a test run wrote (IOBUNDLE_ZOO_RESULTS=DIR) instead of running the zoo",
     )
     args = parser.parse_args(argv)
-    entries = [family(n) for n in args.families] if args.families else list(FAMILIES)
+    entries = [family(n) for n in args.families] if args.families else list(ZOO)
     if args.from_results:
         folder = Path(args.from_results)
         missing = [e.name for e in entries if not (folder / f"{e.name}.json").is_file()]

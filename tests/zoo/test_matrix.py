@@ -31,5 +31,12 @@ def test_matrix_rows_name_the_dtype_and_the_cache():
     result = FamilyResult("tiny_fp16", bundles=[BundleResult("tiny_fp16", cache="DynamicCache: full")])
     table = format_matrix([entry], {"tiny_fp16": result}, seconds=1.0)
     header, _, row = table.splitlines()[:3]
-    assert header.startswith("| family | dtype | cache | result |")
-    assert row.startswith("| tiny_fp16 | float16 | DynamicCache: full | FAIL |")
+    assert header.startswith("| family | source | classes | dtype | cache | result |")
+    assert row.startswith("| tiny_fp16 | transformers | - | float16 | DynamicCache: full | FAIL |")
+
+
+def test_matrix_rows_name_the_source_and_the_classes():
+    entry = Family("mlp", decoder_only("LlamaConfig", "LlamaForCausalLM"), source="plain torch", classes=(2, 4))
+    table = format_matrix([entry], {"mlp": FamilyResult("mlp", bundles=[BundleResult("mlp")])}, seconds=1.0)
+    row = table.splitlines()[2]
+    assert row.startswith("| mlp | plain torch | 2 (sizes read from values), 4 (ops on constants only) | float32 |")

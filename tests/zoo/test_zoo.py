@@ -1,6 +1,8 @@
 """The model zoo: every family captured from a real generate(), exported and validated from its bundle alone.
 
-One test per family of ``families.FAMILIES``. The families selected for a run are captured
+One test per entry of ``behaviours.ZOO``: the families of ``families.py``, then the cases of issue 28's
+classes of model behaviour (``behaviours.py``: plain calls, and plain torch models exported with
+``--model zoo_models:FACTORY``). The entries selected for a run are captured
 in this process (tiny models, nothing downloaded), then each bundle is replayed through the
 CLI in a fresh process per bundle (``iobundle export BUNDLE --from-bundle --batch-all`` checks
 ``ep.module()`` on every recorded call; ``iobundle validate`` runs onnxruntime on every
@@ -18,7 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from families import FAMILIES, Family, family, missing_requirement
+from behaviours import ZOO
+from families import Family, family, missing_requirement
 from harness import FamilyResult, run_families
 
 pytestmark = pytest.mark.slow
@@ -50,7 +53,7 @@ def zoo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
             if os.environ.get("PYTEST_XDIST_WORKER"):
                 batch = [entry]
             else:
-                batch = [f for f in FAMILIES if f.name in selected and f.name not in results]
+                batch = [f for f in ZOO if f.name in selected and f.name not in results]
             results.update(run_families(batch, root, jobs=JOBS))
             if RESULTS:  # for `matrix.py --from-results`: the support matrix of this test run
                 for name in [f.name for f in batch]:
@@ -62,7 +65,7 @@ def zoo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     return result
 
 
-@pytest.mark.parametrize("entry", FAMILIES, ids=[f.name for f in FAMILIES])
+@pytest.mark.parametrize("entry", ZOO, ids=[f.name for f in ZOO])
 def test_family_exports_and_validates_from_bundle(entry: Family, zoo: Callable[[Family], FamilyResult]) -> None:
     if missing_requirement(entry):
         pytest.skip(missing_requirement(entry))

@@ -20,7 +20,7 @@ converts, and listed on the export report's options when they changed something.
     and gives the same values.
 
 What depends only on constants and weights, folded (when the conversion lacks a translation)
-    A value computed from constants, parameters and buffers alone (a threshold from
+    A value computed from numbers, constants, parameters and buffers alone (a threshold from
     ``torch.distributions.Normal(0, 1).icdf(torch.tensor(0.95))``, which reaches the exporter as
     ``aten.erfinv``, decomposed into ``prims.erf_inv`` that has no translation) is computed once
     and becomes a constant of the program (:func:`fold_constants`): each such node whose op has
@@ -82,10 +82,10 @@ def _constant_inputs(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor
 
 
 def _foldable(node: torch.fx.Node, constant: set[torch.fx.Node]) -> bool:
-    """Whether ``node`` computes a value from the nodes of ``constant`` (and numbers) alone, deterministically."""
+    """Whether ``node`` computes a value from the nodes of ``constant`` and numbers (or numbers alone), deterministically."""
     import operator
 
-    if node.op != "call_function" or not all(n in constant for n in node.all_input_nodes) or not node.all_input_nodes:
+    if node.op != "call_function" or not all(n in constant for n in node.all_input_nodes):
         return False
     if node.target is operator.getitem:
         return True

@@ -392,15 +392,18 @@ def _per_value_set(
 ) -> ProgramSet | None:
     """When torch.export stopped on a size read from tensor values (``torch.split(x, lengths.tolist())``): one
     program per recorded value set of the inputs carrying it, each traced with those values fixed; None when
-    the failure is another, or fixing no integer input's values lets the first value set export.
+    the failure is another (a constraint on such an input's size counts), or no fixed values let the first set export.
 
     The inputs tried are those of :func:`_value_inputs`, each alone, then all together. Each program
     serves the calls holding its values (the program index's ``values``) and is checked on them;
     its report says which inputs fix sizes of its graph.
     """
-    if _DATA_DEPENDENT not in str(exc) or rc.signature.method is None:
+    text = str(exc)
+    if rc.signature.method is None or (_DATA_DEPENDENT not in text and "Constraints violated" not in text):
         return None
     dtypes = _value_inputs(rc)
+    if _DATA_DEPENDENT not in text and not any(f"L['{name}'].size()" in text for name in dtypes):
+        return None
     tries = [[name] for name in dtypes] + ([list(dtypes)] if len(dtypes) > 1 else [])
     alignment = align_calls(rc)
     for names in tries:
@@ -426,7 +429,7 @@ def _per_value_set(
             said = ", ".join(f"{n} = {v.data} (shape {v.shape})" for n, v in fixed.items())
             one.report.options.append(
                 f"traced with the values of {', '.join(names)} fixed ({said}): they fix sizes of the graph, "
-                "torch.export stopped on a guard on data-dependent sizes without them; serves the calls holding them"
+                "torch.export could not trace those sizes without them; serves the calls holding them"
             )
             program = PhaseProgram.of(one, Phase(f"p{number}", tuple(calls), phase.inputs), sub, None)
             program.values = fixed

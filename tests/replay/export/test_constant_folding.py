@@ -38,6 +38,14 @@ class BetaPrior(torch.nn.Module):
         return x * log_norm + torch.special.ndtri(self.level)
 
 
+class Smoothing(torch.nn.Module):
+    """A moving average weighted by a Bartlett window made at each call from numbers alone (no input node)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        taps = torch.bartlett_window(5, periodic=False)
+        return torch.nn.functional.conv1d(x.unsqueeze(1), (taps / taps.sum()).view(1, 1, 5), padding=2).squeeze(1)
+
+
 class Gate(torch.nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return torch.special.erfinv(torch.tanh(h) * 0.9)
@@ -64,7 +72,9 @@ def record(model: torch.nn.Module, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "build, op", [(SparseGate, "aten.erfinv"), (BetaPrior, "aten.lgamma")], ids=["normal_icdf", "beta_weights"]
+    "build, op",
+    [(SparseGate, "aten.erfinv"), (BetaPrior, "aten.lgamma"), (Smoothing, "aten.bartlett_window")],
+    ids=["normal_icdf", "beta_weights", "numbers_alone"],
 )
 def test_values_computed_from_constants_and_weights_alone_are_folded_before_onnx(build, op, tmp_path):
     torch.manual_seed(0)

@@ -30,6 +30,19 @@ def segments_calls() -> list[tuple[torch.Tensor, ...]]:
     return [(torch.randn(sum(c), 4), torch.tensor(c)) for c in counts]
 
 
+class Runs(Segments):
+    """Sums of the runs of ``x`` that ``counts`` gives, as many as it has values (none dropped)."""
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return torch.stack([part.sum(0) for part in torch.split(self.lin(x), counts.tolist())])
+
+
+def runs_calls() -> list[tuple[torch.Tensor, ...]]:
+    """2 to 4 counts: the trace specialises their number ("Constraints violated", not a data-dependent guard)."""
+    counts = [[2, 3], [1, 1, 4], [2, 3], [4, 1, 1, 2]]
+    return [(torch.randn(sum(c), 4), torch.tensor(c)) for c in counts]
+
+
 def qwen2_vl_vision() -> torch.nn.Module:
     transformers = pytest.importorskip("transformers")
     from transformers.models.qwen2_vl import modeling_qwen2_vl
@@ -51,6 +64,7 @@ def qwen2_vl_calls() -> list[tuple[torch.Tensor, ...]]:
 
 CASES = {
     "segments": (Segments, segments_calls, "counts"),
+    "runs": (Runs, runs_calls, "counts"),
     "qwen2_vl_vision": (qwen2_vl_vision, qwen2_vl_calls, "grid_thw"),
 }
 
@@ -67,7 +81,8 @@ def test_an_input_whose_values_fix_sizes_gets_one_program_per_recorded_value_set
             model(*args)
     observer.save(tmp_path / "m.iobundle")
     bundle = load_bundle(tmp_path / "m.iobundle")
-    # One program: "Could not guard on data-dependent expression" (torch.export).
+    # One program: "Could not guard on data-dependent expression" (torch.export); runs:
+    # "Constraints violated (L['counts'].size()[0])".
     result = bundle.export_programs(model)
     assert [p.phase.calls for p in result.programs] == [(0, 2), (1,), (3,)]  # calls 0 and 2 hold the same values
     assert result.ok and f"sizes read from the values of {carrier}" in result.reason
@@ -88,7 +103,7 @@ def test_an_input_whose_values_fix_sizes_gets_one_program_per_recorded_value_set
     counts = recorded[3][1].clone()
     counts.view(-1)[-1] -= 1
     with torch.no_grad(), other(model):
-        model(recorded[3][0][:-1] if case == "segments" else recorded[3][0][:-2], counts)
+        model(recorded[3][0][:-1] if case in ("segments", "runs") else recorded[3][0][:-2], counts)
     rows = other.check_discrepancies(index)
     assert rows[0]["SUCCESS"] is False and "serves call 0" in rows[0]["error"]
     assert f"{carrier} holding" in rows[0]["error"]

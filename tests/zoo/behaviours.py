@@ -1,0 +1,306 @@
+"""The zoo's cases of issue 28's classes of model behaviour, on models no fix was debugged on.
+
+Each class (:data:`families.CLASSES`) has at least two cases here, at least one of them outside
+transformers. They go through the zoo's path like every family (``harness.py``): the calls are
+observed here, the bundle saved, then exported and validated through the CLI in a fresh process
+from the bundle and, for a model the bundle does not store (plain torch, a vision tower), the
+model's code (``zoo_models.py``, given as ``--model``). The models the fixes were debugged on are
+in the tests of each mechanism and are not repeated here: ``Segments`` and Qwen2-VL's vision tower
+(``tests/replay/export/test_value_sizes.py``), ``PatchGrid``, Dinov2, ``PatchMask`` and
+``ClassToken`` (``test_strided_sizes.py``), ``SparseGate``, ``BetaPrior`` and ``Gated``
+(``test_constant_folding.py``), LoRA on Llama and GPT-2, a compiled Llama and quantized Llamas
+(``tests/replay/test_wrapped_models.py``).
+
+A case that does not pass is a known failure with the reason it fails, reported to the issue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import zoo_models
+from families import FAMILIES, Family, decoder_only
+
+__all__ = ["BEHAVIOURS", "ZOO"]
+
+PLAIN = "plain torch"
+
+
+def _calls(model: torch.nn.Module, recorded: dict[str, Any]) -> None:
+    """Call ``model`` once per entry of ``recorded["calls"]`` (positional arguments, or keyword arguments)."""
+    for args in recorded["calls"]:
+        model(**args) if isinstance(args, dict) else model(*args)
+
+
+def _plain(factory: str, *calls: tuple[torch.Tensor, ...]) -> Callable[[], tuple[torch.nn.Module, dict[str, Any]]]:
+    """A builder of ``zoo_models.<factory>()`` and the calls it receives."""
+    return lambda: (getattr(zoo_models, factory)(), {"calls": list(calls)})
+
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _packed(lengths: list[list[int]]) -> list[tuple[torch.Tensor, ...]]:
+    return [(_randn(sum(n), 8, seed=i), torch.tensor(n)) for i, n in enumerate(lengths)]
+
+
+def _grids(grids: list[list[list[int]]]) -> list[tuple[torch.Tensor, ...]]:
+    """Patches (one channel, 2 x 2 pixels) and the ``grid_thw`` of each call's images."""
+    return [(_randn(int(torch.tensor(g).prod(-1).sum()), 4, seed=i), torch.tensor(g)) for i, g in enumerate(grids)]
+
+
+# --------------------------------------------------------------------------- class 1: state kept on modules
+# Pending: its cases come with the mechanism that records module state (another change of issue 28).
+
+
+# --------------------------------------------------------------------------- class 2: sizes read from values
+
+GRIDS = [[[1, 2, 4], [1, 4, 2]], [[1, 4, 4], [1, 2, 2]], [[1, 2, 4], [1, 4, 2]], [[1, 2, 6], [1, 4, 4]]]
+MODALITIES = [[0, 1, 1, 2, 0], [2, 2, 0], [0, 1, 1, 2, 0], [1, 0, 1, 0, 2, 2, 1]]
+
+BEHAVIOURS: list[Family] = [
+    Family(
+        "modality_experts",
+        _plain("modality_experts", *[(_randn(len(m), 8, seed=i), torch.tensor(m)) for i, m in enumerate(MODALITIES)]),
+        notes="one expert per modality id: torch.split by torch.bincount(modality).tolist(); 3 value sets",
+        source=PLAIN,
+        classes=(2,),
+        run=_calls,
+        factory="zoo_models:modality_experts",
+        export_args=(),
+    ),
+    Family(
+        "packed_pooling",
+        _plain("packed_pooling", *_packed([[3, 2], [1, 4, 2], [3, 2], [5, 1, 1, 1]])),
+        notes="documents packed in one sequence, split by lengths.tolist(): 2 to 4 documents a call "
+        "(3 value sets of 3 shapes)",
+        source=PLAIN,
+        classes=(2,),
+        run=_calls,
+        factory="zoo_models:packed_pooling",
+        export_args=(),
+    ),
+    Family(
+        "qwen3_vl_vision",
+        _plain("qwen3_vl_vision", *_grids(GRIDS)),
+        notes="Qwen3-VL vision tower: position embeddings interpolated per image from grid_thw.tolist(), "
+        "2 images a call, 3 value sets",
+        classes=(2,),
+        run=_calls,
+        factory="zoo_models:qwen3_vl_vision",
+        export_args=(),
+    ),
+    Family(
+        "qwen2_5_vl_vision",
+        _plain("qwen2_5_vl_vision", *_grids(GRIDS)),
+        notes="Qwen2.5-VL vision tower: windows from grid_thw.tolist(), 2 images a call, 3 value sets",
+        classes=(2,),
+        run=_calls,
+        factory="zoo_models:qwen2_5_vl_vision",
+        export_args=(),
+        known_failure="with grid_thw's values fixed the trace still stops, on 'Could not guard on data-dependent "
+        "expression Eq(Max(0, u14 - Min(1, u14)), 0)' at cu_seqlens[1:] - cu_seqlens[:-1]: the window bounds "
+        "come from torch.unique_consecutive, whose size is data-dependent even on constant values; export "
+        "reports the unfixed trace's error ('Could not extract specialized integer from data-dependent "
+        "expression u9')",
+    ),
+]
+
+
+# --------------------------------------------------------------------------- class 3: sizes multiple of a stride
+
+SIDES = [(16, 16), (24, 32), (32, 24), (16, 16)]  # multiples of 8; 16 x 16 is ViT's 2 x 2 patches of 8
+
+
+def _vit() -> tuple[torch.nn.Module, dict[str, Any]]:
+    import transformers
+
+    config = transformers.ViTConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, patch_size=8, image_size=16
+    )
+    model = zoo_models._seeded(lambda: transformers.ViTModel(config))
+    calls = [
+        {"pixel_values": _randn(1, 3, *side, seed=i), "interpolate_pos_encoding": True} for i, side in enumerate(SIDES)
+    ]
+    return model, {"calls": calls}
+
+
+BEHAVIOURS += [
+    Family(
+        "tiny_unet",
+        _plain("tiny_unet", *[(_randn(1, 3, *side, seed=i),) for i, side in enumerate(SIDES)]),
+        notes="stride-2 convolutions down and up with skip connections at 3 resolutions, --dim-names: "
+        "sides exported as 8 * a dimension of their own",
+        source=PLAIN,
+        classes=(3,),
+        run=_calls,
+        factory="zoo_models:tiny_unet",
+        export_args=("--dim-names",),
+    ),
+    Family(
+        "padded_windows",
+        _plain(
+            "padded_windows",
+            *[(_randn(2, *side, 8, seed=i),) for i, side in enumerate([(8, 8), (10, 12), (16, 7), (8, 8)])],
+        ),
+        notes="Swin-style 4 x 4 windows, a side padded to a multiple of 4 when it is not one",
+        source=PLAIN,
+        classes=(3,),
+        run=_calls,
+        factory="zoo_models:padded_windows",
+        export_args=(),
+        known_failure="the program traced from an unpadded call refuses the padded ones on 'Guard failed: "
+        "x.size()[1] % 4 == 0', not split: 'the guard names x.size()[1] % 4, not a size of a tensor the program "
+        "takes' (a size rule has no remainder)",
+    ),
+    Family(
+        "vit_interpolated",
+        _vit,
+        notes="ViT with interpolate_pos_encoding=True at 16 x 16 (its trained grid), 24 x 32, 32 x 24",
+        classes=(3,),
+        run=_calls,
+        export_args=(),
+        known_failure="the program traced at the trained grid refuses the non-square calls on 'Guard failed: "
+        "pixel_values.size()[3] == pixel_values.size()[2]', not split: the guard 'does not compare sizes with "
+        "a number' (a size rule cannot relate two sizes)",
+    ),
+]
+
+
+# --------------------------------------------------------------------------- class 4: ops on constants only
+
+
+def _gemma3n() -> tuple[torch.nn.Module, dict[str, Any]]:
+    return decoder_only(
+        "Gemma3nTextConfig", "Gemma3nForCausalLM", head_dim=8, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=100, laurel_rank=4, altup_num_inputs=2, num_kv_shared_layers=0,
+        activation_sparsity_pattern=[0.95, 0.0], layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8, intermediate_size=[64, 64],
+    )()  # fmt: skip
+
+
+BEHAVIOURS += [
+    Family(
+        "orthogonal_mixer",
+        _plain("orthogonal_mixer", *[(_randn(rows, 8, seed=rows),) for rows in (2, 3, 5)]),
+        notes="torch.nn.utils.parametrizations.orthogonal (householder): the weight computed from parameters "
+        "at every call (linalg_householder_product)",
+        source=PLAIN,
+        classes=(4,),
+        run=_calls,
+        factory="zoo_models:orthogonal_mixer",
+    ),
+    Family(
+        "dirichlet_prior",
+        _plain("dirichlet_prior", *[(_randn(rows, 6, seed=rows),) for rows in (2, 3, 5)]),
+        notes="digamma of a learned Dirichlet's parameters added to log-probabilities",
+        source=PLAIN,
+        classes=(4,),
+        run=_calls,
+        factory="zoo_models:dirichlet_prior",
+    ),
+    Family(
+        "kaiser_lowpass",
+        _plain("kaiser_lowpass", *[(_randn(2, 1, length, seed=length),) for length in (32, 40, 57)]),
+        notes="low-pass taps from torch.kaiser_window and a learned cutoff at every call, signals of 3 lengths",
+        source=PLAIN,
+        classes=(4,),
+        run=_calls,
+        factory="zoo_models:kaiser_lowpass",
+    ),
+    Family(
+        "gemma3n_text",
+        _gemma3n,
+        notes="Gemma 3n text decoder: activation sparsity 0.95 in layer 0 (Normal(0, 1).icdf), AltUp, LAuReL, "
+        "per-layer inputs",
+        classes=(4,),
+    ),
+]
+
+
+# --------------------------------------------------------------------------- class 5: wrapped models
+
+
+def _qwen2_lora() -> tuple[torch.nn.Module, dict[str, Any]]:
+    import peft
+
+    model, kwargs = decoder_only("Qwen2Config", "Qwen2ForCausalLM")()
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    return zoo_models._seeded(lambda: peft.get_peft_model(model, config)), kwargs
+
+
+def _phi3_compiled() -> tuple[torch.nn.Module, dict[str, Any]]:
+    model, kwargs = decoder_only("Phi3Config", "Phi3ForCausalLM")()
+    model.model = torch.compile(model.model)
+    return model, kwargs
+
+
+def _generate_eagerly(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """``generate()`` with torch.compile's wrappers in place but run eagerly (compiling on CPU is slow)."""
+    with torch.compiler.set_stance("force_eager"):
+        model.generate(**kwargs)  # type: ignore[operator]
+
+
+def _compiled_calls(model: torch.nn.Module, recorded: dict[str, Any]) -> None:
+    with torch.compiler.set_stance("force_eager"):
+        _calls(model, recorded)
+
+
+BEHAVIOURS += [
+    Family(
+        "qwen2_lora",
+        _qwen2_lora,
+        notes="peft LoRA (rank 4, every projection) on Qwen2, generate() of the PeftModel, its Qwen2 observed: "
+        "stored merged under Qwen2ForCausalLM",
+        classes=(5,),
+        observe=lambda model: {"qwen2_lora": model.get_base_model()},
+        requires="peft",
+    ),
+    Family(
+        "phi3_compiled",
+        _phi3_compiled,
+        notes="Phi-3 whose decoder is wrapped by torch.compile (run eagerly): stored under its plain names",
+        classes=(5,),
+        run=_generate_eagerly,
+    ),
+    Family(
+        "lora_mlp",
+        _plain("lora_mlp", *[(_randn(rows, 8, seed=rows),) for rows in (2, 3, 5)]),
+        notes="peft LoRA on a plain torch MLP, the PeftModel observed; exported merged (merge_and_unload)",
+        source=PLAIN,
+        classes=(5,),
+        run=_calls,
+        factory="zoo_models:lora_mlp_merged",
+        requires="peft",
+        known_failure="recorded through PeftModel.forward(*args, **kwargs), exported on the merged MLP's "
+        "forward(x): torch.export refuses the dynamic shapes ('its top-level keys must be the arg names ['x'] "
+        "of `inputs`, but here they are ['args']')",
+    ),
+    Family(
+        "lora_mlp_wrapped",
+        _plain("lora_mlp", *[(_randn(rows, 8, seed=rows),) for rows in (2, 3, 5)]),
+        notes="peft LoRA on a plain torch MLP, the PeftModel observed and exported as it is (adapter unmerged)",
+        source=PLAIN,
+        classes=(5,),
+        run=_calls,
+        factory="zoo_models:lora_mlp",
+        requires="peft",
+    ),
+    Family(
+        "compiled_conv_stack",
+        _plain("compiled_conv_stack", *[(_randn(2, 2, length, seed=length),) for length in (6, 9, 12)]),
+        notes="a plain torch model wrapped by torch.compile (run eagerly), observed and exported as the wrapper",
+        source=PLAIN,
+        classes=(5,),
+        run=_compiled_calls,
+        factory="zoo_models:compiled_conv_stack",
+    ),
+]
+
+
+ZOO: list[Family] = [*FAMILIES, *BEHAVIOURS]
+"""Every entry of the zoo: the transformers families of ``families.py``, then the cases above."""
