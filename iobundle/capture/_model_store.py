@@ -191,11 +191,50 @@ def check_model(model: Any, observed: Any | None = None) -> tuple[str, str]:
             "class rebuilt from the config would not run them. Save a dequantized model (or one never "
             "quantized) with include_model, or save without include_model and rebuild the model yourself."
         )
-    for path, layer in _adapter_layers(model).items():
+    adapters = _adapter_layers(model)
+    for path, layer in adapters.items():
         inside = submodule == path or submodule.startswith(f"{path}.")
         if inside or not (hasattr(layer, "unload_and_optionally_merge_module") or hasattr(layer, "base_layer")):
             raise _unmergeable(layer, path, model, " (the observed module is part of it)" if inside else "")
+    differs = None if adapters else _rebuilt_differs(model)
+    if differs is not None:
+        raise ObserverArgumentError(
+            f"include_model cannot store this {type(model).__name__}: the one its config builds differs ({differs}). "
+            "It was built with arguments its config does not hold (such as add_pooling_layer=False), so the loader "
+            "could not rebuild it. Save without include_model and rebuild the model yourself (--model MODULE:FACTORY)."
+        )
     return submodule, _config_json(model)
+
+
+def _rebuilt_differs(model: Any) -> str | None:
+    """How the weights of ``model``'s class built from its config (on the meta device: nothing allocated) differ
+    from ``model``'s own, names and shapes; None when they agree, or when it cannot be built so (the loader says)."""
+    import copy
+
+    try:
+        with torch.device("meta"):
+            rebuilt = type(model)._from_config(copy.deepcopy(model.config))
+    except Exception:
+        return None
+    # stored as the weights are: without the _orig_mod. of a compiled submodule
+    own = {".".join(p for p in k.split(".") if p != "_orig_mod"): tuple(v.shape) for k, v in model.state_dict().items()}
+    built = {k: tuple(v.shape) for k, v in rebuilt.state_dict().items()}
+    missing, extra = sorted(built.keys() - own.keys()), sorted(own.keys() - built.keys())
+    shaped = sorted(k for k in own.keys() & built.keys() if own[k] != built[k])
+
+    def listed(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    parts = [
+        template.format(listed(names))
+        for template, names in (
+            ("it has {} that this one lacks", missing),
+            ("it lacks {} that this one has", extra),
+            ("{} differ in shape", shaped),
+        )
+        if names
+    ]
+    return "; ".join(parts) or None
 
 
 def _unmergeable(layer: Any, path: str, model: Any, why: str) -> ObserverArgumentError:

@@ -213,3 +213,37 @@ def test_other_peft_methods_are_merged_too(tmp_path: Path, method: str) -> None:
     with torch.no_grad():
         torch.testing.assert_close(rebuilt(ids).logits, model(input_ids=ids).logits, rtol=0, atol=1e-5)
         assert not torch.allclose(model.get_base_model()(ids).logits, tiny_llama()(ids).logits)
+
+
+@pytest.mark.parametrize("family", ["vit", "bert"])
+def test_a_model_built_with_arguments_its_config_does_not_hold_is_refused_before_anything_is_written(
+    tmp_path: Path, family: str
+) -> None:
+    """``ViTModel(config, add_pooling_layer=False)``: its config rebuilds a model with a pooler the bundle lacks."""
+    from transformers import BertConfig, BertModel, ViTConfig, ViTModel
+
+    if family == "vit":
+        config = ViTConfig(
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            image_size=28,
+            patch_size=14,
+        )
+        model, call = ViTModel(config, add_pooling_layer=False).eval(), {"pixel_values": torch.randn(1, 3, 28, 28)}
+    else:
+        config = BertConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+        )
+        model, call = BertModel(config, add_pooling_layer=False).eval(), {"input_ids": torch.tensor([[3, 4, 5]])}
+    path = tmp_path / f"{family}.iobundle"
+    with pytest.raises(
+        CaptureError, match=r"its config builds differs \(it has pooler\.dense\.bias, pooler\.dense\.weight"
+    ):
+        record(model, lambda: model(**call), path)
+    assert not path.exists()
+    kept = ViTModel(config) if family == "vit" else BertModel(config)  # built from its config alone: stored
+    record(kept.eval(), lambda: kept(**call), path)
+    with torch.no_grad():
+        assert torch.equal(load_bundle_model(path)(**call).last_hidden_state, kept(**call).last_hidden_state)
