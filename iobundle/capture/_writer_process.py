@@ -376,6 +376,7 @@ class WriterProcess:
             group: list[str] = []
             last_dtype = last_shape = None
             nbytes = step = 0
+            cpu = True
             for key in new:
                 try:
                     tensor = get(key)
@@ -385,7 +386,11 @@ class WriterProcess:
                     continue
                 dtype, shape = tensor.dtype, tensor.shape
                 if not (
-                    dtype is last_dtype and shape == last_shape and tensor.layout is strided and tensor.is_contiguous()
+                    dtype is last_dtype
+                    and shape == last_shape
+                    and tensor.is_cpu  # only CPU tensors share a spec: a device tensor is checked on its own
+                    and tensor.layout is strided
+                    and tensor.is_contiguous()
                 ):
                     name = names.get(dtype)
                     if name is None and (name := dtype_name(dtype)) is not None:
@@ -399,12 +404,11 @@ class WriterProcess:
                     group = [key]
                     device = "cpu" if cpu else str(tensor.device)
                     specs.append((group, ("tensor", name, tuple(shape), device, total, nbytes)))
-                    # only CPU tensors share a spec: each device tensor is checked on its own
                     last_dtype, last_shape = (dtype, shape) if cpu else (None, None)
                 else:
-                    group.append(key)
+                    group.append(key)  # a CPU tensor, as the group's first
                 if nbytes:
-                    (copies if last_dtype is not None or tensor.is_cpu else on_device).append((tensor, total, nbytes))
+                    (copies if cpu else on_device).append((tensor, total, nbytes))
                 total += step
             ring = self._child.ring
             with self._cond:
