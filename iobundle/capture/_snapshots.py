@@ -543,27 +543,28 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
                     self._memory[key] = snapshot_tensor(self._memory[key])
 
     def released(self, key: str) -> None:
-        """The bytes of ``key`` are in its file (not complete yet): recycle its buffer now if it is pooled.
+        """The bytes of ``key`` are written (its file not complete yet) or in a writer process's ring: let it go.
 
-        Called by the writer (or its hashing thread) while the file is being written; the key
-        stays readable, ``get`` waiting for :meth:`written` or :meth:`discard`.
+        A pooled buffer goes back to the pool, a large tensor of the model's held by reference is
+        let go. Called by the writer (or its hashing thread) while the file is being written, or
+        once a call's bytes are in the ring; the key stays readable, ``get`` waiting for
+        :meth:`written` or :meth:`discard`.
         """
         pool = self.pool
         if pool is None:
             return
         with self._lock:
             tensor = self._memory.get(key)
-            if (
-                tensor is None
-                or key in self._lent
-                or key in self.retained
-                or key in self._referenced
-                or not _poolable(tensor)
-            ):
+            if tensor is None or key in self._lent or key in self.retained:
+                return
+            referenced = key in self._referenced
+            if not (_poolable(tensor) if not referenced else tensor.nbytes >= POOLED_MIN_BYTES):
                 return
             del self._memory[key]
+            self._referenced.pop(key, None)
             self._pending[key] = _Pending(dtype=tensor.dtype, shape=tuple(tensor.shape), device=str(tensor.device))
-        _give_back(pool, tensor)
+        if not referenced:
+            _give_back(pool, tensor)
 
     def written(self, rows: Iterable[TensorRow], root: Path, sizes: dict[str, int]) -> None:
         """Forget the snapshots of the tensors ``rows`` describe, now in their files; recycle their buffers.

@@ -43,6 +43,7 @@ import torch
 from iobundle.calls import NAME_TO_DTYPE, Packed, PinnedStager, dtype_name
 from iobundle.capture._call_json import CallJson
 from iobundle.capture._entries import TensorRow, call_keys, entry_row, mark_incomplete
+from iobundle.capture._snapshots import POOLED_MIN_BYTES
 from iobundle.capture._writer import BundleWriter
 from iobundle.errors import BundleWriteError, UnsupportedInputError
 from iobundle.schema import CallEntry, FileEntry
@@ -53,8 +54,16 @@ RING_BYTES = 4 * 1024 * 1024
 """Initial size of the shared ring; it grows for a call that does not fit, and back between streams."""
 
 ANSWERS_AT_ONCE = 16
-"""While more calls wait in its pipe, the child answers up to this many calls in one message: each
-message wakes the recording process's reader thread, which then takes the interpreter lock from the model."""
+"""The child answers up to this many calls in one message. Each message wakes the recording process's
+reader thread, which then takes the interpreter lock from the model: answered one by one, a 32-layer
+decode step cost 1-2 ms more (the model thread waiting for the lock and handing it back at every
+torch op), answered in sixteens 0.4-0.9 ms more (2-core machine, the figure 1f model, SCHED_FIFO)."""
+
+ANSWER_AFTER_IDLE_S = 0.02
+"""The child answers the calls it wrote once no call came for this long (or at once, ``durable``;
+and whenever the recording process asks: a ``submit`` that waits for room, :meth:`WriterProcess.wait_idle`,
+the end of the stream). A decode loop hands it a call every few milliseconds: one answer per
+:data:`ANSWERS_AT_ONCE` calls. Until answered, a call's snapshots stay readable in memory."""
 
 CONSUMED_EARLY_BYTES = 1024 * 1024
 """A call whose tensors take at least this much of the ring gets its range back as soon as the child
@@ -306,6 +315,7 @@ class WriterProcess:
         writer: BundleWriter,
         get: Callable[[str], torch.Tensor],
         *,
+        released: Callable[[str], None],
         durable: bool,
         done: Done,
         gone: Callable[[list[CallEntry], bool, str], None],
@@ -314,6 +324,7 @@ class WriterProcess:
         self.path = writer.path
         self._writer = writer
         self._get = get
+        self._released = released
         self._durable = durable
         self._done = done
         self._gone = gone
@@ -374,6 +385,7 @@ class WriterProcess:
             # Tensors of one dtype and shape in a row (a cache's layers) share one spec: the child finds
             # each at the next aligned offset. Once per new tensor of every call: kept lean.
             group: list[str] = []
+            pooled: list[str] = []  # copies that may hold a pooled buffer: back to the pool once in the ring
             last_dtype = last_shape = None
             nbytes = step = 0
             cpu = True
@@ -409,6 +421,8 @@ class WriterProcess:
                     group.append(key)  # a CPU tensor, as the group's first
                 if nbytes:
                     (copies if cpu else on_device).append((tensor, total, nbytes))
+                    if cpu and nbytes >= POOLED_MIN_BYTES:
+                        pooled.append(key)
                 total += step
             ring = self._child.ring
             with self._cond:
@@ -424,6 +438,7 @@ class WriterProcess:
                         start = ring.take(seq, total)
                     if start is not None:
                         break
+                    self._ask()
                     self._cond.wait()
                 self._calls[seq] = call
                 view = ring.view
@@ -435,6 +450,8 @@ class WriterProcess:
                     memmove(base + offset, tensor.data_ptr(), nbytes)
             finally:
                 self._copied()
+            for key in pooled:  # the child may answer many calls later: no copy waits for these buffers
+                self._released(key)
             self._sent.update(new)
             message = ("call", seq, call_json, start, specs)
             if on_device:  # sent by the next submit (or close): the copies run meanwhile
@@ -507,9 +524,18 @@ class WriterProcess:
         """Wait until the child has answered every call handed to it (or is gone)."""
         with self._submit_lock:
             self._flush()
+            if self._calls:  # read without the condition: a call answered meanwhile costs one message
+                self._ask()
         with self._cond:
             while self._calls and not self._dead:
                 self._cond.wait()
+
+    def _ask(self) -> None:
+        """Ask the child to answer the calls it wrote now, not after :data:`ANSWER_AFTER_IDLE_S` (holding the submit lock)."""
+        try:
+            self._child.send(("answer",))
+        except OSError:
+            pass  # the child is gone: the reader thread reports it
 
     def close(self) -> None:
         """Wait until the child has written every call and synced its files (unless durable).
@@ -630,9 +656,9 @@ def serve() -> None:
     writer: BundleWriter | None = None
     durable = False
     journal_error: str | None = None
-    done: list[tuple[Any, ...]] = []  # answers not sent yet: sent together while more calls wait
+    done: list[tuple[Any, ...]] = []  # answers not sent yet (ANSWERS_AT_ONCE, ANSWER_AFTER_IDLE_S)
     while True:
-        if done and (len(done) >= ANSWERS_AT_ONCE or not inbox.poll(0)):
+        if done and (durable or len(done) >= ANSWERS_AT_ONCE or not inbox.poll(ANSWER_AFTER_IDLE_S)):
             answer(("done", done))
             done = []
         try:
