@@ -543,28 +543,53 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
                     self._memory[key] = snapshot_tensor(self._memory[key])
 
     def released(self, key: str) -> None:
-        """The bytes of ``key`` are written (its file not complete yet) or in a writer process's ring: let it go.
+        """The bytes of ``key`` are in its file (not complete yet): recycle its buffer now if it is pooled.
 
-        A pooled buffer goes back to the pool, a large tensor of the model's held by reference is
-        let go. Called by the writer (or its hashing thread) while the file is being written, or
-        once a call's bytes are in the ring; the key stays readable, ``get`` waiting for
-        :meth:`written` or :meth:`discard`.
+        Called by the writer (or its hashing thread) while the file is being written; the key
+        stays readable, ``get`` waiting for :meth:`written` or :meth:`discard`.
         """
         pool = self.pool
         if pool is None:
             return
         with self._lock:
             tensor = self._memory.get(key)
-            if tensor is None or key in self._lent or key in self.retained:
-                return
-            referenced = key in self._referenced
-            if not (_poolable(tensor) if not referenced else tensor.nbytes >= POOLED_MIN_BYTES):
+            if (
+                tensor is None
+                or key in self._lent
+                or key in self.retained
+                or key in self._referenced
+                or not _poolable(tensor)
+            ):
                 return
             del self._memory[key]
-            self._referenced.pop(key, None)
             self._pending[key] = _Pending(dtype=tensor.dtype, shape=tuple(tensor.shape), device=str(tensor.device))
-        if not referenced:
-            _give_back(pool, tensor)
+        _give_back(pool, tensor)
+
+    def in_ring(self, groups: list[tuple[list[str], torch.dtype, tuple[int, ...]]]) -> None:
+        """The bytes of these CPU snapshots (``(keys, dtype, shape)`` groups) are in a writer process's ring.
+
+        Memory lets them go at once (a pooled buffer back to the pool, a tensor of the model's
+        referenced let go): the child answers many calls at once, and a snapshot kept until then
+        would outlive a young collection, for Python's full collections to walk. The keys stay
+        readable, ``get`` waiting for :meth:`written` or :meth:`discard`.
+        """
+        pool, recycle = self.pool, []
+        memory, pending, referenced, lent = self._memory, self._pending, self._referenced, self._lent
+        with self._lock:
+            for keys, dtype, shape in groups:
+                meta = _Pending(dtype=dtype, shape=shape, device="cpu")
+                for key in keys:
+                    tensor = memory.pop(key, None)
+                    if tensor is None:
+                        continue
+                    pending[key] = meta
+                    if referenced.pop(key, None) is None and tensor.nbytes >= POOLED_MIN_BYTES:
+                        recycle.append((tensor, key in lent or key in self.retained))
+        for tensor, kept in recycle:
+            if not kept and pool is not None and _poolable(tensor):
+                _give_back(pool, tensor)
+            else:
+                self._drop(tensor)
 
     def written(self, rows: Iterable[TensorRow], root: Path, sizes: dict[str, int]) -> None:
         """Forget the snapshots of the tensors ``rows`` describe, now in their files; recycle their buffers.

@@ -143,7 +143,7 @@ class CallStream:
                 self.process = WriterProcess(
                     writer,
                     functools.partial(table.for_writing, wait=False),
-                    released=table.released,
+                    released=table.in_ring,
                     durable=durable,
                     done=self._answered,
                     gone=self._process_gone,

@@ -43,7 +43,6 @@ import torch
 from iobundle.calls import NAME_TO_DTYPE, Packed, PinnedStager, dtype_name
 from iobundle.capture._call_json import CallJson
 from iobundle.capture._entries import TensorRow, call_keys, entry_row, mark_incomplete
-from iobundle.capture._snapshots import POOLED_MIN_BYTES
 from iobundle.capture._writer import BundleWriter
 from iobundle.errors import BundleWriteError, UnsupportedInputError
 from iobundle.schema import CallEntry, FileEntry
@@ -315,7 +314,7 @@ class WriterProcess:
         writer: BundleWriter,
         get: Callable[[str], torch.Tensor],
         *,
-        released: Callable[[str], None],
+        released: Callable[[list[tuple[list[str], torch.dtype, tuple[int, ...]]]], None],
         durable: bool,
         done: Done,
         gone: Callable[[list[CallEntry], bool, str], None],
@@ -385,7 +384,7 @@ class WriterProcess:
             # Tensors of one dtype and shape in a row (a cache's layers) share one spec: the child finds
             # each at the next aligned offset. Once per new tensor of every call: kept lean.
             group: list[str] = []
-            pooled: list[str] = []  # copies that may hold a pooled buffer: back to the pool once in the ring
+            in_ring: list[tuple[list[str], torch.dtype, tuple[int, ...]]] = []  # the CPU groups, copied below
             last_dtype = last_shape = None
             nbytes = step = 0
             cpu = True
@@ -413,16 +412,16 @@ class WriterProcess:
                         continue
                     nbytes, cpu = tensor.nbytes, tensor.is_cpu
                     step = (nbytes + _ALIGN - 1) & -_ALIGN
-                    group = [key]
+                    group, shape = [key], tuple(shape)
                     device = "cpu" if cpu else str(tensor.device)
-                    specs.append((group, ("tensor", name, tuple(shape), device, total, nbytes)))
+                    specs.append((group, ("tensor", name, shape, device, total, nbytes)))
                     last_dtype, last_shape = (dtype, shape) if cpu else (None, None)
+                    if cpu:
+                        in_ring.append((group, dtype, shape))
                 else:
                     group.append(key)  # a CPU tensor, as the group's first
                 if nbytes:
                     (copies if cpu else on_device).append((tensor, total, nbytes))
-                    if cpu and nbytes >= POOLED_MIN_BYTES:
-                        pooled.append(key)
                 total += step
             ring = self._child.ring
             with self._cond:
@@ -450,8 +449,7 @@ class WriterProcess:
                     memmove(base + offset, tensor.data_ptr(), nbytes)
             finally:
                 self._copied()
-            for key in pooled:  # the child may answer many calls later: no copy waits for these buffers
-                self._released(key)
+            self._released(in_ring)  # the child answers many calls later: memory keeps none of these
             self._sent.update(new)
             message = ("call", seq, call_json, start, specs)
             if on_device:  # sent by the next submit (or close): the copies run meanwhile
