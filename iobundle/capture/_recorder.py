@@ -177,7 +177,7 @@ class CallRecorder:
                 f"This observer recorded {self._rc.signature.qualname} before; it cannot also record "
                 f"{sig.qualname} with another signature. Use one InputObserver per method."
             )
-        budget: dict[str, Any] = {"left": store_n_calls, "state": StateWatch(model)}
+        budget: dict[str, Any] = {"left": store_n_calls, "state": StateWatch(model, min(2, store_n_calls))}
         had_instance_attr = method_name in getattr(model, "__dict__", {})
 
         @functools.wraps(method)
