@@ -24,22 +24,38 @@ _Place = tuple[str, dict[str, Any], str]  # module path, the table holding the n
 _NUMBERS = frozenset({int, float})  # attributes of these types are watched too: state iobundle cannot record
 
 
-def _places(model: torch.nn.Module) -> tuple[list[_Place], list[_Place]]:
-    """Where the tree holds tensors (parameters, buffers, tensor attributes), and numbers: 1.5-6 ms for a
-    32-layer tiny Llama (420 modules, 8,500 attributes); walked when the block is entered and after the first
-    watched call, which the next ones reuse."""
+def _places(model: torch.nn.Module) -> tuple[list[_Place], list[_Place], list[dict[str, Any]]]:
+    """Where the tree holds tensors (parameters, buffers, tensor or None attributes), and numbers: 1.5-6 ms for
+    a 32-layer tiny Llama (420 modules, 8,500 attributes); walked when the block is entered, and again after a
+    watched call that added attributes, parameters or buffers (:func:`_sizes`, 0.1 ms)."""
     places: list[_Place] = []
     numbers: list[_Place] = []
+    modules = []
     for prefix, module in model.named_modules(prefix="model"):
         attributes = module.__dict__
+        modules.append(attributes)
         for name, value in attributes.items():
-            if isinstance(value, torch.Tensor):
+            if value is None or isinstance(value, torch.Tensor):  # None: a tensor may be bound there later
                 places.append((prefix, attributes, name))
             elif type(value) in _NUMBERS:
                 numbers.append((prefix, attributes, name))
         for table in (attributes["_parameters"], attributes["_buffers"]):
-            places.extend((prefix, table, name) for name, value in table.items() if isinstance(value, torch.Tensor))
-    return places, numbers
+            places.extend((prefix, table, name) for name in table)
+    return places, numbers, modules
+
+
+def _sizes(modules: list[dict[str, Any]]) -> list[int]:
+    """How many attributes, parameters, buffers and submodules each module (its ``__dict__``) holds: what
+    tells a new place."""
+    sizes: list[int] = []
+    for attributes in modules:
+        sizes += (
+            len(attributes),
+            len(attributes["_parameters"]),
+            len(attributes["_buffers"]),
+            len(attributes["_modules"]),
+        )
+    return sizes
 
 
 def _tensors(places: list[_Place], copy: bool = False) -> dict[tuple[str, str], _Held]:
@@ -79,11 +95,12 @@ class StateWatch:
         self._model, self._left = model, calls if isinstance(model, torch.nn.Module) else 0
         # where the tree holds tensors and numbers: walked here (when the block is entered, not inside
         # the first call), then again after the first watched call (a tensor it built lazily)
-        self._known: tuple[list[_Place], list[_Place]] | None = None
-        self._walked_after = False
+        self._known: tuple[list[_Place], list[_Place], list[dict[str, Any]]] | None = None
+        self._sizes: list[int] | None = None
         if self._left:
             try:
                 self._known = _places(model)
+                self._sizes = _sizes(self._known[2])
             except Exception:  # observation never breaks the observed program: the first call walks it
                 pass
         self.found: dict[str, _Place] = {}  # the state, by path, once a watched call changed it
@@ -100,7 +117,7 @@ class StateWatch:
             return None
         self._left -= 1
         try:
-            tensors, numbers = self._known if self._known is not None else _places(self._model)
+            tensors, numbers, _ = self._known if self._known is not None else _places(self._model)
             return _tensors(tensors, copy=True), numbers, [table.get(name) for _, table, name in numbers]
         except Exception:  # observation never breaks the observed program
             return None
@@ -115,8 +132,9 @@ class StateWatch:
         """
         (before, numbers, numbers_before), paths, first_in = held, [], {}
         try:
-            if not self._walked_after:  # later watched calls look where this one left tensors (a lazily built one too)
-                self._known, self._walked_after = _places(self._model), True
+            if self._known is None or _sizes(self._known[2]) != self._sizes:  # a place added (a tensor built lazily)
+                self._known = _places(self._model)
+                self._sizes = _sizes(self._known[2])
             after = _tensors(self._known[0])
             self.numbers = [
                 f"{prefix}.{name}"

@@ -177,7 +177,7 @@ class CallRecorder:
                 f"This observer recorded {self._rc.signature.qualname} before; it cannot also record "
                 f"{sig.qualname} with another signature. Use one InputObserver per method."
             )
-        budget: dict[str, Any] = {"left": store_n_calls, "state": StateWatch(model, min(2, store_n_calls))}
+        budget: dict[str, Any] = {"left": store_n_calls}
         had_instance_attr = method_name in getattr(model, "__dict__", {})
 
         @functools.wraps(method)
@@ -191,6 +191,7 @@ class CallRecorder:
             stream = self._open_stream(target, overwrite=overwrite, durable=durable)
         self._observed_model = model
         setattr(model, method_name, recording_method)
+        budget["state"] = StateWatch(model, min(2, store_n_calls))  # walks the tree as the calls will find it
         entered = _EnteredModules(model) if store_n_calls else None
         budget["entered"] = entered
         try:

@@ -412,12 +412,12 @@ class WriterProcess:
                         continue
                     nbytes, cpu = tensor.nbytes, tensor.is_cpu
                     step = (nbytes + _ALIGN - 1) & -_ALIGN
-                    group, shape = [key], tuple(shape)
+                    group, dims = [key], tuple(shape)
                     device = "cpu" if cpu else str(tensor.device)
-                    specs.append((group, ("tensor", name, shape, device, total, nbytes)))
-                    last_dtype, last_shape = (dtype, shape) if cpu else (None, None)
+                    specs.append((group, ("tensor", name, dims, device, total, nbytes)))
+                    last_dtype, last_shape = (dtype, dims) if cpu else (None, None)
                     if cpu:
-                        in_ring.append((group, dtype, shape))
+                        in_ring.append((group, dtype, dims))
                 else:
                     group.append(key)  # a CPU tensor, as the group's first
                 if nbytes:
