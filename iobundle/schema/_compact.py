@@ -1,49 +1,10 @@
-"""Format versions 3, 4 and 5: the compact layout of ``manifest.json`` and of the journal's lines.
+"""Format versions 3 to 6: the compact layout of ``manifest.json`` and of the journal's lines.
 
-Versions 1 and 2 write every call's whole trees and one object per tensor and per file, indented:
-about 2.9 KiB per decoder step. Version 3 writes what repeats once. In memory nothing changes:
-reading gives the same :class:`~iobundle.schema.Manifest` (``calls``, ``tensors``, ``files``).
-
-The file is one JSON object, one line per top-level field, and one line per structure, call and file::
-
-    {"format":"iobundle","format_version":3,
-    "producer":{...},
-    "signature":{...},
-    "value_if_missing":[...],
-    "hash":"xxh3-128",
-    "structures":[
-    {"args":[{"kind":"tensor","slot":0},{"kind":"list","items":[{"kind":"tensor","slot":1}]}],"kwargs":{},
-     "outputs":{"kind":"tensor","slot":2}}],
-    "calls":[
-    {"index":0,"structure":0,"keys":["t0","t1","t2"],"latency":0.0012},
-    {"index":1,"structure":0,"keys":["t3","t2","t4"],"latency":0.0009}],
-    "files":{
-    "calls/000000.safetensors":{"size":512,"digest":"2b47...","tensors":{"t0":["I64",[1,3]],"t1":["F32",[1,2,3,8]]}},
-    "calls/000001.safetensors":{"size":300,"digest":"cb84...","tensors":{"t4":["F32",[1,2,4,8],["t2",2]]}}}}
-
-- ``structures``: what a call is besides its tensors: ``args``, ``kwargs``, ``outputs`` and ``state``
-  (omitted when None), ``cst_kwargs`` and ``filled`` (omitted when empty). Trees are those of versions 1 and 2 (see
-  :mod:`iobundle.schema._manifest`), except that a tensor is a numbered slot, ``{"kind": "tensor",
-  "slot": n}``, numbered 0, 1, 2... in the order met: args, then kwargs, outputs, state, depth first.
-- ``calls``: per call, ``index``, the ``structure`` it has (its position in ``structures``) and the
-  ``keys`` of its tensors, slot by slot; then ``latency``, and ``status`` and ``error`` unless the call
-  is ``"ok"``. Calls sharing tensors (a cache passed from one step to the next) share keys.
-- ``hash``: the integrity hash of every file that names none; a file entry gives ``size``, ``digest``
-  and, for another algorithm, ``hash``.
-- ``files[name].tensors``: the tensors the file holds, by key, in the order they are stored:
-  ``[dtype, shape]``, then optionally what the tensor extends, ``[key, dim]`` or ``null``, then
-  optionally ``{"device": ..., "name": ...}`` for a device other than ``"cpu"`` or a name in the
-  file other than the key. A tensor may only extend a tensor listed before it.
-
-A journal (:mod:`iobundle.schema._journal`) of format version 3 starts with this object on one line,
-plus ``"journal": 1``; each call is then one line, ``{"call": {...}, "files": {...}}``: the call's
-record with its structure written out in place of its number, and the files it added, each naming
-its ``hash``.
-
-Format version 4 adds segment files (a record gives ``ranges``, ``[call, start, length, digest]``
-per call, instead of ``digest``; its tensors' offsets follow from their order), version 5 a call's
-``autocast``, and in version 6 (written now) a segment's first range starts past its header region.
-``docs/format.md`` is their specification.
+Versions 1 and 2 write every call's whole trees and one object per tensor and per file; version 3
+writes what repeats once: each distinct call structure (trees whose tensors are numbered slots), per
+call the ``keys`` of its slots, and per file the rows of its tensors. Version 4 adds segments, 5 a
+call's ``autocast``, 6 (written now) a segment's header region. ``docs/format.md`` is their
+specification. In memory nothing changes: reading gives the same :class:`~iobundle.schema.Manifest`.
 
 Reading (:mod:`iobundle.schema._compact_read`) checks everything versions 1 and 2 check (limits,
 tensor ranks and sizes, extensions) and keeps compact rows (:mod:`iobundle.schema._deferred`); a

@@ -1,39 +1,22 @@
 """Read and write ``manifest.json``: limits first, then the format marker, then the models.
 
-A manifest is untrusted input (bundles are attached to bug reports). Reading one checks, in order:
+A manifest is untrusted input (bundles are attached to bug reports); ``docs/format.md`` ("What a
+reader must check") lists what reading refuses. The order: the file's size (:data:`MAX_MANIFEST_BYTES`),
+JSON, ``format`` and ``format_version`` (:class:`~iobundle.errors.UnsupportedFormatVersionError`,
+naming both), the nesting depth (:data:`MAX_NESTING_DEPTH`) and counts (:data:`MAX_CALLS`,
+:data:`MAX_TENSORS`), the pydantic models (``extra="forbid"``), then what models cannot express: ranks
+and element counts (:data:`MAX_TENSOR_RANK`, :data:`MAX_TENSOR_ELEMENTS`), unique call indices, dict
+nodes, fields newer than the version, extensions (an earlier tensor, a compatible shape, chains of at
+most :data:`MAX_EXTENSION_DEPTH`).
 
-- ``manifest.json`` is a regular file inside the bundle directory (not a FIFO, a device, or a
-  symlink leading out of the bundle), of at most :data:`MAX_MANIFEST_BYTES` bytes (256 MiB);
-- it is UTF-8 JSON whose top level is an object;
-- ``format`` is ``"iobundle"`` and ``format_version`` one of ``SUPPORTED_FORMAT_VERSIONS``
-  (otherwise :class:`~iobundle.errors.UnsupportedFormatVersionError`, naming both);
-- JSON nesting is at most :data:`MAX_NESTING_DEPTH` levels (100);
-- at most :data:`MAX_CALLS` calls (100 000) and :data:`MAX_TENSORS` tensors (10 000 000);
-- the pydantic models accept it (``extra="forbid"``: an unknown field is an error);
-- every tensor has at most :data:`MAX_TENSOR_RANK` dimensions (64) and a shape whose element
-  count, zero dimensions ignored, stays at most :data:`MAX_TENSOR_ELEMENTS` (2**62), so that any
-  shape fits a 64-bit size;
-- no two calls have the same ``index`` (their tensor files and converted files are named after it);
-- every dict node has as many keys as items, and no key twice;
-- format version 1 holds no format-2 field (``extends``, ``hash``/``digest``); version 2 may also
-  record a file's hash as ``sha256`` (what version 1 wrote, e.g. a file copied from a version-1 bundle);
-- every ``extends`` (format 2) names a tensor listed *before* it (so references never form a cycle),
-  of the same dtype and rank, whose shape equals the tensor's except along ``dim``, where it is at
-  most as long; chains of extensions are at most :data:`MAX_EXTENSION_DEPTH` (100 000) long.
-
-Format versions 3 and 4 (:mod:`iobundle.schema._compact`; :func:`dump_manifest` writes 4) are checked
-with the same rules and limits: the nesting depth and the pydantic models apply to everything but
-its bulk (``calls`` and ``files``), whose entries have a fixed shape and are checked field by field
-(each call's keys against its structure's tensor slots, each tensor row's dtype, shape and
-extension; a version-4 segment's ranges lie back to back from byte 0 to its size, and its
-tensors fill them exactly, each inside one range); it is then kept as compact rows in a
-:class:`~iobundle.schema.Manifest` whose calls' trees and tensor entries are built on first access
-(:mod:`iobundle.schema._deferred`). The cyclic garbage
-collector is paused while a manifest is parsed (:func:`iobundle._collector.collector_paused`).
+Format versions 3 to 6 (:mod:`iobundle.schema._compact`) are checked with the same rules and limits:
+the models check all but the bulk (``calls`` and ``files``), which is checked field by field and kept
+as compact rows (:mod:`iobundle.schema._deferred`). The cyclic garbage collector is paused while a
+manifest is parsed (:func:`iobundle._collector.collector_paused`).
 
 A limit exceeded raises :class:`~iobundle.errors.UnsafeBundleError`; anything else that is wrong
 raises :class:`~iobundle.errors.ManifestError`. Both name the file and the offending field.
-Limits on tensor files (header size, byte spans) are checked by ``iobundle.replay`` when the file is read.
+Limits on tensor files (header size, byte spans) are checked when the file is read.
 """
 
 from __future__ import annotations

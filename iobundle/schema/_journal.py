@@ -1,28 +1,16 @@
 """``journal.jsonl``: the per-call journal of a bundle being streamed (format versions 2 to 6).
 
-While a stream is open, each call costs one appended line, not a rewrite of the whole manifest
-(whose size grows with the number of calls). ``manifest.json`` is written once, when the stream
-closes; the journal is then removed. A bundle whose writer was killed has a journal and no
-manifest: :func:`load_journal` rebuilds the manifest from it, with every call whose line is complete.
+While a stream is open, each call costs one appended line, not a rewrite of the whole manifest;
+``manifest.json`` is written once, when the stream closes, and the journal removed. A bundle whose
+writer was killed has a journal and no manifest: :func:`load_journal` rebuilds the manifest from it,
+with every call whose line is complete (``docs/format.md``, "The journal", specifies the lines).
 
-The journal is JSON Lines, each line ending with ``\\n``. Line 1, the head, is a manifest (what was
-written before the stream opened) plus ``"journal": 1``; its ``format_version`` says how the other
-lines read. Each following line is one call, appended once its tensor file is complete (renamed into place)
-and its bytes are in its segment:
-
-- format version 4 to 6 (6 written now): as version 3, and a call's small tensors go to a segment
-  (:mod:`iobundle.schema._compact`): the segment's record in the line gives the range the call
-  appended, ``"ranges": [[call, start, length, digest]]``, the ``size`` the segment has with it, and the
-  tensors stored in that range. Reading appends the range and the tensors to the segment's record
-  (the segment named a second time): a range must start where the segment ended, so the bytes a
-  killed writer left past the last complete line are never part of the bundle;
-- format version 3: the manifest of :mod:`iobundle.schema._compact` on one line, then
-  ``{"call": <call record>, "files": {<name>: <file record>}}`` per call: the call's compact record,
-  whose ``structure`` is the structure itself (an object) rather than its position, and the files
-  the call added with the tensors they hold, each naming its ``hash``. Reading numbers the distinct
-  structures in the order met;
-- format version 2: the head is a version-2 manifest, then ``{"call": <call entry>, "tensors":
-  {...}, "files": {...}}`` per call, the tensors and files that call added.
+Line 1, the head, is a manifest plus ``"journal": 1``; its ``format_version`` says how the other
+lines read. From version 3 each line is ``{"call": <call record>, "files": {<name>: <file record>}}``,
+the record's ``structure`` written out (reading numbers the distinct structures in the order met); a
+segment named again adds a range that must start where the segment ended, so the bytes a killed
+writer left past the last complete line are never part of the bundle. In version 2 a line is
+``{"call": <call entry>, "tensors": {...}, "files": {...}}``.
 
 A last line without its ``\\n`` was cut short by the writer's death: it is ignored. Everything else
 is validated as ``manifest.json`` is (:func:`iobundle.schema.validate_manifest`), limits included;
