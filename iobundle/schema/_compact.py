@@ -18,7 +18,7 @@ import json
 from collections.abc import Hashable
 from typing import Annotated, Any, Final, Literal, Union
 
-from pydantic import BaseModel, Field, JsonValue, StrictInt, StrictStr
+from pydantic import Field, JsonValue, StrictInt, StrictStr
 
 from iobundle.errors import ManifestError
 from iobundle.schema._manifest import (
@@ -60,7 +60,7 @@ __all__ = [
     "CompactManifest",
     "FileRecord",
     "call_record",
-    "dump_compact",
+    "dump_manifest",
     "dumps",
     "file_records",
 ]
@@ -319,18 +319,16 @@ dumps = json.JSONEncoder(separators=(",", ":")).encode
 """Compact JSON text of plain data (one encoder: ``json.dumps`` with options builds one per call)."""
 
 
-def _model_json(model: BaseModel) -> str:
-    return model.model_dump_json()
-
-
 def written_version(manifest: Manifest) -> int:
-    """The format version :func:`dump_compact` writes ``manifest`` in: 6, or 5 for headerless segments."""
+    """The format version :func:`dump_manifest` writes ``manifest`` in: 6, or 5 for headerless segments."""
     headerless = any(f.ranges and f.ranges[0][1] == 0 for f in manifest.files.values())
     return 5 if headerless else COMPACT_VERSION
 
 
-def dump_compact(manifest: Manifest, *, one_line: bool = False) -> str:
-    """``manifest`` as format-version-6 JSON text: one line per field, structure, call and file.
+def dump_manifest(manifest: Manifest, *, one_line: bool = False) -> str:
+    """``manifest`` as the text of ``manifest.json``, format version 6 whatever version it was read from.
+
+    One line per field, structure, call and file.
 
     A manifest whose segments have no header region (read from version 4 or 5: their first range
     starts at byte 0) is written as version 5, which describes those files.
@@ -360,16 +358,16 @@ def dump_compact(manifest: Manifest, *, one_line: bool = False) -> str:
     head = [
         f'"format":{dumps(manifest.format)}',
         f'"format_version":{written_version(manifest)}',
-        f'"producer":{_model_json(manifest.producer)}',
-        f'"signature":{_model_json(manifest.signature)}',
-        f'"value_if_missing":[{",".join(_model_json(v) for v in manifest.value_if_missing)}]',
+        f'"producer":{manifest.producer.model_dump_json()}',
+        f'"signature":{manifest.signature.model_dump_json()}',
+        f'"value_if_missing":[{",".join(v.model_dump_json() for v in manifest.value_if_missing)}]',
         f'"hash":{dumps(default_hash)}',
         f'"structures":[{nl}{("," + nl).join(structures)}]',
         f'"calls":[{nl}{("," + nl).join(calls)}]',
         f'"files":{{{nl}{("," + nl).join(f"{dumps(k)}:{dumps(v)}" for k, v in files.items())}}}',
     ]
     if manifest.model is not None:
-        head.append(f'"model":{_model_json(manifest.model)}')
+        head.append(f'"model":{manifest.model.model_dump_json()}')
     if manifest.redacted is not None:
-        head.append(f'"redacted":{_model_json(manifest.redacted)}')
+        head.append(f'"redacted":{manifest.redacted.model_dump_json()}')
     return "{" + ("," + nl).join(head) + "}" + nl

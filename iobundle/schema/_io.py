@@ -40,7 +40,7 @@ from iobundle.errors import (
     UnsafeBundleError,
     UnsupportedFormatVersionError,
 )
-from iobundle.schema._compact import COMPACT_VERSIONS, dump_compact
+from iobundle.schema._compact import COMPACT_VERSIONS, dump_manifest
 from iobundle.schema._compact_read import _short, expand_compact
 from iobundle.schema._manifest import (
     FORMAT,
@@ -336,18 +336,6 @@ def read_member(root: Path, path: Path, *, appended: bool = False) -> bytes:
                 f"No {path.name} in '{root}'. Is it a directory written by observer.save()?"
             ) from exc
         raise ManifestError(f"{exc} ('{root}')") from exc
-
-
-def dump_manifest(manifest: Manifest) -> str:
-    """Return the manifest as the JSON text of ``manifest.json``, in the newest format version (4).
-
-    Whatever version ``manifest`` was read from, the text is format version 4 (see
-    :mod:`iobundle.schema._compact`): one line per top-level field, per call structure, per call and per file.
-
-    Raises:
-        ManifestError: The manifest cannot be written (a tensor names a file it does not list).
-    """
-    return dump_compact(manifest)
 
 
 def write_manifest(bundle_dir: str | os.PathLike[str], manifest: Manifest, *, durable: bool = True) -> Path:

@@ -27,7 +27,7 @@ from typing import Any
 
 from iobundle._collector import collector_paused
 from iobundle.errors import ManifestError, UnsafeBundleError
-from iobundle.schema._compact import COMPACT_VERSIONS, call_record, dump_compact, dumps, file_records
+from iobundle.schema._compact import COMPACT_VERSIONS, call_record, dump_manifest, dumps, file_records
 from iobundle.schema._deferred import tensor_rows, with_fields
 from iobundle.schema._io import JOURNAL_FILENAME, MAX_CALLS, read_member, validate_manifest
 from iobundle.schema._manifest import CallEntry, FileEntry, Manifest, TensorEntry
@@ -43,7 +43,7 @@ def journal_head_line(manifest: Manifest) -> bytes:
     Raises:
         ManifestError: The manifest cannot be written (see :func:`iobundle.schema.dump_manifest`).
     """
-    text = dump_compact(manifest, one_line=True)
+    text = dump_manifest(manifest, one_line=True)
     return b'{"journal":1,' + text[1:].encode("utf-8") + b"\n"
 
 
