@@ -53,7 +53,7 @@ from iobundle.schema._manifest import (
     duplicate_call_index,
 )
 
-__all__ = ["expand_compact"]
+__all__ = ["Reader", "expand_compact"]
 
 # -- fast construction of validated models ----------------------------------------------------
 
@@ -79,7 +79,7 @@ _HEX = {n: re.compile(f"[0-9a-f]{{{n}}}") for n in set(HASH_ALGORITHMS.values())
 Builder = Callable[[list[TensorNode]], Any]
 
 
-class _Reader:
+class Reader:
     """Checks and expands one compact manifest; errors name ``source`` and the field."""
 
     def __init__(self, source: str, max_tensors: int, max_rank: int, max_elements: int, max_chain: int) -> None:
@@ -350,7 +350,9 @@ class _Reader:
                         and had[:dim] == dims[:dim]
                         and had[dim + 1 :] == dims[dim + 1 :]
                     ):
-                        self.compatible(base_key, (base[2], had), key, dtype, dims, dim, f"files[{name!r}]")
+                        self.compatible(
+                            base_key, (base[2], had), dtype, dims, dim, f"files[{name!r}].tensors[{key!r}].extends"
+                        )
                     depth = depths[key] = depths.get(base_key, 0) + 1
                     if depth > max_chain:
                         self.fail(
@@ -393,16 +395,20 @@ class _Reader:
         return files, tensors
 
     def shape(self, dims: tuple[Any, ...], where: str) -> None:
+        """Check the shape of the tensor at ``where``: integers >= 0, rank and element count within the limits."""
+        hint = "The file is corrupt or hostile."
         if len(dims) > self.max_rank:
-            self.fail(f"{where}.shape", f"{len(dims)} dimensions, over the limit of {self.max_rank}", unsafe=True)
+            raise UnsafeBundleError(
+                f"{self.source}: {where}.shape has {len(dims)} dimensions, over the limit of {self.max_rank}. {hint}"
+            )
         count = 1
         for d in dims:
             if type(d) is not int or d < 0:
                 self.fail(f"{where}.shape", f"a dimension must be an integer >= 0, found {_short(d)}")
             count *= max(d, 1)
             if count > self.max_elements:
-                self.fail(f"{where}.shape", f"{list(dims)} is too large (more than {self.max_elements} elements)",
-                          unsafe=True)  # fmt: skip
+                raise UnsafeBundleError(f"{self.source}: {where}.shape {list(dims)} is too large "
+                                        f"(more than {self.max_elements} elements). {hint}")  # fmt: skip
 
     def extension(self, ext: Any, where: str) -> tuple[str, int]:
         if type(ext) is not list or len(ext) != 2 or type(ext[0]) is not str or type(ext[1]) is not int or ext[1] < 0:
@@ -411,9 +417,9 @@ class _Reader:
             )
         return ext[0], ext[1]
 
-    def compatible(self, base_key: str, base: tuple[str, tuple[int, ...]], key: str, dtype: str,
-                   dims: tuple[int, ...], dim: int, where: str) -> None:  # fmt: skip
-        at = f"{where}.tensors[{key!r}].extends"
+    def compatible(self, base_key: str, base: tuple[str, tuple[int, ...]], dtype: str, dims: tuple[int, ...],
+                   dim: int, at: str) -> None:  # fmt: skip
+        """Check that ``dtype`` ``dims`` (the tensor whose ``extends`` is ``at``) extends ``base`` along ``dim``."""
         if base[0] != dtype or len(base[1]) != len(dims) or dim >= len(dims):
             self.fail(at, f"{dtype} {list(dims)} cannot extend {base_key!r} ({base[0]} {list(base[1])}) along dim {dim}",
                       unsafe=True)  # fmt: skip
@@ -468,7 +474,7 @@ def expand_compact(
     for field in ("calls", "files"):
         if field not in raw:
             raise ManifestError(f"{source}: does not match the iobundle format:\n  {field}: Field required")
-    reader = _Reader(
+    reader = Reader(
         source,
         limits["tensors"],
         limits["rank"],

@@ -41,7 +41,7 @@ from iobundle.errors import (
     UnsupportedFormatVersionError,
 )
 from iobundle.schema._compact import COMPACT_VERSIONS, dump_manifest
-from iobundle.schema._compact_read import _short, expand_compact
+from iobundle.schema._compact_read import Reader, _short, expand_compact
 from iobundle.schema._manifest import (
     FORMAT,
     SUPPORTED_FORMAT_VERSIONS,
@@ -183,10 +183,11 @@ def validate_manifest(raw: Any, *, source: str = MANIFEST_FILENAME) -> Manifest:
         raise ManifestError(f"{source}: does not match the iobundle format:\n" + _describe(exc)) from exc
     except RecursionError as exc:
         raise UnsafeBundleError(f"{source}: structure too deep to validate.") from exc
+    reader = Reader(source, MAX_TENSORS, MAX_TENSOR_RANK, MAX_TENSOR_ELEMENTS, MAX_EXTENSION_DEPTH)
     _check_call_indices(manifest, source)
-    _check_tensor_shapes(manifest, source)
+    _check_tensor_shapes(manifest, reader)
     _check_version_fields(manifest, source)
-    _check_extensions(manifest, source)
+    _check_extensions(manifest, reader)
     _check_tree_list(manifest_trees(manifest), source)
     return manifest
 
@@ -212,20 +213,9 @@ def _check_call_indices(manifest: Manifest, source: str) -> None:
             raise ManifestError(f"{source}: calls[{i}].index: {duplicate_call_index(call.index, first)}.")
 
 
-def _check_tensor_shapes(manifest: Manifest, source: str) -> None:
+def _check_tensor_shapes(manifest: Manifest, reader: Reader) -> None:
     for key, entry in manifest.tensors.items():
-        if len(entry.shape) > MAX_TENSOR_RANK:
-            raise UnsafeBundleError(
-                f"{source}: tensors[{key!r}].shape has {len(entry.shape)} dimensions, over the limit of {MAX_TENSOR_RANK}."
-            )
-        count = 1
-        for d in entry.shape:
-            count *= max(d, 1)
-            if count > MAX_TENSOR_ELEMENTS:
-                raise UnsafeBundleError(
-                    f"{source}: tensors[{key!r}].shape {entry.shape} is too large "
-                    f"(more than {MAX_TENSOR_ELEMENTS} elements). The file is corrupt or hostile."
-                )
+        reader.shape(tuple(entry.shape), f"tensors[{key!r}]")
 
 
 def _check_version_fields(manifest: Manifest, source: str) -> None:
@@ -254,38 +244,24 @@ def _check_version_fields(manifest: Manifest, source: str) -> None:
         )
 
 
-def _check_extensions(manifest: Manifest, source: str) -> None:
+def _check_extensions(manifest: Manifest, reader: Reader) -> None:
     """Each extension names an earlier tensor of compatible dtype and shape; chains stay bounded."""
     depth: dict[str, int] = {}
     for key, entry in manifest.tensors.items():
         ext = entry.extends
-        if ext is None:
-            depth[key] = 0
-            continue
-        where = f"{source}: tensors[{key!r}].extends"
-        base = manifest.tensors.get(ext.key)
-        if base is None or ext.key not in depth:
-            problem = "is not listed" if base is None else "is listed after it (or is itself)"
-            raise UnsafeBundleError(
-                f"{where}: tensor {ext.key!r} {problem}; an extended tensor must come earlier in tensors. "
-                "The file is corrupt or hostile."
-            )
-        if base.dtype != entry.dtype or len(base.shape) != len(entry.shape) or ext.dim >= len(entry.shape):
-            raise UnsafeBundleError(
-                f"{where}: {entry.dtype} {entry.shape} cannot extend {ext.key!r} ({base.dtype} {base.shape}) "
-                f"along dim {ext.dim}. The file is corrupt or hostile."
-            )
-        if any((b > s) if d == ext.dim else (b != s) for d, (b, s) in enumerate(zip(base.shape, entry.shape))):
-            raise UnsafeBundleError(
-                f"{where}: shape {entry.shape} does not extend {base.shape} (of {ext.key!r}) along dim {ext.dim}: "
-                "the other dimensions must be equal and this one at least as long."
-            )
-        depth[key] = depth[ext.key] + 1
-        if depth[key] > MAX_EXTENSION_DEPTH:
-            raise UnsafeBundleError(
-                f"{where}: a chain of more than {MAX_EXTENSION_DEPTH} extensions (MAX_EXTENSION_DEPTH). "
-                "The file is corrupt or hostile."
-            )
+        if ext is not None:
+            at = f"tensors[{key!r}].extends"
+            base = manifest.tensors.get(ext.key)
+            if base is None or ext.key not in depth:
+                problem = "is not listed" if base is None else "is listed after it (or is itself)"
+                reader.fail(at, f"tensor {ext.key!r} {problem}; an extended tensor must come earlier in tensors",
+                            unsafe=True)  # fmt: skip
+            reader.compatible(ext.key, (base.dtype, tuple(base.shape)), entry.dtype, tuple(entry.shape), ext.dim, at)
+            if depth[ext.key] + 1 > reader.max_chain:
+                reader.fail(
+                    at, f"a chain of more than {reader.max_chain} extensions (MAX_EXTENSION_DEPTH)", unsafe=True
+                )
+        depth[key] = 0 if ext is None else depth[ext.key] + 1
 
 
 def manifest_trees(manifest: Manifest) -> list[tuple[str, Node]]:
