@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pydantic
 
@@ -40,17 +39,13 @@ from iobundle.errors import (
     UnsafeBundleError,
     UnsupportedFormatVersionError,
 )
-from iobundle.schema._compact import COMPACT_VERSIONS, dump_manifest
-from iobundle.schema._compact_read import Reader, _short, expand_compact
+from iobundle.schema._compact import COMPACT_VERSIONS, CompactManifest, dump_manifest
+from iobundle.schema._compact_read import Reader, _short, check_tree_list, expand_compact
 from iobundle.schema._manifest import (
     FORMAT,
     SUPPORTED_FORMAT_VERSIONS,
-    DictNode,
-    ListNode,
     Manifest,
     Node,
-    ObjectNode,
-    TupleNode,
     duplicate_call_index,
 )
 
@@ -70,6 +65,8 @@ __all__ = [
     "validate_manifest",
     "write_manifest",
 ]
+
+_M = TypeVar("_M", bound=pydantic.BaseModel)
 
 MAX_NESTING_DEPTH = 100
 MAX_CALLS = 100_000
@@ -154,42 +151,32 @@ def validate_manifest(raw: Any, *, source: str = MANIFEST_FILENAME) -> Manifest:
             found=found_version,
             supported=SUPPORTED_FORMAT_VERSIONS,
         )
-    if found_version in COMPACT_VERSIONS:  # checks its bulk itself, without walking it twice
-        return expand_compact(
-            raw,
-            source=source,
-            limits={  # read now: tests lower them
-                "calls": MAX_CALLS,
-                "tensors": MAX_TENSORS,
-                "rank": MAX_TENSOR_RANK,
-                "elements": MAX_TENSOR_ELEMENTS,
-                "chain": MAX_EXTENSION_DEPTH,
-            },
-            check_depth=_check_depth,
-            check_trees=_check_tree_list,
-            describe=_describe,
-        )
+    reader = Reader(source, MAX_CALLS, MAX_TENSORS, MAX_TENSOR_RANK, MAX_TENSOR_ELEMENTS, MAX_EXTENSION_DEPTH)
+    if found_version in COMPACT_VERSIONS:  # the bulk is checked by the reader, without walking it twice
+        head = {k: v for k, v in raw.items() if k != "calls" and k != "files"}
+        _check_depth(head, source)
+        return expand_compact(raw, _validated(CompactManifest, {**head, "calls": [], "files": {}}, source), reader)
     _check_depth(raw, source)
     for field, limit in (("calls", MAX_CALLS), ("tensors", MAX_TENSORS)):
         value = raw.get(field)
         if isinstance(value, (list, dict)) and len(value) > limit:
-            raise UnsafeBundleError(
-                f"{source}: {field} holds {len(value)} entries, over the limit of {limit}. "
-                "The file is corrupt or hostile."
-            )
-    try:
-        manifest = Manifest.model_validate(raw)
-    except pydantic.ValidationError as exc:
-        raise ManifestError(f"{source}: does not match the iobundle format:\n" + _describe(exc)) from exc
-    except RecursionError as exc:
-        raise UnsafeBundleError(f"{source}: structure too deep to validate.") from exc
-    reader = Reader(source, MAX_TENSORS, MAX_TENSOR_RANK, MAX_TENSOR_ELEMENTS, MAX_EXTENSION_DEPTH)
+            reader.too_many(field, len(value), limit)
+    manifest = _validated(Manifest, raw, source)
     _check_call_indices(manifest, source)
     _check_tensor_shapes(manifest, reader)
     _check_version_fields(manifest, source)
     _check_extensions(manifest, reader)
-    _check_tree_list(manifest_trees(manifest), source)
+    check_tree_list(manifest_trees(manifest), source)
     return manifest
+
+
+def _validated(model: type[_M], raw: Any, source: str) -> _M:
+    try:
+        return model.model_validate(raw)
+    except pydantic.ValidationError as exc:
+        raise ManifestError(f"{source}: does not match the iobundle format:\n" + _describe(exc)) from exc
+    except RecursionError as exc:
+        raise UnsafeBundleError(f"{source}: structure too deep to validate.") from exc
 
 
 def _describe(exc: pydantic.ValidationError) -> str:
@@ -276,22 +263,6 @@ def manifest_trees(manifest: Manifest) -> list[tuple[str, Node]]:
             (f"calls[{i}].{n}", t) for n, t in (("outputs", call.outputs), ("state", call.state)) if t is not None
         ]
     return trees
-
-
-def _check_tree_list(trees: Iterable[tuple[str, Node]], source: str) -> None:
-    """Every dict node has as many keys as items, and no key twice."""
-    stack = list(trees)[::-1]
-    while stack:
-        where, node = stack.pop()
-        if isinstance(node, DictNode):
-            if len(node.keys) != len(node.items):
-                raise ManifestError(
-                    f"{source}: {where} is a dict with {len(node.keys)} keys but {len(node.items)} items."
-                )
-            if len(set(node.keys)) != len(node.keys):
-                raise ManifestError(f"{source}: {where} is a dict with a repeated key: {node.keys!r}.")
-        if isinstance(node, (ListNode, TupleNode, DictNode, ObjectNode)):
-            stack.extend((f"{where}.items[{j}]", n) for j, n in reversed(list(enumerate(node.items))))
 
 
 def read_member(root: Path, path: Path, *, appended: bool = False) -> bytes:
