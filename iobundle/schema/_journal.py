@@ -113,17 +113,7 @@ def _parse_journal(data: bytes, source: str) -> Manifest:
                     raise ManifestError(f"{source}: line {number} adds {field}[{key!r}] a second time.")
                 table[key] = value
         calls.append(record["call"])
-    # the devices the calls' tensors lived on (the head knows only those written before): strings only,
-    # anything else is left for validation to refuse
-    producer = head.get("producer")
-    if isinstance(producer, dict) and isinstance(producer.get("devices"), list):
-        listed = producer["devices"]
-        if all(isinstance(d, str) for d in listed):
-            found = {
-                t.get("device") for t in tensors.values() if isinstance(t, dict) and isinstance(t.get("device"), str)
-            }
-            producer["devices"] = sorted({*listed, *found})
-    return validate_manifest(head, source=source)
+    return _with_devices(validate_manifest(head, source=source))
 
 
 def _parse_compact(head: dict[str, Any], lines: Iterable[bytes], source: str) -> Manifest:
@@ -165,13 +155,15 @@ def _parse_compact(head: dict[str, Any], lines: Iterable[bytes], source: str) ->
             calls.append(call)
     except RecursionError as exc:
         raise UnsafeBundleError(f"{source}: a line nests too deep; the file is corrupt or hostile.") from exc
-    manifest = validate_manifest(head, source=source)
-    # the devices the calls' tensors lived on: the head knows only those written before the stream
+    return _with_devices(validate_manifest(head, source=source))
+
+
+def _with_devices(manifest: Manifest) -> Manifest:
+    """``manifest`` naming the devices its tensors lived on (the head knows only those written before the stream)."""
     devices = {*manifest.producer.devices, *(row.device for row in tensor_rows(manifest).values())}
-    if devices != set(manifest.producer.devices):
-        producer = manifest.producer.model_copy(update={"devices": sorted(devices)})
-        manifest = with_fields(manifest, producer=producer)
-    return manifest
+    if devices == set(manifest.producer.devices):
+        return manifest
+    return with_fields(manifest, producer=manifest.producer.model_copy(update={"devices": sorted(devices)}))
 
 
 def _append_range(segment: Any, added: Any, where: str) -> None:
