@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -96,17 +96,7 @@ def _parse_journal(data: bytes, source: str) -> Manifest:
     calls, tensors, files = head.get("calls"), head.get("tensors"), head.get("files")
     if not isinstance(calls, list) or not isinstance(tensors, dict) or not isinstance(files, dict):
         raise ManifestError(f"{source}: line 1 lacks the calls, tensors and files of a manifest.")
-    for number, line in enumerate(lines, start=2):
-        record = _json(line, source, number)
-        if (
-            not isinstance(record, dict)
-            or set(record) != {"call", "tensors", "files"}
-            or not isinstance(record["tensors"], dict)
-            or not isinstance(record["files"], dict)
-        ):
-            raise ManifestError(f"{source}: line {number} is not a call record (call, tensors, files).")
-        if len(calls) >= MAX_CALLS:
-            raise UnsafeBundleError(f"{source}: more than {MAX_CALLS} calls. The file is corrupt or hostile.")
+    for number, record in _records(lines, source, calls, "call", "tensors", "files"):
         for field, table in (("tensors", tensors), ("files", files)):
             for key, value in record[field].items():
                 if key in table:
@@ -114,6 +104,17 @@ def _parse_journal(data: bytes, source: str) -> Manifest:
                 table[key] = value
         calls.append(record["call"])
     return _with_devices(validate_manifest(head, source=source))
+
+
+def _records(lines: Iterable[bytes], source: str, calls: list[Any], *fields: str) -> Iterator[tuple[int, Any]]:
+    """Each line after the head, numbered: an object of ``fields``, each an object; at most :data:`MAX_CALLS` calls."""
+    for number, line in enumerate(lines, start=2):
+        record = _json(line, source, number)
+        if type(record) is not dict or record.keys() != set(fields) or any(type(record[f]) is not dict for f in fields):
+            raise ManifestError(f"{source}: line {number} is not a call record ({', '.join(fields)}).")
+        if len(calls) >= MAX_CALLS:
+            raise UnsafeBundleError(f"{source}: more than {MAX_CALLS} calls. The file is corrupt or hostile.")
+        yield number, record
 
 
 def _parse_compact(head: dict[str, Any], lines: Iterable[bytes], source: str) -> Manifest:
@@ -125,15 +126,7 @@ def _parse_compact(head: dict[str, Any], lines: Iterable[bytes], source: str) ->
         known = {json.dumps(s, sort_keys=True): i for i, s in enumerate(structures)}
         last: Any = None
         last_index = -1
-        for number, line in enumerate(lines, start=2):
-            record = _json(line, source, number)
-            if (
-                not isinstance(record, dict)
-                or record.keys() != {"call", "files"}
-                or not isinstance(record["call"], dict)
-                or not isinstance(record["files"], dict)
-            ):
-                raise ManifestError(f"{source}: line {number} is not a call record (call, files).")
+        for number, record in _records(lines, source, calls, "call", "files"):
             call, structure = record["call"], record["call"].get("structure")
             if not isinstance(structure, dict):
                 raise ManifestError(f"{source}: line {number}: call.structure is not a structure (an object).")
@@ -145,8 +138,6 @@ def _parse_compact(head: dict[str, Any], lines: Iterable[bytes], source: str) ->
                     structures.append(structure)
                 last, last_index = structure, found
             call["structure"] = last_index
-            if len(calls) >= MAX_CALLS:
-                raise UnsafeBundleError(f"{source}: more than {MAX_CALLS} calls. The file is corrupt or hostile.")
             for name, entry in record["files"].items():
                 if name in files:
                     _append_range(files[name], entry, f"{source}: line {number}: files[{name!r}]")
