@@ -179,20 +179,29 @@ class BundleWriter:
             raise BundleWriteError(
                 f"Cannot prepare '{self.path}': {exc.strerror or exc}. Check the path, free space and permissions."
             ) from exc
-        self._tensors: dict[str, TensorEntry] = {}
+        self._start({}, {}, (), DeltaIndex(retain_all=retain_all) if deltas else None)
+
+    def _start(
+        self,
+        tensors: dict[str, TensorEntry],
+        files: dict[str, FileEntry],
+        call_indices: Iterable[int],
+        deltas: DeltaIndex | None,
+    ) -> None:
+        self._tensors = dict(tensors)
         self._rows: list[TensorRow] = []  # adopted from another writer, not made entries yet
         self._rows_lock = threading.Lock()
-        self.files: dict[str, FileEntry] = {}
-        self._order: dict[str, int] = {}  # file -> its position among the files the manifest lists
-        self._segment: SegmentWriter | None = None
-        self._segments = 0
+        self.files = dict(files)
+        self._order = {name: i for i, name in enumerate(files)}  # file -> its position among the files listed
+        self._segment: SegmentWriter | None = None  # resumed: a new one, the other writer may append to its own
+        self._segments = sum(SEGMENT_FILE_NAME.fullmatch(name) is not None for name in files)
         self._opened = 0  # segments this writer created
         self._sealed: set[str] = set()  # and sealed
         self._unsynced: dict[Path, None] = {}
-        self.deltas = DeltaIndex(retain_all=retain_all) if deltas else None
+        self.deltas = deltas
         self.stager: PinnedStager | None = None  # made for the first CUDA tensor
         self._journal: int | None = None  # file descriptor of journal.jsonl while a stream is open
-        self._call_indices: set[int] = set()
+        self._call_indices = set(call_indices)
 
     @classmethod
     def resume(
@@ -210,20 +219,7 @@ class BundleWriter:
         self = cls.__new__(cls)
         self.path = Path(path)
         self.created = False
-        self._tensors = dict(tensors)
-        self._rows = []
-        self._rows_lock = threading.Lock()
-        self.files = dict(files)
-        self._order = {name: i for i, name in enumerate(files)}
-        self._segment = None  # a new segment for the next small call: the other writer may still append to its own
-        self._segments = sum(SEGMENT_FILE_NAME.fullmatch(name) is not None for name in files)
-        self._opened = 0
-        self._sealed = set()
-        self._unsynced = {}
-        self.deltas = DeltaIndex()
-        self.stager = None
-        self._journal = None
-        self._call_indices = set(call_indices)
+        self._start(tensors, files, call_indices, DeltaIndex())
         return self
 
     @property

@@ -1,49 +1,10 @@
-"""Format versions 3, 4 and 5: the compact layout of ``manifest.json`` and of the journal's lines.
+"""Format versions 3 to 6: the compact layout of ``manifest.json`` and of the journal's lines.
 
-Versions 1 and 2 write every call's whole trees and one object per tensor and per file, indented:
-about 2.9 KiB per decoder step. Version 3 writes what repeats once. In memory nothing changes:
-reading gives the same :class:`~iobundle.schema.Manifest` (``calls``, ``tensors``, ``files``).
-
-The file is one JSON object, one line per top-level field, and one line per structure, call and file::
-
-    {"format":"iobundle","format_version":3,
-    "producer":{...},
-    "signature":{...},
-    "value_if_missing":[...],
-    "hash":"xxh3-128",
-    "structures":[
-    {"args":[{"kind":"tensor","slot":0},{"kind":"list","items":[{"kind":"tensor","slot":1}]}],"kwargs":{},
-     "outputs":{"kind":"tensor","slot":2}}],
-    "calls":[
-    {"index":0,"structure":0,"keys":["t0","t1","t2"],"latency":0.0012},
-    {"index":1,"structure":0,"keys":["t3","t2","t4"],"latency":0.0009}],
-    "files":{
-    "calls/000000.safetensors":{"size":512,"digest":"2b47...","tensors":{"t0":["I64",[1,3]],"t1":["F32",[1,2,3,8]]}},
-    "calls/000001.safetensors":{"size":300,"digest":"cb84...","tensors":{"t4":["F32",[1,2,4,8],["t2",2]]}}}}
-
-- ``structures``: what a call is besides its tensors: ``args``, ``kwargs``, ``outputs`` and ``state``
-  (omitted when None), ``cst_kwargs`` and ``filled`` (omitted when empty). Trees are those of versions 1 and 2 (see
-  :mod:`iobundle.schema._manifest`), except that a tensor is a numbered slot, ``{"kind": "tensor",
-  "slot": n}``, numbered 0, 1, 2... in the order met: args, then kwargs, outputs, state, depth first.
-- ``calls``: per call, ``index``, the ``structure`` it has (its position in ``structures``) and the
-  ``keys`` of its tensors, slot by slot; then ``latency``, and ``status`` and ``error`` unless the call
-  is ``"ok"``. Calls sharing tensors (a cache passed from one step to the next) share keys.
-- ``hash``: the integrity hash of every file that names none; a file entry gives ``size``, ``digest``
-  and, for another algorithm, ``hash``.
-- ``files[name].tensors``: the tensors the file holds, by key, in the order they are stored:
-  ``[dtype, shape]``, then optionally what the tensor extends, ``[key, dim]`` or ``null``, then
-  optionally ``{"device": ..., "name": ...}`` for a device other than ``"cpu"`` or a name in the
-  file other than the key. A tensor may only extend a tensor listed before it.
-
-A journal (:mod:`iobundle.schema._journal`) of format version 3 starts with this object on one line,
-plus ``"journal": 1``; each call is then one line, ``{"call": {...}, "files": {...}}``: the call's
-record with its structure written out in place of its number, and the files it added, each naming
-its ``hash``.
-
-Format version 4 adds segment files (a record gives ``ranges``, ``[call, start, length, digest]``
-per call, instead of ``digest``; its tensors' offsets follow from their order), version 5 a call's
-``autocast``, and in version 6 (written now) a segment's first range starts past its header region.
-``docs/format.md`` is their specification.
+Versions 1 and 2 write every call's whole trees and one object per tensor and per file; version 3
+writes what repeats once: each distinct call structure (trees whose tensors are numbered slots), per
+call the ``keys`` of its slots, and per file the rows of its tensors. Version 4 adds segments, 5 a
+call's ``autocast``, 6 (written now) a segment's header region. ``docs/format.md`` is their
+specification. In memory nothing changes: reading gives the same :class:`~iobundle.schema.Manifest`.
 
 Reading (:mod:`iobundle.schema._compact_read`) checks everything versions 1 and 2 check (limits,
 tensor ranks and sizes, extensions) and keeps compact rows (:mod:`iobundle.schema._deferred`); a
@@ -57,7 +18,7 @@ import json
 from collections.abc import Hashable
 from typing import Annotated, Any, Final, Literal, Union
 
-from pydantic import BaseModel, Field, JsonValue, StrictInt, StrictStr
+from pydantic import Field, JsonValue, StrictInt, StrictStr
 
 from iobundle.errors import ManifestError
 from iobundle.schema._manifest import (
@@ -99,7 +60,7 @@ __all__ = [
     "CompactManifest",
     "FileRecord",
     "call_record",
-    "dump_compact",
+    "dump_manifest",
     "dumps",
     "file_records",
 ]
@@ -358,18 +319,16 @@ dumps = json.JSONEncoder(separators=(",", ":")).encode
 """Compact JSON text of plain data (one encoder: ``json.dumps`` with options builds one per call)."""
 
 
-def _model_json(model: BaseModel) -> str:
-    return model.model_dump_json()
-
-
 def written_version(manifest: Manifest) -> int:
-    """The format version :func:`dump_compact` writes ``manifest`` in: 6, or 5 for headerless segments."""
+    """The format version :func:`dump_manifest` writes ``manifest`` in: 6, or 5 for headerless segments."""
     headerless = any(f.ranges and f.ranges[0][1] == 0 for f in manifest.files.values())
     return 5 if headerless else COMPACT_VERSION
 
 
-def dump_compact(manifest: Manifest, *, one_line: bool = False) -> str:
-    """``manifest`` as format-version-6 JSON text: one line per field, structure, call and file.
+def dump_manifest(manifest: Manifest, *, one_line: bool = False) -> str:
+    """``manifest`` as the text of ``manifest.json``, format version 6 whatever version it was read from.
+
+    One line per field, structure, call and file.
 
     A manifest whose segments have no header region (read from version 4 or 5: their first range
     starts at byte 0) is written as version 5, which describes those files.
@@ -399,16 +358,16 @@ def dump_compact(manifest: Manifest, *, one_line: bool = False) -> str:
     head = [
         f'"format":{dumps(manifest.format)}',
         f'"format_version":{written_version(manifest)}',
-        f'"producer":{_model_json(manifest.producer)}',
-        f'"signature":{_model_json(manifest.signature)}',
-        f'"value_if_missing":[{",".join(_model_json(v) for v in manifest.value_if_missing)}]',
+        f'"producer":{manifest.producer.model_dump_json()}',
+        f'"signature":{manifest.signature.model_dump_json()}',
+        f'"value_if_missing":[{",".join(v.model_dump_json() for v in manifest.value_if_missing)}]',
         f'"hash":{dumps(default_hash)}',
         f'"structures":[{nl}{("," + nl).join(structures)}]',
         f'"calls":[{nl}{("," + nl).join(calls)}]',
         f'"files":{{{nl}{("," + nl).join(f"{dumps(k)}:{dumps(v)}" for k, v in files.items())}}}',
     ]
     if manifest.model is not None:
-        head.append(f'"model":{_model_json(manifest.model)}')
+        head.append(f'"model":{manifest.model.model_dump_json()}')
     if manifest.redacted is not None:
-        head.append(f'"redacted":{_model_json(manifest.redacted)}')
+        head.append(f'"redacted":{manifest.redacted.model_dump_json()}')
     return "{" + ("," + nl).join(head) + "}" + nl

@@ -53,7 +53,7 @@ from iobundle.schema._manifest import (
     duplicate_call_index,
 )
 
-__all__ = ["expand_compact"]
+__all__ = ["Reader", "check_tree_list", "expand_compact"]
 
 # -- fast construction of validated models ----------------------------------------------------
 
@@ -79,17 +79,14 @@ _HEX = {n: re.compile(f"[0-9a-f]{{{n}}}") for n in set(HASH_ALGORITHMS.values())
 Builder = Callable[[list[TensorNode]], Any]
 
 
-class _Reader:
+class Reader:
     """Checks and expands one compact manifest; errors name ``source`` and the field."""
 
-    def __init__(self, source: str, max_tensors: int, max_rank: int, max_elements: int, max_chain: int) -> None:
+    def __init__(self, source: str, max_calls: int, max_tensors: int, max_rank: int, max_elements: int,
+                 max_chain: int) -> None:  # fmt: skip
         self.source = source
-        self.max_tensors, self.max_rank, self.max_elements, self.max_chain = (
-            max_tensors,
-            max_rank,
-            max_elements,
-            max_chain,
-        )
+        self.max_calls, self.max_tensors, self.max_rank = max_calls, max_tensors, max_rank
+        self.max_elements, self.max_chain = max_elements, max_chain
 
     def too_many(self, field: str, count: int, limit: int) -> None:
         raise UnsafeBundleError(
@@ -350,7 +347,9 @@ class _Reader:
                         and had[:dim] == dims[:dim]
                         and had[dim + 1 :] == dims[dim + 1 :]
                     ):
-                        self.compatible(base_key, (base[2], had), key, dtype, dims, dim, f"files[{name!r}]")
+                        self.compatible(
+                            base_key, (base[2], had), dtype, dims, dim, f"files[{name!r}].tensors[{key!r}].extends"
+                        )
                     depth = depths[key] = depths.get(base_key, 0) + 1
                     if depth > max_chain:
                         self.fail(
@@ -393,16 +392,20 @@ class _Reader:
         return files, tensors
 
     def shape(self, dims: tuple[Any, ...], where: str) -> None:
+        """Check the shape of the tensor at ``where``: integers >= 0, rank and element count within the limits."""
+        hint = "The file is corrupt or hostile."
         if len(dims) > self.max_rank:
-            self.fail(f"{where}.shape", f"{len(dims)} dimensions, over the limit of {self.max_rank}", unsafe=True)
+            raise UnsafeBundleError(
+                f"{self.source}: {where}.shape has {len(dims)} dimensions, over the limit of {self.max_rank}. {hint}"
+            )
         count = 1
         for d in dims:
             if type(d) is not int or d < 0:
                 self.fail(f"{where}.shape", f"a dimension must be an integer >= 0, found {_short(d)}")
             count *= max(d, 1)
             if count > self.max_elements:
-                self.fail(f"{where}.shape", f"{list(dims)} is too large (more than {self.max_elements} elements)",
-                          unsafe=True)  # fmt: skip
+                raise UnsafeBundleError(f"{self.source}: {where}.shape {list(dims)} is too large "
+                                        f"(more than {self.max_elements} elements). {hint}")  # fmt: skip
 
     def extension(self, ext: Any, where: str) -> tuple[str, int]:
         if type(ext) is not list or len(ext) != 2 or type(ext[0]) is not str or type(ext[1]) is not int or ext[1] < 0:
@@ -411,9 +414,9 @@ class _Reader:
             )
         return ext[0], ext[1]
 
-    def compatible(self, base_key: str, base: tuple[str, tuple[int, ...]], key: str, dtype: str,
-                   dims: tuple[int, ...], dim: int, where: str) -> None:  # fmt: skip
-        at = f"{where}.tensors[{key!r}].extends"
+    def compatible(self, base_key: str, base: tuple[str, tuple[int, ...]], dtype: str, dims: tuple[int, ...],
+                   dim: int, at: str) -> None:  # fmt: skip
+        """Check that ``dtype`` ``dims`` (the tensor whose ``extends`` is ``at``) extends ``base`` along ``dim``."""
         if base[0] != dtype or len(base[1]) != len(dims) or dim >= len(dims):
             self.fail(at, f"{dtype} {list(dims)} cannot extend {base_key!r} ({base[0]} {list(base[1])}) along dim {dim}",
                       unsafe=True)  # fmt: skip
@@ -438,52 +441,43 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def expand_compact(
-    raw: dict[str, Any],
-    *,
-    source: str,
-    limits: dict[str, int],
-    check_depth: Callable[[Any, str], None],
-    check_trees: Callable[[Iterable[tuple[str, Node]], str], None],
-    describe: Callable[[pydantic.ValidationError], str],
-) -> Manifest:
-    """Check a format-version-3, 4 or 5 manifest parsed from JSON and build the in-memory :class:`Manifest`.
+def check_tree_list(trees: Iterable[tuple[str, Node]], source: str) -> None:
+    """Every dict node has as many keys as items, and no key twice."""
+    stack = list(trees)[::-1]
+    while stack:
+        where, node = stack.pop()
+        if isinstance(node, DictNode):
+            if len(node.keys) != len(node.items):
+                raise ManifestError(
+                    f"{source}: {where} is a dict with {len(node.keys)} keys but {len(node.items)} items."
+                )
+            if len(set(node.keys)) != len(node.keys):
+                raise ManifestError(f"{source}: {where} is a dict with a repeated key: {node.keys!r}.")
+        if isinstance(node, (ListNode, TupleNode, DictNode, ObjectNode)):
+            stack.extend((f"{where}.items[{j}]", n) for j, n in reversed(list(enumerate(node.items))))
 
-    Everything but ``calls`` and ``files`` is checked by :class:`CompactManifest`; those two, the bulk,
-    are checked here, field by field, with the same rules.
+
+def expand_compact(raw: dict[str, Any], parsed: CompactManifest, reader: Reader) -> Manifest:
+    """Check the bulk (``calls`` and ``files``) of a format-version-3 to 6 manifest parsed from JSON, whose other
+    fields :class:`CompactManifest` accepted as ``parsed``, and build the in-memory :class:`Manifest`.
 
     Raises:
         ManifestError: Something does not match the format (the message names the field).
         UnsafeBundleError: A limit is exceeded.
     """
-    calls_raw, files_raw = raw.get("calls"), raw.get("files")
-    head = {k: v for k, v in raw.items() if k != "calls" and k != "files"}
-    check_depth(head, source)
-    try:
-        parsed = CompactManifest.model_validate({**head, "calls": [], "files": {}})
-    except pydantic.ValidationError as exc:
-        raise ManifestError(f"{source}: does not match the iobundle format:\n" + describe(exc)) from exc
-    except RecursionError as exc:
-        raise UnsafeBundleError(f"{source}: structure too deep to validate.") from exc
+    source, calls_raw, files_raw = reader.source, raw.get("calls"), raw.get("files")
     for field in ("calls", "files"):
         if field not in raw:
             raise ManifestError(f"{source}: does not match the iobundle format:\n  {field}: Field required")
-    reader = _Reader(
-        source,
-        limits["tensors"],
-        limits["rank"],
-        limits["elements"],
-        limits["chain"],
-    )
-    if isinstance(calls_raw, list) and len(calls_raw) > limits["calls"]:
-        reader.too_many("calls", len(calls_raw), limits["calls"])
-    if len(parsed.structures) > limits["calls"]:
-        reader.too_many("structures", len(parsed.structures), limits["calls"])
+    if isinstance(calls_raw, list) and len(calls_raw) > reader.max_calls:
+        reader.too_many("calls", len(calls_raw), reader.max_calls)
+    if len(parsed.structures) > reader.max_calls:
+        reader.too_many("structures", len(parsed.structures), reader.max_calls)
     if parsed.model is not None:
         for name, file in parsed.model.files.items():
             if file.ranges is not None:
                 reader.fail(f"model.files[{name!r}].ranges", "the stored model's files are not segments")
-    check_trees([(f"value_if_missing[{i}].value", e.value) for i, e in enumerate(parsed.value_if_missing)], source)
+    check_tree_list([(f"value_if_missing[{i}].value", e.value) for i, e in enumerate(parsed.value_if_missing)], source)
     structures = [reader.structure(s, f"structures[{i}]") for i, s in enumerate(parsed.structures)]
     files, tensors = reader.files(files_raw, parsed.hash, parsed.format_version)
     tables = CompactTables(structures, tensors)

@@ -1,48 +1,30 @@
 """Read and write ``manifest.json``: limits first, then the format marker, then the models.
 
-A manifest is untrusted input (bundles are attached to bug reports). Reading one checks, in order:
+A manifest is untrusted input (bundles are attached to bug reports); ``docs/format.md`` ("What a
+reader must check") lists what reading refuses. The order: the file's size (:data:`MAX_MANIFEST_BYTES`),
+JSON, ``format`` and ``format_version`` (:class:`~iobundle.errors.UnsupportedFormatVersionError`,
+naming both), the nesting depth (:data:`MAX_NESTING_DEPTH`) and counts (:data:`MAX_CALLS`,
+:data:`MAX_TENSORS`), the pydantic models (``extra="forbid"``), then what models cannot express: ranks
+and element counts (:data:`MAX_TENSOR_RANK`, :data:`MAX_TENSOR_ELEMENTS`), unique call indices, dict
+nodes, fields newer than the version, extensions (an earlier tensor, a compatible shape, chains of at
+most :data:`MAX_EXTENSION_DEPTH`).
 
-- ``manifest.json`` is a regular file inside the bundle directory (not a FIFO, a device, or a
-  symlink leading out of the bundle), of at most :data:`MAX_MANIFEST_BYTES` bytes (256 MiB);
-- it is UTF-8 JSON whose top level is an object;
-- ``format`` is ``"iobundle"`` and ``format_version`` one of ``SUPPORTED_FORMAT_VERSIONS``
-  (otherwise :class:`~iobundle.errors.UnsupportedFormatVersionError`, naming both);
-- JSON nesting is at most :data:`MAX_NESTING_DEPTH` levels (100);
-- at most :data:`MAX_CALLS` calls (100 000) and :data:`MAX_TENSORS` tensors (10 000 000);
-- the pydantic models accept it (``extra="forbid"``: an unknown field is an error);
-- every tensor has at most :data:`MAX_TENSOR_RANK` dimensions (64) and a shape whose element
-  count, zero dimensions ignored, stays at most :data:`MAX_TENSOR_ELEMENTS` (2**62), so that any
-  shape fits a 64-bit size;
-- no two calls have the same ``index`` (their tensor files and converted files are named after it);
-- every dict node has as many keys as items, and no key twice;
-- format version 1 holds no format-2 field (``extends``, ``hash``/``digest``); version 2 may also
-  record a file's hash as ``sha256`` (what version 1 wrote, e.g. a file copied from a version-1 bundle);
-- every ``extends`` (format 2) names a tensor listed *before* it (so references never form a cycle),
-  of the same dtype and rank, whose shape equals the tensor's except along ``dim``, where it is at
-  most as long; chains of extensions are at most :data:`MAX_EXTENSION_DEPTH` (100 000) long.
-
-Format versions 3 and 4 (:mod:`iobundle.schema._compact`; :func:`dump_manifest` writes 4) are checked
-with the same rules and limits: the nesting depth and the pydantic models apply to everything but
-its bulk (``calls`` and ``files``), whose entries have a fixed shape and are checked field by field
-(each call's keys against its structure's tensor slots, each tensor row's dtype, shape and
-extension; a version-4 segment's ranges lie back to back from byte 0 to its size, and its
-tensors fill them exactly, each inside one range); it is then kept as compact rows in a
-:class:`~iobundle.schema.Manifest` whose calls' trees and tensor entries are built on first access
-(:mod:`iobundle.schema._deferred`). The cyclic garbage
-collector is paused while a manifest is parsed (:func:`iobundle._collector.collector_paused`).
+Format versions 3 to 6 (:mod:`iobundle.schema._compact`) are checked with the same rules and limits:
+the models check all but the bulk (``calls`` and ``files``), which is checked field by field and kept
+as compact rows (:mod:`iobundle.schema._deferred`). The cyclic garbage collector is paused while a
+manifest is parsed (:func:`iobundle._collector.collector_paused`).
 
 A limit exceeded raises :class:`~iobundle.errors.UnsafeBundleError`; anything else that is wrong
 raises :class:`~iobundle.errors.ManifestError`. Both name the file and the offending field.
-Limits on tensor files (header size, byte spans) are checked by ``iobundle.replay`` when the file is read.
+Limits on tensor files (header size, byte spans) are checked when the file is read.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pydantic
 
@@ -57,17 +39,13 @@ from iobundle.errors import (
     UnsafeBundleError,
     UnsupportedFormatVersionError,
 )
-from iobundle.schema._compact import COMPACT_VERSIONS, dump_compact
-from iobundle.schema._compact_read import _short, expand_compact
+from iobundle.schema._compact import COMPACT_VERSIONS, CompactManifest, dump_manifest
+from iobundle.schema._compact_read import Reader, _short, check_tree_list, expand_compact
 from iobundle.schema._manifest import (
     FORMAT,
     SUPPORTED_FORMAT_VERSIONS,
-    DictNode,
-    ListNode,
     Manifest,
     Node,
-    ObjectNode,
-    TupleNode,
     duplicate_call_index,
 )
 
@@ -87,6 +65,8 @@ __all__ = [
     "validate_manifest",
     "write_manifest",
 ]
+
+_M = TypeVar("_M", bound=pydantic.BaseModel)
 
 MAX_NESTING_DEPTH = 100
 MAX_CALLS = 100_000
@@ -171,41 +151,32 @@ def validate_manifest(raw: Any, *, source: str = MANIFEST_FILENAME) -> Manifest:
             found=found_version,
             supported=SUPPORTED_FORMAT_VERSIONS,
         )
-    if found_version in COMPACT_VERSIONS:  # checks its bulk itself, without walking it twice
-        return expand_compact(
-            raw,
-            source=source,
-            limits={  # read now: tests lower them
-                "calls": MAX_CALLS,
-                "tensors": MAX_TENSORS,
-                "rank": MAX_TENSOR_RANK,
-                "elements": MAX_TENSOR_ELEMENTS,
-                "chain": MAX_EXTENSION_DEPTH,
-            },
-            check_depth=_check_depth,
-            check_trees=_check_tree_list,
-            describe=_describe,
-        )
+    reader = Reader(source, MAX_CALLS, MAX_TENSORS, MAX_TENSOR_RANK, MAX_TENSOR_ELEMENTS, MAX_EXTENSION_DEPTH)
+    if found_version in COMPACT_VERSIONS:  # the bulk is checked by the reader, without walking it twice
+        head = {k: v for k, v in raw.items() if k != "calls" and k != "files"}
+        _check_depth(head, source)
+        return expand_compact(raw, _validated(CompactManifest, {**head, "calls": [], "files": {}}, source), reader)
     _check_depth(raw, source)
     for field, limit in (("calls", MAX_CALLS), ("tensors", MAX_TENSORS)):
         value = raw.get(field)
         if isinstance(value, (list, dict)) and len(value) > limit:
-            raise UnsafeBundleError(
-                f"{source}: {field} holds {len(value)} entries, over the limit of {limit}. "
-                "The file is corrupt or hostile."
-            )
+            reader.too_many(field, len(value), limit)
+    manifest = _validated(Manifest, raw, source)
+    _check_call_indices(manifest, source)
+    _check_tensor_shapes(manifest, reader)
+    _check_version_fields(manifest, source)
+    _check_extensions(manifest, reader)
+    check_tree_list(manifest_trees(manifest), source)
+    return manifest
+
+
+def _validated(model: type[_M], raw: Any, source: str) -> _M:
     try:
-        manifest = Manifest.model_validate(raw)
+        return model.model_validate(raw)
     except pydantic.ValidationError as exc:
         raise ManifestError(f"{source}: does not match the iobundle format:\n" + _describe(exc)) from exc
     except RecursionError as exc:
         raise UnsafeBundleError(f"{source}: structure too deep to validate.") from exc
-    _check_call_indices(manifest, source)
-    _check_tensor_shapes(manifest, source)
-    _check_version_fields(manifest, source)
-    _check_extensions(manifest, source)
-    _check_tree_list(manifest_trees(manifest), source)
-    return manifest
 
 
 def _describe(exc: pydantic.ValidationError) -> str:
@@ -229,20 +200,9 @@ def _check_call_indices(manifest: Manifest, source: str) -> None:
             raise ManifestError(f"{source}: calls[{i}].index: {duplicate_call_index(call.index, first)}.")
 
 
-def _check_tensor_shapes(manifest: Manifest, source: str) -> None:
+def _check_tensor_shapes(manifest: Manifest, reader: Reader) -> None:
     for key, entry in manifest.tensors.items():
-        if len(entry.shape) > MAX_TENSOR_RANK:
-            raise UnsafeBundleError(
-                f"{source}: tensors[{key!r}].shape has {len(entry.shape)} dimensions, over the limit of {MAX_TENSOR_RANK}."
-            )
-        count = 1
-        for d in entry.shape:
-            count *= max(d, 1)
-            if count > MAX_TENSOR_ELEMENTS:
-                raise UnsafeBundleError(
-                    f"{source}: tensors[{key!r}].shape {entry.shape} is too large "
-                    f"(more than {MAX_TENSOR_ELEMENTS} elements). The file is corrupt or hostile."
-                )
+        reader.shape(tuple(entry.shape), f"tensors[{key!r}]")
 
 
 def _check_version_fields(manifest: Manifest, source: str) -> None:
@@ -271,38 +231,24 @@ def _check_version_fields(manifest: Manifest, source: str) -> None:
         )
 
 
-def _check_extensions(manifest: Manifest, source: str) -> None:
+def _check_extensions(manifest: Manifest, reader: Reader) -> None:
     """Each extension names an earlier tensor of compatible dtype and shape; chains stay bounded."""
     depth: dict[str, int] = {}
     for key, entry in manifest.tensors.items():
         ext = entry.extends
-        if ext is None:
-            depth[key] = 0
-            continue
-        where = f"{source}: tensors[{key!r}].extends"
-        base = manifest.tensors.get(ext.key)
-        if base is None or ext.key not in depth:
-            problem = "is not listed" if base is None else "is listed after it (or is itself)"
-            raise UnsafeBundleError(
-                f"{where}: tensor {ext.key!r} {problem}; an extended tensor must come earlier in tensors. "
-                "The file is corrupt or hostile."
-            )
-        if base.dtype != entry.dtype or len(base.shape) != len(entry.shape) or ext.dim >= len(entry.shape):
-            raise UnsafeBundleError(
-                f"{where}: {entry.dtype} {entry.shape} cannot extend {ext.key!r} ({base.dtype} {base.shape}) "
-                f"along dim {ext.dim}. The file is corrupt or hostile."
-            )
-        if any((b > s) if d == ext.dim else (b != s) for d, (b, s) in enumerate(zip(base.shape, entry.shape))):
-            raise UnsafeBundleError(
-                f"{where}: shape {entry.shape} does not extend {base.shape} (of {ext.key!r}) along dim {ext.dim}: "
-                "the other dimensions must be equal and this one at least as long."
-            )
-        depth[key] = depth[ext.key] + 1
-        if depth[key] > MAX_EXTENSION_DEPTH:
-            raise UnsafeBundleError(
-                f"{where}: a chain of more than {MAX_EXTENSION_DEPTH} extensions (MAX_EXTENSION_DEPTH). "
-                "The file is corrupt or hostile."
-            )
+        if ext is not None:
+            at = f"tensors[{key!r}].extends"
+            base = manifest.tensors.get(ext.key)
+            if base is None or ext.key not in depth:
+                problem = "is not listed" if base is None else "is listed after it (or is itself)"
+                reader.fail(at, f"tensor {ext.key!r} {problem}; an extended tensor must come earlier in tensors",
+                            unsafe=True)  # fmt: skip
+            reader.compatible(ext.key, (base.dtype, tuple(base.shape)), entry.dtype, tuple(entry.shape), ext.dim, at)
+            if depth[ext.key] + 1 > reader.max_chain:
+                reader.fail(
+                    at, f"a chain of more than {reader.max_chain} extensions (MAX_EXTENSION_DEPTH)", unsafe=True
+                )
+        depth[key] = 0 if ext is None else depth[ext.key] + 1
 
 
 def manifest_trees(manifest: Manifest) -> list[tuple[str, Node]]:
@@ -317,22 +263,6 @@ def manifest_trees(manifest: Manifest) -> list[tuple[str, Node]]:
             (f"calls[{i}].{n}", t) for n, t in (("outputs", call.outputs), ("state", call.state)) if t is not None
         ]
     return trees
-
-
-def _check_tree_list(trees: Iterable[tuple[str, Node]], source: str) -> None:
-    """Every dict node has as many keys as items, and no key twice."""
-    stack = list(trees)[::-1]
-    while stack:
-        where, node = stack.pop()
-        if isinstance(node, DictNode):
-            if len(node.keys) != len(node.items):
-                raise ManifestError(
-                    f"{source}: {where} is a dict with {len(node.keys)} keys but {len(node.items)} items."
-                )
-            if len(set(node.keys)) != len(node.keys):
-                raise ManifestError(f"{source}: {where} is a dict with a repeated key: {node.keys!r}.")
-        if isinstance(node, (ListNode, TupleNode, DictNode, ObjectNode)):
-            stack.extend((f"{where}.items[{j}]", n) for j, n in reversed(list(enumerate(node.items))))
 
 
 def read_member(root: Path, path: Path, *, appended: bool = False) -> bytes:
@@ -353,18 +283,6 @@ def read_member(root: Path, path: Path, *, appended: bool = False) -> bytes:
                 f"No {path.name} in '{root}'. Is it a directory written by observer.save()?"
             ) from exc
         raise ManifestError(f"{exc} ('{root}')") from exc
-
-
-def dump_manifest(manifest: Manifest) -> str:
-    """Return the manifest as the JSON text of ``manifest.json``, in the newest format version (4).
-
-    Whatever version ``manifest`` was read from, the text is format version 4 (see
-    :mod:`iobundle.schema._compact`): one line per top-level field, per call structure, per call and per file.
-
-    Raises:
-        ManifestError: The manifest cannot be written (a tensor names a file it does not list).
-    """
-    return dump_compact(manifest)
 
 
 def write_manifest(bundle_dir: str | os.PathLike[str], manifest: Manifest, *, durable: bool = True) -> Path:

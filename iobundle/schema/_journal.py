@@ -1,28 +1,16 @@
 """``journal.jsonl``: the per-call journal of a bundle being streamed (format versions 2 to 6).
 
-While a stream is open, each call costs one appended line, not a rewrite of the whole manifest
-(whose size grows with the number of calls). ``manifest.json`` is written once, when the stream
-closes; the journal is then removed. A bundle whose writer was killed has a journal and no
-manifest: :func:`load_journal` rebuilds the manifest from it, with every call whose line is complete.
+While a stream is open, each call costs one appended line, not a rewrite of the whole manifest;
+``manifest.json`` is written once, when the stream closes, and the journal removed. A bundle whose
+writer was killed has a journal and no manifest: :func:`load_journal` rebuilds the manifest from it,
+with every call whose line is complete (``docs/format.md``, "The journal", specifies the lines).
 
-The journal is JSON Lines, each line ending with ``\\n``. Line 1, the head, is a manifest (what was
-written before the stream opened) plus ``"journal": 1``; its ``format_version`` says how the other
-lines read. Each following line is one call, appended once its tensor file is complete (renamed into place)
-and its bytes are in its segment:
-
-- format version 4 to 6 (6 written now): as version 3, and a call's small tensors go to a segment
-  (:mod:`iobundle.schema._compact`): the segment's record in the line gives the range the call
-  appended, ``"ranges": [[call, start, length, digest]]``, the ``size`` the segment has with it, and the
-  tensors stored in that range. Reading appends the range and the tensors to the segment's record
-  (the segment named a second time): a range must start where the segment ended, so the bytes a
-  killed writer left past the last complete line are never part of the bundle;
-- format version 3: the manifest of :mod:`iobundle.schema._compact` on one line, then
-  ``{"call": <call record>, "files": {<name>: <file record>}}`` per call: the call's compact record,
-  whose ``structure`` is the structure itself (an object) rather than its position, and the files
-  the call added with the tensors they hold, each naming its ``hash``. Reading numbers the distinct
-  structures in the order met;
-- format version 2: the head is a version-2 manifest, then ``{"call": <call entry>, "tensors":
-  {...}, "files": {...}}`` per call, the tensors and files that call added.
+Line 1, the head, is a manifest plus ``"journal": 1``; its ``format_version`` says how the other
+lines read. From version 3 each line is ``{"call": <call record>, "files": {<name>: <file record>}}``,
+the record's ``structure`` written out (reading numbers the distinct structures in the order met); a
+segment named again adds a range that must start where the segment ended, so the bytes a killed
+writer left past the last complete line are never part of the bundle. In version 2 a line is
+``{"call": <call entry>, "tensors": {...}, "files": {...}}``.
 
 A last line without its ``\\n`` was cut short by the writer's death: it is ignored. Everything else
 is validated as ``manifest.json`` is (:func:`iobundle.schema.validate_manifest`), limits included;
@@ -33,13 +21,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from iobundle._collector import collector_paused
 from iobundle.errors import ManifestError, UnsafeBundleError
-from iobundle.schema._compact import COMPACT_VERSIONS, call_record, dump_compact, dumps, file_records
+from iobundle.schema._compact import COMPACT_VERSIONS, call_record, dump_manifest, dumps, file_records
 from iobundle.schema._deferred import tensor_rows, with_fields
 from iobundle.schema._io import JOURNAL_FILENAME, MAX_CALLS, read_member, validate_manifest
 from iobundle.schema._manifest import CallEntry, FileEntry, Manifest, TensorEntry
@@ -55,7 +43,7 @@ def journal_head_line(manifest: Manifest) -> bytes:
     Raises:
         ManifestError: The manifest cannot be written (see :func:`iobundle.schema.dump_manifest`).
     """
-    text = dump_compact(manifest, one_line=True)
+    text = dump_manifest(manifest, one_line=True)
     return b'{"journal":1,' + text[1:].encode("utf-8") + b"\n"
 
 
@@ -108,34 +96,25 @@ def _parse_journal(data: bytes, source: str) -> Manifest:
     calls, tensors, files = head.get("calls"), head.get("tensors"), head.get("files")
     if not isinstance(calls, list) or not isinstance(tensors, dict) or not isinstance(files, dict):
         raise ManifestError(f"{source}: line 1 lacks the calls, tensors and files of a manifest.")
-    for number, line in enumerate(lines, start=2):
-        record = _json(line, source, number)
-        if (
-            not isinstance(record, dict)
-            or set(record) != {"call", "tensors", "files"}
-            or not isinstance(record["tensors"], dict)
-            or not isinstance(record["files"], dict)
-        ):
-            raise ManifestError(f"{source}: line {number} is not a call record (call, tensors, files).")
-        if len(calls) >= MAX_CALLS:
-            raise UnsafeBundleError(f"{source}: more than {MAX_CALLS} calls. The file is corrupt or hostile.")
+    for number, record in _records(lines, source, calls, "call", "tensors", "files"):
         for field, table in (("tensors", tensors), ("files", files)):
             for key, value in record[field].items():
                 if key in table:
                     raise ManifestError(f"{source}: line {number} adds {field}[{key!r}] a second time.")
                 table[key] = value
         calls.append(record["call"])
-    # the devices the calls' tensors lived on (the head knows only those written before): strings only,
-    # anything else is left for validation to refuse
-    producer = head.get("producer")
-    if isinstance(producer, dict) and isinstance(producer.get("devices"), list):
-        listed = producer["devices"]
-        if all(isinstance(d, str) for d in listed):
-            found = {
-                t.get("device") for t in tensors.values() if isinstance(t, dict) and isinstance(t.get("device"), str)
-            }
-            producer["devices"] = sorted({*listed, *found})
-    return validate_manifest(head, source=source)
+    return _with_devices(validate_manifest(head, source=source))
+
+
+def _records(lines: Iterable[bytes], source: str, calls: list[Any], *fields: str) -> Iterator[tuple[int, Any]]:
+    """Each line after the head, numbered: an object of ``fields``, each an object; at most :data:`MAX_CALLS` calls."""
+    for number, line in enumerate(lines, start=2):
+        record = _json(line, source, number)
+        if type(record) is not dict or record.keys() != set(fields) or any(type(record[f]) is not dict for f in fields):
+            raise ManifestError(f"{source}: line {number} is not a call record ({', '.join(fields)}).")
+        if len(calls) >= MAX_CALLS:
+            raise UnsafeBundleError(f"{source}: more than {MAX_CALLS} calls. The file is corrupt or hostile.")
+        yield number, record
 
 
 def _parse_compact(head: dict[str, Any], lines: Iterable[bytes], source: str) -> Manifest:
@@ -147,15 +126,7 @@ def _parse_compact(head: dict[str, Any], lines: Iterable[bytes], source: str) ->
         known = {json.dumps(s, sort_keys=True): i for i, s in enumerate(structures)}
         last: Any = None
         last_index = -1
-        for number, line in enumerate(lines, start=2):
-            record = _json(line, source, number)
-            if (
-                not isinstance(record, dict)
-                or record.keys() != {"call", "files"}
-                or not isinstance(record["call"], dict)
-                or not isinstance(record["files"], dict)
-            ):
-                raise ManifestError(f"{source}: line {number} is not a call record (call, files).")
+        for number, record in _records(lines, source, calls, "call", "files"):
             call, structure = record["call"], record["call"].get("structure")
             if not isinstance(structure, dict):
                 raise ManifestError(f"{source}: line {number}: call.structure is not a structure (an object).")
@@ -167,8 +138,6 @@ def _parse_compact(head: dict[str, Any], lines: Iterable[bytes], source: str) ->
                     structures.append(structure)
                 last, last_index = structure, found
             call["structure"] = last_index
-            if len(calls) >= MAX_CALLS:
-                raise UnsafeBundleError(f"{source}: more than {MAX_CALLS} calls. The file is corrupt or hostile.")
             for name, entry in record["files"].items():
                 if name in files:
                     _append_range(files[name], entry, f"{source}: line {number}: files[{name!r}]")
@@ -177,13 +146,15 @@ def _parse_compact(head: dict[str, Any], lines: Iterable[bytes], source: str) ->
             calls.append(call)
     except RecursionError as exc:
         raise UnsafeBundleError(f"{source}: a line nests too deep; the file is corrupt or hostile.") from exc
-    manifest = validate_manifest(head, source=source)
-    # the devices the calls' tensors lived on: the head knows only those written before the stream
+    return _with_devices(validate_manifest(head, source=source))
+
+
+def _with_devices(manifest: Manifest) -> Manifest:
+    """``manifest`` naming the devices its tensors lived on (the head knows only those written before the stream)."""
     devices = {*manifest.producer.devices, *(row.device for row in tensor_rows(manifest).values())}
-    if devices != set(manifest.producer.devices):
-        producer = manifest.producer.model_copy(update={"devices": sorted(devices)})
-        manifest = with_fields(manifest, producer=producer)
-    return manifest
+    if devices == set(manifest.producer.devices):
+        return manifest
+    return with_fields(manifest, producer=manifest.producer.model_copy(update={"devices": sorted(devices)}))
 
 
 def _append_range(segment: Any, added: Any, where: str) -> None:

@@ -379,3 +379,10 @@ def test_model_stored_before_non_finite_floats_still_rebuilds():
         with torch.no_grad():
             got = model(**b.infer_arguments(i)).logits
         torch.testing.assert_close(got, b.outputs(i)["logits"], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["journal", "compact_journal", "segments_journal", "sealed_journal"])
+def test_a_journal_names_the_devices_of_the_tensors_its_lines_added(name):
+    head = (GOLDEN / name / "journal.jsonl").read_text().split("\n", 1)[0]
+    assert '"devices":[]' in head  # the head was written before any tensor
+    assert load_bundle(GOLDEN / name).manifest.producer.devices == ["cpu"]

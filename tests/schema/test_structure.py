@@ -57,8 +57,7 @@ def test_a_context_is_compared_by_value_and_type():
 
 
 def test_the_compact_manifest_stores_one_structure_per_key(tmp_path):
-    from iobundle.schema import Manifest
-    from iobundle.schema._compact import dump_compact
+    from iobundle.schema import Manifest, dump_manifest
 
     calls = [_call(0, k="a"), _call(1, k="b"), _call(2, k="c", const=True), _call(3, k="d")]
     keys = [f"{c}{i}" for c in "abcd" for i in range(4)]
@@ -71,6 +70,6 @@ def test_the_compact_manifest_stores_one_structure_per_key(tmp_path):
             "files": {"calls/000000.safetensors": {"size": 8, "sha256": "0" * 64}},
         }
     )
-    compact = json.loads(dump_compact(manifest))
+    compact = json.loads(dump_manifest(manifest))
     assert len(compact["structures"]) == len({call_key(c, [], outputs=True) for c in calls}) == 2
     assert [c["structure"] for c in compact["calls"]] == [0, 0, 1, 0]
