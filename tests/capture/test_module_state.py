@@ -140,6 +140,23 @@ def test_a_tensor_recomputed_to_the_same_values_or_built_lazily_does_not_warn() 
     assert "model.layers.0.table" in message and "scale" not in message and "freq" not in message
 
 
+class Rebinding(torch.nn.Module):
+    """Holds None until its first call binds a tensor there, which the next calls change: state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last = x.sum(0) if self.last is None else self.last + x.sum(0)
+        return x * self.last
+
+
+def test_a_tensor_bound_where_none_was_is_state_once_a_call_changes_it() -> None:
+    [warning] = run(Holder(Rebinding()))  # no attribute added: the place was there, holding None
+    assert "model.layers.0.last" in str(warning.message)
+
+
 def generate(model: torch.nn.Module) -> list[warnings.WarningMessage]:
     observer = InputObserver()
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():

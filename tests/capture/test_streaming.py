@@ -522,6 +522,27 @@ class TestWriterProcess:
         monkeypatch.setattr(_writer.BundleWriter, "write_call", write_call)
         return indices
 
+    def test_a_call_leaves_memory_once_its_bytes_are_in_the_ring(self, tmp_path: Path) -> None:
+        """The child answers calls many at once: until then memory holds none of their snapshots, only the next call's input."""
+        observer, held = InputObserver(), []
+        n = 1000  # small: copied (the input) and referenced (the output), never pooled
+
+        class Holding(torch.nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                held.append(observer._table.in_memory())
+                return x * 2
+
+        model = Holding()
+        with observer(model, store_n_calls=20, stream_to=tmp_path / "run"):
+            for i in range(20):
+                model(torch.full((n,), float(i)))
+            # read back while not answered yet: the key waits for the answer (20 ms without a call), then reads
+            last = observer._rc.calls[-1].outputs.key
+            assert torch.equal(observer._table.get(last), torch.full((n,), 38.0))
+        assert max(held) == n * 4  # the input copy of the call running, nothing of earlier calls
+        bundle = load_bundle(tmp_path / "run")
+        assert len(bundle.calls) == 20 and bundle.verify() == []
+
     @pytest.mark.parametrize("durable", [False, True])
     def test_calls_are_written_by_the_writer_process(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool
