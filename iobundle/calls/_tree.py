@@ -196,14 +196,19 @@ class TensorCollector:
         # only if immutable: an object holding a list, which can change unseen, is walked every time.
         stamps: list[int | None] = []
         kids: list[Any] = []
+        seen = self._seen
         for child in children:
             if isinstance(child, torch.Tensor):
                 if child.is_inference():  # no version counter: the object is walked every time
                     break
-                try:
-                    kids.append(weakref.ref(child))
-                except TypeError:
-                    break
+                known = seen.get(id(child))  # its node was just made: the weak reference that made it serves
+                if known is not None and known() is child:
+                    kids.append(known)
+                else:
+                    try:
+                        kids.append(weakref.ref(child))
+                    except TypeError:
+                        break
                 stamps.append(child._version)
             elif child is None or type(child) in _SCALARS:
                 stamps.append(None)
