@@ -565,8 +565,8 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
             self._pending[key] = _Pending(dtype=tensor.dtype, shape=tuple(tensor.shape), device=str(tensor.device))
         _give_back(pool, tensor)
 
-    def in_ring(self, groups: list[tuple[list[str], torch.dtype, tuple[int, ...]]]) -> None:
-        """The bytes of these CPU snapshots (``(keys, dtype, shape)`` groups) are in a writer process's ring.
+    def in_ring(self, groups: list[tuple[list[str], torch.dtype, tuple[int, ...], int, int, int]]) -> None:
+        """The bytes of these CPU snapshots (``(keys, dtype, shape, ...)`` groups) are in a writer process's ring.
 
         Memory lets them go at once (a pooled buffer back to the pool, a tensor of the model's
         referenced let go): the child answers many calls at once, and a snapshot kept until then
@@ -576,7 +576,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         pool, recycle = self.pool, []
         memory, pending, referenced, lent = self._memory, self._pending, self._referenced, self._lent
         with self._lock:
-            for keys, dtype, shape in groups:
+            for keys, dtype, shape, *_ in groups:
                 meta = _Pending(dtype=dtype, shape=shape, device="cpu")
                 for key in keys:
                     tensor = memory.pop(key, None)
@@ -590,6 +590,13 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
                 _give_back(pool, tensor)
             else:
                 self._drop(tensor)
+
+    def restored(self, key: str, tensor: torch.Tensor) -> None:
+        """The snapshot of ``key``, let go into a writer process's ring that will not write it, is ``tensor`` again."""
+        with self._lock:
+            if self._pending.pop(key, None) is not None:
+                self._memory[key] = tensor
+                self._lock.notify_all()
 
     def written(self, rows: Iterable[TensorRow], root: Path, sizes: dict[str, int]) -> None:
         """Forget the snapshots of the tensors ``rows`` describe, now in their files; recycle their buffers.

@@ -144,6 +144,7 @@ class CallStream:
                     writer,
                     functools.partial(table.for_writing, wait=False),
                     released=table.in_ring,
+                    restored=table.restored,
                     durable=durable,
                     done=self._answered,
                     gone=self._process_gone,

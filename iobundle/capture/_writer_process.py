@@ -60,8 +60,7 @@ torch op), answered in sixteens 0.4-0.9 ms more (2-core machine, the figure 1f m
 
 ANSWER_AFTER_IDLE_S = 0.02
 """The child answers the calls it wrote once no call came for this long (or at once, ``durable``;
-and whenever the recording process asks: a ``submit`` that waits for room, :meth:`WriterProcess.wait_idle`,
-the end of the stream). A decode loop hands it a call every few milliseconds: one answer per
+and whenever the recording process asks: :meth:`WriterProcess.wait_idle`, the end of the stream). A decode loop hands it a call every few milliseconds: one answer per
 :data:`ANSWERS_AT_ONCE` calls. Until answered, a call's snapshots stay readable in memory."""
 
 CONSUMED_EARLY_BYTES = 1024 * 1024
@@ -72,6 +71,9 @@ MAX_IN_FLIGHT = 64
 """Calls handed to the child and not confirmed yet, at most (a slow disk makes submit wait)."""
 
 _ALIGN = 64
+
+_InRing = tuple[list[str], torch.dtype, tuple[int, ...], int, int, int]
+"""CPU snapshots of one dtype and shape copied into the ring: ``(keys, dtype, shape, offset, nbytes, step)``."""
 
 # done(call, rows of the tensors written or None, write error or None, journal error or None)
 Done = Callable[[CallEntry, list[TensorRow] | None, str | None, str | None], None]
@@ -314,7 +316,8 @@ class WriterProcess:
         writer: BundleWriter,
         get: Callable[[str], torch.Tensor],
         *,
-        released: Callable[[list[tuple[list[str], torch.dtype, tuple[int, ...]]]], None],
+        released: Callable[[list[_InRing]], None],
+        restored: Callable[[str, torch.Tensor], None],
         durable: bool,
         done: Done,
         gone: Callable[[list[CallEntry], bool, str], None],
@@ -324,6 +327,8 @@ class WriterProcess:
         self._writer = writer
         self._get = get
         self._released = released
+        self._restored = restored
+        self._rings: dict[int, tuple[int, list[_InRing]]] = {}  # seq -> where its CPU snapshots are in the ring
         self._durable = durable
         self._done = done
         self._gone = gone
@@ -384,7 +389,7 @@ class WriterProcess:
             # Tensors of one dtype and shape in a row (a cache's layers) share one spec: the child finds
             # each at the next aligned offset. Once per new tensor of every call: kept lean.
             group: list[str] = []
-            in_ring: list[tuple[list[str], torch.dtype, tuple[int, ...]]] = []  # the CPU groups, copied below
+            in_ring: list[_InRing] = []  # the CPU groups, copied below
             last_dtype = last_shape = None
             nbytes = step = 0
             cpu = True
@@ -417,7 +422,7 @@ class WriterProcess:
                     specs.append((group, ("tensor", name, dims, device, total, nbytes)))
                     last_dtype, last_shape = (dtype, dims) if cpu else (None, None)
                     if cpu:
-                        in_ring.append((group, dtype, dims))
+                        in_ring.append((group, dtype, dims, total, nbytes, step))
                 else:
                     group.append(key)  # a CPU tensor, as the group's first
                 if nbytes:
@@ -437,9 +442,11 @@ class WriterProcess:
                         start = ring.take(seq, total)
                     if start is not None:
                         break
-                    self._ask()
+                    # not asked to answer now (a message sent under the condition could wait on a full pipe
+                    # while the reader waits for the condition): it answers within ANSWER_AFTER_IDLE_S anyway
                     self._cond.wait()
                 self._calls[seq] = call
+                self._rings[seq] = (start, in_ring)
                 view = ring.view
                 self._copying += 1
             assert view is not None
@@ -456,6 +463,18 @@ class WriterProcess:
                 self._staged = (message, self._stager.to_pinned(on_device))
                 return True
             return self._send(message)
+
+    def _restore(self, rings: list[tuple[int, list[_InRing]]]) -> None:
+        """Hand the table back the CPU snapshots of calls the child never wrote, read from the ring (still mapped)."""
+        view = self._child.ring.view
+        if view is None:
+            return
+        for start, groups in rings:
+            for keys, dtype, shape, offset, nbytes, step in groups:
+                begin = start + offset
+                for key in keys:
+                    self._restored(key, view[begin : begin + nbytes].view(dtype).reshape(shape).clone())
+                    begin += step
 
     def _copied(self) -> None:
         """A copy into the ring is over: the reader thread may unmap it now (torch's view of it does not hold it)."""
@@ -474,6 +493,14 @@ class WriterProcess:
                 if seq not in self._calls:
                     return True  # the reader thread took it among the calls lost, and reports it
                 del self._calls[seq]  # the caller writes it: it is not reported lost too
+                ring = self._rings.pop(seq, None)
+                self._copying += 1  # the ring stays mapped while its snapshots are read back
+            try:
+                if ring is not None:
+                    self._restore([ring])
+            finally:
+                self._copied()
+            with self._cond:
                 self._child.ring.release(seq)
             return False
         return True
@@ -586,6 +613,7 @@ class WriterProcess:
                         with self._cond:
                             ring.release(seq)  # the child is done with its range (if it did not say so earlier)
                             del self._calls[seq]
+                            self._rings.pop(seq, None)
                             idle = not self._calls
                             self._cond.notify_all()
                     if idle:
@@ -602,13 +630,16 @@ class WriterProcess:
             with self._cond:
                 self._dead = True
                 lost = [self._calls[s] for s in sorted(self._calls)]
+                rings = [self._rings[s] for s in sorted(self._calls) if s in self._rings]
                 self._calls.clear()
+                self._rings.clear()
                 closing = self._closing
                 self._cond.notify_all()
             self._idle()
             with self._cond:  # a copy into the ring in progress (its range taken before the end) finishes first:
                 while self._copying:  # closing or shrinking the ring unmaps it under the copy
                     self._cond.wait()
+            self._restore(rings)  # before the ring goes: the lost calls' snapshots are only there
             if finished:
                 child.give_back()
             else:
