@@ -184,7 +184,8 @@ def _compare_finite(
                 a64 = ac[idx].astype(np.float64)
                 d64 = np.abs(a64 - bc[idx].astype(np.float64))
                 ok = not bool(np.any((d64 > atol) & (d64 > rtol * np.abs(a64))))
-        np.maximum(scale, 1e-12, out=scale)
+        if float(scale.min()) < 1e-12:  # a reduction costs less than the maximum taken everywhere
+            np.maximum(scale, 1e-12, out=scale)
         np.divide(diff, scale, out=scale)
         rc = float(scale.max())
         if not math.isfinite(rc):  # the float32 ratio overflowed: redo it in float64
@@ -389,7 +390,7 @@ def _describe(
             greater[i] += int(np.count_nonzero(diff > edge))
         for h in over:
             over[h] += int(np.count_nonzero(diff > h)) - nans if peak > h else 0
-        rel = np.maximum(scale, 1e-12, out=scale)
+        rel = np.maximum(scale, 1e-12, out=scale) if float(scale.min()) < 1e-12 else scale
         with np.errstate(over="ignore", invalid="ignore"):
             np.divide(diff, rel, out=rel)
         peak_rel = float(rel.max())
