@@ -407,6 +407,11 @@ class BundleTensorStore:
     def dtype(self, key: str) -> torch.dtype:
         return NAME_TO_DTYPE[self._entry(key).dtype]
 
+    def device(self, key: str) -> torch.device:
+        """Where :meth:`get` puts ``key`` (the CPU), known without reading it."""
+        self._entry(key)
+        return torch.device("cpu")
+
     def safetensors_dtype(self, key: str) -> str:
         """The manifest's dtype name of ``key`` (``"F32"``): :meth:`dtype` without torch."""
         return self._entry(key).dtype
