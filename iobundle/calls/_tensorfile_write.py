@@ -289,40 +289,33 @@ def tensor_span(
             not two integers spanning exactly its bytes inside the data area.
     """
     info = header.get(tensor)
-    found_dtype, found_shape = (info.get("dtype"), info.get("shape")) if type(info) is dict else (None, None)
-    offsets = info.get("data_offsets") if type(info) is dict else None
-    if (
-        dtype is not None
-        and found_dtype == dtype
-        and type(found_shape) is list
-        and set(map(type, found_shape)) <= _INT  # a parsed header: an int is of type int (True == 1)
-        and found_shape == list(shape)
-        and type(offsets) is list
-        and len(offsets) == 2
-        and type(offsets[0]) is int
-        and type(offsets[1]) is int
-        and 0 <= offsets[0] <= offsets[1] <= data_len
-        and offsets[1] - offsets[0] == math.prod(shape, start=DTYPE_ITEMSIZES[dtype])
-        and tensor != "__metadata__"
-    ):
-        return offsets[0], offsets[1]  # the common case: a good entry, checked in one expression
-    label = f"tensor {tensor!r}" + (f" (key {key!r})" if key is not None else "")
     if not isinstance(info, dict) or tensor == "__metadata__":
-        raise TensorFileError(f"{name}: {label} is not in the file.")
+        raise TensorFileError(f"{name}: {_label(tensor, key)} is not in the file.")
+    found_dtype, found_shape = info.get("dtype"), info.get("shape")
     if (
         dtype is None
         or found_dtype != dtype
         or type(found_shape) is not list
+        or not set(map(type, found_shape)) <= _INT  # a parsed header: an int is of type int (True == 1)
         or found_shape != list(shape)
-        or not (set(map(type, found_shape)) <= _INT)
     ):
         raise TensorFileError(
-            f"{name}: {label} is {found_dtype!r} {found_shape!r} in the file, {dtype} {list(shape)} {expected_by}."
+            f"{name}: {_label(tensor, key)} is {found_dtype!r} {found_shape!r} in the file, {dtype} {list(shape)} "
+            f"{expected_by}."
         )
+    offsets = info.get("data_offsets")
     if type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int or type(offsets[1]) is not int:
-        raise TensorFileError(f"{name}: {label} has invalid data_offsets {offsets!r}.")
+        raise TensorFileError(f"{name}: {_label(tensor, key)} has invalid data_offsets {offsets!r}.")
     begin, end = offsets
-    raise TensorFileError(
-        f"{name}: {label} spans bytes [{begin}, {end}) but needs {math.prod(shape, start=DTYPE_ITEMSIZES[dtype])} "
-        f"bytes inside a data area of {data_len} bytes."
-    )
+    expected = math.prod(shape, start=DTYPE_ITEMSIZES[dtype])
+    if not 0 <= begin <= end <= data_len or end - begin != expected:
+        raise TensorFileError(
+            f"{name}: {_label(tensor, key)} spans bytes [{begin}, {end}) but needs {expected} bytes "
+            f"inside a data area of {data_len} bytes."
+        )
+    return begin, end
+
+
+def _label(tensor: str, key: str | None) -> str:
+    """How a message names a tensor (made only for a message: a header of thousands is checked per tensor)."""
+    return f"tensor {tensor!r}" + (f" (key {key!r})" if key is not None else "")
