@@ -19,7 +19,7 @@ from iobundle._lazy import lazy_module
 from iobundle.calls import tensor_paths
 from iobundle.replay.check._quantiles import median_and_quantile
 from iobundle.replay.check._tolerances import Tolerances
-from iobundle.schema import Node, TensorNode
+from iobundle.schema import Node
 
 if TYPE_CHECKING:
     import numpy as np
@@ -37,7 +37,6 @@ __all__ = [
     "error_stats",
     "flatten_outputs",
     "histogram_labels",
-    "output_leaves",
     "output_paths",
     "stat_passes",
 ]
@@ -448,12 +447,7 @@ def output_paths(node: Node | None) -> list[str]:
     (``output[1]``, ``past_key_values[3]``); nested names are joined with dots. This is the
     path syntax of ``iobundle.calls`` (``tensor_paths``), the one ``--atol NAME=...`` takes.
     """
-    return [name for name, _ in output_leaves(node)]
-
-
-def output_leaves(node: Node | None) -> list[tuple[str, TensorNode]]:
-    """Each tensor of an output tree with its :func:`output_paths` name, in flattening order."""
-    return tensor_paths(node)
+    return [name for name, _ in tensor_paths(node)]
 
 
 # --------------------------------------------------------------------------- one call, output by output
