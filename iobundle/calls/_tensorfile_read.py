@@ -296,16 +296,6 @@ def check_bytes(name: str, entry: FileEntry, data: Any) -> None:
     check_digest(name, entry, hasher.hexdigest())
 
 
-def stored_shape(entry: TensorInfo, base: TensorInfo | None) -> tuple[int, ...]:
-    """The shape of what the file holds for ``entry``: the whole tensor, or its part past ``base`` (what it extends)."""
-    if entry.extends is None or base is None:
-        return entry.shape
-    dim = entry.extends[1]
-    shape = list(entry.shape)
-    shape[dim] -= base.shape[dim]
-    return tuple(shape)
-
-
 def _tensor_span(name: str, header: dict[str, Any], entry: TensorInfo, key: str, data_len: int) -> tuple[int, int]:
     """Check one tensor of the header against its manifest entry; return its byte span in the data area."""
     return tensor_span(name, header, entry.name, dtype=entry.dtype, shape=entry.shape, data_len=data_len, key=key)
@@ -417,6 +407,11 @@ class BundleTensorStore:
     def dtype(self, key: str) -> torch.dtype:
         return NAME_TO_DTYPE[self._entry(key).dtype]
 
+    def device(self, key: str) -> torch.device:
+        """Where :meth:`get` puts ``key`` (the CPU), known without reading it."""
+        self._entry(key)
+        return torch.device("cpu")
+
     def safetensors_dtype(self, key: str) -> str:
         """The manifest's dtype name of ``key`` (``"F32"``): :meth:`dtype` without torch."""
         return self._entry(key).dtype
@@ -463,11 +458,14 @@ class BundleTensorStore:
         by_file = self._by_file
         if by_file is None:
             by_file = {}
-            rows = self._rows
+            rows, new = self._rows, tuple.__new__  # a namedtuple's _replace is Python code: one call per row
             for key, row in rows.items():
-                if row.extends is not None:
-                    row = row._replace(shape=stored_shape(row, rows[row.extends[0]]), extends=None)
-                by_file.setdefault(row.file, {})[key] = row
+                file, name_in_file, dtype, shape, device, extends, offset = row
+                if extends is not None:  # the part past the base along dim
+                    dim = extends[1]
+                    shape = (*shape[:dim], shape[dim] - rows[extends[0]].shape[dim], *shape[dim + 1 :])
+                    row = new(TensorInfo, (file, name_in_file, dtype, shape, device, None, offset))
+                by_file.setdefault(file, {})[key] = row
             self._by_file = by_file
         return by_file.get(name, {})
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import struct
 from collections.abc import Callable, Sequence
@@ -287,10 +288,9 @@ def tensor_span(
         TensorFileError: The tensor is missing, its dtype or shape differs, or its data_offsets are
             not two integers spanning exactly its bytes inside the data area.
     """
-    label = f"tensor {tensor!r}" + (f" (key {key!r})" if key is not None else "")
     info = header.get(tensor)
     if not isinstance(info, dict) or tensor == "__metadata__":
-        raise TensorFileError(f"{name}: {label} is not in the file.")
+        raise TensorFileError(f"{name}: {_label(tensor, key)} is not in the file.")
     found_dtype, found_shape = info.get("dtype"), info.get("shape")
     if (
         dtype is None
@@ -300,18 +300,22 @@ def tensor_span(
         or found_shape != list(shape)
     ):
         raise TensorFileError(
-            f"{name}: {label} is {found_dtype!r} {found_shape!r} in the file, {dtype} {list(shape)} {expected_by}."
+            f"{name}: {_label(tensor, key)} is {found_dtype!r} {found_shape!r} in the file, {dtype} {list(shape)} "
+            f"{expected_by}."
         )
     offsets = info.get("data_offsets")
     if type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int or type(offsets[1]) is not int:
-        raise TensorFileError(f"{name}: {label} has invalid data_offsets {offsets!r}.")
+        raise TensorFileError(f"{name}: {_label(tensor, key)} has invalid data_offsets {offsets!r}.")
     begin, end = offsets
-    expected = DTYPE_ITEMSIZES[dtype]
-    for d in shape:
-        expected *= d
+    expected = math.prod(shape, start=DTYPE_ITEMSIZES[dtype])
     if not 0 <= begin <= end <= data_len or end - begin != expected:
         raise TensorFileError(
-            f"{name}: {label} spans bytes [{begin}, {end}) but needs {expected} bytes "
+            f"{name}: {_label(tensor, key)} spans bytes [{begin}, {end}) but needs {expected} bytes "
             f"inside a data area of {data_len} bytes."
         )
     return begin, end
+
+
+def _label(tensor: str, key: str | None) -> str:
+    """How a message names a tensor (made only for a message: a header of thousands is checked per tensor)."""
+    return f"tensor {tensor!r}" + (f" (key {key!r})" if key is not None else "")

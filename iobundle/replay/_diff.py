@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from iobundle._progress import ProgressCallback, notify
-from iobundle.calls import NAME_TO_DTYPE, child_path, item_labels, positional_names, replay_autocast
+from iobundle.calls import NAME_TO_DTYPE, child_path, item_labels, positional_names, replay_autocast, tensor_paths
 from iobundle.errors import NothingToCompareError
 from iobundle.replay._bundle import Bundle, load_bundle
 from iobundle.replay.check import (
@@ -20,7 +20,6 @@ from iobundle.replay.check import (
     ValidationReport,
     check_error_stat_name,
     compare_call,
-    output_leaves,
     recorded_output_names,
     refuse_unknown_outputs,
     refuse_unused,
@@ -164,7 +163,7 @@ def _call_pairs(a: Bundle, b: Bundle, ca: CallEntry, cb: CallEntry, out: list[st
         _walk(ca.outputs, cb.outputs, "", a.manifest, b.manifest, out, outs, False)
         # Outputs are named as validate and run name them (output_paths), so one --atol NAME=... fits all three;
         # pairs are kept in the flattening order of A's outputs.
-        leaves = output_leaves(ca.outputs)
+        leaves = tensor_paths(ca.outputs)
         index = {id(node): i for i, (_, node) in enumerate(leaves)}
         for p in outs:
             p.index = index.get(id(p.node_a), len(leaves))

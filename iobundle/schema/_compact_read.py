@@ -275,6 +275,7 @@ class Reader:
                     self.fail(where, "a segment gives a digest per range, not a digest")
                 ranges = self.ranges(rec["ranges"], size, algorithm, where, version)
                 ends = [start + length for _, start, length, _ in ranges]
+                n_ends = len(ends)
                 position, current = ranges[0][1] if ranges else 0, 0  # the next tensor's offset, the range it starts in
             elif type(digest) is not str or not hex_of[algorithms[algorithm]].fullmatch(digest):
                 self.fail(
@@ -319,7 +320,7 @@ class Reader:
                     set(map(type, dims)) <= int_only  # not bool nor float: True == 1 and 2.0 == 2
                     and len(dims) <= max_rank
                     and (not dims or min(dims) >= 0)
-                    and (prod(dims) if 0 not in dims else prod(d or 1 for d in dims)) <= max_elements
+                    and ((count := prod(dims)) or prod(d or 1 for d in dims)) <= max_elements
                 ):
                     self.shape(dims, f"files[{name!r}].tensors[{key!r}]")
                 extends = None
@@ -363,7 +364,6 @@ class Reader:
                 else:
                     device, in_file = self.options(options, key, f"files[{name!r}].tensors[{key!r}]")
                 offset = None
-                count = prod(dims)
                 if extends is not None and count:  # stored: the part past the base along dim
                     count = count // dims[dim] * (dims[dim] - had[dim])
                 nbytes = count * DTYPE_ITEMSIZES[dtype]
@@ -374,9 +374,9 @@ class Reader:
                     if in_file != key:
                         self.fail(f"files[{name!r}].tensors[{key!r}]", "a segment's tensor has no name but its key")
                     if nbytes:
-                        while current < len(ends) and position >= ends[current]:
+                        while current < n_ends and position >= ends[current]:
                             current += 1
-                        if current == len(ends) or position + nbytes > ends[current]:
+                        if current == n_ends or position + nbytes > ends[current]:
                             self.fail(
                                 f"files[{name!r}].tensors[{key!r}]",
                                 f"its {nbytes} bytes at offset {position} do not lie inside one range "

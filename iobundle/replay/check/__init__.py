@@ -22,7 +22,6 @@ __all__ = [
     "compare_call",
     "compare_outputs",
     "flatten_outputs",
-    "output_leaves",
     "output_paths",
     "refuse_unknown_outputs",
     "refuse_unused",
@@ -53,7 +52,6 @@ if TYPE_CHECKING:
         compare_call,
         compare_outputs,
         flatten_outputs,
-        output_leaves,
         output_paths,
     )
     from iobundle.replay.check._rerun import rerun_model

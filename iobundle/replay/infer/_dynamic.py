@@ -258,7 +258,7 @@ def _fill_tensor(
     key, shape, zeros = _stand_in(rc, alignment, index, dims, empty_dim)
     if list(rc.store.shape(key)) == shape and not zeros:
         return rc.store.get(key)
-    device = rc.store.get(key).device
+    device = rc.store.device(key) if hasattr(rc.store, "device") else rc.store.get(key).device  # a file's: unread
     make = torch.zeros if zeros else torch.empty
     return make(shape, dtype=rc.store.dtype(key), device=device)
 
