@@ -33,8 +33,10 @@ Each condition multiplies the sizes of ``of`` (pairs of an input's name and an a
 input's first tensor, or triples naming the input's tensor too: ``["cache", 2, 0]`` is axis 2 of
 the cache's first tensor in the program's order) and compares the product with ``value`` by ``op`` (one of ``==``, ``!=``,
 ``<``, ``<=``, ``>``, ``>=``); an optional ``div`` (one divisor per size) floor-divides each size first
-(``pixel_values.size()[2] // 14 * (pixel_values.size()[3] // 14) == 4``, a number of patches); a program serves a call when every condition holds (no ``sizes``:
-any sizes). A call goes to the first program whose structure it has and whose rule it meets.
+(``pixel_values.size()[2] // 14 * (pixel_values.size()[3] // 14) == 4``, a number of patches), an optional
+``mod`` takes the product's remainder (``x.size()[1] % 4 == 0``) and an optional ``other`` (sizes as in
+``of``) adds their product to ``value`` (``x.size()[3] == x.size()[2]``); a program serves a call when every
+condition holds (no ``sizes``: any sizes). A call goes to the first program whose structure it has and whose rule it meets.
 ``inputs`` may also be a list of structures (a program that serves calls of several). The rule
 is data, evaluated by :func:`sizes_match`, never by ``eval``. ``values`` (per input, a shape and its
 flattened integers) says a program was traced with those values of an input fixed, because they
@@ -92,6 +94,7 @@ PROGRAM_INDEX_FORMAT: Final = "iobundle.programs"
 MAX_INDEX_BYTES = 16 * 1024**2
 
 
+_Size = tuple[StrictStr, StrictInt] | tuple[StrictStr, StrictInt, StrictInt]
 SIZE_OPS: dict[str, Callable[[int, int], bool]] = {
     "==": lambda a, b: a == b,
     "!=": lambda a, b: a != b,
@@ -109,33 +112,42 @@ class SizeCondition(BaseModel):
     Each size is ``[input, axis]`` (that axis of the input's first tensor) or ``[input, axis, item]``
     (that axis of the input's ``item``-th tensor, in the order the program takes them: a cache's
     ``key_0`` residual). With ``div``, each size is first floor-divided by its divisor there (a
-    number of patches: ``axis 2 of pixel_values // 14``).
+    number of patches: ``axis 2 of pixel_values // 14``); with ``mod``, the product's remainder
+    by it is compared (``axis 1 of x % 4 == 0``: a side already a multiple of a window); with
+    ``other``, ``value`` plus the product of those sizes (``axis 3 of x == axis 2 of x``: a square).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    of: list[tuple[StrictStr, StrictInt] | tuple[StrictStr, StrictInt, StrictInt]] = Field(min_length=1, max_length=16)
+    of: list[_Size] = Field(min_length=1, max_length=16)
     op: Literal["==", "!=", "<", "<=", ">", ">="]
     value: StrictInt
     div: list[StrictInt] | None = Field(default=None, min_length=1, max_length=16)
+    mod: StrictInt | None = None
+    other: list[_Size] | None = Field(default=None, min_length=1, max_length=16)
 
     @model_serializer(mode="wrap")
-    def _without_div(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+    def _without_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data: dict[str, Any] = handler(self)
-        if self.div is None:
-            data.pop("div", None)  # the rules without division read as they did
-        return data
+        return {k: v for k, v in data.items() if v is not None}  # the rules without them read as they did
 
     def describe(self) -> str:
         """``axis 1 of h * axis 0 of h == 1``; ``axis 2 of cache (tensor 0) >= 3``; ``axis 2 of x // 14 ...``."""
-        divisors = self.div or [1] * len(self.of)
-        terms = (
-            f"axis {term[1]} of {term[0]}"
-            + (f" (tensor {term[2]})" if len(term) == 3 else "")
-            + (f" // {d}" if d != 1 else "")
-            for term, d in zip(self.of, divisors)
-        )
-        return f"{' * '.join(terms)} {self.op} {self.value}"
+        left = _describe_product(self.of, self.div)
+        if self.mod is not None:
+            left = f"({left}) % {self.mod}" if len(self.of) > 1 else f"{left} % {self.mod}"
+        right = [_describe_product(self.other, None)] if self.other else []
+        return f"{left} {self.op} {' + '.join(right + ([str(self.value)] if self.value or not right else []))}"
+
+
+def _describe_product(sizes: list[_Size], div: list[int] | None) -> str:
+    terms = (
+        f"axis {term[1]} of {term[0]}"
+        + (f" (tensor {term[2]})" if len(term) == 3 else "")
+        + (f" // {d}" if d != 1 else "")
+        for term, d in zip(sizes, div or [1] * len(sizes))
+    )
+    return " * ".join(terms)
 
 
 class FixedValues(BaseModel):
@@ -189,15 +201,25 @@ def values_match(program: ProgramEntry, value: Callable[[str], tuple[list[int], 
 def conditions_met(conditions: list[SizeCondition], size: Callable[[str, int, int | None], int | None]) -> bool:
     """Whether every condition of a size rule holds, sizes asked of ``size`` as :func:`sizes_match` does."""
     for condition in conditions:
-        product = 1
-        for term, divisor in zip(condition.of, condition.div or [1] * len(condition.of)):
-            found = size(term[0], term[1], term[2] if len(term) == 3 else None)
-            if found is None:
-                return False
-            product *= found // divisor
-        if not SIZE_OPS[condition.op](product, condition.value):
+        left, right = _product(condition.of, condition.div, size), _product(condition.other or [], None, size)
+        if left is None or right is None:
+            return False
+        if not SIZE_OPS[condition.op](left % condition.mod if condition.mod else left, condition.value + right):
             return False
     return True
+
+
+def _product(
+    sizes: list[_Size], div: list[int] | None, size: Callable[[str, int, int | None], int | None]
+) -> int | None:
+    """The product of ``sizes`` (each floor-divided by its ``div``) asked of ``size``; 0 for no sizes."""
+    product = 1 if sizes else 0
+    for term, divisor in zip(sizes, div or [1] * len(sizes)):
+        found = size(term[0], term[1], term[2] if len(term) == 3 else None)
+        if found is None:
+            return None
+        product *= found // divisor
+    return product
 
 
 class ProgramIndex(BaseModel):
@@ -245,7 +267,7 @@ def _check_rules(index: ProgramIndex, where: str) -> None:
                     f"{field}.values[{name!r}]: shape {fixed.shape} does not hold {len(fixed.data)} elements."
                 )
         for j, condition in enumerate(program.sizes):
-            for term in condition.of:
+            for term in [*condition.of, *(condition.other or [])]:
                 if min(term[1:]) < 0 or condition.value < 0:
                     raise ManifestError(
                         f"{field}.sizes[{j}]: axis {term[1]} of {term[0]!r}"
@@ -257,6 +279,8 @@ def _check_rules(index: ProgramIndex, where: str) -> None:
                     f"{field}.sizes[{j}].div: {condition.div} must hold one divisor of 1 or more per size of 'of' "
                     f"({len(condition.of)} sizes)."
                 )
+            if condition.mod is not None and condition.mod < 1:
+                raise ManifestError(f"{field}.sizes[{j}].mod: {condition.mod} must be 1 or more (a divisor).")
         if program.traced_call < 0:
             raise ManifestError(f"{field}.traced_call: {program.traced_call} is negative; call numbers start at 0.")
         for call in program.calls:

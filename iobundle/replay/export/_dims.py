@@ -446,50 +446,87 @@ def split_rule(
 ) -> tuple[SizeCondition, SizeCondition] | str:
     """The guard of ``Guard failed: EXPR`` as two size conditions: the one the program holds, and its negation.
 
-    A guard has one when it compares a product of sizes plus a number with a number
-    (``h.size()[1] * h.size()[0] != 1``, ``1 + cache['key_0'].size()[2] >= 3``: the number moves to
-    the right, ``axis 2 of cache (tensor 0) >= 2``), each size, or size floor-divided by a number
-    (``pixel_values.size()[2] // 14 * (pixel_values.size()[3] // 14) == 4``: patches of a ViT), of a tensor ``sources`` names (see
-    :func:`guard_sources`). Otherwise the reason it has none, in words: a sum of several sizes (a
-    relation between sizes), a size of a tensor the inputs do not name, or no guard at all.
+    A guard has one when each side is a number plus at most one product of sizes, each size of a tensor
+    ``sources`` names (see :func:`guard_sources`), maybe floor-divided by a number: ``h.size()[1] *
+    h.size()[0] != 1``; ``1 + cache['key_0'].size()[2] >= 3`` (the numbers move right: ``axis 2 of cache
+    (tensor 0) >= 2``); ``pixel_values.size()[2] // 14 * (pixel_values.size()[3] // 14) == 4`` (patches of a
+    ViT); ``x.size()[1] % 4 == 0`` (a remainder: a side a multiple of a window); ``x.size()[3] ==
+    x.size()[2]`` (two sizes related: a square image). Otherwise the reason it has none, in words: a sum of
+    several sizes, a size of a tensor the inputs do not name, or no guard at all.
     """
     found = _GUARD.search(message)
     if found is None:
         return "the program refused them on no guard"
     expr = found.group(1).strip().rstrip(".")
-    parts = re.fullmatch(r"(.+?)\s*(==|!=|<=|>=|<|>)\s*(-?\d+)", expr)
+    parts = re.fullmatch(r"(.+?)\s*(==|!=|<=|>=|<|>)\s*(.+)", expr)
     if parts is None:
-        return f"the guard {expr} does not compare sizes with a number"
+        return f"the guard {expr} compares no sizes"
+    sides = [_side(parts.group(i), expr, sources) for i in (1, 3)]
+    reason = next((side for side in sides if isinstance(side, str)), None)
+    if reason is not None:
+        return reason
+    (left, constant, left_mod), (right, value, right_mod) = sides  # type: ignore[misc]
+    op = parts.group(2)
+    if not left or right_mod is not None:  # the sizes (a remainder among them) move left
+        (left, constant, left_mod), (right, value, right_mod) = (right, value, right_mod), (left, constant, left_mod)
+        op = _FLIPPED.get(op, op)
+    if not left or right_mod is not None:
+        return f"the guard {expr} compares no product of sizes with a number or other sizes"
+    value -= constant
+    if value < 0 and right and left_mod is None and max(d for _, d in left) == 1:  # 1 + a == b: b == a + 1
+        left, right, value, op = right, left, -value, _FLIPPED.get(op, op)
+    if value < 0:
+        return f"the guard {expr} compares sizes with a negative number"
+    (op, negated) = _NEGATION[op]
+    of, div = zip(*left)
+    divided = list(div) if max(div) > 1 else None
+    other = [size for size, _ in right] or None
+    if right and max(d for _, d in right) > 1:
+        return f"the guard {expr} compares sizes with floor-divided sizes"
+    return (
+        SizeCondition(of=list(of), op=op, value=value, div=divided, mod=left_mod, other=other),
+        SizeCondition(of=list(of), op=negated, value=value, div=divided, mod=left_mod, other=other),
+    )
+
+
+_FLIPPED: dict[str, _Op] = {"<": ">", ">": "<", "<=": ">=", ">=": "<="}
+
+
+def _side(
+    text: str, expr: str, sources: Mapping[str, tuple[str, int | None]]
+) -> tuple[list[tuple[Any, int]], int, int | None] | str:
+    """A side of a guard's comparison as (sizes, each with its divisor), a number added and the remainder taken
+    of the product (None without ``%``); the reason it is none in words otherwise."""
     constant, products = 0, []
-    for addend in parts.group(1).split("+"):
+    for addend in text.split("+"):
         addend = addend.strip()
         if re.fullmatch(r"-?\d+", addend):
             constant += int(addend)
         else:
             products.append(addend)
-    if len(products) != 1:
+    if len(products) > 1:
         return (
             f"the guard {expr} relates a sum of {len(products)} sizes to a number; a size rule is one product of "
-            "sizes compared with a number"
+            "sizes compared with a number or with another product"
         )
-    of: list[tuple[str, int] | tuple[str, int, int]] = []
-    div: list[int] = []
-    for factor in products[0].split("*"):
+    if not products:
+        return [], constant, None
+    product, mod = products[0], None
+    remainder = re.fullmatch(r"\(?(.+?)\)?\s*%\s*(\d+)", product)
+    if remainder is not None:
+        product, mod = remainder.group(1), int(remainder.group(2))
+    sizes: list[tuple[Any, int]] = []
+    for factor in product.split("*"):
         factor = factor.strip().removeprefix("(").removesuffix(")").strip()
         size = _FACTOR.match(factor)
         if size is None or size.group(1) not in sources:
             return f"the guard {expr} names {factor!r}, not a size of a tensor the program takes"
         name, item = sources[size.group(1)]
-        of.append((name, int(size.group(2))) if item is None else (name, int(size.group(2)), item))
-        div.append(int(size.group(3) or 1))
-    (op, negated), value = _NEGATION[parts.group(2)], int(parts.group(3)) - constant
-    if value < 0 or min(div) < 1:
-        return f"the guard {expr} compares sizes with a negative number"
-    divided = div if max(div) > 1 else None
-    return (
-        SizeCondition(of=of, op=op, value=value, div=divided),
-        SizeCondition(of=of, op=negated, value=value, div=divided),
-    )
+        term = (name, int(size.group(2))) if item is None else (name, int(size.group(2)), item)
+        sizes.append((term, int(size.group(3) or 1)))
+    if (mod is not None and mod < 1) or min(d for _, d in sizes) < 1:
+        return f"the guard {expr} divides by a number under 1"
+    return sizes, constant, mod
 
 
 def derived_dims(rc: RecordedCalls, plan: _Plan, message: str) -> dict[str, tuple[str | None, int, int]]:

@@ -144,6 +144,11 @@ def test_a_guard_no_size_rule_expresses_is_said_and_not_split(tmp_path):
         ("1 + cache['key_0'].size()[2] >= 3", {"of": [["cache", 2, 0]], "op": ">=", "value": 2}),
         ("cache['key_0'].size()[2] <= 2", {"of": [["cache", 2, 0]], "op": "<=", "value": 2}),
         ("x.size()[1] * x.size()[0] + 2 != 3", {"of": [["x", 1], ["x", 0]], "op": "!=", "value": 1}),
+        ("x.size()[1] % 4 == 0", {"of": [["x", 1]], "op": "==", "value": 0, "mod": 4}),
+        ("(x.size()[1] * x.size()[0]) % 8 != 3", {"of": [["x", 1], ["x", 0]], "op": "!=", "value": 3, "mod": 8}),
+        ("x.size()[3] == x.size()[2]", {"of": [["x", 3]], "op": "==", "value": 0, "other": [["x", 2]]}),
+        ("1 + x.size()[0] < x.size()[1]", {"of": [["x", 1]], "op": ">", "value": 1, "other": [["x", 0]]}),
+        ("2 == x.size()[0]", {"of": [["x", 0]], "op": "==", "value": 2}),
     ],
 )
 def test_a_guard_becomes_a_size_rule_and_its_negation(guard, holds):
@@ -151,6 +156,7 @@ def test_a_guard_becomes_a_size_rule_and_its_negation(guard, holds):
     first, second = split_rule(f"AssertionError: Guard failed: {guard}", sources)
     assert first.model_dump(mode="json") == holds
     assert second.of == first.of and second.value == first.value and second.op != first.op
+    assert (second.mod, second.other) == (first.mod, first.other)
 
 
 @pytest.mark.parametrize(
@@ -158,8 +164,9 @@ def test_a_guard_becomes_a_size_rule_and_its_negation(guard, holds):
     [
         ("cache['key_0'].size()[2] + x.size()[1] < 4", "relates a sum of 2 sizes to a number"),
         ("y.size()[0] >= 2", "names 'y.size()[0]', not a size of a tensor the program takes"),
-        ("x.size()[0] != x.size()[1]", "does not compare sizes with a number"),
         ("x.size()[0] + 5 >= 3", "compares sizes with a negative number"),
+        ("x.size()[0] // 2 == x.size()[1] // 2", "compares sizes with floor-divided sizes"),
+        ("x.size()[0] % 2 == x.size()[1] % 2", "compares no product of sizes with a number or other sizes"),
     ],
 )
 def test_a_guard_of_another_shape_says_why_it_has_no_size_rule(guard, reason):
