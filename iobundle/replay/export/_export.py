@@ -232,7 +232,7 @@ def _split_recorded_calls(
             )
             return [], []
         try:
-            second = _export_checked(phase_calls(rc, out), model, check=True, split=True, on_progress=None, **options)
+            second = _export_side(phase_calls(rc, out), model, _widened(plan, out, options["dynamic"]), options)
         except ExportError as exc:
             report.options.append(
                 f"calls {out} refused on a guard ({negation.describe()}): a program from them failed "
@@ -258,6 +258,28 @@ def _split_recorded_calls(
     )
     logger.info("%s", report.options[-1])
     return kept, splits
+
+
+def _widened(plan: _Plan, calls: list[int], dynamic: DynamicSpec) -> dict[int | str, set[int]]:
+    """``dynamic`` and the axes ``plan`` made dynamic, of the inputs every call of ``calls`` passes."""
+    axes: dict[int | str, set[int]] = {key: set(value) for key, value in (dynamic or {}).items()}
+    rows = [slots for call, slots in zip(plan.alignment.calls, plan.alignment.slots) if call.index in calls]
+    for slot, (owner, dims) in enumerate(zip(plan.alignment.owners, plan.dims)):
+        if dims and all(row[slot] is not None for row in rows):
+            axes.setdefault(owner, set()).update(dims)
+    return axes
+
+
+def _export_side(
+    rc: RecordedCalls, model: torch.nn.Module, widened: DynamicSpec, options: dict[str, Any]
+) -> ExportResult:
+    """The program of a side of a split, traced dynamic where the first program was (``widened``): it serves sizes
+    of its side no call had, even from one call; else, when that fails, dynamic where its own calls vary."""
+    try:
+        return _export_checked(rc, model, check=True, split=True, on_progress=None, **{**options, "dynamic": widened})
+    except ExportError as exc:
+        logger.info("a side of a split, dynamic where the first program is, failed (%s)", _first_line(exc))
+    return _export_checked(rc, model, check=True, split=True, on_progress=None, **options)
 
 
 def _serve_refused_batch(
