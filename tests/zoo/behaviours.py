@@ -128,6 +128,17 @@ def _vit() -> tuple[torch.nn.Module, dict[str, Any]]:
     return model, {"calls": calls}
 
 
+def _dinov2() -> tuple[torch.nn.Module, dict[str, Any]]:
+    import transformers
+
+    config = transformers.Dinov2Config(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, patch_size=4, image_size=8
+    )
+    model = zoo_models._seeded(lambda: transformers.Dinov2Model(config))
+    sides = [(8, 8), (4, 16), (16, 4), (8, 8)]
+    return model, {"calls": [{"pixel_values": _randn(1, 3, *side, seed=i)} for i, side in enumerate(sides)]}
+
+
 BEHAVIOURS += [
     Family(
         "tiny_unet",
@@ -152,9 +163,19 @@ BEHAVIOURS += [
         run=_calls,
         factory="zoo_models:padded_windows",
         export_args=(),
-        known_failure="the program traced from an unpadded call refuses the padded ones on 'Guard failed: "
-        "x.size()[1] % 4 == 0', not split: 'the guard names x.size()[1] % 4, not a size of a tensor the program "
-        "takes' (a size rule has no remainder)",
+    ),
+    Family(
+        "strided_encoder",
+        _plain(
+            "strided_encoder",
+            *[(_randn(1, 2, *side, seed=i),) for i, side in enumerate([(16, 24), (20, 16), (16, 13), (24, 32)])],
+        ),
+        notes="three stride-2 convolutions, the image reflect-padded to a multiple of 8 when a side is not one",
+        source=PLAIN,
+        classes=(3,),
+        run=_calls,
+        factory="zoo_models:strided_encoder",
+        export_args=(),
     ),
     Family(
         "vit_interpolated",
@@ -163,9 +184,26 @@ BEHAVIOURS += [
         classes=(3,),
         run=_calls,
         export_args=(),
-        known_failure="the program traced at the trained grid refuses the non-square calls on 'Guard failed: "
-        "pixel_values.size()[3] == pixel_values.size()[2]', not split: the guard 'does not compare sizes with "
-        "a number' (a size rule cannot relate two sizes)",
+    ),
+    Family(
+        "dinov2_strips",
+        _dinov2,
+        notes="Dinov2 at its trained 2 x 2 patch grid, then at 1 x 4 and 4 x 1: as many patches, not square",
+        classes=(3,),
+        run=_calls,
+        export_args=(),
+    ),
+    Family(
+        "square_mixer",
+        _plain(
+            "square_mixer", *[(_randn(2, 4, *side, seed=i),) for i, side in enumerate([(6, 6), (5, 7), (8, 8), (7, 5)])]
+        ),
+        notes="a square feature map also mixed along its transpose (if x.size(-1) == x.size(-2))",
+        source=PLAIN,
+        classes=(3,),
+        run=_calls,
+        factory="zoo_models:square_mixer",
+        export_args=(),
     ),
 ]
 

@@ -16,6 +16,7 @@ does, the first program is kept and the check stays failed, with what was tried
 
 from __future__ import annotations
 
+import ast
 import collections
 import contextlib
 import dataclasses
@@ -25,6 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import pydantic
 import torch
 
 from iobundle.calls import RecordedCalls, ReplayAutocast, tensor_keys
@@ -446,87 +448,112 @@ def split_rule(
 ) -> tuple[SizeCondition, SizeCondition] | str:
     """The guard of ``Guard failed: EXPR`` as two size conditions: the one the program holds, and its negation.
 
-    A guard has one when each side is a number plus at most one product of sizes, each size of a tensor
-    ``sources`` names (see :func:`guard_sources`), maybe floor-divided by a number: ``h.size()[1] *
-    h.size()[0] != 1``; ``1 + cache['key_0'].size()[2] >= 3`` (the numbers move right: ``axis 2 of cache
-    (tensor 0) >= 2``); ``pixel_values.size()[2] // 14 * (pixel_values.size()[3] // 14) == 4`` (patches of a
-    ViT); ``x.size()[1] % 4 == 0`` (a remainder: a side a multiple of a window); ``x.size()[3] ==
-    x.size()[2]`` (two sizes related: a square image). Otherwise the reason it has none, in words: a sum of
-    several sizes, a size of a tensor the inputs do not name, or no guard at all.
+    A guard has one when it compares arithmetic of sizes of tensors ``sources`` names (see
+    :func:`guard_sources`) with a number or other such arithmetic: ``+``, ``-``, ``*``, ``//`` and ``%``
+    of sizes and numbers. A product of sizes (each maybe floor-divided by a number) plus a number
+    compared with a number keeps its plain form (``h.size()[1] * h.size()[0] != 1``; ``1 +
+    cache['key_0'].size()[2] >= 3``: the number moves right, ``axis 2 of cache (tensor 0) >= 2``;
+    ``pixel_values.size()[2] // 14 * (pixel_values.size()[3] // 14) == 4``: patches of a ViT); any other
+    is an arithmetic rule (``expr``: ``(8 + -1 * (image.size()[2] % 8)) % 8 == 0``, a side padded to a
+    multiple of 8; ``x.size()[3] == x.size()[2]``, a square image). Otherwise the reason it has none, in
+    words: a size of a tensor the inputs do not name, another operation, or no guard at all.
     """
     found = _GUARD.search(message)
     if found is None:
         return "the program refused them on no guard"
     expr = found.group(1).strip().rstrip(".")
-    parts = re.fullmatch(r"(.+?)\s*(==|!=|<=|>=|<|>)\s*(.+)", expr)
+    product = _product_rule(expr, sources)
+    return _arithmetic_rule(expr, sources) if isinstance(product, str) else product
+
+
+def _product_rule(
+    expr: str, sources: Mapping[str, tuple[str, int | None]]
+) -> tuple[SizeCondition, SizeCondition] | str:
+    """The guard ``expr`` as a product of sizes compared with a number (:func:`split_rule`), or why not."""
+    parts = re.fullmatch(r"(.+?)\s*(==|!=|<=|>=|<|>)\s*(-?\d+)", expr)
     if parts is None:
-        return f"the guard {expr} compares no sizes"
-    sides = [_side(parts.group(i), expr, sources) for i in (1, 3)]
-    reason = next((side for side in sides if isinstance(side, str)), None)
-    if reason is not None:
-        return reason
-    (left, constant, left_mod), (right, value, right_mod) = sides  # type: ignore[misc]
-    op = parts.group(2)
-    if not left or right_mod is not None:  # the sizes (a remainder among them) move left
-        (left, constant, left_mod), (right, value, right_mod) = (right, value, right_mod), (left, constant, left_mod)
-        op = _FLIPPED.get(op, op)
-    if not left or right_mod is not None:
-        return f"the guard {expr} compares no product of sizes with a number or other sizes"
-    value -= constant
-    if value < 0 and right and left_mod is None and max(d for _, d in left) == 1:  # 1 + a == b: b == a + 1
-        left, right, value, op = right, left, -value, _FLIPPED.get(op, op)
-    if value < 0:
-        return f"the guard {expr} compares sizes with a negative number"
-    (op, negated) = _NEGATION[op]
-    of, div = zip(*left)
-    divided = list(div) if max(div) > 1 else None
-    other = [size for size, _ in right] or None
-    if right and max(d for _, d in right) > 1:
-        return f"the guard {expr} compares sizes with floor-divided sizes"
-    return (
-        SizeCondition(of=list(of), op=op, value=value, div=divided, mod=left_mod, other=other),
-        SizeCondition(of=list(of), op=negated, value=value, div=divided, mod=left_mod, other=other),
-    )
-
-
-_FLIPPED: dict[str, _Op] = {"<": ">", ">": "<", "<=": ">=", ">=": "<="}
-
-
-def _side(
-    text: str, expr: str, sources: Mapping[str, tuple[str, int | None]]
-) -> tuple[list[tuple[Any, int]], int, int | None] | str:
-    """A side of a guard's comparison as (sizes, each with its divisor), a number added and the remainder taken
-    of the product (None without ``%``); the reason it is none in words otherwise."""
+        return f"the guard {expr} does not compare sizes with a number"
     constant, products = 0, []
-    for addend in text.split("+"):
+    for addend in parts.group(1).split("+"):
         addend = addend.strip()
         if re.fullmatch(r"-?\d+", addend):
             constant += int(addend)
         else:
             products.append(addend)
-    if len(products) > 1:
+    if len(products) != 1:
         return (
             f"the guard {expr} relates a sum of {len(products)} sizes to a number; a size rule is one product of "
-            "sizes compared with a number or with another product"
+            "sizes compared with a number"
         )
-    if not products:
-        return [], constant, None
-    product, mod = products[0], None
-    remainder = re.fullmatch(r"\(?(.+?)\)?\s*%\s*(\d+)", product)
-    if remainder is not None:
-        product, mod = remainder.group(1), int(remainder.group(2))
-    sizes: list[tuple[Any, int]] = []
-    for factor in product.split("*"):
+    of: list[tuple[str, int] | tuple[str, int, int]] = []
+    div: list[int] = []
+    for factor in products[0].split("*"):
         factor = factor.strip().removeprefix("(").removesuffix(")").strip()
         size = _FACTOR.match(factor)
         if size is None or size.group(1) not in sources:
             return f"the guard {expr} names {factor!r}, not a size of a tensor the program takes"
         name, item = sources[size.group(1)]
-        term = (name, int(size.group(2))) if item is None else (name, int(size.group(2)), item)
-        sizes.append((term, int(size.group(3) or 1)))
-    if (mod is not None and mod < 1) or min(d for _, d in sizes) < 1:
-        return f"the guard {expr} divides by a number under 1"
-    return sizes, constant, mod
+        of.append((name, int(size.group(2))) if item is None else (name, int(size.group(2)), item))
+        div.append(int(size.group(3) or 1))
+    (op, negated), value = _NEGATION[parts.group(2)], int(parts.group(3)) - constant
+    if value < 0 or min(div) < 1:
+        return f"the guard {expr} compares sizes with a negative number"
+    divided = div if max(div) > 1 else None
+    return (
+        SizeCondition(of=of, op=op, value=value, div=divided),
+        SizeCondition(of=of, op=negated, value=value, div=divided),
+    )
+
+
+_SIZE = re.compile(r"(\w+(?:\[[^\]]*\])*)\.size\(\)\[(\d+)\]")
+
+
+def _arithmetic_rule(
+    expr: str, sources: Mapping[str, tuple[str, int | None]]
+) -> tuple[SizeCondition, SizeCondition] | str:
+    """The guard ``expr`` as arithmetic of sizes compared with a number (:func:`split_rule`), or why not."""
+    of: list[tuple[str, int] | tuple[str, int, int]] = []
+    unknown: list[str] = []
+
+    def name(size: re.Match[str]) -> str:
+        if size.group(1) not in sources:
+            unknown.append(size.group(0))
+            return "s"
+        source, item = sources[size.group(1)]
+        term = (source, int(size.group(2))) if item is None else (source, int(size.group(2)), item)
+        if term not in of:
+            of.append(term)
+        return f"s{of.index(term)}"
+
+    text = _SIZE.sub(name, expr)
+    if unknown:
+        return f"the guard {expr} names {unknown[0]!r}, not a size of a tensor the program takes"
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        tree = None
+    if not isinstance(tree, ast.Compare) or len(tree.ops) != 1 or type(tree.ops[0]) not in _COMPARISONS or not of:
+        return f"the guard {expr} does not compare sizes"
+    left, right, op = tree.left, tree.comparators[0], _COMPARISONS[type(tree.ops[0])]
+    if isinstance(left, ast.Constant):  # 0 == s0 % 4 reads s0 % 4 == 0
+        left, right, op = right, left, _FLIPPED.get(op, op)
+    if isinstance(right, ast.Constant) and type(right.value) is int:
+        arithmetic, value = ast.unparse(left), right.value
+    else:
+        arithmetic, value = ast.unparse(ast.BinOp(left, ast.Sub(), right)), 0
+    op, negated = _NEGATION[op]
+    arithmetic = None if arithmetic == "s0" else arithmetic  # a size alone: a product of one
+    try:
+        return (
+            SizeCondition(of=of, op=op, value=value, expr=arithmetic),
+            SizeCondition(of=of, op=negated, value=value, expr=arithmetic),
+        )
+    except pydantic.ValidationError:
+        return f"the guard {expr} uses what a size rule has not (only + - * // % of sizes and whole numbers)"
+
+
+_FLIPPED: dict[_Op, _Op] = {"<": ">", ">": "<", "<=": ">=", ">=": "<="}
+_COMPARISONS: dict[type, _Op] = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">="}
 
 
 def derived_dims(rc: RecordedCalls, plan: _Plan, message: str) -> dict[str, tuple[str | None, int, int]]:

@@ -396,23 +396,23 @@ def test_a_guard_relating_two_sizes_beyond_the_recorded_calls_is_served_by_a_sec
     check = observer.export_report().batch_check
     assert (check.batch, check.success, check.remedy) == (1, True, None)
     assert check.split == {
-        "first": [{"of": [["h", 0]], "op": "!=", "value": 0, "other": [["h", 1]]}],
-        "second": [{"of": [["h", 0]], "op": "==", "value": 0, "other": [["h", 1]]}],
+        "first": [{"of": [["h", 0], ["h", 1]], "op": "!=", "value": 0, "expr": "s0 - s1"}],
+        "second": [{"of": [["h", 0], ["h", 1]], "op": "==", "value": 0, "expr": "s0 - s1"}],
     }
     h, past = torch.randn(1, 1, 4), torch.randn(1, 1, 4)
     torch.testing.assert_close(ep.splits[0].program.module()(h, past), model(h, past), atol=0, rtol=0)
 
 
-class SumPath(SquarePath):
-    """A branch on a sum of two sizes, which no size rule expresses: ``if batch + length == 2``."""
+class MaxPath(SquarePath):
+    """A branch on the larger of two sizes, which no size rule expresses: ``if max(batch, length) == 1``."""
 
     def forward(self, h: torch.Tensor, past: torch.Tensor | None = None) -> torch.Tensor:
-        out = h.sum(dim=1, keepdim=True) if h.shape[0] + h.shape[1] == 2 else h.mean(dim=1, keepdim=True)
+        out = h.sum(dim=1, keepdim=True) if max(h.shape[0], h.shape[1]) == 1 else h.mean(dim=1, keepdim=True)
         return out if past is None else out + past
 
 
 def test_a_guard_neither_a_remedy_nor_a_second_program_serves_is_said_plainly():
-    model = SumPath().eval()
+    model = MaxPath().eval()
     observer = record_decode(model)
     observer.export(model, set_batch_dimension_for=True)
     report = observer.export_report()
@@ -420,7 +420,7 @@ def test_a_guard_neither_a_remedy_nor_a_second_program_serves_is_said_plainly():
     assert report.ok and (check.success, check.remedy, check.split) == (False, None, None)
     assert check.error.startswith("AssertionError: Guard failed: ") and "h.size()[1]" in check.error
     assert len(check.tried) == 2 and check.tried[1].startswith("a second program: no size rule to split on (the guard ")
-    assert "relates a sum of 2 sizes" in check.tried[1]
+    assert "max(" in check.tried[1] and "uses what a size rule has not" in check.tried[1]
     assert "none serves it, the first program is kept" in check.summary()
 
 
