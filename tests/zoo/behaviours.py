@@ -139,6 +139,17 @@ def _dinov2() -> tuple[torch.nn.Module, dict[str, Any]]:
     return model, {"calls": [{"pixel_values": _randn(1, 3, *side, seed=i)} for i, side in enumerate(sides)]}
 
 
+def _swin() -> tuple[torch.nn.Module, dict[str, Any]]:
+    import transformers
+
+    config = transformers.SwinConfig(
+        image_size=16, patch_size=4, embed_dim=8, depths=[1], num_heads=[2], window_size=2, mlp_ratio=2.0
+    )
+    model = zoo_models._seeded(lambda: transformers.SwinModel(config))
+    sides = [(16, 16), (12, 16), (16, 20), (16, 16)]  # patch grids 4 x 4, 3 x 4, 4 x 5
+    return model, {"calls": [{"pixel_values": _randn(1, 3, *side, seed=i)} for i, side in enumerate(sides)]}
+
+
 BEHAVIOURS += [
     Family(
         "tiny_unet",
@@ -181,6 +192,25 @@ BEHAVIOURS += [
         "vit_interpolated",
         _vit,
         notes="ViT with interpolate_pos_encoding=True at 16 x 16 (its trained grid), 24 x 32, 32 x 24",
+        classes=(3,),
+        run=_calls,
+        export_args=(),
+    ),
+    Family(
+        "framed_audio",
+        _plain("framed_audio", *[(_randn(2, n, seed=n),) for n in (16, 22, 12, 13)]),
+        notes="a waveform cut into frames of 4 samples, the last frame padded (-length % 4) when it is short; "
+        "its GRU specialises the number of frames (one program per number)",
+        source=PLAIN,
+        classes=(3,),
+        run=_calls,
+        factory="zoo_models:framed_audio",
+        export_args=(),
+    ),
+    Family(
+        "swin_padded",
+        _swin,
+        notes="Swin with 2 x 2 windows over 4-pixel patches: a patch grid not a multiple of the window is padded",
         classes=(3,),
         run=_calls,
         export_args=(),

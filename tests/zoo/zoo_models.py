@@ -152,6 +152,23 @@ class StridedEncoder(torch.nn.Module):
         return self.up(torch.tanh(self.down(x)))[..., :height, :width] + image
 
 
+class FramedAudio(torch.nn.Module):
+    """A waveform cut into frames of 4 samples, the last frame zero-padded when the length is not a multiple of 4
+    (the padding computed as ``-length % 4``), each frame embedded and the frames mixed by a GRU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(4, 8)
+        self.gru = torch.nn.GRU(8, 8, batch_first=True)
+
+    def forward(self, wave: torch.Tensor) -> torch.Tensor:
+        missing = -wave.shape[-1] % 4
+        if missing:
+            wave = F.pad(wave, (0, missing))
+        frames = self.embed(wave.unflatten(-1, (-1, 4)))
+        return self.gru(frames)[0]
+
+
 class SquareMixer(torch.nn.Module):
     """Token mixing along rows and columns of a feature map; a square map also mixes along its transpose,
     ``if x.size(-1) == x.size(-2)`` (as models sharing one axial weight do)."""
@@ -177,6 +194,10 @@ def padded_windows() -> torch.nn.Module:
 
 def strided_encoder() -> torch.nn.Module:
     return _seeded(StridedEncoder)
+
+
+def framed_audio() -> torch.nn.Module:
+    return _seeded(FramedAudio)
 
 
 def square_mixer() -> torch.nn.Module:

@@ -341,12 +341,11 @@ def _split_program(
     strict: bool,
     tried: list[str],
 ) -> tuple[SizeCondition, SplitProgram] | None:
-    """A second program traced from the refused inputs, for the sizes the first program's guard excludes.
+    """The rule the first program holds and a second program traced from the refused inputs, for its negation.
 
-    Kept only when the guard is a size rule (:func:`split_rule`: a product of sizes of inputs that
-    hold one tensor, compared with a number) and the second program agrees with the eager model on
-    the refused inputs (the same check). Then ``report.batch_check`` becomes that check, naming the
-    split, and the second program's report says where it was traced from.
+    Kept only when the guard is a size rule (:func:`split_rule`) and the second program agrees with the
+    eager model on the refused inputs (the same check). Then ``report.batch_check`` becomes that check,
+    naming the split, and the second program's report says where it was traced from.
     """
     with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
         sources = guard_sources(rc, plan)
