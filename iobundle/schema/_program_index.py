@@ -190,8 +190,8 @@ def evaluate(expr: str, sizes: list[int]) -> int | None:
             return -value(node.operand)
         if isinstance(node, ast.Name):
             return sizes[int(node.id[1:])]
-        assert isinstance(node, ast.Constant)
-        return int(node.value)
+        assert isinstance(node, ast.Constant) and isinstance(node.value, int)
+        return node.value
 
     try:
         return value(_parse(expr))
