@@ -9,7 +9,9 @@ in the tests of each mechanism and are not repeated here: ``Segments`` and Qwen2
 (``tests/replay/export/test_value_sizes.py``), ``PatchGrid``, Dinov2, ``PatchMask`` and
 ``ClassToken`` (``test_strided_sizes.py``), ``SparseGate``, ``BetaPrior`` and ``Gated``
 (``test_constant_folding.py``), LoRA on Llama and GPT-2, a compiled Llama and quantized Llamas
-(``tests/replay/test_wrapped_models.py``).
+(``tests/replay/test_wrapped_models.py``). Class 3's size rules with ``expr`` (remainders, two sizes related)
+were debugged on ``padded_windows``, ``vit_interpolated`` and ``strided_encoder``; ``framed_audio``,
+``swin_padded``, ``dinov2_strips`` and ``square_mixer`` passed as first written.
 
 A case that does not pass is a known failure with the reason it fails, reported to the issue.
 """
