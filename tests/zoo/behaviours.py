@@ -86,6 +86,17 @@ BEHAVIOURS: list[Family] = [
         export_args=(),
     ),
     Family(
+        "windowed_pooling",
+        _plain("windowed_pooling", *_packed([[3, 6], [5], [3, 6], [2, 9, 1]])),
+        notes="packed documents pooled in windows of 4 tokens within each document: the bounds from torch.arange "
+        "and torch.unique_consecutive over lengths (3 value sets)",
+        source=PLAIN,
+        classes=(2,),
+        run=_calls,
+        factory="zoo_models:windowed_pooling",
+        export_args=(),
+    ),
+    Family(
         "qwen3_vl_vision",
         _plain("qwen3_vl_vision", *_grids(GRIDS)),
         notes="Qwen3-VL vision tower: position embeddings interpolated per image from grid_thw.tolist(), "
@@ -103,11 +114,6 @@ BEHAVIOURS: list[Family] = [
         run=_calls,
         factory="zoo_models:qwen2_5_vl_vision",
         export_args=(),
-        known_failure="with grid_thw's values fixed the trace still stops, on 'Could not guard on data-dependent "
-        "expression Eq(Max(0, u14 - Min(1, u14)), 0)' at cu_seqlens[1:] - cu_seqlens[:-1]: the window bounds "
-        "come from torch.unique_consecutive, whose size is data-dependent even on constant values; export "
-        "reports the unfixed trace's error ('Could not extract specialized integer from data-dependent "
-        "expression u9')",
     ),
 ]
 

@@ -56,12 +56,29 @@ class ModalityExperts(torch.nn.Module):
         return torch.empty_like(y).index_copy(0, order, y)
 
 
+class WindowedPooling(PackedPooling):
+    """Packed documents pooled in windows of 4 tokens that never cross a document's end: the bounds built with
+    ``torch.arange`` from ``lengths``, sorted, repeated bounds dropped by ``torch.unique_consecutive``."""
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        ends = torch.cumsum(lengths, 0)
+        starts = torch.arange(0, int(ends[-1]), 4)
+        bounds = torch.unique_consecutive(torch.cat([starts, ends]).sort().values)
+        x = self.proj(tokens)
+        parts = torch.split(x, torch.diff(bounds, prepend=bounds.new_zeros(1)).tolist())
+        return torch.stack([(self.score(part).softmax(0) * part).sum(0) for part in parts])
+
+
 def packed_pooling() -> torch.nn.Module:
     return _seeded(PackedPooling)
 
 
 def modality_experts() -> torch.nn.Module:
     return _seeded(ModalityExperts)
+
+
+def windowed_pooling() -> torch.nn.Module:
+    return _seeded(WindowedPooling)
 
 
 def qwen2_5_vl_vision() -> torch.nn.Module:

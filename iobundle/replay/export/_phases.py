@@ -341,6 +341,9 @@ _DATA_DEPENDENT = "data-dependent"
 MAX_FIXED_ELEMENTS = 4096
 
 
+_FACTORIES = {f"aten::{name}" for name in ("arange", "full", "zeros", "ones", "scalar_tensor", "linspace", "eye")}
+
+
 class _ValuesFixed(torch.nn.Module):
     """``model``'s observed method with the inputs of ``fixed`` replaced by tensors of those values
     (``{name: (elements, shape, dtype)}``), made anew at each call.
@@ -359,8 +362,17 @@ class _ValuesFixed(torch.nn.Module):
         def forward(self: _ValuesFixed, *args: Any, **kwargs: Any) -> Any:
             bound = signature.bind(*args, **kwargs)
             # Tensors made from numbers while tracing are constants whose values torch.export's fake
-            # tensors keep, and propagate through the ops on them, up to CONSTANT_NUMEL_LIMIT elements.
-            with mock.patch.object(fake_tensor, "CONSTANT_NUMEL_LIMIT", MAX_FIXED_ELEMENTS):
+            # tensors keep, and propagate through the ops on them, up to CONSTANT_NUMEL_LIMIT elements;
+            # so are those factories build from numbers (torch.arange(n): a window index built from a grid).
+            allow = fake_tensor.should_allow_numbers_as_tensors
+            with (
+                mock.patch.object(fake_tensor, "CONSTANT_NUMEL_LIMIT", MAX_FIXED_ELEMENTS),
+                mock.patch.object(
+                    fake_tensor,
+                    "should_allow_numbers_as_tensors",
+                    lambda op: op.name().split(".")[0] in _FACTORIES or allow(op),
+                ),
+            ):
                 for name, (data, shape, dtype) in self.fixed.items():
                     bound.arguments[name] = torch.tensor(data, dtype=dtype).reshape(shape)
                 return getattr(self.model, method)(*bound.args, **bound.kwargs)
