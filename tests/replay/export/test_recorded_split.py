@@ -211,3 +211,39 @@ def test_a_guard_becomes_a_size_rule_and_its_negation(guard, holds):
 def test_a_guard_of_another_shape_says_why_it_has_no_size_rule(guard, reason):
     assert reason in split_rule(f"AssertionError: Guard failed: {guard}", {"x": ("x", None)})
     assert split_rule("RuntimeError: shapes differ", {}) == "the program refused them on no guard"
+
+
+class PadToFour(torch.nn.Module):
+    """Sums of 4 x 4 blocks, ``x`` padded to multiples of 4 first when a side is not one (``if h % 4 or w % 4``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, w = x.shape[1], x.shape[2]
+        if h % 4 or w % 4:
+            x = torch.nn.functional.pad(x, (0, -w % 4, 0, -h % 4)) + 1
+        return x.unflatten(1, (-1, 4)).unflatten(3, (-1, 4)).sum((2, 4))
+
+
+def test_calls_refused_on_two_guards_are_split_guard_by_guard_each_side_dynamic(tmp_path):
+    model = PadToFour().eval()
+    sides = ((8, 8), (6, 8), (8, 5), (12, 12), (10, 7))
+    observer = InputObserver()
+    with torch.no_grad(), observer(model, store_n_calls=len(sides)):
+        for h, w in sides:
+            model(torch.randn(2, h, w))
+    result = observer.export_programs(model)
+    assert [(p.phase.calls, [c.describe() for c in p.sizes]) for p in result.programs] == [
+        ((0, 3), ["axis 1 of x % 4 == 0", "axis 2 of x % 4 == 0"]),
+        ((1, 4), ["axis 1 of x % 4 != 0"]),
+        ((2,), ["axis 1 of x % 4 == 0", "axis 2 of x % 4 != 0"]),
+    ]
+    index = result.to_onnx(tmp_path / "pad.onnx")
+    assert [(r["program"], r["SUCCESS"]) for r in observer.check_discrepancies(index)] == [
+        ("p0", True), ("p1", True), ("p2", True), ("p0", True), ("p1", True)
+    ]  # fmt: skip
+    # Sizes no call had, each side: program p2 was traced from one call, dynamic where p0 is.
+    other = InputObserver()
+    with torch.no_grad(), other(model):
+        for h, w in ((16, 11), (7, 9), (16, 12)):
+            model(torch.randn(2, h, w))
+    rows = other.check_discrepancies(index)
+    assert [(r["program"], r["SUCCESS"]) for r in rows] == [("p2", True), ("p1", True), ("p0", True)]
