@@ -450,15 +450,11 @@ def split_rule(
 ) -> tuple[SizeCondition, SizeCondition] | str:
     """The guard of ``Guard failed: EXPR`` as two size conditions: the one the program holds, and its negation.
 
-    A guard has one when it compares arithmetic (``+ - * // %`` and whole numbers) of sizes of tensors
-    ``sources`` names (see :func:`guard_sources`) with a number or with other such arithmetic. A product
-    of sizes, each maybe floor-divided by a number, plus a number compared with a number keeps that plain
-    form (``h.size()[1] * h.size()[0] != 1``; ``1 + cache['key_0'].size()[2] >= 3``: the number moves
-    right, ``axis 2 of cache (tensor 0) >= 2``; ``pixel_values.size()[2] // 14 * (pixel_values.size()[3]
-    // 14) == 4``: patches of a ViT); any other is an ``expr`` rule (``(8 + -1 * (image.size()[2] % 8)) %
-    8 == 0``: a side padded to a multiple of 8; ``x.size()[3] == x.size()[2]``: a square image, ``s0 -
-    s1 == 0``). Otherwise the reason it has none, in words: a size of a tensor the inputs do not name,
-    another operation, or no guard at all.
+    A guard has one when it compares arithmetic (``+ - * // %``, whole numbers) of sizes of tensors ``sources``
+    names (:func:`guard_sources`) with a number or other such arithmetic. A product of sizes (each maybe ``//
+    k``) plus a number compared with a number keeps its plain form (``1 + cache['key_0'].size()[2] >= 3``:
+    ``axis 2 of cache (tensor 0) >= 2``); any other is an ``expr`` (``x.size()[3] == x.size()[2]``: ``s0 - s1
+    == 0``; ``(8 + -1 * (x.size()[2] % 8)) % 8 == 0``). Otherwise the reason it has none, in words.
     """
     found = _GUARD.search(message)
     if found is None:

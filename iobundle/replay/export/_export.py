@@ -180,16 +180,12 @@ def _split_recorded_calls(
 ) -> tuple[list[SizeCondition], list[SplitProgram]]:
     """The rule the program keeps and the other programs, for the recorded calls it refused on guards that are size rules.
 
-    When every call the program fails is refused on a guard and has the structure of some reproduced
-    call (sides of size rules, not phases), the calls are split guard by guard: the first refused
-    call's guard is a size rule (:func:`split_rule`) every reproduced call meets; the refused calls
-    meeting its negation are exported on their own (:func:`export_program` on those calls: their own
-    traced call and dynamic shapes, checked on them, split again the same way), with the rules the
-    first program kept so far and that negation; the others stay for the next guard. A window
-    padded when a side is not a multiple of 4 (``if h % 4 or w % 4``) gets three programs: ``h % 4
-    != 0``; ``h % 4 == 0 and w % 4 != 0``; and the first, ``h % 4 == 0 and w % 4 == 0``. Then
-    ``report.calls`` lists only the first program's calls and ``report.options`` says what was split.
-    Otherwise the report's options say why the calls were not split, and nothing is.
+    When every refused call has the structure of a reproduced one (sides of size rules, not phases), they
+    are split guard by guard: the first refused call's guard (:func:`split_rule`), which every reproduced
+    call meets, sends the refused calls against it to a program of their own (:func:`_export_side`, split
+    again the same way) and the others to the next guard. ``if h % 4 or w % 4`` gives programs for ``h %
+    4 != 0``, for ``h % 4 == 0 and w % 4 != 0`` and (the first) for both ``== 0``. Otherwise nothing is
+    split, and the report's options say why.
     """
     refused = [c for c in report.calls if c.success is False]
     if not refused or not all("Guard failed" in (c.error or "") for c in refused):
@@ -239,14 +235,13 @@ def _split_recorded_calls(
                 f"({_first_line(exc)})"
             )
             return [], []
-        for program in [second, *second.splits]:
-            calls = program.calls if isinstance(program, SplitProgram) else tuple(c.index for c in program.report.calls)
-            splits.append(
-                SplitProgram(
-                    program.program, program.report, plan=program.plan, sizes=[*kept, negation, *program.sizes],
-                    calls=calls,
-                )
-            )  # fmt: skip
+        splits += [
+            SplitProgram(
+                p.program, p.report, plan=p.plan, sizes=[*kept, negation, *p.sizes],
+                calls=getattr(p, "calls", tuple(c.index for c in p.report.calls)),
+            )
+            for p in [second, *second.splits]
+        ]  # fmt: skip
         said.append(f"calls {out} ({negation.describe()}, refused on {guard}) from call {second.report.traced_call}")
         kept.append(holds)
         left = [c for c in left if c.index not in out]
