@@ -11,7 +11,8 @@ in the tests of each mechanism and are not repeated here: ``Segments`` and Qwen2
 (``test_constant_folding.py``), LoRA on Llama and GPT-2, a compiled Llama and quantized Llamas
 (``tests/replay/test_wrapped_models.py``). Class 3's size rules with ``expr`` (remainders, two sizes related)
 were debugged on ``padded_windows``, ``vit_interpolated`` and ``strided_encoder``; ``framed_audio``,
-``swin_padded``, ``dinov2_strips`` and ``square_mixer`` passed as first written.
+``swin_padded``, ``dinov2_strips`` and ``square_mixer`` passed as first written. Class 2's factories traced as
+constants with the values fixed were debugged on ``qwen2_5_vl_vision``; ``windowed_pooling`` passed as first written.
 
 A case that does not pass is a known failure with the reason it fails, reported to the issue.
 """
