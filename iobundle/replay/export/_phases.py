@@ -21,6 +21,7 @@ call runs through the program whose structure it has.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -363,9 +364,11 @@ class _ValuesFixed(torch.nn.Module):
             bound = signature.bind(*args, **kwargs)
             # Tensors made from numbers while tracing are constants whose values torch.export's fake
             # tensors keep, and propagate through the ops on them, up to CONSTANT_NUMEL_LIMIT elements;
-            # so are those factories build from numbers (torch.arange(n): a window index built from a grid).
-            allow = fake_tensor.should_allow_numbers_as_tensors
+            # so is what factories build from numbers (torch.arange(n): a window index built from a grid),
+            # computed anew, not from fake tensors' dispatch cache (a factory's output traced before, not constant).
+            allow, fake = fake_tensor.should_allow_numbers_as_tensors, torch._guards.detect_fake_mode()
             with (
+                contextlib.nullcontext() if fake is None else fake_tensor.disable_fake_tensor_cache(fake),
                 mock.patch.object(fake_tensor, "CONSTANT_NUMEL_LIMIT", MAX_FIXED_ELEMENTS),
                 mock.patch.object(
                     fake_tensor,
