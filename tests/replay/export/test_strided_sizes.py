@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from iobundle import InputObserver, load_bundle
+from iobundle.errors import ManifestError
 from iobundle.replay.export._dims import split_rule
 from iobundle.replay.infer import derive_dims
-from iobundle.errors import ManifestError
 from iobundle.schema import SizeCondition, conditions_met, load_program_index
 
 SIDES = ((28, 28), (42, 42), (56, 42), (28, 28))  # multiples of the patch size 14; 2 x 2 patches at 28
