@@ -403,7 +403,6 @@ def cut_plan(rc: RecordedCalls, plan: _Plan) -> _Plan:
     return dataclasses.replace(plan, args=args, kwargs=kwargs)
 
 
-_SIZE = re.compile(r"(\w+(?:\[[^\]]*\])*)\.size\(\)\[(\d+)\]")
 _Op = Literal["==", "!=", "<", "<=", ">", ">="]
 _FLIPPED: dict[_Op, _Op] = {"<": ">", ">": "<", "<=": ">=", ">=": "<="}
 _COMPARISONS: dict[type, _Op] = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">="}
