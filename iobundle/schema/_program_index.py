@@ -33,10 +33,13 @@ Each condition multiplies the sizes of ``of`` (pairs of an input's name and an a
 input's first tensor, or triples naming the input's tensor too: ``["cache", 2, 0]`` is axis 2 of
 the cache's first tensor in the program's order) and compares the product with ``value`` by ``op`` (one of ``==``, ``!=``,
 ``<``, ``<=``, ``>``, ``>=``); an optional ``div`` (one divisor per size) floor-divides each size first
-(``pixel_values.size()[2] // 14 * (pixel_values.size()[3] // 14) == 4``, a number of patches); a program serves a call when every condition holds (no ``sizes``:
-any sizes). A call goes to the first program whose structure it has and whose rule it meets.
+(``pixel_values.size()[2] // 14 * (pixel_values.size()[3] // 14) == 4``, a number of patches); an optional
+``expr`` compares that arithmetic of the sizes, named ``s0``, ``s1``, ... in the order of ``of``, instead of
+their product (``{"of": [["x", 3], ["x", 2]], "expr": "s0 - s1", "op": "==", "value": 0}``: a square image;
+``"expr": "(8 + -1 * (s0 % 8)) % 8"``: a side padded to a multiple of 8), whole numbers and ``+ - * // %``
+only; a program serves a call when every condition holds (no ``sizes``: any sizes). A call goes to the first program whose structure it has and whose rule it meets.
 ``inputs`` may also be a list of structures (a program that serves calls of several). The rule
-is data, evaluated by :func:`sizes_match`, never by ``eval``. ``values`` (per input, a shape and its
+is data, evaluated by :func:`sizes_match` (an ``expr`` parsed, its tree walked), never by ``eval``. ``values`` (per input, a shape and its
 flattened integers) says a program was traced with those values of an input fixed, because they
 fix sizes of its graph (``torch.split(x, lengths.tolist())``): it serves only calls holding them. A version 1 index (no ``sizes``)
 still loads and means what it meant.
@@ -49,9 +52,13 @@ belongs to one program only.
 
 from __future__ import annotations
 
+import ast
+import functools
 import json
 import math
+import operator
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any, Final, Literal
@@ -64,6 +71,7 @@ from pydantic import (
     SerializerFunctionWrapHandler,
     StrictInt,
     StrictStr,
+    field_validator,
     model_serializer,
 )
 
@@ -109,7 +117,9 @@ class SizeCondition(BaseModel):
     Each size is ``[input, axis]`` (that axis of the input's first tensor) or ``[input, axis, item]``
     (that axis of the input's ``item``-th tensor, in the order the program takes them: a cache's
     ``key_0`` residual). With ``div``, each size is first floor-divided by its divisor there (a
-    number of patches: ``axis 2 of pixel_values // 14``).
+    number of patches: ``axis 2 of pixel_values // 14``). With ``expr``, that arithmetic of the sizes
+    (``s0``, ``s1``, ... in the order of ``of``) is compared instead of their product: ``s0 % 4`` (a side
+    a multiple of a window), ``s0 - s1`` (a square image); see :func:`evaluate`.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -118,24 +128,75 @@ class SizeCondition(BaseModel):
     op: Literal["==", "!=", "<", "<=", ">", ">="]
     value: StrictInt
     div: list[StrictInt] | None = Field(default=None, min_length=1, max_length=16)
+    expr: StrictStr | None = Field(default=None, max_length=512)
 
     @model_serializer(mode="wrap")
-    def _without_div(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+    def _without_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data: dict[str, Any] = handler(self)
-        if self.div is None:
-            data.pop("div", None)  # the rules without division read as they did
-        return data
+        return {k: v for k, v in data.items() if v is not None}  # the rules without them read as they did
+
+    @field_validator("expr")
+    @classmethod
+    def _arithmetic(cls, expr: str | None) -> str | None:
+        if expr is not None:
+            _parse(expr)
+        return expr
 
     def describe(self) -> str:
         """``axis 1 of h * axis 0 of h == 1``; ``axis 2 of cache (tensor 0) >= 3``; ``axis 2 of x // 14 ...``."""
-        divisors = self.div or [1] * len(self.of)
-        terms = (
-            f"axis {term[1]} of {term[0]}"
-            + (f" (tensor {term[2]})" if len(term) == 3 else "")
-            + (f" // {d}" if d != 1 else "")
-            for term, d in zip(self.of, divisors)
+        names = [f"axis {t[1]} of {t[0]}" + (f" (tensor {t[2]})" if len(t) == 3 else "") for t in self.of]
+        if self.expr is not None:
+            left = re.sub(
+                r"\bs(\d+)\b", lambda m: names[int(m.group(1))] if int(m.group(1)) < len(names) else m[0], self.expr
+            )
+        else:
+            left = " * ".join(n + (f" // {d}" if d != 1 else "") for n, d in zip(names, self.div or [1] * len(names)))
+        return f"{left} {self.op} {self.value}"
+
+
+_ARITHMETIC: dict[type, Callable[[int, int], int]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+}  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _parse(expr: str) -> ast.expr:
+    """``expr`` parsed (never run): whole numbers, sizes ``s0``, ``s1``, ..., ``+ - * // %`` and unary minus only."""
+    try:
+        tree = ast.parse(expr, mode="eval").body
+    except (SyntaxError, RecursionError, ValueError) as exc:
+        raise ValueError(f"not arithmetic of sizes: {expr!r}") from exc
+    for node in ast.walk(tree):
+        allowed = (
+            type(node) in _ARITHMETIC
+            or isinstance(node, (ast.BinOp, ast.UnaryOp, ast.USub, ast.Load))
+            or (isinstance(node, ast.Constant) and type(node.value) is int)
+            or (isinstance(node, ast.Name) and re.fullmatch(r"s\d{1,2}", node.id) is not None)
         )
-        return f"{' * '.join(terms)} {self.op} {self.value}"
+        if not allowed:
+            raise ValueError(f"{expr!r} holds {type(node).__name__}: only + - * // % of sizes s0, s1, ... and numbers")
+    return tree
+
+
+def evaluate(expr: str, sizes: list[int]) -> int | None:
+    """The value of a size rule's ``expr`` with ``s0``, ``s1``, ... the ``sizes`` (None on a division by 0 or a
+    size it names that there is not)."""
+
+    def value(node: ast.expr) -> int:
+        if isinstance(node, ast.BinOp):
+            return _ARITHMETIC[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp):
+            return -value(node.operand)
+        if isinstance(node, ast.Name):
+            return sizes[int(node.id[1:])]
+        assert isinstance(node, ast.Constant) and isinstance(node.value, int)
+        return node.value
+
+    try:
+        return value(_parse(expr))
+    except (ZeroDivisionError, IndexError):
+        return None
 
 
 class FixedValues(BaseModel):
@@ -189,13 +250,15 @@ def values_match(program: ProgramEntry, value: Callable[[str], tuple[list[int], 
 def conditions_met(conditions: list[SizeCondition], size: Callable[[str, int, int | None], int | None]) -> bool:
     """Whether every condition of a size rule holds, sizes asked of ``size`` as :func:`sizes_match` does."""
     for condition in conditions:
-        product = 1
-        for term, divisor in zip(condition.of, condition.div or [1] * len(condition.of)):
-            found = size(term[0], term[1], term[2] if len(term) == 3 else None)
-            if found is None:
-                return False
-            product *= found // divisor
-        if not SIZE_OPS[condition.op](product, condition.value):
+        sizes = [size(term[0], term[1], term[2] if len(term) == 3 else None) for term in condition.of]
+        if None in sizes:
+            return False
+        known = [s for s in sizes if s is not None]
+        if condition.expr is not None:
+            found = evaluate(condition.expr, known)
+        else:
+            found = math.prod(s // d for s, d in zip(known, condition.div or [1] * len(known)))
+        if found is None or not SIZE_OPS[condition.op](found, condition.value):
             return False
     return True
 
@@ -246,7 +309,7 @@ def _check_rules(index: ProgramIndex, where: str) -> None:
                 )
         for j, condition in enumerate(program.sizes):
             for term in condition.of:
-                if min(term[1:]) < 0 or condition.value < 0:
+                if min(term[1:]) < 0 or (condition.value < 0 and condition.expr is None):
                     raise ManifestError(
                         f"{field}.sizes[{j}]: axis {term[1]} of {term[0]!r}"
                         + (f" (tensor {term[2]})" if len(term) == 3 else "")

@@ -9,7 +9,10 @@ in the tests of each mechanism and are not repeated here: ``Segments`` and Qwen2
 (``tests/replay/export/test_value_sizes.py``), ``PatchGrid``, Dinov2, ``PatchMask`` and
 ``ClassToken`` (``test_strided_sizes.py``), ``SparseGate``, ``BetaPrior`` and ``Gated``
 (``test_constant_folding.py``), LoRA on Llama and GPT-2, a compiled Llama and quantized Llamas
-(``tests/replay/test_wrapped_models.py``).
+(``tests/replay/test_wrapped_models.py``). Class 3's size rules with ``expr`` (remainders, two sizes related)
+were debugged on ``padded_windows``, ``vit_interpolated`` and ``strided_encoder``; ``framed_audio``,
+``swin_padded``, ``dinov2_strips`` and ``square_mixer`` passed as first written. Class 2's factories traced as
+constants with the values fixed were debugged on ``qwen2_5_vl_vision``; ``windowed_pooling`` passed as first written.
 
 A case that does not pass is a known failure with the reason it fails, reported to the issue.
 """
@@ -84,6 +87,17 @@ BEHAVIOURS: list[Family] = [
         export_args=(),
     ),
     Family(
+        "windowed_pooling",
+        _plain("windowed_pooling", *_packed([[3, 6], [5], [3, 6], [2, 9, 1]])),
+        notes="packed documents pooled in windows of 4 tokens within each document: the bounds from torch.arange "
+        "and torch.unique_consecutive over lengths (3 value sets)",
+        source=PLAIN,
+        classes=(2,),
+        run=_calls,
+        factory="zoo_models:windowed_pooling",
+        export_args=(),
+    ),
+    Family(
         "qwen3_vl_vision",
         _plain("qwen3_vl_vision", *_grids(GRIDS)),
         notes="Qwen3-VL vision tower: position embeddings interpolated per image from grid_thw.tolist(), "
@@ -101,11 +115,6 @@ BEHAVIOURS: list[Family] = [
         run=_calls,
         factory="zoo_models:qwen2_5_vl_vision",
         export_args=(),
-        known_failure="with grid_thw's values fixed the trace still stops, on 'Could not guard on data-dependent "
-        "expression Eq(Max(0, u14 - Min(1, u14)), 0)' at cu_seqlens[1:] - cu_seqlens[:-1]: the window bounds "
-        "come from torch.unique_consecutive, whose size is data-dependent even on constant values; export "
-        "reports the unfixed trace's error ('Could not extract specialized integer from data-dependent "
-        "expression u9')",
     ),
 ]
 
@@ -126,6 +135,28 @@ def _vit() -> tuple[torch.nn.Module, dict[str, Any]]:
         {"pixel_values": _randn(1, 3, *side, seed=i), "interpolate_pos_encoding": True} for i, side in enumerate(SIDES)
     ]
     return model, {"calls": calls}
+
+
+def _dinov2() -> tuple[torch.nn.Module, dict[str, Any]]:
+    import transformers
+
+    config = transformers.Dinov2Config(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, patch_size=4, image_size=8
+    )
+    model = zoo_models._seeded(lambda: transformers.Dinov2Model(config))
+    sides = [(8, 8), (4, 16), (16, 4), (8, 8)]
+    return model, {"calls": [{"pixel_values": _randn(1, 3, *side, seed=i)} for i, side in enumerate(sides)]}
+
+
+def _swin() -> tuple[torch.nn.Module, dict[str, Any]]:
+    import transformers
+
+    config = transformers.SwinConfig(
+        image_size=16, patch_size=4, embed_dim=8, depths=[1], num_heads=[2], window_size=2, mlp_ratio=2.0
+    )
+    model = zoo_models._seeded(lambda: transformers.SwinModel(config))
+    sides = [(16, 16), (12, 16), (16, 20), (16, 16)]  # patch grids 4 x 4, 3 x 4, 4 x 5
+    return model, {"calls": [{"pixel_values": _randn(1, 3, *side, seed=i)} for i, side in enumerate(sides)]}
 
 
 BEHAVIOURS += [
@@ -152,9 +183,19 @@ BEHAVIOURS += [
         run=_calls,
         factory="zoo_models:padded_windows",
         export_args=(),
-        known_failure="the program traced from an unpadded call refuses the padded ones on 'Guard failed: "
-        "x.size()[1] % 4 == 0', not split: 'the guard names x.size()[1] % 4, not a size of a tensor the program "
-        "takes' (a size rule has no remainder)",
+    ),
+    Family(
+        "strided_encoder",
+        _plain(
+            "strided_encoder",
+            *[(_randn(1, 2, *side, seed=i),) for i, side in enumerate([(16, 24), (20, 16), (16, 13), (24, 32)])],
+        ),
+        notes="three stride-2 convolutions, the image reflect-padded to a multiple of 8 when a side is not one",
+        source=PLAIN,
+        classes=(3,),
+        run=_calls,
+        factory="zoo_models:strided_encoder",
+        export_args=(),
     ),
     Family(
         "vit_interpolated",
@@ -163,9 +204,45 @@ BEHAVIOURS += [
         classes=(3,),
         run=_calls,
         export_args=(),
-        known_failure="the program traced at the trained grid refuses the non-square calls on 'Guard failed: "
-        "pixel_values.size()[3] == pixel_values.size()[2]', not split: the guard 'does not compare sizes with "
-        "a number' (a size rule cannot relate two sizes)",
+    ),
+    Family(
+        "framed_audio",
+        _plain("framed_audio", *[(_randn(2, n, seed=n),) for n in (16, 22, 12, 13)]),
+        notes="a waveform cut into frames of 4 samples, the last frame padded (-length % 4) when it is short; "
+        "its GRU specialises the number of frames (one program per number)",
+        source=PLAIN,
+        classes=(3,),
+        run=_calls,
+        factory="zoo_models:framed_audio",
+        export_args=(),
+    ),
+    Family(
+        "swin_padded",
+        _swin,
+        notes="Swin with 2 x 2 windows over 4-pixel patches: a patch grid not a multiple of the window is padded",
+        classes=(3,),
+        run=_calls,
+        export_args=(),
+    ),
+    Family(
+        "dinov2_strips",
+        _dinov2,
+        notes="Dinov2 at its trained 2 x 2 patch grid, then at 1 x 4 and 4 x 1: as many patches, not square",
+        classes=(3,),
+        run=_calls,
+        export_args=(),
+    ),
+    Family(
+        "square_mixer",
+        _plain(
+            "square_mixer", *[(_randn(2, 4, *side, seed=i),) for i, side in enumerate([(6, 6), (5, 7), (8, 8), (7, 5)])]
+        ),
+        notes="a square feature map also mixed along its transpose (if x.size(-1) == x.size(-2))",
+        source=PLAIN,
+        classes=(3,),
+        run=_calls,
+        factory="zoo_models:square_mixer",
+        export_args=(),
     ),
 ]
 

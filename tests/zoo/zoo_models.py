@@ -56,12 +56,29 @@ class ModalityExperts(torch.nn.Module):
         return torch.empty_like(y).index_copy(0, order, y)
 
 
+class WindowedPooling(PackedPooling):
+    """Packed documents pooled in windows of 4 tokens that never cross a document's end: the bounds built with
+    ``torch.arange`` from ``lengths``, sorted, repeated bounds dropped by ``torch.unique_consecutive``."""
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        ends = torch.cumsum(lengths, 0)
+        starts = torch.arange(0, int(ends[-1]), 4)
+        bounds = torch.unique_consecutive(torch.cat([starts, ends]).sort().values)
+        x = self.proj(tokens)
+        parts = torch.split(x, torch.diff(bounds, prepend=bounds.new_zeros(1)).tolist())
+        return torch.stack([(self.score(part).softmax(0) * part).sum(0) for part in parts])
+
+
 def packed_pooling() -> torch.nn.Module:
     return _seeded(PackedPooling)
 
 
 def modality_experts() -> torch.nn.Module:
     return _seeded(ModalityExperts)
+
+
+def windowed_pooling() -> torch.nn.Module:
+    return _seeded(WindowedPooling)
 
 
 def qwen2_5_vl_vision() -> torch.nn.Module:
@@ -136,12 +153,72 @@ class PaddedWindows(torch.nn.Module):
         return self.out(y[:, :height, :width])
 
 
+class StridedEncoder(torch.nn.Module):
+    """Three stride-2 convolutions down and back up, its input zero-padded to a multiple of 8 when it is not one
+    (``pad = (8 - h % 8) % 8``, as U-Net and diffusion pipelines do), the output cropped back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = torch.nn.Sequential(*[torch.nn.Conv2d(c, 6, 3, stride=2, padding=1) for c in (2, 6, 6)])
+        self.up = torch.nn.Sequential(*[torch.nn.ConvTranspose2d(6, c, 2, stride=2) for c in (6, 6, 2)])
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        height, width = image.shape[-2:]
+        pad_h, pad_w = (8 - height % 8) % 8, (8 - width % 8) % 8
+        x = F.pad(image, (0, pad_w, 0, pad_h), mode="reflect") if pad_h or pad_w else image
+        return self.up(torch.tanh(self.down(x)))[..., :height, :width] + image
+
+
+class FramedAudio(torch.nn.Module):
+    """A waveform cut into frames of 4 samples, the last frame zero-padded when the length is not a multiple of 4
+    (the padding computed as ``-length % 4``), each frame embedded and the frames mixed by a GRU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(4, 8)
+        self.gru = torch.nn.GRU(8, 8, batch_first=True)
+
+    def forward(self, wave: torch.Tensor) -> torch.Tensor:
+        missing = -wave.shape[-1] % 4
+        if missing:
+            wave = F.pad(wave, (0, missing))
+        frames = self.embed(wave.unflatten(-1, (-1, 4)))
+        return self.gru(frames)[0]
+
+
+class SquareMixer(torch.nn.Module):
+    """Token mixing along rows and columns of a feature map; a square map also mixes along its transpose,
+    ``if x.size(-1) == x.size(-2)`` (as models sharing one axial weight do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = torch.nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.mix(x)
+        if x.size(-1) == x.size(-2):
+            y = y + self.mix(x.transpose(-1, -2)).transpose(-1, -2)
+        return torch.relu(y).mean((-1, -2))
+
+
 def tiny_unet() -> torch.nn.Module:
     return _seeded(TinyUNet)
 
 
 def padded_windows() -> torch.nn.Module:
     return _seeded(PaddedWindows)
+
+
+def strided_encoder() -> torch.nn.Module:
+    return _seeded(StridedEncoder)
+
+
+def framed_audio() -> torch.nn.Module:
+    return _seeded(FramedAudio)
+
+
+def square_mixer() -> torch.nn.Module:
+    return _seeded(SquareMixer)
 
 
 # --------------------------------------------------------------------------- class 4: ops on constants only

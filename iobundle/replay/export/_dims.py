@@ -16,6 +16,7 @@ does, the first program is kept and the check stays failed, with what was tried
 
 from __future__ import annotations
 
+import ast
 import collections
 import contextlib
 import dataclasses
@@ -25,6 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import pydantic
 import torch
 
 from iobundle.calls import RecordedCalls, ReplayAutocast, tensor_keys
@@ -401,8 +403,9 @@ def cut_plan(rc: RecordedCalls, plan: _Plan) -> _Plan:
     return dataclasses.replace(plan, args=args, kwargs=kwargs)
 
 
-_FACTOR = re.compile(r"^(\w+(?:\[[^\]]*\])*)\.size\(\)\[(\d+)\](?:\s*//\s*(\d+))?$")
 _Op = Literal["==", "!=", "<", "<=", ">", ">="]
+_FLIPPED: dict[_Op, _Op] = {"<": ">", ">": "<", "<=": ">=", ">=": "<="}
+_COMPARISONS: dict[type, _Op] = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">="}
 _NEGATION: dict[str, tuple[_Op, _Op]] = {
     "==": ("==", "!="), "!=": ("!=", "=="), "<": ("<", ">="), ">=": (">=", "<"), ">": (">", "<="), "<=": ("<=", ">"),
 }  # fmt: skip
@@ -446,50 +449,80 @@ def split_rule(
 ) -> tuple[SizeCondition, SizeCondition] | str:
     """The guard of ``Guard failed: EXPR`` as two size conditions: the one the program holds, and its negation.
 
-    A guard has one when it compares a product of sizes plus a number with a number
-    (``h.size()[1] * h.size()[0] != 1``, ``1 + cache['key_0'].size()[2] >= 3``: the number moves to
-    the right, ``axis 2 of cache (tensor 0) >= 2``), each size, or size floor-divided by a number
-    (``pixel_values.size()[2] // 14 * (pixel_values.size()[3] // 14) == 4``: patches of a ViT), of a tensor ``sources`` names (see
-    :func:`guard_sources`). Otherwise the reason it has none, in words: a sum of several sizes (a
-    relation between sizes), a size of a tensor the inputs do not name, or no guard at all.
+    A guard has one when it compares arithmetic (``+ - * // %``, whole numbers) of sizes of tensors ``sources``
+    names (:func:`guard_sources`) with a number or other such arithmetic. A product of sizes (each maybe ``//
+    k``) plus a number compared with a number keeps its plain form (``1 + cache['key_0'].size()[2] >= 3``:
+    ``axis 2 of cache (tensor 0) >= 2``); any other is an ``expr`` (``x.size()[3] == x.size()[2]``: ``s0 - s1
+    == 0``; ``(8 + -1 * (x.size()[2] % 8)) % 8 == 0``). Otherwise the reason it has none, in words.
     """
     found = _GUARD.search(message)
     if found is None:
         return "the program refused them on no guard"
     expr = found.group(1).strip().rstrip(".")
-    parts = re.fullmatch(r"(.+?)\s*(==|!=|<=|>=|<|>)\s*(-?\d+)", expr)
-    if parts is None:
-        return f"the guard {expr} does not compare sizes with a number"
-    constant, products = 0, []
-    for addend in parts.group(1).split("+"):
-        addend = addend.strip()
-        if re.fullmatch(r"-?\d+", addend):
-            constant += int(addend)
-        else:
-            products.append(addend)
-    if len(products) != 1:
-        return (
-            f"the guard {expr} relates a sum of {len(products)} sizes to a number; a size rule is one product of "
-            "sizes compared with a number"
-        )
     of: list[tuple[str, int] | tuple[str, int, int]] = []
-    div: list[int] = []
-    for factor in products[0].split("*"):
-        factor = factor.strip().removeprefix("(").removesuffix(")").strip()
-        size = _FACTOR.match(factor)
-        if size is None or size.group(1) not in sources:
-            return f"the guard {expr} names {factor!r}, not a size of a tensor the program takes"
-        name, item = sources[size.group(1)]
-        of.append((name, int(size.group(2))) if item is None else (name, int(size.group(2)), item))
-        div.append(int(size.group(3) or 1))
-    (op, negated), value = _NEGATION[parts.group(2)], int(parts.group(3)) - constant
-    if value < 0 or min(div) < 1:
-        return f"the guard {expr} compares sizes with a negative number"
-    divided = div if max(div) > 1 else None
-    return (
-        SizeCondition(of=of, op=op, value=value, div=divided),
-        SizeCondition(of=of, op=negated, value=value, div=divided),
-    )
+    unknown: list[str] = []
+
+    def name(size: re.Match[str]) -> str:
+        if size.group(1) not in sources:
+            unknown.append(size.group(0))
+            return "s"
+        source, item = sources[size.group(1)]
+        term = (source, int(size.group(2))) if item is None else (source, int(size.group(2)), item)
+        of.extend([] if term in of else [term])
+        return f"s{of.index(term)}"
+
+    try:
+        tree = ast.parse(_SIZE.sub(name, expr), mode="eval").body
+    except SyntaxError:
+        tree = None
+    if unknown:
+        return f"the guard {expr} names {unknown[0]!r}, not a size of a tensor the program takes"
+    if not isinstance(tree, ast.Compare) or len(tree.ops) != 1 or type(tree.ops[0]) not in _COMPARISONS or not of:
+        return f"the guard {expr} does not compare sizes"
+    left, right, op = tree.left, tree.comparators[0], _COMPARISONS[type(tree.ops[0])]
+    if isinstance(left, ast.Constant):  # 0 == s0 % 4 reads s0 % 4 == 0
+        left, right, op = right, left, _FLIPPED.get(op, op)
+    value = _whole(right)
+    if value is None:
+        left, value = ast.BinOp(left, ast.Sub(), right), 0
+    addends = _chain(left, ast.Add)
+    constant = sum(_whole(a) or 0 for a in addends)
+    sizes = [a for a in addends if _whole(a) is None]
+    factors = [_factor(f) for f in _chain(sizes[0], ast.Mult)] if len(sizes) == 1 else [None]
+    plain = [f for f in factors if f is not None]
+    rule: dict[str, Any] = dict(of=of, value=value, expr=ast.unparse(left))
+    if len(plain) == len(factors) and value >= constant:  # a product of sizes plus a number: the plain form
+        div = [d for _, d in plain]
+        rule = dict(of=[of[i] for i, _ in plain], value=value - constant, div=div if max(div) > 1 else None)
+    holds, negated = _NEGATION[op]
+    try:
+        return SizeCondition(op=holds, **rule), SizeCondition(op=negated, **rule)
+    except pydantic.ValidationError:
+        return f"the guard {expr} uses what a size rule has not (only + - * // % of sizes and whole numbers)"
+
+
+def _chain(node: ast.expr, op: type) -> list[ast.expr]:
+    """The operands of ``a op b op c ...`` (``node`` alone when it is no such operation)."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, op):
+        return [*_chain(node.left, op), *_chain(node.right, op)]
+    return [node]
+
+
+def _factor(node: ast.expr) -> tuple[int, int] | None:
+    """A size ``s3`` or ``s3 // 14`` as its position and divisor (``(3, 14)``); None for anything else."""
+    size, divisor = node, 1
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv):
+        size, divisor = node.left, _whole(node.right) or 0
+    if isinstance(size, ast.Name) and re.fullmatch(r"s\d+", size.id) and divisor >= 1:
+        return int(size.id[1:]), divisor
+    return None
+
+
+def _whole(node: ast.expr) -> int | None:
+    """The whole number ``node`` is, or None."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+        return node.value
+    return None
 
 
 def derived_dims(rc: RecordedCalls, plan: _Plan, message: str) -> dict[str, tuple[str | None, int, int]]:

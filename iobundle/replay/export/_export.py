@@ -37,33 +37,38 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ExportResult:
-    """What :func:`export_program` returns: the program, its report and, when it was split, the second program."""
+    """What :func:`export_program` returns: the program, its report and, when it was split, the other programs."""
 
     program: torch.export.ExportedProgram
     report: ExportReport
-    split: SplitProgram | None = None
-    """The second program, for the sizes this one refuses on a guard that is a size rule, or None."""
+    splits: list[SplitProgram] = field(default_factory=list)
+    """The other programs, for the sizes this one refuses on guards that are size rules (each with its rule)."""
     plan: Any = field(default=None, repr=False)
     """How the program was traced (the alignment, the traced call, the dims), which :func:`save_onnx` reads."""
+    sizes: list[SizeCondition] = field(default_factory=list)
+    """The sizes it serves (every condition holds; empty: any), set when a program is split."""
+
+    @property
+    def split(self) -> SplitProgram | None:
+        """The first of ``splits`` (None when the program was not split)."""
+        return self.splits[0] if self.splits else None
 
 
 @dataclass(kw_only=True)
 class SplitProgram(ExportResult):
-    """The second program of a split: traced from the inputs the first refused on a guard, for the sizes it refused.
+    """A program of a split: traced from inputs the first refused on a guard, for the sizes its ``sizes`` hold.
 
     Those inputs are recorded calls (``calls``) or, when the first program served every recorded
     call, the check beyond them (a recorded call cut to another batch).
 
-    It is the first program's ``split`` (:func:`export_program`'s result is the first);
-    :func:`iobundle.replay.export.export_programs` writes both, with a program index whose size
-    rules (``first``, ``second``: :class:`iobundle.schema.SizeCondition`) select between them.
+    It is among the first program's ``splits`` (:func:`export_program`'s result is the first);
+    :func:`iobundle.replay.export.export_programs` writes them all, with a program index whose size
+    rules (each program's ``sizes``: :class:`iobundle.schema.SizeCondition`) select between them.
     """
 
-    first: Any
-    second: Any
     calls: tuple[int, ...] = ()
-    """The recorded calls the second program serves (exported and checked on them), when the first
-    refused them on the guard; empty for a split for sizes beyond the recorded calls."""
+    """The recorded calls it serves (exported and checked on them), when the first refused them on a
+    guard; empty for a split for sizes beyond the recorded calls."""
 
 
 def export_program(
@@ -145,7 +150,7 @@ def _export_checked(
         )
     result = ExportResult(ep, report, plan=plan)
     if split and not report.ok:
-        result.split = _split_recorded_calls(
+        result.sizes, result.splits = _split_recorded_calls(
             rc, model, plan, report, set_batch_dimension_for=set_batch_dimension_for, strict=strict,
             dynamic=dynamic, check_batch=check_batch, dim_names=dim_names, tolerances=tolerances,
         )  # fmt: skip
@@ -172,29 +177,22 @@ def _split_recorded_calls(
     plan: _Plan,
     report: ExportReport,
     **options: Any,
-) -> SplitProgram | None:
-    """A second program for the recorded calls the first refused on a guard that is a size rule, or None.
+) -> tuple[list[SizeCondition], list[SplitProgram]]:
+    """The rule the program keeps and the other programs, for the recorded calls it refused on guards that are size rules.
 
-    When every call the program fails is refused on a guard, the first one's guard is a size rule
-    (:func:`split_rule`), each refused call has the structure of some reproduced call (the same
-    inputs present: sides of a size rule, not phases), every refused call meets the rule's negation
-    and every reproduced call the rule itself, the refused calls are exported again on their own
-    (:func:`export_program` on those calls: their own traced call and dynamic shapes, checked on
-    them; never split again) and the first program keeps the others: ``report.calls`` then lists
-    only those, and ``report.options`` says what was split.
-    Otherwise the report's options say why the calls were not split, and None.
+    When every refused call has the structure of a reproduced one (sides of size rules, not phases), they
+    are split guard by guard: the first refused call's guard (:func:`split_rule`), which every reproduced
+    call meets, sends the refused calls against it to a program of their own (:func:`_export_side`, split
+    again the same way) and the others to the next guard. ``if h % 4 or w % 4`` gives programs for ``h %
+    4 != 0``, for ``h % 4 == 0 and w % 4 != 0`` and (the first) for both ``== 0``. Otherwise nothing is
+    split, and the report's options say why.
     """
     refused = [c for c in report.calls if c.success is False]
     if not refused or not all("Guard failed" in (c.error or "") for c in refused):
-        return None
+        return [], []
     indices = [c.index for c in refused]
     with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
         sources = guard_sources(rc, plan)  # under the pytree registrations: a cache's tensors by their key paths
-    rule = split_rule(refused[0].error or "", sources)
-    if isinstance(rule, str):
-        report.options.append(f"calls {indices} refused on a guard, not split into two programs: {rule}")
-        return None
-    holds, negation = rule
     position = {call.index: i for i, call in enumerate(plan.alignment.calls)}
 
     def meets(index: int, condition: SizeCondition) -> bool:
@@ -203,38 +201,80 @@ def _split_recorded_calls(
     served = [c.index for c in report.calls if c.success is not False]
     shapes = {i: call_structure(rc, plan.alignment, position[i]) for i in [*indices, *served]}
     alone = [i for i in indices if all(shapes[i] != shapes[j] for j in served)]
+    not_split = f"calls {indices} refused on a guard, not split into two programs"
     if alone:
         report.options.append(
-            f"calls {indices} refused on a guard, not split into two programs: calls {alone} have a structure "
-            "no reproduced call has (a phase of their own, not a side of a size rule)"
+            f"{not_split}: calls {alone} have a structure no reproduced call has (a phase of their own, not a side "
+            "of a size rule)"
         )
-        return None
-    stray = [i for i in indices if not meets(i, negation)] + [i for i in served if not meets(i, holds)]
-    if stray:
-        report.options.append(
-            f"calls {indices} refused on a guard, not split into two programs: the size rule "
-            f"{holds.describe()} does not separate them from the others (calls {stray} are on the wrong side)"
-        )
-        return None
-    try:
-        second = _export_checked(phase_calls(rc, indices), model, check=True, split=False, on_progress=None, **options)
-    except ExportError as exc:
-        report.options.append(
-            f"calls {indices} refused on a guard ({negation.describe()}): a second program from them failed "
-            f"({_first_line(exc)})"
-        )
-        return None
+        return [], []
+    kept: list[SizeCondition] = []
+    splits: list[SplitProgram] = []
+    said: list[str] = []
+    left = refused
+    while left:
+        guard = (left[0].error or "").split("Guard failed: ")[-1]
+        rule = split_rule(left[0].error or "", sources)
+        if isinstance(rule, str):
+            report.options.append(f"{not_split}: {rule}")
+            return [], []
+        holds, negation = rule
+        out = [c.index for c in left if meets(c.index, negation)]
+        stray = [i for i in served if not meets(i, holds)] + ([] if left[0].index in out else [left[0].index])
+        if stray:
+            report.options.append(
+                f"{not_split}: the size rule {holds.describe()} does not separate them from the others (calls "
+                f"{stray} are on the wrong side)"
+            )
+            return [], []
+        try:
+            second = _export_side(phase_calls(rc, out), model, _widened(plan, out, options["dynamic"]), options)
+        except ExportError as exc:
+            report.options.append(
+                f"calls {out} refused on a guard ({negation.describe()}): a program from them failed "
+                f"({_first_line(exc)})"
+            )
+            return [], []
+        splits += [
+            SplitProgram(
+                p.program, p.report, plan=p.plan, sizes=[*kept, negation, *p.sizes],
+                calls=getattr(p, "calls", tuple(c.index for c in p.report.calls)),
+            )
+            for p in [second, *second.splits]
+        ]  # fmt: skip
+        said.append(f"calls {out} ({negation.describe()}, refused on {guard}) from call {second.report.traced_call}")
+        kept.append(holds)
+        left = [c for c in left if c.index not in out]
     report.calls = [c for c in report.calls if c.index not in indices]
     report.options.append(
-        f"split by a size rule between the recorded calls: this program serves {holds.describe()} (calls "
-        f"{served}); calls {indices} ({negation.describe()}), refused on a guard of the model's code "
-        f"({(refused[0].error or '').split('Guard failed: ')[-1]}), are served by a second program traced "
-        f"from call {second.report.traced_call}"
+        f"split by size rules between the recorded calls: this program serves "
+        f"{' and '.join(c.describe() for c in kept)} (calls {served}); refused on guards of the model's code, "
+        f"programs traced from them serve {'; '.join(said)}"
     )
     logger.info("%s", report.options[-1])
-    return SplitProgram(
-        second.program, second.report, plan=second.plan, first=holds, second=negation, calls=tuple(indices)
-    )
+    return kept, splits
+
+
+def _widened(plan: _Plan, calls: list[int], dynamic: DynamicSpec) -> dict[int | str, set[int]]:
+    """``dynamic`` and the axes ``plan`` made dynamic, of the inputs every call of ``calls`` passes."""
+    axes: dict[int | str, set[int]] = {key: set(value) for key, value in (dynamic or {}).items()}
+    rows = [slots for call, slots in zip(plan.alignment.calls, plan.alignment.slots) if call.index in calls]
+    for slot, (owner, dims) in enumerate(zip(plan.alignment.owners, plan.dims)):
+        if dims and all(row[slot] is not None for row in rows):
+            axes.setdefault(owner, set()).update(dims)
+    return axes
+
+
+def _export_side(
+    rc: RecordedCalls, model: torch.nn.Module, widened: DynamicSpec, options: dict[str, Any]
+) -> ExportResult:
+    """The program of a side of a split, traced dynamic where the first program was (``widened``): it serves sizes
+    of its side no call had, even from one call; else, when that fails, dynamic where its own calls vary."""
+    try:
+        return _export_checked(rc, model, check=True, split=True, on_progress=None, **{**options, "dynamic": widened})
+    except ExportError as exc:
+        logger.info("a side of a split, dynamic where the first program is, failed (%s)", _first_line(exc))
+    return _export_checked(rc, model, check=True, split=True, on_progress=None, **options)
 
 
 def _serve_refused_batch(
@@ -276,7 +316,10 @@ def _serve_refused_batch(
         return ExportResult(ep2, attempt, plan=plan2)
     split = _split_program(rc, plan, report, first, tolerances=tolerances, strict=options["strict"], tried=tried)
     if split is not None:
-        result.split = split
+        holds, second = split
+        second.sizes = [*result.sizes, *second.sizes]
+        result.sizes.append(holds)
+        result.splits.append(second)
         return result
     first.tried = tried
     logger.info("beyond the recorded calls: no remedy serves batch %d: %s", first.batch, "; ".join(tried))
@@ -292,13 +335,12 @@ def _split_program(
     tolerances: Tolerances,
     strict: bool,
     tried: list[str],
-) -> SplitProgram | None:
-    """A second program traced from the refused inputs, for the sizes the first program's guard excludes.
+) -> tuple[SizeCondition, SplitProgram] | None:
+    """The rule the first program holds and a second program traced from the refused inputs, for its negation.
 
-    Kept only when the guard is a size rule (:func:`split_rule`: a product of sizes of inputs that
-    hold one tensor, compared with a number) and the second program agrees with the eager model on
-    the refused inputs (the same check). Then ``report.batch_check`` becomes that check, naming the
-    split, and the second program's report says where it was traced from.
+    Kept only when the guard is a size rule (:func:`split_rule`) and the second program agrees with the
+    eager model on the refused inputs (the same check). Then ``report.batch_check`` becomes that check,
+    naming the split, and the second program's report says where it was traced from.
     """
     with export_context(rc, oblivious=False, report=ExportReport(traced_call=report.traced_call)):
         sources = guard_sources(rc, plan)
@@ -337,4 +379,4 @@ def _split_program(
     check.split = {"first": [holds.model_dump(mode="json")], "second": [refused.model_dump(mode="json")]}
     report.batch_check = check
     logger.info("beyond the recorded calls: %s", check.summary())
-    return SplitProgram(ep2, attempt, plan=cut, first=holds, second=refused)
+    return holds, SplitProgram(ep2, attempt, plan=cut, sizes=[refused])

@@ -21,6 +21,7 @@ call runs through the program whose structure it has.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -41,7 +42,7 @@ from iobundle.replay.export._export import ExportResult, export_program
 from iobundle.replay.export._onnx_save import save_onnx
 from iobundle.replay.export._trace import signed_subclass
 from iobundle.replay.infer import DynamicSpec, align_calls, call_structures, call_values, owner_name, phase_calls
-from iobundle.schema import FixedValues, ProgramEntry, ProgramIndex, SizeCondition, write_program_index
+from iobundle.schema import FixedValues, ProgramEntry, ProgramIndex, write_program_index
 
 __all__ = [
     "INDEX_SUFFIX",
@@ -105,8 +106,6 @@ class PhaseProgram(ExportResult):
     rc: RecordedCalls
     dynamic: DynamicSpec = None
     """The ``dynamic=`` axes this program was exported with (those of inputs the phase holds)."""
-    sizes: list[SizeCondition] = field(default_factory=list)
-    """The sizes it serves (the program index's size rule; empty: any), set when a program is split."""
     structures: list[dict[str, str]] = field(default_factory=list)
     """The call structures it serves when not only its phase's (a split of one program for every call)."""
     split_of: str | None = None
@@ -117,7 +116,9 @@ class PhaseProgram(ExportResult):
 
     @classmethod
     def of(cls, result: ExportResult, phase: Phase, rc: RecordedCalls, dynamic: DynamicSpec) -> PhaseProgram:
-        return cls(result.program, result.report, result.split, result.plan, phase=phase, rc=rc, dynamic=dynamic)
+        return cls(
+            result.program, result.report, result.splits, result.plan, result.sizes, phase=phase, rc=rc, dynamic=dynamic
+        )
 
 
 @dataclass
@@ -290,38 +291,38 @@ def export_programs(
 
 
 def _split(result: ProgramSet, phases: list[Phase]) -> ProgramSet:
-    """``result`` with each program split in two where its export kept a second program for the sizes it refused.
+    """``result`` with each program followed by the programs its export kept for the sizes it refused.
 
-    (its ``split``, a :class:`iobundle.replay.export.SplitProgram`.) The first keeps
-    its calls and gets the size rule its guard holds, the second no recorded call and the negated
-    rule; the reason says why. A split between recorded calls gives the second program the calls the
-    first refused. One program for every call serves the structures of every phase.
+    (its ``splits``, :class:`iobundle.replay.export.SplitProgram`.) The first keeps the calls no
+    split took and the size rule its guards hold, each other program the calls it was traced from (none
+    for a split beyond the recorded calls) and its own rule; the reason says why. One program for
+    every call serves the structures of every phase.
     """
-    if not any(p.split is not None for p in result.programs):
+    if not any(p.splits for p in result.programs):
         return result
     programs: list[PhaseProgram] = []
     reasons = [result.reason] if result.reason else []
     for program in result.programs:
-        split = program.split
-        if split is None:
+        if not program.splits:
             programs.append(program)
             continue
         whole = program.phase.name == "all"
         structures = [p.inputs for p in phases] if whole else []
-        kept = tuple(c for c in program.phase.calls if c not in split.calls)
+        taken = {c for split in program.splits for c in split.calls}
+        kept = tuple(c for c in program.phase.calls if c not in taken)
         first = Phase("p0" if whole else program.phase.name, kept, program.phase.inputs)
-        second = Phase("p1" if whole else f"{first.name}_split", split.calls, program.phase.inputs)
-        programs.append(
-            dataclasses.replace(program, split=None, phase=first, sizes=[split.first], structures=structures)
-        )
-        second_rc = phase_calls(program.rc, split.calls) if split.calls else program.rc
-        programs.append(PhaseProgram.of(split, second, second_rc, program.dynamic))
-        programs[-1].sizes, programs[-1].structures, programs[-1].split_of = [split.second], structures, first.name
-        traced = f"traced from its recorded calls {list(split.calls)}" if split.calls else "traced from such inputs"
-        reasons.append(
-            f"program {first.name} refuses {split.second.describe()} on a guard of the model's code; "
-            f"program {second.name}, {traced}, serves them"
-        )
+        programs.append(dataclasses.replace(program, splits=[], phase=first, structures=structures))
+        for number, split in enumerate(program.splits, 1):
+            name = f"p{number}" if whole else f"{first.name}_split" + (str(number) if number > 1 else "")
+            second = Phase(name, split.calls, program.phase.inputs)
+            second_rc = phase_calls(program.rc, split.calls) if split.calls else program.rc
+            programs.append(PhaseProgram.of(split, second, second_rc, program.dynamic))
+            programs[-1].structures, programs[-1].split_of = structures, first.name
+            traced = f"traced from its recorded calls {list(split.calls)}" if split.calls else "traced from such inputs"
+            reasons.append(
+                f"program {first.name} refuses {' and '.join(c.describe() for c in split.sizes)} on a guard of the "
+                f"model's code; program {second.name}, {traced}, serves them"
+            )
     return ProgramSet(programs, reason="; ".join(reasons))
 
 
@@ -339,6 +340,9 @@ def _phase_dynamic(rc: RecordedCalls, phase: Phase, dynamic: DynamicSpec) -> Dyn
 
 _DATA_DEPENDENT = "data-dependent"
 MAX_FIXED_ELEMENTS = 4096
+
+
+_FACTORIES = {f"aten::{name}" for name in ("arange", "full", "zeros", "ones", "scalar_tensor", "linspace", "eye")}
 
 
 class _ValuesFixed(torch.nn.Module):
@@ -359,8 +363,19 @@ class _ValuesFixed(torch.nn.Module):
         def forward(self: _ValuesFixed, *args: Any, **kwargs: Any) -> Any:
             bound = signature.bind(*args, **kwargs)
             # Tensors made from numbers while tracing are constants whose values torch.export's fake
-            # tensors keep, and propagate through the ops on them, up to CONSTANT_NUMEL_LIMIT elements.
-            with mock.patch.object(fake_tensor, "CONSTANT_NUMEL_LIMIT", MAX_FIXED_ELEMENTS):
+            # tensors keep, and propagate through the ops on them, up to CONSTANT_NUMEL_LIMIT elements;
+            # so is what factories build from numbers (torch.arange(n): a window index built from a grid),
+            # computed anew, not from fake tensors' dispatch cache (a factory's output traced before, not constant).
+            allow, fake = fake_tensor.should_allow_numbers_as_tensors, torch._guards.detect_fake_mode()
+            with (
+                contextlib.nullcontext() if fake is None else fake_tensor.disable_fake_tensor_cache(fake),
+                mock.patch.object(fake_tensor, "CONSTANT_NUMEL_LIMIT", MAX_FIXED_ELEMENTS),
+                mock.patch.object(
+                    fake_tensor,
+                    "should_allow_numbers_as_tensors",
+                    lambda op: op.name().split(".")[0] in _FACTORIES or allow(op),
+                ),
+            ):
                 for name, (data, shape, dtype) in self.fixed.items():
                     bound.arguments[name] = torch.tensor(data, dtype=dtype).reshape(shape)
                 return getattr(self.model, method)(*bound.args, **bound.kwargs)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from iobundle import InputObserver, load_bundle
+from iobundle.errors import ManifestError
 from iobundle.replay.export._dims import split_rule
 from iobundle.replay.infer import derive_dims
-from iobundle.schema import SizeCondition, conditions_met
+from iobundle.schema import SizeCondition, conditions_met, load_program_index
 
 SIDES = ((28, 28), (42, 42), (56, 42), (28, 28))  # multiples of the patch size 14; 2 x 2 patches at 28
 
@@ -135,3 +138,25 @@ def test_named_dimensions_tied_by_the_model_become_derived_dimensions(case, tmp_
     assert any(o.startswith("derived dimensions inferred") for p in result.programs for o in p.report.options)
     rows = bundle.check_discrepancies(result.to_onnx(tmp_path / "m.onnx"))
     assert [r["SUCCESS"] for r in rows] == [True] * len(calls)
+
+
+def test_an_arithmetic_size_rule_is_data_walked_never_run(tmp_path):
+    padded = SizeCondition(of=[("x", 2), ("x", 3)], op="==", value=0, expr="(8 + -1 * (s0 % 8)) % 8 + s1 % 8")
+    assert padded.describe() == "(8 + -1 * (axis 2 of x % 8)) % 8 + axis 3 of x % 8 == 0"
+    sizes = {2: 16, 3: 24}
+    assert conditions_met([padded], lambda name, axis, item: sizes[axis])
+    sizes[3] = 13
+    assert not conditions_met([padded], lambda name, axis, item: sizes[axis])
+    # A division by 0, or a size the rule does not list, meets no rule.
+    for expr in ("s0 // (s0 - 16)", "s1"):
+        assert not conditions_met([SizeCondition(of=[("x", 2)], op=">=", value=0, expr=expr)], lambda *_: 16)
+    index = {
+        "format": "iobundle.programs",
+        "programs": [{"name": "p0", "file": "m.onnx", "calls": [0], "traced_call": 0}],
+    }
+    for bad in ("__import__('os').getcwd()", "s0 ** 2", "max(s0, 2)", "s0 if s0 else 1", "1.5 * s0", "True + s0", "x0"):
+        rule = {"of": [["x", 2]], "op": "==", "value": 0, "expr": bad}
+        index["programs"][0].update(inputs={"x": "present"}, sizes=[rule])
+        (tmp_path / "m.programs.json").write_text(json.dumps(index))
+        with pytest.raises(ManifestError, match="expr"):
+            load_program_index(tmp_path / "m.programs.json")

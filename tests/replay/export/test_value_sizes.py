@@ -43,6 +43,17 @@ def runs_calls() -> list[tuple[torch.Tensor, ...]]:
     return [(torch.randn(sum(c), 4), torch.tensor(c)) for c in counts]
 
 
+class Paired(Segments):
+    """Sums of the pairs of rows of ``x`` within each segment ``counts`` gives: the bounds built from its values with
+    ``torch.arange``, a mask and ``torch.unique_consecutive`` (data-dependent sizes unless those values are fixed)."""
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ends = torch.cumsum(counts, 0)
+        grid = torch.arange(int(ends[-1]) + 1)
+        bounds = torch.unique_consecutive(grid[(grid % 2 == 0) | torch.isin(grid, ends)])
+        return torch.stack([part.sum(0) for part in torch.split(self.lin(x), torch.diff(bounds).tolist())])
+
+
 def qwen2_vl_vision() -> torch.nn.Module:
     transformers = pytest.importorskip("transformers")
     from transformers.models.qwen2_vl import modeling_qwen2_vl
@@ -65,6 +76,7 @@ def qwen2_vl_calls() -> list[tuple[torch.Tensor, ...]]:
 CASES = {
     "segments": (Segments, segments_calls, "counts"),
     "runs": (Runs, runs_calls, "counts"),
+    "paired": (Paired, segments_calls, "counts"),  # factories of the values' numbers: constants too
     "qwen2_vl_vision": (qwen2_vl_vision, qwen2_vl_calls, "grid_thw"),
 }
 
@@ -103,7 +115,7 @@ def test_an_input_whose_values_fix_sizes_gets_one_program_per_recorded_value_set
     counts = recorded[3][1].clone()
     counts.view(-1)[-1] -= 1
     with torch.no_grad(), other(model):
-        model(recorded[3][0][:-1] if case in ("segments", "runs") else recorded[3][0][:-2], counts)
+        model(recorded[3][0][:-1] if case in ("segments", "runs", "paired") else recorded[3][0][:-2], counts)
     rows = other.check_discrepancies(index)
     assert rows[0]["SUCCESS"] is False and "serves call 0" in rows[0]["error"]
     assert f"{carrier} holding" in rows[0]["error"]
