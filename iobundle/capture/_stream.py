@@ -311,8 +311,7 @@ class CallStream:
                 self._busy = bool(lost)
         if not started and lost:
             self.pool.set_draining(True)
-        self._start_thread()
-        if started:
+        if started:  # settled before the thread starts: the calls submitted meanwhile wait for it, in order
             written = self._journaled(lost)
             for call in lost:  # it may have written them: never write a call's file twice
                 rows = written.get(call.index)
@@ -321,6 +320,7 @@ class CallStream:
                     self._answered(call, rows, None, None)
                 else:
                     self._answered(call, None, "the writer process stopped before confirming it was written", None)
+        self._start_thread()
 
     def _journaled(self, calls: list[CallEntry]) -> dict[int, list[TensorRow]]:
         """The rows of the tensors ``calls`` added, by call index, for those the journal lists (a dead child's answers).
