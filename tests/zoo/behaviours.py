@@ -353,9 +353,15 @@ BEHAVIOURS += [
         run=_calls,
         factory="zoo_models:lora_mlp_merged",
         requires="peft",
-        known_failure="recorded through PeftModel.forward(*args, **kwargs), exported on the merged MLP's "
-        "forward(x): torch.export refuses the dynamic shapes ('its top-level keys must be the arg names ['x'] "
-        "of `inputs`, but here they are ['args']')",
+    ),
+    Family(
+        "wrapped_conv_stack",
+        _plain("wrapped_conv_stack", *[(_randn(rows, 2, 6, seed=rows),) for rows in (2, 3, 5)]),
+        notes="a plain torch model behind a forward(*args, **kwargs) wrapper, observed there, exported unwrapped",
+        source=PLAIN,
+        classes=(5,),
+        run=_calls,
+        factory="zoo_models:conv_stack",
     ),
     Family(
         "lora_mlp_wrapped",

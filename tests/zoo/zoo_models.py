@@ -302,6 +302,26 @@ def lora_mlp_merged() -> torch.nn.Module:
     return lora_mlp().merge_and_unload().eval()
 
 
+class PassThrough(torch.nn.Module):
+    """A wrapper that forwards everything to the module it holds, as a parallel or hook wrapper does."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+def wrapped_conv_stack() -> torch.nn.Module:
+    """:class:`ConvStack` behind :class:`PassThrough`: what is observed; the stack alone is what is exported."""
+    return PassThrough(conv_stack())
+
+
+def conv_stack() -> torch.nn.Module:
+    return _seeded(ConvStack).eval()
+
+
 class ConvStack(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -103,6 +103,21 @@ def _explicit_signature(rc: RecordedCalls, extra: list[str]) -> inspect.Signatur
     return inspect.Signature(params)
 
 
+def _same_parameters(model: torch.nn.Module, rc: RecordedCalls) -> bool:
+    """Whether ``model.forward`` takes the parameters the calls were recorded with (names and kinds).
+
+    A model recorded through a wrapper (a peft adapter's ``forward(*args, **kwargs)``) and exported
+    as the module it wraps (merged: ``forward(x)``) is traced through the recorded signature, which
+    the inferred dynamic shapes are keyed by.
+    """
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    recorded = [(p.name, p.kind) for p in rc.signature.parameters]
+    return [(p.name, p.kind.name) for p in parameters] == recorded
+
+
 def _uses_transformers(rc: RecordedCalls) -> bool:
     def walk(node: Any) -> bool:
         if isinstance(node, ObjectNode):
@@ -137,7 +152,7 @@ def _plan(
     extra = [k for k in kwargs if k not in names]
     flatten_var_kw = bool(var_kw and extra)
     module: torch.nn.Module = model
-    if flatten_var_kw or rc.signature.method != "forward":
+    if flatten_var_kw or rc.signature.method != "forward" or not _same_parameters(model, rc):
         module = _MethodAsModule(model, rc.signature.method, _explicit_signature(rc, extra if flatten_var_kw else []))
     autocast = replay_autocast(alignment.calls[traced].autocast, module_device_type(model))
     if autocast is not None:
