@@ -79,7 +79,8 @@ def explicit_state(rc: RecordedCalls) -> RecordedCalls:
 
 
 def _tables(model: torch.nn.Module, paths: list[str]) -> list[tuple[dict[str, Any], str]]:
-    """Where each recorded ``model.<module path>.<name>`` lives: a buffer or tensor attribute of a module of ``model``.
+    """Where each recorded ``model.<module path>.<name>`` lives: a buffer or tensor attribute of a module of ``model``
+    (or a public attribute holding None, bound by the first call).
 
     Paths come from the bundle: they are looked up among ``named_modules()`` and the tables of the
     module found, never followed as attributes.
@@ -92,9 +93,12 @@ def _tables(model: torch.nn.Module, paths: list[str]) -> list[tuple[dict[str, An
         table = None
         if module is not None:
             table = next((t for t in (module._buffers, module.__dict__) if isinstance(t.get(name), torch.Tensor)), None)
+            if table is None and not name.startswith("_") and name in module.__dict__ and module.__dict__[name] is None:
+                table = module.__dict__  # None until the first call binds the state there (a lazily made hidden state)
         if table is None:
             raise ModelLoadError(
-                f"The bundle records module state at {path!r}, but the model has no buffer or tensor attribute there. "
+                f"The bundle records module state at {path!r}, but the model has no buffer or tensor attribute there "
+                "(nor a public attribute holding None, where a first call binds it). "
                 "Replay it with the model the bundle was recorded from."
             )
         places.append((table, name))

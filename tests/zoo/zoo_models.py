@@ -302,6 +302,55 @@ def lora_mlp_merged() -> torch.nn.Module:
     return lora_mlp().merge_and_unload().eval()
 
 
+class StreamingNorm(torch.nn.Module):
+    """A conv block whose BatchNorm runs in training mode: its running statistics change with every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv1d(3, 4, 3, padding=1)
+        self.norm = torch.nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.norm(self.conv(x)))
+
+
+def streaming_norm() -> torch.nn.Module:
+    return _seeded(StreamingNorm).train()
+
+
+class StreamingGru(torch.nn.Module):
+    """Encodes a stream chunk by chunk, carrying the GRU's hidden state between calls in a buffer
+    (``lazy``: an attribute holding None until the first call)."""
+
+    def __init__(self, lazy: bool = False) -> None:
+        super().__init__()
+        self.gru = torch.nn.GRU(4, 6, batch_first=True)
+        self.head = torch.nn.Linear(6, 2)
+        self.state: torch.Tensor | None
+        if lazy:
+            self.state = None
+        else:
+            self.register_buffer("state", torch.zeros(1, 1, 6), persistent=False)
+
+    def forward(self, chunk: torch.Tensor) -> torch.Tensor:
+        if self.state is None:
+            self.state = torch.zeros(1, chunk.shape[0], 6)
+        out, state = self.gru(chunk, self.state)
+        if "state" in self._buffers:
+            self.state.copy_(state)
+        else:
+            self.state = state
+        return self.head(out)
+
+
+def streaming_gru() -> torch.nn.Module:
+    return _seeded(StreamingGru).eval()
+
+
+def streaming_gru_lazy() -> torch.nn.Module:
+    return _seeded(lambda: StreamingGru(lazy=True)).eval()
+
+
 class PassThrough(torch.nn.Module):
     """A wrapper that forwards everything to the module it holds, as a parallel or hook wrapper does."""
 
