@@ -898,7 +898,7 @@ def writer_children(pid: int) -> list[int]:
             cmdline = (stat_path.parent / "cmdline").read_bytes()
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == pid and b"_writer_process" in cmdline:
+        if ppid == pid and b"_writer_child" in cmdline:
             found.append(int(stat_path.parent.name))
     return found
 
