@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -87,24 +87,24 @@ class ModuleObservers(dict[str, InputObserver]):
 @contextlib.contextmanager
 def observe_modules(
     model: torch.nn.Module,
-    modules: Mapping[str, torch.nn.Module],
+    modules: Mapping[str, torch.nn.Module | Callable[..., Any]],
     *,
     store_n_calls: int | Mapping[str, int] = 3,
     stream_to: str | os.PathLike[str] | None = None,
     overwrite: bool = False,
 ) -> Iterator[ModuleObservers]:
-    """Observe the ``forward`` of several modules of ``model`` in one ``with`` block, an observer each.
+    """Observe several modules of ``model`` in one ``with`` block, an :class:`InputObserver` each.
 
-    For a model whose ``generate()`` calls its parts itself: a VLM runs its vision tower before the
-    prefill and passes the image features to it, an encoder-decoder model runs its encoder once
-    before the decoder steps. Each module is observed as ``InputObserver()(module, ...)`` would;
+    For a model whose ``generate()`` calls its parts itself: a VLM encodes the images before the
+    prefill and passes the features to it, an encoder-decoder model runs its encoder once before
+    the decoder steps. Each module is observed as ``InputObserver()(module, n, method_name)`` would;
     every method is restored on exit, even on error.
 
     Args:
         model: The model that holds the modules (or is one of them).
-        modules: The modules to observe, by a name that becomes the bundle's file name
-            (``{"vision": model.model.visual, "text": model}``).
-        store_n_calls: How many calls of each module to record; or a number per name.
+        modules: By a name that becomes the bundle's file name, a module (its ``forward`` is
+            observed) or a method of one (``{"vision": model.model.get_image_features, "text": model}``).
+        store_n_calls: How many calls of each to record; or a number per name.
         stream_to: A folder (or URL) to stream each module's calls to, as ``<name>.iobundle``.
         overwrite: Replace what ``stream_to`` holds.
 
@@ -113,7 +113,7 @@ def observe_modules(
 
     Raises:
         ObserverArgumentError: A name is not a plain file name, a module is not inside ``model``,
-            a module is given twice, or ``store_n_calls`` lacks a name.
+            a method is given twice, or ``store_n_calls`` lacks a name.
 
     Example:
         >>> with torch.no_grad(), observe_modules(
@@ -123,39 +123,45 @@ def observe_modules(
         >>> observers.save("vlm")  # vlm/vision.iobundle, vlm/text.iobundle
     """
     counts = store_n_calls if isinstance(store_n_calls, Mapping) else dict.fromkeys(modules, store_n_calls)
-    _check(model, modules, counts)
-    observers = ModuleObservers(model, modules)
+    targets = _targets(model, modules, counts)
+    observers = ModuleObservers(model, targets)
     with contextlib.ExitStack() as stack:
-        for name, module in modules.items():
+        for name, (module, method) in targets.items():
             target = None if stream_to is None else _bundle(stream_to, name)
-            stack.enter_context(observers[name](module, counts[name], stream_to=target, overwrite=overwrite))
+            stack.enter_context(observers[name](module, counts[name], method, stream_to=target, overwrite=overwrite))
         yield observers
 
 
-def _check(model: Any, modules: Mapping[str, Any], counts: Mapping[str, int]) -> None:
-    """Refuse names that are not file names, modules outside ``model`` or given twice, missing counts."""
+def _targets(model: Any, modules: Mapping[str, Any], counts: Mapping[str, int]) -> dict[str, tuple[Any, str]]:
+    """Each name's module and method name; refuse names that are not file names, modules outside ``model``,
+    a method twice, a missing count."""
     if not isinstance(model, torch.nn.Module):
         raise ObserverArgumentError(f"observe_modules: model is a {type(model).__name__}; pass a torch.nn.Module.")
     if not modules:
         raise ObserverArgumentError('observe_modules: modules is empty; pass {"name": module, ...}.')
     inside = {id(m) for m in model.modules()}
-    seen: dict[int, str] = {}
-    for name, module in modules.items():
+    targets: dict[str, tuple[Any, str]] = {}
+    for name, value in modules.items():
         if not isinstance(name, str) or not _NAME.match(name):
             raise ObserverArgumentError(
                 f"observe_modules: the name {name!r} becomes the file name {name}.iobundle; use letters, "
                 "digits, '_', '-' and '.' (not first)."
             )
+        module, method = (value, "forward") if isinstance(value, torch.nn.Module) else (
+            getattr(value, "__self__", None), getattr(value, "__name__", "")
+        )  # fmt: skip
         if id(module) not in inside:
             raise ObserverArgumentError(
-                f"observe_modules: modules[{name!r}] (a {type(module).__name__}) is not inside the "
-                f"{type(model).__name__} given as model. Pass modules of that model (model.model.visual), or the model."
+                f"observe_modules: modules[{name!r}] (a {type(value).__name__}) is neither a module of the "
+                f"{type(model).__name__} given as model nor a method of one. Pass model.model.visual, "
+                "model.model.get_image_features or the model."
             )
-        if id(module) in seen:
+        twice = next((other for other, target in targets.items() if target == (module, method)), None)
+        if twice is not None:
             raise ObserverArgumentError(
-                f"observe_modules: modules[{seen[id(module)]!r}] and modules[{name!r}] are the same module; "
-                "observe it once."
+                f"observe_modules: modules[{twice!r}] and modules[{name!r}] are the same {method}; observe it once."
             )
-        seen[id(module)] = name
         if name not in counts:
             raise ObserverArgumentError(f"observe_modules: store_n_calls has no count for {name!r}; give one.")
+        targets[name] = module, method
+    return targets

@@ -45,23 +45,26 @@ def _export_and_validate(bundle: Path, *options: str) -> str:
 
 
 def _unpatched(*modules: Any) -> bool:
-    return all("forward" not in vars(m) for m in modules)
+    return all(not {"forward", "get_image_features"} & vars(m).keys() for m in modules)
 
 
 def test_a_vlm_exports_its_vision_tower_and_its_decoder_from_one_capture(tmp_path: Path) -> None:
     model = tiny_qwen2_vl()
     ids = torch.tensor([[5, 6, 96, *[97] * 16, 7, 8]])  # 16 image tokens: a grid of 4 x 4 patches
     pixels, grid = torch.randn(16, 12, generator=torch.Generator().manual_seed(1)), torch.tensor([[1, 4, 4]])
-    with torch.no_grad(), observe_modules(model, {"vision": model.model.visual, "text": model}, store_n_calls=8) as obs:
+    with (
+        torch.no_grad(),
+        observe_modules(model, {"vision": model.model.get_image_features, "text": model}, store_n_calls=8) as obs,
+    ):
         model.generate(
             ids, pixel_values=pixels, image_grid_thw=grid, max_new_tokens=4, min_new_tokens=4, do_sample=False
         )
-    assert _unpatched(model, model.model.visual)
+    assert _unpatched(model, model.model)
     assert (obs["vision"].num_obs(), obs["text"].num_obs()) == (1, 4)
     obs.save(tmp_path / "vlm")
     vision, text = load_bundle(tmp_path / "vlm" / "vision.iobundle"), load_bundle(tmp_path / "vlm" / "text.iobundle")
-    assert (vision.manifest.model.submodule, text.manifest.model.submodule) == ("model.visual", "")
-    # the prefill takes the vision tower's output, never pixel_values
+    assert (vision.manifest.model.submodule, text.manifest.model.submodule) == ("model", "")
+    # the prefill takes the image features get_image_features returned (the vision tower's), never pixel_values
     assert "pixel_values" not in text.manifest.calls[0].kwargs
     _export_and_validate(tmp_path / "vlm" / "vision.iobundle")
     assert "2 programs" in _export_and_validate(tmp_path / "vlm" / "text.iobundle")  # prefill and decode
@@ -113,9 +116,9 @@ def test_a_module_that_cannot_stream_leaves_the_ones_entered_before_it_restored(
         (lambda m: {"../x": m.model}, r"file name \.\./x\.iobundle"),
         (
             lambda m: {"other": torch.nn.Linear(2, 2)},
-            r"modules\['other'\] \(a Linear\) is not inside the LlamaForCausalLM",
+            r"modules\['other'\] \(a Linear\) is neither a module of the LlamaForCausalLM",
         ),
-        (lambda m: {"a": m.model, "b": m.model}, r"modules\['a'\] and modules\['b'\] are the same module"),
+        (lambda m: {"a": m.model, "b": m.model}, r"modules\['a'\] and modules\['b'\] are the same forward"),
     ],
     ids=["a path for a name", "a module of another model", "a module twice"],
 )
