@@ -19,13 +19,14 @@ __all__ = [
     "InputObserver",
     "__version__",
     "load_bundle",
+    "observe_modules",
     "redact_bundle",
     "upgrade_bundle",
 ]
 __all__ += errors.__all__  # the exception tree
 
 if TYPE_CHECKING:
-    from iobundle.observer import InputCandidate, InputObserver, redact_bundle, upgrade_bundle
+    from iobundle.observer import InputCandidate, InputObserver, observe_modules, redact_bundle, upgrade_bundle
     from iobundle.replay import Bundle, load_bundle
 
 __getattr__ = lazy_names(__name__)  # each name from where the TYPE_CHECKING block imports it

@@ -24,12 +24,13 @@ ERRORS = [
 ]  # fmt: skip
 PUBLIC = {
     "iobundle": [
-        "Bundle", "InputCandidate", "InputObserver", "__version__", "load_bundle", "redact_bundle", "upgrade_bundle",
-        *ERRORS,
+        "Bundle", "InputCandidate", "InputObserver", "__version__", "load_bundle", "observe_modules", "redact_bundle",
+        "upgrade_bundle", *ERRORS,
     ],
     "iobundle.errors": ERRORS,
     "iobundle.observer": [
-        "InputCandidate", "InputObserver", "ObservationInfo", "ObservationWarning", "redact_bundle", "upgrade_bundle",
+        "InputCandidate", "InputObserver", "ModuleObservers", "ObservationInfo", "ObservationWarning", "observe_modules",
+        "redact_bundle", "upgrade_bundle",
     ],
     "iobundle.capture": [
         "CallRecorder", "NodeType", "ObservationWarning", "RecordedCalls", "register_node_type", "save_recorded_calls",

@@ -9,13 +9,16 @@ from __future__ import annotations
 __all__ = [
     "InputCandidate",
     "InputObserver",
+    "ModuleObservers",
     "ObservationInfo",
     "ObservationWarning",
+    "observe_modules",
     "redact_bundle",
     "upgrade_bundle",
 ]
 
 from iobundle.capture import ObservationWarning
+from iobundle.observer._modules import ModuleObservers, observe_modules
 from iobundle.observer._observer import InputObserver
 from iobundle.observer._redact_bundle import redact_bundle
 from iobundle.observer._upgrade import upgrade_bundle

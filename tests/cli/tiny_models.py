@@ -35,3 +35,33 @@ def tiny_whisper() -> Any:
     )  # fmt: skip
     torch.manual_seed(0)
     return transformers.WhisperForConditionalGeneration(config).eval()
+
+
+def tiny_qwen2_vl() -> Any:
+    """A Qwen2-VL (text: 2 layers, hidden 32; vision: 1 block, patches of 2): image tokens 97 after 96."""
+    import transformers
+
+    text = {
+        "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 64, "vocab_size": 100, "max_position_embeddings": 128, "pad_token_id": 0,
+        "bos_token_id": 1, "eos_token_id": 2, "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
+    }  # fmt: skip
+    vision = {"depth": 1, "hidden_size": 32, "embed_dim": 32, "num_heads": 2, "patch_size": 2,
+              "spatial_merge_size": 1, "temporal_patch_size": 1}  # fmt: skip
+    config = transformers.Qwen2VLConfig(
+        text_config=text, vision_config=vision, image_token_id=97, video_token_id=98, vision_start_token_id=96
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen2VLForConditionalGeneration(config).eval()
+
+
+def tiny_t5() -> Any:
+    """A 2+2-layer T5 (d_model 32, 4 heads, vocabulary 100): the encoder runs once, then the decoder steps."""
+    import transformers
+
+    config = transformers.T5Config(
+        vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(config).eval()
