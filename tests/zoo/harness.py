@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -142,6 +143,10 @@ def capture_family(entry: Family, root: Path) -> tuple[dict[str, Path], float]:
     modules = entry.observe(model) if entry.observe else {entry.name: model}
     observers = {name: InputObserver() for name in modules}
     with torch.no_grad(), contextlib.ExitStack() as stack:
+        caught = None
+        if 1 in entry.classes:  # state kept on modules: capture says so, once (a warning, not an error here)
+            caught = stack.enter_context(warnings.catch_warnings(record=True))
+            warnings.filterwarnings("always", message=".*changed tensors its module tree keeps")
         if entry.autocast:
             stack.enter_context(torch.autocast("cpu", dtype=getattr(torch, entry.autocast)))
         for name, observer in observers.items():
@@ -150,6 +155,8 @@ def capture_family(entry: Family, root: Path) -> tuple[dict[str, Path], float]:
             model.generate(**kwargs)
         else:
             entry.run(model, kwargs)
+    if caught is not None and not any("module tree keeps" in str(w.message) for w in caught):
+        raise AssertionError(f"{entry.name} keeps state on its modules, but capture did not say so")
     paths = {}
     for name, observer in observers.items():
         path = root / f"{name}.iobundle"
