@@ -49,7 +49,7 @@ from iobundle.capture._snapshots import BufferPool, SnapshotTable
 from iobundle.capture._writer import BundleWriter
 from iobundle.capture._writer_process import WriterProcess, WriterProcessUnavailable
 from iobundle.errors import BundleWriteError
-from iobundle.schema import CallEntry, Manifest, load_journal
+from iobundle.schema import CallEntry, FileEntry, Manifest, load_journal
 
 __all__ = ["CallStream"]
 
@@ -314,35 +314,32 @@ class CallStream:
         if started:  # settled before the thread starts: the calls submitted meanwhile wait for it, in order
             written = self._journaled(lost)
             for call in lost:  # it may have written them: never write a call's file twice
-                rows = written.get(call.index)
-                if rows is not None:  # in the journal: written whole, only its answer was lost
-                    self.writer.adopt(call.index, rows, {})
-                    self._answered(call, rows, None, None)
+                found = written.get(call.index)
+                if found is not None:  # in the journal: written whole, only its answer was lost
+                    self.writer.adopt(call.index, *found)
+                    self._answered(call, found[0], None, None)
                 else:
                     self._answered(call, None, "the writer process stopped before confirming it was written", None)
         self._start_thread()
 
-    def _journaled(self, calls: list[CallEntry]) -> dict[int, list[TensorRow]]:
-        """The rows of the tensors ``calls`` added, by call index, for those the journal lists (a dead child's answers).
+    def _journaled(self, calls: list[CallEntry]) -> dict[int, tuple[list[TensorRow], dict[str, FileEntry]]]:
+        """What the journal says ``calls`` added (their tensors' rows and the files those name), by call index,
+        for the calls it lists: a dead child's answers.
 
         The child answers many calls at once: the ones it wrote and listed before it died are in
-        the bundle, and stay in it. The files the rows name join the writer's too.
+        the bundle, and stay in it.
         """
         try:
             manifest = load_journal(self.path)
         except Exception:  # unreadable: the calls are marked incomplete
             return {}
         listed = {c.index for c in manifest.calls if c.status == "ok"}
-        known = self.writer.tensors
-        found: dict[int, list[TensorRow]] = {}
-        files = {}
+        known, found = self.writer.tensors, {}
         for call in calls:
             if call.index in listed and call.status == "ok":
                 keys = [k for k in dict.fromkeys(call_keys(call)) if k not in known and k in manifest.tensors]
-                rows = found[call.index] = [entry_row(k, manifest.tensors[k]) for k in keys]
-                files.update({row[1]: manifest.files[row[1]] for row in rows})
-        if found:
-            self.writer.adopt(min(found), [], files)
+                rows = [entry_row(k, manifest.tensors[k]) for k in keys]
+                found[call.index] = (rows, {row[1]: manifest.files[row[1]] for row in rows})
         return found
 
     # -- the writer thread -----------------------------------------------------------------------
