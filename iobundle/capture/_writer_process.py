@@ -4,8 +4,11 @@ On the recording thread a call costs its snapshot, one copy of its new tensors i
 shared memory and a small message (the call entry and where its tensors are in the ring). The
 writer process, started in the background when the stream opens, does everything else with its
 own interpreter lock: delta checks, headers, hashing, file creation, the journal. It answers,
-in call order, what it wrote; the recording process's reader thread turns the answers into the
-stream's bookkeeping (the snapshots written are dropped from memory, the failures reported).
+in call order and many calls at once, what it wrote; the recording process's reader thread turns the
+answers into the stream's bookkeeping (where each tensor is, the failures reported). A call's CPU
+snapshots leave the recording process's memory once copied into the ring; the calls of a child
+that dies before writing them get them back from the ring, the calls its journal lists stay written.
+The child's own code is :mod:`iobundle.capture._writer_child`.
 
 - The ring is an anonymous memory file (``memfd_create``; else an unlinked temporary file)
   handed to the child as a descriptor: no name outlives a SIGKILL, nothing is left to clean up.
@@ -53,14 +56,16 @@ RING_BYTES = 4 * 1024 * 1024
 
 ANSWERS_AT_ONCE = 16
 """The child answers up to this many calls in one message. Each message wakes the recording process's
-reader thread, which then takes the interpreter lock from the model: answered one by one, a 32-layer
-decode step cost 1-2 ms more (the model thread waiting for the lock and handing it back at every
-torch op), answered in sixteens 0.4-0.9 ms more (2-core machine, the figure 1f model, SCHED_FIFO)."""
+reader thread, which then takes the interpreter lock from the model at its next torch op: answered one
+by one, the model's thread of a 32-layer decode step waited 0.7-1.1 ms per call for the lock, and
+recording added 2.9-3.5 ms per call; answered in sixteens, 1.6-1.9 ms (2-core machine, figure 1f's
+model, runs under SCHED_FIFO)."""
 
 ANSWER_AFTER_IDLE_S = 0.02
 """The child answers the calls it wrote once no call came for this long (or at once, ``durable``;
-and whenever the recording process asks: :meth:`WriterProcess.wait_idle`, the end of the stream). A decode loop hands it a call every few milliseconds: one answer per
-:data:`ANSWERS_AT_ONCE` calls. Until answered, a call's snapshots stay readable in memory."""
+and whenever the recording process asks: :meth:`WriterProcess.wait_idle`, the end of the stream). A
+decode loop hands it a call every few milliseconds: one answer per :data:`ANSWERS_AT_ONCE` calls.
+Until then, reading one of its snapshots back waits for the answer, then reads its file."""
 
 CONSUMED_EARLY_BYTES = 1024 * 1024
 """A call whose tensors take at least this much of the ring gets its range back as soon as the child
