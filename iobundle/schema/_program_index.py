@@ -160,9 +160,16 @@ _ARITHMETIC: dict[type, Callable[[int, int], int]] = {
 }  # fmt: skip
 
 
+MAX_EXPR_CHARS = 256
+"""The longest ``expr`` a size rule may hold: what the program split writes is a few dozen characters."""
+
+
 @functools.lru_cache(maxsize=256)
 def _parse(expr: str) -> ast.expr:
-    """``expr`` parsed (never run): whole numbers, sizes ``s0``, ``s1``, ..., ``+ - * // %`` and unary minus only."""
+    """``expr`` parsed (never run): whole numbers, sizes ``s0``, ``s1``, ..., ``+ - * // %`` and unary minus only,
+    in at most :data:`MAX_EXPR_CHARS` characters (a long product of long numbers would take long to evaluate)."""
+    if len(expr) > MAX_EXPR_CHARS:
+        raise ValueError(f"an arithmetic of sizes of {len(expr)} characters, above {MAX_EXPR_CHARS}: {expr[:40]!r}...")
     try:
         tree = ast.parse(expr, mode="eval").body
     except (SyntaxError, RecursionError, ValueError) as exc:

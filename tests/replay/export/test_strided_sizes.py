@@ -154,7 +154,16 @@ def test_an_arithmetic_size_rule_is_data_walked_never_run(tmp_path):
         "format": "iobundle.programs",
         "programs": [{"name": "p0", "file": "m.onnx", "calls": [0], "traced_call": 0}],
     }
-    for bad in ("__import__('os').getcwd()", "s0 ** 2", "max(s0, 2)", "s0 if s0 else 1", "1.5 * s0", "True + s0", "x0"):
+    for bad in (
+        "__import__('os').getcwd()",
+        "s0 ** 2",
+        "max(s0, 2)",
+        "s0 if s0 else 1",
+        "1.5 * s0",
+        "True + s0",
+        "x0",
+        "*".join(["9" * 30] * 20),
+    ):
         rule = {"of": [["x", 2]], "op": "==", "value": 0, "expr": bad}
         index["programs"][0].update(inputs={"x": "present"}, sizes=[rule])
         (tmp_path / "m.programs.json").write_text(json.dumps(index))
