@@ -11,6 +11,7 @@ import os
 import pickle
 import signal
 import sys
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -26,6 +27,7 @@ from iobundle.capture._writer_process import (
     ANSWERS_AT_ONCE,
     CHILD_NICE,
     CONSUMED_EARLY_BYTES,
+    POLL_S,
     map_ring,
 )
 from iobundle.errors import BundleWriteError, UnsupportedInputError
@@ -65,7 +67,10 @@ def serve() -> None:
     journal_error: str | None = None
     done: list[tuple[Any, ...]] = []  # answers not sent yet (ANSWERS_AT_ONCE, ANSWER_AFTER_IDLE_S)
     while True:
-        if done and (durable or len(done) >= ANSWERS_AT_ONCE or not inbox.poll(ANSWER_AFTER_IDLE_S)):
+        if done and (durable or len(done) >= ANSWERS_AT_ONCE):
+            answer(("done", done))
+            done = []
+        if writer is not None and not durable and not _polled(inbox, ANSWER_AFTER_IDLE_S) and done:
             answer(("done", done))
             done = []
         try:
@@ -108,6 +113,17 @@ def serve() -> None:
         answer(("done", done))
     if writer is not None:
         writer.close_journal()
+
+
+def _polled(inbox: Connection, wait_s: float) -> bool:
+    """Whether a message (or the end of the pipe) came within ``wait_s``, looked for every :data:`POLL_S`
+    without waiting on the pipe (the sender would pay for waking this process)."""
+    end = time.monotonic() + wait_s
+    while not inbox.poll(0):
+        if time.monotonic() >= end:
+            return False
+        time.sleep(POLL_S)
+    return True
 
 
 class _ChildRing:
