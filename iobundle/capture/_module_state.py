@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,16 +58,20 @@ def _hold(places: list[_Place], copy: bool = False) -> _Held:
     Lists by place, not a dictionary by path: a watched call compares about a thousand places at 32 layers.
     """
     values = [table.get(name) for _, table, name in places]
-    versions: dict[int, int | None] = {}
+    present = [i for i, value in enumerate(values) if value is not None]  # most places hold None
+    try:  # a tensor at every place that holds something: one comprehension
+        versions: dict[int, int | None] = dict(zip(present, [values[i]._version for i in present]))
+    except (AttributeError, RuntimeError):  # a place holds something else now, or an inference tensor
+        versions = {i: _version(values[i]) for i in present if isinstance(values[i], torch.Tensor)}
     copies: dict[int, torch.Tensor] = {}
-    for i in [i for i, value in enumerate(values) if value is not None]:  # most places hold None
-        value = values[i]
-        if isinstance(value, torch.Tensor):
-            versions[i] = _version(value)
+    if copy:
+        parameter = torch.nn.Parameter
+        for i in present:
+            value = values[i]
             if (
-                copy
-                and type(value) is not torch.nn.Parameter  # most tensors: no slower isinstance for them
-                and not isinstance(value, torch.nn.Parameter)
+                type(value) is not parameter  # most of them: no slower isinstance
+                and isinstance(value, torch.Tensor)
+                and not isinstance(value, parameter)
                 and value.numel() * value.element_size() <= _COPIED_BYTES
             ):
                 copies[i] = value.detach().clone()
@@ -137,11 +142,15 @@ class StateWatch:
                 self._sizes = _sizes(self._known[2])
             after = _hold(self._known[0])
             now = [table.get(name, value) for (_, table, name), value in zip(numbers, numbers_before)]
-            self.numbers = [
-                f"{prefix}.{name}"
-                for (prefix, _, name), value, new in zip(numbers, numbers_before, now)
-                if new is not value and (type(new) is not type(value) or new != value)
-            ]
+            self.numbers = (
+                []
+                if all(map(operator.is_, now, numbers_before))  # most calls: every number the object it was
+                else [
+                    f"{prefix}.{name}"
+                    for (prefix, _, name), value, new in zip(numbers, numbers_before, now)
+                    if new is not value and (type(new) is not type(value) or new != value)
+                ]
+            )
         except Exception:
             return []
         for key, tensor, old, values in _moved(before, after):
@@ -165,6 +174,8 @@ def _moved(before: _Held, after: _Held) -> list[tuple[tuple[str, str], torch.Ten
     was rebound or changed in place between ``before`` and ``after``; a tensor the call added is not listed."""
     places, values, versions, copies = before
     now_places, now_values, now_versions, _ = after
+    if now_places is places and now_versions == versions and all(map(operator.is_, now_values, values)):
+        return []  # most calls: every place holds what it held, unchanged
     if now_places is places:  # the same places: compared by position, most of them None or untouched
         indices = [
             i for i, version in now_versions.items() if now_values[i] is not values[i] or versions.get(i) != version
