@@ -120,6 +120,14 @@ def _memory_file() -> int:
         return os.dup(f.fileno())
 
 
+def _copy_run(tensors: list[torch.Tensor], into: torch.Tensor) -> None:
+    """Copy contiguous CPU tensors of one dtype and shape into the bytes ``into``, back to back: one torch op
+    (26 µs for 64 tensors of 4 KiB, where a ``memmove`` each takes 38: its call costs more than the copy)."""
+    first = tensors[0]
+    with torch.no_grad():  # a tensor that requires grad cannot be copied into out= otherwise
+        torch.cat(tensors, out=into.view(first.dtype).view(-1, *first.shape[1:]))
+
+
 class _Ring:
     """The shared memory file, mapped here; calls take contiguous ranges, released in the order taken."""
 
@@ -403,7 +411,8 @@ class WriterProcess:
         with self._submit_lock:
             self._flush()  # the previous call's device copies, first: messages go in call order, and it holds room
             specs: list[tuple[list[str], tuple[Any, ...]]] = []
-            copies: list[tuple[torch.Tensor, int, int]] = []
+            runs: list[tuple[list[torch.Tensor], int, int, int]] = []  # CPU groups: (tensors, offset, nbytes, step)
+            run: list[torch.Tensor] = []
             total = 0
             sent, get, strided = self._sent, self._get, torch.strided
             if self._resend:  # the child failed a call: its unwritten tensors go again, whichever nodes hold them
@@ -449,10 +458,14 @@ class WriterProcess:
                     last_dtype, last_shape = (dtype, dims) if cpu else (None, None)
                     if cpu:
                         in_ring.append((group, dtype, dims, total, nbytes, step))
+                        run = []
+                        runs.append((run, total, nbytes, step))
                 else:
                     group.append(key)  # a CPU tensor, as the group's first
-                if nbytes:
-                    (copies if cpu else on_device).append((tensor, total, nbytes))
+                if nbytes and cpu:
+                    run.append(tensor)
+                elif nbytes:
+                    on_device.append((tensor, total, nbytes))
                 total += step
             ring = self._child.ring
             with self._cond:
@@ -478,8 +491,13 @@ class WriterProcess:
             assert view is not None
             base = view.data_ptr() + start
             try:
-                for tensor, offset, nbytes in copies:  # one memcpy each, without the lock: no torch op to dispatch
-                    memmove(base + offset, tensor.data_ptr(), nbytes)
+                for tensors, offset, nbytes, step in runs:  # without the lock
+                    if len(tensors) > 2 and step == nbytes and tensors[0].dim():  # a cache's layers, back to back
+                        _copy_run(tensors, view[start + offset : start + offset + nbytes * len(tensors)])
+                        continue
+                    for tensor in tensors:
+                        memmove(base + offset, tensor.data_ptr(), nbytes)
+                        offset += step
             finally:
                 self._copied()
             self._released(in_ring)  # the child answers many calls later: memory keeps none of these
