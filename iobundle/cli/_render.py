@@ -148,10 +148,6 @@ def format_tensor(manifest: Manifest, key: str) -> str:
     return f"{shape} {_dtype(entry.dtype)}"
 
 
-def _short_type(name: str) -> str:
-    return name.rsplit(".", 1)[-1]
-
-
 def _join(parts: Sequence[str], total: int, what: str = "items") -> str:
     if total > len(parts):
         return ", ".join([*parts, f"... ({total} {what})"])
@@ -170,7 +166,7 @@ def _items(tensor: TensorText, items: Sequence[Node], depth: int) -> str:
 def _object(tensor: TensorText, node: ObjectNode, depth: int) -> str:
     from iobundle.calls import cache_child_labels  # torch-free; imported once a tree is shown (not for --help)
 
-    name = _short_type(node.type)
+    name = node.type.rsplit(".", 1)[-1]
     items = node.items
     layers = cache_child_labels(node.type, node.context)  # a cache: its first layer and the number of layers
     if layers and sum(map(len, layers)) == len(items):

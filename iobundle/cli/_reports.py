@@ -167,10 +167,6 @@ def _header(report: Report, column: str) -> str:
     return _HEADERS.get(column, column)
 
 
-def _env_line(report: Report) -> str:
-    return ", ".join(f"{k} {v}" for k, v in report.environment.items())
-
-
 # --------------------------------------------------------------------------- markdown
 
 
@@ -238,7 +234,8 @@ def _markdown(report: Report) -> str:
     if report.command:
         lines += [markdown_code_block(report.command), ""]
     lines += ["**Bundle.** " + "".join(_md_piece(kind, text) for kind, text in p) for p in report.paragraphs]
-    lines += ["", f"**Environment.** {_env_line(report)}.", ""]  # this process's versions: no bundle text
+    environment = ", ".join(f"{k} {v}" for k, v in report.environment.items())  # this process's: no bundle text
+    lines += ["", f"**Environment.** {environment}.", ""]
     if report.differences:
         lines += ["### Differences between the bundles", ""]
         lines += [f"- {markdown_text(d)}" for d in report.differences] + [""]
@@ -293,10 +290,6 @@ _COLORS = {"ok": "#2da44e", "FAIL": "#cf222e", "not checked": "#bf8700"}
 
 
 _esc = html_text
-
-
-def _html_piece(kind: str, text: str) -> str:
-    return f"<code>{_esc(text)}</code>" if kind == "code" else _esc(text)
 
 
 def _html_table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence[int] = (), row_classes: Sequence[str] | None = None) -> str:  # fmt: skip
@@ -477,7 +470,10 @@ def _html(report: Report) -> str:
     if report.command:
         body.append(f"<pre>{_esc(report.command)}</pre>")
     body.append("<h2>Bundle</h2>")
-    body += ["<p>" + "".join(_html_piece(kind, text) for kind, text in p) + "</p>" for p in report.paragraphs]
+    body += [
+        "<p>" + "".join(f"<code>{_esc(t)}</code>" if k == "code" else _esc(t) for k, t in p) + "</p>"
+        for p in report.paragraphs
+    ]
     body.append("<h2>Environment</h2>")
     body.append(_html_table(["", "version"], [[k, v] for k, v in report.environment.items()]))
     if report.differences:
