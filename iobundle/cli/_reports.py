@@ -1,22 +1,14 @@
 """Write a :class:`~iobundle.replay.Report` as Markdown, HTML, JSON or CSV (chosen by the file's extension).
 
-The reports of validate, run, diff and export (whose JSON is its own: :func:`iobundle.cli._programs.export_report_json`).
+The reports of validate, run, diff and export (whose JSON is its own: :func:`iobundle.cli._programs.export_report_json`):
+``.md`` to paste into a GitHub issue (verdict, command, bundle, environment, one row per call, the
+worst outputs, the error histogram); ``.html`` the same in one self-contained file with inline SVG
+charts (no script, nothing fetched); ``.json`` / ``.csv`` the per-call rows, every column
+(non-finite numbers become null / empty).
 
-- ``.md``: ready to paste into a GitHub issue: the verdict, the command, the bundle in one
-  paragraph, the environment, one row per call, the worst outputs (name, shape, dtype, errors)
-  and the error histogram.
-- ``.html``: one self-contained file (no script, no stylesheet or font fetched, nothing loaded
-  from the network): the same content plus inline SVG charts of the error per call, per output
-  and the histogram.
-- ``.json`` / ``.csv``: the per-call rows, every column, ready for ``pandas.read_json`` /
-  ``pandas.read_csv`` (non-finite numbers become null / empty).
-
-Strings from the bundles are drawn as text in every format, through :mod:`iobundle._escape`:
-Markdown escapes every character with a meaning and puts names in code spans whose fence no
-backtick inside can close, on one line; HTML escapes ``& < > " '``; a CSV cell a spreadsheet would
-take as a formula (``= + - @``, tab, carriage return first) starts with ``'``; JSON holds them as data.
-
-Nothing here imports torch: the report is plain data.
+Strings from the bundles go through :mod:`iobundle._escape` in every format (Markdown escaped and
+code spans no backtick can close; HTML escaped; CSV cells a spreadsheet would take for a formula
+prefixed with ``'``; JSON holds them as data). Nothing here imports torch: the report is plain data.
 """
 
 from __future__ import annotations
