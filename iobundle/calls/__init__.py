@@ -164,11 +164,8 @@ register_provider("transformers", lambda: importlib.import_module("iobundle.call
 def restore_token_counts(arguments: dict[str, Any]) -> int:
     """Give the rebuilt sliding-window cache layers among a call's ``arguments`` (by name) their token count.
 
-    A bundle cannot carry a sliding layer's count of tokens seen (a Python int); a rebuilt
-    layer counts its cached keys only, which is too few once the window is full. The count is
-    taken from the call's 2-D attention mask (its length minus the new tokens); see
-    ``iobundle.calls._caches``. Returns how many layers were given one; nothing is
-    imported unless transformers' caches are loaded already (so none can be among the values).
+    See ``iobundle.calls._caches.restore_token_counts``; nothing is imported unless transformers'
+    caches are loaded already (so none can be among the values).
     """
     if "transformers.cache_utils" not in sys.modules:
         return 0

@@ -26,38 +26,24 @@ Flattened layouts (all version 1):
     A linear-attention state with a tensor is rebuilt as a state after a prefill
     (``has_previous_state``), its kernel size the convolution state's last dimension; such
     states do not grow (``child_empty_dims``: a None state is absent, never a zero-length
-    tensor, since the prefill of such a layer takes another code path). A layer that records
-    its past states (assisted decoding) is refused: its convolution state's length is then
-    not the kernel size. Before this version of iobundle only the first three kinds existed,
-    with the same children: bundles written then read the same.
+    tensor). A layer that records its past states (assisted decoding) is refused: its
+    convolution state's length is then not the kernel size. Bundles written when only the first
+    three kinds existed read the same.
 
-    A layer that is not initialised yet (the cache generate() passes to the prefill call)
-    has no tensors, and nothing in it tells batch, heads or head size. Its key and value
-    children are ``None``: the number of children is the same as for an initialised layer,
-    and code that aligns several calls fills those slots with zero-length ``(B, H, 0, D)``
-    tensors built from the other calls. ``None`` children unflatten to an uninitialised
-    layer; zero-length tensors unflatten to an initialised, empty one. The 1-D empty
-    placeholders that ``Cache.early_initialization`` leaves in a ``DynamicLayer`` say no more
-    than nothing, and flatten to ``None`` as well. The node type declares ``empty_dim=-2``:
-    shape inference counts such a slot as a sequence length of 0, so the cache length is
-    dynamic even when every decode call has the same one (a full sliding window), and the
-    slot is filled with a ``(B, H, 0, D)`` tensor.
+    A layer not initialised yet (the cache generate() passes to the prefill call), or holding
+    the 1-D empty placeholders of ``Cache.early_initialization``, tells nothing of batch, heads
+    or head size: its key and value children are ``None`` (as many children as an initialised
+    layer), and unflatten to an uninitialised layer; zero-length tensors unflatten to an
+    initialised, empty one. The node type declares ``empty_dim=-2``: shape inference counts
+    such a slot as a sequence length of 0 (so the cache length is dynamic even when every decode
+    call has the same one) and fills it with a ``(B, H, 0, D)`` tensor built from the other calls.
 
-    A sliding layer also holds a Python int, ``cumulative_length`` (tokens seen so far),
-    which changes at every decode call and so cannot go in the context. It is rebuilt as the
-    cached length ``keys.shape[-2]``. That is exact until the window is full; afterwards the
-    rebuilt cache reports a shorter length, and transformers' ``get_mask_sizes`` a key offset
-    of 0, which reads the padding of a left-padded batch from the wrong columns of the mask
-    and, for chunked attention (whose chunk boundaries are absolute positions), masks the
-    wrong keys even without padding. :func:`restore_token_counts` gives the rebuilt layers of
-    a call's arguments the count its 2-D attention mask implies (mask length minus new
-    tokens); the replay runs it on every call it rebuilds (``infer_arguments``, the arguments
-    of an eager re-run), so the eager model reproduces the recorded outputs, on the recorded
-    batch and on a cut of it. It is not made a tensor child (as
-    ``StaticCache`` does): transformers branches on it in Python (``get_mask_sizes``:
-    ``if cumulative_length >= sliding_window``, ``max(...)``), which a traced program cannot
-    do on a tensor; the exported program takes the count from the mask the same way (the
-    ``sliding_window_offsets`` patch of ``iobundle.replay.export``).
+    A sliding layer's ``cumulative_length`` (tokens seen, a Python int that changes at every
+    call) cannot go in the context; it is rebuilt as the cached length ``keys.shape[-2]``, exact
+    until the window is full. :func:`restore_token_counts` then gives the rebuilt layers of a
+    call the count its 2-D attention mask implies, on every call the replay rebuilds. It is not
+    a tensor child (as in ``StaticCache``): transformers branches on it in Python, which a
+    traced program cannot do on a tensor (see the ``sliding_window_offsets`` export patch).
 
     A ``DynamicCache()`` built without a config and not used yet has no layers at all: it
     flattens to no children and an empty context, and unflattens to such a lazy cache.
@@ -122,6 +108,14 @@ def require_pair(key: Any, value: Any, index: int) -> bool:
             f"{'value' if key is not None else 'key'} tensor. Give both, or None for both."
         )
     return key is not None
+
+
+def _is_dummy(kind: Any, key: Any, value: Any, index: int) -> bool:
+    """Whether ``kind`` is a dummy layer (refused when it holds tensors); checks the key and value pair."""
+    filled = require_pair(key, value, index)
+    if kind == "dummy" and filled:
+        raise ValueError(f"Layer {index} of the cache is a dummy layer, which holds no tensors.")
+    return kind == "dummy"
 
 
 def refuse_layer(layer: Any, index: int, cache: str, why: str) -> UnsupportedInputError:
@@ -210,10 +204,7 @@ def _build_dynamic_layer(kind: Any, children: list[Any], index: int) -> Any:
     if isinstance(kind, dict) and "linear" in kind:
         return _build_linear_layer(kind, children, index)
     key, value = children[:2]
-    filled = require_pair(key, value, index)
-    if kind == "dummy":
-        if filled:
-            raise ValueError(f"Layer {index} of the cache is a dummy layer, which holds no tensors.")
+    if _is_dummy(kind, key, value, index):
         return DummyLayer()
     if kind == "full":
         layer: Any = DynamicLayer()
@@ -259,14 +250,13 @@ _INPUTS = (("attention_mask", ("input_ids", "inputs_embeds")),)
 def restore_token_counts(arguments: dict[str, Any]) -> int:
     """Give each rebuilt sliding-window layer among a call's ``arguments`` (by name) the token count the call implies.
 
-    A rebuilt ``DynamicSlidingWindowLayer`` counts the cached keys only (see the module
-    docstring): once its window is full, that is fewer than the tokens seen, and transformers'
-    ``get_mask_sizes`` gives a key offset of 0 instead of ``tokens_seen - window + 1``. A 2-D
-    attention mask covers the tokens seen plus the new ones (what transformers' masks assume,
-    and what ``generate()`` passes), so the count is ``mask length - new tokens``. It is set
-    where it agrees with the cache (the layer holds ``min(count, window - 1)`` keys and does not
-    record past states); sizes that are symbolic (while tracing) are not compared, so that no
-    guard is added. Returns how many layers were given a count; without such a mask, none.
+    A rebuilt ``DynamicSlidingWindowLayer`` counts the cached keys only: once its window is full,
+    transformers' ``get_mask_sizes`` then gives a key offset of 0 instead of ``tokens_seen -
+    window + 1`` (a left-padded batch's mask read from the wrong columns; chunked attention's
+    wrong keys masked). A 2-D attention mask covers the tokens seen plus the new ones (what
+    ``generate()`` passes), so the count is ``mask length - new tokens``, set where it agrees
+    with the cache (``min(count, window - 1)`` keys, no past states recorded); symbolic sizes
+    (while tracing) are not compared, so no guard is added. Returns how many layers got a count.
     """
     count = 0
     for value in arguments.values():
@@ -390,10 +380,7 @@ def _build_static_layer(kind: Any, children: list[Any], index: int) -> Any:
     if isinstance(kind, dict) and "linear" in kind:
         return _build_linear_layer(kind, children, index)
     key, value, length = children
-    filled = require_pair(key, value, index)
-    if kind == "dummy":
-        if filled:
-            raise ValueError(f"Layer {index} of the cache is a dummy layer, which holds no tensors.")
+    if _is_dummy(kind, key, value, index):
         return DummyLayer()
     if not (isinstance(kind, dict) and "static" in kind):
         raise ValueError(f"Layer {index} of the static cache has an unknown kind {kind!r}.")
@@ -428,12 +415,7 @@ def _fill_static_attention(layer: Any, kind: dict[str, Any], key: Any, value: An
 
 
 def layer_tensors(layer: Any) -> tuple[Any, Any]:
-    """Return a layer's key and value tensors, or two Nones when it holds no shaped tensors.
-
-    ``DynamicLayer.lazy_initialization`` (hence ``Cache.early_initialization``) leaves 1-D
-    empty placeholders that say nothing of batch, heads or head size; they count as absent,
-    and an uninitialised layer behaves the same.
-    """
+    """Return a layer's key and value tensors, or two Nones when it holds no shaped tensors (see the module docstring)."""
     keys, values = layer.keys, layer.values
     if not layer.is_initialized or keys is None or values is None:
         return None, None

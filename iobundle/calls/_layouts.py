@@ -150,16 +150,19 @@ def cache_child_labels(name: str, context: Any) -> list[tuple[str, ...]] | None:
         return None
 
 
-_PARTS = {"indexer_keys": "indexer_key", "indexer_position_ids": "indexer_position", "conv": "state", "recurrent": "state"}
+_PARTS = {
+    "indexer_keys": "indexer_key",
+    "indexer_position_ids": "indexer_position",
+    "conv": "state",
+    "recurrent": "state",
+}
 
 
 def dynamic_cache_parts(context: Any) -> list[tuple[Any, str]]:
-    """Per child of a ``DynamicCache``, its layer's kind and what the child is.
+    """Per child of a ``DynamicCache``, its layer's kind and what the child is (:func:`layer_parts`, with
+    ``"indexer_key"``, ``"indexer_position"`` and ``"state"`` for the indexer and linear-attention parts).
 
-    ``"key"`` and ``"value"`` for the attention part of a layer (keys first), ``"indexer_key"`` and
-    ``"indexer_position"`` for the indexer of an indexed layer, ``"state"`` for the convolution
-    and recurrent states of a linear-attention layer (after its attention part, as they are
-    flattened). A malformed context gives ``[]``.
+    A malformed context gives ``[]``.
 
     Example:
         >>> dynamic_cache_parts(["full", {"linear": 1}])
@@ -183,10 +186,8 @@ def dynamic_empty_dims(context: Any) -> list[int | None]:
     """Per child of a ``DynamicCache``, the dimension along which a None child stands for an empty tensor.
 
     Keys, values and indexer keys grow along the sequence (``-2``), indexer positions along their
-    last dimension; convolution and recurrent states do not grow: a None state is absent (the
-    prefill of a state-space layer takes another code path than a step with a state). A malformed
-    context gives ``[]`` (it is refused when the cache is rebuilt). Read from
-    :func:`dynamic_cache_parts`.
+    last dimension; states do not grow (a None state is absent). A malformed context gives ``[]``
+    (it is refused when the cache is rebuilt).
 
     Example:
         >>> dynamic_empty_dims(["full", {"linear": 1}])

@@ -4,18 +4,14 @@
     Context: one kind per layer, ``{"quanto": {"nbits", "axis_key", "axis_value",
     "q_group_size", "residual_length"}}`` (a ``QuantoQuantizedLayer``'s settings). Eight
     children per layer: ``key_i, value_i`` (the residual: the latest keys and values in full
-    precision, zero-length when empty), then ``key_codes_i, key_scale_i, key_shift_i`` and the same
-    for values: the quantized states as plain tensors (:class:`QuantizedStates`: ``uint8``
-    codes packed along the head dimension, one scale and shift per group of ``q_group_size``
-    channels), read from quanto's tensor through its attributes; all None for a layer not
-    initialised yet (the prefill's cache). Every child grows along ``-2``. The token count
-    is rebuilt as the quantized plus the residual length, which is what it is. The rebuilt
-    layer holds :class:`QuantizedStates` and quantizes with :func:`quantize_states` (the same
-    operators as quanto, bit for bit), so replaying and exporting need no quantization
-    library, and the program holds only plain torch operators. Refused at capture: the HQQ
-    and FP8 backends, quantization along axis -1 (its groups run across positions), groups
-    that do not divide the head size, and a pending beam reordering.
-
+    precision, zero-length when empty), then ``key_codes_i, key_scale_i, key_shift_i`` and the
+    same for values: the quantized states as plain tensors (:class:`QuantizedStates`), read from
+    quanto's tensor through its attributes; all None for a layer not initialised yet (the
+    prefill's cache). Every child grows along ``-2``. The token count is rebuilt as the quantized
+    plus the residual length. The rebuilt layer quantizes with :func:`quantize_states` (quanto's
+    operators, bit for bit), so replaying and exporting need no quantization library. Refused at
+    capture: the HQQ and FP8 backends, quantization along axis -1 (its groups run across
+    positions), groups that do not divide the head size, and a pending beam reordering.
 """
 
 # transformers leaves its cache layer constructors unannotated.

@@ -1,23 +1,20 @@
 """Device-to-host copies that never make the model's CUDA stream wait.
 
-The streaming writer runs in its own thread. For the CUDA tensors of a call it
+For the CUDA tensors of a call, the streaming writer's thread
 
 1. makes a side stream (one per device, non-blocking: it never synchronises with the legacy
-   default stream the model usually runs on) its current stream, so that the byte comparisons of
-   delta storage (:class:`iobundle.calls.DeltaIndex`) and the copies run there;
+   default stream the model usually runs on) current, so that delta storage's byte comparisons
+   (:class:`iobundle.calls.DeltaIndex`) and the copies run there;
 2. copies each tensor (the new part only, for an extension) into a **pinned** host buffer with
-   ``non_blocking=True`` on that side stream, and waits for an event recorded after the copies:
-   the writer thread waits, the model's stream does not;
-3. gives the pinned buffers back once the file is written, for the next call (pinning memory
-   is slow; reusing it is what makes the copy run at the bus's speed).
+   ``non_blocking=True`` and waits for an event recorded after the copies: the writer thread
+   waits, the model's stream does not;
+3. gives the pinned buffers back once the file is written, for the next call (pinning is slow;
+   reusing the buffers is what makes the copy run at the bus's speed).
 
-The writer process's hand-off (:meth:`PinnedStager.to_pinned`) packs a call's CUDA tensors into one
-buffer per device on the side stream and copies it to pinned memory at once, without waiting; the
-bytes reach the shared ring when the call's message is sent (:meth:`PinnedStager.land`).
-
-The snapshots the copies read were made on the model's stream (a device-to-device clone, with an
-event the writer waited for): the model may change its own tensors meanwhile. CPU tensors pass
-through untouched.
+The writer process's hand-off (:meth:`PinnedStager.to_pinned`) packs a call's CUDA tensors into
+one buffer per device and copies it to pinned memory without waiting; the bytes reach the shared
+ring when the call's message is sent (:meth:`PinnedStager.land`). The copies read snapshots made
+on the model's stream (so the model may change its tensors meanwhile). CPU tensors pass through.
 """
 
 from __future__ import annotations

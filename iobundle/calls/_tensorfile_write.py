@@ -140,8 +140,6 @@ def write_tensor_file(
     :func:`iobundle._atomic.write_atomically`).
 
     Args:
-        path: The file to write.
-        tensors: The tensors, by name.
         durable: fsync the file and its directory (see :func:`iobundle._atomic.write_atomically`).
         on_written: Called with each tensor's name once its bytes are written and hashed: the
             memory it holds may be reused from then on, before the file is complete.
@@ -275,11 +273,8 @@ def tensor_span(
     """Check the entry of ``tensor`` in the header of file ``name``; return its ``[begin, end)`` span in the data area.
 
     Args:
-        name: The file, as messages name it.
-        header: Its parsed header (:func:`parse_header`).
-        tensor: The tensor's name in the file.
-        dtype: The safetensors dtype name it must have (None: a dtype no file holds, so never found).
-        shape: The shape it must have.
+        name: The file, as messages name it; ``header`` its parsed header (:func:`parse_header`).
+        dtype: The safetensors dtype name ``tensor`` must have (None: a dtype no file holds, so never found).
         data_len: Bytes in the file's data area, which the span must stay inside.
         key: The tensor's key in the manifest, when it differs from the name in the file.
         expected_by: Where ``dtype`` and ``shape`` come from, for the message.

@@ -197,24 +197,16 @@ def _identity(value: Any) -> Any:
 def torch_pytree_nodes() -> Iterator[None]:
     """Register the transformers caches with ``torch.utils._pytree`` for the ``with`` block.
 
-    Inside the block ``DynamicCache``, ``StaticCache`` and ``EncoderDecoderCache`` flatten
-    the way the iobundle node types do (see the module docstring), with the context held as
-    a JSON string, so ``torch.export.export`` accepts them as inputs. ``dynamic_shapes`` for
-    a cache is then the list of its children's shapes (``[key_0, value_0, key_1, ...]``).
-    On leaving, whatever torch pytree held for these classes before is put back exactly,
-    or removed if there was nothing. Nested and concurrent blocks are fine: the last block
-    to leave restores. ``ModelOutput`` classes are left alone: transformers registers each
-    of them itself, at class creation, with the same layout (non-None values, keys as
-    context).
+    Inside the block the caches flatten the way the iobundle node types do (see the module
+    docstring), the context as a JSON string; ``dynamic_shapes`` for a cache is the list of its
+    children's shapes. On leaving, whatever torch pytree held for these classes before is put
+    back exactly; nested and concurrent blocks are fine (the last to leave restores).
+    ``ModelOutput`` classes are left alone: transformers registers them itself, the same way.
 
-    An uninitialised cache layer flattens to ``None`` children here too, and None is an
-    empty subtree for torch pytree, so a prefill cache and a decode cache are different
-    structures. Give ``torch.export`` caches whose layers all hold tensors, zero-length
-    ``(B, H, 0, D)`` ones for an empty cache: unflatten the cache from such tensors.
-    (``Cache.early_initialization`` does not do it: ``DynamicLayer`` gets 1-D placeholders.)
-
-    This relies on torch's private registration tables (checked against torch 2.13) and
-    only touches the Python pytree, not the optional C++ one.
+    An uninitialised layer flattens to ``None`` children, an empty subtree for torch pytree, so a
+    prefill cache and a decode cache are different structures: give ``torch.export`` layers that
+    all hold tensors (zero-length ``(B, H, 0, D)`` ones for an empty cache). This relies on
+    torch's private registration tables (checked against torch 2.13), Python pytree only.
 
     Example:
         >>> with torch_pytree_nodes():

@@ -1,32 +1,25 @@
 """Node types for transformers 5.x objects: KV caches and ``ModelOutput`` classes.
 
-This module is imported only once a transformers object has been met, so it imports
-transformers at the top. Importing it registers nothing: :func:`register_all` fills the
-iobundle registry, and :func:`iobundle.calls._torch_pytree.torch_pytree_nodes` lends the same
-layouts to ``torch.utils._pytree`` for a ``with`` block. The layouts' plain facts (names, version, layer
-kinds' children, ``empty_dim``, ``child_empty_dims``) live in :mod:`iobundle.calls._layouts`,
-which reading a bundle's shapes uses without importing this module. The caches' layouts (all
-version 1) are described in :mod:`iobundle.calls._caches` (``DynamicCache``, ``StaticCache``,
-``EncoderDecoderCache``) and :mod:`iobundle.calls._quantized_cache` (``QuantizedCache``).
+Imported only once a transformers object has been met, so it imports transformers at the top.
+Importing it registers nothing: :func:`register_all` fills the iobundle registry, and
+:func:`iobundle.calls._torch_pytree.torch_pytree_nodes` lends the same layouts to
+``torch.utils._pytree`` for a ``with`` block. The layouts' plain facts live in
+:mod:`iobundle.calls._layouts` (read without importing this module); the caches' layouts (all
+version 1) are described in :mod:`iobundle.calls._caches` and :mod:`iobundle.calls._quantized_cache`.
 
 ``ModelOutput`` subclasses
-    Children: the values that are not None, in field order. Context: their keys. Classes
-    defined outside ``transformers.models`` (``transformers.modeling_outputs``,
-    ``transformers.generation``, ...) are named ``"transformers." + class name``, e.g.
-    ``transformers.CausalLMOutputWithPast``. Model-specific classes are named
-    ``"transformers.models.<model>." + class name``: a few class names are defined by
-    several models (``DetrDecoderOutput``, ``BaseModelOutputWithDeepstackFeatures``), and a
-    name must not depend on which models happen to be imported.
+    Children: the values that are not None, in field order. Context: their keys. Classes defined
+    outside ``transformers.models`` are named ``"transformers." + class name``
+    (``transformers.CausalLMOutputWithPast``); model-specific ones
+    ``"transformers.models.<model>." + class name``, since a few class names are defined by several
+    models and a name must not depend on which models happen to be imported.
 
-Caches are rebuilt by assigning tensors to new layers, never through ``update()``: that
-would cut sliding caches again and create tensor constants that break
-``torch.onnx.export``. For the same reason no layer is built by a constructor that calls
-``torch.tensor`` (see ``_caches._init_sliding``). Subclasses of these caches (``MtpCache``,
-``DFlashCache``) are not registered, and layers holding state besides tensors and plain
-settings (HQQ's tuples with scales, FP8's per-tensor scale) are refused with
-``UnsupportedInputError``; a recorder turns that into one warning at capture.
-Contexts read from a bundle are checked before use (kinds, positive sizes, child counts):
-nothing named in them is imported or called, only the classes above are built.
+Caches are rebuilt by assigning tensors to new layers, never through ``update()`` (which would cut
+sliding caches again and make tensor constants that break ``torch.onnx.export``), and no layer is
+built by a constructor that calls ``torch.tensor``. Cache subclasses (``MtpCache``, ``DFlashCache``)
+are not registered; layers holding state besides tensors and plain settings (HQQ, FP8) are refused
+with ``UnsupportedInputError`` (one warning at capture). Contexts read from a bundle are checked
+before use: nothing named in them is imported or called, only the classes above are built.
 """
 
 from __future__ import annotations

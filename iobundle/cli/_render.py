@@ -1,18 +1,14 @@
 """Everything the ``iobundle`` command writes to the terminal: tables, trees, shapes, errors.
 
-Formatting functions return strings (the tests read them); :func:`out` and :func:`err` are
-the only places that write. Tables are drawn by rich (imported on first use, so ``--help``
-never pays for it): in colour on a terminal, plain when stdout is a pipe or a file, or when
-``NO_COLOR`` is set; on a pipe nothing is wrapped (``iobundle inspect B | less -S``).
+Formatting functions return strings (the tests read them); :func:`out` and :func:`err` are the
+only places that write. Tables are drawn by rich (imported on first use, so ``--help`` never pays
+for it): in colour on a terminal, plain on a pipe or a file or with ``NO_COLOR``; on a pipe
+nothing is wrapped (``iobundle inspect B | less -S``).
 
-Strings from a bundle (qualnames, names and keys, constants, error messages, the producer,
-stored model names) are drawn as text: control characters and escape sequences become visible
-escapes (``\\x1b``, :func:`iobundle._escape.terminal_text`) in every table cell and every line
-that carries one, with colour or without, on a terminal or a pipe; rich never reads markup in them.
-
-Nothing here imports torch, nor even the schema's pydantic models: trees are read through
-their ``kind`` field, shapes and dtypes come from the manifest, and ``torch.export.Dim``
-objects are recognised by their attributes.
+Strings from a bundle are drawn as text: control characters and escape sequences become visible
+escapes (:func:`iobundle._escape.terminal_text`) in every cell and line that carries one, and rich
+never reads markup in them. Nothing here imports torch, nor the schema's pydantic models: trees
+are read through their ``kind`` field and ``torch.export.Dim`` objects by their attributes.
 """
 
 from __future__ import annotations
@@ -148,10 +144,6 @@ def format_tensor(manifest: Manifest, key: str) -> str:
     return f"{shape} {_dtype(entry.dtype)}"
 
 
-def _short_type(name: str) -> str:
-    return name.rsplit(".", 1)[-1]
-
-
 def _join(parts: Sequence[str], total: int, what: str = "items") -> str:
     if total > len(parts):
         return ", ".join([*parts, f"... ({total} {what})"])
@@ -170,7 +162,7 @@ def _items(tensor: TensorText, items: Sequence[Node], depth: int) -> str:
 def _object(tensor: TensorText, node: ObjectNode, depth: int) -> str:
     from iobundle.calls import cache_child_labels  # torch-free; imported once a tree is shown (not for --help)
 
-    name = _short_type(node.type)
+    name = node.type.rsplit(".", 1)[-1]
     items = node.items
     layers = cache_child_labels(node.type, node.context)  # a cache: its first layer and the number of layers
     if layers and sum(map(len, layers)) == len(items):

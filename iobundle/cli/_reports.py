@@ -1,22 +1,14 @@
 """Write a :class:`~iobundle.replay.Report` as Markdown, HTML, JSON or CSV (chosen by the file's extension).
 
-The reports of validate, run, diff and export (whose JSON is its own: :func:`iobundle.cli._programs.export_report_json`).
+The reports of validate, run, diff and export (whose JSON is its own: :func:`iobundle.cli._programs.export_report_json`):
+``.md`` to paste into a GitHub issue (verdict, command, bundle, environment, one row per call, the
+worst outputs, the error histogram); ``.html`` the same in one self-contained file with inline SVG
+charts (no script, nothing fetched); ``.json`` / ``.csv`` the per-call rows, every column
+(non-finite numbers become null / empty).
 
-- ``.md``: ready to paste into a GitHub issue: the verdict, the command, the bundle in one
-  paragraph, the environment, one row per call, the worst outputs (name, shape, dtype, errors)
-  and the error histogram.
-- ``.html``: one self-contained file (no script, no stylesheet or font fetched, nothing loaded
-  from the network): the same content plus inline SVG charts of the error per call, per output
-  and the histogram.
-- ``.json`` / ``.csv``: the per-call rows, every column, ready for ``pandas.read_json`` /
-  ``pandas.read_csv`` (non-finite numbers become null / empty).
-
-Strings from the bundles are drawn as text in every format, through :mod:`iobundle._escape`:
-Markdown escapes every character with a meaning and puts names in code spans whose fence no
-backtick inside can close, on one line; HTML escapes ``& < > " '``; a CSV cell a spreadsheet would
-take as a formula (``= + - @``, tab, carriage return first) starts with ``'``; JSON holds them as data.
-
-Nothing here imports torch: the report is plain data.
+Strings from the bundles go through :mod:`iobundle._escape` in every format (Markdown escaped and
+code spans no backtick can close; HTML escaped; CSV cells a spreadsheet would take for a formula
+prefixed with ``'``; JSON holds them as data). Nothing here imports torch: the report is plain data.
 """
 
 from __future__ import annotations
@@ -167,10 +159,6 @@ def _header(report: Report, column: str) -> str:
     return _HEADERS.get(column, column)
 
 
-def _env_line(report: Report) -> str:
-    return ", ".join(f"{k} {v}" for k, v in report.environment.items())
-
-
 # --------------------------------------------------------------------------- markdown
 
 
@@ -238,7 +226,8 @@ def _markdown(report: Report) -> str:
     if report.command:
         lines += [markdown_code_block(report.command), ""]
     lines += ["**Bundle.** " + "".join(_md_piece(kind, text) for kind, text in p) for p in report.paragraphs]
-    lines += ["", f"**Environment.** {_env_line(report)}.", ""]  # this process's versions: no bundle text
+    environment = ", ".join(f"{k} {v}" for k, v in report.environment.items())  # this process's: no bundle text
+    lines += ["", f"**Environment.** {environment}.", ""]
     if report.differences:
         lines += ["### Differences between the bundles", ""]
         lines += [f"- {markdown_text(d)}" for d in report.differences] + [""]
@@ -293,10 +282,6 @@ _COLORS = {"ok": "#2da44e", "FAIL": "#cf222e", "not checked": "#bf8700"}
 
 
 _esc = html_text
-
-
-def _html_piece(kind: str, text: str) -> str:
-    return f"<code>{_esc(text)}</code>" if kind == "code" else _esc(text)
 
 
 def _html_table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence[int] = (), row_classes: Sequence[str] | None = None) -> str:  # fmt: skip
@@ -477,7 +462,10 @@ def _html(report: Report) -> str:
     if report.command:
         body.append(f"<pre>{_esc(report.command)}</pre>")
     body.append("<h2>Bundle</h2>")
-    body += ["<p>" + "".join(_html_piece(kind, text) for kind, text in p) + "</p>" for p in report.paragraphs]
+    body += [
+        "<p>" + "".join(f"<code>{_esc(t)}</code>" if k == "code" else _esc(t) for k, t in p) + "</p>"
+        for p in report.paragraphs
+    ]
     body.append("<h2>Environment</h2>")
     body.append(_html_table(["", "version"], [[k, v] for k, v in report.environment.items()]))
     if report.differences:

@@ -3,19 +3,16 @@
 A bundle is untrusted input. What it says about its model is checked before anything is
 imported or built:
 
-- the class must be one that transformers itself registers for a ``model_type`` in its
-  auto-model mappings (``MODEL_MAPPING_NAMES``, ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, ...),
-  read as data; it is then resolved only as an attribute of the ``transformers`` package
-  (transformers' own lazy module), and the stored ``model_type`` must be its config's;
-- the config (and every sub-config: ``text_config``, ``vision_config``, ``encoder``, ...)
-  must hold no value that makes transformers fetch, import or run code
-  (:data:`CODE_SELECTING_FIELDS`, attention and experts implementations outside the built-in
-  ones, ``dtype`` strings that are not dtypes, model types whose construction loads code);
+- the class must be one transformers itself registers for a ``model_type`` in its auto-model
+  mappings (read as data); it is then resolved only as an attribute of the ``transformers``
+  package, and the stored ``model_type`` must be its config's;
+- the config (and every sub-config) must hold no value that makes transformers fetch, import or
+  run code (:data:`CODE_SELECTING_FIELDS`, attention and experts implementations outside the
+  built-in ones, ``dtype`` strings that are not dtypes, model types whose construction loads code);
 - ``trust_remote_code`` is never passed, and nothing is downloaded.
 
-The config is JSON read with size limits; the weights are read with safetensors (never
-``torch.load``, never pickle). Both files are checked against the size and sha256 the
-manifest records.
+The config is JSON read with size limits, the weights are read with safetensors (never
+``torch.load``, never pickle), and both are checked against the size and hash the manifest records.
 """
 
 from __future__ import annotations

@@ -1,32 +1,21 @@
 """Synthetic stand-ins for a bundle's recorded inputs, so that a bundle can go into a bug report without private data.
 
 Each input tensor (call arguments and ``value_if_missing`` placeholders) is replaced by a tensor of
-the same dtype and shape, drawn from a seeded generator. The parameter a tensor is passed as
-decides some rules (:data:`TOKEN_ID_NAMES`, :data:`POSITION_NAMES`):
+the same dtype and shape, drawn from a seeded generator; the parameter it is passed as decides some
+rules (:data:`TOKEN_ID_NAMES`, :data:`POSITION_NAMES`). The rules, and what is kept verbatim, are
+the user's to read in docs/travel.md ("Bug reports without private data"), in short:
 
-- a bool tensor, and a mask (values within {0, 1}, or within {0, -inf} or {0, the dtype's lowest
-  value} for floats), keeps its two values, each element drawn with the observed frequency of the
-  larger one: masks stay masks, an all-ones mask stays all ones. Integer tensors passed as token
-  ids are never taken for masks;
-- an integer tensor passed as positions (``position_ids``, ``cache_position``) keeps rows that
-  count up by one as they are (they only tell lengths, which the shapes and the cache tell anyway);
-  so does an integer tensor passed as anything but token ids whose rows are ``0..n-1``. Other
-  increasing rows of such tensors become sorted draws within the row's range;
-- token ids and every other integer tensor are drawn uniformly within their observed
-  ``[min, max]``, so ids stay valid for the embedding. A tensor holding one value only (a decode
-  step's single token, a constant) is drawn within the range observed over every call of that
-  parameter, or within the vocabulary (``[0, vocab_size)``) for token ids when the bundle stores the
-  model's config, or else among its value's two neighbours, and never takes that value;
-- floating-point and complex tensors are drawn from a normal law with the observed mean and
-  standard deviation (finite values only). A tensor holding one value only (no spread) is drawn
-  around it at its own scale, and no element takes that value.
+- a mask (bool; values within {0, 1}, {0, -inf} or {0, the dtype's lowest}) keeps its two values,
+  each element drawn at the observed frequency (never for token ids);
+- positions, and integer rows ``0..n-1`` that are not token ids, keep rows that count up by one;
+  other increasing rows become sorted draws within the row's range;
+- other integers are drawn within their observed ``[min, max]``; one holding one value only is
+  drawn within the range of every call of that parameter, the vocabulary for token ids when the
+  config is stored, else among its two neighbours, and never takes that value;
+- floats are drawn with the observed mean and standard deviation (finite values only); one of a
+  single value is drawn around it at its own scale, and no element takes that value.
 
-Kept verbatim: the structure of the calls, the observed method's signature, each call's status
-and latency, every non-tensor value (``cst_kwargs``, constants inside containers: strings,
-numbers, flags), the type of a failed call's exception, the rows of positions that count up by
-one, and a mask holding one of its two values only (all ones stays all ones); so are the recorded
-outputs and the stored model when asked. Every other input tensor gets values other than the
-recorded ones. The bundle writer records its own producer (the redacting machine's versions).
+The bundle writer records its own producer (the redacting machine's versions).
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto | torch.onnx.O
                 raise
             return _widened_session(ort, loaded, options, {p.key: p.value for p in loaded.metadata_props})
         meta = dict(session.get_modelmeta().custom_metadata_map)
-        if _bfloat16_inputs(session):
+        if any(i.type == "tensor(bfloat16)" for i in session.get_inputs()):
             return _widened_session(ort, proto or onnx.load(source), options, meta)
         return Session(session, meta)
     except ModelLoadError:
@@ -124,10 +124,6 @@ def _session(onnx_model: str | os.PathLike[str] | onnx.ModelProto | torch.onnx.O
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"onnxruntime cannot load the model '{onnx_model}': {first}") from exc
-
-
-def _bfloat16_inputs(session: Any) -> bool:
-    return any(i.type == "tensor(bfloat16)" for i in session.get_inputs())
 
 
 def _widened_session(ort: Any, model: onnx.ModelProto, options: Any, meta: dict[str, str]) -> Session:

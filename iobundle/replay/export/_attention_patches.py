@@ -8,44 +8,28 @@ for what a patch may change). Checked against torch 2.13 and transformers 5.24:
     ...``. With a dynamic query length that is a ``SymBool``: tracing a decode call fails
     ("is_causal must be bool, not SymBool"), tracing the prefill guards ``q_length != 1`` and
     the program rejects every decode call. The replacement always passes an explicit boolean
-    mask (the model's, or the causal one transformers means, built from the shapes) with
-    ``is_causal=False``, and expands grouped key/value heads itself. A query that sees no key
-    (padding in a left-padded batch) gets zeros, as in torch, so that onnxruntime, whose
-    softmax would average the masked scores, agrees. Models that call
-    ``torch.nn.functional.scaled_dot_product_attention`` themselves (Falcon) get the same two
-    measures through a wrapper of that function: a symbolic ``is_causal`` becomes its mask,
-    and rows that see no key are zeros.
-
-    The output is copied to a contiguous layout rather than made ``.contiguous()``: with a
-    query sliced from a fused projection (Phi-3's ``qkv_proj``), whether the transposed output
-    is contiguous already depends on the query length, and that check becomes a guard
-    ``q_length == 1`` (a program traced from a decode call then rejects the prefill).
+    mask (the model's, or the causal one built from the shapes) with ``is_causal=False``, and
+    expands grouped key/value heads itself. A query that sees no key (padding in a left-padded
+    batch) gets zeros, as in torch, so that onnxruntime, whose softmax would average the masked
+    scores, agrees. Models that call ``scaled_dot_product_attention`` themselves (Falcon) get
+    the same two measures through a wrapper of that function.
 
 ``sliding_window_offsets``
-    A sliding-window cache layer (``DynamicSlidingWindowLayer``: Mistral, Gemma-2/3's hybrid
-    caches, and Llama 4's chunked attention, whose layers are the same class sized by
-    ``attention_chunk_size``: there the chunk boundaries are absolute positions, so a wrong key
-    offset masks the wrong keys even without padding) keeps only the last ``window - 1`` keys, and counts the tokens seen in a Python
-    int, ``cumulative_length``, which a bundle cannot carry (see
-    ``iobundle.calls._caches``). The replay's calls get it back from their mask
-    (``iobundle.calls.restore_token_counts``), but the cache torch.export rebuilds from the
-    program's inputs while tracing counts its cached keys only. Its
-    ``get_mask_sizes`` then gives a key offset of 0 instead of ``tokens_seen - window + 1``
-    once the window is full, so the padding part of the mask is read from the wrong
-    positions of ``attention_mask`` (a silently wrong program on a left-padded batch), and
-    its ``if cumulative_length >= window`` branch makes the trace guard on the relation
-    between the mask and the cache lengths (decode calls past the window rejected). While
-    tracing, (1) a forward pre-hook on the exported module sets ``cumulative_length`` of each
-    sliding layer to ``attention_mask.shape[-1] - query_length`` (``restore_token_counts``,
-    which compares no symbolic size; a 2-D mask covers the
-    tokens seen plus the new ones, which is what transformers' masks assume and what
-    ``generate()`` passes); (2) ``get_mask_sizes`` is computed without a branch as
-    ``(cached + query_length, cumulative_length - cached)``, equal to transformers' values
-    whenever the layer holds ``min(tokens seen, window - 1)`` keys (a layer that does not
-    record past states, checked); (3) transformers' ``_ignore_causal_mask_sdpa``, whose
-    answer under ``torch.export`` is always False but which first compares the mask and key
-    lengths (a guard), answers False at once while exporting. Without a 2-D mask nothing
-    changes: the rebuilt offsets are shifted together and the mask is exact.
+    A sliding-window cache layer (``DynamicSlidingWindowLayer``: Mistral, Gemma-2/3, and Llama
+    4's chunked attention, whose chunk boundaries are absolute positions) keeps the last
+    ``window - 1`` keys and counts the tokens seen in a Python int, ``cumulative_length``,
+    which a bundle cannot carry (see ``iobundle.calls._caches``). The cache torch.export
+    rebuilds from the program's inputs counts its cached keys only, so once the window is full
+    ``get_mask_sizes`` gives a key offset of 0 (the mask's padding read from the wrong
+    positions: a silently wrong program on a left-padded batch), and its ``if
+    cumulative_length >= window`` branch guards on the mask and cache lengths. While tracing,
+    (1) a forward pre-hook on the exported module sets each sliding layer's
+    ``cumulative_length`` from the 2-D mask (``restore_token_counts``: mask length minus new
+    tokens, what ``generate()`` passes); (2) ``get_mask_sizes`` is computed without a branch
+    as ``(cached + query_length, cumulative_length - cached)``, transformers' values whenever
+    the layer holds ``min(tokens seen, window - 1)`` keys; (3) ``_ignore_causal_mask_sdpa``,
+    always False under ``torch.export`` but only after a guarding comparison, answers False at
+    once. Without a 2-D mask nothing changes.
 """
 
 from __future__ import annotations
@@ -108,20 +92,8 @@ def _export_sdpa_attention(
     value = _repeat_kv(value, groups)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if attention_mask is None and causal:
-        # What transformers does without a mask, without branching on the query length: one
-        # query sees every key (is_causal=False); several see keys 0..i (is_causal=True, upper-left).
-        q_length, kv_length = query.shape[2], key.shape[2]
-        rows = torch.arange(q_length, device=query.device)[:, None]
-        single = torch.full((), q_length, dtype=torch.long, device=query.device) == 1
-        attention_mask = (torch.arange(kv_length, device=query.device)[None, :] <= rows) | single
-    # A query that sees no key at all (a padding position of a left-padded batch) gets zeros from
-    # torch's SDPA; a softmax over only masked scores (onnxruntime) gives a uniform average
-    # instead. Zeroing such rows makes every runtime agree with torch.
-    visible = (
-        attention_mask.any(dim=-1, keepdim=True)
-        if attention_mask is not None and attention_mask.dtype == torch.bool
-        else None
-    )
+        attention_mask = _causal_mask(query, key)
+    visible = _visible(attention_mask)
     if position_bias is not None:
         low = torch.finfo(query.dtype).min
         if attention_mask is None:
@@ -141,6 +113,21 @@ def _export_sdpa_attention(
     return out.transpose(1, 2).clone(memory_format=torch.contiguous_format), None
 
 
+def _causal_mask(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """What transformers does without a mask, without branching on the query length: one query
+    sees every key (``is_causal=False``); several see keys 0..i (``is_causal=True``, upper-left)."""
+    q_length, kv_length = query.shape[-2], key.shape[-2]
+    rows = torch.arange(q_length, device=query.device)[:, None]
+    single = torch.full((), q_length, dtype=torch.long, device=query.device) == 1
+    return (torch.arange(kv_length, device=query.device)[None, :] <= rows) | single
+
+
+def _visible(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Which queries see some key (None without a boolean mask): torch's SDPA gives zeros for one that
+    sees none (a padding position), onnxruntime's softmax a uniform average; zeroing them makes all agree."""
+    return mask.any(dim=-1, keepdim=True) if mask is not None and mask.dtype == torch.bool else None
+
+
 def uses_sdpa(model: torch.nn.Module) -> bool:
     for module in transformers_modules(model):
         config = getattr(module, "config", None)
@@ -153,11 +140,8 @@ def uses_sdpa(model: torch.nn.Module) -> bool:
 def patch_sdpa_without_is_causal(model: torch.nn.Module) -> Iterator[None]:
     """Replace transformers' ``"sdpa"`` attention function by one that never passes ``is_causal``.
 
-    Why: ``is_causal`` is computed from the query length, a ``SymBool`` under dynamic shapes
-    (see the module docstring). The replacement computes the same attention with an explicit
-    mask. It is installed in ``AttentionInterface``'s global mapping, which is where every
-    model looks ``"sdpa"`` up unless it overrides it locally, and the previous function is
-    put back on exit.
+    Installed in ``AttentionInterface``'s global mapping, where every model looks ``"sdpa"`` up
+    unless it overrides it locally.
     """
     from transformers.modeling_utils import AttentionInterface
 
@@ -177,11 +161,8 @@ def patch_sdpa_without_is_causal(model: torch.nn.Module) -> Iterator[None]:
 
 
 def _torch_sdpa_for_export(torch_sdpa: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``torch.nn.functional.scaled_dot_product_attention`` as models that call it directly (Falcon) need it traced.
-
-    A symbolic ``is_causal`` (``query_length > 1``) becomes the explicit mask it stands for,
-    and a query that sees no key gets zeros (as torch gives), so that onnxruntime agrees.
-    """
+    """``scaled_dot_product_attention`` as models that call it directly (Falcon) need it traced: a symbolic
+    ``is_causal`` becomes the mask it stands for, and a query that sees no key gets zeros."""
 
     def sdpa(
         query: torch.Tensor,
@@ -194,14 +175,10 @@ def _torch_sdpa_for_export(torch_sdpa: Callable[..., torch.Tensor]) -> Callable[
         **kwargs: Any,
     ) -> torch.Tensor:
         if not isinstance(is_causal, bool) and attn_mask is None:
-            q_length, kv_length = query.shape[-2], key.shape[-2]
-            rows = torch.arange(q_length, device=query.device)[:, None]
-            single = torch.full((), q_length, dtype=torch.long, device=query.device) == 1
-            attn_mask, is_causal = (torch.arange(kv_length, device=query.device)[None, :] <= rows) | single, False
+            attn_mask, is_causal = _causal_mask(query, key), False
         out = torch_sdpa(query, key, value, attn_mask, dropout_p, bool(is_causal), *args, **kwargs)
-        if attn_mask is not None and attn_mask.dtype == torch.bool:
-            out = torch.where(attn_mask.any(dim=-1, keepdim=True), out, torch.zeros((), dtype=out.dtype))
-        return out
+        visible = _visible(attn_mask)
+        return out if visible is None else torch.where(visible, out, torch.zeros((), dtype=out.dtype))
 
     return sdpa
 
@@ -240,12 +217,7 @@ def _sliding_mask_sizes(self: Any, query_length: int) -> tuple[int, int]:
 
 @contextlib.contextmanager
 def patch_sliding_window_offsets(model: torch.nn.Module) -> Iterator[None]:
-    """Give rebuilt sliding-window cache layers their true token count while tracing (see the module docstring).
-
-    Installs a forward pre-hook on ``model`` (the module being exported), replaces
-    ``DynamicSlidingWindowLayer.get_mask_sizes`` and ``masking_utils._ignore_causal_mask_sdpa``;
-    all three are put back on exit.
-    """
+    """Give rebuilt sliding-window cache layers their true token count while tracing (see the module docstring)."""
     import transformers.masking_utils as masking_utils
     from transformers.cache_utils import DynamicSlidingWindowLayer
 

@@ -1,36 +1,26 @@
 """Complex arithmetic traced on real (real, imaginary) pairs: the ``complex_as_real`` export patch.
 
-Rotary embeddings written as a complex multiply (DeepSeek-V2, Llama 4, and the Meta-style
-``freqs_cis`` code many repositories copy) make ``torch.polar`` or ``torch.complex`` the
-frequencies, ``view_as_complex`` the queries and keys, multiply, and ``view_as_real`` the
-product. Traced as written, this fails twice:
-
-- ``torch.export``: ``torch.polar`` is computed by ``copy_``-ing the cosine and sine parts into
-  views of a complex tensor; the memory-overlap check of that ``copy_`` makes the trace add
-  bounds such as ``length < 2`` and ``batch >= 2``, so the program rejects the prefill (or
-  batch 1);
-- ``torch.onnx``: ONNX has no complex arithmetic; the exporter carries complex values as real
-  pairs for some ops only (``mul``, ``view_as_real``, ``slice``, ...) and stops at the first
-  other one (``No ONNX function found for aten.unsqueeze ... complex-valued input``).
+Rotary embeddings written as a complex multiply (DeepSeek-V2, Llama 4, the Meta-style
+``freqs_cis`` code) build complex frequencies (``torch.polar``, ``torch.complex``), view the
+queries and keys as complex, multiply and ``view_as_real`` the product. Traced as written, this
+fails twice: ``torch.polar`` ``copy_``-es into views of a complex tensor, whose overlap check makes
+``torch.export`` add bounds such as ``length < 2`` (the program rejects the prefill, or batch 1);
+and ONNX has no complex arithmetic (``No ONNX function found for aten.unsqueeze ...
+complex-valued input``).
 
 While tracing, the :class:`ComplexAsPairs` ``TorchFunctionMode`` keeps every complex value it
-makes as a real tensor of shape ``(*shape, 2)`` (last axis: real, imaginary), marked as a
-stand-in, and translates what the model then does with it: the constructors (``polar``,
-``complex``, ``view_as_complex``), the arithmetic (``mul``, ``add``, ``sub``, ``div``, ``neg``,
-``conj``), the shape ops (``unsqueeze``, ``view``/``reshape``, ``expand``, ``permute``,
-``transpose``, ``flatten``, indexing, ``cat``/``stack``, ``select``, ``narrow``, ``split``,
-``chunk``, ``unbind``), the conversions (``to``, ``type_as``, ``clone``, ``contiguous``) and
-what reads it (``view_as_real``, ``real``, ``imag``, ``abs``, ``angle``, and ``shape``, ``dtype``,
-``dim()``, ``size()``, which report the complex tensor's). A complex tensor that did not come
-from the mode (a complex buffer) becomes a pair when one of these ops meets it. Any other op
-that receives a stand-in gets the complex tensor it stands for (``view_as_complex`` of the
-pair) and runs as written: never a wrong value, only the original trace. The same arithmetic
-as torch's complex kernels, in real numbers (differences at float rounding level); every call
-is checked against its recorded outputs afterwards. A model that returns a complex value would
-return the pair instead, and that check would refuse the program.
-
-Nothing is decided from the model's class: the mode is entered for every trace and the patch
-is listed on the export report only when it translated something.
+makes as a real ``(*shape, 2)`` tensor marked as a stand-in, and translates what the model does
+with it: the constructors, the arithmetic (``mul``, ``add``, ``sub``, ``div``, ``neg``, ``conj``),
+the shape ops (``unsqueeze``, ``view``/``reshape``, ``expand``, ``permute``, ``transpose``,
+``flatten``, indexing, ``cat``/``stack``, ``select``, ``narrow``, ``split``, ``chunk``, ``unbind``),
+the conversions, and what reads it (``view_as_real``, ``real``, ``imag``, ``abs``, ``angle``, and
+``shape``, ``dtype``, ``dim()``, ``size()``, which report the complex tensor's). A complex tensor
+not made by the mode (a complex buffer) becomes a pair when one of these ops meets it. Any other
+op that receives a stand-in gets the complex tensor it stands for and runs as written: never a
+wrong value, only the original trace. Differences are at float rounding level; every call is
+checked against its recorded outputs afterwards (a model returning a complex value would return
+the pair, and be refused). The mode is entered for every trace and listed on the export report
+only when it translated something.
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
 """onnxscript's optimizer, as ``torch.onnx.export`` runs it, without its rules that cost O(nodes²).
 
 ``torch.onnx.export(..., optimize=True)`` ends with ``onnxscript.optimizer.optimize_ir``, whose
-rewrite pass tries onnxscript's default rewrite rules on every node of the graph. A rule whose
-pattern has several output nodes (in onnxscript 0.7, one: ``SlicesSplit``, two ``Slice`` of one
-input become one ``Split``) is matched by brute force: for *every* node, onnxscript's
-``SimplePatternMatcher.match`` first lists every node of the graph by op type, then tries each
-combination. The pass therefore costs nodes² steps each time the optimizer runs it (up to twice).
-On a narrow Llama-shaped decoder (``benchmarks/layers.py``, profiled, 1648 and 3184 nodes before
-optimizing at 6 and 12 layers) the optimizer took 20 s and 101 s, the rewrite pass 17 s and 95 s:
-an exponent of 2.3 to 2.5 in the layers, where every other step of the export was at most linear.
+rewrite pass tries onnxscript's default rules on every node. A rule whose pattern has several
+output nodes (in onnxscript 0.7, ``SlicesSplit``: two ``Slice`` of one input become one ``Split``)
+is matched by brute force, every node against every combination: nodes² steps per pass. On a
+narrow Llama-shaped decoder (``benchmarks/layers.py``: 1648 and 3184 nodes at 6 and 12 layers)
+the optimizer took 20 s and 101 s, where every other step of the export was at most linear.
 
 While ``torch.onnx.export`` runs, :func:`linear_rewrite_rules` gives onnxscript's default rule
-list without such rules; every other pass and rule of the optimizer runs as before. What is
-lost is that rewrite (two slices would stay two slices, which compute the same values), and it
-did not fire on any graph measured: torch's ``Slice`` nodes carry a ``steps`` input that its
-pattern does not take. On those decoders the optimized graph is the same, node for node, with the
-same outputs on every recorded call, and the optimizer 2.7-3.4x faster at 6 and 12 layers. The
-rule list is read from onnxscript's module at call time; where it is not there (another
-onnxscript), nothing is changed.
+list without such rules; every other pass and rule runs as before. The rewrite lost never fired
+on any graph measured (torch's ``Slice`` nodes carry a ``steps`` input its pattern does not
+take): the optimized graphs were the same, node for node, and the optimizer 2.7-3.4x faster.
+Where onnxscript's module lacks the rule list (another onnxscript), nothing is changed.
 """
 
 from __future__ import annotations

@@ -1,34 +1,27 @@
 """Rewrites of an exported program's graph, before ``torch.onnx.export``, for ops ONNX cannot express.
 
-Each rewrite replaces an op by another that computes the same value and that the ONNX
-exporter translates. They are applied to every program :func:`iobundle.replay.export_onnx`
-converts, and listed on the export report's options when they changed something.
+Each rewrite replaces an op by another that computes the same value and that the ONNX exporter
+translates. They are applied to every program :func:`iobundle.replay.export_onnx` converts, and
+listed on the export report's options when they changed something.
 
 ``aten._is_all_true -> aten.all``
-    ``torch._check_tensor_all(cond)`` (which transformers' ``torch_compilable_check`` calls
-    while tracing, e.g. Gemma-3's "image features and image tokens match" check) records
-    ``aten._is_all_true(cond)``, a 0-d bool tensor, then asserts its value. The exporter has
-    no translation for it; ``aten.all(cond)`` is the same 0-d bool tensor.
+    ``torch._check_tensor_all(cond)`` (transformers' ``torch_compilable_check``, e.g. Gemma-3's
+    "image features and image tokens match") records ``aten._is_all_true(cond)``, which the
+    exporter cannot translate; ``aten.all(cond)`` is the same 0-d bool tensor.
 
 ``aten.rsub.Scalar`` of an integer tensor and a float
-    ``1.0 - mask`` with an integer or boolean ``mask`` (ProphetNet's and XLNet's attention
-    masks, Mllama's cross-attention mask) records ``aten.rsub.Scalar(mask, 1.0)``, whose
-    result is float. torch's decomposition of it, which ``torch.onnx.export`` runs, emits
-    ``aten.sub.Tensor(1.0, mask)`` with the number first, an op no schema takes: the
-    conversion stops with "Failed to decompose the FX graph". The rewrite casts the tensor
-    to the result's dtype first (``aten._to_copy``); ``rsub`` of a float tensor decomposes
-    and gives the same values.
+    ``1.0 - mask`` with an integer or boolean ``mask`` (ProphetNet's, XLNet's and Mllama's masks)
+    decomposes to ``aten.sub.Tensor(1.0, mask)``, number first, which no schema takes ("Failed to
+    decompose the FX graph"). The rewrite casts the tensor to the result's dtype first.
 
 What depends only on constants and weights, folded (when the conversion lacks a translation)
-    A value computed from numbers, constants, parameters and buffers alone (a threshold from
-    ``torch.distributions.Normal(0, 1).icdf(torch.tensor(0.95))``, which reaches the exporter as
-    ``aten.erfinv``, decomposed into ``prims.erf_inv`` that has no translation) is computed once
-    and becomes a constant of the program (:func:`fold_constants`): each such node whose op has
-    no translation, and each small one (at most :data:`FOLD_NUMEL` elements) that a node
-    depending on the inputs uses. Larger values (a transposed weight) stay computed in the graph,
-    so that a weight is not stored twice; random ops and buffers the program mutates are never folded.
-    Only when the conversion failed for want of a translation (:func:`converted_folding`): a
-    program that converts is converted as it is.
+    A value computed from numbers, constants, parameters and buffers alone (``Normal(0,
+    1).icdf(...)`` reaches the exporter as ``prims.erf_inv``, which has no translation) is
+    computed once and becomes a constant (:func:`fold_constants`): each such node whose op has no
+    translation, and each small one (at most :data:`FOLD_NUMEL` elements) a node depending on the
+    inputs uses. Larger values (a transposed weight) stay in the graph, so no weight is stored
+    twice; random ops and mutated buffers are never folded. Only when the conversion failed for
+    want of a translation (:func:`converted_folding`): a program that converts is left as it is.
 """
 
 from __future__ import annotations

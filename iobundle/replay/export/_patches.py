@@ -1,106 +1,71 @@
 """Scoped, reversible patches that let ``torch.export`` trace transformers models captured from ``generate()``.
 
 A patch is a last resort: it changes how the model is traced, not what it computes on the
-recorded calls, and every call is checked against its recorded outputs afterwards. Each
-patch is a context manager function that puts back exactly what it replaced on exit, even
-when the export fails; :func:`export_patches` enters the ones that apply to a model and
-lists them by name on the export report (``ExportReport.patches``). Nothing here runs
-unless the model holds the modules or settings the patch is about (``complex_as_real``, found
-by what the traced code computes, is entered for every trace and listed only when it changed
-something), and transformers is only imported when the model comes from it.
-
-The patches (checked against torch 2.13 and transformers 5.24):
+recorded calls, and every call is checked against its recorded outputs afterwards. Each patch
+is a context manager that puts back exactly what it replaced on exit, even when the export
+fails; :func:`export_patches` enters the ones that apply to a model (only when it holds the
+modules or settings the patch is about; transformers is imported only for its models) and
+lists them on the export report (``ExportReport.patches``). The patches (checked against
+torch 2.13 and transformers 5.24):
 
 ``sdpa_without_is_causal``, ``sliding_window_offsets``
-    The patches of transformers' attention: see :mod:`iobundle.replay.export._attention_patches`.
+    transformers' attention: see :mod:`iobundle.replay.export._attention_patches`.
 
 ``layout_copies``
-    ``reshape``, ``flatten``, ``contiguous``, the batched ``matmul`` and ``linear`` decide
-    between a view and a copy from the strides, and for a transposed or sliced tensor
-    (Falcon's ``transpose(1, 2).reshape(...)`` of its fused qkv, eager attention's
-    ``query @ key.T`` and ``attn_output.transpose(1, 2).contiguous()``, ProphetNet's main
-    stream cut from its n-gram streams by ``chunk`` and fed to a ``Linear``) that decision
-    depends on whether the query length, or the batch, is 1: ``torch.export`` records it as
-    a guard, ``q_length == 1`` when traced from a
-    decode call (the prefill is rejected) or ``!= 1`` from the prefill (ProphetNet:
-    ``batch != 1``, a program that refuses a batch of 1). While tracing, a
-    ``TorchFunctionMode`` copies such an input to a contiguous layout first, unless it is
-    contiguous for every size (``is_contiguous_or_false``, which never guards); a copy is
-    always valid, so the program takes one path for every length. A branch on
-    ``is_contiguous()`` (ProphetNet's ``if not logits.is_contiguous(): logits =
-    logits.contiguous()``, whose answer for a slice depends on whether the batch is 1) gets
-    the same answer: contiguous only when it is so for every size. Same values; the cost is
-    a copy where the eager model might have had a view.
+    ``reshape``, ``flatten``, ``contiguous``, the batched ``matmul`` and ``linear`` choose a
+    view or a copy from the strides; for a transposed or sliced tensor (Falcon's fused qkv,
+    eager attention's ``query @ key.T``, ProphetNet's stream cut by ``chunk``) that choice
+    depends on whether the query length, or the batch, is 1, and ``torch.export`` records it
+    as a guard (``q_length == 1`` from a decode call, ``!= 1`` from the prefill). While
+    tracing, a ``TorchFunctionMode`` copies such an input to a contiguous layout first unless
+    it is contiguous for every size (``is_contiguous_or_false``, which never guards), and
+    ``is_contiguous()`` answers the same way: one path for every length, at the cost of a copy.
 
 ``moe_batched_experts``
-    transformers' mixture-of-experts layers (Mixtral, Qwen3-MoE, ...) pick their experts
-    implementation from ``config._experts_implementation``; the default, ``grouped_mm``, traces
-    to a custom operator (``transformers::grouped_mm_fallback``) that ``torch.onnx`` cannot
-    convert. While tracing, the configs of the model's experts layers say ``batched_mm``
-    instead: the routed tokens gather their experts' weights and go through one batched
-    matmul, with no data-dependent shapes, which exports to ONNX. Same computation, in
-    another order of summation (differences at float rounding level).
+    The default experts implementation of transformers' mixture-of-experts layers,
+    ``grouped_mm``, traces to a custom operator ``torch.onnx`` cannot convert; while tracing,
+    the experts configs say ``batched_mm`` (one batched matmul over the gathered weights, no
+    data-dependent shapes): the same computation summed in another order.
 
 ``whisper_cross_attention_recompute``
-    Whisper's decoder computes the cross-attention keys and values from the encoder output
-    on its first call and stores them in the cache; later calls read them back. Python takes
-    one branch or the other from ``cache.is_updated``, so one traced graph serves only the
-    calls of its branch, and with an empty cross cache and size-oblivious shapes the trace
-    silently takes the wrong one. During export the cross-attention always recomputes them
-    from ``encoder_hidden_states`` (which every call passes) and returns them as the new
-    cross cache, so one program serves the first call and the later ones. The cost is the
-    two cross projections at every step of the exported model; the recorded cross cache
-    input is then unused. The alternative (two programs, first step and later steps) needs
-    two bundles' worth of checks and is not what a bundle describes.
+    Whisper's decoder computes the cross-attention keys and values on its first call and reads
+    them from the cache later, a Python branch on ``cache.is_updated``: one traced graph would
+    serve only the calls of its branch (and an empty cross cache silently takes the wrong one).
+    During export the cross-attention always recomputes them from ``encoder_hidden_states``
+    (which every call passes), so one program serves every call, at the cost of the two cross
+    projections per step; the recorded cross cache input is then unused.
 
 ``latent_keys_concat``
-    Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, GLM-4-MoE-Lite, LongCat-Flash,
-    Kimi-Linear, ...: key and value head sizes differ) builds its keys in ``expand_kv`` by
-    allocating an empty tensor and ``copy_``-ing the position-free and the rotary parts into
-    two slices of it. The memory-overlap check of ``copy_`` on a slice makes ``torch.export``,
-    size-obliviously, add the minimum ``batch >= 2`` when it traces a batch of 2 or more: the
-    program then rejects batch 1 (``Guard failed: position_ids.size()[0] >= 2``), which the
-    check beyond the recorded calls finds. While tracing, ``expand_kv`` concatenates the two
-    parts instead (``torch.cat``): the same values, no write into a slice, no minimum on the
-    batch. Applied only when the batch is dynamic.
+    Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, Kimi-Linear, ...) builds its keys in
+    ``expand_kv`` by ``copy_``-ing two parts into slices of an empty tensor; the overlap check
+    of ``copy_`` makes ``torch.export`` add ``batch >= 2`` when traced from a batch of 2 or
+    more. While tracing, ``expand_kv`` concatenates the parts instead. Only when the batch is dynamic.
+
 ``complex_as_real``
-    Complex arithmetic (a rotary embedding written as a complex multiply: ``torch.polar`` or
-    ``torch.complex`` frequencies, ``view_as_complex`` queries and keys, ``view_as_real`` of the
-    product, as in DeepSeek-V2 and Llama 4) traces to a ``copy_`` inside ``torch.polar`` that adds
-    size bounds (the program rejects the prefill or batch 1), and to complex ops ``torch.onnx``
-    cannot convert. While tracing, a ``TorchFunctionMode`` carries every complex value as a real
-    ``(..., 2)`` pair and translates the ops on it (see
-    :mod:`iobundle.replay.export._complex_pairs`): it is found by what the code computes, not by
-    the model's class, so it is entered for every trace and listed on the report only when the
-    model computed something complex. The same arithmetic on real numbers (differences at
-    float rounding level). Entered last, so that it is the innermost mode: the model's ops reach
-    it first, and ``layout_copies`` sees real pairs only.
+    Complex arithmetic (a rotary embedding as a complex multiply, as in DeepSeek-V2 and Llama 4)
+    traces to a ``copy_`` in ``torch.polar`` that adds size bounds, and to complex ops
+    ``torch.onnx`` cannot convert. While tracing, a ``TorchFunctionMode`` carries every complex
+    value as a real ``(..., 2)`` pair (:mod:`iobundle.replay.export._complex_pairs`). Found by
+    what the code computes, so entered for every trace and listed only when it translated
+    something; entered last (the innermost mode), so ``layout_copies`` sees real pairs only.
 
 ``sizes_through_int``
-    ``int()`` of a traced size is a guard that fixes the size: ProphetNet's positional
-    embedding computes a decode step's position as ``int(padding_idx + past_length + 1)``,
-    and the trace then holds the cache length as a constant ("You marked ... as dynamic but
-    your code specialized it to be a constant"): non-strict tracing runs the model's Python as
-    is, and ``int()`` asks the size for its value. While tracing, the modules that define the model's classes (not torch's, nor
-    iobundle's) see a module-level ``int`` that returns a traced integer (a ``SymInt``)
-    unchanged and hands every other value to the builtin (a ``SymFloat`` too: truncating one
-    still fixes the size, as before); ``isinstance(x, int)`` and ``issubclass`` answer as for
-    the builtin. It is entered only when a trace without it failed on such a specialisation
-    (``ExportPatch.on_specialised``), and the export is traced again: no other export changes.
+    ``int()`` of a traced size is a guard that fixes it (ProphetNet's position
+    ``int(padding_idx + past_length + 1)`` makes the cache length a constant). While tracing,
+    the modules defining the model's classes (not torch's, nor iobundle's) see an ``int`` that
+    returns a ``SymInt`` unchanged and hands every other value to the builtin. Entered only
+    when a trace without it specialised a size (``ExportPatch.on_specialised``), and the export
+    is traced again.
 
 ``contiguous_last_token``
-    ``logits_to_keep=1`` slices the last position before ``lm_head``; the slice is not
-    contiguous, and the matmul on it makes ``torch.export`` guard ``batch == 1``. A forward
-    pre-hook on the output embeddings makes the input contiguous, so the batch stays dynamic.
-    Applied only when the batch dimension is dynamic.
+    ``logits_to_keep=1`` slices the last position before ``lm_head``; the matmul on that
+    non-contiguous slice makes ``torch.export`` guard ``batch == 1``. A forward pre-hook makes
+    the input contiguous. Only when the batch is dynamic.
 
-Remedies are not entered by :func:`export_patches`: the export tries them only when the check
-beyond the recorded calls finds a guard (``iobundle.replay.export._dims.GUARD_REMEDIES``), and
-keeps their program only when it serves that check and every recorded call:
-
-``layout_copies_every_rank``
-    ``layout_copies`` for the reshapes of 2-D tensors too, for any module: see
-    :func:`layout_copies_every_rank`.
+Remedies are not entered by :func:`export_patches`: the export tries them when the check beyond
+the recorded calls finds a guard (``iobundle.replay.export._dims.GUARD_REMEDIES``) and keeps
+their program only when it serves that check and every recorded call:
+:func:`layout_copies_every_rank`.
 """
 
 from __future__ import annotations
@@ -190,10 +155,7 @@ class _LayoutCopies(torch.overrides.TorchFunctionMode):
 
 @contextlib.contextmanager
 def patch_layout_copies(model: torch.nn.Module) -> Iterator[None]:
-    """Trace view-or-copy operations on possibly non-contiguous tensors as copies (see the module docstring).
-
-    A ``TorchFunctionMode`` for the ``with`` block; ``model`` is not touched.
-    """
+    """Trace view-or-copy operations on possibly non-contiguous tensors as copies (see the module docstring)."""
     with _LayoutCopies():
         yield
 
@@ -233,10 +195,7 @@ def _experts_configs(model: torch.nn.Module) -> list[Any]:
 
 @contextlib.contextmanager
 def patch_moe_batched_experts(model: torch.nn.Module) -> Iterator[None]:
-    """Make the model's experts layers use transformers' ``batched_mm`` implementation while tracing.
-
-    Why: see the module docstring. The configs' previous implementations are put back on exit.
-    """
+    """Make the model's experts layers use transformers' ``batched_mm`` implementation while tracing."""
     configs = _experts_configs(model)
     previous = [config._experts_implementation_internal for config in configs]
     for config in configs:
@@ -263,12 +222,8 @@ def _whisper_cross_attentions(model: torch.nn.Module) -> list[torch.nn.Module]:
 def patch_whisper_cross_attention_recompute(model: torch.nn.Module) -> Iterator[None]:
     """Make Whisper's decoder cross-attention recompute its keys and values at every call while tracing.
 
-    Why: the first decoder call and the later ones take different Python branches (see the
-    module docstring). Before each cross-attention call the cross cache layer is emptied
-    (a zero-length slice of its tensors) and marked not updated, so the layer takes the
-    "compute and store" branch whatever the cache held; its keys and values are then
-    exactly those computed from ``encoder_hidden_states``, as the recorded outputs hold.
-    The hook is a forward pre-hook on each decoder ``WhisperAttention``, removed on exit.
+    A forward pre-hook on each decoder ``WhisperAttention`` empties its cross cache layer (a
+    zero-length slice) and marks it not updated, so the layer takes the "compute and store" branch.
     """
     from transformers.cache_utils import CacheLayerMixin, EncoderDecoderCache
 
@@ -321,11 +276,7 @@ def _output_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:
 
 @contextlib.contextmanager
 def patch_contiguous_last_token(model: torch.nn.Module) -> Iterator[None]:
-    """Make the input of the output embeddings (``lm_head``) contiguous while tracing.
-
-    Why: the non-contiguous last-token slice before ``lm_head`` makes ``torch.export`` add a
-    ``batch == 1`` guard (see the module docstring). A contiguous copy is the same values.
-    """
+    """Make the input of the output embeddings (``lm_head``) contiguous while tracing (see the module docstring)."""
     head = _output_embeddings(model)
 
     def contiguous(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -369,11 +320,7 @@ def _concat_expand_kv(module: Any) -> Callable[[torch.Tensor, torch.Tensor], tup
 
 @contextlib.contextmanager
 def patch_latent_keys_concat(model: torch.nn.Module) -> Iterator[None]:
-    """Make multi-head latent attention build its keys by concatenation while tracing (see the module docstring).
-
-    Why: writing the two key parts into slices of an empty tensor makes ``torch.export`` add the
-    minimum ``batch >= 2``; ``torch.cat`` of the same parts is the same values without it.
-    """
+    """Make multi-head latent attention build its keys by concatenation while tracing (see the module docstring)."""
     modules = _latent_attentions(model)
     for module in modules:
         module.expand_kv = _concat_expand_kv(module)
@@ -434,10 +381,7 @@ def patch_sizes_through_int(model: torch.nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def patch_complex_as_real(model: torch.nn.Module) -> Iterator[ComplexAsPairs]:
-    """Trace complex arithmetic on real pairs (see the module docstring); yields the mode (``.used``: what it translated).
-
-    A ``TorchFunctionMode`` for the ``with`` block; ``model`` is not touched.
-    """
+    """Trace complex arithmetic on real pairs (see the module docstring); yields the mode (``.used``: what it translated)."""
     with ComplexAsPairs() as mode:
         yield mode
 

@@ -1,21 +1,18 @@
 """One program when it can serve every call, one per phase when it cannot.
 
-Some calls of a ``generate()`` loop take a code path that one traced program cannot share with
-the others without changing what the model computes: the first decoder step of an
-encoder-decoder (T5, BART) computes the cross-attention keys and values from the encoder
-output and fills the cache, later steps read them back; a VLM prefill merges image features
-(``mm_encoder_outputs``, ``token_type_ids``) that decode steps never receive. Such phases
-show in the *structure* of the calls: which inputs are absent (or hold no tensor yet) in each.
+Some calls of a ``generate()`` loop take a code path one traced program cannot share with the
+others without changing what the model computes: the first decoder step of an encoder-decoder (T5,
+BART) computes the cross-attention keys and values and fills the cache, later steps read them
+back; a VLM prefill merges image features decode steps never receive. Such phases show in the
+*structure* of the calls (which inputs are absent, or hold no tensor yet), by which
+:func:`partition_calls` groups them.
 
-:func:`partition_calls` groups the recorded calls by that structure.
-:func:`export_programs` first exports one program for every call (the default whenever it
-reproduces them all); when that fails and the calls fall into several phases, it exports one
-program per phase from that phase's calls alone (its arguments and dynamic shapes inferred
-from them) and checks each on its own calls. :meth:`ProgramSet.to_onnx` then writes one ONNX
-file, or one per phase plus a program index (:class:`iobundle.schema.ProgramIndex`) saying
-which program serves which calls, the way Optimum ships ``decoder_model.onnx`` and
-``decoder_with_past_model.onnx``. :func:`iobundle.replay.check.validate_onnx` validates such an index: each
-call runs through the program whose structure it has.
+:func:`export_programs` first exports one program for every call; when that fails and the calls
+fall into several phases, it exports one program per phase from that phase's calls alone and
+checks each on its own calls. :meth:`ProgramSet.to_onnx` writes one ONNX file, or one per phase
+plus a program index (:class:`iobundle.schema.ProgramIndex`: which program serves which calls, as
+Optimum ships ``decoder_model.onnx`` and ``decoder_with_past_model.onnx``), which
+:func:`iobundle.replay.check.validate_onnx` validates call by call.
 """
 
 from __future__ import annotations

@@ -143,19 +143,9 @@ def infer_arguments(
 
 
 def remove_inputs(rc: RecordedCalls, names: Collection[str]) -> int:
-    """Remove the named inputs from every recorded call, as if they had never been passed.
+    """Remove the named inputs from every recorded call, as ``Bundle.remove_inputs`` says; return how many.
 
     A positional argument followed by others in a call moves those to keywords.
-
-    A name that is neither a parameter nor a recorded input removes nothing (yobx HEAD does the
-    same); a ``UserWarning`` names it, since it is often a typo.
-
-    Returns:
-        How many inputs were removed, summed over the calls (0 when no call passed any).
-
-    Raises:
-        InputSelectionError: Removing a name would need to pass an argument that follows ``*args`` by
-            keyword (the message names the variadic).
     """
     names = set(names)
     params = set(rc.names)

@@ -1,30 +1,22 @@
 """Names for the dynamic dimensions of recorded inputs (``infer_dynamic_shapes(dim_names=...)``).
 
-``dim_names=True`` names every dynamic dimension with a string derived from what was recorded:
+``dim_names=True`` names every dynamic dimension from what was recorded (the user's view is
+``Bundle.infer_dynamic_shapes``):
 
-- dimensions whose sizes are equal in every recorded call share one name (the batch of every
-  input, the sequence length of ``input_ids``, ``position_ids`` and ``cache_position``, the key
-  and value cache length of every layer), so the exported graph has one symbol for each. A call
-  where an input is absent counts with the stand-in it is fed (``infer_arguments``): the prefill's
-  empty cache is zero-length along its sequence and has the batch of the other calls;
+- dimensions whose sizes are equal in every call share one name (one symbol in the graph); an
+  absent input counts with the stand-in it is fed (``infer_arguments``: the prefill's empty
+  cache is zero-length along its sequence, with the batch of the other calls);
 - well-known inputs get conventional names (``batch_size``, ``sequence_length``,
-  ``past_sequence_length``, ``total_sequence_length``, ...), recognised by the parameter name for
-  plain tensors (``input_ids``, ``attention_mask``, ``position_ids``, ``cache_position``,
-  ``pixel_values``, ``input_features``, ``encoder_hidden_states``, ``decoder_*``) and by the
-  recorded structure for transformers caches, whatever the argument is called (``cache`` in
-  transformers 5, ``past_key_values`` before): the self-attention and cross-attention caches of an
-  ``EncoderDecoderCache``, ``StaticCache`` layers, sliding-window layers (whose length differs
-  from the full layers');
-- any other dimension is named ``<input>_dim_<d>`` (``<input>_<k>_dim_<d>`` for the k-th tensor
-  of a nested input).
+  ``past_sequence_length``, ...), by parameter name for plain tensors (``input_ids``,
+  ``attention_mask``, ``pixel_values``, ``decoder_*``, ...) and by recorded structure for
+  transformers caches under any argument name (self- and cross-attention caches, ``StaticCache``
+  layers, sliding-window layers, whose length differs from the full layers');
+- any other is ``<input>_dim_<d>`` (``<input>_<k>_dim_<d>`` for the k-th tensor of a nested input).
 
-A dict gives names explicitly, by input name or position: ``{"x": {0: "batch"}}`` names
-dimension 0 of every tensor of ``x`` (a list gives one dict per tensor of a nested input, in
-flattening order). Dimensions it does not name are named ``<input>_dim_<d>``; a dimension it
-names becomes dynamic even if its size never changed.
-
-The result is what ``torch.onnx.export`` accepts as is; :func:`to_export_dims` turns the names
-into shared ``torch.export.Dim`` objects for ``torch.export.export``.
+A dict names dimensions explicitly by input name or position (a list: one dict per tensor of a
+nested input); what it leaves out is ``<input>_dim_<d>``, and what it names becomes dynamic.
+``torch.onnx.export`` takes the result as is; :func:`to_export_dims` makes shared
+``torch.export.Dim`` objects of the names for ``torch.export.export``.
 """
 
 from __future__ import annotations
@@ -211,10 +203,6 @@ def fallback_name(slot: _Slot, dim: int) -> str:
     return f"{base}_dim_{dim}" if slot.count == 1 else f"{base}_{slot.position}_dim_{dim}"
 
 
-def _ranks(shapes: list[list[tuple[int, ...]]]) -> list[int]:
-    return [len(per_call[0]) if per_call else 0 for per_call in shapes]
-
-
 def name_dims(
     rc: RecordedCalls,
     alignment: Alignment,
@@ -233,7 +221,7 @@ def name_dims(
             gives a dimension a tensor does not have, or is not a bool or a dict of dicts of names.
     """
     slots = _slots(rc, alignment)
-    ranks = _ranks(shapes)
+    ranks = [len(per_call[0]) if per_call else 0 for per_call in shapes]
     if spec is True:
         return _derived_names(slots, ranks, flat, shapes)
     if not isinstance(spec, Mapping):

@@ -193,22 +193,10 @@ def infer_dynamic_shapes(
     dim_names: DimNamesSpec = False,
     dynamic: DynamicSpec = None,
 ) -> tuple[Any, ...] | dict[str, Any]:
-    """Infer the ``dynamic_shapes`` argument of ``torch.export.export`` from the recorded calls, torch-free.
+    """Infer the ``dynamic_shapes`` argument of ``torch.export.export`` from ``rc``, torch-free.
 
-    Each dynamic dimension is :data:`DYNAMIC` (or its name with ``dim_names``);
-    :func:`~iobundle.replay.infer._dynamic_dim.to_torch_dims` makes torch's markers of them.
-
-    Args:
-        rc: The recorded calls.
-        set_batch_dimension_for: Names or positions whose dim 0 is dynamic even if constant,
-            or True for every input.
-        dim_names: False for :data:`DYNAMIC`; True or a dict for names (strings), see
-            :mod:`iobundle.replay.infer._dim_names`.
-        dynamic: Axes to make dynamic even if their size never varied (see :data:`DynamicSpec`).
-
-    Returns:
-        A tuple when the best call passes positional tensors only, otherwise a dict by name;
-        nested like the inputs, registered classes as lists of their children.
+    What ``Bundle.infer_dynamic_spec`` returns (the options: ``Bundle.infer_dynamic_shapes``); each
+    dynamic dimension is :data:`DYNAMIC` (or its name), registered classes as lists of their children.
     """
     alignment = align_calls(rc)
     flat = flat_dynamic_dims(rc, alignment, set_batch_dimension_for, dynamic)

@@ -54,14 +54,7 @@ def infer_group_shapes(
 ) -> list[GroupShapes]:
     """Per keyword group (:func:`~iobundle.replay.infer.keyword_groups`), the shapes of its calls; ``[]`` without groups.
 
-    The options are those of :func:`~iobundle.replay.infer.infer_dynamic_shapes`; an input that
-    names a keyword only other groups pass is left out of a group's options (its calls hold none).
-
-    Raises:
-        AlignmentError: The calls cannot be aligned, and not because they pass different keyword
-            names; or a group's calls cannot be aligned.
-        DynamicShapeError: A tensor changes rank across a group's calls, or ``dynamic`` names an unknown axis.
-        InputSelectionError: ``dim_names`` names an unknown input or dimension.
+    See ``Bundle.infer_group_shapes``; a keyword only other groups pass is left out of a group's options.
     """
     result = []
     for group in keyword_groups(rc):
