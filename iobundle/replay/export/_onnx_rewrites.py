@@ -19,6 +19,12 @@ converts, and listed on the export report's options when they changed something.
     to the result's dtype first (``aten._to_copy``); ``rsub`` of a float tensor decomposes
     and gives the same values.
 
+``aten.batch_norm`` in training mode
+    A BatchNorm traced in training mode (replayed in the mode its calls were recorded in)
+    normalises with the batch's statistics; the exporter translates it in inference mode, with
+    the running statistics. The rewrite passes no running statistics: the translation then takes
+    the batch's (the running statistics it updates are not outputs of the program).
+
 What depends only on constants and weights, folded (when the conversion lacks a translation)
     A value computed from numbers, constants, parameters and buffers alone (a threshold from
     ``torch.distributions.Normal(0, 1).icdf(torch.tensor(0.95))``, which reaches the exporter as
@@ -189,6 +195,9 @@ def rewrite_for_onnx(ep: torch.export.ExportedProgram) -> list[str]:
             cast.meta["val"] = operand.meta["val"].to(dtype)
             node.args = (cast, *node.args[1:])
             done.append(f"{node.target} of an integer tensor -> {node.target} of its {dtype} cast")
+        elif node.target is torch.ops.aten.batch_norm.default and node.args[5] is True and node.args[3] is not None:
+            node.args = (*node.args[:3], None, None, *node.args[5:])
+            done.append("aten.batch_norm in training mode -> the batch's statistics (no running statistics)")
     if done:
         ep.graph_module.recompile()
         logger.info("rewrote for ONNX: %s", ", ".join(done))
