@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from iobundle.schema import ConstNode, DictNode
+
 __all__ = ["StateWatch", "state_message"]
 
 _COPIED_BYTES = 1 << 20  # a buffer or attribute up to this size is copied before a watched call, to compare values
@@ -22,18 +24,24 @@ def _version(tensor: torch.Tensor) -> int | None:
 
 _Place = tuple[str, dict[str, Any], str]  # module path, the table holding the name, the name
 _NUMBERS = frozenset({int, float})  # attributes of these types are watched too: state iobundle cannot record
+_Before = tuple[dict[tuple[str, str], _Held | None], list[_Place], list[Any]]  # tensors (None: held None), numbers
 
 
-def _places(model: torch.nn.Module) -> tuple[list[_Place], list[_Place], list[dict[str, Any]]]:
+def _places(model: torch.nn.Module) -> tuple[list[_Place], list[_Place], list[dict[str, Any]], dict[str, bool]]:
     """Where the tree holds tensors (parameters, buffers, tensor or None attributes), and numbers: 1.5-6 ms for
     a 32-layer tiny Llama (420 modules, 8,500 attributes); walked when the block is entered, and again after a
-    watched call that added attributes, parameters or buffers (:func:`_sizes`, 0.1 ms)."""
+    watched call that added attributes, parameters or buffers (:func:`_sizes`, 0.1 ms). Last, the training flag
+    of the root and of each module whose flag differs from its parent's, by path, in the tree's order."""
     places: list[_Place] = []
     numbers: list[_Place] = []
     modules = []
+    modes, flags = {"model": model.training}, {}
     for prefix, module in model.named_modules(prefix="model"):
         attributes = module.__dict__
         modules.append(attributes)
+        flags[prefix] = flag = attributes.get("training")
+        if flag != flags.get(prefix.rpartition(".")[0], flag):
+            modes[prefix] = flag
         for name, value in attributes.items():
             if value is None or isinstance(value, torch.Tensor):  # None: a tensor may be bound there later
                 places.append((prefix, attributes, name))
@@ -41,7 +49,7 @@ def _places(model: torch.nn.Module) -> tuple[list[_Place], list[_Place], list[di
                 numbers.append((prefix, attributes, name))
         for table in (attributes["_parameters"], attributes["_buffers"]):
             places.extend((prefix, table, name) for name in table)
-    return places, numbers, modules
+    return places, numbers, modules, modes
 
 
 def _sizes(modules: list[dict[str, Any]]) -> list[int]:
@@ -58,13 +66,15 @@ def _sizes(modules: list[dict[str, Any]]) -> list[int]:
     return sizes
 
 
-def _tensors(places: list[_Place], copy: bool = False) -> dict[tuple[str, str], _Held]:
+def _tensors(places: list[_Place], copy: bool = False) -> dict[tuple[str, str], _Held | None]:
     """The tensors at ``places`` by module path and name; with ``copy``, buffers and attributes up to
-    ``_COPIED_BYTES`` are copied too."""
-    found = {}
+    ``_COPIED_BYTES`` are copied too, and the places holding None are None."""
+    found: dict[tuple[str, str], _Held | None] = {}
     for prefix, table, name in places:
-        value = table.get(name)
-        if isinstance(value, torch.Tensor):
+        value = table.get(name, 0)
+        if value is None and copy:
+            found[prefix, name] = None
+        elif isinstance(value, torch.Tensor):
             small = copy and not isinstance(value, torch.nn.Parameter)
             small = small and value.numel() * value.element_size() <= _COPIED_BYTES
             found[prefix, name] = (value, _version(value), value.detach().clone() if small else None)
@@ -86,7 +96,9 @@ class StateWatch:
     rewritten in place to the values it had (a table recomputed each call the same way, as longrope's
     ``inv_freq``; only buffers and attributes up to 1 MiB are copied to tell), and a tensor the call
     adds (a cache built lazily; a later watched call that changes it is state). Changes made without
-    the version counter (through ``.data``, in place to an inference tensor) are not seen. Numbers
+    the version counter (through ``.data``, in place to an inference tensor, BatchNorm's running statistics)
+    are not seen. A tensor bound where None was (a state made lazily by the first call) is the call's
+    state out, None its state in (:attr:`bound`, recorded as such until a later call finds state). Numbers
     (``int`` and ``float`` attributes, as a step counter) the calls change are noted too: state that
     cannot be recorded.
     """
@@ -95,7 +107,7 @@ class StateWatch:
         self._model, self._left = model, calls if isinstance(model, torch.nn.Module) else 0
         # where the tree holds tensors and numbers: walked here (when the block is entered, not inside
         # the first call), then again after the first watched call (a tensor it built lazily)
-        self._known: tuple[list[_Place], list[_Place], list[dict[str, Any]]] | None = None
+        self._known: tuple[list[_Place], list[_Place], list[dict[str, Any]], dict[str, bool]] | None = None
         self._sizes: list[int] | None = None
         if self._left:
             try:
@@ -104,33 +116,41 @@ class StateWatch:
             except Exception:  # observation never breaks the observed program: the first call walks it
                 pass
         self.found: dict[str, _Place] = {}  # the state, by path, once a watched call changed it
-        self.first_in: dict[str, torch.Tensor] | None = None  # the state before that call, when all was kept
+        self.first_in: dict[str, torch.Tensor | None] | None = None  # the state before that call, when all was kept
+        self.bound: dict[str, _Place] = {}  # before the state is found, the places the last watched call bound
         self.numbers: list[str] = []  # the numbers (int, float attributes) the last watched call changed
 
     def now(self) -> dict[str, Any]:
-        """What the module tree holds where the state was found (a tensor, unless the model rebound it)."""
-        return {path: table.get(name) for path, (_, table, name) in self.found.items()}
+        """What the module tree holds where the state was found, else where the last watched call bound a tensor
+        where None was (a tensor, unless the model rebound it)."""
+        return {path: table.get(name) for path, (_, table, name) in (self.found or self.bound).items()}
 
-    def before(self) -> tuple[dict[tuple[str, str], _Held], list[_Place], list[Any]] | None:
+    def training(self) -> DictNode:
+        """The training flag of the root and of each module whose flag differs from its parent's, by path: those of
+        the walk when the block was entered, or the root's alone once it changed (``train()`` and ``eval()`` set the
+        whole tree). O(1) per call."""
+        flag, modes = self._model.training, self._known[3] if self._known is not None else {}
+        modes = modes if modes.get("model") == flag else {"model": flag}
+        return DictNode(keys=list(modes), items=[ConstNode(value=v) for v in modes.values()])
+
+    def before(self) -> _Before | None:
         """The tensors and numbers before a call, for ``changed``; None once the watched calls are spent."""
         if self._left <= 0:
             return None
         self._left -= 1
         try:
-            tensors, numbers, _ = self._known if self._known is not None else _places(self._model)
+            tensors, numbers, *_ = self._known if self._known is not None else _places(self._model)
             return _tensors(tensors, copy=True), numbers, [table.get(name) for _, table, name in numbers]
         except Exception:  # observation never breaks the observed program
             return None
 
-    def changed(
-        self, held: tuple[dict[tuple[str, str], _Held], list[_Place], list[Any]], carried: Callable[[Any], bool]
-    ) -> list[str]:
+    def changed(self, held: _Before, carried: Callable[[Any], bool]) -> list[str]:
         """The paths of the tensors held before whose values the call changed, but those ``carried`` as inputs.
 
         The first call that changes some sets :attr:`found`, and :attr:`first_in` if their values before it were
         kept. Numbers the call changed are set in :attr:`numbers`.
         """
-        (before, numbers, numbers_before), paths, first_in = held, [], {}
+        (before, numbers, numbers_before), paths, first_in, bound = held, [], {}, []
         try:
             if self._known is None or _sizes(self._known[2]) != self._sizes:  # a place added (a tensor built lazily)
                 self._known = _places(self._model)
@@ -144,19 +164,23 @@ class StateWatch:
         except Exception:
             return []
         for key, (tensor, version, _) in after.items():
-            old, old_version, values = before.get(key, (tensor, version, None))
-            if (tensor is old and version == old_version) or carried(old):
+            if key in before and before[key] is None:
+                bound.append(key)  # bound where None was
+                continue
+            old, old_version, values = before.get(key) or (tensor, version, None)
+            if (tensor is old and version == old_version) or (carried(old) and ".".join(key) not in self.bound):
                 continue  # untouched, added by the call, or passed to it (a static cache the model holds too)
             # compared with its values before the call: its copy, or the tensor it was before it was rebound
             reference = values if values is not None else None if tensor is old else old
             if reference is None or not _equal(tensor, reference):
                 paths.append(".".join(key))
                 first_in[key] = reference
+        places = {(p, n): (p, t, n) for p, t, n in self._known[0]} if bound or (paths and not self.found) else {}
+        self.bound = {".".join(key): places[key] for key in bound}
         if paths and not self.found:
-            places = {(prefix, name): (prefix, table, name) for prefix, table, name in self._known[0]}
-            self.found = {".".join(key): places[key] for key in first_in}
+            self.found = {".".join(key): places[key] for key in first_in} | self.bound
             kept = {".".join(key): t for key, t in first_in.items() if t is not None}
-            self.first_in = kept if len(kept) == len(first_in) else None
+            self.first_in = kept | dict.fromkeys(self.bound) if len(kept) == len(first_in) else None
         return paths
 
 

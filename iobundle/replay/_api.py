@@ -43,11 +43,13 @@ class RecordedCallsAPI:
         except ExportError as exc:
             self._export_report = exc.report
             raise
-        self._export_report = result.report
-        if any(call.state is not None for call in self._recorded().calls):
+        if recorded_calls(self, replayed=True) is not self._recorded():
             from iobundle.replay._module_state import state_note
 
-            result.report.options.append(state_note(self._recorded()))
+            note = state_note(self._recorded())
+            for program in getattr(result, "programs", [result]):  # a ProgramSet merges its programs' reports
+                program.report.options += [note] * (note not in program.report.options)
+        self._export_report = result.report
         return result
 
     def _recorded(self) -> RecordedCalls:
