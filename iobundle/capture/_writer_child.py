@@ -26,6 +26,7 @@ from iobundle.capture._writer_process import (
     ANSWERS_AT_ONCE,
     CHILD_NICE,
     CONSUMED_EARLY_BYTES,
+    map_ring,
 )
 from iobundle.errors import BundleWriteError, UnsupportedInputError
 from iobundle.schema import CallEntry, FileEntry
@@ -120,7 +121,7 @@ class _ChildRing:
     def view(self, size: int) -> torch.Tensor:
         if self._map is None or len(self._map) != size:
             self._view = None
-            self._map = mmap.mmap(self.fd, size)
+            self._map = map_ring(self.fd, size)
             self._view = torch.frombuffer(self._map, dtype=torch.uint8)
         assert self._view is not None
         return self._view

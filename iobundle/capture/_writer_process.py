@@ -52,7 +52,22 @@ from iobundle.schema import CallEntry, FileEntry
 __all__ = ["WriterProcess", "WriterProcessUnavailable"]
 
 RING_BYTES = 4 * 1024 * 1024
-"""Initial size of the shared ring; it grows for a call that does not fit, and back between streams."""
+"""Initial size of the shared ring; it grows for a call that does not fit, and back to this size between
+streams once larger than :data:`POPULATED_MAX_BYTES`."""
+
+POPULATED_MAX_BYTES = 64 * 1024 * 1024
+"""A ring up to this size is mapped with its pages in place (``MAP_POPULATE``, where the system has it): one
+system call, about 0.3 µs a page already allocated, 0.9 µs a new one. Mapped lazily, the copy on the model's
+thread faults at each page it touches first, 2.7 µs a page (measured: 30 faults per 32-layer decode call, as
+each stream's ring was grown, mapped again and shrunk back). A larger ring (grown for a large call) is mapped
+lazily, and not kept between streams."""
+
+
+def map_ring(fd: int, size: int) -> mmap.mmap:
+    """Map ``size`` bytes of the ring's file ``fd``, shared, with its pages in place up to :data:`POPULATED_MAX_BYTES`."""
+    populate = getattr(mmap, "MAP_POPULATE", 0) if size <= POPULATED_MAX_BYTES else 0
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
+
 
 ANSWERS_AT_ONCE = 16
 """The child answers up to this many calls in one message. Each message wakes the recording process's
@@ -119,7 +134,7 @@ class _Ring:
             except BufferError:
                 pass  # a view is still alive somewhere: the mapping goes with it
         os.ftruncate(self.fd, size)
-        self._map = mmap.mmap(self.fd, size)
+        self._map = map_ring(self.fd, size)
         with torch.inference_mode(False):  # a normal tensor: later streams copy into it outside inference_mode
             self.view = torch.frombuffer(self._map, dtype=torch.uint8)
         self.size = size
@@ -268,8 +283,9 @@ class _Child:
         return cls()
 
     def give_back(self) -> None:
-        """Keep the child for the next stream; a ring grown by large calls goes back to its first size."""
-        if self.ring.size > RING_BYTES:
+        """Keep the child for the next stream; a ring grown by large calls goes back to its first size (one
+        grown by small calls in flight stays as it is, mapped: the next stream would grow it again)."""
+        if self.ring.size > POPULATED_MAX_BYTES:
             self.ring.resize(RING_BYTES)  # its memory is freed: no range is taken between streams
         with _CHILDREN_LOCK:
             _IDLE.append(self)

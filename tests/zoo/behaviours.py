@@ -11,7 +11,8 @@ in the tests of each mechanism and are not repeated here: ``Segments`` and Qwen2
 (``test_constant_folding.py``), LoRA on Llama and GPT-2, a compiled Llama and quantized Llamas
 (``tests/replay/test_wrapped_models.py``). Class 3's size rules with ``expr`` (remainders, two sizes related)
 were debugged on ``padded_windows``, ``vit_interpolated`` and ``strided_encoder``; ``framed_audio``,
-``swin_padded``, ``dinov2_strips`` and ``square_mixer`` passed as first written. Class 2's factories traced as
+``swin_padded``, ``dinov2_strips``, ``square_mixer`` and a diffusers UNet in a denoising loop at two latent sizes
+(``unet_denoising``) passed as first written. Class 2's factories traced as
 constants with the values fixed were debugged on ``qwen2_5_vl_vision``; ``windowed_pooling`` passed as first written.
 
 A case that does not pass is a known failure with the reason it fails, reported to the issue.
@@ -53,6 +54,28 @@ def _packed(lengths: list[list[int]]) -> list[tuple[torch.Tensor, ...]]:
 def _grids(grids: list[list[list[int]]]) -> list[tuple[torch.Tensor, ...]]:
     """Patches (one channel, 2 x 2 pixels) and the ``grid_thw`` of each call's images."""
     return [(_randn(int(torch.tensor(g).prod(-1).sum()), 4, seed=i), torch.tensor(g)) for i, g in enumerate(grids)]
+
+
+def _denoise(model: torch.nn.Module, recorded: dict[str, Any]) -> None:
+    """A text-to-image sampling loop: DDIM steps, each a UNet call on the latents twice (classifier-free guidance)."""
+    from diffusers import DDIMScheduler
+
+    for latents, text in recorded["runs"]:
+        scheduler = DDIMScheduler(num_train_timesteps=100)
+        scheduler.set_timesteps(recorded["steps"])
+        for t in scheduler.timesteps:
+            eps = model(torch.cat([latents, latents]), t, encoder_hidden_states=text).sample
+            uncond, cond = eps.chunk(2)
+            latents = scheduler.step(uncond + 3.0 * (cond - uncond), t, latents).prev_sample
+
+
+def _unet_runs() -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The UNet and two sampling runs: latents of 8 x 8 then 16 x 16 (multiples of its downsampling), one prompt each
+    (its text states and the empty prompt's)."""
+    import zoo_models
+
+    runs = [(_randn(1, 4, n, n, seed=n), _randn(2, 3, 8, seed=n + 1)) for n in (8, 16)]
+    return zoo_models.diffusers_unet(), {"runs": runs, "steps": 2}
 
 
 # --------------------------------------------------------------------------- class 1: state kept on modules
@@ -432,6 +455,18 @@ BEHAVIOURS += [
         classes=(5,),
         run=_compiled_calls,
         factory="zoo_models:compiled_conv_stack",
+    ),
+    Family(
+        "unet_denoising",
+        _unet_runs,
+        notes="a diffusers UNet in a DDIM loop with classifier-free guidance (the latents twice per call), "
+        "at latents of 8 x 8 then 16 x 16; the timestep a 0-d tensor",
+        source="diffusers",
+        classes=(3,),
+        run=_denoise,
+        factory="zoo_models:diffusers_unet",
+        export_args=(),
+        requires="diffusers",
     ),
 ]
 

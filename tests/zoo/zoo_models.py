@@ -432,3 +432,23 @@ class ConvStack(torch.nn.Module):
 def compiled_conv_stack() -> torch.nn.Module:
     """A plain torch model wrapped by ``torch.compile`` (an ``OptimizedModule``), as a user holds it."""
     return torch.compile(_seeded(ConvStack))
+
+
+def diffusers_unet() -> torch.nn.Module:
+    """A diffusers UNet (two blocks, cross-attention on text states), as a denoising pipeline calls it."""
+    from diffusers import UNet2DConditionModel
+
+    return _seeded(
+        lambda: UNet2DConditionModel(
+            sample_size=8,
+            in_channels=4,
+            out_channels=4,
+            layers_per_block=1,
+            block_out_channels=(8, 16),
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            cross_attention_dim=8,
+            attention_head_dim=2,
+            norm_num_groups=4,
+        )
+    )
