@@ -36,7 +36,7 @@ def _places(model: torch.nn.Module) -> _Known:
     from its parent's, by path, in the tree's order."""
     places: list[_Place] = []
     numbers: list[_Place] = []
-    tables = []
+    tables: list[dict[str, Any]] = []
     modes, flags = {"model": model.training}, {}
     for prefix, module in model.named_modules(prefix="model"):
         attributes = module.__dict__
@@ -97,8 +97,8 @@ class StateWatch:
     ``inv_freq``; only buffers and attributes up to 1 MiB are copied to tell), and a tensor the call
     adds (a cache built lazily; a later watched call that changes it is state). Changes made without
     the version counter (through ``.data``, in place to an inference tensor, BatchNorm's running statistics)
-    are not seen. A tensor bound where None was (a state made lazily by the first call) is the call's
-    state out, None its state in (:attr:`bound`, recorded as such until a later call finds state). Numbers
+    are not seen. A tensor bound where None was (:attr:`bound`: a state the call made, or a cache) is that
+    call's state out, None its state in. Numbers
     (``int`` and ``float`` attributes, as a step counter) the calls change are noted too: state that
     cannot be recorded.
     """
@@ -126,9 +126,8 @@ class StateWatch:
         return {path: table.get(name) for path, (_, table, name) in (self.found or self.bound).items()}
 
     def training(self) -> DictNode:
-        """The training flag of the root and of each module whose flag differs from its parent's, by path: those of
-        the walk when the block was entered, or the root's alone once it changed (``train()`` and ``eval()`` set the
-        whole tree). O(1) per call."""
+        """The training flags of the walk when the block was entered, or the root's alone once it changed
+        (``train()`` and ``eval()`` set the whole tree): O(1) per call."""
         flag, modes = self._model.training, self._known[3] if self._known is not None else {}
         modes = modes if modes.get("model") == flag else {"model": flag}
         return DictNode(keys=list(modes), items=[ConstNode(value=v) for v in modes.values()])
@@ -185,9 +184,8 @@ class StateWatch:
 
 
 def _moved(before: _Held, after: _Held) -> list[tuple[tuple[str, str], torch.Tensor, Any, Any]]:
-    """``(path, tensor now, value before, its copy)`` for each place holding a tensor that was rebound or changed
-    in place between ``before`` and ``after``, or bound where None was (value before None); a tensor the call
-    added is not listed."""
+    """``(path, tensor now, value before, its copy)`` for each place holding a tensor that was rebound, changed in
+    place or bound where None was between ``before`` and ``after``; a tensor the call added is not listed."""
     places, values, versions, copies = before
     now_places, now_values, now_versions, _ = after
     if now_places is places:  # the same places: compared by position, most of them None or untouched
@@ -201,13 +199,10 @@ def _moved(before: _Held, after: _Held) -> list[tuple[tuple[str, str], torch.Ten
     moved = []
     for j, i in index.items():
         tensor, version = now_values[j], now_versions[j]
-        if (
-            i is None
-            or (i not in versions and values[i] is not None)
-            or (values[i] is tensor and versions[i] == version)
-        ):
+        old = None if i is None else values[i]
+        if i is None or (old is not None and (i not in versions or (old is tensor and versions[i] == version))):
             continue  # added by the call, or untouched
-        moved.append(((now_places[j][0], now_places[j][2]), tensor, values[i], copies.get(i)))
+        moved.append(((now_places[j][0], now_places[j][2]), tensor, old, copies.get(i)))
     return moved
 
 

@@ -3,12 +3,10 @@
 A call recorded with ``state`` (``{"in": {path: tensor}, "out": {path: tensor}, "training": {path: bool}}``,
 see :class:`~iobundle.schema.CallEntry`) is replayed as a call of :class:`WithModuleState`: the model's
 method with one more keyword argument, ``module_state`` (the state in, loaded into the module before
-the call; None where the call found None, a state made lazily), returning ``(outputs, state out)``, in
-the training mode the calls were recorded in. Export, validation and re-runs take that form, so the
-exported program takes the state as inputs and returns what the call leaves, and each call is
-checked from the state it found. A call recorded before the state was found (it has none) is not replayed.
-Calls whose state in is all None (a tensor bound where None was that no later call changed: a cache
-built lazily) are replayed as calls without state.
+the call; None where the call made it), returning ``(outputs, state out)``, in the recorded training mode.
+Export, validation and re-runs take that form, so the exported program takes the state as inputs and
+returns what the call leaves, and each call is checked from the state it found. A call recorded before
+the state was found (it has none) is not replayed; states in that are all None (a cache built lazily) are no state.
 """
 
 from __future__ import annotations
@@ -25,6 +23,8 @@ from iobundle.schema import CallEntry, ConstNode, DictNode, NoneNode, ParameterE
 
 __all__ = ["WithModuleState", "explicit_state", "state_note"]
 
+_SAME = "Replay it with the model the bundle was recorded from."
+
 _LACKING = (
     "recorded before iobundle found the state its module tree keeps between calls, so the call does not carry "
     "it: not replayed (the calls recorded after it carry their state)"
@@ -37,10 +37,9 @@ def state_note(rc: RecordedCalls) -> str:
     made = [c.index for c in rc.ok_calls if c.state is not None and any(v.kind == "none" for v in _parts(c)[0].items)]
     note = f"the state the model keeps on its modules is the input {_argument(rc)!r}, returned after the outputs"
     note += f"; calls {lacking} were {_LACKING}" if lacking else ""
-    return note + (
-        f"; calls {made} found None where they made the state: {_argument(rc)!r} holds None there, a constant to "
-        "torch.export, so they are checked by a program of their own where one program cannot serve them"
-    ) * bool(made)
+    if made:  # None is a constant to torch.export
+        note += f"; calls {made} found None where they made the state: a program of their own checks them if need be"
+    return note
 
 
 def _argument(rc: RecordedCalls) -> str:
@@ -52,18 +51,12 @@ def _argument(rc: RecordedCalls) -> str:
 
 
 def _parts(call: CallEntry) -> list[DictNode]:
-    """The state in and out of ``call`` and the training flags it ran with (an empty dict when not recorded), checked:
-    ``{"in": {path: ...}, "out": {path: ...}, "training": {path: bool}}``."""
-    keys = call.state.keys if isinstance(call.state, DictNode) else []
-    parts = [p for p in call.state.items if isinstance(p, DictNode)] if keys[:2] == ["in", "out"] else []  # type: ignore[union-attr]
-    parts += [DictNode(keys=[], items=[])] * (keys == ["in", "out"])  # recorded before the training flags were
-    flags = [isinstance(f, ConstNode) and isinstance(f.value, bool) for f in parts[2].items] if len(parts) == 3 else []
-    if (
-        keys[2:] not in ([], ["training"])
-        or len(parts) != 3
-        or not all(isinstance(k, str) for p in parts for k in p.keys)
-        or not all(flags)
-    ):
+    """The state in and out of ``call`` and its training flags (none in a state recorded before them), checked."""
+    state = call.state
+    named = isinstance(state, DictNode) and state.keys in (["in", "out"], ["in", "out", "training"])
+    parts = [*state.items, DictNode(keys=[], items=[])][:3] if named else []  # type: ignore[union-attr]
+    dicts = len(parts) == 3 and all(isinstance(p, DictNode) and all(isinstance(k, str) for k in p.keys) for p in parts)
+    if not dicts or not all(isinstance(f, ConstNode) and isinstance(f.value, bool) for f in parts[2].items):
         raise ModelLoadError(
             f"calls[{call.index}].state is not {{'in': {{path: tensor}}, 'out': {{path: tensor}}, "
             "'training': {path: bool}}; the bundle is corrupt."
@@ -114,8 +107,7 @@ def _tables(modules: dict[str, torch.nn.Module], paths: list[str]) -> list[tuple
         if table is None:
             raise ModelLoadError(
                 f"The bundle records module state at {path!r}, but the model has no buffer or tensor attribute there "
-                "(nor a public buffer or attribute holding None, where a first call binds it). "
-                "Replay it with the model the bundle was recorded from."
+                f"(nor a public buffer or attribute holding None, where a first call binds it). {_SAME}"
             )
         places.append((table, name))
     return places
@@ -125,9 +117,8 @@ class WithModuleState(torch.nn.Module):
     """``model.<method>`` that takes the module state in (``module_state``) and returns ``(outputs, state out)``.
 
     Made from the recorded calls (before :func:`explicit_state`). The state in is copied into the
-    module for the call, which runs with the training flags of the first call that recorded them
-    (calls recorded in another mode are checked against the program of that mode); the module's own
-    tensors and flags are put back after it.
+    module for the call, run with the training flags of the first call that recorded them; the
+    module's own tensors and flags are put back after it.
     """
 
     def __new__(cls, model: torch.nn.Module, rc: RecordedCalls) -> WithModuleState:
@@ -153,12 +144,10 @@ class WithModuleState(torch.nn.Module):
         modes = next((dict(zip(p[2].keys, p[2].items)) for p in parts if p[2].keys), {})
         if unknown := [path for path in modes if path not in modules]:
             raise ModelLoadError(
-                f"The bundle records the training flag of modules the model lacks ({unknown[:4]}). "
-                "Replay it with the model the bundle was recorded from."
+                f"The bundle records training flags of modules the model lacks ({unknown[:4]}). {_SAME}"
             )
         training = [(modules[str(path)], flag.value) for path, flag in modes.items()]  # type: ignore[union-attr]
-        # a leaf to torch.export
-        self.places = SimpleNamespace(at=dict(zip(paths, _tables(modules, paths))), training=training)
+        self.places = SimpleNamespace(at=dict(zip(paths, _tables(modules, paths))), training=training)  # leaves
 
     def run(self, args: tuple[Any, ...], state: dict[str, torch.Tensor], kwargs: dict[str, Any]) -> Any:
         places = self.places.at

@@ -20,10 +20,8 @@ converts, and listed on the export report's options when they changed something.
     and gives the same values.
 
 ``aten.batch_norm`` in training mode
-    A BatchNorm traced in training mode (replayed in the mode its calls were recorded in)
-    normalises with the batch's statistics; the exporter translates it in inference mode, with
-    the running statistics. The rewrite passes no running statistics: the translation then takes
-    the batch's (the running statistics it updates are not outputs of the program).
+    normalises with the batch's statistics; the exporter translates it in inference mode, with the
+    running statistics. Given none, the translation takes the batch's (the program does not output them).
 
 What depends only on constants and weights, folded (when the conversion lacks a translation)
     A value computed from numbers, constants, parameters and buffers alone (a threshold from
