@@ -37,12 +37,8 @@ def _places(model: torch.nn.Module) -> _Known:
     places: list[_Place] = []
     numbers: list[_Place] = []
     tables: list[dict[str, Any]] = []
-    modes, flags = {"model": model.training}, {}
     for prefix, module in model.named_modules(prefix="model"):
         attributes = module.__dict__
-        flags[prefix] = flag = attributes.get("training")
-        if flag != flags.get(prefix.rpartition(".")[0], flag):
-            modes[prefix] = flag
         tables += (attributes, attributes["_parameters"], attributes["_buffers"], attributes["_modules"])
         for name, value in attributes.items():
             if value is None or isinstance(value, torch.Tensor):  # None: a tensor may be bound there later
@@ -51,6 +47,12 @@ def _places(model: torch.nn.Module) -> _Known:
                 numbers.append((prefix, attributes, name))
         for table in (attributes["_parameters"], attributes["_buffers"]):
             places.extend((prefix, table, name) for name in table)
+    modes, flags = {"model": model.training}, {}
+    if any(t.get("training") is not model.training for t in tables[::4]):  # mixed (rare): walked again for paths
+        for prefix, module in model.named_modules(prefix="model"):
+            flags[prefix] = flag = module.training
+            if flag != flags.get(prefix.rpartition(".")[0], flag):
+                modes[prefix] = flag
     return places, numbers, tables, modes
 
 
