@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from iobundle.schema import ConstNode, DictNode
+
 __all__ = ["StateWatch", "state_message"]
 
 _COPIED_BYTES = 1 << 20  # a buffer or attribute up to this size is copied before a watched call, to compare values
@@ -24,16 +26,18 @@ _Place = tuple[str, dict[str, Any], str]  # module path, the table holding the n
 _NUMBERS = frozenset({int, float})  # attributes of these types are watched too: state iobundle cannot record
 # What places held at a moment: the places, their values, and by index of a tensor its version and a copy
 _Held = tuple[list[_Place], list[Any], dict[int, int | None], dict[int, torch.Tensor]]
+_Known = tuple[list[_Place], list[_Place], list[dict[str, Any]], dict[str, bool]]  # tensors, numbers, tables, modes
 
 
-def _places(model: torch.nn.Module) -> tuple[list[_Place], list[_Place], list[dict[str, Any]]]:
+def _places(model: torch.nn.Module) -> _Known:
     """Where the tree holds tensors (parameters, buffers, tensor or None attributes) and numbers, and the
     tables that hold them (for :func:`_sizes`): 1.5-6 ms for a 32-layer tiny Llama (420 modules, 8,500
     attributes); walked when the block is entered, and again after a watched call that added attributes,
-    parameters, buffers or submodules."""
+    parameters, buffers or submodules. Last, the training flag of the root and of each module whose flag differs
+    from its parent's, by path, in the tree's order."""
     places: list[_Place] = []
     numbers: list[_Place] = []
-    tables = []
+    tables: list[dict[str, Any]] = []
     for prefix, module in model.named_modules(prefix="model"):
         attributes = module.__dict__
         tables += (attributes, attributes["_parameters"], attributes["_buffers"], attributes["_modules"])
@@ -44,7 +48,13 @@ def _places(model: torch.nn.Module) -> tuple[list[_Place], list[_Place], list[di
                 numbers.append((prefix, attributes, name))
         for table in (attributes["_parameters"], attributes["_buffers"]):
             places.extend((prefix, table, name) for name in table)
-    return places, numbers, tables
+    modes, flags = {"model": model.training}, {}
+    if any(t.get("training") is not model.training for t in tables[::4]):  # mixed (rare): walked again for paths
+        for prefix, module in model.named_modules(prefix="model"):
+            flags[prefix] = flag = module.training
+            if flag != flags.get(prefix.rpartition(".")[0], flag):
+                modes[prefix] = flag
+    return places, numbers, tables, modes
 
 
 def _sizes(tables: list[dict[str, Any]]) -> list[int]:
@@ -93,7 +103,9 @@ class StateWatch:
     rewritten in place to the values it had (a table recomputed each call the same way, as longrope's
     ``inv_freq``; only buffers and attributes up to 1 MiB are copied to tell), and a tensor the call
     adds (a cache built lazily; a later watched call that changes it is state). Changes made without
-    the version counter (through ``.data``, in place to an inference tensor) are not seen. Numbers
+    the version counter (through ``.data``, in place to an inference tensor, BatchNorm's running statistics)
+    are not seen. A tensor bound where None was (:attr:`bound`: a state the call made, or a cache) is that
+    call's state out, None its state in. Numbers
     (``int`` and ``float`` attributes, as a step counter) the calls change are noted too: state that
     cannot be recorded.
     """
@@ -102,7 +114,7 @@ class StateWatch:
         self._model, self._left = model, calls if isinstance(model, torch.nn.Module) else 0
         # where the tree holds tensors and numbers: walked here (when the block is entered, not inside
         # the first call), then again after the first watched call (a tensor it built lazily)
-        self._known: tuple[list[_Place], list[_Place], list[dict[str, Any]]] | None = None
+        self._known: _Known | None = None
         self._sizes: list[int] | None = None
         if self._left:
             try:
@@ -111,12 +123,21 @@ class StateWatch:
             except Exception:  # observation never breaks the observed program: the first call walks it
                 pass
         self.found: dict[str, _Place] = {}  # the state, by path, once a watched call changed it
-        self.first_in: dict[str, torch.Tensor] | None = None  # the state before that call, when all was kept
+        self.first_in: dict[str, torch.Tensor | None] | None = None  # the state before that call, when all was kept
+        self.bound: dict[str, _Place] = {}  # before the state is found, the places the last watched call bound
         self.numbers: list[str] = []  # the numbers (int, float attributes) the last watched call changed
 
     def now(self) -> dict[str, Any]:
-        """What the module tree holds where the state was found (a tensor, unless the model rebound it)."""
-        return {path: table.get(name) for path, (_, table, name) in self.found.items()}
+        """What the module tree holds where the state was found, else where the last watched call bound a tensor
+        where None was (a tensor, unless the model rebound it)."""
+        return {path: table.get(name) for path, (_, table, name) in (self.found or self.bound).items()}
+
+    def training(self) -> DictNode:
+        """The training flags of the walk when the block was entered, or the root's alone once it changed
+        (``train()`` and ``eval()`` set the whole tree): O(1) per call."""
+        flag, modes = self._model.training, self._known[3] if self._known is not None else {}
+        modes = modes if modes.get("model") == flag else {"model": flag}
+        return DictNode(keys=list(modes), items=[ConstNode(value=v) for v in modes.values()])
 
     def before(self) -> tuple[_Held, list[_Place], list[Any]] | None:
         """The tensors and numbers before a call, for ``changed``; None once the watched calls are spent."""
@@ -124,7 +145,7 @@ class StateWatch:
             return None
         self._left -= 1
         try:
-            tensors, numbers, _ = self._known if self._known is not None else _places(self._model)
+            tensors, numbers, *_ = self._known if self._known is not None else _places(self._model)
             return _hold(tensors, copy=True), numbers, [table.get(name) for _, table, name in numbers]
         except Exception:  # observation never breaks the observed program
             return None
@@ -135,7 +156,7 @@ class StateWatch:
         The first call that changes some sets :attr:`found`, and :attr:`first_in` if their values before it were
         kept. Numbers the call changed are set in :attr:`numbers`.
         """
-        (before, numbers, numbers_before), paths, first_in = held, [], {}
+        (before, numbers, numbers_before), paths, first_in, bound = held, [], {}, []
         try:
             if self._known is None or _sizes(self._known[2]) != self._sizes:  # a place added (a tensor built lazily)
                 self._known = _places(self._model)
@@ -154,24 +175,28 @@ class StateWatch:
         except Exception:
             return []
         for key, tensor, old, values in _moved(before, after):
-            if carried(old):
+            if old is None:
+                bound.append(key)  # bound where None was
+                continue
+            if carried(old) and ".".join(key) not in self.bound:  # not state this watch recorded itself
                 continue  # passed to the call (a static cache the model holds too)
             # compared with its values before the call: its copy, or the tensor it was before it was rebound
             reference = values if values is not None else None if tensor is old else old
             if reference is None or not _equal(tensor, reference):
                 paths.append(".".join(key))
                 first_in[key] = reference
+        places = {(p, n): (p, t, n) for p, t, n in self._known[0]} if bound or (paths and not self.found) else {}
+        self.bound = {".".join(key): places[key] for key in bound}
         if paths and not self.found:
-            places = {(prefix, name): (prefix, table, name) for prefix, table, name in self._known[0]}
-            self.found = {".".join(key): places[key] for key in first_in}
+            self.found = {".".join(key): places[key] for key in first_in} | self.bound
             kept = {".".join(key): t for key, t in first_in.items() if t is not None}
-            self.first_in = kept if len(kept) == len(first_in) else None
+            self.first_in = kept | dict.fromkeys(self.bound) if len(kept) == len(first_in) else None
         return paths
 
 
 def _moved(before: _Held, after: _Held) -> list[tuple[tuple[str, str], torch.Tensor, Any, Any]]:
-    """``(path, tensor now, value before, its copy)`` for each place holding a tensor that
-    was rebound or changed in place between ``before`` and ``after``; a tensor the call added is not listed."""
+    """``(path, tensor now, value before, its copy)`` for each place holding a tensor that was rebound, changed in
+    place or bound where None was between ``before`` and ``after``; a tensor the call added is not listed."""
     places, values, versions, copies = before
     now_places, now_values, now_versions, _ = after
     if now_places is places and now_versions == versions and all(map(operator.is_, now_values, values)):
@@ -187,9 +212,10 @@ def _moved(before: _Held, after: _Held) -> list[tuple[tuple[str, str], torch.Ten
     moved = []
     for j, i in index.items():
         tensor, version = now_values[j], now_versions[j]
-        if i is None or i not in versions or (values[i] is tensor and versions[i] == version):
+        old = None if i is None else values[i]
+        if i is None or (old is not None and (i not in versions or (old is tensor and versions[i] == version))):
             continue  # added by the call, or untouched
-        moved.append(((now_places[j][0], now_places[j][2]), tensor, values[i], copies.get(i)))
+        moved.append(((now_places[j][0], now_places[j][2]), tensor, old, copies.get(i)))
     return moved
 
 

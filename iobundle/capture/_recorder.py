@@ -397,11 +397,11 @@ class CallRecorder:
                 update["outputs"] = outputs
                 if changed and watch.first_in is not None:  # the call that found the state: as it was before
                     state_in = self._record_state(watch.first_in)
-                if state_in is not None:
-                    state_out = self._record_state(watch.now())
-                    update["state"] = (
-                        None if state_out is None else DictNode(keys=["in", "out"], items=[state_in, state_out])
-                    )
+                elif state is not None and watch.bound:  # bound where None was: state, if a later call changes it
+                    state_in = self._record_state(dict.fromkeys(watch.bound))
+                if state_in is not None and (state_out := self._record_state(watch.now())) is not None:
+                    parts = [state_in, state_out, watch.training()]
+                    update["state"] = DictNode(keys=["in", "out", "training"], items=parts)
                 if problem:
                     update.update(status="incomplete", error=problem)
                     messages.append(warning)

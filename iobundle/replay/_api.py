@@ -43,11 +43,13 @@ class RecordedCallsAPI:
         except ExportError as exc:
             self._export_report = exc.report
             raise
-        self._export_report = result.report
-        if any(call.state is not None for call in self._recorded().calls):
+        if recorded_calls(self, replayed=True) is not self._recorded():
             from iobundle.replay._module_state import state_note
 
-            result.report.options.append(state_note(self._recorded()))
+            note = state_note(self._recorded())
+            for program in getattr(result, "programs", [result]):  # a ProgramSet merges its programs' reports
+                program.report.options += [note] * (note not in program.report.options)
+        self._export_report = result.report
         return result
 
     def _recorded(self) -> RecordedCalls:
@@ -294,15 +296,9 @@ class RecordedCallsAPI:
         return infer.remove_inputs(rc, as_names)
 
     def export(
-        self,
-        model: torch.nn.Module,
-        *,
-        set_batch_dimension_for: Collection[int | str] | bool | None = None,
-        strict: bool = False,
-        check: bool = True,
-        dim_names: DimNamesSpec = False,
-        on_progress: ProgressCallback | None = None,
-        dynamic: Mapping[int | str, Collection[int]] | None = None,
+        self, model: torch.nn.Module, *, set_batch_dimension_for: Collection[int | str] | bool | None = None,
+        strict: bool = False, check: bool = True, dim_names: DimNamesSpec = False,
+        on_progress: ProgressCallback | None = None, dynamic: Mapping[int | str, Collection[int]] | None = None,
         atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
         output_rtol: Mapping[str, float] | None = None, tolerances: Tolerances | None = None,
     ) -> ExportResult:  # fmt: skip
@@ -323,16 +319,10 @@ class RecordedCallsAPI:
         )  # fmt: skip
 
     def export_programs(
-        self,
-        model: torch.nn.Module,
-        *,
-        programs: ProgramsMode = "auto",
+        self, model: torch.nn.Module, *, programs: ProgramsMode = "auto",
         set_batch_dimension_for: Collection[int | str] | bool | None = None,
-        dynamic: Mapping[int | str, Collection[int]] | None = None,
-        strict: bool = False,
-        check: bool = True,
-        dim_names: DimNamesSpec = False,
-        on_progress: ProgressCallback | None = None,
+        dynamic: Mapping[int | str, Collection[int]] | None = None, strict: bool = False, check: bool = True,
+        dim_names: DimNamesSpec = False, on_progress: ProgressCallback | None = None,
         atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
         output_rtol: Mapping[str, float] | None = None, tolerances: Tolerances | None = None,
     ) -> ProgramSet:  # fmt: skip
@@ -359,17 +349,10 @@ class RecordedCallsAPI:
         return self._export_report
 
     def to_onnx(
-        self,
-        model: torch.nn.Module,
-        path: str | os.PathLike[str],
-        *,
-        set_batch_dimension_for: Collection[int | str] | bool | None = None,
-        strict: bool = False,
-        check: bool = True,
-        dim_names: DimNamesSpec = False,
-        on_progress: ProgressCallback | None = None,
-        dynamic: Mapping[int | str, Collection[int]] | None = None,
-        programs: ProgramsMode = "one",
+        self, model: torch.nn.Module, path: str | os.PathLike[str], *,
+        set_batch_dimension_for: Collection[int | str] | bool | None = None, strict: bool = False, check: bool = True,
+        dim_names: DimNamesSpec = False, on_progress: ProgressCallback | None = None,
+        dynamic: Mapping[int | str, Collection[int]] | None = None, programs: ProgramsMode = "one",
         atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
         output_rtol: Mapping[str, float] | None = None, tolerances: Tolerances | None = None,
     ) -> str:  # fmt: skip
@@ -401,16 +384,9 @@ class RecordedCallsAPI:
         )  # its report: ``result.report``
 
     def check_discrepancies(
-        self,
-        onnx_model: str | os.PathLike[str] | onnx.ModelProto | torch.onnx.ONNXProgram,
-        atol: float = 1e-4,
-        rtol: float = 0.1,
-        hist: tuple[float, ...] = (0.1, 0.01),
-        progress_bar: bool = False,
-        include_io: bool = True,
-        skip_none: bool = True,
-        *,
-        on_progress: ProgressCallback | None = None,
+        self, onnx_model: str | os.PathLike[str] | onnx.ModelProto | torch.onnx.ONNXProgram, atol: float = 1e-4,
+        rtol: float = 0.1, hist: tuple[float, ...] = (0.1, 0.01), progress_bar: bool = False, include_io: bool = True,
+        skip_none: bool = True, *, on_progress: ProgressCallback | None = None,
         output_atol: Mapping[str, float] | None = None, output_rtol: Mapping[str, float] | None = None,
         check_error_stat: str = "max", error_quantile: float = 0.99, tolerances: Tolerances | None = None,
     ) -> list[dict[str, Any]]:  # fmt: skip
@@ -431,10 +407,7 @@ class RecordedCallsAPI:
         )  # fmt: skip
 
     def validate(
-        self,
-        onnx_model: str | os.PathLike[str] | onnx.ModelProto,
-        *,
-        on_progress: ProgressCallback | None = None,
+        self, onnx_model: str | os.PathLike[str] | onnx.ModelProto, *, on_progress: ProgressCallback | None = None,
         atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
         output_rtol: Mapping[str, float] | None = None, check_error_stat: str = "max", error_quantile: float = 0.99,
         tolerances: Tolerances | None = None,
@@ -449,10 +422,7 @@ class RecordedCallsAPI:
         return check.validate_onnx(self._replayed()[0], onnx_model, on_progress=on_progress, tolerances=tolerances)
 
     def rerun(
-        self,
-        model: torch.nn.Module,
-        *,
-        device: str | torch.device | None = None,
+        self, model: torch.nn.Module, *, device: str | torch.device | None = None,
         on_progress: ProgressCallback | None = None,
         atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
         output_rtol: Mapping[str, float] | None = None, check_error_stat: str = "max", error_quantile: float = 0.99,

@@ -1,11 +1,12 @@
 """Module state at replay: the state a call found on the module tree becomes an input, the state it left an output.
 
-A call recorded with ``state`` (``{"in": {path: tensor}, "out": {path: tensor}}``, see
-:class:`~iobundle.schema.CallEntry`) is replayed as a call of :class:`WithModuleState`: the model's
+A call recorded with ``state`` (``{"in": {path: tensor}, "out": {path: tensor}, "training": {path: bool}}``,
+see :class:`~iobundle.schema.CallEntry`) is replayed as a call of :class:`WithModuleState`: the model's
 method with one more keyword argument, ``module_state`` (the state in, loaded into the module before
-the call), returning ``(outputs, state out)``. Export, validation and re-runs take that form, so the
-exported program takes the state as inputs and returns what the call leaves, and each call is
-checked from the state it found. A call recorded before the state was found (it has none) is not replayed.
+the call; None where the call made it), returning ``(outputs, state out)``, in the recorded training mode.
+Export, validation and re-runs take that form, so the exported program takes the state as inputs and
+returns what the call leaves, and each call is checked from the state it found. A call recorded before
+the state was found (it has none) is not replayed; states in that are all None (a cache built lazily) are no state.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import torch
 
 from iobundle.calls import RecordedCalls
 from iobundle.errors import ModelLoadError
-from iobundle.schema import CallEntry, DictNode, NoneNode, ParameterEntry, TupleNode
+from iobundle.schema import CallEntry, ConstNode, DictNode, NoneNode, ParameterEntry, TupleNode
 
 __all__ = ["WithModuleState", "explicit_state", "state_note"]
+
+_SAME = "Replay it with the model the bundle was recorded from."
 
 _LACKING = (
     "recorded before iobundle found the state its module tree keeps between calls, so the call does not carry "
@@ -31,9 +34,12 @@ _LACKING = (
 def state_note(rc: RecordedCalls) -> str:
     """The export report's line on the module state of the calls ``rc`` recorded."""
     lacking = [call.index for call in rc.ok_calls if call.state is None]
-    return f"the state the model keeps on its modules is the input {_argument(rc)!r}, returned after the outputs" + (
-        f"; calls {lacking} were {_LACKING}" if lacking else ""
-    )
+    made = [c.index for c in rc.ok_calls if c.state is not None and any(v.kind == "none" for v in _parts(c)[0].items)]
+    note = f"the state the model keeps on its modules is the input {_argument(rc)!r}, returned after the outputs"
+    note += f"; calls {lacking} were {_LACKING}" if lacking else ""
+    if made:  # None is a constant to torch.export
+        note += f"; calls {made} found None where they made the state: a program of their own checks them if need be"
+    return note
 
 
 def _argument(rc: RecordedCalls) -> str:
@@ -45,27 +51,33 @@ def _argument(rc: RecordedCalls) -> str:
 
 
 def _parts(call: CallEntry) -> list[DictNode]:
-    """The state in and out of ``call``, checked: ``{"in": {path: ...}, "out": {path: ...}}``."""
+    """The state in and out of ``call`` and its training flags (none in a state recorded before them), checked."""
     state = call.state
-    named = isinstance(state, DictNode) and state.keys == ["in", "out"]
-    parts = [p for p in state.items if isinstance(p, DictNode)] if named else []  # type: ignore[union-attr]
-    if not (len(parts) == 2 and all(isinstance(k, str) for p in parts for k in p.keys)):
+    named = isinstance(state, DictNode) and state.keys in (["in", "out"], ["in", "out", "training"])
+    parts = [*state.items, DictNode(keys=[], items=[])][:3] if named else []  # type: ignore[union-attr]
+    dicts = len(parts) == 3 and all(isinstance(p, DictNode) and all(isinstance(k, str) for k in p.keys) for p in parts)
+    if not dicts or not all(isinstance(f, ConstNode) and isinstance(f.value, bool) for f in parts[2].items):
         raise ModelLoadError(
-            f"calls[{call.index}].state is not {{'in': {{path: tensor}}, 'out': {{path: tensor}}}}; the bundle is corrupt."
+            f"calls[{call.index}].state is not {{'in': {{path: tensor}}, 'out': {{path: tensor}}, "
+            "'training': {path: bool}}; the bundle is corrupt."
         )
     return parts
 
 
 def explicit_state(rc: RecordedCalls) -> RecordedCalls:
-    """The calls of ``rc``, which carry module state, as calls of :class:`WithModuleState`."""
+    """The calls of ``rc``, which carry module state, as calls of :class:`WithModuleState`; ``rc`` itself when no
+    call's state in holds a tensor (a cache built lazily, bound where None was, is no state)."""
     name, names = _argument(rc), set(rc.names)
+    parts = {call.index: _parts(call) for call in rc.calls if call.state is not None}
+    if all(isinstance(v, NoneNode) for state_in, *_ in parts.values() for v in state_in.items):
+        return rc
     calls = []
     for call in rc.calls:
         if call.state is None:
             lacking = call.status == "ok"
             calls.append(call.model_copy(update={"status": "incomplete", "error": _LACKING}) if lacking else call)
             continue
-        state_in, state_out = _parts(call)
+        state_in, state_out, _ = parts[call.index]
         kwargs = {k: v for k, v in call.kwargs.items() if k in names}
         kwargs[name] = state_in  # after the named keywords, before those **kwargs collects
         kwargs.update((k, v) for k, v in call.kwargs.items() if k not in names)
@@ -78,28 +90,24 @@ def explicit_state(rc: RecordedCalls) -> RecordedCalls:
     return RecordedCalls(signature=signature, calls=calls, store=rc.store, value_if_missing=list(rc.value_if_missing))
 
 
-def _tables(model: torch.nn.Module, paths: list[str]) -> list[tuple[dict[str, Any], str]]:
-    """Where each recorded ``model.<module path>.<name>`` lives: a buffer or tensor attribute of a module of ``model``
-    (or a public attribute holding None, bound by the first call).
+def _tables(modules: dict[str, torch.nn.Module], paths: list[str]) -> list[tuple[dict[str, Any], str]]:
+    """Where each recorded ``model.<module path>.<name>`` lives: a buffer or tensor attribute of one of ``modules``
+    (or a public buffer or attribute holding None, bound by the first call).
 
     Paths come from the bundle: they are looked up among ``named_modules()`` and the tables of the
     module found, never followed as attributes.
     """
-    modules = dict(model.named_modules(prefix="model"))
     places = []
     for path in paths:
         prefix, _, name = path.rpartition(".")
-        module = modules.get(prefix)
-        table = None
-        if module is not None:
-            table = next((t for t in (module._buffers, module.__dict__) if isinstance(t.get(name), torch.Tensor)), None)
-            if table is None and not name.startswith("_") and name in module.__dict__ and module.__dict__[name] is None:
-                table = module.__dict__  # None until the first call binds the state there (a lazily made hidden state)
+        tables = (modules[prefix]._buffers, modules[prefix].__dict__) if prefix in modules else ()
+        table = next((t for t in tables if isinstance(t.get(name), torch.Tensor)), None)
+        if table is None and not name.startswith("_"):  # None until the first call binds the state there
+            table = next((t for t in tables if name in t and t[name] is None), None)
         if table is None:
             raise ModelLoadError(
                 f"The bundle records module state at {path!r}, but the model has no buffer or tensor attribute there "
-                "(nor a public attribute holding None, where a first call binds it). "
-                "Replay it with the model the bundle was recorded from."
+                f"(nor a public buffer or attribute holding None, where a first call binds it). {_SAME}"
             )
         places.append((table, name))
     return places
@@ -109,7 +117,8 @@ class WithModuleState(torch.nn.Module):
     """``model.<method>`` that takes the module state in (``module_state``) and returns ``(outputs, state out)``.
 
     Made from the recorded calls (before :func:`explicit_state`). The state in is copied into the
-    module for the call; the module's own tensors are put back after it.
+    module for the call, run with the training flags of the first call that recorded them; the
+    module's own tensors and flags are put back after it.
     """
 
     def __new__(cls, model: torch.nn.Module, rc: RecordedCalls) -> WithModuleState:
@@ -129,14 +138,24 @@ class WithModuleState(torch.nn.Module):
         super().__init__()
         self.model = model
         self.method = rc.signature.method
-        parts = [part for call in rc.calls if call.state is not None for part in _parts(call)]
-        paths = list(dict.fromkeys(str(path) for part in parts for path in part.keys))
-        self.places = SimpleNamespace(at=dict(zip(paths, _tables(model, paths))))  # a leaf to torch.export
+        parts = [_parts(call) for call in rc.calls if call.state is not None]
+        paths = list(dict.fromkeys(str(path) for part in parts for path in (*part[0].keys, *part[1].keys)))
+        modules = dict(model.named_modules(prefix="model"))
+        modes = next((dict(zip(p[2].keys, p[2].items)) for p in parts if p[2].keys), {})
+        if unknown := [path for path in modes if path not in modules]:
+            raise ModelLoadError(
+                f"The bundle records training flags of modules the model lacks ({unknown[:4]}). {_SAME}"
+            )
+        training = [(modules[str(path)], flag.value) for path, flag in modes.items()]  # type: ignore[union-attr]
+        self.places = SimpleNamespace(at=dict(zip(paths, _tables(modules, paths))), training=training)  # leaves
 
     def run(self, args: tuple[Any, ...], state: dict[str, torch.Tensor], kwargs: dict[str, Any]) -> Any:
         places = self.places.at
         kept = [(table, name, table[name]) for table, name in places.values()]
+        flags = [(m, m.training) for m in self.model.modules()] if self.places.training else []
         try:
+            for module, flag in self.places.training:
+                module.train(flag)
             for path, value in state.items():
                 table, name = places[path]
                 table[name] = value if value is None else value.clone()
@@ -145,3 +164,5 @@ class WithModuleState(torch.nn.Module):
         finally:
             for table, name, value in kept:
                 table[name] = value
+            for module, flag in flags:
+                module.training = flag

@@ -105,7 +105,7 @@ def test_module_state_is_recorded_and_each_call_replays_from_the_bundle(case: st
     assert "records them too" in warning
     bundle = load_bundle(tmp_path / "b")
     states = [call.state for call in bundle.calls]
-    assert all(state is not None and state.keys == ["in", "out"] for state in states)
+    assert all(state is not None and state.keys == ["in", "out", "training"] for state in states)
     for before, after in zip(bundle.calls, bundle.calls[1:]):  # a call finds the state the previous one left
         for k_out, k_in in zip(before.state.items[1].items, after.state.items[0].items):
             torch.testing.assert_close(bundle.tensor(k_out.key), bundle.tensor(k_in.key))
@@ -202,9 +202,15 @@ def test_the_state_travels_with_the_bundle_but_not_into_a_redacted_one(tmp_path:
     original, upgraded = load_bundle(tmp_path / "b"), load_bundle(tmp_path / "u")
     for a, b in zip(original.calls, upgraded.calls):
         keys = [
-            (n.key, m.key) for part, other in zip(a.state.items, b.state.items) for n, m in zip(part.items, other.items)
+            (n.key, m.key)
+            for part, other in zip(a.state.items[:2], b.state.items[:2])  # in and out; then the training flags
+            for n, m in zip(part.items, other.items)
         ]
-        assert keys and all(torch.equal(original.tensor(k), upgraded.tensor(j)) for k, j in keys)
+        assert (
+            a.state.items[2] == b.state.items[2]
+            and keys
+            and all(torch.equal(original.tensor(k), upgraded.tensor(j)) for k, j in keys)
+        )
     arrays = convert_to_npz(original, tmp_path / "npz").paths[1]
     assert {"state.in.model%2Elayers%2E1%2Emean", "state.out.model%2Elayers%2E1%2Eseen"} <= set(numpy.load(arrays))
     redact_bundle(tmp_path / "b", tmp_path / "r")  # the state holds values computed from the real inputs
@@ -238,3 +244,106 @@ def test_a_tiny_llama_whose_layer_keeps_state_exports_and_validates_from_the_bun
     assert programs.report.ok
     report = bundle.validate(programs.to_onnx(tmp_path / "m.onnx"))
     assert report.ok and len(report.rows) == 4
+
+
+class TrainingHead(torch.nn.Module):
+    """A frozen block (BatchNorm with running statistics, Dropout: in eval mode) under a BatchNorm that trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5))
+        self.norm = torch.nn.BatchNorm1d(4)
+        with torch.no_grad():
+            self.frozen[1].running_mean.fill_(3.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.frozen(x))
+
+
+def test_calls_recorded_in_training_mode_replay_in_it_from_a_model_built_for_inference(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = TrainingHead().train()
+    model.frozen.eval()
+    replayed = copy.deepcopy(model).eval()  # as a factory builds it: every module in eval mode
+    [warning] = record(model, lambda i: torch.randn(i + 3, 4), tmp_path / "b")
+    assert "model.norm.num_batches_tracked" in warning
+    bundle = load_bundle(tmp_path / "b")
+    assert bundle.rerun(replayed).ok
+    result = bundle.export(replayed)
+    assert result.report.ok, result.report.summary()
+    assert not replayed.training and not replayed.norm.training  # its own flags are put back
+    report = bundle.validate(bundle.to_onnx(replayed, tmp_path / "model.onnx"))
+    assert report.ok and [row["index"] for row in report.rows] == [0, 1, 2, 3]
+    training = bundle.calls[0].state.items[2]  # the root's flag, and the frozen block's where it differs
+    assert (training.keys, [flag.value for flag in training.items]) == (["model", "model.frozen"], [True, False])
+
+
+class LazyCell(torch.nn.Module):
+    """An RNN cell whose hidden state is a buffer registered as None, made by the first call from a learned state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = torch.nn.RNNCell(4, 4)
+        self.h0 = torch.nn.Parameter(torch.randn(4))
+        self.register_buffer("h", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.h = self.cell(x, self.h0.expand(x.shape[0], 4) if self.h is None else self.h)
+        return self.h * 2
+
+
+def test_the_call_that_made_the_state_where_none_was_replays_from_none(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Holder(LazyCell())
+    replayed = copy.deepcopy(model)
+    [warning] = record(model, lambda i: torch.randn(2, 4), tmp_path / "b")
+    assert "model.layers.1.h" in warning
+    bundle = load_bundle(tmp_path / "b")
+    replayed.layers[1].h = torch.ones(2, 4)  # a model that ran before: replay puts None there for call 0
+    report = bundle.rerun(replayed)
+    assert report.ok and [row["index"] for row in report.rows] == [0, 1, 2, 3]
+    state_in = bundle.calls[0].state.items[0]
+    assert state_in.keys == ["model.layers.1.h"] and state_in.items[0].kind == "none"
+    programs = bundle.export_programs(replayed)  # None is a constant of a program: call 0 takes its own
+    checked = [(c.index, c.success) for p in programs.programs for c in p.report.calls]
+    assert sorted(checked) == [(i, True) for i in range(4)], programs.summary()
+    assert "calls [0] found None where they made the state" in str(bundle.export_report().options)
+
+
+class LazyTable(torch.nn.Module):
+    """Builds a table on its first call where None was, the same on every later call: a cache, not state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.table is None:
+            self.table = torch.arange(4.0)
+        return x * self.table
+
+
+def test_a_cache_built_where_none_was_is_no_state(tmp_path: Path) -> None:
+    model = LazyTable()
+    assert record(model, lambda i: torch.randn(2, 4), tmp_path / "b") == []  # no warning
+    bundle = load_bundle(tmp_path / "b")
+    assert [call.state is not None for call in bundle.calls] == [True, False, False, False]  # what it found: None
+    result = bundle.export(LazyTable())
+    assert result.report.ok and len(result.report.calls) == 4
+    assert "module_state" not in str(result.program.graph_signature)
+
+
+def test_a_bundle_recorded_before_the_training_flags_still_replays(tmp_path: Path) -> None:
+    make, inputs = CASES["recurrent"]
+    torch.manual_seed(1)
+    model = make()
+    replayed = copy.deepcopy(model).eval()
+    record(model, inputs, tmp_path / "b")
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    for structure in manifest["structures"]:  # the state as the bundles of the previous release hold it
+        state = structure["state"]
+        assert state["keys"].pop() == "training" and state["items"].pop()["kind"] == "dict"
+    (tmp_path / "b" / "manifest.json").write_text(json.dumps(manifest))
+    bundle = load_bundle(tmp_path / "b")
+    assert all(call.state.keys == ["in", "out"] for call in bundle.calls)
+    assert bundle.rerun(replayed).ok and bundle.export(replayed).report.ok

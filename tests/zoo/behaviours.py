@@ -80,7 +80,10 @@ def _unet_runs() -> tuple[torch.nn.Module, dict[str, Any]]:
 
 # --------------------------------------------------------------------------- class 1: state kept on modules
 # The mechanism (state in and out of each call, the program's module_state input) was debugged on the
-# cases of tests/replay/test_module_state.py; these two passed as first written.
+# cases of tests/replay/test_module_state.py; streaming_gru passed as first written. The training flags
+# recorded with the state (and BatchNorm in training mode converted to ONNX) were debugged on
+# streaming_norm, the first call's state None where it made it on streaming_gru_lazy; mixed_mode_norm
+# and lazy_rnn_cell passed as first written.
 
 
 # --------------------------------------------------------------------------- class 2: sizes read from values
@@ -386,8 +389,16 @@ BEHAVIOURS += [
         classes=(1,),
         run=_calls,
         factory="zoo_models:streaming_norm",
-        known_failure="recorded in training mode, replayed in eval mode: BatchNorm then normalises with its running "
-        "statistics, not the batch's (max abs error 1.3 on every call); a model's training flag is not recorded",
+    ),
+    Family(
+        "mixed_mode_norm",
+        lambda: (zoo_models.mixed_mode_norm_training(), {"calls": [(_randn(n, 2, 7, seed=n),) for n in (4, 6, 5)]}),
+        notes="a frozen backbone (BatchNorm, Dropout in eval mode) under a training BatchNorm head; the factory "
+        "builds it in eval mode: replayed in the modes recorded",
+        source=PLAIN,
+        classes=(1,),
+        run=_calls,
+        factory="zoo_models:mixed_mode_norm",
     ),
     Family(
         "streaming_gru",
@@ -406,8 +417,16 @@ BEHAVIOURS += [
         classes=(1,),
         run=_calls,
         factory="zoo_models:streaming_gru_lazy",
-        known_failure="the first call found None where it bound the state: it is recorded without state and not "
-        "replayed (ep.module() checked 2 of 3 calls); the later calls replay from their state",
+    ),
+    Family(
+        "lazy_rnn_cell",
+        _plain("lazy_rnn_cell", *[(_randn(2, 3, seed=i),) for i in range(4)]),
+        notes="an RNN cell whose hidden state is a buffer registered as None, made by the first call from a learned "
+        "initial state (not zeros)",
+        source=PLAIN,
+        classes=(1,),
+        run=_calls,
+        factory="zoo_models:lazy_rnn_cell",
     ),
     Family(
         "wrapped_conv_stack",

@@ -351,6 +351,54 @@ def streaming_gru_lazy() -> torch.nn.Module:
     return _seeded(lambda: StreamingGru(lazy=True)).eval()
 
 
+class MixedModeNorm(torch.nn.Module):
+    """A frozen backbone (BatchNorm and Dropout in eval mode) under a head whose BatchNorm trains: modes mixed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        conv = torch.nn.Conv1d(2, 6, 3, padding=1)
+        self.backbone = torch.nn.Sequential(conv, torch.nn.BatchNorm1d(6), torch.nn.ReLU(), torch.nn.Dropout(0.5))
+        self.head = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5))
+        with torch.no_grad():  # running statistics of a backbone trained before: not those of a fresh BatchNorm
+            self.backbone[1].running_mean.uniform_(-1, 1)
+            self.backbone[1].running_var.uniform_(0.5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x).mean(-1))
+
+
+def mixed_mode_norm() -> torch.nn.Module:
+    """In eval mode, as a factory that builds a model for inference gives it."""
+    return _seeded(MixedModeNorm)
+
+
+def mixed_mode_norm_training() -> torch.nn.Module:
+    """As it was recorded: training, its backbone frozen (``eval()``)."""
+    model = mixed_mode_norm().train()
+    model.backbone.eval()
+    return model
+
+
+class LazyRnnCell(torch.nn.Module):
+    """An RNN cell without normalisation whose hidden state is a buffer registered as None, made by the first
+    call from a learned initial state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = torch.nn.RNNCell(3, 5)
+        self.h0 = torch.nn.Parameter(torch.randn(5))
+        self.register_buffer("hidden", None, persistent=False)
+
+    def forward(self, frame: torch.Tensor) -> torch.Tensor:
+        hidden = self.h0.expand(frame.shape[0], 5) if self.hidden is None else self.hidden
+        self.hidden = self.cell(frame, hidden)
+        return self.hidden * 2
+
+
+def lazy_rnn_cell() -> torch.nn.Module:
+    return _seeded(LazyRnnCell)
+
+
 class PassThrough(torch.nn.Module):
     """A wrapper that forwards everything to the module it holds, as a parallel or hook wrapper does."""
 

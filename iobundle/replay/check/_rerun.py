@@ -30,10 +30,7 @@ logger = logging.getLogger(__name__)
 
 
 def rerun_model(
-    rc: RecordedCalls,
-    model: torch.nn.Module,
-    *,
-    device: str | torch.device | None = None,
+    rc: RecordedCalls, model: torch.nn.Module, *, device: str | torch.device | None = None,
     on_progress: ProgressCallback | None = None,
     atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
     output_rtol: Mapping[str, float] | None = None, check_error_stat: str = "max", error_quantile: float = 0.99,

@@ -322,13 +322,8 @@ def _require_outputs(rc: RecordedCalls) -> None:
 
 
 def check_discrepancies(
-    rc: RecordedCalls,
-    onnx_model: str | os.PathLike[str] | onnx.ModelProto | torch.onnx.ONNXProgram,
-    *,
-    hist: Sequence[float] = (0.1, 0.01),
-    progress_bar: bool = False,
-    include_io: bool = True,
-    skip_none: bool = True,
+    rc: RecordedCalls, onnx_model: str | os.PathLike[str] | onnx.ModelProto | torch.onnx.ONNXProgram, *,
+    hist: Sequence[float] = (0.1, 0.01), progress_bar: bool = False, include_io: bool = True, skip_none: bool = True,
     on_progress: ProgressCallback | None = None,
     atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
     output_rtol: Mapping[str, float] | None = None, check_error_stat: str = "max", error_quantile: float = 0.99,

@@ -72,16 +72,9 @@ class SplitProgram(ExportResult):
 
 
 def export_program(
-    rc: RecordedCalls,
-    model: torch.nn.Module,
-    *,
-    set_batch_dimension_for: Collection[int | str] | bool | None = None,
-    strict: bool = False,
-    check: bool = True,
-    dynamic: DynamicSpec = None,
-    check_batch: bool = True,
-    dim_names: DimNamesSpec = False,
-    on_progress: ProgressCallback | None = None,
+    rc: RecordedCalls, model: torch.nn.Module, *, set_batch_dimension_for: Collection[int | str] | bool | None = None,
+    strict: bool = False, check: bool = True, dynamic: DynamicSpec = None, check_batch: bool = True,
+    dim_names: DimNamesSpec = False, on_progress: ProgressCallback | None = None,
     atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
     output_rtol: Mapping[str, float] | None = None, tolerances: Tolerances | None = None,
 ) -> ExportResult:  # fmt: skip

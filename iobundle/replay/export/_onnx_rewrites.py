@@ -14,6 +14,10 @@ listed on the export report's options when they changed something.
     decomposes to ``aten.sub.Tensor(1.0, mask)``, number first, which no schema takes ("Failed to
     decompose the FX graph"). The rewrite casts the tensor to the result's dtype first.
 
+``aten.batch_norm`` in training mode
+    normalises with the batch's statistics; the exporter translates it in inference mode, with the
+    running statistics. Given none, the translation takes the batch's (the program does not output them).
+
 What depends only on constants and weights, folded (when the conversion lacks a translation)
     A value computed from numbers, constants, parameters and buffers alone (``Normal(0,
     1).icdf(...)`` reaches the exporter as ``prims.erf_inv``, which has no translation) is
@@ -182,6 +186,9 @@ def rewrite_for_onnx(ep: torch.export.ExportedProgram) -> list[str]:
             cast.meta["val"] = operand.meta["val"].to(dtype)
             node.args = (cast, *node.args[1:])
             done.append(f"{node.target} of an integer tensor -> {node.target} of its {dtype} cast")
+        elif node.target is torch.ops.aten.batch_norm.default and node.args[5] is True and node.args[3] is not None:
+            node.args = (*node.args[:3], None, None, *node.args[5:])
+            done.append("aten.batch_norm in training mode -> the batch's statistics (no running statistics)")
     if done:
         ep.graph_module.recompile()
         logger.info("rewrote for ONNX: %s", ", ".join(done))

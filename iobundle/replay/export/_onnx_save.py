@@ -39,16 +39,9 @@ EXTERNAL_DATA_BYTES = 256 * 1024**2
 
 
 def export_onnx(
-    rc: RecordedCalls,
-    model: torch.nn.Module,
-    path: str | os.PathLike[str],
-    *,
-    set_batch_dimension_for: Collection[int | str] | bool | None = None,
-    strict: bool = False,
-    check: bool = True,
-    dynamic: DynamicSpec = None,
-    dim_names: DimNamesSpec = False,
-    on_progress: ProgressCallback | None = None,
+    rc: RecordedCalls, model: torch.nn.Module, path: str | os.PathLike[str], *,
+    set_batch_dimension_for: Collection[int | str] | bool | None = None, strict: bool = False, check: bool = True,
+    dynamic: DynamicSpec = None, dim_names: DimNamesSpec = False, on_progress: ProgressCallback | None = None,
     atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
     output_rtol: Mapping[str, float] | None = None, tolerances: Tolerances | None = None,
 ) -> str:  # fmt: skip

@@ -208,16 +208,9 @@ def _first_line(exc: BaseException) -> str:
 
 
 def export_programs(
-    rc: RecordedCalls,
-    model: torch.nn.Module,
-    *,
-    programs: ProgramsMode = "auto",
-    set_batch_dimension_for: Collection[int | str] | bool | None = None,
-    dynamic: DynamicSpec = None,
-    strict: bool = False,
-    check: bool = True,
-    dim_names: Any = False,
-    on_progress: Any = None,
+    rc: RecordedCalls, model: torch.nn.Module, *, programs: ProgramsMode = "auto",
+    set_batch_dimension_for: Collection[int | str] | bool | None = None, dynamic: DynamicSpec = None,
+    strict: bool = False, check: bool = True, dim_names: Any = False, on_progress: Any = None,
     atol: float = 1e-4, rtol: float = 0.1, output_atol: Mapping[str, float] | None = None,
     output_rtol: Mapping[str, float] | None = None, tolerances: Tolerances | None = None,
 ) -> ProgramSet:  # fmt: skip

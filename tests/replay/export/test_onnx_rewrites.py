@@ -84,3 +84,31 @@ def test_rsub_rewrite_is_on_the_export_report_and_the_onnx_file_validates(tmp_pa
     )
     rows = bundle.check_discrepancies(path, atol=0.0, rtol=0.0)
     assert [(r["index"], r["SUCCESS"]) for r in rows] == [(0, True), (1, True)]
+
+
+class TrainingNorm(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(3)
+        with torch.no_grad():  # running statistics far from any batch's
+            self.norm.running_mean.fill_(5.0)
+            self.norm.running_var.fill_(9.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x) * 2
+
+
+def test_a_batch_norm_in_training_mode_converts_with_the_batch_statistics() -> None:
+    model, x = TrainingNorm().train(), torch.randn(4, 3, 6, generator=torch.Generator().manual_seed(0))
+    ep = _export(model, (x,))
+    assert rewrite_for_onnx(ep) == [
+        "aten.batch_norm in training mode -> the batch's statistics (no running statistics)"
+    ]
+    assert rewrite_for_onnx(torch.export.export(TrainingNorm().eval(), (x,))) == []  # eval mode: left as it is
+    program = torch.onnx.export(ep, (), dynamo=True, verbose=False)  # without the rewrite: the running statistics
+    session = ort.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    for rows in (4, 7):  # another batch, too
+        x = torch.randn(rows, 3, 6)
+        with torch.no_grad():
+            want = TrainingNorm().train()(x)
+        np.testing.assert_allclose(session.run(None, {"x": x.numpy()})[0], want.numpy(), atol=1e-5)
