@@ -67,7 +67,7 @@ def _hold(places: list[_Place], copy: bool = False) -> _Held:
 
     Lists by place, not a dictionary by path: a watched call compares about a thousand places at 32 layers.
     """
-    values = [table.get(name) for _, table, name in places]
+    values: list[Any] = [table.get(name) for _, table, name in places]
     present = [i for i, value in enumerate(values) if value is not None]  # most places hold None
     try:  # a tensor at every place that holds something: one comprehension
         versions: dict[int, int | None] = dict(zip(present, [values[i]._version for i in present]))
@@ -205,7 +205,7 @@ def _moved(before: _Held, after: _Held) -> list[tuple[tuple[str, str], torch.Ten
         indices = [
             i for i, version in now_versions.items() if now_values[i] is not values[i] or versions.get(i) != version
         ]
-        index = dict(zip(indices, indices))
+        index: dict[int, int | None] = dict(zip(indices, indices))
     else:  # places were added: matched by path
         at = {(prefix, name): i for i, (prefix, _, name) in enumerate(places)}
         index = {j: at.get((prefix, name)) for j, (prefix, _, name) in enumerate(now_places) if j in now_versions}
