@@ -68,6 +68,7 @@ __all__ = [
     "Match",
     "Packed",
     "PinnedStager",
+    "buffer_size",
     "WRITE_HASH",
     "new_hasher",
     "rebuild",
@@ -128,7 +129,7 @@ from iobundle.calls._registry import (
     register_provider,
 )
 from iobundle.calls._segments import SegmentWriter, seal_segment, segment_header_entry
-from iobundle.calls._staging import Packed, PinnedStager
+from iobundle.calls._staging import Packed, PinnedStager, buffer_size
 from iobundle.calls._tensorfile_read import (
     BundleTensorStore,
     check_file,

@@ -34,7 +34,7 @@ else:
     torch = lazy_module("torch", globals())
 
 
-__all__ = ["Packed", "PinnedStager"]
+__all__ = ["Packed", "PinnedStager", "buffer_size"]
 
 
 class Packed(NamedTuple):
@@ -46,7 +46,8 @@ class Packed(NamedTuple):
     packed: torch.Tensor  # the device copy, alive until the copy to the host is done
 
 
-def _round_up(nbytes: int) -> int:
+def buffer_size(nbytes: int) -> int:
+    """A recycled buffer's size for ``nbytes``: one of 8 sizes per power of two (at most 12.5% slack), 4 KiB aligned."""
     step = max(4096, 1 << max(nbytes.bit_length() - 4, 0))
     return -(-nbytes // step) * step
 
@@ -88,7 +89,7 @@ class PinnedStager:
                 self._free_bytes -= self._free[i].numel()
                 return self._free.pop(i)
         with torch.inference_mode(False):  # reused by later calls, maybe outside inference_mode
-            return torch.empty(_round_up(nbytes), dtype=torch.uint8, pin_memory=True)
+            return torch.empty(buffer_size(nbytes), dtype=torch.uint8, pin_memory=True)
 
     def give_back(self, buffers: list[torch.Tensor]) -> None:
         """Return the pinned buffers of :meth:`to_host` (their bytes are written); keep what fits."""

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from iobundle.calls import NAME_TO_DTYPE, dtype_name, parse_header, read_exactly, rebuild, tensor_span
+from iobundle.calls import NAME_TO_DTYPE, buffer_size, dtype_name, parse_header, read_exactly, rebuild, tensor_span
 from iobundle.capture._entries import TensorRow
 from iobundle.errors import TensorFileError
 
@@ -66,12 +66,6 @@ def _poolable(tensor: torch.Tensor) -> bool:
     )
 
 
-def _round_up(nbytes: int) -> int:
-    """Round ``nbytes`` up to one of 8 sizes per power of two (at most 12.5% slack), 4 KiB aligned."""
-    step = max(4096, 1 << max(nbytes.bit_length() - 4, 0))
-    return -(-nbytes // step) * step
-
-
 class BufferPool:
     """Recycled CPU byte buffers for snapshots.
 
@@ -111,7 +105,7 @@ class BufferPool:
                 buf = None
         if buf is None:
             with torch.inference_mode(False):  # a normal tensor, even for a model run under inference_mode
-                buf = torch.empty(_round_up(nbytes), dtype=torch.uint8)
+                buf = torch.empty(buffer_size(nbytes), dtype=torch.uint8)
         with self._cond:
             self._taken[buf.data_ptr()] = buf.numel()
             self._lent += buf.numel()

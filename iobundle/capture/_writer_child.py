@@ -22,12 +22,12 @@ from iobundle.calls import NAME_TO_DTYPE
 from iobundle.capture._entries import entry_row, mark_incomplete
 from iobundle.capture._writer import BundleWriter
 from iobundle.capture._writer_process import (
-    _ALIGN,
     ANSWER_AFTER_IDLE_S,
     ANSWERS_AT_ONCE,
     CHILD_NICE,
     CONSUMED_EARLY_BYTES,
     POLL_S,
+    RING_ALIGN,
     map_ring,
 )
 from iobundle.errors import BundleWriteError, UnsupportedInputError
@@ -162,7 +162,7 @@ def _write(
         for group, spec in specs:
             if spec[0] == "tensor":  # each key at the next aligned offset
                 _, name, shape, device, offset, nbytes = spec
-                dtype, step = NAME_TO_DTYPE[name], (nbytes + _ALIGN - 1) & -_ALIGN
+                dtype, step = NAME_TO_DTYPE[name], (nbytes + RING_ALIGN - 1) & -RING_ALIGN
                 begin = start + offset
                 for key in group:
                     snapshots[key] = view[begin : begin + nbytes].view(dtype).reshape(shape).clone()

@@ -95,7 +95,8 @@ copied them out (a message of its own); a smaller one with its answer."""
 MAX_IN_FLIGHT = 64
 """Calls handed to the child and not confirmed yet, at most (a slow disk makes submit wait)."""
 
-_ALIGN = 64
+RING_ALIGN = 64
+"""Each call's range of the ring, and each tensor in it, starts at a multiple of this many bytes (any dtype's view)."""
 
 _InRing = tuple[list[str], torch.dtype, tuple[int, ...], int, int, int]
 """CPU snapshots of one dtype and shape copied into the ring: ``(keys, dtype, shape, offset, nbytes, step)``."""
@@ -169,7 +170,7 @@ class _Ring:
         """The start of a free range of ``n`` bytes for call ``seq``, or None while there is none."""
         if n == 0:
             return 0
-        n = -(-n // _ALIGN) * _ALIGN  # the next range starts aligned for every dtype
+        n = -(-n // RING_ALIGN) * RING_ALIGN  # the next range starts aligned for every dtype
         spans, start = self._spans, None
         if not spans:
             start = 0 if n <= self.size else None
@@ -451,7 +452,7 @@ class WriterProcess:
                         last_dtype = None
                         continue
                     nbytes, cpu = tensor.nbytes, tensor.is_cpu
-                    step = (nbytes + _ALIGN - 1) & -_ALIGN
+                    step = (nbytes + RING_ALIGN - 1) & -RING_ALIGN
                     group, dims = [key], tuple(shape)
                     device = "cpu" if cpu else str(tensor.device)
                     specs.append((group, ("tensor", name, dims, device, total, nbytes)))

@@ -430,8 +430,8 @@ class ConvStack(torch.nn.Module):
 
 
 def compiled_conv_stack() -> torch.nn.Module:
-    """A plain torch model wrapped by ``torch.compile`` (an ``OptimizedModule``), as a user holds it."""
-    return torch.compile(_seeded(ConvStack))
+    """:func:`conv_stack` wrapped by ``torch.compile`` (an ``OptimizedModule``), as a user holds it."""
+    return torch.compile(conv_stack())
 
 
 def diffusers_unet() -> torch.nn.Module:
