@@ -186,3 +186,35 @@ def test_a_writer_process_that_dies_during_a_copy_leaves_the_ring_mapped(
     assert statuses[copied] in ("ok", "incomplete"), statuses
     assert statuses[:copied] + statuses[copied + 1 :] == ["ok", "ok"], statuses
     assert loaded.verify() == []
+
+
+class Layers(torch.nn.Module):
+    """Returns one tensor per layer, all of one shape (a cache's layers), computed with autograd on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 2.0, 6))
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [x * s for s in self.scale]
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 16), (3, 5)])  # 16 floats: back to back in the ring; 5: padded apart
+def test_outputs_of_one_shape_that_require_grad_reach_the_bundle_as_returned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...]
+) -> None:
+    """The writer process's hand-off copies a run of same-shape outputs into the ring in one step (the tensors
+    back to back) or one by one (each padded to the ring's alignment), autograd on or not."""
+    monkeypatch.setattr(_stream, "WRITER", "process")
+    model, observer = Layers(), InputObserver()
+    returned = []
+    with observer(model, store_n_calls=3, stream_to=tmp_path / "run"):
+        for i in range(3):
+            out = model(torch.randn(*shape, generator=torch.Generator().manual_seed(i)))
+            assert out[0].requires_grad
+            returned.append([t.detach().clone() for t in out])
+    bundle = load_bundle(tmp_path / "run")
+    assert bundle.num_obs() == 3
+    for call, tensors in zip(bundle.calls, returned, strict=True):
+        for node, expected in zip(call.outputs.items, tensors, strict=True):
+            assert torch.equal(bundle.tensor(node.key), expected)
