@@ -1,10 +1,10 @@
-"""Store the observed model in a bundle: a transformers config (JSON) and its weights (safetensors).
+"""Store the observed model in a bundle: a transformers or diffusers config (JSON) and its weights (safetensors).
 
 A self-contained bundle replays without the model's code being importable by name: the
 loader (``iobundle.replay.load_bundle_model``) rebuilds any class transformers registers
-in its auto-model mappings, refuses configs that select code, and loads the weights with
-safetensors. Only transformers models are stored, since only they can be rebuilt from a
-config alone; one wrapped by ``torch.compile`` or peft is stored as the model it runs (peft
+in its auto-model mappings (or any ``diffusers.ModelMixin`` of the diffusers package), refuses configs
+that select code, and loads the weights with safetensors. Only transformers and diffusers models are
+stored, since only they can be rebuilt from a config alone; one wrapped by ``torch.compile`` or peft is stored as the model it runs (peft
 adapters merged, on a copy of each layer), and quantized weights are refused.
 
 Layout::
@@ -42,12 +42,18 @@ MODEL_CONFIG_FILE = f"{MODEL_DIR}/config.json"
 MODEL_WEIGHTS_FILE = f"{MODEL_DIR}/weights.safetensors"
 
 
-def _is_transformers_model(model: Any) -> bool:
-    if not type(model).__module__.startswith("transformers."):
-        return False
-    import transformers
+def _library(model: Any) -> str | None:
+    """The library whose config rebuilds ``model`` (``"transformers"``, ``"diffusers"``), or None."""
+    library = type(model).__module__.partition(".")[0]
+    if library == "transformers":
+        import transformers
 
-    return isinstance(model, transformers.PreTrainedModel)
+        return library if isinstance(model, transformers.PreTrainedModel) else None
+    if library == "diffusers":
+        import diffusers
+
+        return library if isinstance(model, diffusers.ModelMixin) else None
+    return None
 
 
 def _file_entry(path: Path) -> FileEntry:
@@ -91,8 +97,12 @@ def _config_json(model: Any) -> str:
     Those three tokens are what transformers writes in its own config.json, and what the bundle's
     config reader (:func:`iobundle.calls.read_stored_config`) has parsed since format version 1
     (docs/format.md, "Stored model").
+    A diffusers config (a FrozenDict) is stored as its public keys; ``_class_name`` is the manifest's class.
     """
-    config = model.config.to_dict()
+    if _library(model) == "diffusers":
+        config = {k: v for k, v in model.config.items() if not k.startswith("_")}
+    else:
+        config = model.config.to_dict()
     # Settings the loader passes itself, and a remote-code hint that must never be followed.
     for key in ("_attn_implementation_autoset", "auto_map"):
         config.pop(key, None)
@@ -171,9 +181,9 @@ def check_model(model: Any, observed: Any | None = None) -> tuple[str, str]:
     """
     model = _inner(model, runs=observed is None or observed is model)
     observed = None if observed is None else _inner(observed, runs=True)
-    if not _is_transformers_model(model):
+    if _library(model) is None:
         raise ObserverArgumentError(
-            f"include_model stores transformers models only (a config rebuilds them); got a "
+            f"include_model stores transformers and diffusers models only (a config rebuilds them); got a "
             f"{type(model).__module__}.{type(model).__qualname__}. Pass the transformers model that holds the "
             "observed module (include_model=model), or save without include_model."
         )
@@ -196,7 +206,7 @@ def check_model(model: Any, observed: Any | None = None) -> tuple[str, str]:
         inside = submodule == path or submodule.startswith(f"{path}.")
         if inside or not (hasattr(layer, "unload_and_optionally_merge_module") or hasattr(layer, "base_layer")):
             raise _unmergeable(layer, path, model, " (the observed module is part of it)" if inside else "")
-    differs = None if adapters else _rebuilt_differs(model)
+    differs = None if adapters or _library(model) != "transformers" else _rebuilt_differs(model)
     if differs is not None:
         raise ObserverArgumentError(
             f"include_model cannot store this {type(model).__name__}: the one its config builds differs ({differs}). "
@@ -340,6 +350,7 @@ def write_model(bundle_dir: str | os.PathLike[str], model: torch.nn.Module, obse
             ) from exc
         raise
     entry = ModelEntry(
+        library="diffusers" if _library(model) == "diffusers" else "transformers",
         class_name=type(model).__name__,
         config_file=MODEL_CONFIG_FILE,
         weights_file=MODEL_WEIGHTS_FILE,

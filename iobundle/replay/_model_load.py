@@ -17,14 +17,15 @@ The config is JSON read with size limits, the weights are read with safetensors 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from iobundle._implementations import ATTN_IMPLEMENTATIONS, EXPERTS_IMPLEMENTATIONS, SAFE_ATTN_IMPLEMENTATION
 from iobundle._store import LocalStore, Store
@@ -52,6 +53,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 _BUILD_IT_YOURSELF = (
     "Build the model yourself and pass it to export (iobundle export BUNDLE --model MODULE:FACTORY, "
@@ -335,31 +337,57 @@ def _check_model_type(
         )
 
 
+def _built(entry: ModelEntry, what: str, build: Callable[[], _T]) -> _T:
+    """``build()``, its failure a ModelLoadError naming ``what`` and the config file."""
+    try:
+        return build()
+    except IobundleError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"Cannot build {what} from {entry.config_file}: {type(exc).__name__}: {exc}") from exc
+
+
 def _build(cls: type[PreTrainedModel], config_dict: dict[str, Any], entry: ModelEntry) -> torch.nn.Module:
     config_class = cls.config_class
     if config_class is None:
         raise ModelLoadError(f"{entry.class_name} has no config class to build it from; build the model yourself.")
     _check_config_dict(entry.config_file, config_dict, config_class=config_class)  # now knowing its sub-configs
     config_dict = {k: v for k, v in config_dict.items() if k not in _IGNORED_KEYS}
-    try:
-        config = config_class.from_dict(config_dict)
-    except IobundleError:
-        raise
-    except Exception as exc:
-        raise ModelLoadError(
-            f"Cannot build the config of {entry.class_name} from {entry.config_file}: {type(exc).__name__}: {exc}"
-        ) from exc
+    config = _built(entry, f"the config of {entry.class_name}", lambda: config_class.from_dict(config_dict))
     _check_config_object(entry.config_file, config)
+    kwargs = {"attn_implementation": entry.attn_implementation} if entry.attn_implementation else {}
+    return _built(entry, entry.class_name, lambda: cls._from_config(config, **kwargs))
+
+
+def _diffusers_class(name: str) -> type[torch.nn.Module]:
+    """Resolve ``name`` only as an attribute of the ``diffusers`` package, a ``ModelMixin`` built from its config."""
     try:
-        kwargs = {"attn_implementation": entry.attn_implementation} if entry.attn_implementation else {}
-        model = cls._from_config(config, **kwargs)
-    except IobundleError:
-        raise
-    except Exception as exc:
-        raise ModelLoadError(
-            f"Cannot build {entry.class_name} from {entry.config_file}: {type(exc).__name__}: {exc}"
+        import diffusers
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"Rebuilding the diffusers model stored in a bundle needs diffusers ({exc}): pip install diffusers, "
+            "or build the model yourself and pass --model MODULE:FACTORY."
         ) from exc
-    return model
+    cls: Any = None
+    if name.isidentifier() and not name.startswith("_"):
+        with contextlib.suppress(Exception):  # a name diffusers does not export, or one whose backend is missing
+            cls = getattr(diffusers, name, None)
+    mixins = (diffusers.ModelMixin, diffusers.ConfigMixin)
+    if not (
+        isinstance(cls, type) and all(issubclass(cls, m) for m in mixins) and cls.__module__.startswith("diffusers.")
+    ):
+        raise UnsafeBundleError(
+            f"model.class_name: the bundle's model is a {_short(name)}, which is not a model class the diffusers "
+            "package exports (a diffusers.ModelMixin and ConfigMixin); refusing to build it. " + _BUILD_IT_YOURSELF
+        )
+    return cls
+
+
+def _check_diffusers_config(file: str, config: dict[str, Any]) -> None:
+    """A diffusers config holds public settings only: ``_class_name`` and the like select classes."""
+    for key, value in config.items():
+        if key.startswith("_") or (key in CODE_SELECTING_FIELDS and _is_set(value)):
+            raise _refuse(file, key, value, CODE_SELECTING_FIELDS.get(key, "is not a public setting of the model"))
 
 
 def _load_weights(store: Store, model: torch.nn.Module, entry: ModelEntry) -> None:
@@ -454,11 +482,22 @@ class StoredModel:
     class_checked: bool = True
 
 
+def _check_config(entry: ModelEntry, config_dict: dict[str, Any]) -> None:
+    if entry.library == "diffusers":
+        _check_diffusers_config(entry.config_file, config_dict)
+    else:
+        _check_config_dict(entry.config_file, config_dict)
+
+
 def _stored_config(
     bundle: Bundle, entry: ModelEntry, *, registry: bool = True
 ) -> tuple[frozenset[str], dict[str, Any]]:
     """The model types ``entry``'s class is registered for (none without ``registry``), and its stored config."""
-    types = _check_class_name(entry.class_name) if registry else frozenset()
+    types = frozenset[str]()
+    if registry and entry.library == "diffusers":
+        _diffusers_class(entry.class_name)
+    elif registry:
+        types = _check_class_name(entry.class_name)
     _check_implementation(
         "manifest.json", "model.attn_implementation", entry.attn_implementation, *_IMPLEMENTATIONS["attn"]
     )
@@ -491,7 +530,7 @@ def describe_bundle_model(bundle: Bundle | str | os.PathLike[str], *, registry: 
         _, config_dict = _stored_config(bundle, entry, registry=registry)
         value = config_dict.get("model_type")
         model_type = value if isinstance(value, str) else None
-        _check_config_dict(entry.config_file, config_dict)
+        _check_config(entry, config_dict)
     except IobundleError as exc:  # MissingDependencyError included: nothing can be rebuilt here
         refused = str(exc)
     file = entry.files.get(entry.weights_file)
@@ -544,10 +583,14 @@ def load_bundle_model(bundle: Bundle | str | os.PathLike[str]) -> torch.nn.Modul
             else "save the bundle with observer.save(path, include_model=True), or pass --model MODULE:FACTORY",
         )
     types, config_dict = _stored_config(bundle, entry)
-    _check_config_dict(entry.config_file, config_dict)  # before the class's module is imported
-    cls = _model_class(entry.class_name)
-    _check_model_type(cls, config_dict, entry, types)
-    model = _build(cls, config_dict, entry)
+    _check_config(entry, config_dict)  # before the class's module is imported
+    if entry.library == "diffusers":
+        diffusers_cls: Any = _diffusers_class(entry.class_name)
+        model = _built(entry, entry.class_name, lambda: diffusers_cls.from_config(config_dict))
+    else:
+        cls = _model_class(entry.class_name)
+        _check_model_type(cls, config_dict, entry, types)
+        model = _build(cls, config_dict, entry)
     _load_weights(bundle._store.bundle_root, model, entry)
     model.eval()
     if not entry.submodule:

@@ -366,9 +366,10 @@ class MergedAdapter(_Model):
 class ModelEntry(_OmitsUnset):
     """The model stored in a self-contained bundle (``observer.save(path, include_model=...)``).
 
-    Only transformers classes are stored, by class name: a loader rebuilds them from
-    ``config_file`` (``config.to_dict()`` as JSON), only for classes transformers registers in its
-    auto-model mappings and only when the config selects no code, and loads ``weights_file``
+    Only transformers and diffusers classes are stored, by class name: a loader rebuilds them from
+    ``config_file`` (``config.to_dict()``, or a diffusers config's public keys, as JSON), only for classes
+    transformers registers in its auto-model mappings (or diffusers ``ModelMixin`` classes of the
+    ``diffusers`` package) and only when the config selects no code, and loads ``weights_file``
     (safetensors). Nothing named here is ever imported.
 
     Attributes:
@@ -386,7 +387,7 @@ class ModelEntry(_OmitsUnset):
 
     OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"merged_adapters"})
 
-    library: Literal["transformers"] = "transformers"
+    library: Literal["transformers", "diffusers"] = "transformers"
     class_name: Annotated[str, Field(min_length=1, max_length=200)]
     config_file: str = "model/config.json"
     weights_file: str = "model/weights.safetensors"

@@ -110,7 +110,7 @@ def test_include_model_refuses_what_a_config_cannot_rebuild(tmp_path: Path) -> N
     linear = torch.nn.Linear(2, 2)
     with observer(linear):
         linear(torch.ones(1, 2))
-    with pytest.raises(CaptureError, match="transformers models only"):
+    with pytest.raises(CaptureError, match="transformers and diffusers models only"):
         observer.save(tmp_path / "c.iobundle", include_model=True)
 
 
