@@ -106,7 +106,7 @@ def add_model_source(p: argparse.ArgumentParser) -> None:
     add_switch(
         source,
         "--from-bundle",
-        "rebuild the model stored in the bundle (saved with include_model=True; transformers classes only)",
+        "rebuild the model stored in the bundle (saved with include_model=True; transformers and diffusers classes only)",
     )
 
 

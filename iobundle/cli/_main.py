@@ -118,9 +118,9 @@ step that moves its residual into the quantized part) get a program of their own
 
 --from-bundle rebuilds the model from the config and weights a self-contained bundle carries
 (observer.save(path, include_model=True)), for the classes transformers registers in its
-auto-model mappings only, and refuses a config that would fetch, import or run code (remote
-code, hub kernels, quantization backends): no code of yours and none from the bundle runs.
-For any other model, build it yourself and pass --model MODULE:FACTORY.""",
+auto-model mappings and the models the diffusers package exports only, and refuses a config
+that would fetch, import or run code (remote code, hub kernels, quantization backends): no code
+of yours and none from the bundle runs. For any other model, build it yourself and pass --model MODULE:FACTORY.""",
     "validate": """\
 examples:
   iobundle validate run.iobundle model.onnx

@@ -422,9 +422,9 @@ def format_stored_model(model: StoredModel) -> list[str]:
         lines.append(f"           observed submodule {model.submodule}")
     if model.refused is None:
         lines.append(
-            "           accepted by --from-bundle (a class transformers registers, a config that selects no code)"
+            "           accepted by --from-bundle (a registered class, a config that selects no code)"
             if model.class_checked
-            else "           its config selects no code (--from-bundle also checks that transformers registers the class)"
+            else "           its config selects no code (--from-bundle also checks the class)"
         )
     else:
         lines.append(f"           refused by --from-bundle: {model.refused}")

@@ -5,7 +5,9 @@ imported or built:
 
 - the class must be one transformers itself registers for a ``model_type`` in its auto-model
   mappings (read as data); it is then resolved only as an attribute of the ``transformers``
-  package, and the stored ``model_type`` must be its config's;
+  package, and the stored ``model_type`` must be its config's; a diffusers model (``model.library``)
+  only as an attribute of the ``diffusers`` package that is a ``ModelMixin`` and ``ConfigMixin``,
+  built with ``from_config`` from a config of public keys only;
 - the config (and every sub-config) must hold no value that makes transformers fetch, import or
   run code (:data:`CODE_SELECTING_FIELDS`, attention and experts implementations outside the
   built-in ones, ``dtype`` strings that are not dtypes, model types whose construction loads code);
@@ -558,7 +560,7 @@ def load_bundle_model(bundle: Bundle | str | os.PathLike[str]) -> torch.nn.Modul
     (``manifest.model.submodule``), that submodule is returned.
 
     Raises:
-        MissingDependencyError: transformers is not installed.
+        MissingDependencyError: transformers (or diffusers, for a diffusers model) is not installed.
         ModelLoadError: The bundle stores no model, or the model cannot be built or loaded.
         UnsafeBundleError: The class is not registered by transformers, a config value or the
             attention setting would fetch, import or run code, or a file name leaves the bundle.

@@ -464,7 +464,6 @@ BEHAVIOURS += [
         source="diffusers",
         classes=(3,),
         run=_denoise,
-        factory="zoo_models:diffusers_unet",
         export_args=(),
         requires="diffusers",
     ),
