@@ -385,13 +385,6 @@ def _diffusers_class(name: str) -> type[torch.nn.Module]:
     return cls
 
 
-def _check_diffusers_config(file: str, config: dict[str, Any]) -> None:
-    """A diffusers config holds public settings only: ``_class_name`` and the like select classes."""
-    for key, value in config.items():
-        if key.startswith("_") or (key in CODE_SELECTING_FIELDS and _is_set(value)):
-            raise _refuse(file, key, value, CODE_SELECTING_FIELDS.get(key, "is not a public setting of the model"))
-
-
 def _load_weights(store: Store, model: torch.nn.Module, entry: ModelEntry) -> None:
     name = entry.weights_file
     file = entry.files.get(name)
@@ -485,10 +478,12 @@ class StoredModel:
 
 
 def _check_config(entry: ModelEntry, config_dict: dict[str, Any]) -> None:
-    if entry.library == "diffusers":
-        _check_diffusers_config(entry.config_file, config_dict)
-    else:
-        _check_config_dict(entry.config_file, config_dict)
+    """Refuse a stored config that selects code; a diffusers one holds public settings only (``_class_name``)."""
+    if entry.library != "diffusers":
+        return _check_config_dict(entry.config_file, config_dict)
+    for key, value in config_dict.items():
+        if key.startswith("_") or (key in CODE_SELECTING_FIELDS and _is_set(value)):
+            raise _refuse(entry.config_file, key, value, CODE_SELECTING_FIELDS.get(key, "is not a public setting"))
 
 
 def _stored_config(
