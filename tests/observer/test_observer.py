@@ -119,7 +119,7 @@ def test_a_save_that_cannot_store_the_model_writes_nothing(tmp_path: Path) -> No
     with observer(model):
         model(torch.ones(2, 3))
     path = tmp_path / "run.iobundle"
-    with pytest.raises(ObserverArgumentError, match="transformers models only"):
+    with pytest.raises(ObserverArgumentError, match="transformers and diffusers models only"):
         observer.save(path, include_model=True)  # a plain torch module: no config rebuilds it
     assert not path.exists()
     observer.save(path)  # the failed save left nothing that refuses the next one
