@@ -193,7 +193,7 @@ class Layers(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.scale = torch.nn.Parameter(torch.linspace(0.5, 2.0, 6))
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 2.0, _writer_process.CAT_MIN_TENSORS + 2))
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         return [x * s for s in self.scale]
