@@ -17,21 +17,7 @@ from iobundle.replay import load_bundle_model
 
 diffusers = pytest.importorskip("diffusers")
 
-
-def tiny_unet() -> Any:
-    torch.manual_seed(0)
-    return diffusers.UNet2DConditionModel(
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        layers_per_block=1,
-        block_out_channels=(8, 16),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=8,
-        attention_head_dim=2,
-        norm_num_groups=4,
-    ).eval()
+from zoo.zoo_models import diffusers_unet as tiny_unet  # noqa: E402  (tests/ is on sys.path: the zoo's UNet)
 
 
 def denoise(unet: Any, latents: torch.Tensor, text: torch.Tensor) -> list[torch.Tensor]:
