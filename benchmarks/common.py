@@ -38,7 +38,7 @@ class Config:
     decode_steps: int = 48  # figure 1e
     depth_layers: tuple[int, ...] = (2, 8, 32, 64, 80)  # figure 1f
     depth_tokens: int = 24
-    depth_reps: int = 5
+    depth_reps: int = 11  # the added time is a difference of two noisy times: more rounds, paired
     size_tokens: int = 100  # figure 7: bundle bytes for N and 2N new tokens
     hash_mib: int = 256
     open_many_calls: int = 1000
