@@ -91,7 +91,7 @@ class TensorCollector:
         snapshot: ``tensor -> stored copy``; called once per distinct tensor.
         table: Where the snapshots go, by key (a new dict by default). A table with a method
             ``keep(key, tensor)`` snapshots and stores in one step (the observer's, once per tensor
-            of every call).
+            of every call); one with ``keep_all(keys, tensors)`` too, for many at once.
     """
 
     def __init__(
@@ -102,6 +102,7 @@ class TensorCollector:
         self._forget = self._gone  # one bound method for every entry's callback
         self.tensors: MutableMapping[str, torch.Tensor] = {} if table is None else table
         self._keep: Callable[[str, torch.Tensor], None] | None = getattr(table, "keep", None)
+        self._keep_all: Callable[[list[str], list[torch.Tensor]], None] | None = getattr(table, "keep_all", None)
         self._objects: dict[int, tuple[Any, ...]] = {}  # id -> (ref, node, children, versions, context, discarded)
         self._counter = 0
 
@@ -134,6 +135,33 @@ class TensorCollector:
         # plain tuples of ints, not a torch.Size: the collector stops tracking them
         seen.shape, seen.stride = tuple(tensor.shape), tensor.stride()
         return node
+
+    def nodes(self, tensors: list[torch.Tensor]) -> list[TensorNode]:
+        """:meth:`node` of each of ``tensors``; in one pass when none was met before (a cache's new layers).
+
+        A decode step's cache holds a new tensor per layer: this is the collector's cost per layer.
+        """
+        seen, n = self._seen, len(tensors)
+        keep_all = self._keep_all
+        if (
+            keep_all is None
+            or n < 2
+            or any(id(t) in seen or type(t) is not torch.Tensor or t.is_inference() for t in tensors)
+            or len({id(t) for t in tensors}) != n  # one tensor twice: its second place is the first's node
+        ):
+            return [self.node(t) for t in tensors]
+        first = self._counter
+        self._counter += n
+        keys = [f"t{i}" for i in range(first, first + n)]
+        keep_all(keys, tensors)
+        nodes = [_tensor_node({"key": key}) for key in keys]
+        forget, set_field = self._forget, object.__setattr__
+        for tensor, node in zip(tensors, nodes):
+            set_field(node, "__pydantic_fields_set__", _KEY_SET)
+            entry = seen[id(tensor)] = _Seen(tensor, forget)
+            entry.key, entry.node, entry.version = id(tensor), node, tensor._version
+            entry.shape, entry.stride = tuple(tensor.shape), tensor.stride()
+        return nodes
 
     def _gone(self, seen: _Seen) -> None:
         """A tensor met before was freed: forget it (what the collector remembers stays what is alive)."""
@@ -350,6 +378,8 @@ def _record_children(
 ) -> list[Node]:
     """The recorded children of a registered class, each at its path (a field's name when the context names it)."""
     node, tensor = collector.node, torch.Tensor
+    if all(type(c) is tensor for c in children):  # a cache's layers: the collector takes them at once
+        return list(collector.nodes(children))
     if isinstance(context, list) and len(context) == len(children):
         return [
             node(c)  # a cache's tensors: no path to make

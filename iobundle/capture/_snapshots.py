@@ -363,6 +363,23 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         if self.journal is not None:
             self.journal.append(key)
 
+    def keep_all(self, keys: list[str], tensors: list[torch.Tensor]) -> None:
+        """:meth:`keep` of each pair, in one pass for plain contiguous CPU tensors while :attr:`reference` allows."""
+        memory = self._memory
+        if not (
+            self.reference
+            and all(t.is_cpu and t.is_contiguous() for t in tensors)  # the caller's are plain and versioned
+            and not any(k in self._pending or k in self._disk or k in self._lent or k in memory for k in keys)
+        ):
+            for key, tensor in zip(keys, tensors):
+                self.keep(key, tensor)
+            return
+        self.copied_bytes += sum(t.nbytes for t in tensors)
+        self._referenced.update(zip(keys, [t._version for t in tensors]))
+        memory.update(zip(keys, tensors))
+        if self.journal is not None:
+            self.journal.extend(keys)
+
     def _drop(self, tensor: torch.Tensor | None) -> None:
         """``tensor`` leaves the table without going back to the pool: stop counting its buffer."""
         pool = self.pool
@@ -530,6 +547,23 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
             if event is not None:
                 event.synchronize()
         return tensor
+
+    def all_for_writing(self, keys: list[str]) -> list[torch.Tensor | Exception]:
+        """:meth:`for_writing` of each key, not waiting for device copies: its tensor, or what it raised."""
+        memory, referenced = self._memory, self._referenced
+        out: list[torch.Tensor | Exception] = []
+        for key in keys:
+            tensor = memory.get(key)
+            if tensor is not None:
+                version = referenced.get(key)
+                if version is None or tensor._version == version:
+                    out.append(tensor)  # the common case, inline
+                    continue
+            try:
+                out.append(self.for_writing(key, wait=False))
+            except Exception as exc:
+                out.append(exc)
+        return out
 
     def own(self, keys: Iterable[str]) -> None:
         """Replace the references among ``keys`` by copies: a writer thread will read them while the model runs on."""

@@ -38,7 +38,6 @@ Tensors written to the bundle stay readable (:mod:`iobundle.capture._snapshots`)
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from collections.abc import Iterable
@@ -142,7 +141,7 @@ class CallStream:
             try:
                 self.process = WriterProcess(
                     writer,
-                    functools.partial(table.for_writing, wait=False),
+                    table.all_for_writing,
                     released=table.in_ring,
                     restored=table.restored,
                     durable=durable,

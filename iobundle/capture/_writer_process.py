@@ -339,7 +339,7 @@ class WriterProcess:
     Args:
         writer: The stream's writer: the bundle is prepared and its journal started. What the
             child writes is added to it (:meth:`BundleWriter.adopt`) as the answers come.
-        get: The snapshot of a key (the stream's table).
+        get: The snapshots of keys, in order: each a tensor, or the exception its key raised (the stream's table).
         durable: The child fsyncs each call, and :meth:`submit` waits for the previous call.
         done: Called by the reader thread for each call: ``(call, rows of the tensors written or
             None, write error or None, journal error or None)``.
@@ -354,7 +354,7 @@ class WriterProcess:
     def __init__(
         self,
         writer: BundleWriter,
-        get: Callable[[str], torch.Tensor],
+        get: Callable[[list[str]], list[torch.Tensor | Exception]],
         *,
         released: Callable[[list[_InRing]], None],
         restored: Callable[[str, torch.Tensor], None],
@@ -420,7 +420,7 @@ class WriterProcess:
             runs: list[tuple[list[torch.Tensor], int, int, int]] = []  # CPU groups: (tensors, offset, nbytes, step)
             run: list[torch.Tensor] = []
             total = 0
-            sent, get, strided = self._sent, self._get, torch.strided
+            sent, strided = self._sent, torch.strided
             if self._resend:  # the child failed a call: its unwritten tensors go again, whichever nodes hold them
                 self._json, self._resend = CallJson(), False
             call_json, met = self._json(call)
@@ -434,11 +434,9 @@ class WriterProcess:
             last_dtype = last_shape = None
             nbytes = step = 0
             cpu = True
-            for key in new:
-                try:
-                    tensor = get(key)
-                except Exception as exc:  # its snapshot is gone: the child reports the call incomplete
-                    specs.append(([key], ("error", type(exc).__name__, str(exc))))
+            for key, tensor in zip(new, self._get(new)):
+                if isinstance(tensor, Exception):  # its snapshot is gone: the child reports the call incomplete
+                    specs.append(([key], ("error", type(tensor).__name__, str(tensor))))
                     last_dtype = None
                     continue
                 dtype, shape = tensor.dtype, tensor.shape

@@ -92,3 +92,51 @@ def test_what_the_collector_remembers_of_tensors_is_only_what_is_alive() -> None
     assert all(isinstance(tensor, torch.Tensor) for tensor in remembered)  # no entry outlived its tensor
     assert len(remembered) == 8  # each layer's current keys and values, nothing of the 19 steps before
     assert collector.met(cache.layers[0].keys)
+
+
+def _referencing_collector() -> tuple[TensorCollector, SnapshotTable]:
+    table = SnapshotTable()
+    table.reference = True  # a call's outputs, recorded for a writer process
+    return TensorCollector(table.snapshot, table), table
+
+
+def test_a_cache_of_new_tensors_is_taken_at_once_with_the_keys_one_by_one_would_give() -> None:
+    cache = _cache(4)
+    batched, table = _referencing_collector()
+    single, _ = _referencing_collector()
+    node = _record(cache, batched)
+    keys = tensor_keys(node)
+    assert keys == [
+        tensor_keys(_record(t, single))[0] for t in [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    ]
+    assert len(set(keys)) == 8
+    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    assert all(a is b for a, b in zip(table.all_for_writing(keys), tensors))  # references: the writer copies them
+    assert [batched.node(t).key for t in tensors] == keys  # each is met again by a look-up
+
+
+def test_a_tensor_twice_in_one_cache_has_one_key() -> None:
+    collector, _ = _referencing_collector()
+    cache = _cache(2)
+    cache.layers[0].values = cache.layers[0].keys  # keys and values the same tensor
+    keys = tensor_keys(_record(cache, collector))
+    assert keys[0] == keys[1] and len(set(keys)) == 3
+
+
+def test_a_cache_mixing_tensors_met_before_and_new_ones_keeps_the_old_keys() -> None:
+    collector, _ = _referencing_collector()
+    cache = _cache(3)
+    old = collector.node(cache.layers[1].values).key  # met before, alone
+    keys = tensor_keys(_record(cache, collector))
+    assert keys[3] == old and len(set(keys)) == 6
+
+
+def test_a_cache_changed_after_it_was_taken_reads_as_changed() -> None:
+    collector, table = _referencing_collector()
+    cache = _cache(2)
+    keys = tensor_keys(_record(cache, collector))
+    cache.layers[0].keys.add_(1.0)  # the model changes it in place before the writer copied it
+    (got,) = table.all_for_writing([keys[0]])
+    assert isinstance(got, Exception) and "changed in place" in str(got)
+    (fine,) = table.all_for_writing([keys[1]])
+    assert fine is cache.layers[0].values
