@@ -414,8 +414,9 @@ def _signature(manifest: Manifest) -> str:
 def format_stored_model(model: StoredModel) -> list[str]:
     """The ``model`` lines of ``iobundle inspect``: class, model_type, attention, sizes, --from-bundle verdict."""
     attention = model.attn_implementation or "default"
+    kind = f"model_type {model.model_type or '?'}" if model.library == "transformers" else model.library
     lines = [
-        f"model      {model.class_name} (model_type {model.model_type or '?'}, attention {attention}), "
+        f"model      {model.class_name} ({kind}, attention {attention}), "
         f"weights {format_size(model.weights_bytes)}, config {format_size(model.config_bytes)}"
     ]
     if model.submodule:

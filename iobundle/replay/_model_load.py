@@ -456,8 +456,8 @@ class StoredModel:
     """What a self-contained bundle says about its model, and whether ``load_bundle_model`` would refuse it.
 
     Attributes:
-        class_name: The transformers class (``"LlamaForCausalLM"``).
-        model_type: The config's ``model_type``; None when the config cannot be read.
+        class_name: The model class (``"LlamaForCausalLM"``, ``"UNet2DConditionModel"``).
+        model_type: The config's ``model_type``; None when the config cannot be read, or has none (a diffusers config).
         submodule: The observed submodule's dotted path; empty for the model itself.
         attn_implementation: The attention implementation recorded at capture.
         weights_bytes: Size of the weights file.
@@ -465,6 +465,7 @@ class StoredModel:
         refused: Why the model would not be rebuilt (the error's message), or None when it passes
             every check made before the class's module is imported.
         class_checked: Whether the class name was checked against transformers' registry.
+        library: The library that defines the class (``"transformers"`` or ``"diffusers"``).
     """
 
     class_name: str
@@ -475,6 +476,7 @@ class StoredModel:
     config_bytes: int
     refused: str | None
     class_checked: bool = True
+    library: str = "transformers"
 
 
 def _check_config(entry: ModelEntry, config_dict: dict[str, Any]) -> None:
@@ -541,6 +543,7 @@ def describe_bundle_model(bundle: Bundle | str | os.PathLike[str], *, registry: 
         config_bytes=config_file.size if config_file is not None else 0,
         refused=refused,
         class_checked=registry,
+        library=entry.library,
     )
 
 

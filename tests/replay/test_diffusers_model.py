@@ -108,3 +108,14 @@ def test_missing_diffusers_is_a_missing_dependency_error(unet_bundle: Any, monke
     monkeypatch.setitem(sys.modules, "diffusers", None)  # what a missing package looks like
     with pytest.raises(MissingDependencyError, match="pip install diffusers"):
         load_bundle_model(path)
+
+
+def test_inspect_names_the_library_of_a_stored_diffusers_model(
+    unet_bundle: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from iobundle.cli import main
+
+    _, path, _ = unet_bundle
+    assert main(["inspect", str(path)]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("model "))
+    assert "UNet2DConditionModel (diffusers, attention" in line and "model_type" not in line
