@@ -15,6 +15,7 @@ their device, and only the new part is then copied to the host.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Sequence
@@ -180,6 +181,8 @@ class DeltaIndex:
         self._growing: set[tuple[object, ...]] = set()
         self._last: tuple[torch.Tensor, list[tuple[object, ...]]] | None = None  # find's signatures, for add
         self._cursor: dict[tuple[object, ...], int] = {}  # signature -> where its next match is likely, this call
+        self._added: dict[tuple[object, ...], int] = {}  # signature -> keys of it this call added
+        self._longest: dict[tuple[object, ...], tuple[int, str]] = {}  # signature -> its longest key this call added
 
     def find(self, tensor: torch.Tensor) -> Match | None:
         """A recent tensor that ``tensor`` extends (checked byte for byte), or None."""
@@ -194,7 +197,8 @@ class DeltaIndex:
                 continue  # none is shorter along dim (a cache's other dimensions: every layer alike)
             # The most recent first: the longest base (the last call's layer, not an older one it extends
             # too). Once a tensor of this signature matched in this call, the next one most often extends
-            # the key after that match (the next layer of a cache): that one first.
+            # the key after that match (the next layer of a cache): that one first; before any matched, the
+            # first of the longest keys the last call added (its first layer).
             hint = self._cursor.get(sig)
             first = [hint] if hint is not None and hint < len(keys) else []
             for i in itertools.chain(first, (i for i in range(len(keys) - 1, -1, -1) if i != hint)):
@@ -234,9 +238,14 @@ class DeltaIndex:
             return
         self._heads[key] = _Head(key, tensor, tensor._version, self.depth[key], self.generation, signatures)
         self.retained.add(key)
+        added, longest = self._added, self._longest
         for d, sig in enumerate(signatures):
+            n = tensor.shape[d]
             self._by_signature.setdefault(sig, []).append(key)
-            self._shortest[sig] = min(self._shortest.get(sig, tensor.shape[d]), tensor.shape[d])
+            self._shortest[sig] = min(self._shortest.get(sig, n), n)
+            added[sig] = added.get(sig, 0) + 1
+            if n > longest.get(sig, (-1, ""))[0]:
+                longest[sig] = (n, key)
 
     def touch(self, keys: Sequence[str]) -> None:
         """``keys`` were used by the call being written: their heads stay candidates for the next call."""
@@ -272,7 +281,15 @@ class DeltaIndex:
             stale = [s for s, (_, g) in self._lengths.items() if g < self.generation - 1]
             for sig in stale:
                 del self._lengths[sig]
-        self._cursor.clear()
+        # The next call most often writes its tensors in this call's order (a cache's layers): its first tensor
+        # of a signature most likely extends the first of the longest this call added (its first layer).
+        self._cursor = {}
+        for sig, (_, key) in self._longest.items():
+            keys = self._by_signature.get(sig)
+            if keys:
+                with contextlib.suppress(ValueError):  # dropped since (a key that could not be written)
+                    self._cursor[sig] = keys.index(key, max(0, len(keys) - self._added[sig]))
+        self._added, self._longest = {}, {}
         self.generation += 1
 
 

@@ -209,6 +209,25 @@ class TestBitExactCheck:
         assert match is not None and match.key == "a" and match.dim == 2 and match.new.shape == (1, 2, 1, 4)
         assert index.find(torch.randn(1, 2, 4, 4)) is None
 
+    @pytest.mark.parametrize("retain_all", [False, True], ids=["streamed", "saved"])
+    def test_a_deep_cache_finds_each_layers_base_at_the_first_try(
+        self, retain_all: bool, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        from iobundle.calls import _delta
+
+        compared = []
+        monkeypatch.setattr(_delta, "extends_bytes", lambda *a: compared.append(a[1]) or extends_bytes(*a))
+        index, layers, step = DeltaIndex(retain_all=retain_all), [torch.randn(1, 2, 4, 8) for _ in range(64)], 0
+        for step in range(4):  # a decode loop: every layer grows by one position per call, in the same order
+            for i, layer in enumerate(layers):
+                key = f"s{step}l{i}"
+                match = index.find(layer)
+                index.add(key, layer, base=match.key if match else None, retain=True)
+                assert step == 0 or (match is not None and match.key == f"s{step - 1}l{i}")
+            index.end_call()
+            layers = [grow(layer) for layer in layers]
+        assert len(compared) == 3 * 64  # one comparison per layer and decode call: no search through the others
+
     def test_a_base_changed_in_place_is_not_used(self) -> None:
         index = DeltaIndex(retain_all=True)
         a = torch.randn(1, 2, 3, 4)
