@@ -238,14 +238,14 @@ class DeltaIndex:
             return
         self._heads[key] = _Head(key, tensor, tensor._version, self.depth[key], self.generation, signatures)
         self.retained.add(key)
-        added, longest = self._added, self._longest
+        added, first_longest = self._added, self._longest
         for d, sig in enumerate(signatures):
             n = tensor.shape[d]
             self._by_signature.setdefault(sig, []).append(key)
             self._shortest[sig] = min(self._shortest.get(sig, n), n)
             added[sig] = added.get(sig, 0) + 1
-            if n > longest.get(sig, (-1, ""))[0]:
-                longest[sig] = (n, key)
+            if n > first_longest.get(sig, (-1, ""))[0]:
+                first_longest[sig] = (n, key)
 
     def touch(self, keys: Sequence[str]) -> None:
         """``keys`` were used by the call being written: their heads stay candidates for the next call."""
