@@ -379,7 +379,7 @@ def _record_children(
     """The recorded children of a registered class, each at its path (a field's name when the context names it)."""
     node, tensor = collector.node, torch.Tensor
     if all(type(c) is tensor for c in children):  # a cache's layers: the collector takes them at once
-        return list(collector.nodes(children))
+        return list(collector.nodes(children))  # a list of nodes of any kind, for the type checker
     if isinstance(context, list) and len(context) == len(children):
         return [
             node(c)  # a cache's tensors: no path to make
