@@ -175,6 +175,18 @@ def test_large_benchmark_refuses_bad_arguments(args, message):
     assert message in proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--calls", "40", "20"], "needs 0 < FEW < MANY"), (["--calls", "0", "20"], "needs 0 < FEW < MANY"),
+     (["--layers", "0"], "--layers needs at least 1")],
+)  # fmt: skip
+def test_instruction_count_refuses_bad_arguments_before_running_anything(args, message):
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "instructions.py"), *args], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert proc.returncode == 2
+    assert message in proc.stderr
+
+
 @pytest.mark.slow
 def test_large_benchmark_runs_end_to_end_on_a_tiny_decoder(tmp_path):
     # make bench-large at a tiny size: capture, export and validate, each stage in its own process
