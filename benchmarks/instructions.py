@@ -1,4 +1,4 @@
-"""What recording costs the model's thread, in instructions: a measure the machine's noise cannot move.
+"""What recording costs the model's thread, in instructions: a measure the machine's load does not move.
 
 Wall-clock figures on a shared machine swing by 30 % from minute to minute, more than most changes to the
 recording path are worth. This counts instructions instead (valgrind's callgrind), in a synthetic decode
@@ -14,7 +14,9 @@ commit, say), each measured in its own interpreter with that tree first on ``sys
     .venv/bin/python benchmarks/instructions.py --tree . --tree ../base   # about 6 minutes per tree
 
 Needs valgrind (``apt-get install valgrind``). Not part of ``make bench``: the numbers are instructions,
-not time, and a run takes minutes.
+not time, and a run takes minutes. They are larger than the clock implies: under valgrind the model runs
+50 times slower and the writer process answers each call, work that at full speed comes once per 16 calls.
+Compare checkouts measured the same way, never a count with a time.
 """
 
 from __future__ import annotations
