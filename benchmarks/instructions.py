@@ -14,8 +14,9 @@ commit, say), each measured in its own interpreter with that tree first on ``sys
     .venv/bin/python benchmarks/instructions.py --tree . --tree ../base   # about 6 minutes per tree
 
 Needs valgrind (``apt-get install valgrind``). Not part of ``make bench``: the numbers are instructions,
-not time, and a run takes minutes. They are larger than the clock implies: under valgrind the model runs
-50 times slower and the writer process answers each call, work that at full speed comes once per 16 calls.
+not time, and a run takes minutes. They are larger than the clock implies (14 M per 32-layer call, where
+1.1 ms at full speed is a few million): under valgrind the model runs 50 times slower than the writer
+process, and part of what the model's thread does depends on that timing (not all of it is accounted for).
 Compare checkouts measured the same way, never a count with a time.
 """
 
