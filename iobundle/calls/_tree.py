@@ -7,7 +7,9 @@ scalars and None inside a tree are part of its structure.
 
 from __future__ import annotations
 
+import itertools
 import json
+import operator
 import weakref
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import TYPE_CHECKING, Any
@@ -54,7 +56,6 @@ __all__ = [
 NONE_NODE = NoneNode()
 PYTREE_PREFIX = "pytree:"
 _SCALARS = (bool, int, float, str)
-_tensor_node = TensorNode.__pydantic_validator__.validate_python  # TensorNode(key=...) without its Python frame
 _CONTAINER_TYPES = frozenset({list, tuple, dict})
 
 
@@ -69,15 +70,40 @@ collector to track, not four: its full collections walk what calls retain, so th
 An entry leaves when its tensor is freed (a cache's tensors, replaced at the next step)."""
 
 
+_new, _set = object.__new__, object.__setattr__
+_deref = weakref.ref.__call__  # a weak reference's object (or None), as a function map() can call
+_VERSION = operator.attrgetter("_version")
+
+
+def _key_node(key: str) -> TensorNode:
+    """``TensorNode(key=key)`` for a key the collector made (``t123``), built as ``model_construct`` builds it
+    (0.53 µs where validating and sharing the fields set took 0.74): once per new tensor of every call."""
+    node = _new(TensorNode)
+    _set(node, "__dict__", {"kind": "tensor", "key": key})
+    _set(node, "__pydantic_fields_set__", _KEY_SET)
+    _set(node, "__pydantic_extra__", None)
+    _set(node, "__pydantic_private__", None)
+    return node
+
+
 class _Seen(weakref.ref["torch.Tensor"]):
     """A tensor met while recording, by weak reference, with what tells whether it changed since, and its node."""
 
-    __slots__ = ("key", "node", "shape", "stride", "version")
+    __slots__ = ("key", "layout", "node", "version")
     key: int
     node: TensorNode
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
+    layout: int
+    """The hash of the tensor's shape and strides (:func:`_layout`)."""
     version: int
+
+
+def _layout(tensor: torch.Tensor) -> int:
+    """The hash of ``tensor``'s shape and strides, which ``t.data = other`` changes without its version counter.
+
+    An int, where two tuples would be two more objects per recorded tensor for Python's cyclic collector
+    to count and walk while the tensor lives (a decode step's cache: 128 at 32 layers).
+    """
+    return hash((tensor.shape, tensor.stride()))
 
 
 class TensorCollector:
@@ -113,8 +139,7 @@ class TensorCollector:
             seen is not None
             and seen() is tensor
             and seen.version == tensor._version
-            and seen.shape == tensor.shape
-            and seen.stride == tensor.stride()
+            and seen.layout == _layout(tensor)
             and seen.node.key in self.tensors
         ):
             return seen.node
@@ -124,43 +149,42 @@ class TensorCollector:
             self.tensors[key] = self._snapshot(tensor)
         else:
             self._keep(key, tensor)
-        node = _tensor_node({"key": key})
-        object.__setattr__(node, "__pydantic_fields_set__", _KEY_SET)
+        node = _key_node(key)
         try:
             version = tensor._version
         except RuntimeError:  # an inference tensor keeps no version counter: a new key each time met
             return node
         seen = self._seen[id(tensor)] = _Seen(tensor, self._forget)
-        seen.key, seen.node, seen.version = id(tensor), node, version
-        # plain tuples of ints, not a torch.Size: the collector stops tracking them
-        seen.shape, seen.stride = tuple(tensor.shape), tensor.stride()
+        seen.key, seen.node, seen.version, seen.layout = id(tensor), node, version, _layout(tensor)
         return node
 
     def nodes(self, tensors: list[torch.Tensor]) -> list[TensorNode]:
         """:meth:`node` of each of ``tensors``; in one pass when none was met before (a cache's new layers).
 
-        A decode step's cache holds a new tensor per layer: this is the collector's cost per layer.
+        A decode step's cache holds a new tensor per layer: this is the collector's cost per layer,
+        its checks run over all of them at once.
         """
         seen, n = self._seen, len(tensors)
         keep_all = self._keep_all
+        ids = list(map(id, tensors))
         if (
             keep_all is None
             or n < 2
-            or any(id(t) in seen or type(t) is not torch.Tensor or t.is_inference() for t in tensors)
-            or len({id(t) for t in tensors}) != n  # one tensor twice: its second place is the first's node
+            or not seen.keys().isdisjoint(ids)
+            or len(set(ids)) != n  # one tensor twice: its second place is the first's node
+            or not all(map(operator.is_, map(type, tensors), itertools.repeat(torch.Tensor)))
+            or any(map(torch.Tensor.is_inference, tensors))
         ):
             return [self.node(t) for t in tensors]
         first = self._counter
         self._counter += n
-        keys = [f"t{i}" for i in range(first, first + n)]
+        keys = list(map("t{}".format, range(first, first + n)))
         keep_all(keys, tensors)
-        nodes = [_tensor_node({"key": key}) for key in keys]
-        forget, set_field = self._forget, object.__setattr__
-        for tensor, node in zip(tensors, nodes):
-            set_field(node, "__pydantic_fields_set__", _KEY_SET)
-            entry = seen[id(tensor)] = _Seen(tensor, forget)
-            entry.key, entry.node, entry.version = id(tensor), node, tensor._version
-            entry.shape, entry.stride = tuple(tensor.shape), tensor.stride()
+        nodes = list(map(_key_node, keys))
+        forget = self._forget
+        for tensor, node, ident in zip(tensors, nodes, ids):
+            entry = seen[ident] = _Seen(tensor, forget)
+            entry.key, entry.node, entry.version, entry.layout = ident, node, tensor._version, _layout(tensor)
         return nodes
 
     def _gone(self, seen: _Seen) -> None:
@@ -191,6 +215,10 @@ class TensorCollector:
             or discarded != getattr(self.tensors, "discarded", 0)
             or kids_context != context
         ):
+            return None
+        if None not in versions:  # tensors only (a cache's layers): the checks run over all at once
+            if all(map(operator.is_, map(_deref, kids), children)) and list(map(_VERSION, children)) == versions:
+                return node
             return None
         for child, kid, version in zip(children, kids, versions):
             if version is None:  # None or a scalar, kept as it was
@@ -225,7 +253,11 @@ class TensorCollector:
         stamps: list[int | None] = []
         kids: list[Any] = []
         seen = self._seen
-        for child in children:
+        entries = list(map(seen.get, map(id, children)))
+        if None not in entries and all(map(operator.is_, map(_deref, entries), children)):
+            # tensors the collector just met (a cache's layers): their weak references serve, checked at once
+            kids, stamps = entries, list(map(_VERSION, children))
+        for child in children if not kids else ():
             if isinstance(child, torch.Tensor):
                 if child.is_inference():  # no version counter: the object is walked every time
                     break
@@ -378,7 +410,7 @@ def _record_children(
 ) -> list[Node]:
     """The recorded children of a registered class, each at its path (a field's name when the context names it)."""
     node, tensor = collector.node, torch.Tensor
-    if all(type(c) is tensor for c in children):  # a cache's layers: the collector takes them at once
+    if all(map(operator.is_, map(type, children), itertools.repeat(tensor))):  # a cache's layers: at once
         return list(collector.nodes(children))  # a list of nodes of any kind, for the type checker
     if isinstance(context, list) and len(context) == len(children):
         return [

@@ -17,6 +17,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -36,6 +37,8 @@ from the allocator's heap, which is already warm)."""
 BUDGET_CALLS = 1.5
 """While the writer still holds buffers of earlier calls, the pool lends at most this many times
 the largest call's pooled bytes; a copy beyond it waits for the writer to return a buffer."""
+
+_IS_CPU, _NBYTES, _VERSION = attrgetter("is_cpu"), attrgetter("nbytes"), attrgetter("_version")
 
 _HEADER_CACHE = 64
 
@@ -364,18 +367,25 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
             self.journal.append(key)
 
     def keep_all(self, keys: list[str], tensors: list[torch.Tensor]) -> None:
-        """:meth:`keep` of each pair, in one pass for plain contiguous CPU tensors while :attr:`reference` allows."""
+        """:meth:`keep` of each pair, in one pass for plain contiguous CPU tensors while :attr:`reference` allows.
+
+        A decode step's cache holds a new tensor per layer: the checks run over all of them at once.
+        """
         memory = self._memory
         if not (
             self.reference
-            and all(t.is_cpu and t.is_contiguous() for t in tensors)  # the caller's are plain and versioned
-            and not any(k in self._pending or k in self._disk or k in self._lent or k in memory for k in keys)
+            and all(map(_IS_CPU, tensors))  # the caller's are plain and versioned
+            and all(map(torch.Tensor.is_contiguous, tensors))
+            and memory.keys().isdisjoint(keys)
+            and self._pending.keys().isdisjoint(keys)
+            and self._disk.keys().isdisjoint(keys)
+            and self._lent.isdisjoint(keys)
         ):
             for key, tensor in zip(keys, tensors):
                 self.keep(key, tensor)
             return
-        self.copied_bytes += sum(t.nbytes for t in tensors)
-        self._referenced.update(zip(keys, [t._version for t in tensors]))
+        self.copied_bytes += sum(map(_NBYTES, tensors))
+        self._referenced.update(zip(keys, map(_VERSION, tensors)))
         memory.update(zip(keys, tensors))
         if self.journal is not None:
             self.journal.extend(keys)

@@ -7,6 +7,7 @@ from transformers import DynamicCache
 
 from iobundle.calls import TensorCollector, record_value, tensor_keys
 from iobundle.capture._snapshots import SnapshotTable
+from iobundle.schema import TensorNode
 
 
 def _collector() -> TensorCollector:
@@ -140,3 +141,27 @@ def test_a_cache_changed_after_it_was_taken_reads_as_changed() -> None:
     assert isinstance(got, Exception) and "changed in place" in str(got)
     (fine,) = table.all_for_writing([keys[1]])
     assert fine is cache.layers[0].values
+
+
+def test_a_tensor_whose_data_was_rebound_without_its_version_counter_gets_a_new_key() -> None:
+    collector, _ = _referencing_collector()
+    tensor = torch.zeros(2, 3)
+    first = collector.node(tensor)
+    assert collector.node(tensor) is first  # met again unchanged: a look-up
+    version = tensor._version
+    tensor.data = torch.ones(3, 2)  # another shape, and no version bump
+    assert tensor._version == version
+    second = collector.node(tensor)
+    assert second.key != first.key
+    assert collector.tensors[second.key].shape == (3, 2)
+
+
+def test_the_nodes_of_new_tensors_are_the_nodes_pydantic_would_build() -> None:
+    collector, _ = _referencing_collector()
+    cache = _cache(2)
+    node = _record(cache, collector)
+    for item in node.items:  # type: ignore[attr-defined]
+        built = TensorNode(key=item.key)
+        assert item == built and item.model_fields_set == built.model_fields_set
+        assert item.model_dump_json() == built.model_dump_json()
+        assert TensorNode.model_validate_json(item.model_dump_json()) == item
