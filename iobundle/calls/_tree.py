@@ -71,7 +71,7 @@ An entry leaves when its tensor is freed (a cache's tensors, replaced at the nex
 
 
 _new, _set = object.__new__, object.__setattr__
-_deref = weakref.ref.__call__  # a weak reference's object (or None), as a function map() can call
+_deref: Callable[[Any], Any] = weakref.ref.__call__  # a weak reference's object (or None), for map()
 _VERSION = operator.attrgetter("_version")
 
 
