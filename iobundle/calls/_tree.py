@@ -254,7 +254,9 @@ class TensorCollector:
         kids: list[Any] = []
         seen = self._seen
         entries = list(map(seen.get, map(id, children)))
-        if None not in entries and all(map(operator.is_, map(_deref, entries), children)):
+        if all(map(operator.is_not, entries, itertools.repeat(None))) and all(
+            map(operator.is_, map(_deref, entries), children)
+        ):
             # tensors the collector just met (a cache's layers): their weak references serve, checked at once
             kids, stamps = entries, list(map(_VERSION, children))
         for child in children if not kids else ():
