@@ -32,40 +32,20 @@ import sys
 import tempfile
 from pathlib import Path
 
-_LOOP = r"""
-import gc, os, sys, tempfile
-import torch
-torch.set_num_threads(1)
-from transformers import DynamicCache
-from transformers.modeling_outputs import CausalLMOutputWithPast
-import iobundle
-from iobundle import InputObserver
-layers, calls, record = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
-print("iobundle from", os.path.dirname(iobundle.__file__), file=sys.stderr)
+if __package__ in (None, ""):  # run as a script: sys.path[0] is benchmarks/, the repository root is not
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-class Decoder(torch.nn.Module):
-    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, cache_position=None):
-        new = torch.zeros(1, 2, input_ids.shape[1], 8)
-        for i in range(layers):
-            past_key_values.update(new, new, i)
-        return CausalLMOutputWithPast(logits=torch.zeros(1, input_ids.shape[1], 128), past_key_values=past_key_values)
+from benchmarks.hot_loop import DECODER
 
-model = Decoder()
-
-def decode(n):
-    cache = DynamicCache()
-    model(input_ids=torch.zeros(1, 8, dtype=torch.long), attention_mask=torch.ones(1, 8, dtype=torch.long),
-          position_ids=torch.arange(8)[None], past_key_values=cache, cache_position=torch.arange(8))
-    for step in range(n):
-        p = 8 + step
-        model(input_ids=torch.zeros(1, 1, dtype=torch.long), attention_mask=torch.ones(1, p + 1, dtype=torch.long),
-              position_ids=torch.tensor([[p]]), past_key_values=cache, cache_position=torch.tensor([p]))
-
-decode(3)  # warm: first-call costs out of the count
+_LOOP = (
+    DECODER
+    + r"""
+calls, record = int(sys.argv[2]), sys.argv[3] == "1"
 gc.disable()  # collections come in lumps that one count catches and another not: timed in the wall-clock figures
 with InputObserver()(model, store_n_calls=calls + 1 if record else 0, stream_to=tempfile.mkdtemp() + "/b"):
     decode(calls)
 """
+)
 
 
 def _instructions(tree: Path, layers: int, calls: int, record: bool) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -185,6 +186,28 @@ def test_instruction_count_refuses_bad_arguments_before_running_anything(args, m
                           timeout=60)  # fmt: skip
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--layers", "0"], "--layers needs at least 1"), (["--calls", "0"], "--calls and --rounds need at least 1"),
+     (["--rounds", "0"], "--calls and --rounds need at least 1")],
+)  # fmt: skip
+def test_hot_loop_refuses_bad_arguments_before_running_anything(args, message):
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "hot_loop.py"), *args], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert proc.returncode == 2
+    assert message in proc.stderr
+
+
+def test_hot_loop_measures_recording_on_a_two_layer_cache():
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "hot_loop.py"), "--layers", "2", "--calls", "3", "--rounds", "1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    found = re.search(r"recording (-?\d+) µs of the model's thread per decode call .* 2 layers", proc.stdout)
+    assert found and int(found.group(1)) > 0  # streaming costs the thread something
 
 
 @pytest.mark.slow
