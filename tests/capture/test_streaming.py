@@ -562,6 +562,22 @@ class TestWriterProcess:
             assert_same(loaded.tensor(call.outputs.items[0].key), out["logits"])
         assert str(observer.infer_dynamic_shapes()) == str(loaded.infer_dynamic_shapes())
 
+    def test_a_non_finite_constant_in_a_container_reaches_the_bundle(self, tmp_path: Path) -> None:
+        class Scaled(torch.nn.Module):
+            def forward(self, x: torch.Tensor, limits: dict[str, Any]) -> torch.Tensor:
+                return x.clamp(max=limits["high"][0])
+
+        observer, model = InputObserver(), Scaled()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the child accepts every call: none incomplete
+            with observer(model, store_n_calls=3, stream_to=tmp_path / "run"):
+                for i in range(3):
+                    model(torch.arange(4.0 + i), {"high": [float("inf"), float("nan"), -0.0]})
+        loaded = load_bundle(tmp_path / "run")
+        assert [c.status for c in loaded.calls] == ["ok"] * 3
+        values = [item.value for item in loaded.calls[2].args[1].items[0].items]
+        assert values[0] == float("inf") and values[1] != values[1] and str(values[2]) == "-0.0"
+
     def test_the_child_stores_a_growing_tensor_as_its_new_part(self, tmp_path: Path) -> None:
         run(Doubler(), InputObserver(), [((torch.arange(10 + i),), {}) for i in range(4)], stream_to=tmp_path / "run")
         loaded = load_bundle(tmp_path / "run")
