@@ -9,7 +9,8 @@ between checkouts, and each checkout's median is reported, with its ratio to the
 Without the model's compute between calls, what recording touches stays in the processor's caches:
 it costs less here than beside a real model (at 32 layers, about 630 µs per call against the
 750-1000 of figure 1f's recording on the model's thread, on the 2-core VM), but the figure moves by a few
-percent from one run to the next where figure 1f's moves by 30 %. Half a minute per checkout; use it to
+percent from one run to the next where figure 1f's moves by 30 % (at 2 layers, a quarter of a millisecond a
+call, by 5 % or so: a smaller change needs timers around the steps). Half a minute per checkout; use it to
 tell whether a change to the recording path helps, then confirm with figure 1f.
 
     .venv/bin/python benchmarks/hot_loop.py --tree . --tree ../base

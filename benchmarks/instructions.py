@@ -8,16 +8,17 @@ twice per variant, with two numbers of decode calls, so that what a process does
 starting the stream) cancels: per call = (instructions at the larger count - at the smaller) / (difference).
 Recording per call is that of the recorded loop minus that of the unrecorded one, on the main thread (the
 model's); the writer process, the thread that reads its answers and Python's cyclic collector (paused: its
-collections come in lumps, which the wall-clock figures time) are not counted. One ``--tree`` per checkout to compare (a worktree of another
-commit, say), each measured in its own interpreter with that tree first on ``sys.path``.
+collections come in lumps, which the wall-clock figures time) are not counted, nor the end of the block (the
+process ends inside it: closing the stream, which waits for the writer process and writes the final manifest,
+grows with the calls and was counted as theirs, 10 M of the 14 M instructions a call this script reported before). One ``--tree`` per checkout to compare (a worktree
+of another commit, say), each measured in its own interpreter with that tree first on ``sys.path``.
 
     .venv/bin/python benchmarks/instructions.py --tree . --tree ../base   # about 6 minutes per tree
 
 Needs valgrind (``apt-get install valgrind``). Not part of ``make bench``: the numbers are instructions,
-not time, and a run takes minutes. They are larger than the clock implies (14 M per 32-layer call, where
-1.1 ms at full speed is a few million): under valgrind the model runs 50 times slower than the writer
-process, and part of what the model's thread does depends on that timing (not all of it is accounted for).
-Compare checkouts measured the same way, never a count with a time.
+not time, and a run takes minutes (``benchmarks/hot_loop.py`` times the same loop in seconds). About 3.7 M
+instructions per 32-layer decode call, what 0.6 ms of the thread's CPU in ``hot_loop.py`` implies; compare
+checkouts measured the same way, never a count with a time.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ calls, record = int(sys.argv[2]), sys.argv[3] == "1"
 gc.disable()  # collections come in lumps that one count catches and another not: timed in the wall-clock figures
 with InputObserver()(model, store_n_calls=calls + 1 if record else 0, stream_to=tempfile.mkdtemp() + "/b"):
     decode(calls)
+    # out without leaving the block: its end (the final manifest, every call's entry) grows with the calls and
+    # would be counted as theirs; the writer process sees the pipe close and ends too
+    sys.stdout.flush()
+    os._exit(0)
 """
 )
 
