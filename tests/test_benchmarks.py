@@ -177,24 +177,16 @@ def test_large_benchmark_refuses_bad_arguments(args, message):
 
 
 @pytest.mark.parametrize(
-    ("args", "message"),
-    [(["--calls", "40", "20"], "needs 0 < FEW < MANY"), (["--calls", "0", "20"], "needs 0 < FEW < MANY"),
-     (["--layers", "0"], "--layers needs at least 1")],
+    ("script", "args", "message"),
+    [("instructions.py", ["--calls", "40", "20"], "needs 0 < FEW < MANY"),
+     ("instructions.py", ["--calls", "0", "20"], "needs 0 < FEW < MANY"),
+     ("instructions.py", ["--layers", "0"], "--layers needs at least 1"),
+     ("hot_loop.py", ["--layers", "0"], "--layers needs at least 1"),
+     ("hot_loop.py", ["--calls", "0"], "--calls and --rounds need at least 1"),
+     ("hot_loop.py", ["--rounds", "0"], "--calls and --rounds need at least 1")],
 )  # fmt: skip
-def test_instruction_count_refuses_bad_arguments_before_running_anything(args, message):
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "instructions.py"), *args], capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
-    assert proc.returncode == 2
-    assert message in proc.stderr
-
-
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [(["--layers", "0"], "--layers needs at least 1"), (["--calls", "0"], "--calls and --rounds need at least 1"),
-     (["--rounds", "0"], "--calls and --rounds need at least 1")],
-)  # fmt: skip
-def test_hot_loop_refuses_bad_arguments_before_running_anything(args, message):
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "hot_loop.py"), *args], capture_output=True, text=True,
+def test_a_recording_loop_refuses_bad_arguments_before_running_anything(script, args, message):
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
                           timeout=60)  # fmt: skip
     assert proc.returncode == 2
     assert message in proc.stderr

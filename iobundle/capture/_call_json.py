@@ -18,6 +18,15 @@ _KEY = operator.attrgetter("key")
 
 _TREES = {"args", "kwargs", "outputs", "state"}
 _NOT_MIDDLE = _TREES | {"index", "latency"}
+_REMEMBERED = [name for name in CallEntry.model_fields if name not in _NOT_MIDDLE] == [
+    "status",
+    "error",
+    "cst_kwargs",
+    "filled",
+    "autocast",
+]
+"""Whether a head's other fields are the ones :meth:`CallJson._head` remembers heads by (a field added to
+:class:`CallEntry` turns the memo off until it is keyed by that field too)."""
 
 _STRINGS: dict[str, bytes] = {}
 """A string's JSON (an argument's name, a registered type's): the same few from call to call."""
@@ -69,18 +78,19 @@ class CallJson:
     def _head(self, call: CallEntry) -> bytes:
         """The entry's fields but its trees, as JSON without the closing brace.
 
-        A decode step's differ from the last call's in the index and the latency only: the rest is
-        remembered, by value (its constants' types included), where pydantic takes 9 µs a call.
+        A decode step's differ from the last call's in the index and the latency only: the rest (status,
+        error, constants, filled arguments) is remembered by value, the constants' types included, where
+        pydantic takes 9 µs a call.
         """
         cst, latency = call.cst_kwargs, call.latency
         if (
-            call.status == "ok"
+            _REMEMBERED
             and call.autocast is None
             and type(latency) is float
             and math.isfinite(latency)
             and float not in map(type, cst.values())  # -0.0 == 0.0: a float could be remembered with the wrong sign
         ):
-            key = (tuple(zip(cst, map(type, cst.values()), cst.values())), tuple(call.filled))
+            key = (call.status, call.error, tuple(zip(cst, map(type, cst.values()), cst.values())), tuple(call.filled))
             middle = self._heads.get(key)
             if middle is None:
                 middle = call.model_dump_json(exclude=_NOT_MIDDLE).encode()[1:-1]

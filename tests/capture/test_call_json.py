@@ -20,6 +20,7 @@ def _entry(index: int, **fields: object) -> CallEntry:
         [_entry(0, cst_kwargs={"t": 0.0}, latency=0.5), _entry(1, cst_kwargs={"t": -0.0}, latency=0.5)],
         [_entry(0, filled=["a"], latency=0.5), _entry(1, filled=[0], latency=0.5), _entry(2, latency=None)],
         [_entry(0, status="failed", error='boom "quoted"', latency=2.5), _entry(1, latency=2.5)],
+        [_entry(0, status="incomplete", error="a", latency=1.0), _entry(1, status="incomplete", error="b", latency=1.0)],
         [_entry(0, kwargs={'we"ird name': TensorNode(key="t1"), "é": ConstNode(value=float("inf"))}, latency=0.1)],
         [_entry(0, args=[ListNode(items=[ConstNode(value=float("nan")), TensorNode(key="k 2")])], latency=0.1)],
         [_entry(0, outputs=DictNode(keys=["x", 1], items=[TensorNode(key="t3"), ConstNode(value=-float("inf"))]))],
