@@ -10,8 +10,9 @@ Recording per call is that of the recorded loop minus that of the unrecorded one
 model's); the writer process, the thread that reads its answers and Python's cyclic collector (paused: its
 collections come in lumps, which the wall-clock figures time) are not counted, nor the end of the block (the
 process ends inside it: closing the stream, which waits for the writer process and writes the final manifest,
-grows with the calls and was counted as theirs, 10 M of the 14 M instructions a call this script reported before). One ``--tree`` per checkout to compare (a worktree
-of another commit, say), each measured in its own interpreter with that tree first on ``sys.path``.
+grows with the calls and was counted as theirs, 10 M of the 14 M instructions a call this script reported
+before). One ``--tree`` per checkout to compare (a worktree of another commit, say), each measured in its own
+interpreter with that tree first on ``sys.path``.
 
     .venv/bin/python benchmarks/instructions.py --tree . --tree ../base   # about 6 minutes per tree
 
