@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from iobundle._paths import CLOEXEC, NOFOLLOW
@@ -160,10 +160,13 @@ def _seal(
         raise BundleWriteError(f"Cannot seal {path}: {exc.strerror or exc}. Check free space.") from exc
 
 
-def seal_segment(path: Path, entry: FileEntry, entries: Sequence[tuple[bytes, bytes]], *, durable: bool) -> bool:
+def seal_segment(
+    path: Path, entry: FileEntry, entries: Callable[[], Sequence[tuple[bytes, bytes]]], *, durable: bool
+) -> bool:
     """Seal the segment ``path`` that another writer left unsealed (a writer process that died); False if sealed.
 
-    ``entry`` is its manifest entry and ``entries`` the header parts of its tensors, in file order.
+    ``entry`` is its manifest entry and ``entries()`` the header parts of its tensors, in file order: called
+    only for a segment left unsealed (every segment of a stream is checked when it closes, most are sealed).
 
     Raises:
         BundleWriteError: The file cannot be opened or sealed.
@@ -175,7 +178,7 @@ def seal_segment(path: Path, entry: FileEntry, entries: Sequence[tuple[bytes, by
     try:
         if any(os.pread(fd, 8, 0)):
             return False
-        _seal(fd, path, entry.size, (entry.ranges or [(0, 8, 0, "")])[0][1], entries, durable=durable)
+        _seal(fd, path, entry.size, (entry.ranges or [(0, 8, 0, "")])[0][1], entries(), durable=durable)
         return True
     finally:
         os.close(fd)

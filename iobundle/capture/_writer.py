@@ -20,6 +20,7 @@ safetensors header written) when the next one starts and when the writer closes 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -625,11 +626,10 @@ class BundleWriter:
         for key, t in manifest.tensors.items():
             if t.offset is not None and t.file not in self._sealed:
                 by_file.setdefault(t.file, []).append((t.offset, key, t))
-        for name, rows in by_file.items():
-            entry = manifest.files[name]
-            ranges, start = entry.ranges or [], (entry.ranges or [(0, 0, 0, "")])[0][1]
-            if not start:
-                continue  # a version-4 segment: no header region
+
+        def header(
+            rows: list[tuple[int, str, TensorEntry]], ranges: list[tuple[int, int, int, str]], start: int
+        ) -> list[tuple[bytes, bytes]]:
             entries, j = [], 0
             for offset, key, t in sorted(rows, key=lambda r: r[0]):
                 while ranges[j][1] + ranges[j][2] <= offset and j + 1 < len(ranges):
@@ -647,7 +647,15 @@ class BundleWriter:
                         f"call{call:06d}/{path}", key, t.dtype, shape, offset - start, offset - start + nbytes
                     )
                 )
-            if seal_segment(self.path / name, entry, entries, durable=True):
+            return entries
+
+        for name, rows in by_file.items():
+            entry = manifest.files[name]
+            ranges, start = entry.ranges or [], (entry.ranges or [(0, 0, 0, "")])[0][1]
+            if not start:
+                continue  # a version-4 segment: no header region
+            # the header is worked out only for a segment left unsealed: a stream's close checks every one
+            if seal_segment(self.path / name, entry, functools.partial(header, rows, ranges, start), durable=True):
                 logger.info("sealed %s, which a writer process left unsealed", name)
 
     def discard(self) -> None:
