@@ -134,6 +134,70 @@ def _copy_run(tensors: list[torch.Tensor], into: torch.Tensor) -> None:
         torch.cat(tensors, out=into.view(first.dtype).view(-1, *first.shape[1:]))
 
 
+_Plan = tuple[
+    list[tuple[list[str], tuple[Any, ...]]],  # the message's specs: (keys, spec)
+    list[_InRing],  # the CPU groups copied into the ring
+    list[tuple[list[torch.Tensor], int, int, int]],  # what to copy: (tensors, offset, nbytes, step)
+    list[tuple[torch.Tensor, int, int]],  # device tensors, for one packed copy: (tensor, offset, nbytes)
+    int,  # the bytes the call takes in the ring
+]
+
+
+def _plan(keys: list[str], tensors: list[torch.Tensor | Exception], names: dict[torch.dtype, str]) -> _Plan:
+    """Where each new tensor of a call goes in the ring, and what the child is told of it.
+
+    Contiguous CPU tensors of one dtype and shape in a row (a cache's layers) share one spec: the
+    child finds each at the next aligned offset. ``names`` caches the safetensors name of each dtype met.
+    Once per new tensor of every call: kept lean (a loop, where ``map`` over torch's attributes was slower).
+    """
+    specs: list[tuple[list[str], tuple[Any, ...]]] = []
+    in_ring: list[_InRing] = []
+    copies: list[tuple[list[torch.Tensor], int, int, int]] = []
+    on_device: list[tuple[torch.Tensor, int, int]] = []
+    group: list[str] = []
+    run: list[torch.Tensor] = []
+    last_dtype = last_shape = None
+    total = nbytes = step = 0
+    cpu, strided = True, torch.strided
+    for key, tensor in zip(keys, tensors):
+        if isinstance(tensor, Exception):  # its snapshot is gone: the child reports the call incomplete
+            specs.append(([key], ("error", type(tensor).__name__, str(tensor))))
+            last_dtype = None
+            continue
+        dtype, shape = tensor.dtype, tensor.shape
+        if not (
+            dtype is last_dtype
+            and shape == last_shape
+            and tensor.is_cpu  # only CPU tensors share a spec: a device tensor is checked on its own
+            and tensor.layout is strided
+            and tensor.is_contiguous()
+        ):
+            name = names.get(dtype)
+            if name is None and (name := dtype_name(dtype)) is not None:
+                names[dtype] = name
+            if name is None or tensor.layout is not strided or not tensor.is_contiguous():
+                specs.append(([key], ("unsupported", str(dtype))))
+                last_dtype = None
+                continue
+            nbytes, cpu = tensor.nbytes, tensor.is_cpu
+            step = (nbytes + RING_ALIGN - 1) & -RING_ALIGN
+            group, dims = [key], tuple(shape)
+            specs.append((group, ("tensor", name, dims, "cpu" if cpu else str(tensor.device), total, nbytes)))
+            last_dtype, last_shape = (dtype, dims) if cpu else (None, None)
+            if cpu:
+                in_ring.append((group, dtype, dims, total, nbytes, step))
+                run = []
+                copies.append((run, total, nbytes, step))
+        else:
+            group.append(key)  # a CPU tensor, as the group's first
+        if nbytes and cpu:
+            run.append(tensor)
+        elif nbytes:
+            on_device.append((tensor, total, nbytes))
+        total += step
+    return specs, in_ring, copies, on_device, total
+
+
 class _Ring:
     """The shared memory file, mapped here; calls take contiguous ranges, released in the order taken."""
 
@@ -416,61 +480,12 @@ class WriterProcess:
         """
         with self._submit_lock:
             self._flush()  # the previous call's device copies, first: messages go in call order, and it holds room
-            specs: list[tuple[list[str], tuple[Any, ...]]] = []
-            runs: list[tuple[list[torch.Tensor], int, int, int]] = []  # CPU groups: (tensors, offset, nbytes, step)
-            run: list[torch.Tensor] = []
-            total = 0
-            sent, strided = self._sent, torch.strided
             if self._resend:  # the child failed a call: its unwritten tensors go again, whichever nodes hold them
                 self._json, self._resend = CallJson(), False
             call_json, met = self._json(call)
+            sent = self._sent
             new = [k for k in dict.fromkeys(met) if k not in sent]
-            on_device: list[tuple[torch.Tensor, int, int]]
-            names, memmove, on_device = self._names, ctypes.memmove, []
-            # Tensors of one dtype and shape in a row (a cache's layers) share one spec: the child finds
-            # each at the next aligned offset. Once per new tensor of every call: kept lean.
-            group: list[str] = []
-            in_ring: list[_InRing] = []  # the CPU groups, copied below
-            last_dtype = last_shape = None
-            nbytes = step = 0
-            cpu = True
-            for key, tensor in zip(new, self._get(new)):
-                if isinstance(tensor, Exception):  # its snapshot is gone: the child reports the call incomplete
-                    specs.append(([key], ("error", type(tensor).__name__, str(tensor))))
-                    last_dtype = None
-                    continue
-                dtype, shape = tensor.dtype, tensor.shape
-                if not (
-                    dtype is last_dtype
-                    and shape == last_shape
-                    and tensor.is_cpu  # only CPU tensors share a spec: a device tensor is checked on its own
-                    and tensor.layout is strided
-                    and tensor.is_contiguous()
-                ):
-                    name = names.get(dtype)
-                    if name is None and (name := dtype_name(dtype)) is not None:
-                        names[dtype] = name
-                    if name is None or tensor.layout is not strided or not tensor.is_contiguous():
-                        specs.append(([key], ("unsupported", str(dtype))))
-                        last_dtype = None
-                        continue
-                    nbytes, cpu = tensor.nbytes, tensor.is_cpu
-                    step = (nbytes + RING_ALIGN - 1) & -RING_ALIGN
-                    group, dims = [key], tuple(shape)
-                    device = "cpu" if cpu else str(tensor.device)
-                    specs.append((group, ("tensor", name, dims, device, total, nbytes)))
-                    last_dtype, last_shape = (dtype, dims) if cpu else (None, None)
-                    if cpu:
-                        in_ring.append((group, dtype, dims, total, nbytes, step))
-                        run = []
-                        runs.append((run, total, nbytes, step))
-                else:
-                    group.append(key)  # a CPU tensor, as the group's first
-                if nbytes and cpu:
-                    run.append(tensor)
-                elif nbytes:
-                    on_device.append((tensor, total, nbytes))
-                total += step
+            specs, in_ring, runs, on_device, total = _plan(new, self._get(new), self._names)
             ring = self._child.ring
             with self._cond:
                 self._seq += 1
@@ -493,7 +508,7 @@ class WriterProcess:
                 view = ring.view
                 self._copying += 1
             assert view is not None
-            base = view.data_ptr() + start
+            base, memmove = view.data_ptr() + start, ctypes.memmove
             try:
                 for tensors, offset, nbytes, step in runs:  # without the lock
                     if len(tensors) >= CAT_MIN_TENSORS and step == nbytes and tensors[0].dim():  # back to back
