@@ -67,7 +67,7 @@ _KEY_SET = {"key"}
 """The fields set of every tensor node the collector makes: one object for all (frozen models never change
 it; a copy gets its own). With :class:`_Seen`, a recorded tensor leaves two objects for Python's cyclic
 collector to track, not four: its full collections walk what calls retain, so this is a cost per tensor.
-An entry leaves when its tensor is freed (a cache's tensors, replaced at the next step)."""
+An entry leaves soon after its tensor is freed (a cache's tensors, replaced at the next step)."""
 
 
 _new, _set = object.__new__, object.__setattr__
@@ -87,14 +87,22 @@ def _key_node(key: str) -> TensorNode:
 
 
 class _Seen(weakref.ref["torch.Tensor"]):
-    """A tensor met while recording, by weak reference, with what tells whether it changed since, and its node."""
+    """A tensor met while recording, by weak reference, with what tells whether it changed since, and its node.
 
-    __slots__ = ("key", "layout", "node", "version")
-    key: int
+    No callback: a cache's tensors die every step, inside the model's forward, which a call per tensor
+    would slow down. An entry whose tensor is gone stays until its id is met again or the next sweep
+    (:meth:`TensorCollector._sweep`); every look-up checks the reference first.
+    """
+
+    __slots__ = ("layout", "node", "version")
     node: TensorNode
     layout: int
     """The hash of the tensor's shape and strides (:func:`_layout`)."""
     version: int
+
+
+_SWEEP_MIN = 1024
+"""The collector looks for entries of tensors gone once it holds this many, or twice as many as after the last look."""
 
 
 def _layout(tensor: torch.Tensor) -> int:
@@ -125,7 +133,7 @@ class TensorCollector:
     ) -> None:
         self._snapshot = snapshot
         self._seen: dict[int, _Seen] = {}
-        self._forget = self._gone  # one bound method for every entry's callback
+        self._sweep_at = _SWEEP_MIN
         self.tensors: MutableMapping[str, torch.Tensor] = {} if table is None else table
         self._keep: Callable[[str, torch.Tensor], None] | None = getattr(table, "keep", None)
         self._keep_all: Callable[[list[str], list[torch.Tensor]], None] | None = getattr(table, "keep_all", None)
@@ -154,8 +162,10 @@ class TensorCollector:
             version = tensor._version
         except RuntimeError:  # an inference tensor keeps no version counter: a new key each time met
             return node
-        seen = self._seen[id(tensor)] = _Seen(tensor, self._forget)
-        seen.key, seen.node, seen.version, seen.layout = id(tensor), node, version, _layout(tensor)
+        seen = self._seen[id(tensor)] = _Seen(tensor)
+        seen.node, seen.version, seen.layout = node, version, _layout(tensor)
+        if len(self._seen) > self._sweep_at:
+            self._sweep()
         return node
 
     def nodes(self, tensors: list[torch.Tensor]) -> list[TensorNode]:
@@ -167,6 +177,8 @@ class TensorCollector:
         seen, n = self._seen, len(tensors)
         keep_all = self._keep_all
         ids = list(map(id, tensors))
+        if n >= 2 and not seen.keys().isdisjoint(ids):
+            self._forget_gone(ids)  # the ids of tensors freed since, taken by new ones
         if (
             keep_all is None
             or n < 2
@@ -181,16 +193,27 @@ class TensorCollector:
         keys = list(map("t{}".format, range(first, first + n)))
         keep_all(keys, tensors)
         nodes = list(map(_key_node, keys))
-        forget = self._forget
         for tensor, node, ident in zip(tensors, nodes, ids):
-            entry = seen[ident] = _Seen(tensor, forget)
-            entry.key, entry.node, entry.version, entry.layout = ident, node, tensor._version, _layout(tensor)
+            entry = seen[ident] = _Seen(tensor)
+            entry.node, entry.version, entry.layout = node, tensor._version, _layout(tensor)
+        if len(seen) > self._sweep_at:
+            self._sweep()
         return nodes
 
-    def _gone(self, seen: _Seen) -> None:
-        """A tensor met before was freed: forget it (what the collector remembers stays what is alive)."""
-        if self._seen.get(seen.key) is seen:
-            del self._seen[seen.key]
+    def _forget_gone(self, ids: list[int]) -> None:
+        """Forget the entries of ``ids`` whose tensors are gone."""
+        seen = self._seen
+        for ident in ids:
+            entry = seen.get(ident)
+            if entry is not None and entry() is None:
+                del seen[ident]
+
+    def _sweep(self) -> None:
+        """Forget every tensor gone (what the collector remembers stays what is alive, give or take a half)."""
+        seen = self._seen
+        for ident in [ident for ident, entry in seen.items() if entry() is None]:
+            del seen[ident]
+        self._sweep_at = max(_SWEEP_MIN, 2 * len(seen))
 
     def met(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (this object) was recorded before: what the recorded calls carry."""

@@ -6,6 +6,7 @@ import torch
 from transformers import DynamicCache
 
 from iobundle.calls import TensorCollector, record_value, tensor_keys
+from iobundle.calls._tree import _SWEEP_MIN
 from iobundle.capture._snapshots import SnapshotTable
 from iobundle.schema import TensorNode
 
@@ -80,19 +81,41 @@ def test_the_memo_keeps_no_tensor_alive() -> None:
     assert all(ref() is None for ref in tensors)
 
 
-def test_what_the_collector_remembers_of_tensors_is_only_what_is_alive() -> None:
-    """A decode step replaces a cache's tensors: what the collector kept of the old ones goes with them."""
+def test_what_the_collector_remembers_of_tensors_gone_stays_bounded() -> None:
+    """A decode step replaces a cache's tensors: what the collector kept of the old ones goes soon after them."""
     collector = _collector()
     collector.tensors.reference = True
     cache = _cache(layers=4)
-    for _ in range(20):
+    for _ in range(1500):  # 3000 tensors replaced, beyond the collector's sweep threshold
         cache.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), 0)  # layer 0's tensors are new each step
         _record(cache, collector)
         collector.tensors.discard(list(collector.tensors))  # written: the table lets them go
+    assert len(collector._seen) <= _SWEEP_MIN + 8  # entries of freed tensors leave at each sweep
+    collector._sweep()
     remembered = [entry() for entry in collector._seen.values()]
-    assert all(isinstance(tensor, torch.Tensor) for tensor in remembered)  # no entry outlived its tensor
-    assert len(remembered) == 8  # each layer's current keys and values, nothing of the 19 steps before
+    assert all(isinstance(tensor, torch.Tensor) for tensor in remembered)  # no entry outlived a sweep
+    assert len(remembered) == 8  # each layer's current keys and values, nothing of the steps before
     assert collector.met(cache.layers[0].keys)
+
+
+def test_a_new_tensor_with_the_id_of_one_gone_gets_its_own_key() -> None:
+    """Entries outlive their tensors until a sweep: a new tensor at a freed tensor's address is not taken for it."""
+    collector = _collector()  # snapshots are copies: the table keeps the old keys, not the old tensors
+    old = [torch.randn(2, 3) for _ in range(4)]
+    old_keys = [node.key for node in collector.nodes(old)]
+    old_ids = set(map(id, old))
+    del old
+    made = []  # kept alive: each round allocates anew, until one takes a freed address
+    for _ in range(1000):
+        new = [torch.randn(2, 3) for _ in range(4)]
+        made.append(new)
+        if old_ids & set(map(id, new)):
+            break
+    assert old_ids & set(map(id, new)), "no freed id was reused: the case this test is about did not happen"
+    assert all(key in collector.tensors for key in old_keys)  # the stale entries still name live keys
+    new_keys = [node.key for node in collector.nodes(new)]
+    assert not set(new_keys) & set(old_keys)
+    assert all(torch.equal(collector.tensors[key], tensor) for key, tensor in zip(new_keys, new))
 
 
 def _referencing_collector() -> tuple[TensorCollector, SnapshotTable]:
