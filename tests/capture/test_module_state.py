@@ -231,3 +231,28 @@ def test_a_number_the_model_keeps_is_one_warning_saying_it_cannot_be_recorded() 
     message = str(warning.message)
     assert "(model.layers.0.total)" in message and "records them too" in message
     assert "It also changed numbers its module tree keeps between calls (model.layers.0.step)" in message
+
+
+class CountingLinear(torch.nn.Linear):
+    """A subclass of a torch layer whose own numbers are not watched: its forward keeps a counter."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = getattr(self, "calls", 0) + 1
+        return super().forward(x)
+
+
+def test_a_counter_in_a_subclass_of_a_torch_layer_is_still_one_warning() -> None:
+    layer = CountingLinear(3, 3)
+    layer.calls = 0
+    [warning] = run(Holder(layer))
+    message = str(warning.message)
+    assert "numbers its module tree keeps between calls (model.layers.0.calls)" in message
+    assert "in_features" not in message
+
+
+def test_the_numbers_of_plain_torch_layers_are_not_walked() -> None:
+    from iobundle.capture._module_state import _places  # the walk itself: what a watched call reads
+
+    assert _places(Holder(torch.nn.Linear(3, 3))).numbers == []
+    assert {"in_features", "out_features"} <= {name for _, _, name in _places(Holder(CountingLinear(3, 3))).numbers}
+    assert run(Holder(torch.nn.Linear(3, 3))) == []
