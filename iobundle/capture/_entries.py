@@ -3,12 +3,13 @@ tensor entries as plain rows (what the writer process answers)."""
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 
 from iobundle.calls import replace_tensors, tensor_keys
-from iobundle.schema import CallEntry, Extension, Node, OpaqueNode, TensorEntry, TensorNode
+from iobundle.schema import CallEntry, Extension, FileEntry, Node, OpaqueNode, TensorEntry, TensorNode
 
-__all__ = ["TensorRow", "call_keys", "entry_row", "mark_incomplete", "row_entry"]
+__all__ = ["TensorRow", "call_keys", "entry_row", "mark_incomplete", "pack_answer", "row_entry", "unpack_answer"]
 
 
 TensorRow = tuple[str, str, str, str, tuple[int, ...], str, "tuple[str, int] | None", "int | None"]
@@ -30,6 +31,21 @@ def entry_row(key: str, entry: TensorEntry) -> TensorRow:
         None if ext is None else (ext.key, ext.dim),
         entry.offset,
     )
+
+
+def pack_answer(rows: list[TensorRow], files: dict[str, FileEntry]) -> bytes:
+    """What a writer process wrote for a call (its rows, the files they name) as one string of bytes.
+
+    The recording process keeps it as it came (bytes: nothing for the cyclic collector) and unpickles it
+    when first asked where those tensors are (:func:`unpack_answer`), off the path of the next calls.
+    """
+    return pickle.dumps((rows, files), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack_answer(packed: bytes) -> tuple[list[TensorRow], dict[str, FileEntry]]:
+    """The rows and files :func:`pack_answer` packed (from this process's own writer process: trusted)."""
+    rows, files = pickle.loads(packed)
+    return rows, files
 
 
 def row_entry(row: TensorRow) -> TensorEntry:

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from iobundle.calls import NAME_TO_DTYPE, buffer_size, dtype_name, parse_header, read_exactly, rebuild, tensor_span
-from iobundle.capture._entries import TensorRow
+from iobundle.capture._entries import TensorRow, unpack_answer
 from iobundle.errors import TensorFileError
 
 __all__ = ["POOLED_MIN_BYTES", "BufferPool", "SnapshotTable", "snapshot_tensor"]
@@ -288,6 +288,8 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         self._disk: dict[str, _OnDisk | tuple[Any, ...]] = {}  # a row until first read (see written)
         self._roots: list[Path] = []  # the bundles written to: an entry names its own by index
         self._lent: set[str] = set()
+        self._backlog: list[tuple[bytes, Path]] = []  # written_packed answers, applied when first needed (_drain)
+        self._recycling: list[tuple[torch.Tensor, bool]] = []  # buffers written lets go, to recycle outside the lock
         self._lock = threading.Condition()
         self._reader = _FileReader()
         self.pool: BufferPool | None = None
@@ -416,6 +418,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
             self._memory[key] = value  # a new key (every snapshot): nothing waits for it
         else:
             with self._lock:
+                self._drain()
                 self._memory[key] = value
                 self._pending.pop(key, None)
                 self._disk.pop(key, None)
@@ -426,6 +429,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
 
     def __delitem__(self, key: str) -> None:
         with self._lock:
+            self._drain()
             self.discarded += 1
             tensor = self._memory.pop(key, None)
             found = tensor is not None
@@ -449,6 +453,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
 
     def pop(self, key: str, *default: Any) -> Any:
         with self._lock:
+            self._drain()
             self.discarded += 1
             value = self._memory.pop(key, None)
             pending = self._pending.pop(key, None)
@@ -488,8 +493,10 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
     def get(self, key: str, *default: Any) -> Any:
         """The tensor of ``key``: the snapshot itself while in memory, else a copy read from its file."""
         with self._lock:
+            self._drain()
             while key in self._pending or self._changed(key):  # its file is being written: wait for it
                 self._lock.wait()
+                self._drain()
             tensor = self._memory.get(key)
             if tensor is not None:
                 self._lent.add(key)  # handed out: its buffer is never recycled
@@ -518,8 +525,10 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
                 )
             parts.append((self._reader.read(where), dim))
             with self._lock:
+                self._drain()
                 while base in self._pending:
                     self._lock.wait()
+                    self._drain()
                 found = self._on_disk(base)
                 memory = self._memory.get(base) if found is None else None
             if found is None:
@@ -647,32 +656,63 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         Where each went is worked out when it is first read back (:meth:`_on_disk`): a decode step's
         answer costs two dictionary operations per tensor on the thread that settles it.
         """
+        with self._lock:
+            self._drain()
+            self._written(rows, root, sizes)
+            self._lock.notify_all()
+        self._recycle()
+
+    def written_packed(self, packed: bytes, root: Path) -> None:
+        """:meth:`written` of a writer process's answer as it came (:func:`~iobundle.capture._entries.pack_answer`),
+        applied when first needed: a read that waits for a key, a key leaving the table.
+
+        Called by the thread that reads the writer process's answers, which holds the interpreter lock the
+        model's thread waits for: a list append, where unpickling a 32-layer decode call's rows and applying
+        them was most of that thread's work. Its keys stay readable meanwhile (pending, as before the answer).
+        """
+        with self._lock:
+            self._backlog.append((packed, root))
+            self._lock.notify_all()
+
+    def _drain(self) -> None:
+        """Apply the answers :meth:`written_packed` kept (under the lock); their buffers are recycled by :meth:`_recycle`."""
+        if self._backlog:
+            backlog, self._backlog = self._backlog, []
+            for packed, root in backlog:
+                rows, files = unpack_answer(packed)
+                self._written(rows, root, {name: entry.size for name, entry in files.items()})
+
+    def _written(self, rows: Iterable[TensorRow], root: Path, sizes: dict[str, int]) -> None:
+        """:meth:`written` under the lock; the buffers to recycle go to ``_recycling``."""
         pool = self.pool
         memory, pending, disk, referenced, lent = self._memory, self._pending, self._disk, self._referenced, self._lent
-        recycle = []
-        with self._lock:
-            if root not in self._roots:
-                self._roots.append(root)
-            root_index = self._roots.index(root)  # an int in the entry: the collector untracks it
-            for row in rows:
-                key = row[0]
-                if pending.pop(key, None) is not None:
-                    tensor = None  # its buffer went back to the pool already
-                else:
-                    tensor = memory.pop(key, None)
-                    if tensor is None:
-                        continue  # not a snapshot of this table
-                disk[key] = (row, root_index, sizes[row[1]])  # the row says the dtype and device
-                if referenced.pop(key, None) is not None:
-                    lent.discard(key)
-                    continue  # the model's own tensor: nothing of the pool's to give back
-                if tensor is not None and pool is not None:
-                    recycle.append((tensor, key in lent or key in self.retained))
+        recycle = self._recycling
+        if root not in self._roots:
+            self._roots.append(root)
+        root_index = self._roots.index(root)  # an int in the entry: the collector untracks it
+        for row in rows:
+            key = row[0]
+            if pending.pop(key, None) is not None:
+                tensor = None  # its buffer went back to the pool already
+            else:
+                tensor = memory.pop(key, None)
+                if tensor is None:
+                    continue  # not a snapshot of this table
+            disk[key] = (row, root_index, sizes[row[1]])  # the row says the dtype and device
+            if referenced.pop(key, None) is not None:
                 lent.discard(key)
-            self._lock.notify_all()
+                continue  # the model's own tensor: nothing of the pool's to give back
+            if tensor is not None and pool is not None:
+                recycle.append((tensor, key in lent or key in self.retained))
+            lent.discard(key)
+
+    def _recycle(self) -> None:
+        """Give the buffers :meth:`_written` let go back to the pool (outside the lock)."""
+        with self._lock:
+            recycle, self._recycling = self._recycling, []
         for tensor, kept in recycle:
             if not kept and _poolable(tensor):
-                _give_back(pool, tensor)  # type: ignore[arg-type]  # recycle is filled only with a pool
+                _give_back(self.pool, tensor)  # type: ignore[arg-type]  # recycle is filled only with a pool
             else:
                 self._drop(tensor)
 
@@ -700,6 +740,7 @@ class SnapshotTable(MutableMapping[str, torch.Tensor]):
         """Drop the in-memory snapshots of ``keys`` (they could not be written)."""
         dropped = []
         with self._lock:
+            self._drain()
             self.discarded += 1
             for key in keys:
                 tensor = self._memory.pop(key, None)

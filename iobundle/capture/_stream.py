@@ -290,7 +290,7 @@ class CallStream:
     # -- the writer process's answers (its reader thread) --------------------------------------
 
     def _answered(
-        self, call: CallEntry, rows: list[TensorRow] | None, error: str | None, journal_error: str | None
+        self, call: CallEntry, rows: list[TensorRow] | bytes | None, error: str | None, journal_error: str | None
     ) -> None:
         self._settled(self._settle(call, rows or [], error), journal_error)
 
@@ -386,8 +386,9 @@ class CallStream:
             journal_error = str(exc)
         self._settled(entry, journal_error)
 
-    def _settle(self, call: CallEntry, rows: list[TensorRow], error: str | None) -> CallEntry:
-        """Drop from memory the snapshots ``rows`` describe (written), or mark ``call`` incomplete: its entry."""
+    def _settle(self, call: CallEntry, rows: list[TensorRow] | bytes, error: str | None) -> CallEntry:
+        """Drop from memory the snapshots ``rows`` describe (written; packed as the writer process answers), or
+        mark ``call`` incomplete: its entry."""
         writer, table = self.writer, self._table
         if error is not None:
             entry = mark_incomplete(call, lambda k: k in writer.tensors, error)
@@ -395,7 +396,9 @@ class CallStream:
             with self._cond:
                 self._failures.append((entry, f"iobundle could not record call {call.index}: {error}"))
             return entry
-        if rows:
+        if isinstance(rows, bytes):
+            table.written_packed(rows, writer.path)
+        elif rows:
             files = writer.files
             table.written(rows, writer.path, {file: files[file].size for file in {row[1] for row in rows}})
         return call

@@ -51,7 +51,7 @@ from iobundle.calls import (
     tensor_keys,
     write_tensor_file,
 )
-from iobundle.capture._entries import TensorRow, call_keys, row_entry
+from iobundle.capture._entries import TensorRow, call_keys, row_entry, unpack_answer
 from iobundle.errors import BundleExistsError, BundleWriteError, IobundleError, UnsupportedInputError
 from iobundle.schema import (
     DTYPE_ITEMSIZES,
@@ -191,8 +191,9 @@ class BundleWriter:
     ) -> None:
         self._tensors = dict(tensors)
         self._rows: list[TensorRow] = []  # adopted from another writer, not made entries yet
+        self._packed: list[bytes] = []  # adopted as the writer process answered them: rows and files, pickled
         self._rows_lock = threading.Lock()
-        self.files = dict(files)
+        self._files = dict(files)
         self._order = {name: i for i, name in enumerate(files)}  # file -> its position among the files listed
         self._segment: SegmentWriter | None = None  # resumed: a new one, the other writer may append to its own
         self._segments = sum(SEGMENT_FILE_NAME.fullmatch(name) is not None for name in files)
@@ -231,18 +232,47 @@ class BundleWriter:
     @property
     def tensors(self) -> dict[str, TensorEntry]:
         """Every tensor written so far, by key (the rows adopted from another writer become entries here)."""
-        if self._rows:
+        if self._packed or self._rows:
             with self._rows_lock:
+                self._unpack()
                 rows, self._rows = self._rows, []
             self._tensors.update((row[0], row_entry(row)) for row in rows)
         return self._tensors
 
+    @property
+    def files(self) -> dict[str, FileEntry]:
+        """Every file written so far, by name (with those adopted from another writer)."""
+        if self._packed:
+            with self._rows_lock:
+                self._unpack()
+        return self._files
+
     def adopt(self, index: int, rows: list[TensorRow], files: dict[str, FileEntry]) -> None:
         """Take in what another writer of the same bundle wrote for call ``index`` (its files are synced there)."""
         with self._rows_lock:
+            self._unpack()  # in the order they were written
             self._call_indices.add(index)
             self._rows.extend(rows)
-            self.files.update(files)
+            self._files.update(files)
+
+    def adopt_packed(self, index: int, packed: bytes) -> None:
+        """:meth:`adopt` of ``pickle.dumps((rows, files))`` as the writer process sends it, unpickled when first needed.
+
+        The thread that reads the writer process's answers holds the interpreter lock the model's thread waits
+        for: unpickled there, a 32-layer decode call's rows were 130 tuples for the cyclic collector and most of
+        that thread's work.
+        """
+        with self._rows_lock:
+            self._call_indices.add(index)
+            self._packed.append(packed)
+
+    def _unpack(self) -> None:
+        """Make the packed answers rows and files (under ``_rows_lock``)."""
+        for packed in self._packed:
+            rows, files = unpack_answer(packed)
+            self._rows.extend(rows)
+            self._files.update(files)
+        self._packed = []
 
     def write_tensors(
         self,

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from iobundle.calls import NAME_TO_DTYPE
-from iobundle.capture._entries import entry_row, mark_incomplete
+from iobundle.capture._entries import entry_row, mark_incomplete, pack_answer
 from iobundle.capture._writer import BundleWriter
 from iobundle.capture._writer_process import (
     ANSWER_AFTER_IDLE_S,
@@ -208,7 +208,7 @@ def _write(
             failed_journal = str(exc)
     rows = [entry_row(k, writer.tensors[k]) for k in keys]
     written_files: dict[str, FileEntry] = {row[1]: writer.files[row[1]] for row in rows}
-    return (seq, call.index, rows, written_files, error, failed_journal)
+    return (seq, call.index, pack_answer(rows, written_files), error, failed_journal)
 
 
 class _Missing(Exception):

@@ -44,7 +44,7 @@ import torch
 
 from iobundle.calls import Packed, PinnedStager, dtype_name
 from iobundle.capture._call_json import CallJson
-from iobundle.capture._entries import TensorRow, call_keys
+from iobundle.capture._entries import TensorRow, call_keys, unpack_answer
 from iobundle.capture._writer import BundleWriter
 from iobundle.errors import BundleWriteError
 from iobundle.schema import CallEntry, FileEntry
@@ -101,8 +101,9 @@ RING_ALIGN = 64
 _InRing = tuple[list[str], torch.dtype, tuple[int, ...], int, int, int]
 """CPU snapshots of one dtype and shape copied into the ring: ``(keys, dtype, shape, offset, nbytes, step)``."""
 
-# done(call, rows of the tensors written or None, write error or None, journal error or None)
-Done = Callable[[CallEntry, list[TensorRow] | None, str | None, str | None], None]
+# done(call, the rows of the tensors written (or packed: entries.pack_answer) or None, write error or None,
+# journal error or None)
+Done = Callable[[CallEntry, list[TensorRow] | bytes | None, str | None, str | None], None]
 
 
 class WriterProcessUnavailable(Exception):
@@ -405,8 +406,9 @@ class WriterProcess:
             child writes is added to it (:meth:`BundleWriter.adopt`) as the answers come.
         get: The snapshots of keys, in order: each a tensor, or the exception its key raised (the stream's table).
         durable: The child fsyncs each call, and :meth:`submit` waits for the previous call.
-        done: Called by the reader thread for each call: ``(call, rows of the tensors written or
-            None, write error or None, journal error or None)``.
+        done: Called by the reader thread for each call: ``(call, the rows of the tensors written, packed
+            as :func:`~iobundle.capture._entries.pack_answer` packs them, or None, write error or None,
+            journal error or None)``.
         gone: Called once by the reader thread if the child ends before :meth:`close`, with the
             calls it never answered, whether it had started (else it wrote none of them) and why.
         idle: Called by the reader thread when every call handed over is answered.
@@ -433,6 +435,7 @@ class WriterProcess:
         self._released = released
         self._restored = restored
         self._rings: dict[int, tuple[int, list[_InRing]]] = {}  # seq -> where its CPU snapshots are in the ring
+        self._on_device: set[int] = set()  # the calls with device snapshots, held in memory until answered
         self._durable = durable
         self._done = done
         self._gone = gone
@@ -505,6 +508,8 @@ class WriterProcess:
                     self._cond.wait()
                 self._calls[seq] = call
                 self._rings[seq] = (start, in_ring)
+                if on_device:
+                    self._on_device.add(seq)
                 view = ring.view
                 self._copying += 1
             assert view is not None
@@ -665,8 +670,11 @@ class WriterProcess:
                         ring.release(message[1])
                         self._cond.notify_all()
                 elif kind == "done":  # the answers of one call or more, in call order
-                    for seq, index, rows, files, error, journal_error in message[1]:
-                        self._writer.adopt(index, rows, files)
+                    for seq, index, packed, error, journal_error in message[1]:
+                        self._writer.adopt_packed(index, packed)
+                        # a device snapshot leaves memory with its answer, not when the table is next read
+                        rows = unpack_answer(packed)[0] if seq in self._on_device else packed
+                        self._on_device.discard(seq)
                         with self._cond:
                             call = self._calls[seq]
                         if error is not None:

@@ -29,7 +29,7 @@ from iobundle import BundleExistsError, CaptureError, InputObserver, TensorFileE
 from iobundle.calls._tensorfile_write import write_tensor_file
 from iobundle.calls._tree import tensor_keys
 from iobundle.capture import ObservationWarning, _writer, _writer_process
-from iobundle.capture._entries import call_keys
+from iobundle.capture._entries import call_keys, pack_answer
 from iobundle.capture._snapshots import POOLED_MIN_BYTES, BufferPool, SnapshotTable
 from iobundle.capture._stream import INLINE_MAX_BYTES
 from iobundle.schema import load_manifest
@@ -485,6 +485,45 @@ class TestBufferPool:
         )
         reader.join(10)
         assert torch.equal(got[0], x)
+
+    def test_a_packed_answer_is_applied_when_a_read_waits_for_its_key(self, tmp_path: Path) -> None:
+        """The writer process's answer is kept as it came; the read of a key it names applies it, waiting or not."""
+        table = SnapshotTable()
+        x, y = torch.arange(6.0), torch.ones(2, 3)
+        table["t0"], table["t1"] = x.clone(), y.clone()
+        table.in_ring([(["t0"], x.dtype, tuple(x.shape), 0, x.nbytes, x.nbytes)])  # copied: memory lets it go
+        table.in_ring([(["t1"], y.dtype, tuple(y.shape), 0, y.nbytes, y.nbytes)])
+        path = tmp_path / "f.safetensors"
+        entry = write_tensor_file(path, {"t0": x, "t1": y})
+        rows = [
+            ("t0", path.name, "t0", "F32", tuple(x.shape), "cpu", None, None),
+            ("t1", path.name, "t1", "F32", tuple(y.shape), "cpu", None, None),
+        ]
+        got: list[torch.Tensor] = []
+        reader = threading.Thread(target=lambda: got.append(table.get("t0")))
+        reader.start()
+        time.sleep(0.05)
+        assert not got  # pending: waits for the answer
+        table.written_packed(pack_answer(rows, {path.name: entry}), tmp_path)
+        reader.join(10)
+        assert torch.equal(got[0], x)
+        assert torch.equal(table.get("t1"), y) and table.shape("t1") == (2, 3)
+
+    def test_a_packed_answer_counts_from_when_it_came_not_from_when_it_is_applied(self, tmp_path: Path) -> None:
+        """Keys the table drops after an answer came (discard: what was not written) keep what the answer said."""
+        table = SnapshotTable()
+        x, y = torch.arange(4.0), torch.zeros(3)
+        table["t0"], table["t1"] = x.clone(), y.clone()
+        table.in_ring([(["t0"], x.dtype, (4,), 0, x.nbytes, x.nbytes), (["t1"], y.dtype, (3,), 0, y.nbytes, y.nbytes)])
+        path = tmp_path / "f.safetensors"
+        entry = write_tensor_file(path, {"t0": x})
+        row = ("t0", path.name, "t0", "F32", (4,), "cpu", None, None)
+        table.written_packed(pack_answer([row], {path.name: entry}), tmp_path)  # t0 written, t1 not
+        table.discard(["t0", "t1"])  # a later failure drops what was not written
+        assert torch.equal(table.get("t0"), x)  # written before the discard: read from its file
+        assert "t1" not in table
+        with pytest.raises(KeyError):
+            table.get("t1")
 
     def test_a_recycled_key_whose_file_failed_is_gone(self) -> None:
         table = SnapshotTable()
