@@ -150,8 +150,8 @@ class StateWatch:
     the version counter (through ``.data``, in place to an inference tensor, BatchNorm's running statistics)
     are not seen. A tensor bound where None was (:attr:`bound`: a state the call made, or a cache) is that
     call's state out, None its state in. Numbers
-    (``int`` and ``float`` attributes, as a step counter) the calls change are noted too: state that
-    cannot be recorded.
+    (``int`` and ``float`` attributes, as a step counter; not those of torch's own layers in
+    ``_FIXED_NUMBERS``) the calls change are noted too: state that cannot be recorded.
     """
 
     def __init__(self, model: Any, calls: int = 2) -> None:
