@@ -671,10 +671,13 @@ class WriterProcess:
                         self._cond.notify_all()
                 elif kind == "done":  # the answers of one call or more, in call order
                     for seq, index, packed, error, journal_error in message[1]:
-                        self._writer.adopt_packed(index, packed)
-                        # a device snapshot leaves memory with its answer, not when the table is next read
-                        rows = unpack_answer(packed)[0] if seq in self._on_device else packed
-                        self._on_device.discard(seq)
+                        rows: list[TensorRow] | bytes = packed
+                        if seq in self._on_device:  # its device snapshots leave memory with the answer: unpacked now
+                            self._on_device.discard(seq)
+                            rows, files = unpack_answer(packed)
+                            self._writer.adopt(index, rows, files)
+                        else:
+                            self._writer.adopt_packed(index, packed)
                         with self._cond:
                             call = self._calls[seq]
                         if error is not None:
